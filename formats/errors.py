@@ -1,0 +1,14 @@
+"""The one error type every bad input becomes (SPEC §7).
+
+The CLI turns a `StreamoeError` into a single stderr line and a non-zero exit; anything else is a bug
+and keeps its traceback.
+"""
+
+
+class StreamoeError(Exception):
+    """A user-facing failure: the message names the file and what is wrong with it."""
+
+
+def fail(path: object, problem: str) -> StreamoeError:
+    """Build the canonical `PATH: problem` error."""
+    return StreamoeError(f"{path}: {problem}")
