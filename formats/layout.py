@@ -1,0 +1,26 @@
+"""Which expert format a layer file holds, derived from its size alone (SPEC §3).
+
+The runtime never trusts a name: `size == n_experts × stride(bits)` decides, and the manifest must agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import fail
+from .record import RecordLayout
+
+FORMAT_BITS = {"q4": 4, "q3": 3}
+
+
+def record_layouts(hidden: int, intermediate: int, group_size: int, scale_dtype: str = "BF16") -> dict[str, RecordLayout]:
+    return {fmt: RecordLayout.make(hidden, intermediate, bits, group_size, scale_dtype) for fmt, bits in FORMAT_BITS.items()}
+
+
+def detect_format(path: str | Path, size: int, n_experts: int, layouts: dict[str, RecordLayout]) -> str:
+    """The format whose `n_experts × stride` equals `size`, or an error naming the file and the sizes expected."""
+    for fmt, lay in layouts.items():
+        if size == n_experts * lay.stride:
+            return fmt
+    expected = ", ".join(f"{n_experts * lay.stride} ({fmt})" for fmt, lay in layouts.items())
+    raise fail(path, f"size {size} bytes matches no expert layout; expected {expected}")

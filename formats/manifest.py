@@ -1,0 +1,130 @@
+"""The manifest: what a converted directory holds, validated against schemas/manifest.schema.json.
+
+It is written last and atomically by the converter, so a directory with a valid manifest is complete.
+Loading checks the schema, that every path stays inside the directory, and that expert segments agree
+with the layout `formats/record.py` derives from the model dims (the one source of truth).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import jsonschema
+
+from .blobs import BlobTensor
+from .errors import fail
+from .record import RecordLayout
+
+MANIFEST = "manifest.json"
+
+
+@cache
+def schema(name: str = "manifest.schema.json") -> dict:
+    return json.loads(resources.files("streamoe.schemas").joinpath(name).read_text())
+
+
+def segments_json(lay: RecordLayout) -> list[dict]:
+    return [{"proj": s.proj, "part": s.part, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
+            for s in lay.segments]
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    name: str  # q4 | q3
+    layout: RecordLayout
+    files: list[dict]  # one per layer: path, size, checksum, layer
+    derivation: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: Path
+    doc: dict
+
+    @property
+    def config(self) -> dict:
+        return self.doc["config"]
+
+    @property
+    def model(self) -> dict:
+        return self.doc["model"]
+
+    def expert_formats(self) -> dict[str, ExpertFormat]:
+        m = self.model
+        out = {}
+        for name, e in self.doc["experts"].items():
+            lay = RecordLayout.make(m["hidden_size"], m["moe_intermediate_size"], e["bits"], e["group_size"], e["scale_dtype"])
+            out[name] = ExpertFormat(name, lay, sorted(e["files"], key=lambda f: f["layer"]), e["derivation"])
+        return out
+
+    def blob(self, name: str) -> tuple[dict, list[BlobTensor]] | None:
+        b = self.doc["blobs"].get(name)
+        if b is None:
+            return None
+        return b["file"], [BlobTensor.from_json(t) for t in b["tensors"]]
+
+    def all_files(self) -> list[dict]:
+        """Every file the manifest vouches for (expert layers, blobs, tokenizer and config files)."""
+        files = [f for e in self.doc["experts"].values() for f in e["files"]]
+        files += [b["file"] for b in self.doc["blobs"].values()]
+        return files + list(self.doc["files"])
+
+
+def check_doc(doc: object, where: Path) -> None:
+    """Schema, path containment and layout agreement; raises StreamoeError naming `where`."""
+    try:
+        jsonschema.validate(doc, schema())
+    except jsonschema.ValidationError as e:
+        loc = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise fail(where, f"manifest fails its schema at {loc}: {e.message}") from None
+    m = doc["model"]
+    for name, e in doc["experts"].items():
+        want = RecordLayout.make(m["hidden_size"], m["moe_intermediate_size"], e["bits"], e["group_size"], e["scale_dtype"])
+        if segments_json(want) != e["segments"] or want.stride != e["stride"] or want.raw_size != e["raw_size"]:
+            raise fail(where, f"expert format {name}: segments/stride disagree with the {e['bits']}-bit record layout")
+        layers = sorted(f.get("layer", -1) for f in e["files"])
+        if layers != list(range(m["num_layers"])):
+            raise fail(where, f"expert format {name}: needs one file per layer 0..{m['num_layers'] - 1}")
+
+
+def safe_path(root: Path, rel: str) -> Path:
+    p = (root / rel).resolve()
+    if not p.is_relative_to(root.resolve()):
+        raise fail(root / MANIFEST, f"path {rel!r} points outside the directory")
+    return p
+
+
+def load_manifest(root: str | os.PathLike) -> Manifest:
+    root = Path(root)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise fail(root, "not a directory (expected a converted streamoe model)")
+    if not path.is_file():
+        raise fail(path, "missing: not a converted streamoe model, or an incomplete conversion")
+    try:
+        doc = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise fail(path, f"does not parse as JSON ({e})") from None
+    check_doc(doc, path)
+    m = Manifest(root, doc)
+    for f in m.all_files():
+        safe_path(root, f["path"])
+    return m
+
+
+def write_manifest(root: Path, doc: dict) -> None:
+    """Validate, then write atomically (temp file, fsync, rename)."""
+    check_doc(doc, root / MANIFEST)
+    tmp = root / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / MANIFEST)
+
+
