@@ -76,3 +76,19 @@ def shift_4_to_3(w4: np.ndarray, s4_f32: np.ndarray, b4_f32: np.ndarray) -> tupl
     """
     q3 = unpack(w4, 4) >> 1
     return pack(q3, 3), (2.0 * s4_f32).astype(np.float32), (b4_f32 + 0.5 * s4_f32).astype(np.float32)
+
+
+def shift_words_4_to_3(w4: np.ndarray) -> np.ndarray:
+    """Packed 3-bit words of `q4 >> 1`, straight from packed 4-bit words (same result as pack(unpack(w4) >> 1))."""
+    w = np.ascontiguousarray(w4, dtype=np.uint32)
+    r = np.zeros_like(w)
+    for k in range(8):
+        r |= ((w >> np.uint32(4 * k + 1)) & np.uint32(7)) << np.uint32(3 * k)
+    out = r.view(np.uint8).reshape(*w.shape, 4)[..., :3]
+    return np.ascontiguousarray(out).reshape(*w.shape[:-1], -1).view(np.uint32)
+
+
+def shift_scales_bf16(s4: np.ndarray, b4: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 (uint16 bits) scales and biases of the 3-bit shift: s3 = 2·s4 exactly, b3 = bf16(b4 + s4/2)."""
+    s = bf16_to_f32(s4)
+    return f32_to_bf16(2.0 * s), f32_to_bf16(bf16_to_f32(b4) + 0.5 * s)

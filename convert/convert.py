@@ -1,0 +1,266 @@
+"""`streamoe convert`: mlx-community checkpoint → streamoe directory (SPEC §3–4).
+
+Streams tensor by tensor with explicit byte-range reads (never `mx.load`, which reads a whole stacked
+tensor to give one expert), keeps the page cache clean, and is crash-safe: everything is written into
+a hidden `.NAME.partial` sibling with a journal of finished files, the manifest is written last, and
+the directory is renamed into place only when complete. A rerun resumes from the journal when the
+source is unchanged, else starts clean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from streamoe.formats import quant
+from streamoe.formats.blobs import plan_blob
+from streamoe.formats.direct import RangeReader, UncachedWriter, aligned_buffer
+from streamoe.formats.errors import fail
+from streamoe.formats.manifest import MANIFEST, segments_json, write_manifest
+from streamoe.formats.record import PARTS, PROJS, RecordLayout
+
+from .source import Checkpoint, open_checkpoint, quant_for
+
+CHUNK_BYTES = 16 << 20  # source bytes handled per step; bounds the converter's working memory
+JOURNAL = "journal.json"
+COPY_SUFFIXES = (".json", ".jinja", ".txt", ".model")
+NOT_COPIED = {"model.safetensors.index.json"}
+
+
+def classify(name: str, expert_prefix: str) -> str:
+    """Where a source tensor goes: expert, nonexpert, vision, or skip (mtp.* and anything unknown)."""
+    if name.startswith(expert_prefix) and ".mlp.switch_mlp." in name:
+        return "expert"
+    if name.startswith("vision_tower."):
+        return "vision"
+    if name.startswith(("language_model.", "model.", "lm_head.")):
+        return "nonexpert"
+    return "skip"
+
+
+def blob_entries(ckpt: Checkpoint, names: list[str]) -> list[tuple]:
+    """(name, dtype, shape, nbytes, bits, group) per tensor; quantized triples carry bits/group."""
+    out = []
+    for name in names:
+        t = ckpt.tensors[name]
+        bits = group = None
+        module, _, part = name.rpartition(".")
+        if part in PARTS and f"{module}.scales" in ckpt.tensors and f"{module}.weight" in ckpt.tensors:
+            qg = quant_for(ckpt.quant, module)
+            if qg is not None:
+                w, s = ckpt.tensors[f"{module}.weight"], ckpt.tensors[f"{module}.scales"]
+                group = qg[1]
+                bits = 32 * w.shape[-1] // (s.shape[-1] * group)
+                if bits * s.shape[-1] * group != 32 * w.shape[-1]:
+                    raise fail(w.file, f"tensor {module}.weight shape {list(w.shape)} fits no bit width at group {group}")
+        out.append((name, t.dtype, t.shape, t.nbytes, bits, group))
+    return out
+
+
+def fingerprint(ckpt: Checkpoint, formats: list[str]) -> str:
+    h = hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode())
+    for hd in ckpt.shards:
+        st = hd.path.stat()
+        h.update(f"{hd.path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(",".join(formats).encode())
+    return h.hexdigest()
+
+
+class Readers:
+    """One page-cache-free reader per shard, opened on demand."""
+
+    def __init__(self) -> None:
+        self.open: dict[Path, RangeReader] = {}
+
+    def read(self, path: Path, offset: int, nbytes: int) -> memoryview:
+        r = self.open.get(path)
+        if r is None:
+            r = self.open[path] = RangeReader(path, CHUNK_BYTES)
+        return r.read(offset, nbytes)
+
+    def close(self) -> None:
+        for r in self.open.values():
+            r.close()
+        self.open.clear()
+
+
+def write_blob(readers: Readers, ckpt: Checkpoint, path: Path, entries: list[tuple], bar: tqdm) -> tuple[dict, list[dict]]:
+    table, size = plan_blob(entries)
+    w = UncachedWriter(path)
+    for t in table:
+        src = ckpt.tensors[t.name]
+        w.pad_to(t.offset)
+        for off in range(0, t.nbytes, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, t.nbytes - off)
+            w.write(readers.read(src.file, src.offset + off, n))
+            bar.update(n)
+    w.pad_to(size)
+    return w.close(), [t.to_json() for t in table]
+
+
+def write_layer(readers: Readers, ckpt: Checkpoint, tensors: dict, lay4: RecordLayout, lay3: RecordLayout,
+                outs: dict[str, Path], n_experts: int, bar: tqdm) -> dict[str, dict]:
+    """Both formats of one layer's expert file from one pass over its nine stacked source tensors."""
+    per_chunk = max(1, CHUNK_BYTES // lay4.stride)
+    writers = {fmt: UncachedWriter(p) for fmt, p in outs.items()}
+    bufs = {fmt: aligned_buffer(per_chunk * lay.stride) for fmt, lay in (("q4", lay4), ("q3", lay3)) if fmt in outs}
+    try:
+        for e0 in range(0, n_experts, per_chunk):
+            n = min(per_chunk, n_experts - e0)
+            recs = {fmt: np.frombuffer(b, np.uint8, n * (lay4 if fmt == "q4" else lay3).stride).reshape(n, -1)
+                    for fmt, b in bufs.items()}
+            for r in recs.values():
+                r[:] = 0
+            for proj in PROJS:
+                parts = {}
+                for part in PARTS:
+                    t, seg = tensors[(proj, part)], lay4.segment(proj, part)
+                    raw = readers.read(t.file, t.offset + e0 * seg.nbytes, n * seg.nbytes)
+                    parts[part] = np.frombuffer(raw, np.uint8).reshape(n, seg.nbytes).copy()
+                    bar.update(n * seg.nbytes)
+                    if "q4" in recs:
+                        recs["q4"][:, seg.offset:seg.offset + seg.nbytes] = parts[part]
+                if "q3" in recs:
+                    w3 = quant.shift_words_4_to_3(parts["weight"].view(np.uint32))
+                    s3, b3 = quant.shift_scales_bf16(parts["scales"].view(np.uint16), parts["biases"].view(np.uint16))
+                    for part, arr in (("weight", w3), ("scales", s3), ("biases", b3)):
+                        seg = lay3.segment(proj, part)
+                        recs["q3"][:, seg.offset:seg.offset + seg.nbytes] = arr.view(np.uint8).reshape(n, -1)
+            for fmt, r in recs.items():
+                writers[fmt].write(memoryview(r).cast("B"))
+            del recs
+        return {fmt: w.close() for fmt, w in writers.items()}
+    finally:
+        for b in bufs.values():
+            b.close()
+
+
+def free_space_check(parent: Path, need: int) -> None:
+    free = shutil.disk_usage(parent).free
+    if free < need + (64 << 20):
+        raise fail(parent, f"not enough free disk space: conversion needs {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
+
+
+def load_journal(tmp: Path, fp: str) -> dict:
+    """Finished files of an interrupted run with the same source, or {} (and a clean directory)."""
+    j = tmp / JOURNAL
+    if j.is_file():
+        try:
+            doc = json.loads(j.read_text())
+            if doc.get("fingerprint") == fp:
+                return {k: v for k, v in doc["done"].items() if (tmp / k).is_file() and (tmp / k).stat().st_size == v["size"]}
+        except (ValueError, KeyError, TypeError):
+            pass
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    return {}
+
+
+def save_journal(tmp: Path, fp: str, done: dict) -> None:
+    p = tmp / (JOURNAL + ".tmp")
+    p.write_text(json.dumps({"fingerprint": fp, "done": done}))
+    os.replace(p, tmp / JOURNAL)
+
+
+def convert(ckpt_path: Path, out: Path, formats: list[str] | None = None, force: bool = False, progress: bool = True) -> Path:
+    formats = formats or ["q4"]
+    bad = [f for f in formats if f not in ("q4", "q3")]
+    if bad or not formats:
+        raise fail(out, f"unknown expert format(s) {bad}: choose from q4, q3")
+    ckpt = open_checkpoint(ckpt_path)
+    lay4 = ckpt.layer_layout()
+    lay3 = RecordLayout.make(lay4.hidden, lay4.intermediate, 3, lay4.group_size, lay4.scale_dtype)
+    prefix, layers = ckpt.expert_keys()
+    tc = ckpt.text
+    n_exp, n_layers = tc["num_experts"], tc["num_hidden_layers"]
+
+    out = Path(out)
+    if out.exists() and not force:
+        what = "a converted model" if (out / MANIFEST).exists() else "not empty" if any(out.iterdir()) else None
+        if what:
+            raise fail(out, f"already exists ({what}); use --force to replace it")
+    tmp = out.parent / f".{out.name}.partial"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    groups: dict[str, list[str]] = {"nonexpert": [], "vision": [], "skip": []}
+    for name in sorted(ckpt.tensors):
+        kind = classify(name, prefix)
+        if kind != "expert":
+            groups[kind].append(name)
+    blob_plans = {k: blob_entries(ckpt, groups[k]) for k in ("nonexpert", "vision") if groups[k]}
+    sizes = {k: plan_blob(v)[1] for k, v in blob_plans.items()}
+    lays = {"q4": lay4, "q3": lay3}
+    need = sum(sizes.values()) + sum(n_layers * n_exp * lays[f].stride for f in formats)
+    fp = fingerprint(ckpt, formats)
+    done = load_journal(tmp, fp)
+    free_space_check(out.parent, need - sum(v["size"] for v in done.values()))
+    for f in formats:
+        (tmp / "experts" / f).mkdir(parents=True, exist_ok=True)
+
+    work = sum(t.nbytes for t in ckpt.tensors.values() if classify(t.name, prefix) in ("expert", "nonexpert", "vision"))
+    readers = Readers()
+    bar = tqdm(total=work, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress, dynamic_ncols=True)
+    try:
+        blobs = {}
+        for kind, entries in blob_plans.items():
+            rel = f"{kind}.bin"
+            table = plan_blob(entries)[0]
+            if rel in done:
+                bar.update(sum(e[3] for e in entries))
+            else:
+                rec, _ = write_blob(readers, ckpt, tmp / rel, entries, bar)
+                done[rel] = rec
+                save_journal(tmp, fp, done)
+            blobs[kind] = {"file": {"path": rel, **done[rel]}, "tensors": [t.to_json() for t in table]}
+        for li in range(n_layers):
+            rels = {f: f"experts/{f}/layer-{li:02d}.bin" for f in formats}
+            todo = {f: tmp / r for f, r in rels.items() if r not in done}
+            if todo:
+                recs = write_layer(readers, ckpt, layers[li], lay4, lay3, todo, n_exp, bar)
+                done.update({rels[f]: rec for f, rec in recs.items()})
+                save_journal(tmp, fp, done)
+            else:
+                bar.update(sum(t.nbytes for t in layers[li].values()))
+        files = []
+        for p in sorted(ckpt.root.iterdir()):
+            if p.is_file() and p.suffix in COPY_SUFFIXES and p.name not in NOT_COPIED:
+                w = UncachedWriter(tmp / p.name)
+                w.write(p.read_bytes())
+                files.append({"path": p.name, **w.close()})
+    finally:
+        readers.close()
+        bar.close()
+
+    experts = {}
+    for f in formats:
+        lay = lays[f]
+        experts[f] = {"bits": lay.bits, "group_size": lay.group_size, "scale_dtype": lay.scale_dtype, "raw_size": lay.raw_size,
+                      "stride": lay.stride, "derivation": "source" if f == "q4" else "shift", "segments": segments_json(lay),
+                      "files": [{"path": f"experts/{f}/layer-{li:02d}.bin", "layer": li, **done[f"experts/{f}/layer-{li:02d}.bin"]}
+                                for li in range(n_layers)]}
+    doc = {
+        "format": "streamoe", "version": 1,
+        "source": {"model_type": ckpt.config["model_type"], "total_size": ckpt.total_size,
+                   "shards": [{"file": h.path.name, "size": h.file_size} for h in ckpt.shards]},
+        "config": ckpt.config,
+        "model": {"num_layers": n_layers, "num_experts": n_exp, "top_k": tc["num_experts_per_tok"], "hidden_size": lay4.hidden,
+                  "moe_intermediate_size": lay4.intermediate, "expert_prefix": prefix},
+        "experts": experts, "blobs": blobs, "files": files, "skipped": groups["skip"],
+    }
+    (tmp / JOURNAL).unlink(missing_ok=True)
+    write_manifest(tmp, doc)
+    if out.exists():
+        old = out.parent / f".{out.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    return out
