@@ -1,0 +1,621 @@
+"""`streamoe synth`: write a checkpoint shaped exactly like mlx-community/Qwen3.6-35B-A3B-4bit, random weights.
+
+Structure follows reference/checkpoint-format.md: the mlx-vlm 0.4.4 `config.json` (top-level keys sorted,
+`quantization` == `quantization_config`, 8-bit router/shared-gate overrides), tensors in module order
+(vision tower first, then the language model), the `make_shards` rule with a 5 GiB cap, shards named
+`model-0000N-of-0000M.safetensors` with metadata `{"format": "mlx"}`, a sorted index, and tokenizer files.
+`--size full` reproduces `reference/qwen3.6-35b-a3b-4bit.layout.jsonl` tensor for tensor (20,401,929,952 B).
+
+Weights are random but numerically sane and reproducible from the seed: every tensor draws from its own
+generator seeded by (seed, crc32(name)), so a tensor's bytes do not depend on which other tensors exist.
+
+- Quantized modules (tiny, small): float weights ~ N(0, 0.02) rounded to bf16, then a real
+  `mx.quantize(w, group_size=64, bits=b)` (bf16 scales/biases, negative scales included).
+- Quantized modules (full): 35 billion normals plus a quantization pass would take hours on a small
+  CPU, so codes are drawn directly as uniform random uint32 words and each group gets a bf16 scale of
+  random sign and magnitude ≈ 0.02/std(code) (x U(0.75, 1.25)) and a bias of -scale·(2^b-1)/2 plus a
+  little noise: the dequantized weights have mean ≈ 0 and std ≈ 0.02 like real ones, at disk speed.
+- Norm weights ≈ 1 (the export already holds `1 + w`; `linear_attn.norm` ≈ 1 as well), `A_log` =
+  log U(1, 16), `dt_bias` and `conv1d` small normals, the vision tower bf16 and unquantized
+  (LayerNorm weights ≈ 1, biases ≈ 0).
+
+Writing streams: the tensor table fixes every header before any data exists, so each shard is written
+as header, then tensor after tensor; large tensors are generated in row chunks, so memory stays at
+one module (tiny, small) or one chunk (full). Output goes to a temporary sibling directory that is
+renamed to OUT at the end, so an interrupted run never leaves a complete-looking checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from streamoe.formats.errors import StreamoeError, fail
+from streamoe.formats.safetensors import build_header, tensor_nbytes
+
+from .synth_tokenizer import REAL_BASE, TRAINED_VOCAB, token_id, write_tokenizer_files
+
+GROUP_SIZE = 64
+DEFAULT_SHARD_BYTES = 5 << 30  # mlx-vlm / mlx-lm MAX_FILE_SIZE_GB = 5
+TRANSFORMERS_VERSION = "4.57.0.dev0"
+SIZES = ("tiny", "small", "full")
+VARIANTS = ("qwen3.6", "qwen3.5")
+CHUNK_ELEMS = 1 << 22  # elements generated at a time on the streaming path
+FREE_SPACE_MARGIN = 64 << 20
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    lin_k_heads: int
+    lin_v_heads: int
+    lin_k_dim: int
+    lin_v_dim: int
+    experts: int
+    top_k: int
+    moe_inter: int
+    shared_inter: int
+    vocab: int
+    token_base: int  # id of <|endoftext|> (= base BPE vocabulary size)
+    mrope: tuple[int, int, int]
+    v_depth: int
+    v_hidden: int
+    v_inter: int
+    v_heads: int
+    v_npos: int
+
+
+DIMS: dict[str, Dims] = {
+    # reference §7, validated there with mlx-lm and mlx-vlm
+    "tiny": Dims(hidden=64, layers=8, heads=2, kv_heads=1, head_dim=64, lin_k_heads=2, lin_v_heads=4,
+                 lin_k_dim=32, lin_v_dim=32, experts=8, top_k=2, moe_inter=64, shared_inter=64, vocab=576,
+                 token_base=TRAINED_VOCAB, mrope=(3, 3, 2), v_depth=2, v_hidden=64, v_inter=128, v_heads=2,
+                 v_npos=64),
+    # expert records of 110,592 B, 7 MiB per layer: big enough to exercise caching and I/O
+    "small": Dims(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, lin_k_heads=4, lin_v_heads=8,
+                  lin_k_dim=64, lin_v_dim=64, experts=64, top_k=8, moe_inter=256, shared_inter=256, vocab=576,
+                  token_base=TRAINED_VOCAB, mrope=(3, 3, 2), v_depth=2, v_hidden=128, v_inter=256, v_heads=2,
+                  v_npos=64),
+    # the real Qwen3.6-35B-A3B (reference §1.1)
+    "full": Dims(hidden=2048, layers=40, heads=16, kv_heads=2, head_dim=256, lin_k_heads=16, lin_v_heads=32,
+                 lin_k_dim=128, lin_v_dim=128, experts=256, top_k=8, moe_inter=512, shared_inter=512,
+                 vocab=248320, token_base=REAL_BASE, mrope=(11, 11, 10), v_depth=27, v_hidden=1152,
+                 v_inter=4304, v_heads=16, v_npos=2304),
+}
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def make_config(size: str, variant: str = "qwen3.6", text_only: bool = False) -> dict:
+    """The `config.json` dict exactly as the export writes it (top-level keys sorted, nested order kept).
+
+    Vision exports are mlx-vlm 0.4.4's; `text_only` gives mlx-lm's text-only export (no `vision_config`,
+    `rope_parameters` with `type` instead of `rope_type`, model_type and token ids kept).
+    """
+    if size not in DIMS:
+        raise StreamoeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
+    if variant not in VARIANTS:
+        raise StreamoeError(f"unknown variant {variant!r} (expected one of {', '.join(VARIANTS)})")
+    d = DIMS[size]
+    base = d.token_base
+    rotary = d.head_dim * 0.25
+    assert sum(d.mrope) * 2 == rotary, "mrope_section must sum to head_dim * partial_rotary_factor / 2"
+    assert d.lin_v_heads % d.lin_k_heads == 0 and int(d.v_npos ** 0.5) ** 2 == d.v_npos
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(d.layers)]
+    rope = {"mrope_interleaved": True, "mrope_section": list(d.mrope), "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000, "rope_type": "default"}
+    if text_only:  # mlx-lm's ModelArgs renames rope_type -> type in place before the config is saved
+        rope["type"] = rope.pop("rope_type")
+    text = {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "bos_token_id": base,
+        "dtype": "bfloat16",
+        "eos_token_id": base,
+        "full_attention_interval": 4,
+        "head_dim": d.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": d.hidden,
+        "initializer_range": 0.02,
+        "layer_types": layer_types,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": d.lin_k_dim,
+        "linear_num_key_heads": d.lin_k_heads,
+        "linear_num_value_heads": d.lin_v_heads,
+        "linear_value_head_dim": d.lin_v_dim,
+        "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_5_moe_text",
+        "moe_intermediate_size": d.moe_inter,
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "num_attention_heads": d.heads,
+        "num_experts": d.experts,
+        "num_experts_per_tok": d.top_k,
+        "num_hidden_layers": d.layers,
+        "num_key_value_heads": d.kv_heads,
+        "output_router_logits": False,
+        "pad_token_id": None,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": rope,
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": d.shared_inter,
+        "use_cache": True,
+        "vocab_size": d.vocab,
+    }
+    vision = {
+        "deepstack_visual_indexes": [],
+        "depth": d.v_depth,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": d.v_hidden,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": d.v_inter,
+        "model_type": "qwen3_5_moe",
+        "num_heads": d.v_heads,
+        "num_position_embeddings": d.v_npos,
+        "out_hidden_size": d.hidden,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    quant: dict[str, object] = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine"}
+    if variant == "qwen3.6":  # the model's quant_predicate: 8-bit router and shared-expert gate
+        for i in range(d.layers):
+            for mod in ("mlp.gate", "mlp.shared_expert_gate"):
+                quant[f"language_model.model.layers.{i}.{mod}"] = {"group_size": GROUP_SIZE, "bits": 8}
+    config: dict[str, object] = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "image_token_id": token_id("<|image_pad|>", base),
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "transformers_version": TRANSFORMERS_VERSION,
+        "video_token_id": token_id("<|video_pad|>", base),
+        "vision_config": vision,
+        "vision_end_token_id": token_id("<|vision_end|>", base),
+        "vision_start_token_id": token_id("<|vision_start|>", base),
+        # load_config copies generation_config's eos_token_id to the top level
+        "eos_token_id": [token_id("<|im_end|>", base), token_id("<|endoftext|>", base)],
+        "quantization": quant,
+        "quantization_config": quant,
+    }
+    if text_only:
+        del config["vision_config"]
+    return dict(sorted(config.items()))
+
+
+# --------------------------------------------------------------------------------------------- tensors
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One stored tensor: safetensors dtype and shape, how to fill it, and its quantization (if any)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str  # qweight | scales | biases | one | zero | normal | a_log | dt_bias | conv
+    bits: int = 0  # quantized tensors only
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+    @property
+    def float_shape(self) -> tuple[int, ...]:
+        """Shape of the unquantized weight of a quantized module."""
+        return (*self.shape[:-1], self.shape[-1] * 32 // self.bits)
+
+
+def _bits_for(quant: dict, module: str) -> int:
+    override = quant.get(module)
+    return int(override["bits"]) if isinstance(override, dict) else int(quant["bits"])
+
+
+def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
+    """Every tensor of the export in module order (the order `model.parameters()` flattens to).
+
+    `a_log_dtype` defaults to what the export implies: BF16 when the quantization block carries the 8-bit
+    router overrides (the Qwen3.6 export), F32 otherwise (the Qwen3.5 export).
+    """
+    t = config["text_config"]
+    quant = config.get("quantization") or {}
+    group = int(quant.get("group_size", GROUP_SIZE))
+    if a_log_dtype is None:
+        has_8bit = any(isinstance(v, dict) and v.get("bits") == 8 for v in quant.values())
+        a_log_dtype = "BF16" if has_8bit else "F32"
+    out: list[Spec] = []
+
+    def plain(name: str, shape: tuple[int, ...], kind: str, dtype: str = "BF16") -> None:
+        out.append(Spec(name, dtype, tuple(shape), kind))
+
+    def linear(module: str, out_dim: int, in_dim: int, lead: tuple[int, ...] = ()) -> None:
+        if not quant or in_dim % group:
+            raise StreamoeError(f"{module}: input dimension {in_dim} is not quantizable with group size {group}")
+        bits = _bits_for(quant, module)
+        out.append(Spec(f"{module}.weight", "U32", (*lead, out_dim, in_dim * bits // 32), "qweight", bits))
+        out.append(Spec(f"{module}.scales", "BF16", (*lead, out_dim, in_dim // group), "scales", bits))
+        out.append(Spec(f"{module}.biases", "BF16", (*lead, out_dim, in_dim // group), "biases", bits))
+
+    v = config.get("vision_config")
+    if v is not None:
+        dv, p, tp, c = v["hidden_size"], v["patch_size"], v["temporal_patch_size"], v["in_channels"]
+        merged = dv * v["spatial_merge_size"] ** 2
+        plain("vision_tower.patch_embed.proj.weight", (dv, tp, p, p, c), "normal")
+        plain("vision_tower.patch_embed.proj.bias", (dv,), "zero")
+        plain("vision_tower.pos_embed.weight", (v["num_position_embeddings"], dv), "normal")
+        for i in range(v["depth"]):
+            b = f"vision_tower.blocks.{i}"
+            for norm in ("norm1", "norm2"):
+                plain(f"{b}.{norm}.weight", (dv,), "one")
+                plain(f"{b}.{norm}.bias", (dv,), "zero")
+            for mod, o, n in (("attn.qkv", 3 * dv, dv), ("attn.proj", dv, dv),
+                              ("mlp.linear_fc1", v["intermediate_size"], dv),
+                              ("mlp.linear_fc2", dv, v["intermediate_size"])):
+                plain(f"{b}.{mod}.weight", (o, n), "normal")
+                plain(f"{b}.{mod}.bias", (o,), "zero")
+        plain("vision_tower.merger.norm.weight", (dv,), "one")
+        plain("vision_tower.merger.norm.bias", (dv,), "zero")
+        plain("vision_tower.merger.linear_fc1.weight", (merged, merged), "normal")
+        plain("vision_tower.merger.linear_fc1.bias", (merged,), "zero")
+        plain("vision_tower.merger.linear_fc2.weight", (v["out_hidden_size"], merged), "normal")
+        plain("vision_tower.merger.linear_fc2.bias", (v["out_hidden_size"],), "zero")
+
+    h, vocab = t["hidden_size"], t["vocab_size"]
+    nq, nkv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    hk, hv, dk, dvv = (t["linear_num_key_heads"], t["linear_num_value_heads"],
+                       t["linear_key_head_dim"], t["linear_value_head_dim"])
+    key_dim, value_dim = hk * dk, hv * dvv
+    conv_dim = 2 * key_dim + value_dim
+    e, inter, shared = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
+    interval = t["full_attention_interval"]
+    lm = "language_model.model"
+    linear(f"{lm}.embed_tokens", vocab, h)
+    for i in range(t["num_hidden_layers"]):
+        L = f"{lm}.layers.{i}"
+        if (i + 1) % interval != 0:
+            a = f"{L}.linear_attn"
+            plain(f"{a}.conv1d.weight", (conv_dim, t["linear_conv_kernel_dim"], 1), "conv")
+            linear(f"{a}.in_proj_qkv", conv_dim, h)
+            linear(f"{a}.in_proj_z", value_dim, h)
+            linear(f"{a}.in_proj_b", hv, h)
+            linear(f"{a}.in_proj_a", hv, h)
+            plain(f"{a}.dt_bias", (hv,), "dt_bias")
+            plain(f"{a}.A_log", (hv,), "a_log", a_log_dtype)
+            plain(f"{a}.norm.weight", (dvv,), "one")
+            linear(f"{a}.out_proj", h, value_dim)
+        else:
+            a = f"{L}.self_attn"
+            linear(f"{a}.q_proj", 2 * nq * hd, h)
+            linear(f"{a}.k_proj", nkv * hd, h)
+            linear(f"{a}.v_proj", nkv * hd, h)
+            linear(f"{a}.o_proj", h, nq * hd)
+            plain(f"{a}.q_norm.weight", (hd,), "one")
+            plain(f"{a}.k_norm.weight", (hd,), "one")
+        plain(f"{L}.input_layernorm.weight", (h,), "one")
+        plain(f"{L}.post_attention_layernorm.weight", (h,), "one")
+        m = f"{L}.mlp"
+        linear(f"{m}.gate", e, h)
+        linear(f"{m}.switch_mlp.gate_proj", inter, h, (e,))
+        linear(f"{m}.switch_mlp.up_proj", inter, h, (e,))
+        linear(f"{m}.switch_mlp.down_proj", h, inter, (e,))
+        linear(f"{m}.shared_expert.gate_proj", shared, h)
+        linear(f"{m}.shared_expert.down_proj", h, shared)
+        linear(f"{m}.shared_expert.up_proj", shared, h)
+        linear(f"{m}.shared_expert_gate", 1, h)
+    plain(f"{lm}.norm.weight", (h,), "one")
+    linear("language_model.lm_head", vocab, h)
+    return out
+
+
+def tensor_table(config: dict, *, a_log_dtype: str | None = None) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every tensor, in module order."""
+    return [(s.name, s.dtype, s.shape) for s in specs(config, a_log_dtype=a_log_dtype)]
+
+
+def assign_shards(table: list, shard_bytes: int | None = None, *, leading_empty: bool = True) -> list[tuple[str, list]]:
+    """Split `table` (module order) into shard files: [(file name, [entries])].
+
+    A new shard starts when adding the next tensor would exceed `shard_bytes` (default 5 GiB); a tensor
+    larger than the cap gets a shard of its own. Entries are table rows (name, dtype, shape, ...) or
+    `Spec`s. With `leading_empty` (mlx-vlm's `make_shards`, the vision exports) a first tensor larger
+    than the cap leaves an empty first shard, which the index never names; without it (mlx-lm) it does
+    not. One shard is `model.safetensors`, several `model-0000N-of-0000M.safetensors`.
+    """
+    cap = DEFAULT_SHARD_BYTES if shard_bytes is None else int(shard_bytes)
+    if cap <= 0:
+        raise StreamoeError(f"shard size must be positive, got {cap} bytes")
+    shards: list[list] = [] if not leading_empty else [[]]
+    size = 0
+    for entry in table:
+        n = entry.nbytes if isinstance(entry, Spec) else tensor_nbytes(entry[1], tuple(entry[2]))
+        if not shards or size + n > cap:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += n
+    if len(shards) == 1:
+        return [("model.safetensors", shards[0])]
+    k = len(shards)
+    return [(f"model-{i + 1:05d}-of-{k:05d}.safetensors", s) for i, s in enumerate(shards)]
+
+
+def layout(config: dict, shard_bytes: int | None = None) -> list[dict]:
+    """Rows like the reference layout jsonl: {name, dtype, shape, nbytes, file}, in module order."""
+    rows = []
+    for file, entries in assign_shards(specs(config), shard_bytes, leading_empty="vision_config" in config):
+        for s in entries:
+            rows.append({"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "nbytes": s.nbytes, "file": file})
+    return rows
+
+
+def total_parameters(spec_list: list[Spec]) -> int:
+    """mlx-lm's `get_total_parameters`: quantized weights count their unpacked elements, scales/biases none."""
+    n = 0
+    for s in spec_list:
+        if s.kind == "qweight":
+            n += int(np.prod(s.float_shape, dtype=np.int64))
+        elif s.kind not in ("scales", "biases"):
+            n += int(np.prod(s.shape, dtype=np.int64))
+    return n
+
+
+# --------------------------------------------------------------------------------------------- values
+
+
+def _rng(seed: int, key: str) -> np.random.Generator:
+    return np.random.default_rng([seed & ((1 << 64) - 1), zlib.crc32(key.encode())])
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), round to nearest even (inputs are finite)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def _float_values(kind: str, rng: np.random.Generator, n: int) -> np.ndarray:
+    if kind == "one":
+        return 1.0 + 0.02 * rng.standard_normal(n, dtype=np.float32)
+    if kind == "zero":
+        return 0.01 * rng.standard_normal(n, dtype=np.float32)
+    if kind == "normal":
+        return 0.02 * rng.standard_normal(n, dtype=np.float32)
+    if kind == "a_log":
+        return np.log(rng.uniform(1.0, 16.0, n)).astype(np.float32)
+    if kind == "dt_bias":
+        return 0.1 * rng.standard_normal(n, dtype=np.float32)
+    if kind == "conv":
+        return 0.1 * rng.standard_normal(n, dtype=np.float32)
+    raise AssertionError(kind)
+
+
+def _encode(values: np.ndarray, dtype: str) -> bytes:
+    if dtype == "BF16":
+        return _bf16(values).tobytes()
+    if dtype == "F32":
+        return values.astype("<f4").tobytes()
+    raise AssertionError(dtype)
+
+
+def _chunks(spec: Spec):
+    """Row ranges of `spec` flattened to [rows, cols], about CHUNK_ELEMS elements each."""
+    cols = spec.shape[-1] if len(spec.shape) > 1 else int(np.prod(spec.shape))
+    rows = int(np.prod(spec.shape, dtype=np.int64)) // max(cols, 1)
+    step = max(1, CHUNK_ELEMS // max(cols, 1))
+    for r in range(0, rows, step):
+        yield min(step, rows - r) * cols
+
+
+def _plain_bytes(spec: Spec, seed: int):
+    rng = _rng(seed, spec.name)
+    for n in _chunks(spec):
+        yield _encode(_float_values(spec.kind, rng, n), spec.dtype)
+
+
+def _code_std(bits: int) -> float:
+    levels = 1 << bits
+    return float(np.sqrt((levels * levels - 1) / 12.0))
+
+
+def _fast_scales(spec: Spec, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Per-group scales: magnitude 0.02/std(code) x U(0.75, 1.25), random sign (as mx.quantize gives)."""
+    u = rng.random(n, dtype=np.float32) - np.float32(0.5)
+    return np.copysign(np.float32(0.75) + np.abs(u), u) * np.float32(0.02 / _code_std(spec.bits))
+
+
+def _fast_quant_bytes(spec: Spec, seed: int):
+    """Streaming path (full): random codes, then scales/biases that make the dequantized std ≈ 0.02."""
+    if spec.kind == "qweight":
+        rng = _rng(seed, spec.name)
+        for n in _chunks(spec):
+            yield rng.integers(0, 1 << 32, n, dtype=np.uint32).astype("<u4").tobytes()
+        return
+    # scales and biases replay the same scale stream, so bias = -scale * mid holds group by group
+    srng = _rng(seed, f"{spec.module}.scales")
+    brng = _rng(seed, f"{spec.module}.biases")
+    mid = np.float32(((1 << spec.bits) - 1) / 2.0)
+    for n in _chunks(spec):
+        s = _fast_scales(spec, n, srng)
+        if spec.kind == "scales":
+            yield _bf16(s).tobytes()
+        else:
+            b = s * -mid + np.float32(0.002) * brng.standard_normal(n, dtype=np.float32)
+            yield _bf16(b).tobytes()
+
+
+class _ExactQuantizer:
+    """tiny/small: a real `mx.quantize` of a bf16 N(0, 0.02) weight; keeps one module's three tensors."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.module: str | None = None
+        self.parts: dict[str, bytes] = {}
+
+    def bytes_for(self, spec: Spec) -> bytes:
+        if spec.module != self.module:
+            import mlx.core as mx
+
+            rng = _rng(self.seed, spec.module)
+            w = 0.02 * rng.standard_normal(spec.float_shape, dtype=np.float32)
+            wq, scales, biases = mx.quantize(mx.array(w).astype(mx.bfloat16), group_size=GROUP_SIZE, bits=spec.bits)
+            self.module = spec.module
+            self.parts = {
+                "qweight": np.array(wq).astype("<u4").tobytes(),
+                "scales": np.array(scales.view(mx.uint16)).astype("<u2").tobytes(),
+                "biases": np.array(biases.view(mx.uint16)).astype("<u2").tobytes(),
+            }
+        data = self.parts.pop(spec.kind)
+        assert len(data) == spec.nbytes, (spec.name, len(data), spec.nbytes)
+        return data
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+def _format_row(row: dict) -> str:
+    shape = json.dumps(row["shape"], separators=(",", ":"))
+    return f"{row['name']}\t{row['dtype']}\t{shape}\t{row['nbytes']}\t{row['file']}"
+
+
+def _check_out(out: Path) -> None:
+    if out.is_symlink() and not out.exists():
+        raise fail(out, "is a dangling symbolic link")
+    if out.exists():
+        if not out.is_dir():
+            raise fail(out, "exists and is not a directory (will not overwrite)")
+        try:
+            empty = not any(out.iterdir())
+        except OSError as e:
+            raise fail(out, f"cannot read directory ({e.strerror})") from None
+        if not empty:
+            raise fail(out, "exists and is not empty (will not overwrite)")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _write_json(path: Path, obj: object, indent: int = 4) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=indent)
+
+
+def synth(out: Path, *, size: str, variant: str, text_only: bool, seed: int, shard_bytes: int | None,
+          dry_run: bool) -> None:
+    """Write (or with `dry_run`, print the table of) a synthetic checkpoint at `out`."""
+    out = Path(out)
+    config = make_config(size, variant, text_only)
+    spec_list = specs(config)
+    shards = assign_shards(spec_list, shard_bytes, leading_empty="vision_config" in config)
+    total = sum(s.nbytes for s in spec_list)
+
+    if dry_run:
+        lines = []
+        for file, entries in shards:
+            for s in entries:
+                lines.append(_format_row({"name": s.name, "dtype": s.dtype, "shape": list(s.shape),
+                                          "nbytes": s.nbytes, "file": file}))
+        named = sum(1 for _, entries in shards if entries)
+        lines.append(f"total\t{total}\t{len(spec_list)} tensors\t{named} shard files")
+        sys.stdout.write("\n".join(lines) + "\n")
+        return
+
+    _check_out(out)
+    anchor = _existing_ancestor(out.parent)
+    try:
+        free = shutil.disk_usage(anchor).free
+    except OSError as e:
+        raise fail(out, f"cannot check free space ({e.strerror})") from None
+    need = total + FREE_SPACE_MARGIN
+    if free < need:
+        raise fail(out, f"not enough free disk space: needs {need / 2**30:.2f} GiB, "
+                        f"{free / 2**30:.2f} GiB free on {anchor}")
+
+    tmp = out.parent / f".{out.name}.synth-{os.getpid()}.tmp"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise fail(out, f"cannot create output directory ({e.strerror})") from None
+    try:
+        write_checkpoint(tmp, config, seed=seed, shard_bytes=shard_bytes, exact=size != "full",
+                         token_base=DIMS[size].token_base)
+        if out.is_dir():
+            out.rmdir()  # empty (checked above); rename cannot replace a directory everywhere
+        os.rename(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise fail(e.filename or out, f"write failed ({e.strerror or e})") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_checkpoint(directory: Path, config: dict, *, seed: int = 0, shard_bytes: int | None = None,
+                     exact: bool = True, token_base: int | None = None) -> None:
+    """Write shards, index, config and tokenizer files for `config` into the existing `directory`.
+
+    `exact` quantizes real float weights with `mx.quantize` (tiny, small); otherwise quantized tensors take
+    the streaming random-code path used for `full`. `token_base` is the id of `<|endoftext|>`
+    (default: taken from the config's `text_config.bos_token_id`).
+    """
+    from tqdm import tqdm
+
+    directory = Path(directory)
+    spec_list = specs(config)
+    vision = "vision_config" in config
+    shards = assign_shards(spec_list, shard_bytes, leading_empty=vision)
+    total = sum(s.nbytes for s in spec_list)
+    weight_map: dict[str, str] = {}
+    quantizer = _ExactQuantizer(seed)
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="synth", file=sys.stderr,
+              mininterval=0.5, leave=False) as bar:
+        for file, entries in shards:
+            header, _ = build_header([(s.name, s.dtype, s.shape) for s in entries], {"format": "mlx"})
+            with open(directory / file, "wb") as f:
+                f.write(header)
+                for s in entries:
+                    written = 0
+                    if s.kind in ("qweight", "scales", "biases"):
+                        parts = [quantizer.bytes_for(s)] if exact else _fast_quant_bytes(s, seed)
+                    else:
+                        parts = _plain_bytes(s, seed)
+                    for chunk in parts:
+                        f.write(chunk)
+                        written += len(chunk)
+                        bar.update(len(chunk))
+                    if written != s.nbytes:
+                        raise AssertionError(f"{s.name}: wrote {written} bytes, expected {s.nbytes}")
+                    weight_map[s.name] = file
+    metadata: dict[str, int] = {"total_size": total}
+    if not vision:  # mlx-lm's save_model also records the parameter count
+        metadata["total_parameters"] = total_parameters(spec_list)
+    _write_json(directory / "model.safetensors.index.json",
+                {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
+    _write_json(directory / "config.json", config)
+    base = config["text_config"]["bos_token_id"] if token_base is None else token_base
+    write_tokenizer_files(directory, base=base, vision_config=config.get("vision_config"),
+                          transformers_version=config["transformers_version"])

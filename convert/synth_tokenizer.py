@@ -1,0 +1,309 @@
+"""Tokenizer, chat template and generation/preprocessor configs for `streamoe synth`.
+
+The real files (Qwen's 248,044-token byte-level BPE plus 33 added tokens) cannot be reproduced offline,
+so synth ships a functionally equivalent set (checkpoint-format.md §5, §10):
+
+- `tokenizer.json`: a byte-level BPE with Qwen's normalizer (NFC), split regex and ByteLevel pre-tokenizer
+  and decoder, trained in a fraction of a second on a few files of the Python standard library to
+  `TRAINED_VOCAB` tokens (256 bytes + 256 merges). For the full-size model the base vocabulary is padded
+  to 248,044 entries with filler tokens that no merge produces (so they never come out of encoding, but
+  decode to readable text if a random model emits them), which puts the 33 added tokens at their real
+  ids 248044…248076. Smaller sizes put them at `base + (real_id - 248044)`.
+- `tokenizer_config.json`, `chat_template.jinja` (ChatML with images, tools and thinking on/off),
+  `generation_config.json` (Qwen's sampling defaults), `preprocessor_config.json` (vision exports only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+REAL_BASE = 248044  # id of <|endoftext|> in the real tokenizer = size of its base BPE vocabulary
+TRAINED_VOCAB = 512  # 256 byte tokens + 256 merges
+MODEL_MAX_LENGTH = 262144
+
+# The 33 added tokens in real-id order (id = base + index); True = special (checkpoint-format.md §5).
+ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+    ("<|audio_start|>", True),
+    ("<|audio_end|>", True),
+    ("<tts_pad>", True),
+    ("<tts_text_bos>", True),
+    ("<tts_text_eod>", True),
+    ("<tts_text_bos_single>", True),
+    ("<|audio_pad|>", True),
+)
+_INDEX = {content: i for i, (content, _) in enumerate(ADDED_TOKENS)}
+
+# Qwen3.5's pre-tokenizer split (transformers models/qwen3_5/tokenization_qwen3_5.py, checkpoint-format.md §5).
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Training text: a few stable, pure-Python stdlib modules (only their statistics matter).
+CORPUS_FILES = ("textwrap.py", "string.py", "argparse.py", "json/decoder.py")
+
+
+def token_id(content: str, base: int) -> int:
+    """Id of an added token for a tokenizer whose base BPE vocabulary has `base` entries."""
+    return base + _INDEX[content]
+
+
+def _corpus() -> list[str]:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for name in CORPUS_FILES:
+        try:
+            texts.append((lib / name).read_text(encoding="utf-8"))
+        except OSError:
+            continue
+    if not texts:  # no stdlib sources installed: fall back to this package's own sources
+        texts = [p.read_text(encoding="utf-8") for p in sorted(Path(__file__).parent.glob("*.py"))]
+    return texts
+
+
+def build_tokenizer(base: int):
+    """A byte-level BPE `tokenizers.Tokenizer` with `base` vocabulary entries followed by the 33 added tokens."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    if base < TRAINED_VOCAB:
+        raise ValueError(f"base vocabulary {base} is smaller than the {TRAINED_VOCAB} trained tokens")
+
+    def pipeline(tok):
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ])
+        tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+        tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+        return tok
+
+    trainer_tok = pipeline(Tokenizer(models.BPE()))
+    trainer = trainers.BpeTrainer(vocab_size=TRAINED_VOCAB, min_frequency=2, show_progress=False, special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer_tok.train_from_iterator(_corpus(), trainer)
+    trained = json.loads(trainer_tok.to_str())["model"]
+    vocab: dict[str, int] = dict(trained["vocab"])
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
+    # Pad to `base` with filler tokens no merge produces (short corpora, and the real-id layout of `full`).
+    i = len(vocab)
+    while len(vocab) < base:
+        filler = f"<|filler_{i}|>"
+        if filler not in vocab:
+            vocab[filler] = len(vocab)
+        i += 1
+    tok = pipeline(Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
+                                        fuse_unk=False, byte_fallback=False)))
+    for content, special in ADDED_TOKENS:  # one at a time so ids follow the real order
+        added = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
+        if special:
+            tok.add_special_tokens([added])
+        else:
+            tok.add_tokens([added])
+    for content, _ in ADDED_TOKENS:
+        assert tok.token_to_id(content) == token_id(content, base), content
+    return tok
+
+
+CHAT_TEMPLATE = r"""{#- ChatML for the streamoe synthetic checkpoints: images, video, tools, thinking on/off. -#}
+{%- macro render_content(content) -%}
+    {%- if content is none -%}
+    {%- elif content is string -%}
+        {{- content -}}
+    {%- else -%}
+        {%- for item in content -%}
+            {%- if item is string -%}
+                {{- item -}}
+            {%- elif item.type == 'image' or 'image' in item or 'image_url' in item -%}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+            {%- elif item.type == 'video' or 'video' in item -%}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+            {%- elif 'text' in item -%}
+                {{- item.text -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set first_is_system = messages | length > 0 and messages[0].role == 'system' -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if first_is_system -%}
+        {{- render_content(messages[0].content) + '\n\n' -}}
+    {%- endif -%}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+    {%- for tool in tools -%}
+        {{- '\n' + (tool | tojson) -}}
+    {%- endfor -%}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+        '\n</tool_call><|im_end|>\n' -}}
+{%- elif first_is_system -%}
+    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+    {%- if message.role == 'user' -%}
+        {%- set ns.last_user = loop.index0 -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+    {%- if message.role == 'system' and loop.first -%}
+    {%- elif message.role == 'user' or message.role == 'system' -%}
+        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>\n' -}}
+    {%- elif message.role == 'assistant' -%}
+        {%- set content = render_content(message.content) -%}
+        {%- set reasoning = '' -%}
+        {%- if message.reasoning_content is string -%}
+            {%- set reasoning = message.reasoning_content -%}
+        {%- elif '</think>' in content -%}
+            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
+            {%- set content = content.split('</think>')[-1] -%}
+        {%- endif -%}
+        {%- set reasoning = reasoning.strip('\n') -%}
+        {%- set content = content.lstrip('\n') -%}
+        {{- '<|im_start|>assistant\n' -}}
+        {%- if loop.index0 > ns.last_user -%}
+            {{- '<think>\n' + reasoning + '\n</think>\n\n' -}}
+        {%- endif -%}
+        {{- content -}}
+        {%- if message.tool_calls -%}
+            {%- for call in message.tool_calls -%}
+                {%- set fn = call.function if call.function is defined else call -%}
+                {%- if content or not loop.first -%}
+                    {{- '\n' -}}
+                {%- endif -%}
+                {{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' -}}
+                {%- if fn.arguments is string -%}
+                    {{- fn.arguments -}}
+                {%- else -%}
+                    {{- fn.arguments | tojson -}}
+                {%- endif -%}
+                {{- '}\n</tool_call>' -}}
+            {%- endfor -%}
+        {%- endif -%}
+        {{- '<|im_end|>\n' -}}
+    {%- elif message.role == 'tool' -%}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
+            {{- '<|im_start|>user' -}}
+        {%- endif -%}
+        {{- '\n<tool_response>\n' + render_content(message.content) + '\n</tool_response>' -}}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}
+            {{- '<|im_end|>\n' -}}
+        {%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\n\n</think>\n\n' -}}
+    {%- else -%}
+        {{- '<think>\n' -}}
+    {%- endif -%}
+{%- endif -%}
+"""
+
+
+def _dump(path: Path, obj: object, indent: int = 2) -> None:
+    path.write_text(json.dumps(obj, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def tokenizer_config(base: int, vision: bool) -> dict:
+    decoder = {}
+    for content, special in ADDED_TOKENS:
+        decoder[str(token_id(content, base))] = {
+            "content": content, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": special,
+        }
+    cfg: dict[str, object] = {
+        "add_prefix_space": False,
+        "added_tokens_decoder": decoder,
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": MODEL_MAX_LENGTH,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    if vision:
+        cfg["processor_class"] = "Qwen3VLProcessor"
+    return cfg
+
+
+def generation_config(base: int, transformers_version: str) -> dict:
+    eot = token_id("<|endoftext|>", base)
+    return {
+        "bos_token_id": eot,
+        "do_sample": True,
+        "eos_token_id": [token_id("<|im_end|>", base), eot],
+        "pad_token_id": eot,
+        "temperature": 1.0,
+        "top_k": 20,
+        "top_p": 0.95,
+        "transformers_version": transformers_version,
+    }
+
+
+def preprocessor_config(vision_config: dict) -> dict:
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "image_std": [0.5, 0.5, 0.5],
+        "merge_size": vision_config["spatial_merge_size"],
+        "patch_size": vision_config["patch_size"],
+        "processor_class": "Qwen3VLProcessor",
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+        "temporal_patch_size": vision_config["temporal_patch_size"],
+    }
+
+
+def write_tokenizer_files(out: Path, *, base: int, vision_config: dict | None, transformers_version: str) -> list[str]:
+    """Write the tokenizer and its companions into `out`; returns the file names written."""
+    tok = build_tokenizer(base)
+    tok.save(str(out / "tokenizer.json"), pretty=True)
+    _dump(out / "tokenizer_config.json", tokenizer_config(base, vision_config is not None))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    _dump(out / "generation_config.json", generation_config(base, transformers_version))
+    names = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
+    if vision_config is not None:
+        _dump(out / "preprocessor_config.json", preprocessor_config(vision_config))
+        names.append("preprocessor_config.json")
+    return names

@@ -1,0 +1,262 @@
+"""The engine: opens a converted model inside a memory cap and runs it, streaming routed experts.
+
+Per layer: the token mixer and the router run, the model's own top-k picks the experts, hits bind their
+slot, misses are read in parallel, the next layer's experts are guessed from its router on the current
+hidden state and read ahead, and the experts are combined in router-rank order. Which slot an expert
+came from never enters the math, so logits are bit-identical at every cap and prefetch setting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from streamoe.convert.source import text_config
+from streamoe.formats.direct import file_checksum
+from streamoe.formats.errors import StreamoeError, fail
+from streamoe.formats.layout import record_layouts
+from streamoe.formats.manifest import load_manifest, safe_path
+
+from .model import Model, ModelArgs, combine, expert_mlp, text_positions
+from .plan import ITEMSIZE, GiB, MemoryPlan, current_rss, make_plan
+from .store import ExpertStore, SlotPool
+from .telemetry import LayerStats, StepStats
+from .text import TextIO
+from .tier import HotTier
+from .weights import load_tensors, resident_bytes
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass
+class Options:
+    cap_gib: float = 4.0
+    ctx: int = 4096
+    experts: str = "q4"
+    tier: str = "freq"
+    prefetch_width: int = 6
+    dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
+    kv: str = "float32"
+    prefill_chunk: int = 256
+    io_threads: int = 4
+    verify: bool = False
+
+
+def default_dtype() -> str:
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
+def plan_for(root: Path, opts: Options, manifest=None) -> MemoryPlan:
+    """The plan for a converted directory (from its manifest)."""
+    m = manifest or load_manifest(root)
+    fmts = m.expert_formats()
+    if opts.experts not in fmts:
+        raise fail(root / "manifest.json", f"has no {opts.experts} experts (has {', '.join(fmts)}); convert with --experts")
+    dtype = opts.dtype or default_dtype()
+    _, table = m.blob("nonexpert")
+    tc = text_config(m.config)
+    return make_plan(tc=tc, cap=int(opts.cap_gib * GiB), ctx=opts.ctx, expert_format=opts.experts,
+                     stride=fmts[opts.experts].layout.stride, nonexpert_resident=resident_bytes(table, ITEMSIZE[dtype]),
+                     dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk)
+
+
+class Engine:
+    def __init__(self, root: str | Path, opts: Options | None = None):
+        self.root, self.opts = Path(root), opts or Options()
+        o = self.opts
+        self.manifest = m = load_manifest(self.root)
+        if o.verify:
+            for f in m.all_files():
+                p = safe_path(self.root, f["path"])
+                if not p.is_file() or p.stat().st_size != f["size"]:
+                    raise fail(p, f"missing or size differs from the manifest ({f['size']} bytes expected)")
+                if file_checksum(p) != f["checksum"]:
+                    raise fail(p, "checksum mismatch against the manifest")
+        self.text = TextIO(self.root, m.config)
+        self.plan = plan_for(self.root, o, m)
+        self.plan.require_fit()
+        mx.set_cache_limit(32 << 20)
+        self.dtype = DTYPES[o.dtype or default_dtype()]
+        self.args = ModelArgs.from_config(m.config)
+        fmt = m.expert_formats()[o.experts]
+        self.lay = fmt.layout
+        n_layers, self.n_exp, self.k = m.model["num_layers"], m.model["num_experts"], m.model["top_k"]
+        layouts = record_layouts(self.lay.hidden, self.lay.intermediate, self.lay.group_size, self.lay.scale_dtype)
+        self.store = ExpertStore([safe_path(self.root, f["path"]) for f in fmt.files], self.lay, self.n_exp, layouts,
+                                 o.experts, o.io_threads)
+        self.pool = SlotPool(self.plan.hot_slots + self.n_exp, self.lay)
+        self.tier = HotTier(self.plan.hot_slots, self.n_exp, n_layers, self.n_exp,
+                            scratch=2 * self.k + o.prefetch_width, policy=o.tier)
+        file, table = m.blob("nonexpert")
+        self.model = Model(self.args, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
+        self.cache = self.model.make_cache(o.ctx, DTYPES[o.kv])
+        self.offset = 0
+        self.inflight: dict[int, object] = {}  # slot -> Future of its read
+        self.prefetched: dict[tuple[int, int], int] = {}
+        self.issued: dict[int, int] = {}  # layer -> prefetch reads issued for it
+        self.steps: list[StepStats] = []
+        self.peak_rss = current_rss()
+
+    # ---- expert I/O
+    def _read(self, key: tuple[int, int], slot: int) -> None:
+        self.inflight[slot] = self.store.read(key[0], key[1], self.pool.memory(slot))
+        self.tier.busy.add(slot)
+
+    def _settle(self, slot: int) -> float:
+        """Wait for a slot's read, if any; returns the seconds waited."""
+        fut = self.inflight.pop(slot, None)
+        if fut is None:
+            return 0.0
+        t = time.perf_counter()
+        fut.result()
+        self.tier.busy.discard(slot)
+        return time.perf_counter() - t
+
+    def _reap(self) -> None:
+        for s in [s for s, f in self.inflight.items() if f.done()]:
+            self._settle(s)
+
+    def prefetch(self, layer: int, logits: np.ndarray) -> None:
+        """Read ahead the `width` experts layer `layer`'s router likes best for the current hidden state."""
+        w = self.opts.prefetch_width
+        if w <= 0 or layer >= self.args.num_hidden_layers:
+            return
+        self._reap()
+        scores = logits.reshape(-1, logits.shape[-1]).max(axis=0)
+        for e in np.argsort(-scores, kind="stable")[:w]:
+            key = (layer, int(e))
+            if self.tier.lookup(key) is not None:
+                continue
+            slot, _ = self.tier.place(key)
+            self._read(key, slot)
+            self.prefetched[key] = slot
+            self.issued[layer] = self.issued.get(layer, 0) + 1
+
+    def routed(self, layer: int, x: mx.array, inds: np.ndarray, scores: mx.array, st: LayerStats) -> mx.array:
+        """The routed experts' output for tokens x [T, H] picked as inds [T, k], combined in rank order."""
+        experts = np.unique(inds)
+        st.picks = len(experts)
+        self._reap()
+        slots: dict[int, int] = {}
+        for e in experts.tolist():  # pin every hit first, so placing a miss cannot evict one
+            key = (layer, e)
+            slot = self.tier.lookup(key)
+            if slot is None:
+                continue
+            if self.prefetched.get(key) == slot:
+                st.hits_prefetch += 1
+            elif self.tier.is_staging(slot):
+                st.hits_lent += 1
+            else:
+                st.hits_hot += 1
+            self.tier.pinned.add(slot)
+            slots[e] = slot
+        for e in experts.tolist():
+            if e not in slots:
+                slot, _ = self.tier.place((layer, e))
+                self._read((layer, e), slot)
+                self.tier.pinned.add(slot)
+                slots[e] = slot
+                st.misses += 1
+        st.prefetch_wasted = sum(1 for (ly, e) in self.prefetched if ly == layer and e not in slots)
+        self.prefetched = {k: v for k, v in self.prefetched.items() if k[0] != layer}
+        self.tier.note_picks(layer, inds.reshape(-1))
+        st.io_wait_ms += 1000 * sum(self._settle(s) for s in slots.values())
+        T, k = inds.shape
+        ys, where = [], []
+        for e in experts.tolist():
+            rows, ranks = np.nonzero(inds == e)
+            xe = x if T == 1 else x[mx.array(rows)]
+            ys.append(expert_mlp(xe, self.pool.views[slots[e]], self.lay.bits, self.lay.group_size, self.dtype))
+            where.append(rows * k + ranks)
+        order = np.argsort(np.concatenate(where), kind="stable")
+        out = mx.concatenate(ys, axis=0)[mx.array(order)].reshape(T, k, -1)
+        return combine(out, scores.reshape(T, k))
+
+    # ---- one forward step over a chunk of tokens
+    def forward(self, tokens: list[int], phase: str, positions: mx.array | None = None,
+                embeddings: mx.array | None = None) -> mx.array:
+        t0 = time.perf_counter()
+        T = len(tokens)
+        step = StepStats(step=len(self.steps), phase=phase, n_tokens=T)
+        if self.offset + T > self.opts.ctx:
+            raise StreamoeError(f"prompt of {self.offset + T} tokens is longer than the planned context --ctx {self.opts.ctx}")
+        h = embeddings if embeddings is not None else self.model.embed(mx.array([tokens]))
+        pos = positions if positions is not None else text_positions(self.offset, T)
+        pinned_prev: list[int] = []
+        n_layers = self.args.num_hidden_layers
+        for i in range(n_layers):
+            st = LayerStats(layer=i, prefetch_issued=self.issued.pop(i, 0))
+            read0 = self.store.bytes_read
+            h, x = self.model.mix(i, h, self.cache[i], pos)
+            logits = self.model.router_logits(i, x)
+            guess = self.model.router_logits(i + 1, x) if self.opts.prefetch_width > 0 and i + 1 < n_layers else None
+            inds, scores = self.model.route(logits)
+            tc = time.perf_counter()
+            mx.eval(h, x, inds, scores, *([guess] if guess is not None else []))
+            st.compute_ms = 1000 * (time.perf_counter() - tc)
+            self.tier.pinned.difference_update(pinned_prev)
+            inds_np = np.array(inds).reshape(T, -1).astype(np.int64)
+            x2 = x.reshape(T, -1)
+            y = self.routed(i, x2, inds_np, scores, st)
+            pinned_prev = [self.tier.lookup((i, int(e))) for e in np.unique(inds_np)]
+            if guess is not None:
+                self.prefetch(i + 1, np.array(guess.astype(mx.float32)))
+            h = h + y.reshape(h.shape) + self.model.shared_expert(i, x)
+            st.bytes_read = self.store.bytes_read - read0
+            step.layers.append(st)
+        logits = self.model.head(h[:, -1:, :])
+        tc = time.perf_counter()
+        mx.eval(logits)
+        step.layers[-1].compute_ms += 1000 * (time.perf_counter() - tc)
+        self.tier.pinned.difference_update(pinned_prev)
+        self.offset += T
+        step.ms = 1000 * (time.perf_counter() - t0)
+        self.steps.append(step)
+        self.peak_rss = max(self.peak_rss, current_rss())
+        return logits.reshape(-1)
+
+    def prefill(self, tokens: list[int]) -> mx.array:
+        """A prompt, in chunks, expert-major through the staging slots (taken back from the tier first)."""
+        if not tokens:
+            raise StreamoeError("empty prompt")
+        if self.offset + len(tokens) > self.opts.ctx:
+            raise StreamoeError(f"prompt of {len(tokens)} tokens (+{self.offset} in context) is longer than the planned "
+                                f"context --ctx {self.opts.ctx}")
+        for s in list(self.inflight):
+            self._settle(s)
+        self.tier.reclaim_staging()
+        self.prefetched.clear()
+        self.issued.clear()
+        c = self.opts.prefill_chunk
+        for a in range(0, len(tokens), c):
+            logits = self.forward(tokens[a:a + c], "prefill")
+        self.tier.lend_staging()
+        return logits
+
+    def generate(self, prompt: list[int], max_tokens: int, sampler, on_token=None):
+        """Yield generated token ids (stop token excluded) with their logits."""
+        logits = self.prefill(prompt)
+        for _ in range(max_tokens):
+            lg = np.array(logits.astype(mx.float32))
+            tok = sampler(lg)
+            self.steps[-1].token_id = tok
+            if tok in self.text.stop_ids:
+                return
+            yield tok, lg
+            if self.offset >= self.opts.ctx:
+                return
+            logits = self.forward([tok], "decode")
+
+    def reset(self) -> None:
+        self.cache = self.model.make_cache(self.opts.ctx, DTYPES[self.opts.kv])
+        self.offset = 0
+
+    def close(self) -> None:
+        for s in list(self.inflight):
+            self._settle(s)
+        self.store.close()

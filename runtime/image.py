@@ -1,0 +1,209 @@
+"""Image loading and preprocessing for the Qwen3.5/3.6 vision tower.
+
+`load_image` turns a file into an RGB `PIL.Image` (or a one-line `StreamoeError` naming the file),
+`preprocess` turns that image into the flat patch rows the vision encoder eats. The math follows
+the reference Qwen3-VL image processor (mlx-vlm `Qwen3VLImageProcessor`, a port of transformers'
+`smart_resize` + patchify) so the pixels fed to the encoder are bit-identical:
+
+1. `smart_resize` picks a size whose sides are multiples of `patch_size * merge_size` (32) and
+   whose area lies in [min_pixels, max_pixels];
+2. Pillow bicubic resize of the uint8 RGB image (skipped when the size already fits);
+3. x * (1/255), then (x - mean) / std, all in float32;
+4. the still image is repeated `temporal_patch_size` times along a time axis and cut into
+   `patch_size` squares; rows come out in 2x2-merge order (for each merged cell: its 4 patches
+   row-major), each row laid out (channel, time, y, x).
+
+streamoe's default budget is at most 640x640 pixels per image (`DEFAULT_MAX_PIXELS`), which bounds
+the encoder's working memory (`runtime.vision.peak_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from streamoe.formats.errors import StreamoeError, fail
+
+DEFAULT_MAX_PIXELS = 640 * 640
+# The Qwen3-VL processor's `size.shortest_edge`: small images are scaled up to about 256x256.
+DEFAULT_MIN_PIXELS = 256 * 256
+# Largest image we agree to decode (checked from the header, before any pixel is decoded):
+# 32 Mpx covers 8K UHD (7680x4320); decoding costs ~3 bytes/px per copy.
+MAX_DECODE_PIXELS = 1 << 25
+MAX_ASPECT_RATIO = 200
+
+SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP")
+# Modes Pillow converts to RGB faithfully. Alpha is dropped (not composited), as the reference
+# loader does with `convert("RGB")`. 16/32-bit integer and float modes would be clipped to 255 by
+# that conversion, so they are refused rather than silently turned white.
+CONVERTIBLE_MODES = ("RGB", "RGBA", "RGBX", "RGBa", "L", "LA", "La", "1", "P", "PA", "CMYK", "YCbCr")
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = DEFAULT_MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    rescale_factor: float = 1 / 255.0
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_config(
+        cls,
+        config: dict,
+        preprocessor: dict | None = None,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        min_pixels: int | None = None,
+    ) -> ImageConfig:
+        """Geometry from `config.json` (`vision_config`), normalisation and the smallest size
+        from `preprocessor_config.json` / `processor_config.json["image_processor"]` when given.
+
+        `max_pixels` is streamoe's budget; a preprocessor `longest_edge` only lowers it.
+        """
+        vc = config.get("vision_config", config)
+        pre = dict(preprocessor or {})
+        pre.update(pre.pop("image_processor", None) or {})
+        size = pre.get("size") or {}
+        if min_pixels is None:
+            min_pixels = pre.get("min_pixels", size.get("shortest_edge", DEFAULT_MIN_PIXELS))
+        ceiling = pre.get("max_pixels", size.get("longest_edge"))
+        if ceiling is not None:
+            max_pixels = min(max_pixels, int(ceiling))
+        return cls(
+            patch_size=int(vc.get("patch_size", 16)),
+            temporal_patch_size=int(vc.get("temporal_patch_size", 2)),
+            merge_size=int(vc.get("spatial_merge_size", 2)),
+            min_pixels=min(int(min_pixels), int(max_pixels)),
+            max_pixels=int(max_pixels),
+            rescale_factor=float(pre.get("rescale_factor", 1 / 255.0)),
+            image_mean=tuple(float(v) for v in pre.get("image_mean", (0.5, 0.5, 0.5))),
+            image_std=tuple(float(v) for v in pre.get("image_std", (0.5, 0.5, 0.5))),
+        )
+
+
+def load_image(path, max_decode_pixels: int = MAX_DECODE_PIXELS) -> Image.Image:
+    """Decode a PNG/JPEG/WebP file into an RGB image with its EXIF orientation applied."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise fail(path, "no such file") from None
+    except OSError as e:
+        raise fail(path, f"cannot read ({e.strerror or e})") from None
+    if not os.path.isfile(path):
+        raise fail(path, "not a regular file")
+    if st.st_size == 0:
+        raise fail(path, "empty file (0 bytes), not an image")
+
+    try:
+        with open(path, "rb") as f, warnings.catch_warnings():
+            # Our own pixel limit is below Pillow's; its bomb warning must not leak to stderr.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            try:
+                img = Image.open(f)
+            except UnidentifiedImageError:
+                raise fail(path, "not an image (no PNG, JPEG or WebP header)") from None
+            if img.format not in SUPPORTED_FORMATS:
+                raise fail(path, f"unsupported image format {img.format} (PNG, JPEG and WebP are supported)")
+            w, h = img.size
+            if w <= 0 or h <= 0:
+                raise fail(path, f"image has zero size ({w}x{h})")
+            if w * h > max_decode_pixels:
+                raise fail(
+                    path,
+                    f"image too large: {w}x{h} = {w * h:,} pixels declared, at most "
+                    f"{max_decode_pixels:,} are decoded",
+                )
+            if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
+                raise fail(path, f"aspect ratio of {w}x{h} exceeds {MAX_ASPECT_RATIO}:1")
+            if img.mode not in CONVERTIBLE_MODES:
+                raise fail(path, f"unsupported pixel mode {img.mode} (8-bit grayscale, palette, RGB(A), CMYK supported)")
+            img.load()  # decodes now, while the file is open; a truncated file fails here
+            img = ImageOps.exif_transpose(img)
+            # A palette with a transparency entry makes Pillow warn on convert; alpha is dropped anyway.
+            warnings.simplefilter("ignore", UserWarning)
+            return img.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise fail(path, f"image too large ({e})") from None
+    except StreamoeError:
+        raise
+    except Exception as e:  # Pillow plugins raise OSError, SyntaxError, ValueError, struct.error, ...
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise fail(path, f"truncated or corrupt image ({detail})") from None
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 32,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, area within [min_pixels, max_pixels],
+    aspect ratio kept as closely as possible (the Qwen2-VL/Qwen3-VL rule)."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got {height}x{width}")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"aspect ratio of {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    # The rule above can overshoot the budget only through its `max(factor, ...)` clamp or the
+    # ceilings of the upscale branch (extreme aspect ratios, tiny budgets). streamoe's memory
+    # plan relies on the budget, so shave the longer side until the area fits again.
+    while h_bar * w_bar > max_pixels and max(h_bar, w_bar) > factor:
+        if h_bar >= w_bar:
+            h_bar -= factor
+        else:
+            w_bar -= factor
+    return h_bar, w_bar
+
+
+def preprocess(img: Image.Image, cfg: ImageConfig | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Patch rows [N, C*T*P*P] float32 and the grid (t, h, w) in patches, N = t*h*w."""
+    cfg = cfg or ImageConfig()
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    ps, tps, ms = cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size
+    height, width = smart_resize(img.height, img.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    if (height, width) != (img.height, img.width):
+        img = img.resize((width, height), resample=Image.BICUBIC)
+
+    x = np.asarray(img).astype(np.float32)  # [H, W, C]
+    x = x * np.float32(cfg.rescale_factor)
+    x = (x - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
+
+    gh, gw = height // ps, width // ps
+    c = x.shape[-1]
+    # [H, W, C] -> [gh/m, m, P, gw/m, m, P, C] -> [gh/m, gw/m, m, m, C, P, P]
+    x = x.reshape(gh // ms, ms, ps, gw // ms, ms, ps, c)
+    x = x.transpose(0, 3, 1, 4, 6, 2, 5)
+    # a still image fills all `tps` temporal slots with itself: -> [..., C, T, P, P]
+    x = np.broadcast_to(x[..., None, :, :], x.shape[:5] + (tps, ps, ps))
+    patches = np.ascontiguousarray(x.reshape(gh * gw, c * tps * ps * ps))
+    return patches, (1, gh, gw)
+
+
+def num_image_tokens(height: int, width: int, cfg: ImageConfig | None = None) -> int:
+    """How many `<|image_pad|>` tokens an image of this size becomes, without touching pixels."""
+    cfg = cfg or ImageConfig()
+    h, w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    return (h // cfg.patch_size) * (w // cfg.patch_size) // cfg.merge_size**2

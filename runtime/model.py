@@ -1,0 +1,708 @@
+"""Qwen3.5 / Qwen3.6 MoE language model (mlx-community 4-bit exports), exposed layer by layer.
+
+The streaming engine owns the routed experts, so the model is not one `__call__` but the pieces of a
+decoder layer:
+
+    h, x = model.mix(i, h, cache[i], positions)      # token mixer (Gated DeltaNet or gated attention)
+    inds, scores = model.route(model.router_logits(i, x))
+    h = h + (routed + model.shared_expert(i, x))      # routed = combine(outs in rank order, scores)
+
+`forward()` runs that loop with an expert provider (`ResidentExperts` keeps every expert in memory).
+
+Architecture (40 layers in the 35B-A3B model): every `full_attention_interval`-th layer is gated full
+attention with partial, interleaved M-RoPE; the others are Gated DeltaNet (linear attention with a
+delta-rule recurrence). Every layer ends in a sparse MoE block (top-k of E experts plus a gated shared
+expert). Norm weights of the export already include the +1 of the HF zero-centred norms.
+
+Numerics: activations in `dtype` (float32 on the CPU backend), routing softmax and the recurrent state in
+float32. All paths are deterministic; results are bit-identical for identical calls, while splitting a
+prompt into differently sized calls changes rounding (matmul shapes, attention and recurrence forms).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from streamoe.formats.record import ExpertWeights
+
+from .cache import GDNCache, KVCache
+
+PREFIX = "language_model."
+LINEAR, FULL = "linear_attention", "full_attention"
+GDN_CHUNK = 64  # prefill calls longer than this use the chunked (WY) form of the delta rule
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    rope_theta: float
+    partial_rotary_factor: float
+    mrope_section: tuple[int, ...]
+    full_attention_interval: int = 4
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+    quantization: dict | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "qwen3_5_moe"
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelArgs:
+        """Read config.json: a vision export (`text_config` inside) or a text-only one (flat or nested)."""
+        text = config.get("text_config", config)
+
+        def need(key):
+            if key not in text:
+                raise ValueError(f"config.json: text config has no '{key}'")
+            return text[key]
+
+        n_layers = int(need("num_hidden_layers"))
+        interval = int(text.get("full_attention_interval", 4))
+        by_interval = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers))
+        layer_types = tuple(text.get("layer_types") or by_interval)
+        if layer_types != by_interval:
+            # mlx-lm/mlx-vlm place the layers by the interval; a config that disagrees would run differently.
+            raise ValueError(
+                f"config.json: layer_types {list(layer_types)} disagree with full_attention_interval {interval}"
+            )
+        if int(need("num_experts")) <= 0:
+            raise ValueError("config.json: num_experts must be > 0 (only the MoE model is supported)")
+        if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
+            raise ValueError("config.json: dense MLP layers (mlp_only_layers / decoder_sparse_step) are not supported")
+        if text.get("attention_bias", False):
+            raise ValueError("config.json: attention_bias = true is not supported")
+
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise ValueError(f"config.json: rope type {rope_type!r} is not supported")
+        if rope.get("mrope_interleaved", True) is False:
+            raise ValueError("config.json: only interleaved M-RoPE (mrope_interleaved = true) is supported")
+        theta = rope.get("rope_theta", text.get("rope_theta"))
+        if theta is None:
+            raise ValueError("config.json: no rope_theta")
+        prf = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
+        head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
+        rot = int(head_dim * prf)
+        section = tuple(int(s) for s in (rope.get("mrope_section") or (rot // 2, 0, 0)))
+        if rot % 2 or len(section) != 3 or sum(section) != rot // 2:
+            raise ValueError(f"config.json: mrope_section {list(section)} must have 3 parts summing to {rot // 2}")
+
+        quant = config.get("quantization") or config.get("quantization_config") or text.get("quantization")
+        if not quant or "bits" not in quant or "group_size" not in quant:
+            raise ValueError("config.json: no quantization block (only quantized exports are supported)")
+        if quant.get("mode", "affine") != "affine":
+            raise ValueError(f"config.json: quantization mode {quant.get('mode')!r} is not supported")
+
+        eos: list[int] = []
+        for src in (config, text, config.get("generation_config") or {}):
+            ids = src.get("eos_token_id")
+            for t in [ids] if isinstance(ids, int) else ids or []:
+                if t not in eos:
+                    eos.append(int(t))
+
+        args = cls(
+            hidden_size=int(need("hidden_size")),
+            num_hidden_layers=n_layers,
+            layer_types=layer_types,
+            num_attention_heads=int(need("num_attention_heads")),
+            num_key_value_heads=int(need("num_key_value_heads")),
+            head_dim=head_dim,
+            linear_num_key_heads=int(need("linear_num_key_heads")),
+            linear_num_value_heads=int(need("linear_num_value_heads")),
+            linear_key_head_dim=int(need("linear_key_head_dim")),
+            linear_value_head_dim=int(need("linear_value_head_dim")),
+            linear_conv_kernel_dim=int(need("linear_conv_kernel_dim")),
+            num_experts=int(need("num_experts")),
+            num_experts_per_tok=int(need("num_experts_per_tok")),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            shared_expert_intermediate_size=int(need("shared_expert_intermediate_size")),
+            rms_norm_eps=float(need("rms_norm_eps")),
+            vocab_size=int(need("vocab_size")),
+            rope_theta=float(theta),
+            partial_rotary_factor=prf,
+            mrope_section=section,
+            full_attention_interval=interval,
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            quantization=dict(quant),
+            eos_token_ids=tuple(eos),
+            model_type=str(config.get("model_type", text.get("model_type", "qwen3_5_moe"))),
+        )
+        if args.linear_num_value_heads % args.linear_num_key_heads:
+            raise ValueError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if args.num_attention_heads % args.num_key_value_heads:
+            raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+        return args
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    def is_linear(self, i: int) -> bool:
+        return self.layer_types[i] == LINEAR
+
+    def quant_params(self, module: str) -> tuple[int, int]:
+        """(bits, group_size) of a quantized module, e.g. 'language_model.model.layers.0.mlp.gate'."""
+        q = self.quantization or {}
+        spec = q.get(module)
+        if spec is False:
+            raise ValueError(f"{module}: left unquantized by the export; not supported")
+        spec = spec if isinstance(spec, dict) else q
+        if spec.get("mode", "affine") != "affine":
+            raise ValueError(f"{module}: quantization mode {spec.get('mode')!r} is not supported")
+        return int(spec.get("bits", q["bits"])), int(spec.get("group_size", q["group_size"]))
+
+    def expert_quant(self, i: int) -> tuple[int, int]:
+        """(bits, group_size) of layer i's routed experts, as the export's config states them."""
+        return self.quant_params(f"{PREFIX}model.layers.{i}.mlp.switch_mlp.gate_proj")
+
+
+# --------------------------------------------------------------------------------------------------
+# weights
+
+
+class QLinear(NamedTuple):
+    """An affine-quantized linear layer without bias: y = x @ dequantize(weight).T"""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.quantized_matmul(
+            x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
+        )
+
+
+class _Loader:
+    """Takes tensors out of the weight dict, checking presence, dtype and shape, casting floats once."""
+
+    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype):
+        self.args, self.weights, self.dtype = args, weights, dtype
+
+    def _get(self, name: str) -> mx.array:
+        if name not in self.weights:
+            raise ValueError(f"missing tensor {name}")
+        return self.weights[name]
+
+    def float(self, name: str, shape: tuple[int, ...], dtype=None) -> mx.array:
+        w = self._get(name)
+        if not mx.issubdtype(w.dtype, mx.floating):
+            raise ValueError(f"{name}: dtype {w.dtype} is not floating point")
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {tuple(shape)}")
+        return w.astype(dtype or self.dtype)
+
+    def quantized(self, module: str, out_dims: int, in_dims: int) -> tuple[mx.array, mx.array, mx.array, int, int]:
+        """(weight, scales, biases, bits, group) of `module`; shapes may carry leading (expert) dims."""
+        bits, group = self.args.quant_params(module)
+        w = self._get(f"{module}.weight")
+        s = self._get(f"{module}.scales")
+        b = self._get(f"{module}.biases")
+        if w.dtype != mx.uint32:
+            raise ValueError(f"{module}.weight: dtype {w.dtype}, expected uint32 (quantized)")
+        lead = tuple(w.shape[:-2])
+        if in_dims % group or (in_dims * bits) % 32:
+            raise ValueError(f"{module}: input dim {in_dims} does not pack at {bits} bits, group {group}")
+        if s.ndim == w.ndim and s.shape[-1] and 32 * w.shape[-1] != bits * s.shape[-1] * group:
+            found = 32 * w.shape[-1] / (s.shape[-1] * group)
+            raise ValueError(
+                f"{module}.weight: shape {tuple(w.shape)} with scales {tuple(s.shape)} means {found:g} bits, "
+                f"config says {bits}"
+            )
+        for name, arr, shape in (
+            (f"{module}.weight", w, (*lead, out_dims, in_dims * bits // 32)),
+            (f"{module}.scales", s, (*lead, out_dims, in_dims // group)),
+            (f"{module}.biases", b, (*lead, out_dims, in_dims // group)),
+        ):
+            if tuple(arr.shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(arr.shape)}, expected {shape} ({bits}-bit, group {group})")
+        for name, arr in ((f"{module}.scales", s), (f"{module}.biases", b)):
+            if not mx.issubdtype(arr.dtype, mx.floating):
+                raise ValueError(f"{name}: dtype {arr.dtype} is not floating point")
+        return w, s.astype(self.dtype), b.astype(self.dtype), bits, group
+
+    def linear(self, module: str, out_dims: int, in_dims: int) -> QLinear:
+        return QLinear(*self.quantized(module, out_dims, in_dims))
+
+
+# --------------------------------------------------------------------------------------------------
+# rotary embedding
+
+
+class MRoPE:
+    """Partial rotary embedding (rotate-half pairing) with interleaved 3-axis M-RoPE positions.
+
+    The first `rotary_dim` dims of every head rotate; frequency f (of rotary_dim/2) takes its position
+    from axis t, h or w: f % 3 == 1 -> h (for f < 3*section[1]), f % 3 == 2 -> w (for f < 3*section[2]),
+    else t. With all three position rows equal this is exactly `mx.fast.rope(traditional=False)`: the
+    inverse frequencies and angles are computed with the same float32 operations.
+    """
+
+    def __init__(self, rotary_dim: int, base: float, section: tuple[int, ...]):
+        self.dims = rotary_dim
+        half = rotary_dim // 2
+        step = np.float32(math.log(base) / half)
+        self.inv_freq = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(step, dtype=mx.float32))
+        axis = [0] * half
+        for f in range(half):
+            if f % 3 == 1 and f < 3 * section[1]:
+                axis[f] = 1
+            elif f % 3 == 2 and f < 3 * section[2]:
+                axis[f] = 2
+        self.axis = mx.array(axis, dtype=mx.int32)
+        mx.eval(self.inv_freq, self.axis)
+
+    def cos_sin(self, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """positions [3, B, L] (or [B, L] for plain text) -> cos, sin [B, 1, L, rotary_dim/2] float32."""
+        if positions.ndim == 2:
+            positions = mx.broadcast_to(positions[None], (3, *positions.shape))
+        pos = mx.take(positions, self.axis, axis=0).transpose(1, 2, 0).astype(mx.float32)  # [B, L, half]
+        theta = pos * self.inv_freq
+        return mx.cos(theta)[:, None], mx.sin(theta)[:, None]
+
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        """x [B, heads, L, head_dim]"""
+        half, d = self.dims // 2, self.dims
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:d]
+        parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+        if d < x.shape[-1]:
+            parts.append(x[..., d:])
+        return mx.concatenate(parts, axis=-1)
+
+
+def text_positions(offset: int, length: int, batch: int = 1) -> mx.array:
+    """M-RoPE position ids [3, B, L] of plain text: every axis is the token index."""
+    pos = mx.arange(offset, offset + length, dtype=mx.int32)
+    return mx.broadcast_to(pos[None, None], (3, batch, length))
+
+
+# --------------------------------------------------------------------------------------------------
+# gated delta rule
+
+
+def _delta_step(state, q, k, v, g, beta):
+    """One token. state [B, H, dv, dk] f32; q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]."""
+    state = state * g[..., None, None]
+    kv = (state * k[..., None, :]).sum(axis=-1)  # what the state currently recalls for k
+    delta = (v - kv) * beta[..., None]
+    state = state + k[..., None, :] * delta[..., None]
+    y = (state * q[..., None, :]).sum(axis=-1)
+    return y, state
+
+
+def gated_delta_loop(q, k, v, log_g, beta, state):
+    """The recurrence token by token. q, k [B, L, H, dk] (already repeated to H = Hv); v [B, L, H, dv];
+    log_g, beta [B, L, H]; state [B, H, dv, dk] float32. Returns y [B, L, H, dv] (v's dtype), state."""
+    g = mx.exp(log_g)
+    ys = []
+    for t in range(q.shape[1]):
+        y, state = _delta_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        ys.append(y.astype(v.dtype))
+    return mx.stack(ys, axis=1), state
+
+
+def _unit_lower_inverse(a: mx.array) -> mx.array:
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C] (C a power of two), by recursive 2x2 block
+    inversion done level by level on all diagonal blocks at once: inv([[X, 0], [Y, Z]]) =
+    [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]]."""
+    C = a.shape[-1]
+    lead = a.shape[:-2]
+    inv = mx.ones((*lead, C, 1, 1), dtype=a.dtype)  # inverses of the 1x1 diagonal blocks
+    b = 1
+    while b < C:
+        P = C // (2 * b)
+        p = np.arange(P)[:, None, None]
+        rows = (2 * p + 1) * b + np.arange(b)[None, :, None]
+        cols = 2 * p * b + np.arange(b)[None, None, :]
+        y = a[..., mx.array(rows), mx.array(cols)]  # [..., P, b, b] the block below each diagonal pair
+        x_inv, z_inv = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        low = -(z_inv @ y @ x_inv)
+        top = mx.concatenate([x_inv, mx.zeros_like(x_inv)], axis=-1)
+        bottom = mx.concatenate([low, z_inv], axis=-1)
+        inv = mx.concatenate([top, bottom], axis=-2)  # [..., P, 2b, 2b]
+        b *= 2
+    return inv.reshape(*lead, C, C)
+
+
+def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = GDN_CHUNK):
+    """The same recurrence in chunks of `chunk` tokens (WY form): inside a chunk the delta-rule updates
+    are solved as one unit-lower-triangular system, across chunks the state is carried. Same arguments and
+    results as `gated_delta_loop`, equal up to float32 rounding."""
+    B, L, H, _ = q.shape
+    out_dtype = v.dtype
+    pad = (-L) % chunk
+    if pad:  # padded tokens have beta = 0 and no decay, so they leave the state untouched
+        padding = [(0, 0), (0, pad)]
+        q, k, v = (mx.pad(t, [*padding, (0, 0), (0, 0)]) for t in (q, k, v))
+        log_g, beta = (mx.pad(t, [*padding, (0, 0)]) for t in (log_g, beta))
+    N = (L + pad) // chunk
+
+    def heads_first(t):  # [B, N*C, H, ...] -> [B, H, N, C, ...] float32
+        t = t.astype(mx.float32).reshape(B, N, chunk, H, *t.shape[3:])
+        return t.transpose(0, 3, 1, 2, *range(4, t.ndim))
+
+    q, k, v, log_g, beta = map(heads_first, (q, k, v, log_g, beta))
+    gam = mx.cumsum(log_g, axis=-1)  # log of the decay from the chunk start through token t
+    idx = mx.arange(chunk)
+    incl = idx[:, None] >= idx[None, :]
+    strict = idx[:, None] > idx[None, :]
+    diff = gam[..., :, None] - gam[..., None, :]
+    decay = mx.exp(mx.where(incl, diff, -mx.inf))  # exp(gam_t - gam_s) for s <= t, else 0
+
+    kb = k * beta[..., None]
+    a = mx.where(strict, (kb @ k.swapaxes(-1, -2)) * decay, 0.0)
+    t_inv = _unit_lower_inverse(a)
+    u = t_inv @ (v * beta[..., None])  # [B, H, N, C, dv]
+    w = t_inv @ (kb * mx.exp(gam)[..., None])  # [B, H, N, C, dk]
+    qk = mx.where(incl, (q @ k.swapaxes(-1, -2)) * decay, 0.0)
+    qg = q * mx.exp(gam)[..., None]
+    k_tail = k * mx.exp(gam[..., -1:] - gam)[..., None]
+    g_last = mx.exp(gam[..., -1])  # [B, H, N]
+
+    ys = []
+    for n in range(N):
+        s_t = state.swapaxes(-1, -2)  # [B, H, dk, dv]
+        delta = u[:, :, n] - w[:, :, n] @ s_t  # [B, H, C, dv]
+        ys.append(qg[:, :, n] @ s_t + qk[:, :, n] @ delta)
+        state = state * g_last[:, :, n, None, None] + delta.swapaxes(-1, -2) @ k_tail[:, :, n]
+    y = mx.concatenate(ys, axis=2)[:, :, :L]  # [B, H, L, dv]
+    return y.transpose(0, 2, 1, 3).astype(out_dtype), state
+
+
+# --------------------------------------------------------------------------------------------------
+# layers
+
+
+class GatedDeltaNet:
+    def __init__(self, args: ModelArgs, ld: _Loader, p: str):
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.hk, self.hv = args.linear_num_key_heads, args.linear_num_value_heads
+        self.dk, self.dv = args.linear_key_head_dim, args.linear_value_head_dim
+        self.kernel, self.eps = args.linear_conv_kernel_dim, eps
+        key_dim, value_dim, conv_dim = self.hk * self.dk, self.hv * self.dv, args.conv_dim
+        self.in_proj_qkv = ld.linear(f"{p}in_proj_qkv", conv_dim, H)
+        self.in_proj_z = ld.linear(f"{p}in_proj_z", value_dim, H)
+        self.in_proj_b = ld.linear(f"{p}in_proj_b", self.hv, H)
+        self.in_proj_a = ld.linear(f"{p}in_proj_a", self.hv, H)
+        self.conv = ld.float(f"{p}conv1d.weight", (conv_dim, self.kernel, 1))[..., 0]  # [C, K]
+        self.dt_bias = ld.float(f"{p}dt_bias", (self.hv,))
+        self.A_log = ld.float(f"{p}A_log", (self.hv,), dtype=mx.float32)
+        self.norm = ld.float(f"{p}norm.weight", (self.dv,))
+        self.out_proj = ld.linear(f"{p}out_proj", H, value_dim)
+        self.splits = [key_dim, 2 * key_dim]
+
+    def __call__(self, x: mx.array, cache: GDNCache | None) -> mx.array:
+        B, L, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(B, L, self.hv, self.dv)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+
+        # causal depthwise convolution over [last K-1 inputs | this call's inputs], then SiLU
+        K = self.kernel
+        past = cache.conv if cache is not None else mx.zeros((B, K - 1, qkv.shape[-1]), dtype=qkv.dtype)
+        seq = mx.concatenate([past, qkv.astype(past.dtype)], axis=1)
+        if cache is not None:
+            cache.conv = mx.contiguous(seq[:, L:, :])
+        conv = seq[:, 0:L, :] * self.conv[:, 0]
+        for j in range(1, K):
+            conv = conv + seq[:, j : j + L, :] * self.conv[:, j]
+        conv = nn.silu(conv)
+
+        q, k, v = mx.split(conv, self.splits, axis=-1)
+        q = q.reshape(B, L, self.hk, self.dk)
+        k = k.reshape(B, L, self.hk, self.dk)
+        v = v.reshape(B, L, self.hv, self.dv)
+        # L2-normalise q and k (eps 1e-6 on the sum of squares); q also takes the dk^-0.5 readout scale
+        inv = self.dk**-0.5
+        q = mx.fast.rms_norm(q, None, 1e-6 * inv**2) * inv**2
+        k = mx.fast.rms_norm(k, None, 1e-6 * inv**2) * inv
+        if self.hv != self.hk:  # value head j reads key head j // (Hv/Hk)
+            q = mx.repeat(q, self.hv // self.hk, axis=2)
+            k = mx.repeat(k, self.hv // self.hk, axis=2)
+
+        beta = mx.sigmoid(b)
+        log_g = -mx.exp(self.A_log) * nn.softplus(a + self.dt_bias)  # float32
+        state = cache.state if cache is not None else mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
+        if L > GDN_CHUNK:
+            y, state = gated_delta_chunked(q, k, v, log_g, beta, state)
+        else:
+            y, state = gated_delta_loop(q, k, v, log_g, beta, state)
+        y = y.astype(x.dtype)
+        if cache is not None:
+            cache.state = state
+            cache.offset += L
+
+        # gated RMSNorm per head: rms_norm(y) * w * silu(z), in float32
+        y = mx.fast.rms_norm(y, self.norm, self.eps).astype(mx.float32)
+        y = (nn.silu(z.astype(mx.float32)) * y).astype(x.dtype)
+        return self.out_proj(y.reshape(B, L, -1))
+
+
+class Attention:
+    def __init__(self, args: ModelArgs, ld: _Loader, p: str):
+        H = args.hidden_size
+        self.nq, self.nkv, self.hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.eps, self.scale = args.rms_norm_eps, args.head_dim**-0.5
+        self.q_proj = ld.linear(f"{p}q_proj", 2 * self.nq * self.hd, H)  # per head [query | gate]
+        self.k_proj = ld.linear(f"{p}k_proj", self.nkv * self.hd, H)
+        self.v_proj = ld.linear(f"{p}v_proj", self.nkv * self.hd, H)
+        self.o_proj = ld.linear(f"{p}o_proj", H, self.nq * self.hd)
+        self.q_norm = ld.float(f"{p}q_norm.weight", (self.hd,))
+        self.k_norm = ld.float(f"{p}k_norm.weight", (self.hd,))
+
+    def __call__(self, x: mx.array, cache: KVCache | None, rope: MRoPE, cos: mx.array, sin: mx.array) -> mx.array:
+        B, L, _ = x.shape
+        q, gate = mx.split(self.q_proj(x).reshape(B, L, self.nq, 2 * self.hd), 2, axis=-1)
+        k = self.k_proj(x).reshape(B, L, self.nkv, self.hd)
+        v = self.v_proj(x).reshape(B, L, self.nkv, self.hd)
+        q = mx.fast.rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3)
+        k = mx.fast.rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        # causal: query i sits at key position (n_keys - L + i); GQA is handled by the kernel
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal" if L > 1 else None)
+        out = out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))
+
+
+class SparseMoe:
+    """The non-routed parts of a layer's MoE block: router and gated shared expert."""
+
+    def __init__(self, args: ModelArgs, ld: _Loader, p: str):
+        H, Is = args.hidden_size, args.shared_expert_intermediate_size
+        self.gate = ld.linear(f"{p}gate", args.num_experts, H)
+        self.shared_gate_proj = ld.linear(f"{p}shared_expert.gate_proj", Is, H)
+        self.shared_up_proj = ld.linear(f"{p}shared_expert.up_proj", Is, H)
+        self.shared_down_proj = ld.linear(f"{p}shared_expert.down_proj", H, Is)
+        self.shared_expert_gate = ld.linear(f"{p}shared_expert_gate", 1, H)
+
+
+class DecoderLayer:
+    def __init__(self, args: ModelArgs, ld: _Loader, i: int):
+        p = f"{PREFIX}model.layers.{i}."
+        self.is_linear = args.is_linear(i)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(args, ld, f"{p}linear_attn.")
+        else:
+            self.self_attn = Attention(args, ld, f"{p}self_attn.")
+        self.input_layernorm = ld.float(f"{p}input_layernorm.weight", (args.hidden_size,))
+        self.post_attention_layernorm = ld.float(f"{p}post_attention_layernorm.weight", (args.hidden_size,))
+        self.mlp = SparseMoe(args, ld, f"{p}mlp.")
+
+
+class Model:
+    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype: mx.Dtype = mx.float32):
+        """`weights`: every non-routed-expert tensor of the language model, keyed by its export name
+        ("language_model.model.layers.0.linear_attn.in_proj_qkv.weight", ...), as stored. Float tensors are
+        cast once to `dtype` (scales and biases too), A_log to float32. Other keys are ignored."""
+        self.args, self.dtype = args, dtype
+        ld = _Loader(args, weights, dtype)
+        H = args.hidden_size
+        self.embed_tokens = ld.quantized(f"{PREFIX}model.embed_tokens", args.vocab_size, H)
+        self.layers = [DecoderLayer(args, ld, i) for i in range(args.num_hidden_layers)]
+        self.norm = ld.float(f"{PREFIX}model.norm.weight", (H,))
+        if args.tie_word_embeddings:
+            self.lm_head = QLinear(*self.embed_tokens)
+        else:
+            self.lm_head = ld.linear(f"{PREFIX}lm_head", args.vocab_size, H)
+        self.rope = MRoPE(args.rotary_dim, args.rope_theta, args.mrope_section)
+        arrays = [v for layer in self.layers for v in _arrays(layer)] + [*self.embed_tokens[:3], self.norm]
+        mx.eval(arrays, self.lm_head[:3])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def make_cache(self, max_tokens: int, kv_dtype=mx.float32, batch: int = 1) -> list:
+        """One entry per layer: a KVCache preallocated to `max_tokens` for full attention, a GDNCache
+        (conv window + float32 recurrent state) for Gated DeltaNet."""
+        a = self.args
+        return [
+            GDNCache(batch, a.linear_conv_kernel_dim, a.conv_dim, a.linear_num_value_heads,
+                     a.linear_value_head_dim, a.linear_key_head_dim, dtype=self.dtype)
+            if layer.is_linear
+            else KVCache(batch, a.num_key_value_heads, a.head_dim, max_tokens, dtype=kv_dtype)
+            for layer in self.layers
+        ]  # fmt: skip
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """[B, L] token ids -> [B, L, H]: the rows of the quantized embedding, dequantized."""
+        w, s, b, bits, group = self.embed_tokens
+        return mx.dequantize(w[tokens], s[tokens], b[tokens], group_size=group, bits=bits).astype(self.dtype)
+
+    def mix(self, i: int, h: mx.array, cache_i, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """Layer i's token mixer with its norm and residual: returns (h + mixer(norm(h)), x) where
+        x = post_attention_layernorm(h + ...) is the MoE input. positions: [3, B, L] int32 (t, h, w)."""
+        layer = self.layers[i]
+        x = mx.fast.rms_norm(h, layer.input_layernorm, self.args.rms_norm_eps)
+        if layer.is_linear:
+            r = layer.linear_attn(x, cache_i)
+        else:
+            cos, sin = self.rope.cos_sin(positions)
+            r = layer.self_attn(x, cache_i, self.rope, cos, sin)
+        h = h + r
+        return h, mx.fast.rms_norm(h, layer.post_attention_layernorm, self.args.rms_norm_eps)
+
+    def router_logits(self, i: int, x: mx.array) -> mx.array:
+        return self.layers[i].mlp.gate(x)
+
+    def route(self, logits: mx.array, k: int | None = None) -> tuple[mx.array, mx.array]:
+        """Top-k experts: (inds [..., k] uint32, scores [..., k] in dtype), in router-rank order.
+
+        Softmax in float32; the k largest picked by argpartition as mlx-lm does (kth=-k, last k, in the
+        order argpartition leaves them: that order is the one experts are combined in); scores renormalised
+        to sum to 1 (norm_topk_prob)."""
+        k = k or self.args.num_experts_per_tok
+        gates = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+        inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        if self.args.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        return inds.astype(mx.uint32), scores.astype(self.dtype)
+
+    def shared_expert(self, i: int, x: mx.array) -> mx.array:
+        m = self.layers[i].mlp
+        y = m.shared_down_proj(nn.silu(m.shared_gate_proj(x)) * m.shared_up_proj(x))
+        return mx.sigmoid(m.shared_expert_gate(x)) * y
+
+    def head(self, h: mx.array) -> mx.array:
+        return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps))
+
+
+def _arrays(obj) -> list[mx.array]:
+    out = []
+    for v in vars(obj).values():
+        if isinstance(v, mx.array):
+            out.append(v)
+        elif isinstance(v, QLinear):
+            out.extend(v[:3])
+        elif isinstance(v, GatedDeltaNet | Attention | SparseMoe):
+            out.extend(_arrays(v))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# routed experts
+
+
+def expert_mlp(x: mx.array, w: ExpertWeights, bits: int, group_size: int, dtype=mx.float32) -> mx.array:
+    """One routed expert on tokens x [N, H]: down(silu(gate(x)) * up(x))."""
+
+    def qmm(a, wq, s, b):
+        return mx.quantized_matmul(
+            a, wq, s.astype(dtype), b.astype(dtype), transpose=True, group_size=group_size, bits=bits
+        )
+
+    x = x.astype(dtype)
+    h = nn.silu(qmm(x, w.gate_w, w.gate_s, w.gate_b)) * qmm(x, w.up_w, w.up_s, w.up_b)
+    return qmm(h, w.down_w, w.down_s, w.down_b)
+
+
+def combine(outs: mx.array, scores: mx.array) -> mx.array:
+    """outs [..., k, H] in router-rank order, scores [..., k] -> sum_j outs[..., j, :] * scores[..., j],
+    accumulated left to right in rank order with elementwise ops (no reduction kernel), so the result
+    depends only on the values, not on shapes or batching."""
+    acc = outs[..., 0, :] * scores[..., 0:1]
+    for j in range(1, outs.shape[-2]):
+        acc = acc + outs[..., j, :] * scores[..., j : j + 1]
+    return acc
+
+
+class ResidentExperts:
+    """Reference expert provider: every layer's stacked expert tensors in memory.
+
+    `expert_tensors`: "language_model.model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}",
+    stacked [E, ...] as stored; scales and biases are cast to `dtype` once."""
+
+    def __init__(self, args: ModelArgs, expert_tensors: dict[str, mx.array], dtype=mx.float32):
+        self.args, self.dtype = args, dtype
+        ld = _Loader(args, expert_tensors, dtype)
+        H, inter, E = args.hidden_size, args.moe_intermediate_size, args.num_experts
+        self.layers = []
+        for i in range(args.num_hidden_layers):
+            p = f"{PREFIX}model.layers.{i}.mlp.switch_mlp."
+            parts, quant = [], set()
+            for proj, (out_dims, in_dims) in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
+                w, s, b, bits, group = ld.quantized(p + proj, out_dims, in_dims)
+                if w.shape[0] != E:
+                    raise ValueError(f"{p}{proj}.weight: {w.shape[0]} experts, config says {E}")
+                parts += [w, s, b]
+                quant.add((bits, group))
+            if len(quant) != 1:
+                raise ValueError(f"{p}: gate/up/down quantized differently: {sorted(quant)}")
+            mx.eval(parts)
+            self.layers.append((parts, *quant.pop()))
+
+    def expert(self, i: int, e: int) -> ExpertWeights:
+        return ExpertWeights(*(t[e] for t in self.layers[i][0]))
+
+    def __call__(self, i: int, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
+        """Routed-expert output of layer i for x [..., H] with inds/scores [..., k] from `route`."""
+        _, bits, group = self.layers[i]
+        shape, k = x.shape, inds.shape[-1]
+        xf = x.reshape(-1, shape[-1])
+        flat = np.array(inds.reshape(-1)).astype(np.int64)  # slot p = token * k + rank
+        order = np.argsort(flat, kind="stable")
+        experts, starts = np.unique(flat[order], return_index=True)
+        bounds = [*starts[1:], len(order)]
+        pieces = []
+        for e, lo, hi in zip(experts, starts, bounds, strict=True):
+            tokens = mx.array(order[lo:hi] // k)
+            pieces.append(expert_mlp(xf[tokens], self.expert(i, int(e)), bits, group, self.dtype))
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        outs = mx.concatenate(pieces, axis=0)[mx.array(back)].reshape(-1, k, shape[-1])
+        return combine(outs, scores.reshape(-1, k)).reshape(shape)
+
+
+def forward(
+    model: Model,
+    tokens: mx.array,
+    cache: list,
+    experts,
+    positions: mx.array | None = None,
+    input_embeddings: mx.array | None = None,
+) -> mx.array:
+    """The whole model for reference use: logits [B, L, V]. `experts(i, x, inds, scores)` gives the routed
+    output; it is added to the shared expert's before the residual, as mlx-lm does: h + (routed + shared)."""
+    h = model.embed(tokens) if input_embeddings is None else input_embeddings.astype(model.dtype)
+    B, L = h.shape[:2]
+    if positions is None:
+        positions = text_positions(cache[0].offset, L, B)
+    for i in range(model.num_layers):
+        h, x = model.mix(i, h, cache[i], positions)
+        inds, scores = model.route(model.router_logits(i, x))
+        h = h + (experts(i, x, inds, scores) + model.shared_expert(i, x))
+    return model.head(h)

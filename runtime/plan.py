@@ -1,0 +1,141 @@
+"""MemoryPlan: every byte the process will make resident, sized at open for the context asked for.
+
+The hot tier gets exactly what is left. If the fixed accounts do not fit, open fails before anything is
+loaded and says the smallest cap that would. The plan is the contract the cgroup test holds us to.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from streamoe.formats.errors import StreamoeError
+
+GiB = 1 << 30
+MiB = 1 << 20
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+STORED_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
+
+
+def current_rss() -> int:
+    """Resident set of this process now (anonymous + file-backed), in bytes."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # macOS reports bytes
+
+
+def resident_nbytes(dtype: str, nbytes: int, compute_item: int) -> int:
+    """Bytes a stored tensor occupies once loaded: float tensors are cast to the compute dtype, codes stay packed."""
+    if dtype in STORED_ITEM:
+        return nbytes // STORED_ITEM[dtype] * compute_item
+    return nbytes
+
+
+@dataclass
+class MemoryPlan:
+    cap: int
+    ctx: int
+    expert_format: str
+    stride: int
+    n_experts: int
+    accounts: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def fixed(self) -> int:
+        return sum(self.accounts.values())
+
+    @property
+    def hot_bytes(self) -> int:
+        return max(0, self.cap - self.fixed)
+
+    @property
+    def hot_slots(self) -> int:
+        return self.hot_bytes // self.stride
+
+    @property
+    def staging_slots(self) -> int:
+        return self.n_experts
+
+    @property
+    def fits(self) -> bool:
+        return self.cap >= self.fixed
+
+    @property
+    def min_cap(self) -> int:
+        return self.fixed
+
+    def render(self) -> str:
+        rows = [f"memory plan: cap {self.cap / GiB:.2f} GiB, ctx {self.ctx}, experts {self.expert_format} "
+                f"({self.stride:,} B per expert)"]
+        for name, n in self.accounts.items():
+            note = f"  ({self.notes[name]})" if name in self.notes else ""
+            rows.append(f"  {name:<16} {n / GiB:8.3f} GiB{note}")
+        rows.append(f"  {'hot tier':<16} {self.hot_bytes / GiB:8.3f} GiB  ({self.hot_slots} expert slots; "
+                    f"+{self.staging_slots} lent staging slots during decode)")
+        rows.append(f"  {'total':<16} {(self.fixed + self.hot_slots * self.stride) / GiB:8.3f} GiB of {self.cap / GiB:.2f}")
+        return "\n".join(rows)
+
+    def require_fit(self) -> None:
+        if not self.fits:
+            raise StreamoeError(f"cap {self.cap / GiB:.2f} GiB is too small for this model at ctx {self.ctx}: "
+                                f"the fixed accounts need {self.fixed / GiB:.2f} GiB; smallest cap that fits: "
+                                f"--cap {(self.min_cap + 0.01 * GiB) / GiB:.2f}")
+
+
+def activation_bytes(tc: dict, ctx: int, chunk: int, item: int) -> int:
+    """Working memory of one prefill chunk (the decode step is a chunk of one): a conservative sum of the
+    largest live temporaries — attention scores over the whole context dominate for long contexts."""
+    H, E_k = tc["hidden_size"], tc["num_experts_per_tok"]
+    nq, nkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc.get("head_dim", H // tc["num_attention_heads"])
+    conv = 2 * tc["linear_num_key_heads"] * tc["linear_key_head_dim"] + tc["linear_num_value_heads"] * tc["linear_value_head_dim"]
+    vdim = tc["linear_num_value_heads"] * tc["linear_value_head_dim"]
+    inter = max(tc["moe_intermediate_size"], tc["shared_expert_intermediate_size"])
+    hidden = 8 * chunk * H
+    attn = chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * chunk * ctx
+    gdn = 3 * chunk * (conv + vdim) + tc["linear_num_value_heads"] * tc["linear_value_head_dim"] * tc["linear_key_head_dim"] * 4
+    moe = 3 * chunk * E_k * H + 4 * chunk * inter
+    logits = 2 * tc["vocab_size"]
+    return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item)
+
+
+def state_bytes(tc: dict, ctx: int, kv_item: int) -> tuple[int, int]:
+    """(KV cache for ctx tokens, linear-attention state), both preallocated at open."""
+    n = tc["num_hidden_layers"]
+    interval = tc.get("full_attention_interval", 4)
+    n_full = sum(1 for i in range(n) if (i + 1) % interval == 0)
+    hd = tc.get("head_dim", tc["hidden_size"] // tc["num_attention_heads"])
+    kv = n_full * 2 * tc["num_key_value_heads"] * hd * ctx * kv_item
+    conv = 2 * tc["linear_num_key_heads"] * tc["linear_key_head_dim"] + tc["linear_num_value_heads"] * tc["linear_value_head_dim"]
+    rec = tc["linear_num_value_heads"] * tc["linear_value_head_dim"] * tc["linear_key_head_dim"]
+    lin = (n - n_full) * ((tc.get("linear_conv_kernel_dim", 4) - 1) * conv + rec) * 4
+    return kv, lin
+
+
+def make_plan(*, tc: dict, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
+              vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
+              prefill_chunk: int = 256) -> MemoryPlan:
+    item, kv_item = ITEMSIZE[dtype], ITEMSIZE[kv_dtype]
+    kv, lin = state_bytes(tc, ctx, kv_item)
+    n_exp = tc["num_experts"]
+    plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp)
+    if runtime_bytes is None:
+        runtime_bytes = current_rss() + 64 * MiB
+        plan.notes["runtime"] = "measured RSS at open + 64 MiB for allocator cache and Python heap"
+    plan.accounts = {
+        "non-expert": nonexpert_resident,
+        "kv cache": kv,
+        "linear state": lin,
+        "activations": activation_bytes(tc, ctx, min(prefill_chunk, ctx), item),
+        "prefill staging": n_exp * stride,
+        "vision": vision_bytes,
+        "runtime": runtime_bytes,
+    }
+    plan.notes["non-expert"] = f"weights as computed ({dtype} floats, packed codes)"
+    plan.notes["kv cache"] = f"{ctx} tokens, {kv_dtype}"
+    plan.notes["prefill staging"] = f"{n_exp} slots, one per expert of a layer"
+    return plan

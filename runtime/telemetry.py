@@ -1,0 +1,70 @@
+"""Telemetry: one JSON line per forward step (a prefill chunk or a decoded token), with per-layer
+counters, validated by schemas/telemetry.schema.json; and the one-line summary after each answer."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import jsonschema
+
+from streamoe.formats.manifest import schema
+
+MiB = 1 << 20
+
+
+@dataclass
+class LayerStats:
+    layer: int
+    picks: int = 0
+    hits_hot: int = 0  # resident in a tier slot of its own
+    hits_lent: int = 0  # resident in a staging slot lent to the tier
+    hits_prefetch: int = 0  # read ahead by the cross-layer guess
+    misses: int = 0
+    prefetch_issued: int = 0
+    prefetch_wasted: int = 0  # issued for this layer, not picked
+    bytes_read: int = 0
+    io_wait_ms: float = 0.0
+    compute_ms: float = 0.0
+
+
+@dataclass
+class StepStats:
+    step: int
+    phase: str  # prefill | decode
+    n_tokens: int
+    token_id: int | None = None
+    ms: float = 0.0
+    layers: list[LayerStats] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def validate_record(rec: dict) -> None:
+    jsonschema.validate(rec, schema("telemetry.schema.json"))
+
+
+def summarize(steps: list[StepStats], peak_bytes: int, cap: int, stride: int) -> dict:
+    dec = [s for s in steps if s.phase == "decode"]
+    n = max(1, len(dec))
+    tot_ms = sum(s.ms for s in dec)
+    io = sum(ly.io_wait_ms for s in dec for ly in s.layers)
+    comp = sum(ly.compute_ms for s in dec for ly in s.layers)
+    picks = sum(ly.picks for s in dec for ly in s.layers)
+    hits = sum(ly.hits_hot + ly.hits_lent + ly.hits_prefetch for s in dec for ly in s.layers)
+    read = sum(ly.bytes_read for s in dec for ly in s.layers)
+    return {
+        "tokens": len(dec), "tok_s": len(dec) / (tot_ms / 1000) if tot_ms else 0.0,
+        "ms_token": tot_ms / n, "compute_ms": comp / n, "io_wait_ms": io / n, "other_ms": (tot_ms - comp - io) / n,
+        "hit_rate": hits / picks if picks else 0.0, "mib_read_token": read / MiB / n,
+        "peak_gib": peak_bytes / (1 << 30), "cap_gib": cap / (1 << 30),
+        "prefill_tokens": sum(s.n_tokens for s in steps if s.phase == "prefill"),
+        "prefill_ms": sum(s.ms for s in steps if s.phase == "prefill"),
+    }
+
+
+def summary_line(s: dict) -> str:
+    return (f"[{s['tokens']} tokens, {s['tok_s']:.2f} tok/s, {s['ms_token']:.1f} ms/token = compute {s['compute_ms']:.1f} + "
+            f"I/O wait {s['io_wait_ms']:.1f} + other {s['other_ms']:.1f}; hit rate {100 * s['hit_rate']:.1f}%, "
+            f"{s['mib_read_token']:.2f} MiB read/token; peak {s['peak_gib']:.2f} of {s['cap_gib']:.2f} GiB; "
+            f"prefill {s['prefill_tokens']} tokens in {s['prefill_ms'] / 1000:.2f} s]")

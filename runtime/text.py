@@ -1,0 +1,103 @@
+"""Text in and out: tokenizer.json through `tokenizers`, the checkpoint's chat template through jinja2,
+stop tokens from generation_config, sampling, and incremental detokenization for streaming output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+import numpy as np
+from tokenizers import Tokenizer
+
+from streamoe.formats.errors import fail
+
+
+class TextIO:
+    def __init__(self, root: Path, config: dict):
+        tok = root / "tokenizer.json"
+        if not tok.is_file():
+            raise fail(tok, "missing (the converted directory must carry the checkpoint's tokenizer)")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tok))
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise fail(tok, f"does not load ({str(e).splitlines()[0]})") from None
+        tpl = root / "chat_template.jinja"
+        text = tpl.read_text() if tpl.is_file() else None
+        if text is None and (root / "tokenizer_config.json").is_file():
+            text = json.loads((root / "tokenizer_config.json").read_text()).get("chat_template")
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(text) if text else None
+        self.stop_ids = stop_tokens(root, config)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def chat_prompt(self, messages: list[dict], think: bool = True) -> str:
+        if self.template is None:
+            raise fail("chat_template.jinja", "the model has no chat template; use --raw")
+        return self.template.render(messages=messages, add_generation_prompt=True, enable_thinking=think,
+                                    bos_token="", eos_token="")
+
+
+def _raise(msg: str):
+    raise jinja2.TemplateError(msg)
+
+
+def stop_tokens(root: Path, config: dict) -> set[int]:
+    ids: set[int] = set()
+    for src in (config.get("eos_token_id"), config.get("text_config", {}).get("eos_token_id")):
+        ids |= set(src if isinstance(src, list) else [src] if isinstance(src, int) else [])
+    gen = root / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(e if isinstance(e, list) else [e] if isinstance(e, int) else [])
+    return ids
+
+
+class Detokenizer:
+    """Emits text as tokens arrive, holding back an incomplete UTF-8 sequence until it completes."""
+
+    def __init__(self, text: TextIO):
+        self.text, self.ids, self.emitted = text, [], 0
+
+    def add(self, tok: int) -> str:
+        self.ids.append(tok)
+        s = self.text.decode(self.ids)
+        if s.endswith("\ufffd"):
+            return ""
+        new, self.emitted = s[self.emitted:], len(s)
+        return new
+
+
+class Sampler:
+    """Greedy when temp == 0; else temperature, top-k, top-p on float32 logits with a seeded generator."""
+
+    def __init__(self, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0):
+        if temp < 0:
+            raise ValueError("--temp must be >= 0")
+        if not 0 < top_p <= 1:
+            raise ValueError("--top-p must be in (0, 1]")
+        if top_k < 0:
+            raise ValueError("--top-k must be >= 0")
+        self.temp, self.top_p, self.top_k = temp, top_p, top_k
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+        if self.temp == 0:
+            return int(np.argmax(logits))
+        z = logits / self.temp
+        order = np.argsort(-z, kind="stable")
+        if self.top_k:
+            order = order[: self.top_k]
+        p = np.exp(z[order] - z[order[0]])
+        p /= p.sum()
+        if self.top_p < 1:
+            keep = np.searchsorted(np.cumsum(p), self.top_p) + 1
+            order, p = order[:keep], p[:keep] / p[:keep].sum()
+        return int(order[self.rng.choice(len(order), p=p)])

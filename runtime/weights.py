@@ -1,0 +1,60 @@
+"""Non-expert weights: `nonexpert.bin` tensors into MLX arrays, each resident exactly once.
+
+Each tensor is read page-cache-free in chunks straight into its MLX array's memory (no mapped copy lingers),
+and float tensors are cast to the compute dtype one at a time, so the load never holds a tensor twice
+beyond the one being cast. `A_log` stays float32 whatever the compute dtype (the decay needs it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from streamoe.formats.blobs import BlobTensor
+from streamoe.formats.direct import RangeReader
+from streamoe.formats.safetensors import DTYPES
+
+from .store import MX_DTYPES
+
+CHUNK = 16 << 20
+FLOATS = ("BF16", "F16", "F32")
+
+
+def read_tensor(reader: RangeReader, t: BlobTensor) -> mx.array:
+    """One stored tensor as an MLX array of its stored dtype (bf16 as bf16)."""
+    arr = mx.zeros(t.shape, MX_DTYPES[t.dtype] if t.dtype != "BF16" else mx.uint16)
+    mx.eval(arr)
+    host = np.asarray(arr).reshape(-1).view(np.uint8)
+    for off in range(0, t.nbytes, CHUNK):
+        n = min(CHUNK, t.nbytes - off)
+        host[off:off + n] = np.frombuffer(reader.read(t.offset + off, n), np.uint8)
+    return arr.view(mx.bfloat16) if t.dtype == "BF16" else arr
+
+
+def load_tensors(path: Path, table: Iterable[BlobTensor], dtype: mx.Dtype) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    with RangeReader(path, CHUNK) as reader:
+        for t in table:
+            a = read_tensor(reader, t)
+            if t.dtype in FLOATS:
+                target = mx.float32 if t.name.endswith("A_log") else dtype
+                if a.dtype != target:
+                    a = a.astype(target)
+                    mx.eval(a)
+            out[t.name] = a
+    return out
+
+
+def resident_bytes(table: Iterable[BlobTensor], dtype_item: int) -> int:
+    """What `load_tensors` will hold: packed codes as stored, floats at the compute dtype (A_log at 4 bytes)."""
+    total = 0
+    for t in table:
+        if t.dtype in FLOATS:
+            item = 4 if t.name.endswith("A_log") else dtype_item
+            total += t.nbytes // DTYPES[t.dtype][1] * item
+        else:
+            total += t.nbytes
+    return total
