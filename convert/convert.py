@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from streamoe.formats import quant
 from streamoe.formats.blobs import plan_blob
-from streamoe.formats.direct import RangeReader, UncachedWriter, aligned_buffer
+from streamoe.formats.direct import RangeReader, UncachedWriter
 from streamoe.formats.errors import fail
 from streamoe.formats.manifest import MANIFEST, segments_json, write_manifest
 from streamoe.formats.record import PARTS, PROJS, RecordLayout
@@ -58,7 +58,10 @@ def blob_entries(ckpt: Checkpoint, names: list[str]) -> list[tuple]:
                 group = qg[1]
                 bits = 32 * w.shape[-1] // (s.shape[-1] * group)
                 if bits * s.shape[-1] * group != 32 * w.shape[-1]:
-                    raise fail(w.file, f"tensor {module}.weight shape {list(w.shape)} fits no bit width at group {group}")
+                    raise fail(
+                        w.file,
+                        f"tensor {module}.weight shape {list(w.shape)} fits no bit width at group {group}",
+                    )
         out.append((name, t.dtype, t.shape, t.nbytes, bits, group))
     return out
 
@@ -90,7 +93,9 @@ class Readers:
         self.open.clear()
 
 
-def write_blob(readers: Readers, ckpt: Checkpoint, path: Path, entries: list[tuple], bar: tqdm) -> tuple[dict, list[dict]]:
+def write_blob(
+    readers: Readers, ckpt: Checkpoint, path: Path, entries: list[tuple], bar: tqdm
+) -> tuple[dict, list[dict]]:
     table, size = plan_blob(entries)
     w = UncachedWriter(path)
     for t in table:
@@ -104,47 +109,53 @@ def write_blob(readers: Readers, ckpt: Checkpoint, path: Path, entries: list[tup
     return w.close(), [t.to_json() for t in table]
 
 
-def write_layer(readers: Readers, ckpt: Checkpoint, tensors: dict, lay4: RecordLayout, lay3: RecordLayout,
-                outs: dict[str, Path], n_experts: int, bar: tqdm) -> dict[str, dict]:
+def write_layer(
+    readers: Readers,
+    ckpt: Checkpoint,
+    tensors: dict,
+    lay4: RecordLayout,
+    lay3: RecordLayout,
+    outs: dict[str, Path],
+    n_experts: int,
+    bar: tqdm,
+) -> dict[str, dict]:
     """Both formats of one layer's expert file from one pass over its nine stacked source tensors."""
     per_chunk = max(1, CHUNK_BYTES // lay4.stride)
     writers = {fmt: UncachedWriter(p) for fmt, p in outs.items()}
-    bufs = {fmt: aligned_buffer(per_chunk * lay.stride) for fmt, lay in (("q4", lay4), ("q3", lay3)) if fmt in outs}
-    try:
-        for e0 in range(0, n_experts, per_chunk):
-            n = min(per_chunk, n_experts - e0)
-            recs = {fmt: np.frombuffer(b, np.uint8, n * (lay4 if fmt == "q4" else lay3).stride).reshape(n, -1)
-                    for fmt, b in bufs.items()}
-            for r in recs.values():
-                r[:] = 0
-            for proj in PROJS:
-                parts = {}
-                for part in PARTS:
-                    t, seg = tensors[(proj, part)], lay4.segment(proj, part)
-                    raw = readers.read(t.file, t.offset + e0 * seg.nbytes, n * seg.nbytes)
-                    parts[part] = np.frombuffer(raw, np.uint8).reshape(n, seg.nbytes).copy()
-                    bar.update(n * seg.nbytes)
-                    if "q4" in recs:
-                        recs["q4"][:, seg.offset:seg.offset + seg.nbytes] = parts[part]
-                if "q3" in recs:
-                    w3 = quant.shift_words_4_to_3(parts["weight"].view(np.uint32))
-                    s3, b3 = quant.shift_scales_bf16(parts["scales"].view(np.uint16), parts["biases"].view(np.uint16))
-                    for part, arr in (("weight", w3), ("scales", s3), ("biases", b3)):
-                        seg = lay3.segment(proj, part)
-                        recs["q3"][:, seg.offset:seg.offset + seg.nbytes] = arr.view(np.uint8).reshape(n, -1)
-            for fmt, r in recs.items():
-                writers[fmt].write(memoryview(r).cast("B"))
-            del recs
-        return {fmt: w.close() for fmt, w in writers.items()}
-    finally:
-        for b in bufs.values():
-            b.close()
+    lays = {"q4": lay4, "q3": lay3}
+    bufs = {fmt: np.zeros((per_chunk, lays[fmt].stride), np.uint8) for fmt in outs}
+    for e0 in range(0, n_experts, per_chunk):
+        n = min(per_chunk, n_experts - e0)
+        recs = {fmt: b[:n] for fmt, b in bufs.items()}
+        for proj in PROJS:
+            parts = {}
+            for part in PARTS:
+                t, seg = tensors[(proj, part)], lay4.segment(proj, part)
+                raw = readers.read(t.file, t.offset + e0 * seg.nbytes, n * seg.nbytes)
+                parts[part] = np.frombuffer(raw, np.uint8).reshape(n, seg.nbytes).copy()
+                bar.update(n * seg.nbytes)
+                if "q4" in recs:
+                    recs["q4"][:, seg.offset : seg.offset + seg.nbytes] = parts[part]
+            if "q3" in recs:
+                w3 = quant.shift_words_4_to_3(parts["weight"].view(np.uint32))
+                s3, b3 = quant.shift_scales_bf16(
+                    parts["scales"].view(np.uint16), parts["biases"].view(np.uint16)
+                )
+                for part, arr in (("weight", w3), ("scales", s3), ("biases", b3)):
+                    seg = lay3.segment(proj, part)
+                    recs["q3"][:, seg.offset : seg.offset + seg.nbytes] = arr.view(np.uint8).reshape(n, -1)
+        for fmt, r in recs.items():
+            writers[fmt].write(r.tobytes() if n < per_chunk else memoryview(r).cast("B"))
+    return {fmt: w.close() for fmt, w in writers.items()}
 
 
 def free_space_check(parent: Path, need: int) -> None:
     free = shutil.disk_usage(parent).free
     if free < need + (64 << 20):
-        raise fail(parent, f"not enough free disk space: conversion needs {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
+        raise fail(
+            parent,
+            f"not enough free disk space: conversion needs {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free",
+        )
 
 
 def load_journal(tmp: Path, fp: str) -> dict:
@@ -154,7 +165,11 @@ def load_journal(tmp: Path, fp: str) -> dict:
         try:
             doc = json.loads(j.read_text())
             if doc.get("fingerprint") == fp:
-                return {k: v for k, v in doc["done"].items() if (tmp / k).is_file() and (tmp / k).stat().st_size == v["size"]}
+                return {
+                    k: v
+                    for k, v in doc["done"].items()
+                    if (tmp / k).is_file() and (tmp / k).stat().st_size == v["size"]
+                }
         except (ValueError, KeyError, TypeError):
             pass
     if tmp.exists():
@@ -168,7 +183,9 @@ def save_journal(tmp: Path, fp: str, done: dict) -> None:
     os.replace(p, tmp / JOURNAL)
 
 
-def convert(ckpt_path: Path, out: Path, formats: list[str] | None = None, force: bool = False, progress: bool = True) -> Path:
+def convert(
+    ckpt_path: Path, out: Path, formats: list[str] | None = None, force: bool = False, progress: bool = True
+) -> Path:
     formats = formats or ["q4"]
     bad = [f for f in formats if f not in ("q4", "q3")]
     if bad or not formats:
@@ -182,7 +199,9 @@ def convert(ckpt_path: Path, out: Path, formats: list[str] | None = None, force:
 
     out = Path(out)
     if out.exists() and not force:
-        what = "a converted model" if (out / MANIFEST).exists() else "not empty" if any(out.iterdir()) else None
+        what = (
+            "a converted model" if (out / MANIFEST).exists() else "not empty" if any(out.iterdir()) else None
+        )
         if what:
             raise fail(out, f"already exists ({what}); use --force to replace it")
     tmp = out.parent / f".{out.name}.partial"
@@ -203,9 +222,21 @@ def convert(ckpt_path: Path, out: Path, formats: list[str] | None = None, force:
     for f in formats:
         (tmp / "experts" / f).mkdir(parents=True, exist_ok=True)
 
-    work = sum(t.nbytes for t in ckpt.tensors.values() if classify(t.name, prefix) in ("expert", "nonexpert", "vision"))
+    work = sum(
+        t.nbytes
+        for t in ckpt.tensors.values()
+        if classify(t.name, prefix) in ("expert", "nonexpert", "vision")
+    )
     readers = Readers()
-    bar = tqdm(total=work, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=work,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="convert",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     try:
         blobs = {}
         for kind, entries in blob_plans.items():
@@ -240,18 +271,44 @@ def convert(ckpt_path: Path, out: Path, formats: list[str] | None = None, force:
     experts = {}
     for f in formats:
         lay = lays[f]
-        experts[f] = {"bits": lay.bits, "group_size": lay.group_size, "scale_dtype": lay.scale_dtype, "raw_size": lay.raw_size,
-                      "stride": lay.stride, "derivation": "source" if f == "q4" else "shift", "segments": segments_json(lay),
-                      "files": [{"path": f"experts/{f}/layer-{li:02d}.bin", "layer": li, **done[f"experts/{f}/layer-{li:02d}.bin"]}
-                                for li in range(n_layers)]}
+        experts[f] = {
+            "bits": lay.bits,
+            "group_size": lay.group_size,
+            "scale_dtype": lay.scale_dtype,
+            "raw_size": lay.raw_size,
+            "stride": lay.stride,
+            "derivation": "source" if f == "q4" else "shift",
+            "segments": segments_json(lay),
+            "files": [
+                {
+                    "path": f"experts/{f}/layer-{li:02d}.bin",
+                    "layer": li,
+                    **done[f"experts/{f}/layer-{li:02d}.bin"],
+                }
+                for li in range(n_layers)
+            ],
+        }
     doc = {
-        "format": "streamoe", "version": 1,
-        "source": {"model_type": ckpt.config["model_type"], "total_size": ckpt.total_size,
-                   "shards": [{"file": h.path.name, "size": h.file_size} for h in ckpt.shards]},
+        "format": "streamoe",
+        "version": 1,
+        "source": {
+            "model_type": ckpt.config["model_type"],
+            "total_size": ckpt.total_size,
+            "shards": [{"file": h.path.name, "size": h.file_size} for h in ckpt.shards],
+        },
         "config": ckpt.config,
-        "model": {"num_layers": n_layers, "num_experts": n_exp, "top_k": tc["num_experts_per_tok"], "hidden_size": lay4.hidden,
-                  "moe_intermediate_size": lay4.intermediate, "expert_prefix": prefix},
-        "experts": experts, "blobs": blobs, "files": files, "skipped": groups["skip"],
+        "model": {
+            "num_layers": n_layers,
+            "num_experts": n_exp,
+            "top_k": tc["num_experts_per_tok"],
+            "hidden_size": lay4.hidden,
+            "moe_intermediate_size": lay4.intermediate,
+            "expert_prefix": prefix,
+        },
+        "experts": experts,
+        "blobs": blobs,
+        "files": files,
+        "skipped": groups["skip"],
     }
     (tmp / JOURNAL).unlink(missing_ok=True)
     write_manifest(tmp, doc)

@@ -107,8 +107,8 @@ def validate(root: Path, source: Path | None = None, samples: int = 16) -> dict:
             continue
         if "layer" in f:
             try:
-                fmt = detect_format(path, size, n_exp, layouts)
                 want = f["path"].split("/")[1]
+                fmt = detect_format(path, size, n_exp, layouts, claimed=want)
                 if fmt != want:
                     raise StreamoeError(f"{path}: size says {fmt}, manifest says {want}")
             except StreamoeError as e:

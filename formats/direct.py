@@ -69,9 +69,12 @@ class RangeReader:
         return self.view[:nbytes]
 
     def close(self) -> None:
-        self.view.release()
-        self.buf.close()
         os.close(self.fd)
+        try:
+            self.view.release()
+            self.buf.close()
+        except BufferError:  # a caller still holds a view (e.g. in a traceback); the GC unmaps it later
+            pass
 
     def __enter__(self) -> RangeReader:
         return self

@@ -17,10 +17,16 @@ def record_layouts(hidden: int, intermediate: int, group_size: int, scale_dtype:
     return {fmt: RecordLayout.make(hidden, intermediate, bits, group_size, scale_dtype) for fmt, bits in FORMAT_BITS.items()}
 
 
-def detect_format(path: str | Path, size: int, n_experts: int, layouts: dict[str, RecordLayout]) -> str:
-    """The format whose `n_experts × stride` equals `size`, or an error naming the file and the sizes expected."""
-    for fmt, lay in layouts.items():
-        if size == n_experts * lay.stride:
-            return fmt
+def detect_format(path: str | Path, size: int, n_experts: int, layouts: dict[str, RecordLayout], claimed: str | None = None) -> str:
+    """The format whose `n_experts × stride` equals `size`, or an error naming the file and the sizes expected.
+
+    Tiny models can have equal q4 and q3 strides (both round up to the same 4096 multiple); then the size
+    cannot decide and `claimed` (the manifest's word) breaks the tie, provided the size allows it.
+    """
+    matches = [fmt for fmt, lay in layouts.items() if size == n_experts * lay.stride]
+    if claimed in matches:
+        return claimed
+    if matches:
+        return matches[0]
     expected = ", ".join(f"{n_experts * lay.stride} ({fmt})" for fmt, lay in layouts.items())
     raise fail(path, f"size {size} bytes matches no expert layout; expected {expected}")

@@ -44,6 +44,7 @@ class Options:
     prefill_chunk: int = 256
     io_threads: int = 4
     verify: bool = False
+    runtime_bytes: int | None = None  # the interpreter/runtime allowance; None = measured at open
 
 
 def default_dtype() -> str:
@@ -61,7 +62,7 @@ def plan_for(root: Path, opts: Options, manifest=None) -> MemoryPlan:
     tc = text_config(m.config)
     return make_plan(tc=tc, cap=int(opts.cap_gib * GiB), ctx=opts.ctx, expert_format=opts.experts,
                      stride=fmts[opts.experts].layout.stride, nonexpert_resident=resident_bytes(table, ITEMSIZE[dtype]),
-                     dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk)
+                     dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes)
 
 
 class Engine:
@@ -131,7 +132,9 @@ class Engine:
             key = (layer, int(e))
             if self.tier.lookup(key) is not None:
                 continue
-            slot, _ = self.tier.place(key)
+            slot, _ = self.tier.place(key, optional=True)
+            if slot is None:
+                continue
             self._read(key, slot)
             self.prefetched[key] = slot
             self.issued[layer] = self.issued.get(layer, 0) + 1
@@ -194,7 +197,9 @@ class Engine:
             read0 = self.store.bytes_read
             h, x = self.model.mix(i, h, self.cache[i], pos)
             logits = self.model.router_logits(i, x)
-            guess = self.model.router_logits(i + 1, x) if self.opts.prefetch_width > 0 and i + 1 < n_layers else None
+            guess = None
+            if phase == "decode" and self.opts.prefetch_width > 0 and i + 1 < n_layers:
+                guess = self.model.router_logits(i + 1, x)
             inds, scores = self.model.route(logits)
             tc = time.perf_counter()
             mx.eval(h, x, inds, scores, *([guess] if guess is not None else []))

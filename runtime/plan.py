@@ -28,6 +28,10 @@ def current_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # macOS reports bytes
 
 
+def size(n: int) -> str:
+    return f"{n / GiB:8.3f} GiB" if n >= 0.1 * GiB else f"{n / MiB:8.2f} MiB"
+
+
 def resident_nbytes(dtype: str, nbytes: int, compute_item: int) -> int:
     """Bytes a stored tensor occupies once loaded: float tensors are cast to the compute dtype, codes stay packed."""
     if dtype in STORED_ITEM:
@@ -42,6 +46,7 @@ class MemoryPlan:
     expert_format: str
     stride: int
     n_experts: int
+    n_layers: int = 1
     accounts: dict[str, int] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -55,7 +60,7 @@ class MemoryPlan:
 
     @property
     def hot_slots(self) -> int:
-        return self.hot_bytes // self.stride
+        return min(self.hot_bytes // self.stride, self.n_layers * self.n_experts)  # more would hold nothing
 
     @property
     def staging_slots(self) -> int:
@@ -74,10 +79,10 @@ class MemoryPlan:
                 f"({self.stride:,} B per expert)"]
         for name, n in self.accounts.items():
             note = f"  ({self.notes[name]})" if name in self.notes else ""
-            rows.append(f"  {name:<16} {n / GiB:8.3f} GiB{note}")
-        rows.append(f"  {'hot tier':<16} {self.hot_bytes / GiB:8.3f} GiB  ({self.hot_slots} expert slots; "
-                    f"+{self.staging_slots} lent staging slots during decode)")
-        rows.append(f"  {'total':<16} {(self.fixed + self.hot_slots * self.stride) / GiB:8.3f} GiB of {self.cap / GiB:.2f}")
+            rows.append(f"  {name:<16} {size(n)}{note}")
+        rows.append(f"  {'hot tier':<16} {size(self.hot_slots * self.stride)}  ({self.hot_slots} expert slots of "
+                    f"{self.n_layers * self.n_experts}; +{self.staging_slots} lent staging slots during decode)")
+        rows.append(f"  {'total':<16} {size(self.fixed + self.hot_slots * self.stride)} of {self.cap / GiB:.2f} GiB")
         return "\n".join(rows)
 
     def require_fit(self) -> None:
@@ -122,7 +127,8 @@ def make_plan(*, tc: dict, cap: int, ctx: int, expert_format: str, stride: int, 
     item, kv_item = ITEMSIZE[dtype], ITEMSIZE[kv_dtype]
     kv, lin = state_bytes(tc, ctx, kv_item)
     n_exp = tc["num_experts"]
-    plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp)
+    plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp,
+                      n_layers=tc["num_hidden_layers"])
     if runtime_bytes is None:
         runtime_bytes = current_rss() + 64 * MiB
         plan.notes["runtime"] = "measured RSS at open + 64 MiB for allocator cache and Python heap"

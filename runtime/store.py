@@ -68,7 +68,7 @@ class ExpertStore:
         for p in paths:
             if not p.is_file():
                 raise fail(p, "missing expert layer file")
-            got = detect_format(p, p.stat().st_size, n_experts, layouts)
+            got = detect_format(p, p.stat().st_size, n_experts, layouts, claimed=fmt)
             if got != fmt:
                 raise fail(p, f"holds {got} experts by its size, but {fmt} was asked for")
             fd, direct = open_uncached(p)

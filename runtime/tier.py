@@ -109,8 +109,11 @@ class HotTier:
                 return s
         return None
 
-    def place(self, key: Key) -> tuple[int, bool]:
-        """A slot to read a missing expert into, and whether it was admitted to the tier."""
+    def place(self, key: Key, optional: bool = False) -> tuple[int | None, bool]:
+        """A slot to read a missing expert into, and whether it was admitted to the tier.
+
+        `optional` (a prefetch guess) gets None rather than forcing an admission when only the scratch ring
+        could take it and the ring is busy."""
         v = self.victim()
         if v is not None:
             vk = self.key_of[v]
@@ -118,6 +121,8 @@ class HotTier:
                 self.assign(v, key)
                 return v, True
         s = self.scratch_slot(key)
+        if s is None and optional:
+            return None, False
         if s is None:  # everything pinned or in flight: admit over the victim rather than stall
             if v is None:
                 raise RuntimeError("no expert slot available: plan too small for top_k + prefetch width")

@@ -95,5 +95,100 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
         raise StreamoeError(f"{bad['detail']}")
 
 
+def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str):
+    """A plan from a bare config.json, before any download or conversion."""
+    from streamoe.convert.source import read_json, text_config
+    from streamoe.convert.synth import tensor_table
+    from streamoe.formats.record import RecordLayout
+    from streamoe.runtime.plan import ITEMSIZE, GiB, resident_nbytes
+    from streamoe.runtime.plan import make_plan as mk
+
+    config = read_json(path)
+    tc = text_config(config)
+    try:
+        table = tensor_table(config)
+        q = config["quantization"]
+        lay = RecordLayout.make(tc["hidden_size"], tc["moe_intermediate_size"], {"q4": 4, "q3": 3}[experts], q["group_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise StreamoeError(f"{path}: not a config this version can plan for ({e})") from None
+    item = ITEMSIZE[dtype]
+    nonexpert = sum(resident_nbytes(dt, int(__import__("numpy").prod(shape)) * (4 if dt in ("U32", "F32") else 2), item)
+                    for name, dt, shape in table if ".switch_mlp." not in name and not name.startswith("vision_tower."))
+    return mk(tc=tc, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride, nonexpert_resident=nonexpert,
+              dtype=dtype, kv_dtype=kv)
+
+
+COMMON = [
+    click.option("--cap", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="Memory cap in GiB."),
+    click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True, help="Context length to plan for."),
+    click.option("--experts", type=click.Choice(["q4", "q3"]), default="q4", show_default=True),
+    click.option("--kv", type=click.Choice(["float32", "float16"]), default="float32", show_default=True, help="KV cache dtype."),
+    click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                 help="Compute dtype (default float32 on the CPU backend, bfloat16 on GPUs)."),
+]
+
+
+def common(fn):
+    for opt in reversed(COMMON):
+        fn = opt(fn)
+    return fn
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@common
+@user_errors
+def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None) -> None:
+    """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
+
+    Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
+    from streamoe.runtime.engine import Options, default_dtype, plan_for
+
+    dtype = dtype or default_dtype()
+    if model.is_file() and model.suffix == ".json":
+        p = plan_from_config(model, cap, ctx, experts, kv, dtype)
+    else:
+        p = plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype))
+    click.echo(p.render())
+    p.require_fit()
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@common
+@click.option("--prompt", "-p", default=None, help="One prompt; answered, then exit.")
+@click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns.")
+@click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
+@click.option("--system", default=None, help="System message for the chat template.")
+@click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy.")
+@click.option("--prefetch-width", type=click.IntRange(min=0), default=6, show_default=True, help="Cross-layer guesses; 0 = off.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--io-threads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--stats", type=click.Path(path_type=Path), default=None, help="Write per-step telemetry as JSON lines.")
+@click.option("--logits-out", type=click.Path(path_type=Path), default=None, help="Save every step's logits (.npz).")
+@click.option("--verify", is_flag=True, help="Check every file's checksum before running.")
+@click.option("--quiet", "-q", is_flag=True, help="No summary line.")
+@user_errors
+def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, prompt: str | None, chat: bool,
+        raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float, top_p: float, top_k: int, seed: int,
+        tier: str, prefetch_width: int, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
+        verify: bool, quiet: bool) -> None:
+    """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
+    from streamoe.runtime.cli_run import run_cli
+
+    if prompt is None and not chat:
+        raise click.UsageError("give --prompt TEXT or --chat")
+    run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
+                        prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify),
+            prompt=prompt, chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
+            sampling=dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed), stats=stats, logits_out=logits_out, quiet=quiet)
+
+
 if __name__ == "__main__":
     main()
