@@ -1,0 +1,62 @@
+"""Shared fixtures: checkpoints written by `streamoe synth` and converted once per session."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamoe.convert.convert import convert
+from streamoe.convert.synth import synth
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, check: bool = False, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """Run the real console entry point in a subprocess (exit codes, stderr, no traceback)."""
+    p = subprocess.run([sys.executable, "-m", "streamoe.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"streamoe {' '.join(map(str, args))} failed ({p.returncode}):\n{p.stderr}")
+    return p
+
+
+def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> str:
+    """The failure contract of SPEC §7: non-zero exit, no traceback, one line on stderr naming the problem."""
+    assert p.returncode != 0, p.stdout
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith(("convert:", "synth:"))]
+    assert len(lines) == 1, p.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    synth(out, size="tiny", variant="qwen3.6", text_only=False, seed=0, shard_bytes=300_000, dry_run=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_conv(tiny_ckpt, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("conv") / "tiny"
+    convert(tiny_ckpt, out, formats=["q4", "q3"], progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_ckpt(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "small"
+    synth(out, size="small", variant="qwen3.6", text_only=False, seed=1, shard_bytes=None, dry_run=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_conv(small_ckpt, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("conv") / "small"
+    convert(small_ckpt, out, formats=["q4", "q3"], progress=False)
+    return out

@@ -1,0 +1,205 @@
+"""convert/ and validate: bytes equal the source, mlx-lm agrees, crash safety, and every bad input's one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from streamoe.convert.convert import convert
+from streamoe.convert.synth import synth
+from streamoe.convert.validate import validate
+from streamoe.formats.manifest import load_manifest, safe_path
+from streamoe.runtime.store import record_views
+
+from .conftest import cli, one_error_line
+
+
+def test_tiny_validates_against_source_every_expert(tiny_conv, tiny_ckpt):
+    rep = validate(tiny_conv, source=tiny_ckpt, samples=10**6)
+    assert rep["ok"], [c for c in rep["checks"] if not c["ok"]]
+    names = {c["name"] for c in rep["checks"]}
+    assert {"source-experts-q4", "source-experts-q3", "source-nonexpert", "source-vision"} <= names
+
+
+def test_small_cli_validate_json(small_conv, small_ckpt):
+    p = cli("validate", small_conv, "--source", small_ckpt, "--json", check=True)
+    rep = json.loads(p.stdout)
+    assert rep["ok"] and len(rep["checks"]) > 20
+
+
+def test_records_equal_what_mlx_lm_loads(small_conv, small_ckpt):
+    """Expert records read back through formats/ equal mlx-lm's own QuantizedSwitchLinear tensors."""
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(small_ckpt)
+    m = load_manifest(small_conv)
+    ef = m.expert_formats()["q4"]
+    layers = ref.language_model.model.layers
+    for f in ef.files[:: max(1, len(ef.files) // 3)]:
+        data = mx.array(np.fromfile(safe_path(small_conv, f["path"]), np.uint8))
+        sw = layers[f["layer"]].mlp.switch_mlp
+        for e in (0, 17, m.model["num_experts"] - 1):
+            ew = record_views(data, e * ef.layout.stride, ef.layout)
+            for proj, (w, s, b) in {"gate_proj": ew[0:3], "up_proj": ew[3:6], "down_proj": ew[6:9]}.items():
+                lin = getattr(sw, proj)
+                assert mx.array_equal(w, lin.weight[e]).item()
+                assert mx.array_equal(s, lin.scales[e]).item() and s.dtype == lin.scales.dtype
+                assert mx.array_equal(b, lin.biases[e]).item()
+
+
+def test_blob_tensors_equal_what_mlx_lm_loads(small_conv, small_ckpt):
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from streamoe.formats.direct import RangeReader
+    from streamoe.runtime.weights import read_tensor
+
+    ref, _ = load_model(small_ckpt)
+    params = dict(tree_flatten(ref.parameters()))
+    file, table = load_manifest(small_conv).blob("nonexpert")
+    checked = 0
+    with RangeReader(small_conv / file["path"], 16 << 20) as r:
+        for t in table:
+            if t.name in params and "conv1d" not in t.name:
+                assert mx.array_equal(read_tensor(r, t), params[t.name]).item(), t.name
+                checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("variant,text_only", [("qwen3.5", False), ("qwen3.6", True)])
+def test_variants_convert_and_validate(tmp_path, variant, text_only):
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    synth(ck, size="tiny", variant=variant, text_only=text_only, seed=3, shard_bytes=200_000, dry_run=False)
+    convert(ck, out, formats=["q4", "q3"], progress=False)
+    rep = validate(out, source=ck, samples=4)
+    assert rep["ok"]
+    m = load_manifest(out)
+    assert (m.blob("vision") is None) == text_only
+    a_log = next(t for t in m.blob("nonexpert")[1] if t.name.endswith("layers.0.linear_attn.A_log"))
+    assert a_log.dtype == ("F32" if variant == "qwen3.5" else "BF16")
+    gate = next(t for t in m.blob("nonexpert")[1] if t.name.endswith("layers.0.mlp.gate.weight"))
+    assert gate.bits == (4 if variant == "qwen3.5" else 8)
+
+
+def test_layer_straddling_shards_converts(tiny_ckpt, tiny_conv):
+    idx = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    by_layer: dict[str, set] = {}
+    for k, f in idx.items():
+        if ".layers." in k:
+            by_layer.setdefault(k.split(".layers.")[1].split(".")[0], set()).add(f)
+    assert any(len(v) > 1 for v in by_layer.values()), "fixture should have a layer split across shards"
+    assert validate(tiny_conv, source=tiny_ckpt, samples=2)["ok"]
+
+
+def test_rerun_refuses_existing_and_force_replaces(tiny_ckpt, tmp_path):
+    out = tmp_path / "o"
+    cli("convert", tiny_ckpt, out, check=True)
+    one_error_line(cli("convert", tiny_ckpt, out), str(out), "--force")
+    cli("convert", tiny_ckpt, out, "--force", "--experts", "q3", check=True)
+    assert set(load_manifest(out).expert_formats()) == {"q3"}
+
+
+def test_kill_9_mid_conversion_then_rerun_validates(small_ckpt, tmp_path):
+    out = tmp_path / "killed"
+    tmp = tmp_path / ".killed.partial"
+    p = subprocess.Popen([sys.executable, "-m", "streamoe.cli", "convert", str(small_ckpt), str(out), "--experts", "q4,q3"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not (tmp / "journal.json").exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not out.exists(), "an interrupted conversion must not leave a complete-looking OUT"
+    assert tmp.exists()
+    done_before = json.loads((tmp / "journal.json").read_text())["done"]
+    assert "nonexpert.bin" in done_before
+    cli("convert", small_ckpt, out, "--experts", "q4,q3", check=True)
+    assert validate(out, source=small_ckpt, samples=3)["ok"]
+    assert not tmp.exists()
+
+
+# ---- SPEC §7: bad input → one line naming the file, non-zero exit, no traceback, nothing half-written
+
+def broken_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def shards(ck: Path) -> list[Path]:
+    return [ck / f for f in sorted(set(json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"].values()))]
+
+
+def test_missing_shard(tiny_ckpt, tmp_path):
+    ck = broken_copy(tiny_ckpt, tmp_path / "ck")
+    gone = shards(ck)[1]
+    gone.unlink()
+    one_error_line(cli("convert", ck, tmp_path / "o"), str(gone), "missing")
+    assert not (tmp_path / "o").exists()
+
+
+def test_truncated_shard(tiny_ckpt, tmp_path):
+    ck = broken_copy(tiny_ckpt, tmp_path / "ck")
+    p = shards(ck)[2]
+    os.truncate(p, p.stat().st_size - 1000)
+    one_error_line(cli("convert", ck, tmp_path / "o"), str(p), "truncated")
+
+
+def test_unparsable_header(tiny_ckpt, tmp_path):
+    ck = broken_copy(tiny_ckpt, tmp_path / "ck")
+    p = shards(ck)[0]
+    data = bytearray(p.read_bytes())
+    data[8:12] = b"\xff{{{"
+    p.write_bytes(bytes(data))
+    one_error_line(cli("convert", ck, tmp_path / "o"), str(p), "header does not parse")
+
+
+def test_index_names_missing_tensor(tiny_ckpt, tmp_path):
+    ck = broken_copy(tiny_ckpt, tmp_path / "ck")
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["language_model.model.layers.0.mlp.gate.extra"] = shards(ck)[0].name
+    (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
+    one_error_line(cli("convert", ck, tmp_path / "o"), "mlp.gate.extra", "not in this shard")
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: c.update(model_type="llama"), "unsupported model_type 'llama'"),
+    (lambda c: c["quantization"].update(mode="mxfp4"), "unsupported quantization mode"),
+    (lambda c: c["quantization"].update(bits=8), "unsupported expert quantization"),
+    (lambda c: c["text_config"].update(moe_intermediate_size=128), "but the config implies"),
+])
+def test_bad_config(tiny_ckpt, tmp_path, edit, needle):
+    ck = broken_copy(tiny_ckpt, tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    edit(cfg)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    one_error_line(cli("convert", ck, tmp_path / "o"), needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_validate_catches_size_checksum_and_schema(tiny_conv, tmp_path):
+    out = broken_copy(tiny_conv, tmp_path / "c")
+    layer = out / "experts" / "q4" / "layer-03.bin"
+    data = bytearray(layer.read_bytes())
+    data[100] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    one_error_line(cli("validate", out), str(layer), "checksum mismatch")
+    with open(layer, "ab") as f:
+        f.write(b"\0" * 4096)
+    line = one_error_line(cli("validate", out), str(layer))
+    assert "size" in line
+    doc = json.loads((out / "manifest.json").read_text())
+    doc["files"][0]["path"] = "/etc/passwd"
+    (out / "manifest.json").write_text(json.dumps(doc))
+    one_error_line(cli("validate", out), "manifest.json", "schema")
+    (out / "manifest.json").write_text("{not json")
+    one_error_line(cli("validate", out), "manifest.json", "does not parse")
