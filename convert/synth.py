@@ -27,6 +27,7 @@ renamed to OUT at the end, so an interrupted run never leaves a complete-looking
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -250,8 +251,11 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
         out.append(Spec(name, dtype, tuple(shape), kind))
 
     def linear(module: str, out_dim: int, in_dim: int, lead: tuple[int, ...] = ()) -> None:
-        if not quant or in_dim % group:
-            raise StreamoeError(f"{module}: input dimension {in_dim} is not quantizable with group size {group}")
+        if not quant:
+            raise StreamoeError("config.json: no quantization block (expected a quantized MLX export)")
+        if in_dim % group:
+            raise StreamoeError(f"config.json: {module} has input dimension {in_dim}, "
+                                f"not a multiple of the group size {group}")
         bits = _bits_for(quant, module)
         out.append(Spec(f"{module}.weight", "U32", (*lead, out_dim, in_dim * bits // 32), "qweight", bits))
         out.append(Spec(f"{module}.scales", "BF16", (*lead, out_dim, in_dim // group), "scales", bits))
@@ -418,7 +422,7 @@ def _encode(values: np.ndarray, dtype: str) -> bytes:
 
 
 def _chunks(spec: Spec):
-    """Row ranges of `spec` flattened to [rows, cols], about CHUNK_ELEMS elements each."""
+    """Element counts of whole-row chunks of `spec` (flattened to [rows, cols]), about CHUNK_ELEMS each."""
     cols = spec.shape[-1] if len(spec.shape) > 1 else int(np.prod(spec.shape))
     rows = int(np.prod(spec.shape, dtype=np.int64)) // max(cols, 1)
     step = max(1, CHUNK_ELEMS // max(cols, 1))
@@ -518,6 +522,20 @@ def _existing_ancestor(path: Path) -> Path:
     return p
 
 
+def _remove_stale_temps(out: Path) -> None:
+    """Remove temporaries that interrupted (killed) runs for the same OUT left behind."""
+    for tmp in out.parent.glob(f".{glob.escape(out.name)}.synth-*.tmp"):
+        pid = tmp.name[len(out.name) + len(".synth-") + 1:-len(".tmp")]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass  # alive (or not ours to judge)
+
+
 def _write_json(path: Path, obj: object, indent: int = 4) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=indent)
@@ -544,7 +562,8 @@ def synth(out: Path, *, size: str, variant: str, text_only: bool, seed: int, sha
         return
 
     _check_out(out)
-    anchor = _existing_ancestor(out.parent)
+    target = Path(os.path.abspath(out))  # '.', '..' and trailing slashes resolved
+    anchor = _existing_ancestor(target.parent)
     try:
         free = shutil.disk_usage(anchor).free
     except OSError as e:
@@ -554,18 +573,19 @@ def synth(out: Path, *, size: str, variant: str, text_only: bool, seed: int, sha
         raise fail(out, f"not enough free disk space: needs {need / 2**30:.2f} GiB, "
                         f"{free / 2**30:.2f} GiB free on {anchor}")
 
-    tmp = out.parent / f".{out.name}.synth-{os.getpid()}.tmp"
+    tmp = target.parent / f".{target.name}.synth-{os.getpid()}.tmp"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(target)
         tmp.mkdir()
     except OSError as e:
         raise fail(out, f"cannot create output directory ({e.strerror})") from None
     try:
         write_checkpoint(tmp, config, seed=seed, shard_bytes=shard_bytes, exact=size != "full",
                          token_base=DIMS[size].token_base)
-        if out.is_dir():
-            out.rmdir()  # empty (checked above); rename cannot replace a directory everywhere
-        os.rename(tmp, out)
+        if target.is_dir():
+            target.rmdir()  # empty (checked above); rename cannot replace a directory everywhere
+        os.rename(tmp, target)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise fail(e.filename or out, f"write failed ({e.strerror or e})") from None

@@ -92,7 +92,17 @@ def _corpus() -> list[str]:
 def build_tokenizer(base: int):
     """A byte-level BPE `tokenizers.Tokenizer` with `base` vocabulary entries followed by the 33 added tokens."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     if base < TRAINED_VOCAB:
         raise ValueError(f"base vocabulary {base} is smaller than the {TRAINED_VOCAB} trained tokens")

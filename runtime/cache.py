@@ -51,7 +51,9 @@ class GDNCache:
     state: [B, Hv, dv, dk] the recurrent (delta-rule) state, always float32.
     """
 
-    def __init__(self, batch: int, conv_kernel: int, conv_dim: int, n_v_heads: int, dv: int, dk: int, dtype=mx.float32):
+    def __init__(
+        self, batch: int, conv_kernel: int, conv_dim: int, n_v_heads: int, dv: int, dk: int, dtype=mx.float32
+    ):
         self.conv = mx.zeros((batch, conv_kernel - 1, conv_dim), dtype=dtype)
         self.state = mx.zeros((batch, n_v_heads, dv, dk), dtype=mx.float32)
         mx.eval(self.conv, self.state)

@@ -211,7 +211,7 @@ class Engine:
             pinned_prev = [self.tier.lookup((i, int(e))) for e in np.unique(inds_np)]
             if guess is not None:
                 self.prefetch(i + 1, np.array(guess.astype(mx.float32)))
-            h = h + y.reshape(h.shape) + self.model.shared_expert(i, x)
+            h = h + (y.reshape(h.shape) + self.model.shared_expert(i, x))  # mlx-lm's order of the sums
             st.bytes_read = self.store.bytes_read - read0
             step.layers.append(st)
         logits = self.model.head(h[:, -1:, :])

@@ -21,7 +21,6 @@ prompt into differently sized calls changes rounding (matmul shapes, attention a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,7 +34,7 @@ from .cache import GDNCache, KVCache
 
 PREFIX = "language_model."
 LINEAR, FULL = "linear_attention", "full_attention"
-GDN_CHUNK = 64  # prefill calls longer than this use the chunked (WY) form of the delta rule
+GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
 
 
 @dataclass
@@ -89,7 +88,9 @@ class ModelArgs:
         if int(need("num_experts")) <= 0:
             raise ValueError("config.json: num_experts must be > 0 (only the MoE model is supported)")
         if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
-            raise ValueError("config.json: dense MLP layers (mlp_only_layers / decoder_sparse_step) are not supported")
+            raise ValueError(
+                "config.json: dense MLP layers (mlp_only_layers / decoder_sparse_step) are not supported"
+            )
         if text.get("attention_bias", False):
             raise ValueError("config.json: attention_bias = true is not supported")
 
@@ -107,7 +108,9 @@ class ModelArgs:
         rot = int(head_dim * prf)
         section = tuple(int(s) for s in (rope.get("mrope_section") or (rot // 2, 0, 0)))
         if rot % 2 or len(section) != 3 or sum(section) != rot // 2:
-            raise ValueError(f"config.json: mrope_section {list(section)} must have 3 parts summing to {rot // 2}")
+            raise ValueError(
+                f"config.json: mrope_section {list(section)} must have 3 parts summing to {rot // 2}"
+            )
 
         quant = config.get("quantization") or config.get("quantization_config") or text.get("quantization")
         if not quant or "bits" not in quant or "group_size" not in quant:
@@ -145,7 +148,9 @@ class ModelArgs:
             mrope_section=section,
             full_attention_interval=interval,
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            tie_word_embeddings=bool(
+                config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            ),
             quantization=dict(quant),
             eos_token_ids=tuple(eos),
             model_type=str(config.get("model_type", text.get("model_type", "qwen3_5_moe"))),
@@ -162,7 +167,10 @@ class ModelArgs:
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
 
     def is_linear(self, i: int) -> bool:
         return self.layer_types[i] == LINEAR
@@ -198,7 +206,13 @@ class QLinear(NamedTuple):
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.quantized_matmul(
-            x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
+            x,
+            self.weight,
+            self.scales,
+            self.biases,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
         )
 
 
@@ -221,7 +235,9 @@ class _Loader:
             raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {tuple(shape)}")
         return w.astype(dtype or self.dtype)
 
-    def quantized(self, module: str, out_dims: int, in_dims: int) -> tuple[mx.array, mx.array, mx.array, int, int]:
+    def quantized(
+        self, module: str, out_dims: int, in_dims: int
+    ) -> tuple[mx.array, mx.array, mx.array, int, int]:
         """(weight, scales, biases, bits, group) of `module`; shapes may carry leading (expert) dims."""
         bits, group = self.args.quant_params(module)
         w = self._get(f"{module}.weight")
@@ -244,7 +260,9 @@ class _Loader:
             (f"{module}.biases", b, (*lead, out_dims, in_dims // group)),
         ):
             if tuple(arr.shape) != shape:
-                raise ValueError(f"{name}: shape {tuple(arr.shape)}, expected {shape} ({bits}-bit, group {group})")
+                raise ValueError(
+                    f"{name}: shape {tuple(arr.shape)}, expected {shape} ({bits}-bit, group {group})"
+                )
         for name, arr in ((f"{module}.scales", s), (f"{module}.biases", b)):
             if not mx.issubdtype(arr.dtype, mx.floating):
                 raise ValueError(f"{name}: dtype {arr.dtype} is not floating point")
@@ -270,7 +288,7 @@ class MRoPE:
     def __init__(self, rotary_dim: int, base: float, section: tuple[int, ...]):
         self.dims = rotary_dim
         half = rotary_dim // 2
-        step = np.float32(math.log(base) / half)
+        step = np.log(np.float32(base)) / np.float32(half)  # float32 arithmetic, as mx.fast.rope does it
         self.inv_freq = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(step, dtype=mx.float32))
         axis = [0] * half
         for f in range(half):
@@ -404,8 +422,9 @@ def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = GDN_CHUNK):
 
 
 class GatedDeltaNet:
-    def __init__(self, args: ModelArgs, ld: _Loader, p: str):
+    def __init__(self, args: ModelArgs, ld: _Loader, p: str, chunked: bool | None):
         H, eps = args.hidden_size, args.rms_norm_eps
+        self.chunked = chunked
         self.hk, self.hv = args.linear_num_key_heads, args.linear_num_value_heads
         self.dk, self.dv = args.linear_key_head_dim, args.linear_value_head_dim
         self.kernel, self.eps = args.linear_conv_kernel_dim, eps
@@ -452,8 +471,11 @@ class GatedDeltaNet:
 
         beta = mx.sigmoid(b)
         log_g = -mx.exp(self.A_log) * nn.softplus(a + self.dt_bias)  # float32
-        state = cache.state if cache is not None else mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
-        if L > GDN_CHUNK:
+        state = (
+            cache.state if cache is not None else mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
+        )
+        chunked = self.chunked if self.chunked is not None else mx.default_device() == mx.gpu
+        if chunked and L > GDN_CHUNK:
             y, state = gated_delta_chunked(q, k, v, log_g, beta, state)
         else:
             y, state = gated_delta_loop(q, k, v, log_g, beta, state)
@@ -480,7 +502,9 @@ class Attention:
         self.q_norm = ld.float(f"{p}q_norm.weight", (self.hd,))
         self.k_norm = ld.float(f"{p}k_norm.weight", (self.hd,))
 
-    def __call__(self, x: mx.array, cache: KVCache | None, rope: MRoPE, cos: mx.array, sin: mx.array) -> mx.array:
+    def __call__(
+        self, x: mx.array, cache: KVCache | None, rope: MRoPE, cos: mx.array, sin: mx.array
+    ) -> mx.array:
         B, L, _ = x.shape
         q, gate = mx.split(self.q_proj(x).reshape(B, L, self.nq, 2 * self.hd), 2, axis=-1)
         k = self.k_proj(x).reshape(B, L, self.nkv, self.hd)
@@ -492,7 +516,9 @@ class Attention:
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         # causal: query i sits at key position (n_keys - L + i); GQA is handled by the kernel
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal" if L > 1 else None)
+        out = mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=self.scale, mask="causal" if L > 1 else None
+        )
         out = out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))
 
@@ -510,11 +536,11 @@ class SparseMoe:
 
 
 class DecoderLayer:
-    def __init__(self, args: ModelArgs, ld: _Loader, i: int):
+    def __init__(self, args: ModelArgs, ld: _Loader, i: int, gdn_chunked: bool | None):
         p = f"{PREFIX}model.layers.{i}."
         self.is_linear = args.is_linear(i)
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(args, ld, f"{p}linear_attn.")
+            self.linear_attn = GatedDeltaNet(args, ld, f"{p}linear_attn.", gdn_chunked)
         else:
             self.self_attn = Attention(args, ld, f"{p}self_attn.")
         self.input_layernorm = ld.float(f"{p}input_layernorm.weight", (args.hidden_size,))
@@ -523,15 +549,25 @@ class DecoderLayer:
 
 
 class Model:
-    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype: mx.Dtype = mx.float32):
+    def __init__(
+        self,
+        args: ModelArgs,
+        weights: dict[str, mx.array],
+        dtype: mx.Dtype = mx.float32,
+        gdn_chunked: bool | None = None,
+    ):
         """`weights`: every non-routed-expert tensor of the language model, keyed by its export name
         ("language_model.model.layers.0.linear_attn.in_proj_qkv.weight", ...), as stored. Float tensors are
-        cast once to `dtype` (scales and biases too), A_log to float32. Other keys are ignored."""
+        cast once to `dtype` (scales and biases too), A_log to float32. Other keys are ignored.
+
+        `gdn_chunked`: whether calls of more than GDN_CHUNK tokens run the delta rule in its chunked form
+        (fewer, larger ops) instead of token by token. None = only on a GPU: on the CPU backend the
+        token loop is as fast and reproduces mlx-lm bit for bit."""
         self.args, self.dtype = args, dtype
         ld = _Loader(args, weights, dtype)
         H = args.hidden_size
         self.embed_tokens = ld.quantized(f"{PREFIX}model.embed_tokens", args.vocab_size, H)
-        self.layers = [DecoderLayer(args, ld, i) for i in range(args.num_hidden_layers)]
+        self.layers = [DecoderLayer(args, ld, i, gdn_chunked) for i in range(args.num_hidden_layers)]
         self.norm = ld.float(f"{PREFIX}model.norm.weight", (H,))
         if args.tie_word_embeddings:
             self.lm_head = QLinear(*self.embed_tokens)
@@ -654,7 +690,11 @@ class ResidentExperts:
         for i in range(args.num_hidden_layers):
             p = f"{PREFIX}model.layers.{i}.mlp.switch_mlp."
             parts, quant = [], set()
-            for proj, (out_dims, in_dims) in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
+            for proj, (out_dims, in_dims) in (
+                ("gate_proj", (inter, H)),
+                ("up_proj", (inter, H)),
+                ("down_proj", (H, inter)),
+            ):
                 w, s, b, bits, group = ld.quantized(p + proj, out_dims, in_dims)
                 if w.shape[0] != E:
                     raise ValueError(f"{p}{proj}.weight: {w.shape[0]} experts, config says {E}")
@@ -699,6 +739,9 @@ def forward(
     output; it is added to the shared expert's before the residual, as mlx-lm does: h + (routed + shared)."""
     h = model.embed(tokens) if input_embeddings is None else input_embeddings.astype(model.dtype)
     B, L = h.shape[:2]
+    for c in cache:  # refuse before any layer's state has moved
+        if isinstance(c, KVCache) and c.offset + L > c.max_tokens:
+            raise ValueError(f"KV cache holds {c.max_tokens} tokens; {c.offset + L} were asked for")
     if positions is None:
         positions = text_positions(cache[0].offset, L, B)
     for i in range(model.num_layers):

@@ -1,0 +1,397 @@
+"""runtime/model.py against mlx-lm's qwen3_5_moe on a tiny faithful checkpoint (real MLX, no mocks).
+
+The checkpoint follows reference/checkpoint-format.md §7 (text part): 6 Gated DeltaNet + 2 gated attention
+layers, 8 experts top-2, 4-bit group 64 with 8-bit router and shared-expert gate, bf16 scales/biases/norms,
+bf16 A_log. It is built with mlx-lm's own model class and quantizer, written with mx.save_safetensors and
+read back, so the runtime sees the tensors exactly as an export stores them.
+
+Bounds below are stated relative to the largest |value| compared. Measured with mlx 0.32.4 / mlx-lm 0.32.2
+on the CPU backend: the teacher-forced logits equal mlx-lm's bit for bit (max |diff| 0.0), one-call,
+7-token-chunk and token-by-token prefill give identical logits (0.0), the chunked delta rule differs from the
+token loop by ~1e-6 relative. The asserted bounds leave headroom over those figures but stay tight.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import qwen3_5_moe
+from mlx_lm.utils import quantize_model
+
+from streamoe.runtime.model import (
+    PREFIX,
+    Model,
+    ModelArgs,
+    MRoPE,
+    ResidentExperts,
+    combine,
+    expert_mlp,
+    forward,
+    gated_delta_chunked,
+    gated_delta_loop,
+    text_positions,
+)
+
+TOL_REF = 1e-5  # vs mlx-lm, relative to max |logit| (measured 0.0)
+TOL_CHUNKING = 1e-5  # one call vs chunks of 7 vs token by token (measured 0.0)
+TOL_GDN_CHUNKED = 2e-5  # chunked delta rule vs token loop (measured <= 1.5e-6 on random inputs, 3e-7 on logits)
+N_LAYERS = 8
+
+
+def tiny_config() -> dict:
+    text = {
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "bos_token_id": 512,
+        "dtype": "bfloat16",
+        "eos_token_id": 512,
+        "full_attention_interval": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "layer_types": [
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(N_LAYERS)
+        ],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_value_head_dim": 32,
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_5_moe_text",
+        "moe_intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": N_LAYERS,
+        "num_key_value_heads": 1,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [3, 3, 2],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        "shared_expert_intermediate_size": 64,
+        "vocab_size": 576,
+    }
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "eos_token_id": [514, 512],
+        "image_token_id": 524,
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "tie_word_embeddings": False,
+    }
+
+
+def random_weights(model, rng) -> list[tuple[str, mx.array]]:
+    """bf16 weights with sane scales: projections std 0.02, norms ~1, A_log = log U(1, 16)."""
+    out = []
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("A_log"):
+            v = np.log(rng.uniform(1, 16, p.shape))
+        elif name.endswith("dt_bias"):
+            v = rng.uniform(-1, 1, p.shape)
+        elif name.endswith("norm.weight"):
+            v = 1.0 + 0.1 * rng.standard_normal(p.shape)
+        elif "conv1d" in name:
+            v = 0.3 * rng.standard_normal(p.shape)
+        elif "embed_tokens" in name:
+            v = rng.standard_normal(p.shape)
+        else:
+            v = 0.02 * rng.standard_normal(p.shape)
+        out.append((name, mx.array(v.astype(np.float32)).astype(mx.bfloat16)))
+    return out
+
+
+class Tiny:
+    pass
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = tiny_config()
+    ref = qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(copy.deepcopy(cfg)))
+    ref.update(tree_unflatten(random_weights(ref, np.random.default_rng(0))))
+    ref, cfg = quantize_model(ref, cfg, group_size=64, bits=4)  # 8-bit mlp.gate / shared_expert_gate
+    params = dict(tree_flatten(ref.parameters()))
+    assert all(k.startswith(PREFIX) for k in params)  # mlx-lm names are the export names
+
+    d = tmp_path_factory.mktemp("tiny")
+    mx.save_safetensors(str(d / "model.safetensors"), params, metadata={"format": "mlx"})
+    (d / "config.json").write_text(json.dumps(cfg, indent=4, sort_keys=True))
+    config = json.loads((d / "config.json").read_text())
+    stored = mx.load(str(d / "model.safetensors"))
+    assert stored[f"{PREFIX}model.layers.0.mlp.gate.scales"].dtype == mx.bfloat16
+    assert stored[f"{PREFIX}model.layers.0.linear_attn.A_log"].dtype == mx.bfloat16
+
+    t = Tiny()
+    t.config = config
+    t.args = ModelArgs.from_config(config)
+    t.nonexpert = {k: v for k, v in stored.items() if ".mlp.switch_mlp." not in k}
+    t.experts_w = {k: v for k, v in stored.items() if ".mlp.switch_mlp." in k}
+    t.model = Model(t.args, t.nonexpert)
+    t.experts = ResidentExperts(t.args, t.experts_w, mx.float32)
+    ref.set_dtype(mx.float32)
+    t.ref = ref
+    t.prompt = mx.array(np.random.default_rng(1).integers(0, 576, size=(1, 40)), dtype=mx.int32)
+    return t
+
+
+def rel_diff(a: mx.array, b: mx.array) -> float:
+    return mx.abs(a - b).max().item() / max(mx.abs(b).max().item(), 1e-30)
+
+
+# --------------------------------------------------------------------------------------------------
+# the whole model against mlx-lm
+
+
+def test_config(tiny):
+    a = tiny.args
+    assert a.layer_types == tuple(tiny_config()["text_config"]["layer_types"])
+    assert [a.is_linear(i) for i in range(N_LAYERS)] == [True, True, True, False] * 2
+    assert (a.rotary_dim, a.mrope_section, a.rope_theta) == (16, (3, 3, 2), 1e7)
+    assert a.eos_token_ids == (514, 512)
+    assert a.quant_params(f"{PREFIX}model.layers.5.mlp.gate") == (8, 64)
+    assert a.quant_params(f"{PREFIX}model.layers.5.mlp.shared_expert_gate") == (8, 64)
+    assert a.quant_params(f"{PREFIX}model.layers.5.linear_attn.in_proj_qkv") == (4, 64)
+    assert a.expert_quant(2) == (4, 64)
+
+    # a text-only export: same keys without vision_config, rope "type" instead of "rope_type"
+    text_only = copy.deepcopy(tiny.config)
+    text_only["text_config"]["rope_parameters"]["type"] = text_only["text_config"]["rope_parameters"].pop(
+        "rope_type"
+    )
+    assert ModelArgs.from_config(text_only) == a
+    # a flat config (no text_config) reads the same
+    flat = {**copy.deepcopy(tiny.config["text_config"]), "quantization": tiny.config["quantization"]}
+    flat["eos_token_id"], flat["model_type"] = [514, 512], "qwen3_5_moe"
+    assert ModelArgs.from_config(flat) == a
+
+    bad = copy.deepcopy(tiny.config)
+    bad["text_config"]["layer_types"][0] = "full_attention"
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelArgs.from_config(bad)
+
+
+def test_matches_mlx_lm_teacher_forced(tiny):
+    """40-token prefill + 24 greedy decode steps, the reference's tokens fed to both."""
+    m, ref = tiny.model, tiny.ref
+    ref_cache, cache = ref.make_cache(), m.make_cache(128)
+    worst = 0.0
+    checked = 0
+    tokens = tiny.prompt
+    for step in range(25):
+        want = ref(tokens, cache=ref_cache)
+        got = forward(m, tokens, cache, tiny.experts)
+        mx.eval(want, got)
+        assert got.shape == want.shape and got.dtype == mx.float32
+        worst = max(worst, rel_diff(got, want))
+        # greedy choice must agree wherever the top-2 gap exceeds the error bound
+        scale = mx.abs(want).max().item()
+        top2 = np.sort(np.array(want[0]), axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * TOL_REF * scale
+        same = np.array(mx.argmax(got[0], axis=-1) == mx.argmax(want[0], axis=-1))
+        assert same[clear].all(), f"step {step}: greedy token differs"
+        checked += int(clear.sum())
+        tokens = mx.argmax(want[:, -1:], axis=-1)
+    assert worst <= TOL_REF, f"max relative logit difference {worst:.3g}"
+    assert checked >= 50
+    assert cache[0].offset == cache[3].offset == 40 + 24
+
+
+def test_deterministic(tiny):
+    m = tiny.model
+    a = forward(m, tiny.prompt, m.make_cache(64), tiny.experts)
+    b = forward(m, tiny.prompt, m.make_cache(64), tiny.experts)
+    assert mx.array_equal(a, b)
+
+
+def test_prefill_chunking(tiny):
+    """One call vs chunks of 7 vs token by token, then one decode step from each cache."""
+    m, prompt = tiny.model, tiny.prompt
+    results = {}
+    for size in (40, 7, 1):
+        cache = m.make_cache(64)
+        logits = [forward(m, prompt[:, s : s + size], cache, tiny.experts) for s in range(0, 40, size)]
+        nxt = forward(m, mx.array([[17]], dtype=mx.int32), cache, tiny.experts)
+        results[size] = mx.concatenate([*logits, nxt], axis=1)
+        mx.eval(results[size])
+    for size in (7, 1):
+        d = rel_diff(results[size], results[40])
+        assert d <= TOL_CHUNKING, f"chunks of {size}: {d:.3g}"
+
+
+def test_gdn_chunked_form_in_model(tiny):
+    """Prefill of 150 tokens (3 chunks of 64, padded) with the chunked delta rule vs the token loop."""
+    loop = tiny.model
+    chunked = Model(tiny.args, tiny.nonexpert, gdn_chunked=True)
+    prompt = mx.array(np.random.default_rng(2).integers(0, 576, size=(1, 150)), dtype=mx.int32)
+    c1, c2 = loop.make_cache(160), chunked.make_cache(160)
+    a = forward(loop, prompt, c1, tiny.experts)
+    b = forward(chunked, prompt, c2, tiny.experts)
+    assert rel_diff(b, a) <= TOL_GDN_CHUNKED
+    assert rel_diff(c2[0].state, c1[0].state) <= TOL_GDN_CHUNKED
+    nxt = mx.array([[3]], dtype=mx.int32)
+    assert (
+        rel_diff(forward(chunked, nxt, c2, tiny.experts), forward(loop, nxt, c1, tiny.experts))
+        <= TOL_GDN_CHUNKED
+    )
+
+
+@pytest.mark.parametrize("L", [65, 128, 150])
+def test_gdn_chunked_vs_loop(L):
+    """The chunked (WY) delta rule against the token loop on random inputs with a nonzero start state."""
+    rng = np.random.default_rng(L)
+    B, H, dk, dv = 2, 4, 32, 16
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    k = arr(B, L, H, dk)
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    q = arr(B, L, H, dk)
+    q = q / mx.linalg.norm(q, axis=-1, keepdims=True) * dk**-0.5
+    v = arr(B, L, H, dv)
+    log_g = -mx.exp(mx.array(rng.uniform(0, 2.7, H).astype(np.float32))) * mx.logaddexp(arr(B, L, H), 0)
+    beta = mx.sigmoid(arr(B, L, H))
+    s0 = 0.1 * arr(B, H, dv, dk)
+    y1, s1 = gated_delta_loop(q, k, v, log_g, beta, s0)
+    y2, s2 = gated_delta_chunked(q, k, v, log_g, beta, s0)
+    assert y2.shape == y1.shape == (B, L, H, dv) and s2.shape == s1.shape
+    assert rel_diff(y2, y1) <= TOL_GDN_CHUNKED
+    assert rel_diff(s2, s1) <= TOL_GDN_CHUNKED
+
+
+def test_kv_cache(tiny):
+    m = tiny.model
+    cache = m.make_cache(40, kv_dtype=mx.float16)
+    assert cache[3].keys.shape == (1, 1, 40, 64) and cache[3].keys.dtype == mx.float16
+    assert cache[0].state.dtype == mx.float32 and cache[0].conv.shape == (1, 3, tiny.args.conv_dim)
+    f16 = forward(m, tiny.prompt, cache, tiny.experts)
+    f32 = forward(m, tiny.prompt, m.make_cache(40), tiny.experts)
+    assert rel_diff(f16, f32) < 1e-2  # f16 keys/values: rounding only
+    with pytest.raises(ValueError, match="KV cache holds 40 tokens; 41"):
+        forward(m, tiny.prompt[:, :1], cache, tiny.experts)
+    assert [c.offset for c in cache] == [40] * N_LAYERS  # nothing moved
+
+
+# --------------------------------------------------------------------------------------------------
+# pieces
+
+
+def test_mrope_text_equals_rope():
+    """All three position rows equal: bit-identical to mx.fast.rope (non-traditional) on the rotary dims."""
+    x = mx.random.normal((2, 4, 37, 256), key=mx.random.key(0))
+    for dims, base, section in ((64, 1e7, (11, 11, 10)), (16, 1e7, (3, 3, 2)), (64, 5e6, (11, 11, 10))):
+        rope = MRoPE(dims, base, section)
+        for offset in (0, 1000, 200_000):
+            cos, sin = rope.cos_sin(text_positions(offset, 37, batch=2))
+            want = mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=offset)
+            assert mx.array_equal(rope(x, cos, sin), want), (dims, base, offset)
+
+
+def test_mrope_image_positions_match_mlx_vlm():
+    """Distinct t/h/w rows: the interleaved sections as mlx-vlm's qwen3_5 applies them (its inverse
+    frequencies are computed differently, hence a rounding-level bound at small positions)."""
+    from mlx_vlm.models.qwen3_5.language import Qwen3_5RotaryEmbedding
+
+    rng = np.random.default_rng(0)
+    pos = mx.array(rng.integers(0, 64, size=(3, 2, 30)), dtype=mx.int32)
+    q = mx.random.normal((2, 4, 30, 256), key=mx.random.key(1))
+    k = mx.random.normal((2, 2, 30, 256), key=mx.random.key(2))
+    want_q, want_k = Qwen3_5RotaryEmbedding(64, base=1e7, mrope_section=[11, 11, 10]).apply_rotary(q, k, pos)
+    rope = MRoPE(64, 1e7, (11, 11, 10))
+    cos, sin = rope.cos_sin(pos)
+    assert mx.abs(rope(q, cos, sin) - want_q).max().item() < 1e-5
+    assert mx.abs(rope(k, cos, sin) - want_k).max().item() < 1e-5
+    assert mx.array_equal(rope(q, cos, sin)[..., 64:], q[..., 64:])  # pass-through dims untouched
+
+
+def test_text_positions():
+    p = text_positions(5, 3, batch=2)
+    assert p.shape == (3, 2, 3) and p.dtype == mx.int32
+    assert np.array(p).tolist() == [[[5, 6, 7]] * 2] * 3
+
+
+def test_expert_mlp_matches_switch_glu(tiny):
+    x = mx.random.normal((5, 64), key=mx.random.key(3))
+    for layer in (0, 3):
+        switch = tiny.ref.language_model.model.layers[layer].mlp.switch_mlp
+        bits, group = tiny.args.expert_quant(layer)
+        for e in range(tiny.args.num_experts):
+            want = switch(x, mx.full((5, 1), e, dtype=mx.uint32))[:, 0]
+            got = expert_mlp(x, tiny.experts.expert(layer, e), bits, group, mx.float32)
+            assert rel_diff(got, want) <= 1e-6, (layer, e)
+
+
+def test_route_and_resident_experts_match_mlx_lm(tiny):
+    """route() + ResidentExperts against mlx-lm's SparseMoeBlock arithmetic for the routed part."""
+    m = tiny.model
+    x = mx.random.normal((1, 9, 64), key=mx.random.key(4))
+    block = tiny.ref.language_model.model.layers[1].mlp
+    inds, scores = m.route(m.router_logits(1, x))
+    assert inds.dtype == mx.uint32 and scores.dtype == mx.float32 and inds.shape == (1, 9, 2)
+    gates = mx.softmax(block.gate(x), axis=-1, precise=True)
+    want_inds = mx.argpartition(gates, kth=-2, axis=-1)[..., -2:]
+    assert mx.array_equal(inds, want_inds)  # same experts in the same (router-rank) order
+    assert mx.abs(scores.sum(axis=-1) - 1).max().item() < 1e-6
+    top = np.sort(np.argsort(-np.array(gates), axis=-1)[..., :2], axis=-1)
+    assert (np.sort(np.array(inds), axis=-1) == top).all()
+
+    want = (block.switch_mlp(x, want_inds) * scores[..., None]).sum(axis=-2)
+    got = tiny.experts(1, x, inds, scores)
+    assert rel_diff(got, want) <= 1e-6
+
+
+def test_combine_is_reproducible():
+    outs = mx.random.normal((3, 5, 8, 64), key=mx.random.key(5))
+    scores = mx.softmax(mx.random.normal((3, 5, 8), key=mx.random.key(6)), axis=-1)
+    a = combine(outs, scores)
+    assert a.shape == (3, 5, 64)
+    assert mx.array_equal(a, combine(outs, scores))
+    # the same token gives the same bits whatever else is in the batch
+    assert mx.array_equal(a[1, 2], combine(outs[1, 2], scores[1, 2]))
+    assert mx.array_equal(a[:, 1:3], combine(outs[:, 1:3], scores[:, 1:3]))
+    assert mx.abs(a - (outs * scores[..., None]).sum(axis=-2)).max().item() < 1e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# bad weights
+
+
+def test_missing_tensor_is_named(tiny):
+    for name in (
+        f"{PREFIX}model.layers.3.self_attn.k_norm.weight",
+        f"{PREFIX}model.layers.6.linear_attn.in_proj_b.scales",
+        f"{PREFIX}lm_head.biases",
+    ):
+        weights = {k: v for k, v in tiny.nonexpert.items() if k != name}
+        with pytest.raises(ValueError, match=f"missing tensor {name}"):
+            Model(tiny.args, weights)
+    name = f"{PREFIX}model.layers.2.mlp.switch_mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=f"missing tensor {name}"):
+        ResidentExperts(tiny.args, {k: v for k, v in tiny.experts_w.items() if k != name}, mx.float32)
+
+
+def test_wrong_shape_or_bits_is_named(tiny):
+    name = f"{PREFIX}model.layers.1.linear_attn.conv1d.weight"
+    weights = {**tiny.nonexpert, name: mx.zeros((tiny.args.conv_dim, 1, 4), dtype=mx.bfloat16)}
+    with pytest.raises(ValueError, match=name):
+        Model(tiny.args, weights)
+
+    # the router is 8-bit; a config claiming 4 bits must be caught from the shapes
+    cfg = copy.deepcopy(tiny.config)
+    del cfg["quantization"][f"{PREFIX}model.layers.4.mlp.gate"]
+    cfg.pop("quantization_config", None)
+    with pytest.raises(ValueError, match=rf"{PREFIX}model\.layers\.4\.mlp\.gate\.weight.*8 bits"):
+        Model(ModelArgs.from_config(cfg), tiny.nonexpert)

@@ -1,0 +1,247 @@
+"""runtime/: exactness against mlx-lm, bit-identical logits across caps, telemetry, the cap under a cgroup,
+and every runtime bad input's one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from streamoe.formats.manifest import schema
+from streamoe.runtime.engine import Engine, Options, plan_for
+
+from .conftest import cli, one_error_line
+
+# Measured float32 agreement with mlx-lm on the synthetic checkpoints: max |Δlogit| 2e-7 (tiny) and
+# 2e-6 (small) over 12-step runs. The bound leaves a 10x margin and stays far below any real top-2 gap.
+LOGIT_ATOL = 2e-5
+PROMPTS = [
+    "def fibonacci(n):\n    return n if n < 2 else",
+    "The quick brown fox",
+    # long enough for several prefill chunks (chunk 16 below): expert-major prefill through the staging slots
+    "import os\nimport sys\n\nclass Reader:\n    def __init__(self, path):\n        self.path = path\n"
+    "    def read(self):\n        with open(self.path) as f:\n            return f.read()\n",
+]
+RUNTIME = 64 << 20  # a fixed interpreter allowance so plans are comparable inside one test process
+
+
+def reference(ckpt: Path):
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(ckpt)
+    model.set_dtype(mx.float32)
+    return model
+
+
+def teacher_forced(ckpt: Path, conv: Path, prompt: str, steps: int, **opts) -> tuple[list[int], list[int], float]:
+    """Greedy tokens of both, feeding the reference's tokens to both; returns (ref, ours, max |Δlogit|)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ref = reference(ckpt)
+    eng = Engine(conv, Options(cap_gib=1.0, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
+    ids = eng.text.encode(prompt)
+    cache = make_prompt_cache(ref)
+    lr, le = ref(mx.array([ids]), cache=cache)[0, -1], eng.prefill(ids)
+    ours, theirs, worst = [], [], 0.0
+    for _ in range(steps):
+        a, b = np.array(lr), np.array(le)
+        worst = max(worst, float(np.abs(a - b).max()))
+        top2 = np.sort(a)[-2:]
+        t = int(a.argmax())
+        theirs.append(t)
+        ours.append(int(b.argmax()) if top2[1] - top2[0] > 2 * LOGIT_ATOL else t)  # near-ties are not a verdict
+        lr, le = ref(mx.array([[t]]), cache=cache)[0, -1], eng.forward([t], "decode")
+    eng.close()
+    return theirs, ours, worst
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_tiny_matches_mlx_lm(tiny_ckpt, tiny_conv, prompt):
+    ref, ours, worst = teacher_forced(tiny_ckpt, tiny_conv, prompt, 32)
+    assert ours == ref
+    assert worst < LOGIT_ATOL
+
+
+def test_small_matches_mlx_lm_at_a_tight_cap(small_ckpt, small_conv):
+    base = plan_for(small_conv, Options(cap_gib=8, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME))
+    cap = (base.fixed + 40 * base.stride) / 2**30  # 40 hot slots of 512 experts
+    ref, ours, worst = teacher_forced(small_ckpt, small_conv, PROMPTS[2], 32, prefetch_width=6)
+    assert ours == ref and worst < LOGIT_ATOL
+    ref2, ours2, worst2 = teacher_forced(small_ckpt, small_conv, PROMPTS[0], 32)
+    assert ours2 == ref2 and worst2 < LOGIT_ATOL
+    assert cap < 1.0
+
+
+def test_qwen35_variant_matches_mlx_lm(tmp_path):
+    from streamoe.convert.convert import convert
+    from streamoe.convert.synth import synth
+
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    synth(ck, size="tiny", variant="qwen3.5", text_only=True, seed=5, shard_bytes=None, dry_run=False)
+    convert(ck, out, formats=["q4"], progress=False)
+    ref, ours, worst = teacher_forced(ck, out, PROMPTS[0], 32)
+    assert ours == ref and worst < LOGIT_ATOL
+
+
+def run_logits(conv: Path, cap_slots: int | None, steps: int = 24, **opts) -> tuple[bytes, Engine]:
+    base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, experts=opts.get("experts", "q4")))
+    cap = 64.0 if cap_slots is None else (base.fixed + cap_slots * base.stride + 1) / 2**30
+    eng = Engine(conv, Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
+    out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])))]
+    for _ in range(steps):
+        out.append(np.array(eng.forward([int(out[-1].argmax())], "decode")))
+    eng.close()
+    return np.stack(out).tobytes(), eng
+
+
+@pytest.mark.parametrize("experts", ["q4", "q3"])
+def test_logits_bit_identical_across_caps_prefetch_and_tiers(small_conv, experts):
+    runs = {}
+    for slots, width, tier in [(0, 6, "freq"), (0, 0, "lru"), (24, 6, "lru"), (24, 0, "freq"), (200, 6, "freq"), (None, 6, "freq")]:
+        data, eng = run_logits(small_conv, slots, experts=experts, prefetch_width=width, tier=tier)
+        misses = sum(ly.misses for s in eng.steps for ly in s.layers)
+        runs[(slots, width, tier)] = (data, eng.plan.hot_slots, misses)
+    assert runs[(0, 6, "freq")][1] == 0 and runs[(None, 6, "freq")][1] == 8 * 64  # barely fitting .. all resident
+    assert runs[(0, 0, "lru")][2] > runs[(None, 6, "freq")][2]  # the caps really did stream differently
+    first = runs[(0, 6, "freq")][0]
+    for key, (data, _, _) in runs.items():
+        assert data == first, f"logits differ at {key}"
+
+
+def test_telemetry_adds_up_and_validates(small_conv, tmp_path):
+    _, eng = run_logits(small_conv, 16, steps=12, prefetch_width=6)
+    stride = eng.lay.stride
+    for s in eng.steps:
+        jsonschema.validate(s.to_json(), schema("telemetry.schema.json"))
+        for ly in s.layers:
+            assert ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.misses == ly.picks
+            assert ly.prefetch_wasted <= ly.prefetch_issued
+        assert sum(ly.bytes_read for ly in s.layers) == stride * sum(
+            ly.misses + (s.layers[ly.layer + 1].prefetch_issued if ly.layer + 1 < len(s.layers) else 0) for ly in s.layers)
+    dec = [s for s in eng.steps if s.phase == "decode"]
+    assert all(sum(ly.picks for ly in s.layers) == 8 * 8 for s in dec)  # top-8 x 8 layers
+    assert sum(ly.hits_prefetch for s in dec for ly in s.layers) > 0
+    stats = tmp_path / "s.jsonl"
+    p = cli("run", small_conv, "--cap", "1", "--ctx", "256", "-p", "hello", "-n", "6", "--stats", stats, "--raw", check=True)
+    recs = [json.loads(ln) for ln in stats.read_text().splitlines()]
+    assert recs[0]["phase"] == "prefill" and sum(r["phase"] == "decode" for r in recs) >= 1
+    assert "tok/s" in p.stderr and "hit rate" in p.stderr
+
+
+def test_cli_logits_out_equal_across_caps(small_conv, tmp_path):
+    base = plan_for(small_conv, Options(cap_gib=8, ctx=256))
+    outs = []
+    for cap in (base.fixed / 2**30 + 0.12, 2.0):
+        f = tmp_path / f"l{cap}.npz"
+        cli("run", small_conv, "--cap", f"{cap:.3f}", "--ctx", "256", "-p", PROMPTS[1], "-n", "8", "--logits-out", f, "-q", check=True)
+        outs.append(np.load(f)["logits"])
+    assert outs[0].shape[0] >= 1 and outs[0].tobytes() == outs[1].tobytes()
+
+
+# ---- the cap holds under a real cgroup-v1 memory limit
+
+def cgroup_dir() -> Path | None:
+    try:
+        own = next(ln.split(":")[2].strip() for ln in open("/proc/self/cgroup") if ln.split(":")[1] == "memory")
+    except (OSError, StopIteration):
+        return None
+    base = Path("/sys/fs/cgroup/memory") / own.lstrip("/")
+    return base if (base / "memory.limit_in_bytes").exists() and os.access(base, os.W_OK) else None
+
+
+def test_run_inside_cgroup_limit_equal_to_cap(small_conv, tmp_path):
+    base = cgroup_dir()
+    if base is None:
+        pytest.skip("no writable cgroup-v1 memory controller here (needs /sys/fs/cgroup/memory and root)")
+    plan = plan_for(small_conv, Options(cap_gib=8, ctx=512, runtime_bytes=160 << 20))
+    cap_gib = round((plan.fixed + 120 * plan.stride) / 2**30, 3)  # about 120 of the 512 experts
+    stats = tmp_path / "stats.jsonl"
+    cg = base / f"streamoe_test_{os.getpid()}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(int(cap_gib * 2**30)))
+        cmd = (f"echo $$ > {cg}/cgroup.procs && exec {sys.executable} -m streamoe.cli run {small_conv} --cap {cap_gib} "
+               f"--ctx 512 -p 'def main():' -n 24 --raw --stats {stats}")
+        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        assert int((cg / "memory.failcnt").read_text()) == 0
+        assert int((cg / "memory.max_usage_in_bytes").read_text()) <= cap_gib * 2**30
+        decode = [json.loads(ln) for ln in stats.read_text().splitlines() if '"decode"' in ln]
+        assert sum(ly["misses"] for r in decode for ly in r["layers"]) > 0, "the cap must hold only a fraction of the experts"
+    finally:
+        try:
+            (cg / "memory.force_empty").write_text("1")
+        except OSError:
+            pass
+        cg.rmdir()
+
+
+# ---- SPEC §7 for the runtime
+
+def test_missing_and_corrupt_manifest(tiny_conv, tmp_path):
+    out = tmp_path / "c"
+    shutil.copytree(tiny_conv, out)
+    (out / "manifest.json").write_text("[1, 2")
+    one_error_line(cli("run", out, "-p", "hi"), "manifest.json", "does not parse")
+    (out / "manifest.json").unlink()
+    one_error_line(cli("run", out, "-p", "hi"), "manifest.json", "missing")
+    one_error_line(cli("plan", tmp_path / "nowhere"), "nowhere", "not a directory")
+
+
+def test_truncated_and_resized_layer_file(tiny_conv, tmp_path):
+    out = tmp_path / "c"
+    shutil.copytree(tiny_conv, out)
+    layer = out / "experts" / "q4" / "layer-02.bin"
+    os.truncate(layer, layer.stat().st_size - 4096)
+    one_error_line(cli("run", out, "--cap", "1", "-p", "hi"), str(layer), "matches no expert layout")
+
+
+def test_checksum_mismatch_with_verify(tiny_conv, tmp_path):
+    out = tmp_path / "c"
+    shutil.copytree(tiny_conv, out)
+    blob = out / "nonexpert.bin"
+    data = bytearray(blob.read_bytes())
+    data[5000] ^= 1
+    blob.write_bytes(bytes(data))
+    one_error_line(cli("run", out, "--cap", "1", "-p", "hi", "--verify"), str(blob), "checksum mismatch")
+
+
+def test_cap_too_small_names_smallest_cap(tiny_conv):
+    p = cli("run", tiny_conv, "--cap", "0.01", "-p", "hi")
+    line = one_error_line(p, "too small", "smallest cap that fits: --cap")
+    need = float(line.rsplit("--cap", 1)[1])
+    assert cli("run", tiny_conv, "--cap", str(need), "-p", "hi", "-n", "2").returncode == 0
+    p = cli("plan", tiny_conv, "--cap", "0.01")
+    assert p.returncode == 2 and "memory plan" in p.stdout
+
+
+def test_prompt_longer_than_ctx(tiny_conv):
+    one_error_line(cli("run", tiny_conv, "--cap", "1", "--ctx", "8", "-p", "a b c d e f g h i j k l m n o p", "--raw"),
+                   "longer than the planned context --ctx 8")
+
+
+@pytest.mark.parametrize("args,needle", [(["--top-p", "0"], "--top-p"), (["--temp", "-1"], "--temp"),
+                                         (["--top-k", "-2"], "--top-k"), (["--experts", "q2"], "--experts")])
+def test_bad_sampling_options(tiny_conv, args, needle):
+    p = cli("run", tiny_conv, "-p", "hi", *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert needle in [ln for ln in p.stderr.splitlines() if ln.startswith("Error")][0]
+
+
+def test_plan_from_bare_config_of_the_real_model(tmp_path):
+    from streamoe.convert.synth import make_config
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(make_config("full")))
+    p = cli("plan", cfg, "--cap", "4", "--ctx", "4096", check=True)
+    hot = next(ln for ln in p.stdout.splitlines() if "hot tier" in ln)
+    assert float(hot.split()[2]) >= 0.5, p.stdout  # >= 0.5 GiB of hot tier at cap 4
+    assert "1,769,472 B per expert" in p.stdout
