@@ -1,0 +1,77 @@
+"""Shared by the bench scripts: machine facts, page-cache accounting, raw O_DIRECT speed, JSON results."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+
+from streamoe.formats.direct import ALIGN, aligned_buffer, drop_cache, open_uncached
+from streamoe.formats.manifest import schema
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def meminfo(key: str) -> int:
+    for ln in open("/proc/meminfo"):
+        if ln.startswith(key + ":"):
+            return int(ln.split()[1]) * 1024
+    return 0
+
+
+def drop_files(paths) -> None:
+    """Evict files from the page cache (clean pages), so the next read comes from the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd) if os.access(p, os.W_OK) else None
+        drop_cache(fd)
+        os.close(fd)
+
+
+def raw_read_gbs(paths, limit_bytes: int = 8 << 30, chunk: int = 16 << 20) -> float:
+    """Sequential O_DIRECT read speed over the files (up to limit_bytes), GB/s."""
+    buf = aligned_buffer(chunk)
+    view = memoryview(buf)
+    total, t0 = 0, time.perf_counter()
+    for p in paths:
+        fd, _ = open_uncached(p)
+        size = os.path.getsize(p) // ALIGN * ALIGN
+        off = 0
+        while off < size and total < limit_bytes:
+            n = os.preadv(fd, [view[: min(chunk, size - off)]], off)
+            off += n
+            total += n
+        os.close(fd)
+        if total >= limit_bytes:
+            break
+    dt = time.perf_counter() - t0
+    view.release()
+    buf.close()
+    return total / dt / 1e9
+
+
+def machine() -> dict:
+    try:
+        import mlx.core as mx
+
+        device = str(mx.default_device())
+    except Exception:  # noqa: BLE001 - the bench still records what it can
+        device = "unknown"
+    return {"cpus": os.cpu_count() or 0, "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "device": device}
+
+
+def write_result(name: str, bench: str, results: list[dict]) -> Path:
+    doc = {"bench": bench, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine(), "command": " ".join([Path(sys.executable).name, *sys.argv]), "results": results}
+    jsonschema.validate(doc, schema("bench.schema.json"))
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"{name}.json"
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc, indent=2))
+    return out
