@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from streamoe.formats import quant
 from streamoe.formats.blobs import plan_blob
-from streamoe.formats.direct import RangeReader, UncachedWriter
+from streamoe.formats.direct import RangeReader, UncachedWriter, aligned_buffer
 from streamoe.formats.errors import fail
 from streamoe.formats.manifest import MANIFEST, segments_json, write_manifest
 from streamoe.formats.record import PARTS, PROJS, RecordLayout
@@ -119,33 +120,58 @@ def write_layer(
     n_experts: int,
     bar: tqdm,
 ) -> dict[str, dict]:
-    """Both formats of one layer's expert file from one pass over its nine stacked source tensors."""
+    """Both formats of one layer's expert file from one pass over its nine stacked source tensors.
+
+    Three stages overlap (read the next chunk / assemble records / hash and write the previous chunk); the
+    reads, the hashing and the (O_DIRECT) writes release the GIL, so two cores keep the disk busy.
+    """
     per_chunk = max(1, CHUNK_BYTES // lay4.stride)
-    writers = {fmt: UncachedWriter(p) for fmt, p in outs.items()}
+    writers = {fmt: UncachedWriter(p, direct=True) for fmt, p in outs.items()}
     lays = {"q4": lay4, "q3": lay3}
-    bufs = {fmt: np.zeros((per_chunk, lays[fmt].stride), np.uint8) for fmt in outs}
-    for e0 in range(0, n_experts, per_chunk):
+
+    def read_chunk(e0: int) -> dict:
         n = min(per_chunk, n_experts - e0)
-        recs = {fmt: b[:n] for fmt, b in bufs.items()}
+        parts = {}
+        for (proj, part), t in tensors.items():
+            seg = lay4.segment(proj, part)
+            raw = readers.read(t.file, t.offset + e0 * seg.nbytes, n * seg.nbytes)
+            parts[(proj, part)] = np.frombuffer(raw, np.uint8).reshape(n, seg.nbytes).copy()
+        return parts
+
+    def assemble(parts: dict) -> dict[str, np.ndarray]:
+        n = next(iter(parts.values())).shape[0]
+        recs = {fmt: np.frombuffer(aligned_buffer(n * lays[fmt].stride), np.uint8).reshape(n, -1) for fmt in outs}
         for proj in PROJS:
-            parts = {}
-            for part in PARTS:
-                t, seg = tensors[(proj, part)], lay4.segment(proj, part)
-                raw = readers.read(t.file, t.offset + e0 * seg.nbytes, n * seg.nbytes)
-                parts[part] = np.frombuffer(raw, np.uint8).reshape(n, seg.nbytes).copy()
-                bar.update(n * seg.nbytes)
-                if "q4" in recs:
-                    recs["q4"][:, seg.offset : seg.offset + seg.nbytes] = parts[part]
+            if "q4" in recs:
+                for part in PARTS:
+                    seg = lay4.segment(proj, part)
+                    recs["q4"][:, seg.offset : seg.offset + seg.nbytes] = parts[(proj, part)]
             if "q3" in recs:
-                w3 = quant.shift_words_4_to_3(parts["weight"].view(np.uint32))
-                s3, b3 = quant.shift_scales_bf16(
-                    parts["scales"].view(np.uint16), parts["biases"].view(np.uint16)
-                )
+                w3 = quant.shift_words_4_to_3(parts[(proj, "weight")].view(np.uint32))
+                s3, b3 = quant.shift_scales_bf16(parts[(proj, "scales")].view(np.uint16), parts[(proj, "biases")].view(np.uint16))
                 for part, arr in (("weight", w3), ("scales", s3), ("biases", b3)):
                     seg = lay3.segment(proj, part)
                     recs["q3"][:, seg.offset : seg.offset + seg.nbytes] = arr.view(np.uint8).reshape(n, -1)
+        return recs
+
+    def write(recs: dict[str, np.ndarray], nbytes: int) -> None:
         for fmt, r in recs.items():
-            writers[fmt].write(r.tobytes() if n < per_chunk else memoryview(r).cast("B"))
+            writers[fmt].write(memoryview(r).cast("B"))
+        bar.update(nbytes)
+
+    starts = list(range(0, n_experts, per_chunk))
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="convert") as pool:
+        nxt = pool.submit(read_chunk, starts[0])
+        writing = None
+        for i in range(len(starts)):
+            parts = nxt.result()
+            if i + 1 < len(starts):
+                nxt = pool.submit(read_chunk, starts[i + 1])
+            recs = assemble(parts)
+            if writing is not None:
+                writing.result()
+            writing = pool.submit(write, recs, sum(a.nbytes for a in parts.values()))
+        writing.result()
     return {fmt: w.close() for fmt, w in writers.items()}
 
 
