@@ -55,6 +55,36 @@ def raw_read_gbs(paths, limit_bytes: int = 8 << 30, chunk: int = 16 << 20) -> fl
     return total / dt / 1e9
 
 
+def raw_copy_gbs(paths, dst: Path, limit_bytes: int = 4 << 30, chunk: int = 16 << 20) -> float:
+    """O_DIRECT read + O_DIRECT write of the same bytes (a plain copy), GB/s of bytes copied: the ceiling for
+    a converter, which must write about as much as it reads through the same disk."""
+    buf = aligned_buffer(chunk)
+    view = memoryview(buf)
+    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+    total, t0 = 0, time.perf_counter()
+    try:
+        for p in paths:
+            fd, _ = open_uncached(p)
+            size = os.path.getsize(p) // ALIGN * ALIGN
+            off = 0
+            while off < size and total < limit_bytes:
+                n = os.preadv(fd, [view[: min(chunk, size - off)]], off)
+                os.write(out, view[:n])
+                off += n
+                total += n
+            os.close(fd)
+            if total >= limit_bytes:
+                break
+        os.fsync(out)
+    finally:
+        os.close(out)
+        os.unlink(dst)
+    dt = time.perf_counter() - t0
+    view.release()
+    buf.close()
+    return total / dt / 1e9
+
+
 def machine() -> dict:
     try:
         import mlx.core as mx

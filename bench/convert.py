@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_files, meminfo, raw_read_gbs, write_result  # noqa: E402
+from common import drop_files, meminfo, raw_copy_gbs, raw_read_gbs, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -40,6 +40,8 @@ def main() -> None:
     drop_files(shards)
     raw = raw_read_gbs(shards)
     drop_files(shards)
+    copy = raw_copy_gbs(shards, a.scratch / "copy-probe.bin")
+    drop_files(shards)
     cached0 = meminfo("Cached")
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "streamoe.cli", "convert", str(ckpt), str(out), "--experts", a.experts],
@@ -54,7 +56,8 @@ def main() -> None:
     res = {
         "size": a.size, "experts": a.experts, "source_bytes": src_bytes, "wall_s": round(wall, 2),
         "convert_gbs": round(src_bytes / wall / 1e9, 3), "raw_odirect_gbs": round(raw, 3),
-        "ratio_to_raw": round(src_bytes / wall / 1e9 / raw, 3), "peak_rss_gib": round(peak_rss / 2**30, 3),
+        "ratio_to_raw": round(src_bytes / wall / 1e9 / raw, 3), "raw_odirect_copy_gbs": round(copy, 3),
+        "ratio_to_copy": round(src_bytes / wall / 1e9 / copy, 3), "peak_rss_gib": round(peak_rss / 2**30, 3),
         "page_cache_growth_gib": round((cached1 - cached0) / 2**30, 3),
         "expert_gib": {f: round(v / 2**30, 3) for f, v in sizes.items()},
         "record_bytes": {f: e["stride"] for f, e in m["experts"].items()},

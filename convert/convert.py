@@ -129,18 +129,24 @@ def write_layer(
     writers = {fmt: UncachedWriter(p, direct=True) for fmt, p in outs.items()}
     lays = {"q4": lay4, "q3": lay3}
 
-    def read_chunk(e0: int) -> dict:
+    # two of everything: chunk i is assembled while chunk i+1 is read and chunk i-1 is written
+    src_bufs = [{k: np.empty(per_chunk * lay4.segment(*k).nbytes, np.uint8) for k in tensors} for _ in range(2)]
+    rec_bufs = [{fmt: np.frombuffer(aligned_buffer(per_chunk * lays[fmt].stride), np.uint8).reshape(per_chunk, -1)
+                 for fmt in outs} for _ in range(2)]  # page-aligned for O_DIRECT; padding stays zero
+
+    def read_chunk(i: int, e0: int) -> dict:
         n = min(per_chunk, n_experts - e0)
         parts = {}
         for (proj, part), t in tensors.items():
             seg = lay4.segment(proj, part)
-            raw = readers.read(t.file, t.offset + e0 * seg.nbytes, n * seg.nbytes)
-            parts[(proj, part)] = np.frombuffer(raw, np.uint8).reshape(n, seg.nbytes).copy()
+            dst = src_bufs[i % 2][(proj, part)][: n * seg.nbytes]
+            dst[:] = np.frombuffer(readers.read(t.file, t.offset + e0 * seg.nbytes, n * seg.nbytes), np.uint8)
+            parts[(proj, part)] = dst.reshape(n, seg.nbytes)
         return parts
 
-    def assemble(parts: dict) -> dict[str, np.ndarray]:
+    def assemble(i: int, parts: dict) -> dict[str, np.ndarray]:
         n = next(iter(parts.values())).shape[0]
-        recs = {fmt: np.frombuffer(aligned_buffer(n * lays[fmt].stride), np.uint8).reshape(n, -1) for fmt in outs}
+        recs = {fmt: b[:n] for fmt, b in rec_bufs[i % 2].items()}
         for proj in PROJS:
             if "q4" in recs:
                 for part in PARTS:
@@ -161,13 +167,13 @@ def write_layer(
 
     starts = list(range(0, n_experts, per_chunk))
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="convert") as pool:
-        nxt = pool.submit(read_chunk, starts[0])
+        nxt = pool.submit(read_chunk, 0, starts[0])
         writing = None
         for i in range(len(starts)):
             parts = nxt.result()
             if i + 1 < len(starts):
-                nxt = pool.submit(read_chunk, starts[i + 1])
-            recs = assemble(parts)
+                nxt = pool.submit(read_chunk, i + 1, starts[i + 1])
+            recs = assemble(i, parts)
             if writing is not None:
                 writing.result()
             writing = pool.submit(write, recs, sum(a.nbytes for a in parts.values()))
