@@ -28,7 +28,7 @@ from streamoe.formats.record import PARTS, PROJS, RecordLayout
 
 from .source import Checkpoint, open_checkpoint, quant_for
 
-CHUNK_BYTES = 16 << 20  # source bytes handled per step; bounds the converter's working memory
+CHUNK_BYTES = 32 << 20  # source bytes handled per step; bounds the converter's working memory
 JOURNAL = "journal.json"
 COPY_SUFFIXES = (".json", ".jinja", ".txt", ".model")
 NOT_COPIED = {"model.safetensors.index.json"}
@@ -129,20 +129,24 @@ def write_layer(
     writers = {fmt: UncachedWriter(p, direct=True) for fmt, p in outs.items()}
     lays = {"q4": lay4, "q3": lay3}
 
+    # one reader per source range, so the nine reads of a chunk can be in flight together
+    range_readers = {k: RangeReader(t.file, per_chunk * lay4.segment(*k).nbytes) for k, t in tensors.items()}
     # two of everything: chunk i is assembled while chunk i+1 is read and chunk i-1 is written
     src_bufs = [{k: np.empty(per_chunk * lay4.segment(*k).nbytes, np.uint8) for k in tensors} for _ in range(2)]
     rec_bufs = [{fmt: np.frombuffer(aligned_buffer(per_chunk * lays[fmt].stride), np.uint8).reshape(per_chunk, -1)
                  for fmt in outs} for _ in range(2)]  # page-aligned for O_DIRECT; padding stays zero
 
+    def read_one(i: int, e0: int, n: int, key: tuple[str, str]) -> np.ndarray:
+        t, seg = tensors[key], lay4.segment(*key)
+        dst = src_bufs[i % 2][key][: n * seg.nbytes]
+        dst[:] = np.frombuffer(range_readers[key].read(t.offset + e0 * seg.nbytes, n * seg.nbytes), np.uint8)
+        return dst.reshape(n, seg.nbytes)
+
     def read_chunk(i: int, e0: int) -> dict:
+        """The nine source ranges of experts [e0, e0 + n), read concurrently (the disk wants several in flight)."""
         n = min(per_chunk, n_experts - e0)
-        parts = {}
-        for (proj, part), t in tensors.items():
-            seg = lay4.segment(proj, part)
-            dst = src_bufs[i % 2][(proj, part)][: n * seg.nbytes]
-            dst[:] = np.frombuffer(readers.read(t.file, t.offset + e0 * seg.nbytes, n * seg.nbytes), np.uint8)
-            parts[(proj, part)] = dst.reshape(n, seg.nbytes)
-        return parts
+        futs = {key: io.submit(read_one, i, e0, n, key) for key in tensors}
+        return {key: f.result() for key, f in futs.items()}
 
     def assemble(i: int, parts: dict) -> dict[str, np.ndarray]:
         n = next(iter(parts.values())).shape[0]
@@ -166,7 +170,8 @@ def write_layer(
         bar.update(nbytes)
 
     starts = list(range(0, n_experts, per_chunk))
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="convert") as pool:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="convert") as pool, \
+            ThreadPoolExecutor(max_workers=3, thread_name_prefix="convert-io") as io:
         nxt = pool.submit(read_chunk, 0, starts[0])
         writing = None
         for i in range(len(starts)):
@@ -178,6 +183,8 @@ def write_layer(
                 writing.result()
             writing = pool.submit(write, recs, sum(a.nbytes for a in parts.values()))
         writing.result()
+    for r in range_readers.values():
+        r.close()
     return {fmt: w.close() for fmt, w in writers.items()}
 
 
