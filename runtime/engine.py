@@ -8,6 +8,7 @@ came from never enters the math, so logits are bit-identical at every cap and pr
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from streamoe.formats.errors import StreamoeError, fail
 from streamoe.formats.layout import record_layouts
 from streamoe.formats.manifest import load_manifest, safe_path
 
+from . import model as model_mod
 from .model import Model, ModelArgs, combine, expert_mlp, text_positions
 from .plan import ITEMSIZE, GiB, MemoryPlan, current_rss, make_plan
 from .store import ExpertStore, SlotPool
@@ -43,6 +45,7 @@ class Options:
     kv: str = "float32"
     prefill_chunk: int = 256
     io_threads: int = 4
+    cpu_streams: int | None = None  # CPU streams for expert and large matmul work; None = one per core (CPU backend)
     verify: bool = False
     runtime_bytes: int | None = None  # the interpreter/runtime allowance; None = measured at open
 
@@ -52,8 +55,11 @@ def default_dtype() -> str:
 
 
 def plan_for(root: Path, opts: Options, manifest=None) -> MemoryPlan:
-    """The plan for a converted directory (from its manifest)."""
+    """The plan for a converted directory (from its manifest). The runtime allowance is measured with the
+    tokenizer loaded, as `Engine` does, so `streamoe plan` and `streamoe run` agree."""
     m = manifest or load_manifest(root)
+    if opts.runtime_bytes is None and manifest is None:
+        TextIO(Path(root), m.config)
     fmts = m.expert_formats()
     if opts.experts not in fmts:
         raise fail(root / "manifest.json", f"has no {opts.experts} experts (has {', '.join(fmts)}); convert with --experts")
@@ -82,6 +88,8 @@ class Engine:
         self.plan.require_fit()
         mx.set_cache_limit(32 << 20)
         self.dtype = DTYPES[o.dtype or default_dtype()]
+        on_cpu = mx.default_device() == mx.cpu
+        model_mod.set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
         self.args = ModelArgs.from_config(m.config)
         fmt = m.expert_formats()[o.experts]
         self.lay = fmt.layout
@@ -143,6 +151,7 @@ class Engine:
         """The routed experts' output for tokens x [T, H] picked as inds [T, k], combined in rank order."""
         experts = np.unique(inds)
         st.picks = len(experts)
+        st.experts = experts.tolist()
         self._reap()
         slots: dict[int, int] = {}
         for e in experts.tolist():  # pin every hit first, so placing a miss cannot evict one
@@ -171,10 +180,12 @@ class Engine:
         st.io_wait_ms += 1000 * sum(self._settle(s) for s in slots.values())
         T, k = inds.shape
         ys, where = [], []
-        for e in experts.tolist():
+        streams = model_mod.STREAMS or [mx.default_stream(mx.default_device())]
+        for j, e in enumerate(experts.tolist()):
             rows, ranks = np.nonzero(inds == e)
-            xe = x if T == 1 else x[mx.array(rows)]
-            ys.append(expert_mlp(xe, self.pool.views[slots[e]], self.lay.bits, self.lay.group_size, self.dtype))
+            with mx.stream(streams[j % len(streams)]):  # experts are independent: one core each
+                xe = x if T == 1 else x[mx.array(rows)]
+                ys.append(expert_mlp(xe, self.pool.views[slots[e]], self.lay.bits, self.lay.group_size, self.dtype))
             where.append(rows * k + ranks)
         order = np.argsort(np.concatenate(where), kind="stable")
         out = mx.concatenate(ys, axis=0)[mx.array(order)].reshape(T, k, -1)

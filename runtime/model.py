@@ -195,6 +195,18 @@ class ModelArgs:
 # weights
 
 
+# CPU streams for large matrix-vector products: MLX runs each CPU stream on its own thread, so splitting a
+# big layer's output rows across streams uses every core. Each output row is computed by the same kernel
+# whatever the split, so results do not change with the number of streams.
+STREAMS: list = []
+SPLIT_ROWS = 2048
+
+
+def set_cpu_streams(n: int) -> None:
+    """Use n CPU streams (n <= 1: the default stream only)."""
+    STREAMS[:] = [mx.new_stream(mx.cpu) for _ in range(n)] if n > 1 else []
+
+
 class QLinear(NamedTuple):
     """An affine-quantized linear layer without bias: y = x @ dequantize(weight).T"""
 
@@ -205,15 +217,20 @@ class QLinear(NamedTuple):
     group_size: int
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.quantized_matmul(
-            x,
-            self.weight,
-            self.scales,
-            self.biases,
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-        )
+        rows = self.weight.shape[0]
+        if not STREAMS or rows < SPLIT_ROWS * len(STREAMS):
+            return mx.quantized_matmul(
+                x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
+            )
+        n = len(STREAMS)
+        step = -(-rows // n)
+        parts = []
+        for j, st in enumerate(STREAMS):
+            a, b = j * step, min(rows, (j + 1) * step)
+            with mx.stream(st):
+                parts.append(mx.quantized_matmul(x, self.weight[a:b], self.scales[a:b], self.biases[a:b],
+                                                 transpose=True, group_size=self.group_size, bits=self.bits))
+        return mx.concatenate(parts, axis=-1)
 
 
 class _Loader:

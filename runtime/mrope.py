@@ -57,7 +57,7 @@ def image_positions(
     n = len(ids)
     m = spatial_merge_size
     images = sum(
-        1 for a, b in zip(ids[:-1], ids[1:]) if a == vision_start_token_id and b == image_token_id
+        1 for a, b in zip(ids[:-1], ids[1:], strict=False) if a == vision_start_token_id and b == image_token_id
     )
     if images != len(image_grids):
         raise fail("prompt", f"{images} image blocks (<|vision_start|><|image_pad|>) for {len(image_grids)} images")

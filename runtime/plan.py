@@ -85,6 +85,11 @@ class MemoryPlan:
         rows.append(f"  {'total':<16} {size(self.fixed + self.hot_slots * self.stride)} of {self.cap / GiB:.2f} GiB")
         return "\n".join(rows)
 
+    def to_json(self) -> dict:
+        return {"cap": self.cap, "ctx": self.ctx, "expert_format": self.expert_format, "stride": self.stride,
+                "accounts": dict(self.accounts), "fixed": self.fixed, "hot_slots": self.hot_slots,
+                "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits}
+
     def require_fit(self) -> None:
         if not self.fits:
             raise StreamoeError(f"cap {self.cap / GiB:.2f} GiB is too small for this model at ctx {self.ctx}: "

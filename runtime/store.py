@@ -43,18 +43,28 @@ def record_views(buf: mx.array, base: int, lay: RecordLayout) -> ExpertWeights:
 
 
 class SlotPool:
-    """`n` expert slots of one record layout in one aligned MLX buffer."""
+    """`n` expert slots of one record layout in aligned MLX buffers of at most 1 GiB each (an MLX dimension
+    is a 32-bit integer, so one array cannot hold a 4 GiB pool)."""
+
+    GROUP_BYTES = 1 << 30
 
     def __init__(self, n: int, lay: RecordLayout):
         self.n, self.lay = n, lay
-        self.raw, self.host, self.base = aligned_mlx_buffer(max(1, n) * lay.stride)
-        self.views = [record_views(self.raw, self.base + i * lay.stride, lay) for i in range(n)]
+        self.per_group = max(1, self.GROUP_BYTES // lay.stride)
+        self.groups = []
+        self.views: list[ExpertWeights] = []
+        for g0 in range(0, max(1, n), self.per_group):
+            k = min(self.per_group, max(1, n) - g0)
+            raw, host, base = aligned_mlx_buffer(k * lay.stride)
+            self.groups.append((raw, host, base))
+            self.views += [record_views(raw, base + i * lay.stride, lay) for i in range(k)]
         mx.eval([v for ew in self.views for v in ew])
-        self.nbytes = self.raw.nbytes
+        self.nbytes = sum(g[0].nbytes for g in self.groups)
 
     def memory(self, slot: int) -> memoryview:
-        o = self.base + slot * self.lay.stride
-        return memoryview(self.host[o: o + self.lay.stride])
+        _, host, base = self.groups[slot // self.per_group]
+        o = base + (slot % self.per_group) * self.lay.stride
+        return memoryview(host[o: o + self.lay.stride])
 
 
 class ExpertStore:

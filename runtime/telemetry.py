@@ -25,6 +25,7 @@ class LayerStats:
     bytes_read: int = 0
     io_wait_ms: float = 0.0
     compute_ms: float = 0.0
+    experts: list[int] = field(default_factory=list)  # distinct experts picked: the routing trace
 
 
 @dataclass

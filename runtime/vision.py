@@ -224,7 +224,7 @@ class VisionEncoder:
         freqs = mx.concatenate([table[rows], table[cols]], axis=-1)  # [N, head_dim / 2]
         cos = mx.tile(mx.cos(freqs), (1, 2))[:, None, :]
         sin = mx.tile(mx.sin(freqs), (1, 2))[:, None, :]
-        return cos.astype(self.dtype), sin.astype(self.dtype)
+        return cos, sin  # float32; q/k are rotated in float32 and cast back
 
     def _attention(self, q: mx.array, k: mx.array, v: mx.array, frame: int) -> mx.array:
         """q, k, v [N, H, hd] -> [N, H*hd]; patches attend within their own frame."""
@@ -254,8 +254,8 @@ class VisionEncoder:
         y = mx.fast.layer_norm(x, W["norm1.weight"], W["norm1.bias"], eps)
         qkv = _linear(y, W["attn.qkv.weight"], W["attn.qkv.bias"]).reshape(n, 3, a.num_heads, a.head_dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = (q * cos + _rotate_half(q) * sin).astype(self.dtype)
+        k = (k * cos + _rotate_half(k) * sin).astype(self.dtype)
         mx.eval(q, k, v)
         del qkv, y
         attn = self._attention(q, k, v, frame)
@@ -273,7 +273,10 @@ class VisionEncoder:
     def _merge(self, x: mx.array) -> mx.array:
         a = self.args
         shapes = a.shapes()
-        pick = lambda *names: self._weights({f"merger.{k}": shapes[f"merger.{k}"] for k in names})  # noqa: E731
+
+        def pick(*names):
+            return self._weights({f"merger.{k}": shapes[f"merger.{k}"] for k in names})
+
         W = pick("norm.weight", "norm.bias")
         x = mx.fast.layer_norm(x, W["merger.norm.weight"], W["merger.norm.bias"], a.layer_norm_eps)
         x = x.reshape(-1, a.merged_size)  # the 4 patches of a 2x2 cell are consecutive rows
