@@ -13,10 +13,11 @@ from .telemetry import summarize, summary_line, validate_record
 from .text import Detokenizer, Sampler
 
 
-def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler, logits: list | None) -> list[int]:
+def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler, logits: list | None,
+           images: list | None = None) -> list[int]:
     detok = Detokenizer(eng.text)
     out = []
-    for tok, lg in eng.generate(prompt_ids, max_tokens, sampler):
+    for tok, lg in eng.generate(prompt_ids, max_tokens, sampler, images=images):
         if logits is not None:
             logits.append(lg)
         out.append(tok)
@@ -26,13 +27,13 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
     return out
 
 
-def run_cli(model: Path, opts: dict, *, prompt: str | None, chat: bool, raw: bool, system: str | None, think: bool,
+def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool) -> None:
     sampler = Sampler(**sampling)
     eng = Engine(model, Options(**opts))
     logits: list | None = [] if logits_out else None
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
-    fed: list[int] = []  # tokens in the cache, so a chat turn feeds only what is new
+    fed: list[int] = []  # the rendered tokens the cache holds, so a chat turn feeds only what is new
     try:
         turns = [prompt] if prompt is not None else None
         while True:
@@ -47,18 +48,24 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, chat: bool, raw: boo
                     break
                 if user.strip() in ("/quit", "/exit"):
                     break
+                if user.startswith("/image "):
+                    images.append(Path(user[7:].strip()))
+                    print(f"(attached {images[-1]} to the next turn)", file=sys.stderr)
+                    continue
             if raw:
                 full = fed + eng.text.encode(user)
             else:
-                messages.append({"role": "user", "content": user})
+                content = [{"type": "image"} for _ in images] + [{"type": "text", "text": user}] if images else user
+                messages.append({"role": "user", "content": content})
                 full = eng.text.encode(eng.text.chat_prompt(messages, think=think))
             if full[:len(fed)] != fed:  # history re-rendered differently: start the cache over
                 eng.reset()
                 fed = []
             ids = full[len(fed):]
             n0 = len(eng.steps)
-            out = answer(eng, ids, max_tokens, sampler, logits)
-            fed = full + out
+            turn_images, images = list(images), []
+            out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images)
+            fed = full + out  # as rendered (one pad per image); the cache holds the expanded run, same history
             if not raw:
                 messages.append({"role": "assistant", "content": eng.text.decode(out)})
             if not quiet:

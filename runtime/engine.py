@@ -17,19 +17,24 @@ import mlx.core as mx
 import numpy as np
 
 from streamoe.convert.source import text_config
-from streamoe.formats.direct import file_checksum
+from streamoe.formats.direct import RangeReader, file_checksum
 from streamoe.formats.errors import StreamoeError, fail
 from streamoe.formats.layout import record_layouts
 from streamoe.formats.manifest import load_manifest, safe_path
 
 from . import model as model_mod
+from .image import ImageConfig, decode_peak_bytes, load_image, preprocess
 from .model import Model, ModelArgs, combine, expert_mlp, text_positions
+from .mrope import expand_image_tokens, image_positions
 from .plan import ITEMSIZE, GiB, MemoryPlan, current_rss, make_plan
 from .store import ExpertStore, SlotPool
 from .telemetry import LayerStats, StepStats
 from .text import TextIO
 from .tier import HotTier
-from .weights import load_tensors, resident_bytes
+from .vision import VisionArgs, VisionEncoder
+from .vision import max_patches as vision_max_patches
+from .vision import peak_bytes as vision_peak_bytes
+from .weights import load_tensors, read_tensor, resident_bytes
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -48,6 +53,9 @@ class Options:
     cpu_streams: int | None = None  # CPU streams for expert and large matmul work; None = one per core (CPU backend)
     verify: bool = False
     runtime_bytes: int | None = None  # the interpreter/runtime allowance; None = measured at open
+    images: bool = False  # plan (and allow) image inputs: the vision account
+    max_pixels: int = 640 * 640  # largest image after resizing
+    max_decode_pixels: int = 1 << 24  # largest image file accepted (16 Mpx), decoded before resizing
 
 
 def default_dtype() -> str:
@@ -66,9 +74,25 @@ def plan_for(root: Path, opts: Options, manifest=None) -> MemoryPlan:
     dtype = opts.dtype or default_dtype()
     _, table = m.blob("nonexpert")
     tc = text_config(m.config)
-    return make_plan(tc=tc, cap=int(opts.cap_gib * GiB), ctx=opts.ctx, expert_format=opts.experts,
+    plan = make_plan(tc=tc, cap=int(opts.cap_gib * GiB), ctx=opts.ctx, expert_format=opts.experts,
                      stride=fmts[opts.experts].layout.stride, nonexpert_resident=resident_bytes(table, ITEMSIZE[dtype]),
-                     dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes)
+                     dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
+                     vision_bytes=vision_bytes(m, opts) if opts.images else 0)
+    if opts.images:
+        plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
+                                f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")
+    return plan
+
+
+def vision_bytes(m, opts: Options) -> int:
+    """The vision account: the larger of decoding the biggest accepted file and encoding the biggest resized
+    image (weights of one stage + activations), plus the image's patches and its embeddings."""
+    if m.blob("vision") is None:
+        raise fail(m.root / "manifest.json", "the model has no vision tower (text-only export); images are not supported")
+    va = VisionArgs.from_config(m.config)
+    n = vision_max_patches(va, opts.max_pixels)
+    staged = n * va.patch_dim * 4 + n // va.spatial_merge_size**2 * va.out_hidden_size * 4 * 2
+    return max(decode_peak_bytes(opts.max_decode_pixels), vision_peak_bytes(va, opts.max_pixels)) + staged
 
 
 class Engine:
@@ -104,6 +128,7 @@ class Engine:
         self.model = Model(self.args, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
         self.cache = self.model.make_cache(o.ctx, DTYPES[o.kv])
         self.offset = 0
+        self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens
         self.inflight: dict[int, object] = {}  # slot -> Future of its read
         self.prefetched: dict[tuple[int, int], int] = {}
         self.issued: dict[int, int] = {}  # layer -> prefetch reads issued for it
@@ -200,7 +225,7 @@ class Engine:
         if self.offset + T > self.opts.ctx:
             raise StreamoeError(f"prompt of {self.offset + T} tokens is longer than the planned context --ctx {self.opts.ctx}")
         h = embeddings if embeddings is not None else self.model.embed(mx.array([tokens]))
-        pos = positions if positions is not None else text_positions(self.offset, T)
+        pos = positions if positions is not None else text_positions(self.offset + self.rope_delta, T)
         pinned_prev: list[int] = []
         n_layers = self.args.num_hidden_layers
         for i in range(n_layers):
@@ -254,9 +279,9 @@ class Engine:
         self.tier.lend_staging()
         return logits
 
-    def generate(self, prompt: list[int], max_tokens: int, sampler, on_token=None):
+    def generate(self, prompt: list[int], max_tokens: int, sampler, images: list | None = None):
         """Yield generated token ids (stop token excluded) with their logits."""
-        logits = self.prefill(prompt)
+        logits = self.prefill_images(prompt, images) if images else self.prefill(prompt)
         for _ in range(max_tokens):
             lg = np.array(logits.astype(mx.float32))
             tok = sampler(lg)
@@ -271,6 +296,68 @@ class Engine:
     def reset(self) -> None:
         self.cache = self.model.make_cache(self.opts.ctx, DTYPES[self.opts.kv])
         self.offset = 0
+        self.rope_delta = 0
+
+    # ---- images
+    def encode_image(self, path) -> tuple[mx.array, tuple[int, int, int]]:
+        """One image file -> (features [n_tokens, H], grid (t, h, w)); vision weights are read from vision.bin
+        stage by stage and dropped after, so nothing of the encoder stays resident."""
+        if not self.opts.images:
+            raise StreamoeError("images were not planned for: open the engine with images enabled (--image/--chat)")
+        m = self.manifest
+        cfg = ImageConfig.from_config(m.config, self._preprocessor(), max_pixels=self.opts.max_pixels)
+        img = load_image(path, max_decode_pixels=self.opts.max_decode_pixels)
+        patches, grid = preprocess(img, cfg)
+        del img
+        file, table = m.blob("vision")
+        by_name = {t.name: t for t in table}
+        with RangeReader(safe_path(self.root, file["path"]), 16 << 20) as reader:
+            enc = VisionEncoder(VisionArgs.from_config(m.config), lambda name: read_tensor(reader, by_name[name]), self.dtype)
+            feats = enc.encode(patches, grid)
+            mx.eval(feats)
+        self.peak_rss = max(self.peak_rss, current_rss())
+        return feats, grid
+
+    def _preprocessor(self) -> dict | None:
+        import json
+
+        for name in ("preprocessor_config.json", "processor_config.json"):
+            p = self.root / name
+            if p.is_file():
+                return json.loads(p.read_text())
+        return None
+
+    def prefill_images(self, tokens: list[int], images: list) -> mx.array:
+        """A prompt whose `<|image_pad|>` placeholders take the given images: pads expanded to each image's
+        token count, features substituted at their positions, 3-axis M-RoPE positions, then chunked prefill."""
+        cfg = self.manifest.config
+        pad, start = cfg["image_token_id"], cfg["vision_start_token_id"]
+        merge = cfg["vision_config"]["spatial_merge_size"]
+        feats = [self.encode_image(p) for p in images]
+        grids = [g for _, g in feats]
+        ids = expand_image_tokens(tokens, grids, pad, merge)
+        if self.offset + len(ids) > self.opts.ctx:
+            raise StreamoeError(f"prompt of {len(ids)} tokens with its images (+{self.offset} in context) is longer than "
+                                f"the planned context --ctx {self.opts.ctx}")
+        pos, nxt = image_positions(ids, grids, pad, start, merge)
+        base = self.offset + self.rope_delta
+        pos = mx.array(pos + base)[:, None, :]
+        emb = self.model.embed(mx.array([ids]))
+        where = mx.array(np.nonzero(np.array(ids) == pad)[0])
+        emb[0, where] = mx.concatenate([f for f, _ in feats], axis=0).astype(emb.dtype)
+        mx.eval(emb)
+        for s in list(self.inflight):
+            self._settle(s)
+        self.tier.reclaim_staging()
+        self.prefetched.clear()
+        self.issued.clear()
+        c = self.opts.prefill_chunk
+        for a in range(0, len(ids), c):
+            b = min(len(ids), a + c)
+            logits = self.forward(ids[a:b], "prefill", positions=pos[:, :, a:b], embeddings=emb[:, a:b])
+        self.rope_delta = base + nxt - self.offset
+        self.tier.lend_staging()
+        return logits
 
     def close(self) -> None:
         for s in list(self.inflight):

@@ -137,8 +137,10 @@ def common(fn):
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @common
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes per account).")
+@click.option("--images", is_flag=True, help="Include the vision account (runs with --image or --chat).")
 @user_errors
-def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None) -> None:
+def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, as_json: bool, images: bool) -> None:
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
 
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
@@ -148,8 +150,13 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
     if model.is_file() and model.suffix == ".json":
         p = plan_from_config(model, cap, ctx, experts, kv, dtype)
     else:
-        p = plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype))
-    click.echo(p.render())
+        p = plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, images=images))
+    if as_json:
+        import json
+
+        click.echo(json.dumps(p.to_json(), indent=2))
+    else:
+        click.echo(p.render())
     p.require_fit()
 
 
@@ -157,7 +164,10 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @click.argument("model", type=click.Path(path_type=Path))
 @common
 @click.option("--prompt", "-p", default=None, help="One prompt; answered, then exit.")
-@click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns.")
+@click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
+@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="An image for the prompt (repeatable).")
+@click.option("--max-pixels", type=click.IntRange(min=1024), default=640 * 640, show_default=True,
+              help="Largest image after resizing, in pixels (the vision account is planned for it).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
@@ -176,7 +186,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @click.option("--quiet", "-q", is_flag=True, help="No summary line.")
 @user_errors
 def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, prompt: str | None, chat: bool,
-        raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float, top_p: float, top_k: int, seed: int,
+        images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float, top_p: float, top_k: int, seed: int,
         tier: str, prefetch_width: int, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
@@ -184,9 +194,12 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
 
     if prompt is None and not chat:
         raise click.UsageError("give --prompt TEXT or --chat")
+    if images and raw:
+        raise click.UsageError("--image needs the chat template; drop --raw")
+    vision = bool(images) or (chat and not raw)
     run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
-                        prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify),
-            prompt=prompt, chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
+                        prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=vision, max_pixels=max_pixels),
+            prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
             sampling=dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed), stats=stats, logits_out=logits_out, quiet=quiet)
 
 

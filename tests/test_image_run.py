@@ -1,0 +1,142 @@
+"""Image questions end to end: the engine against mlx-vlm, across caps, under a cgroup, and bad images."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from streamoe.runtime.engine import Engine, Options, plan_for
+from streamoe.runtime.image import ImageConfig, load_image, preprocess
+from streamoe.runtime.mrope import expand_image_tokens
+
+from .conftest import cli, one_error_line
+from .test_runtime import LOGIT_ATOL, RUNTIME, cgroup_dir
+
+
+@pytest.fixture(scope="module")
+def picture(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("img") / "shape.png"
+    im = Image.new("RGB", (160, 96), "white")
+    ImageDraw.Draw(im).ellipse((40, 10, 120, 86), fill=(30, 120, 220))
+    im.save(p)
+    return p
+
+
+def question(eng: Engine) -> list[int]:
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]
+    return eng.text.encode(eng.text.chat_prompt(msgs, think=False))
+
+
+def engine(conv: Path, slots: int | None) -> Engine:
+    base = plan_for(conv, Options(cap_gib=64, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME, images=True))
+    cap = 64.0 if slots is None else (base.fixed + slots * base.stride + 1) / 2**30
+    return Engine(conv, Options(cap_gib=cap, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME, images=True))
+
+
+def test_image_question_matches_mlx_vlm_and_is_identical_across_caps(tiny_ckpt, tiny_conv, picture):
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import load_model
+
+    ref = load_model(tiny_ckpt)
+    ref.set_dtype(mx.float32)
+    runs = []
+    for slots in (0, 12, None):  # barely fitting, a fraction, everything resident
+        eng = engine(tiny_conv, slots)
+        cfg = eng.manifest.config
+        ids = question(eng)
+        patches, grid = preprocess(load_image(picture), ImageConfig.from_config(cfg, eng._preprocessor()))
+        full = mx.array([expand_image_tokens(ids, [grid], cfg["image_token_id"], cfg["vision_config"]["spatial_merge_size"])])
+        assert full.shape[1] > 3 * 16  # several prefill chunks, image tokens among them
+        feat = ref.get_input_embeddings(full, mx.array(patches), image_grid_thw=mx.array([grid]))
+        cache = make_prompt_cache(ref.language_model)
+        lr = ref.language_model(full, inputs_embeds=feat.inputs_embeds, cache=cache, position_ids=feat.position_ids,
+                                rope_deltas=feat.rope_deltas).logits[0, -1]
+        le = eng.prefill_images(ids, [picture])
+        ours, theirs, logits = [], [], []
+        for _ in range(16):
+            a, b = np.array(lr), np.array(le)
+            assert np.abs(a - b).max() < LOGIT_ATOL
+            t = int(a.argmax())
+            theirs.append(t)
+            top2 = np.sort(a)[-2:]
+            ours.append(int(b.argmax()) if top2[1] - top2[0] > 2 * LOGIT_ATOL else t)
+            logits.append(b)
+            lr = ref.language_model(mx.array([[t]]), cache=cache).logits[0, -1]
+            le = eng.forward([t], "decode")
+        assert ours == theirs
+        runs.append(np.stack(logits).tobytes())
+        eng.close()
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_chat_turns_and_cli_image(tiny_conv, picture):
+    p = cli("run", tiny_conv, "--cap", "1", "--image", picture, "-p", "What is it?", "-n", "4", check=True)
+    assert "tok/s" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--chat", "-n", "3"],
+                       input=f"/image {picture}\nWhat is it?\nAnd now?\n/quit\n", capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("tok/s") == 2 and "attached" in p.stderr
+
+
+def test_image_run_inside_cgroup(small_conv, picture, tmp_path):
+    base = cgroup_dir()
+    if base is None:
+        pytest.skip("no writable cgroup-v1 memory controller here (needs /sys/fs/cgroup/memory and root)")
+    plan = plan_for(small_conv, Options(cap_gib=8, ctx=512, images=True, runtime_bytes=160 << 20))
+    cap = round((plan.fixed + 100 * plan.stride) / 2**30, 3)
+    cg = base / f"streamoe_img_{os.getpid()}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(int(cap * 2**30)))
+        stats = tmp_path / "s.jsonl"
+        cmd = (f"echo $$ > {cg}/cgroup.procs && exec {sys.executable} -m streamoe.cli run {small_conv} --cap {cap} "
+               f"--ctx 512 --image {picture} -p 'Describe it.' -n 12 --stats {stats}")
+        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        assert int((cg / "memory.failcnt").read_text()) == 0
+        assert int((cg / "memory.max_usage_in_bytes").read_text()) <= cap * 2**30
+        dec = [json.loads(ln) for ln in stats.read_text().splitlines() if '"decode"' in ln]
+        assert sum(ly["misses"] for r in dec for ly in r["layers"]) > 0
+    finally:
+        try:
+            (cg / "memory.force_empty").write_text("1")
+        except OSError:
+            pass
+        cg.rmdir()
+
+
+def bad_images(d: Path) -> list[tuple[Path, str]]:
+    (d / "text.png").write_text("hello, not a picture")
+    (d / "empty.png").write_bytes(b"")
+    good = d / "good.png"
+    Image.new("RGB", (64, 64), "red").save(good)
+    data = good.read_bytes()
+    (d / "trunc.png").write_bytes(data[: len(data) // 2])
+    huge = d / "huge.png"  # a 60000x60000 header: refused before any pixel is decoded
+    Image.new("1", (60000, 60000)).save(huge, optimize=True)
+    return [(d / "text.png", "not"), (d / "empty.png", "empty"), (d / "trunc.png", "truncated"), (huge, "pixels"),
+            (d / "missing.png", "no such file")]
+
+
+def test_bad_images_one_line_each(tiny_conv, tmp_path):
+    for path, needle in bad_images(tmp_path):
+        line = one_error_line(cli("run", tiny_conv, "--cap", "1", "--image", path, "-p", "hi"), str(path))
+        assert needle in line.lower(), line
+
+
+def test_text_only_model_refuses_images(tmp_path):
+    from streamoe.convert.convert import convert
+    from streamoe.convert.synth import synth
+
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    synth(ck, size="tiny", variant="qwen3.6", text_only=True, seed=2, shard_bytes=None, dry_run=False)
+    convert(ck, out, progress=False)
+    one_error_line(cli("plan", out, "--images"), "no vision tower")
