@@ -133,7 +133,20 @@ class Engine:
         self.prefetched: dict[tuple[int, int], int] = {}
         self.issued: dict[int, int] = {}  # layer -> prefetch reads issued for it
         self.steps: list[StepStats] = []
+        if self.plan.hot_slots >= n_layers * self.n_exp:
+            self._preload_all()
         self.peak_rss = current_rss()
+
+    def _preload_all(self) -> None:
+        """When the cap holds every expert, read them all at open: the run is then fully resident."""
+        for li in range(self.args.num_hidden_layers):
+            for e in range(self.n_exp):
+                slot = li * self.n_exp + e
+                self.tier.assign(slot, (li, e))
+                self._read((li, e), slot)
+        for s in list(self.inflight):
+            self._settle(s)
+        self.store.bytes_read = 0
 
     # ---- expert I/O
     def _read(self, key: tuple[int, int], slot: int) -> None:
