@@ -12,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".demo"
+RUNTIME_MIB = 192
 
 
 def sh(*args: str) -> None:
@@ -30,17 +31,25 @@ def main() -> None:
     out = WORK / f"{src.name}-streamoe"
     sh("convert", str(src), str(out), "--experts", "q4,q3", "--force")
     sh("validate", str(out), "--source", str(src))
-    full = plan_for(out, Options(cap_gib=64, ctx=1024))
+    allowance = ["--runtime-mib", str(RUNTIME_MIB)]  # a fixed allowance, so the cap below holds what it says
+    full = plan_for(out, Options(cap_gib=64, ctx=1024, runtime_bytes=RUNTIME_MIB << 20))
     n = full.n_layers * full.n_experts
-    cap = (full.fixed + n * full.stride // 4) / 2**30 + 0.05  # about a quarter of the experts (+ runtime slack)
-    sh("plan", str(out), "--cap", f"{cap:.3f}", "--ctx", "1024")
-    sh("run", str(out), "--cap", f"{cap:.3f}", "--ctx", "1024", "--raw", "-n", "48",
+    cap = (full.fixed + n * full.stride // 4 + (1 << 20)) / 2**30  # a quarter of the experts
+    sh("plan", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance)
+    sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance, "--raw", "-n", "48",
        "-p", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
-    sh("run", str(out), "--cap", f"{cap:.3f}", "--ctx", "1024", "--experts", "q3", "--no-think", "-n", "32",
-       "-p", "What does the Python function len() return?")
-    image = ROOT / "examples" / "demo.png"
-    if image.exists() and (out / "vision.bin").exists():
-        sh("run", str(out), "--cap", f"{cap:.3f}", "--ctx", "1024", "--no-think", "-n", "24", "--image", str(image),
+    sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance, "--experts", "q3", "--raw", "-n", "48",
+       "-p", "import os\nimport sys\n\n\ndef main(argv):\n")
+    if (out / "vision.bin").exists():
+        from PIL import Image, ImageDraw
+
+        image = WORK / "red-circle.png"
+        im = Image.new("RGB", (160, 128), "white")
+        ImageDraw.Draw(im).ellipse((50, 30, 110, 90), fill=(220, 30, 30))
+        im.save(image)
+        full = plan_for(out, Options(cap_gib=64, ctx=1024, images=True, runtime_bytes=RUNTIME_MIB << 20))
+        cap = (full.fixed + n * full.stride // 4 + (1 << 20)) / 2**30
+        sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance, "--no-think", "-n", "16", "--image", str(image),
            "-p", "What colour is the shape?")
 
 

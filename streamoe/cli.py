@@ -95,7 +95,7 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
         raise StreamoeError(f"{bad['detail']}")
 
 
-def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str):
+def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str, runtime_mib: int | None = None):
     """A plan from a bare config.json, before any download or conversion."""
     from streamoe.convert.source import read_json, text_config
     from streamoe.convert.synth import tensor_table
@@ -115,7 +115,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
     nonexpert = sum(resident_nbytes(dt, int(__import__("numpy").prod(shape)) * (4 if dt in ("U32", "F32") else 2), item)
                     for name, dt, shape in table if ".switch_mlp." not in name and not name.startswith("vision_tower."))
     return mk(tc=tc, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride, nonexpert_resident=nonexpert,
-              dtype=dtype, kv_dtype=kv)
+              dtype=dtype, kv_dtype=kv, runtime_bytes=runtime_mib and runtime_mib << 20)
 
 
 COMMON = [
@@ -125,6 +125,8 @@ COMMON = [
     click.option("--kv", type=click.Choice(["float32", "float16"]), default="float32", show_default=True, help="KV cache dtype."),
     click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                  help="Compute dtype (default float32 on the CPU backend, bfloat16 on GPUs)."),
+    click.option("--runtime-mib", type=click.IntRange(min=1), default=None,
+                 help="Fix the interpreter/runtime allowance (default: measured at open) so plans are reproducible."),
 ]
 
 
@@ -140,7 +142,8 @@ def common(fn):
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes per account).")
 @click.option("--images", is_flag=True, help="Include the vision account (runs with --image or --chat).")
 @user_errors
-def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, as_json: bool, images: bool) -> None:
+def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, as_json: bool,
+         images: bool) -> None:
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
 
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
@@ -148,9 +151,10 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 
     dtype = dtype or default_dtype()
     if model.is_file() and model.suffix == ".json":
-        p = plan_from_config(model, cap, ctx, experts, kv, dtype)
+        p = plan_from_config(model, cap, ctx, experts, kv, dtype, runtime_mib)
     else:
-        p = plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, images=images))
+        p = plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, images=images,
+                                    runtime_bytes=runtime_mib and runtime_mib << 20))
     if as_json:
         import json
 
@@ -185,7 +189,8 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @click.option("--verify", is_flag=True, help="Check every file's checksum before running.")
 @click.option("--quiet", "-q", is_flag=True, help="No summary line.")
 @user_errors
-def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, prompt: str | None, chat: bool,
+def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None,
+        prompt: str | None, chat: bool,
         images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float, top_p: float, top_k: int, seed: int,
         tier: str, prefetch_width: int, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool) -> None:
@@ -198,7 +203,8 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
         raise click.UsageError("--image needs the chat template; drop --raw")
     vision = bool(images) or (chat and not raw)
     run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
-                        prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=vision, max_pixels=max_pixels),
+                        prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=vision, max_pixels=max_pixels,
+                        runtime_bytes=runtime_mib and runtime_mib << 20),
             prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
             sampling=dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed), stats=stats, logits_out=logits_out, quiet=quiet)
 
