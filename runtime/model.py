@@ -345,6 +345,9 @@ def text_positions(offset: int, length: int, batch: int = 1) -> mx.array:
 # gated delta rule
 
 
+EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
+
+
 def _delta_step(state, q, k, v, g, beta):
     """One token. state [B, H, dv, dk] f32; q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]."""
     state = state * g[..., None, None]
@@ -363,6 +366,8 @@ def gated_delta_loop(q, k, v, log_g, beta, state):
     for t in range(q.shape[1]):
         y, state = _delta_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
         ys.append(y.astype(v.dtype))
+        if t % EVAL_EVERY == EVAL_EVERY - 1:  # bound the live graph: a long prompt would hold every step's state
+            mx.eval(state, ys)
     return mx.stack(ys, axis=1), state
 
 
@@ -673,10 +678,10 @@ def _arrays(obj) -> list[mx.array]:
 def expert_mlp(x: mx.array, w: ExpertWeights, bits: int, group_size: int, dtype=mx.float32) -> mx.array:
     """One routed expert on tokens x [N, H]: down(silu(gate(x)) * up(x))."""
 
+    # Scales and biases stay as stored (bf16): quantized_matmul takes them with float32 activations and gives
+    # the same bits as casting first, without a float32 copy of every expert's scales alive in a prefill graph.
     def qmm(a, wq, s, b):
-        return mx.quantized_matmul(
-            a, wq, s.astype(dtype), b.astype(dtype), transpose=True, group_size=group_size, bits=bits
-        )
+        return mx.quantized_matmul(a, wq, s, b, transpose=True, group_size=group_size, bits=bits)
 
     x = x.astype(dtype)
     h = nn.silu(qmm(x, w.gate_w, w.gate_s, w.gate_b)) * qmm(x, w.up_w, w.up_s, w.up_b)

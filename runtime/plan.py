@@ -107,7 +107,8 @@ def activation_bytes(tc: dict, ctx: int, chunk: int, item: int) -> int:
     inter = max(tc["moe_intermediate_size"], tc["shared_expert_intermediate_size"])
     hidden = 8 * chunk * H
     attn = chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * chunk * ctx
-    gdn = 3 * chunk * (conv + vdim) + tc["linear_num_value_heads"] * tc["linear_value_head_dim"] * tc["linear_key_head_dim"] * 4
+    # the recurrence is evaluated every 8 tokens: up to 8 steps x ~6 state-sized temporaries alive at once
+    gdn = 3 * chunk * (conv + vdim) + 48 * tc["linear_num_value_heads"] * tc["linear_value_head_dim"] * tc["linear_key_head_dim"]
     moe = 3 * chunk * E_k * H + 4 * chunk * inter
     logits = 2 * tc["vocab_size"]
     return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item)

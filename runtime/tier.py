@@ -7,9 +7,12 @@ except a small scratch ring that takes misses the tier declines; the next prompt
 Admission by pick frequency: a miss is admitted when it has been picked more often than a sampled
 victim (so one-off experts do not flush the hot set); `policy="lru"` always admits and evicts the least
 recently used entry, the measured alternative. Placement never changes the math, only what is read.
+Every operation is O(1) or O(sample) in the number of slots: a decode token places hundreds of experts.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 
@@ -27,75 +30,109 @@ class HotTier:
         self.key_of: list[Key | None] = [None] * self.n_slots
         self.slot_of: dict[Key, int] = {}
         self.freq = np.zeros((n_layers, n_experts), np.int64)
-        self.last_use = np.zeros(self.n_slots, np.int64)
-        self.clock = 0
+        self.recency: OrderedDict[int, None] = OrderedDict()  # occupied tier slots, least recently used first
+        self.free: list[int] = list(range(hot - 1, -1, -1))  # unoccupied tier slots (a stack)
         self.pinned: set[int] = set()
         self.busy: set[int] = set()  # slots with a read in flight
         self.lent = False
         self.rng = np.random.default_rng(seed)
         self.scratch_next = 0
 
-    # --- which slots the tier may use right now
-    def tier_slots(self) -> range | list[int]:
-        if not self.lent:
-            return range(self.hot)
-        return [*range(self.hot), *range(self.hot + self.scratch_n, self.n_slots)]
+    # --- which slots belong to the tier right now
+    def in_tier(self, slot: int) -> bool:
+        return slot < self.hot or (self.lent and slot >= self.hot + self.scratch_n)
 
     def is_staging(self, slot: int) -> bool:
         return slot >= self.hot
 
     def lend_staging(self) -> None:
         """Decode begins: the staging slots become tier slots (all but the scratch ring)."""
+        if self.lent:
+            return
         self.lent = True
+        for s in range(self.hot + self.scratch_n, self.n_slots):
+            if self.key_of[s] is None:
+                self.free.append(s)
+            else:
+                self.recency[s] = None
 
     def reclaim_staging(self) -> None:
         """A prompt begins: forget every entry living in a staging slot."""
         for s in range(self.hot, self.n_slots):
             self.evict(s)
         self.lent = False
+        self.free = [s for s in self.free if s < self.hot]
 
     # --- bookkeeping
     def lookup(self, key: Key) -> int | None:
         return self.slot_of.get(key)
 
     def note_picks(self, layer: int, experts) -> None:
-        self.clock += 1
         self.freq[layer, np.asarray(experts, dtype=np.int64)] += 1
-        for e in experts:
-            s = self.slot_of.get((layer, int(e)))
-            if s is not None:
-                self.last_use[s] = self.clock
+        for e in set(int(x) for x in np.asarray(experts).reshape(-1)):
+            s = self.slot_of.get((layer, e))
+            if s is not None and s in self.recency:
+                self.recency.move_to_end(s)
 
     def evict(self, slot: int) -> None:
         k = self.key_of[slot]
         if k is not None:
             del self.slot_of[k]
             self.key_of[slot] = None
+            if self.recency.pop(slot, 0) is None and self.in_tier(slot):
+                self.free.append(slot)
 
     def assign(self, slot: int, key: Key) -> None:
         self.evict(slot)
-        old = self.slot_of.pop(key, None)
+        old = self.slot_of.get(key)
         if old is not None:
-            self.key_of[old] = None
+            self.evict(old)
         self.key_of[slot] = key
         self.slot_of[key] = slot
-        self.last_use[slot] = self.clock
+        if self.in_tier(slot):
+            self.recency[slot] = None
+            self.recency.move_to_end(slot)
 
     def usable(self, slot: int) -> bool:
         return slot not in self.pinned and slot not in self.busy
 
     # --- placement of a miss
-    def victim(self) -> int | None:
-        cands = [s for s in self.tier_slots() if self.usable(s)]
-        if not cands:
-            return None
-        free = [s for s in cands if self.key_of[s] is None]
-        if free:
-            return free[0]
+    def _take_free(self) -> int | None:
+        while self.free:
+            s = self.free.pop()
+            if self.key_of[s] is None and self.in_tier(s):
+                return s
+        return None
+
+    def _lru(self) -> int | None:
+        for s in self.recency:
+            if self.usable(s):
+                return s
+        return None
+
+    def victim(self) -> tuple[int | None, bool]:
+        """(slot, is_free): a free tier slot, else the policy's victim among usable occupied ones."""
+        s = self._take_free()
+        if s is not None:
+            return s, True
+        if not self.recency:
+            return None, False
         if self.policy == "lru":
-            return min(cands, key=lambda s: self.last_use[s])
-        pick = self.rng.choice(len(cands), size=min(self.sample, len(cands)), replace=False)
-        return min((cands[i] for i in pick), key=lambda s: (self.freq[self.key_of[s]], self.last_use[s]))
+            return self._lru(), False
+        occupied = list(self.recency) if len(self.recency) <= 4 * self.sample else None
+        best = None
+        for _ in range(self.sample):
+            s = occupied[self.rng.integers(len(occupied))] if occupied else self._random_occupied()
+            if s is not None and self.usable(s) and (best is None or self.freq[self.key_of[s]] < self.freq[self.key_of[best]]):
+                best = s
+        return (best if best is not None else self._lru()), False
+
+    def _random_occupied(self) -> int | None:
+        for _ in range(4):
+            s = int(self.rng.integers(self.n_slots))
+            if s in self.recency:
+                return s
+        return None
 
     def scratch_slot(self, key: Key) -> int | None:
         """Where a declined miss goes: prefill stages expert e in slot hot + e; decode uses the scratch ring."""
@@ -114,12 +151,10 @@ class HotTier:
 
         `optional` (a prefetch guess) gets None rather than forcing an admission when only the scratch ring
         could take it and the ring is busy."""
-        v = self.victim()
-        if v is not None:
-            vk = self.key_of[v]
-            if vk is None or self.policy == "lru" or self.freq[key] > self.freq[vk]:
-                self.assign(v, key)
-                return v, True
+        v, free = self.victim()
+        if v is not None and (free or self.policy == "lru" or self.freq[key] > self.freq[self.key_of[v]]):
+            self.assign(v, key)
+            return v, True
         s = self.scratch_slot(key)
         if s is None and optional:
             return None, False
