@@ -18,7 +18,7 @@ case "$1" in
     ;;
   setup)
     [ -f "$S/full-ckpt/model.safetensors.index.json" ] || { time python3 -m streamoe.cli synth "$S/full-ckpt" --size full 2>/dev/null; }
-    [ -f "$S/full-conv/manifest.json" ] || { time python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts q4,q3 2>/dev/null; }
+    [ -f "$S/full-conv/manifest.json" ] || { time python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts "${CONVERT:-q4,q3}" 2>/dev/null; }
     python3 -m streamoe.cli plan "$S/full-conv" --cap 4 --ctx 4096 | tee "$OUT/plan-cap4.txt"
     ;;
   decode)
