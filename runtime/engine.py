@@ -210,6 +210,7 @@ class Engine:
         st.picks = len(experts)
         st.experts = experts.tolist()
         self._reap()
+        self.tier.note_picks(layer, inds.reshape(-1))  # this pick counts toward the admission of a miss
         slots: dict[int, int] = {}
         for e in experts.tolist():  # pin every hit first, so placing a miss cannot evict one
             key = (layer, e)
@@ -233,7 +234,6 @@ class Engine:
                 st.misses += 1
         st.prefetch_wasted = sum(1 for (ly, e) in self.prefetched if ly == layer and e not in slots)
         self.prefetched = {k: v for k, v in self.prefetched.items() if k[0] != layer}
-        self.tier.note_picks(layer, inds.reshape(-1))
         st.io_wait_ms += 1000 * sum(self._settle(s) for s in slots.values())
         T, k = inds.shape
         ys, where = [], []

@@ -152,7 +152,7 @@ class HotTier:
         `optional` (a prefetch guess) gets None rather than forcing an admission when only the scratch ring
         could take it and the ring is busy."""
         v, free = self.victim()
-        if v is not None and (free or self.policy == "lru" or self.freq[key] > self.freq[self.key_of[v]]):
+        if v is not None and (free or self.policy == "lru" or self.freq[key] >= self.freq[self.key_of[v]]):
             self.assign(v, key)
             return v, True
         s = self.scratch_slot(key)
