@@ -234,16 +234,29 @@ class Engine:
                 st.misses += 1
         st.prefetch_wasted = sum(1 for (ly, e) in self.prefetched if ly == layer and e not in slots)
         self.prefetched = {k: v for k, v in self.prefetched.items() if k[0] != layer}
-        st.io_wait_ms += 1000 * sum(self._settle(s) for s in slots.values())
         T, k = inds.shape
-        ys, where = [], []
         streams = model_mod.STREAMS or [mx.default_stream(mx.default_device())]
-        for j, e in enumerate(experts.tolist()):
+        outs: dict[int, mx.array] = {}
+        where = [None] * len(experts)
+
+        def run(j: int, e: int) -> None:
             rows, ranks = np.nonzero(inds == e)
             with mx.stream(streams[j % len(streams)]):  # experts are independent: one core each
                 xe = x if T == 1 else x[mx.array(rows)]
-                ys.append(expert_mlp(xe, self.pool.views[slots[e]], self.lay.bits, self.lay.group_size, self.dtype))
-            where.append(rows * k + ranks)
+                outs[e] = expert_mlp(xe, self.pool.views[slots[e]], self.lay.bits, self.lay.group_size, self.dtype)
+            where[j] = rows * k + ranks
+
+        # experts already in memory start computing while the missing ones are still being read
+        waiting = [(j, e) for j, e in enumerate(experts.tolist()) if slots[e] in self.inflight]
+        for j, e in enumerate(experts.tolist()):
+            if slots[e] not in self.inflight:
+                run(j, e)
+        if outs and waiting:
+            mx.async_eval(list(outs.values()))
+        st.io_wait_ms += 1000 * sum(self._settle(slots[e]) for _, e in waiting)
+        for j, e in waiting:
+            run(j, e)
+        ys = [outs[e] for e in experts.tolist()]
         order = np.argsort(np.concatenate(where), kind="stable")
         out = mx.concatenate(ys, axis=0)[mx.array(order)].reshape(T, k, -1)
         return combine(out, scores.reshape(T, k))
