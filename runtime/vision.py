@@ -135,7 +135,26 @@ def _heads_per_chunk(args: VisionArgs, frame: int) -> int:
 
 
 def _linear(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
+    """x @ weight.T + bias. On the CPU backend the dense float32 product goes through numpy's BLAS: MLX's
+    CPU matmul measured 1.6 GMAC/s here against OpenBLAS's 100 (781 ms vs 12 ms for one fc1 of a 256-patch
+    image), which made a 640x640 image take 8 minutes to encode."""
+    if mx.default_device() == mx.cpu and x.dtype == mx.float32 and weight.dtype == mx.float32:
+        y = np.asarray(x) @ np.asarray(weight).T
+        y += np.asarray(bias)
+        return mx.array(y)
     return mx.addmm(bias, x, weight.T)
+
+
+def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """Full (non-causal) attention of one head chunk; through numpy's BLAS on the CPU backend (see `_linear`)."""
+    if mx.default_device() != mx.cpu or q.dtype != mx.float32:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    qn, kn, vn = np.asarray(q), np.asarray(k), np.asarray(v)
+    s = np.matmul(qn * np.float32(scale), kn.swapaxes(-1, -2))
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return mx.array(np.matmul(s, vn))
 
 
 def _rotate_half(x: mx.array) -> mx.array:
@@ -238,7 +257,7 @@ class VisionEncoder:
             chunks = []
             for h0 in range(0, a.num_heads, heads):
                 sl = (slice(None), slice(h0, h0 + heads), slice(s, s + frame))
-                o = mx.fast.scaled_dot_product_attention(q[sl], k[sl], v[sl], scale=scale)
+                o = _sdpa(q[sl], k[sl], v[sl], scale)
                 mx.eval(o)  # keep only one chunk of scores alive
                 chunks.append(o)
             frames.append(mx.concatenate(chunks, axis=1) if len(chunks) > 1 else chunks[0])
