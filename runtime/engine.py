@@ -313,14 +313,20 @@ class Engine:
         if self.offset + len(tokens) > self.opts.ctx:
             raise StreamoeError(f"prompt of {len(tokens)} tokens (+{self.offset} in context) is longer than the planned "
                                 f"context --ctx {self.opts.ctx}")
+        return self._prefill_chunks(tokens)
+
+    def _prefill_chunks(self, ids: list[int], positions: mx.array | None = None, emb: mx.array | None = None) -> mx.array:
+        """Take the staging slots back from the tier, run the prompt chunk by chunk, lend them again."""
         for s in list(self.inflight):
             self._settle(s)
         self.tier.reclaim_staging()
         self.prefetched.clear()
         self.issued.clear()
         c = self.opts.prefill_chunk
-        for a in range(0, len(tokens), c):
-            logits = self.forward(tokens[a:a + c], "prefill")
+        for a in range(0, len(ids), c):
+            b = min(len(ids), a + c)
+            logits = self.forward(ids[a:b], "prefill", positions=None if positions is None else positions[:, :, a:b],
+                                  embeddings=None if emb is None else emb[:, a:b])
         self.tier.lend_staging()
         return logits
 
@@ -391,17 +397,8 @@ class Engine:
         where = mx.array(np.nonzero(np.array(ids) == pad)[0])
         emb[0, where] = mx.concatenate([f for f, _ in feats], axis=0).astype(emb.dtype)
         mx.eval(emb)
-        for s in list(self.inflight):
-            self._settle(s)
-        self.tier.reclaim_staging()
-        self.prefetched.clear()
-        self.issued.clear()
-        c = self.opts.prefill_chunk
-        for a in range(0, len(ids), c):
-            b = min(len(ids), a + c)
-            logits = self.forward(ids[a:b], "prefill", positions=pos[:, :, a:b], embeddings=emb[:, a:b])
+        logits = self._prefill_chunks(ids, pos, emb)
         self.rope_delta = base + nxt - self.offset
-        self.tier.lend_staging()
         return logits
 
     def close(self) -> None:
