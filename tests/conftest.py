@@ -34,6 +34,42 @@ def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> str:
     return lines[0]
 
 
+def cgroup_dir() -> Path | None:
+    """This process's own cgroup-v1 memory group, if we may create children in it."""
+    import os
+
+    try:
+        own = next(ln.split(":")[2].strip() for ln in open("/proc/self/cgroup") if ln.split(":")[1] == "memory")
+    except (OSError, StopIteration):
+        return None
+    base = Path("/sys/fs/cgroup/memory") / own.lstrip("/")
+    return base if (base / "memory.limit_in_bytes").exists() and os.access(base, os.W_OK) else None
+
+
+def run_capped(args: list[str], cap_gib: float) -> tuple[subprocess.CompletedProcess, int, int]:
+    """`streamoe ARGS` inside a fresh child cgroup whose memory limit is the cap (page cache included);
+    returns (process, failcnt, max_usage_in_bytes). Skips the test where cgroups are unavailable."""
+    import os
+    import shlex
+
+    base = cgroup_dir()
+    if base is None:
+        pytest.skip("no writable cgroup-v1 memory controller here (needs /sys/fs/cgroup/memory and root)")
+    cg = base / f"streamoe_test_{os.getpid()}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(int(cap_gib * 2**30)))
+        cmd = f"echo $$ > {cg}/cgroup.procs && exec {sys.executable} -m streamoe.cli {shlex.join(map(str, args))}"
+        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=300)
+        return p, int((cg / "memory.failcnt").read_text()), int((cg / "memory.max_usage_in_bytes").read_text())
+    finally:
+        try:
+            (cg / "memory.force_empty").write_text("1")
+        except OSError:
+            pass
+        cg.rmdir()
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / "tiny"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +16,8 @@ from streamoe.runtime.engine import Engine, Options, plan_for
 from streamoe.runtime.image import ImageConfig, load_image, preprocess
 from streamoe.runtime.mrope import expand_image_tokens
 
-from .conftest import cli, one_error_line
-from .test_runtime import LOGIT_ATOL, RUNTIME, cgroup_dir
+from .conftest import cli, one_error_line, run_capped
+from .test_runtime import LOGIT_ATOL, RUNTIME
 
 
 @pytest.fixture(scope="module")
@@ -87,30 +86,15 @@ def test_chat_turns_and_cli_image(tiny_conv, picture):
 
 
 def test_image_run_inside_cgroup(small_conv, picture, tmp_path):
-    base = cgroup_dir()
-    if base is None:
-        pytest.skip("no writable cgroup-v1 memory controller here (needs /sys/fs/cgroup/memory and root)")
     plan = plan_for(small_conv, Options(cap_gib=8, ctx=512, images=True, runtime_bytes=160 << 20))
     cap = round((plan.fixed + 100 * plan.stride) / 2**30, 3)
-    cg = base / f"streamoe_img_{os.getpid()}"
-    cg.mkdir()
-    try:
-        (cg / "memory.limit_in_bytes").write_text(str(int(cap * 2**30)))
-        stats = tmp_path / "s.jsonl"
-        cmd = (f"echo $$ > {cg}/cgroup.procs && exec {sys.executable} -m streamoe.cli run {small_conv} --cap {cap} "
-               f"--ctx 512 --image {picture} -p 'Describe it.' -n 12 --stats {stats}")
-        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr
-        assert int((cg / "memory.failcnt").read_text()) == 0
-        assert int((cg / "memory.max_usage_in_bytes").read_text()) <= cap * 2**30
-        dec = [json.loads(ln) for ln in stats.read_text().splitlines() if '"decode"' in ln]
-        assert sum(ly["misses"] for r in dec for ly in r["layers"]) > 0
-    finally:
-        try:
-            (cg / "memory.force_empty").write_text("1")
-        except OSError:
-            pass
-        cg.rmdir()
+    stats = tmp_path / "s.jsonl"
+    p, failcnt, peak = run_capped(["run", small_conv, "--cap", cap, "--ctx", 512, "--image", picture, "-p", "Describe it.",
+                                   "-n", 12, "--stats", stats], cap)
+    assert p.returncode == 0, p.stderr
+    assert failcnt == 0 and peak <= cap * 2**30
+    dec = [json.loads(ln) for ln in stats.read_text().splitlines() if '"decode"' in ln]
+    assert sum(ly["misses"] for r in dec for ly in r["layers"]) > 0
 
 
 def bad_images(d: Path) -> list[tuple[Path, str]]:

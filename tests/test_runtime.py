@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -18,7 +16,7 @@ import pytest
 from streamoe.formats.manifest import schema
 from streamoe.runtime.engine import Engine, Options, plan_for
 
-from .conftest import cli, one_error_line
+from .conftest import cli, one_error_line, run_capped
 
 # Measured float32 agreement with mlx-lm on the synthetic checkpoints: max |Δlogit| 2e-7 (tiny) and
 # 2e-6 (small) over 12-step runs. The bound leaves a 10x margin and stays far below any real top-2 gap.
@@ -148,40 +146,16 @@ def test_cli_logits_out_equal_across_caps(small_conv, tmp_path):
 
 # ---- the cap holds under a real cgroup-v1 memory limit
 
-def cgroup_dir() -> Path | None:
-    try:
-        own = next(ln.split(":")[2].strip() for ln in open("/proc/self/cgroup") if ln.split(":")[1] == "memory")
-    except (OSError, StopIteration):
-        return None
-    base = Path("/sys/fs/cgroup/memory") / own.lstrip("/")
-    return base if (base / "memory.limit_in_bytes").exists() and os.access(base, os.W_OK) else None
-
-
 def test_run_inside_cgroup_limit_equal_to_cap(small_conv, tmp_path):
-    base = cgroup_dir()
-    if base is None:
-        pytest.skip("no writable cgroup-v1 memory controller here (needs /sys/fs/cgroup/memory and root)")
     plan = plan_for(small_conv, Options(cap_gib=8, ctx=512, runtime_bytes=160 << 20))
     cap_gib = round((plan.fixed + 120 * plan.stride) / 2**30, 3)  # about 120 of the 512 experts
     stats = tmp_path / "stats.jsonl"
-    cg = base / f"streamoe_test_{os.getpid()}"
-    cg.mkdir()
-    try:
-        (cg / "memory.limit_in_bytes").write_text(str(int(cap_gib * 2**30)))
-        cmd = (f"echo $$ > {cg}/cgroup.procs && exec {sys.executable} -m streamoe.cli run {small_conv} --cap {cap_gib} "
-               f"--ctx 512 -p 'def main():' -n 24 --raw --stats {stats}")
-        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr
-        assert int((cg / "memory.failcnt").read_text()) == 0
-        assert int((cg / "memory.max_usage_in_bytes").read_text()) <= cap_gib * 2**30
-        decode = [json.loads(ln) for ln in stats.read_text().splitlines() if '"decode"' in ln]
-        assert sum(ly["misses"] for r in decode for ly in r["layers"]) > 0, "the cap must hold only a fraction of the experts"
-    finally:
-        try:
-            (cg / "memory.force_empty").write_text("1")
-        except OSError:
-            pass
-        cg.rmdir()
+    p, failcnt, peak = run_capped(["run", small_conv, "--cap", cap_gib, "--ctx", 512, "-p", "def main():", "-n", 24,
+                                   "--raw", "--stats", stats], cap_gib)
+    assert p.returncode == 0, p.stderr
+    assert failcnt == 0 and peak <= cap_gib * 2**30
+    decode = [json.loads(ln) for ln in stats.read_text().splitlines() if '"decode"' in ln]
+    assert sum(ly["misses"] for r in decode for ly in r["layers"]) > 0, "the cap must hold only a fraction of the experts"
 
 
 # ---- SPEC §7 for the runtime
