@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from streamoe.formats import quant
-from streamoe.formats.blobs import plan_blob
+from streamoe.formats.blobs import BlobTensor, plan_blob
 from streamoe.formats.direct import RangeReader, UncachedWriter, aligned_buffer
 from streamoe.formats.errors import fail
 from streamoe.formats.manifest import MANIFEST, segments_json, write_manifest
@@ -94,10 +94,8 @@ class Readers:
         self.open.clear()
 
 
-def write_blob(
-    readers: Readers, ckpt: Checkpoint, path: Path, entries: list[tuple], bar: tqdm
-) -> tuple[dict, list[dict]]:
-    table, size = plan_blob(entries)
+def write_blob(readers: Readers, ckpt: Checkpoint, path: Path, table: list[BlobTensor], size: int, bar: tqdm) -> dict:
+    """Copy each tensor's bytes verbatim to its planned offset; returns the file record."""
     w = UncachedWriter(path)
     for t in table:
         src = ckpt.tensors[t.name]
@@ -107,7 +105,7 @@ def write_blob(
             w.write(readers.read(src.file, src.offset + off, n))
             bar.update(n)
     w.pad_to(size)
-    return w.close(), [t.to_json() for t in table]
+    return w.close()
 
 
 def write_layer(
@@ -251,8 +249,8 @@ def convert(
         kind = classify(name, prefix)
         if kind != "expert":
             groups[kind].append(name)
-    blob_plans = {k: blob_entries(ckpt, groups[k]) for k in ("nonexpert", "vision") if groups[k]}
-    sizes = {k: plan_blob(v)[1] for k, v in blob_plans.items()}
+    blob_plans = {k: plan_blob(blob_entries(ckpt, groups[k])) for k in ("nonexpert", "vision") if groups[k]}
+    sizes = {k: size for k, (_, size) in blob_plans.items()}
     lays = {"q4": lay4, "q3": lay3}
     need = sum(sizes.values()) + sum(n_layers * n_exp * lays[f].stride for f in formats)
     fp = fingerprint(ckpt, formats)
@@ -278,14 +276,12 @@ def convert(
     )
     try:
         blobs = {}
-        for kind, entries in blob_plans.items():
+        for kind, (table, size) in blob_plans.items():
             rel = f"{kind}.bin"
-            table = plan_blob(entries)[0]
             if rel in done:
-                bar.update(sum(e[3] for e in entries))
+                bar.update(sum(t.nbytes for t in table))
             else:
-                rec, _ = write_blob(readers, ckpt, tmp / rel, entries, bar)
-                done[rel] = rec
+                done[rel] = write_blob(readers, ckpt, tmp / rel, table, size, bar)
                 save_journal(tmp, fp, done)
             blobs[kind] = {"file": {"path": rel, **done[rel]}, "tensors": [t.to_json() for t in table]}
         for li in range(n_layers):

@@ -69,7 +69,7 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             if not raw:
                 messages.append({"role": "assistant", "content": eng.text.decode(out)})
             if not quiet:
-                s = summarize(eng.steps[n0:], eng.peak_rss, eng.plan.cap, eng.lay.stride)
+                s = summarize(eng.steps[n0:], eng.peak_rss, eng.plan.cap)
                 print(summary_line(s), file=sys.stderr)
             if not chat:
                 break

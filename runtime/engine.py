@@ -93,7 +93,7 @@ def plan_for(root: Path, opts: Options, manifest=None) -> MemoryPlan:
     _, table = m.blob("nonexpert")
     tc = text_config(m.config)
     plan = make_plan(tc=tc, cap=int(opts.cap_gib * GiB), ctx=opts.ctx, expert_format=opts.experts,
-                     stride=fmts[opts.experts].layout.stride, nonexpert_resident=resident_bytes(table, ITEMSIZE[dtype]),
+                     stride=fmts[opts.experts].layout.stride, nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), ITEMSIZE[dtype]),
                      dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
                      vision_bytes=vision_bytes(m, opts) if opts.images else 0)
     if opts.images:

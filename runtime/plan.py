@@ -14,7 +14,6 @@ from streamoe.formats.errors import StreamoeError
 GiB = 1 << 30
 MiB = 1 << 20
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-STORED_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
 
 
 def current_rss() -> int:
@@ -30,13 +29,6 @@ def current_rss() -> int:
 
 def size(n: int) -> str:
     return f"{n / GiB:8.3f} GiB" if n >= 0.1 * GiB else f"{n / MiB:8.2f} MiB"
-
-
-def resident_nbytes(dtype: str, nbytes: int, compute_item: int) -> int:
-    """Bytes a stored tensor occupies once loaded: float tensors are cast to the compute dtype, codes stay packed."""
-    if dtype in STORED_ITEM:
-        return nbytes // STORED_ITEM[dtype] * compute_item
-    return nbytes
 
 
 @dataclass

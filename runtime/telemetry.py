@@ -45,7 +45,7 @@ def validate_record(rec: dict) -> None:
     jsonschema.validate(rec, schema("telemetry.schema.json"))
 
 
-def summarize(steps: list[StepStats], peak_bytes: int, cap: int, stride: int) -> dict:
+def summarize(steps: list[StepStats], peak_bytes: int, cap: int) -> dict:
     dec = [s for s in steps if s.phase == "decode"]
     n = max(1, len(dec))
     tot_ms = sum(s.ms for s in dec)

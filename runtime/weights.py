@@ -48,13 +48,14 @@ def load_tensors(path: Path, table: Iterable[BlobTensor], dtype: mx.Dtype) -> di
     return out
 
 
-def resident_bytes(table: Iterable[BlobTensor], dtype_item: int) -> int:
-    """What `load_tensors` will hold: packed codes as stored, floats at the compute dtype (A_log at 4 bytes)."""
+def resident_bytes(tensors: Iterable[tuple[str, str, int]], dtype_item: int) -> int:
+    """What `load_tensors` will hold for (name, stored dtype, stored nbytes) entries: packed codes as stored,
+    floats at the compute dtype, A_log at 4 bytes. The plan counts exactly this."""
     total = 0
-    for t in table:
-        if t.dtype in FLOATS:
-            item = 4 if t.name.endswith("A_log") else dtype_item
-            total += t.nbytes // DTYPES[t.dtype][1] * item
+    for name, dtype, nbytes in tensors:
+        if dtype in FLOATS:
+            item = 4 if name.endswith("A_log") else dtype_item
+            total += nbytes // DTYPES[dtype][1] * item
         else:
-            total += t.nbytes
+            total += nbytes
     return total

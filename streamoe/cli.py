@@ -100,8 +100,10 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
     from streamoe.convert.source import read_json, text_config
     from streamoe.convert.synth import tensor_table
     from streamoe.formats.record import RecordLayout
-    from streamoe.runtime.plan import ITEMSIZE, GiB, resident_nbytes
+    from streamoe.formats.safetensors import tensor_nbytes
+    from streamoe.runtime.plan import ITEMSIZE, GiB
     from streamoe.runtime.plan import make_plan as mk
+    from streamoe.runtime.weights import resident_bytes
 
     config = read_json(path)
     tc = text_config(config)
@@ -112,8 +114,8 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
     except (KeyError, TypeError, ValueError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({e})") from None
     item = ITEMSIZE[dtype]
-    nonexpert = sum(resident_nbytes(dt, int(__import__("numpy").prod(shape)) * (4 if dt in ("U32", "F32") else 2), item)
-                    for name, dt, shape in table if ".switch_mlp." not in name and not name.startswith("vision_tower."))
+    nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
+                                if ".switch_mlp." not in name and not name.startswith("vision_tower.")), item)
     return mk(tc=tc, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride, nonexpert_resident=nonexpert,
               dtype=dtype, kv_dtype=kv, runtime_bytes=runtime_mib and runtime_mib << 20)
 
