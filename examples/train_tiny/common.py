@@ -339,6 +339,16 @@ def make_scene(rng: random.Random, width: int | None = None, height: int | None 
     return img, scene
 
 
+#: Classes of each scene attribute, in label order (the auxiliary vision loss in train.py).
+SCENE_CLASSES = {"colour": list(COLOURS), "shape": SHAPES, "count": ["1", "2", "3", "4"], "position": POSITIONS}
+
+
+def scene_labels(scene: dict) -> list[int]:
+    """Class index of colour, shape, count and position (-100 = no position: several shapes)."""
+    pos = POSITIONS.index(scene["position"]) if scene["position"] else -100
+    return [list(COLOURS).index(scene["colour"]), SHAPES.index(scene["shape"]), scene["count"] - 1, pos]
+
+
 DEFAULT_KIND_WEIGHTS = {"colour": 0.3, "shape": 0.3, "count": 0.25, "position": 0.3}
 
 

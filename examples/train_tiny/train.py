@@ -40,6 +40,13 @@ sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 
 T0 = time.time()
+#: The GPU machine trains; a CPU run (same code, slow) is how the script is checked elsewhere.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
 
 
 def log(*a):
@@ -71,7 +78,7 @@ SYSTEM = "You are a helpful assistant."
 
 def qa_example(rng: random.Random, prompts: Prompts, size, kind=None, think=None, scene_count=None,
                kind_weights=None):
-    """One image + question; returns (uint8 HxWx3, ids, n_prompt, kind, answer)."""
+    """One image + question; returns (uint8 HxWx3, prompt ids, answer ids, kind, answer, scene labels)."""
     img, scene = common.make_scene(rng, size[0], size[1], count=scene_count)
     kind, q, a = common.make_qa(rng, scene, kind, kind_weights)
     if think is None:
@@ -79,15 +86,15 @@ def qa_example(rng: random.Random, prompts: Prompts, size, kind=None, think=None
     system = SYSTEM if rng.random() < 0.1 else None
     p = prompts.ids(common.render_image_prompt(q, think, system))
     t = prompts.ids(common.render_answer(a, think))
-    return np.asarray(img, dtype=np.uint8), p, t, kind, a
+    return np.asarray(img, dtype=np.uint8), p, t, kind, a, common.scene_labels(scene)
 
 
 def build_image_batch(examples, grid_hw):
-    """Expand the image pad, pad right; returns numpy ids, labels, positions, images."""
+    """Expand the image pad, pad right; returns numpy ids, labels, positions, images, scene labels."""
     gh, gw = grid_hw
     n_img_tok = (gh // common.MERGE) * (gw // common.MERGE)
     rows, labels = [], []
-    for _, p, t, _, _ in examples:
+    for _, p, t, _, _, _ in examples:
         k = p.index(common.IMAGE_PAD)
         pe = p[:k] + [common.IMAGE_PAD] * n_img_tok + p[k + 1:]
         ids = pe + t
@@ -103,7 +110,7 @@ def build_image_batch(examples, grid_hw):
         full = r + [common.ENDOFTEXT] * (L - len(r))
         pos_arr[:, i] = common.mrope_positions(full, [(1, gh, gw)])
     imgs = np.stack([e[0] for e in examples])
-    return ids_arr, lab_arr, pos_arr, imgs
+    return ids_arr, lab_arr, pos_arr, imgs, np.asarray([e[5] for e in examples], dtype=np.int64)
 
 
 def patchify_torch(imgs: torch.Tensor) -> torch.Tensor:
@@ -119,7 +126,20 @@ def patchify_torch(imgs: torch.Tensor) -> torch.Tensor:
     return x.reshape(B * gh * gw, 3 * T * P * P).contiguous()
 
 
-def _image_worker(q, tok_path: str, batch: int, seed: int, kind_weights):
+def _scene_worker(q, batch: int, seed: int):
+    """Images and their scene labels only (the vision warm-up phase)."""
+    rng = random.Random(seed)
+    while True:
+        w, h = rng.choice(common.SIZES), rng.choice(common.SIZES)
+        imgs, labels = [], []
+        for _ in range(batch):
+            img, scene = common.make_scene(rng, w, h)
+            imgs.append(np.asarray(img, dtype=np.uint8))
+            labels.append(common.scene_labels(scene))
+        q.put((np.stack(imgs), np.asarray(labels, dtype=np.int64)))
+
+
+def _image_worker(q, batch: int, seed: int, tok_path: str, kind_weights):
     from tokenizers import Tokenizer
 
     prompts = Prompts(Tokenizer.from_file(tok_path))
@@ -131,16 +151,15 @@ def _image_worker(q, tok_path: str, batch: int, seed: int, kind_weights):
 
 
 class ImageBatches:
-    """Worker processes drawing image-QA batches (one image size per batch); read in a
-    fixed round-robin order so a run is reproducible."""
+    """Worker processes drawing batches (one image size per batch) with ``worker(q, batch,
+    seed, *args)``; read in a fixed round-robin order so a run is reproducible."""
 
-    def __init__(self, tok_path: str, batch: int, seed: int, workers: int = 3, depth: int = 4, kind_weights=None):
+    def __init__(self, worker, batch: int, seed: int, *args, workers: int = 3, depth: int = 4):
         import multiprocessing as mp
 
         ctx = mp.get_context("fork")  # forked before CUDA is initialised
         self.qs = [ctx.Queue(maxsize=depth) for _ in range(workers)]
-        self.procs = [ctx.Process(target=_image_worker, args=(q, tok_path, batch, seed * 1000 + i, kind_weights),
-                                  daemon=True)
+        self.procs = [ctx.Process(target=worker, args=(q, batch, seed * 1000 + i, *args), daemon=True)
                       for i, q in enumerate(self.qs)]
         for p in self.procs:
             p.start()
@@ -176,7 +195,7 @@ def aux_loss_of(out, cfg_text):
         return aux
     rl = getattr(out, "router_logits", None)
     if not rl:
-        return torch.zeros((), device="cuda")
+        return torch.zeros((), device=DEV)
     E, k = cfg_text.num_experts, cfg_text.num_experts_per_tok
     tot = 0.0
     for lg in rl:
@@ -193,11 +212,56 @@ def text_forward(model, x):
     return out
 
 
+class SceneProbe(torch.nn.Module):
+    """Linear heads reading colour, shape, count and position from the mean of an image's
+    merger outputs.  Training only (not saved): a direct loss that gets the vision tower
+    to encode what the questions ask about; the language model then learns to read it."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.sizes = [len(v) for v in common.SCENE_CLASSES.values()]
+        self.head = torch.nn.Linear(dim, sum(self.sizes))
+
+    def forward(self, pooled: torch.Tensor, labels: torch.Tensor):
+        """Mean cross-entropy over the attributes and per-attribute accuracy."""
+        logits = self.head(pooled.float()).split(self.sizes, dim=-1)
+        loss, acc = 0.0, {}
+        for i, (name, lg) in enumerate(zip(common.SCENE_CLASSES, logits, strict=True)):
+            y = labels[:, i]
+            m = y != -100
+            n = m.sum().clamp(min=1)  # a batch may hold no single-shape image (no position)
+            loss = loss + F.cross_entropy(lg, y, ignore_index=-100, reduction="sum") / n / len(logits)
+            acc[name] = ((lg.argmax(-1) == y) & m).sum() / n
+        return loss, acc
+
+
+class MergerTap:
+    """Keeps the last output of the vision merger (the LM's image embeddings)."""
+
+    def __init__(self, model):
+        self.out = None
+        model.model.visual.merger.register_forward_hook(self._keep)
+
+    def _keep(self, module, inputs, output):
+        self.out = output[0] if isinstance(output, tuple) else output
+
+    def pooled(self, n_images: int) -> torch.Tensor:
+        """[n_images, dim]: every image of a batch has the same size, so the same token count."""
+        return self.out.reshape(n_images, -1, self.out.shape[-1]).mean(1)
+
+
+def vision_forward(model, imgs: torch.Tensor):
+    """Run only the vision tower on uint8 [B,H,W,3] images (the merger tap sees the output)."""
+    B, H, W, _ = imgs.shape
+    thw = torch.tensor([[1, H // common.PATCH, W // common.PATCH]] * B, device=imgs.device, dtype=torch.long)
+    model.model.visual(patchify_torch(imgs), grid_thw=thw)
+
+
 def image_forward(model, batch):
-    ids, lab, pos, imgs = batch
+    ids, lab, pos, imgs = batch[:4]
     B, H, W, _ = imgs.shape
     gh, gw = H // common.PATCH, W // common.PATCH
-    dev = "cuda"
+    dev = DEV
     ids_t = torch.from_numpy(ids).to(dev, non_blocking=True)
     lab_t = torch.from_numpy(lab).to(dev, non_blocking=True)
     pos_t = torch.from_numpy(pos).to(dev, non_blocking=True)
@@ -331,6 +395,44 @@ def save_hf(model, out: Path, max_shard: int = 15_000_000):
 # ---------------------------------------------------------------------------
 
 
+def train_vision(model, probe: SceneProbe, tap: MergerTap, scenes: ImageBatches, args) -> dict:
+    """Warm-up phase: the vision tower and the probe alone, on scene labels, for
+    ``args.vision_seconds`` (a few seconds with --smoke).  Batches of hundreds of images
+    take milliseconds here, so the tower sees far more images than the joint phase allows."""
+    seconds = 5.0 if args.smoke else args.vision_seconds
+    params = list(model.model.visual.parameters()) + list(probe.parameters())
+    opt = torch.optim.AdamW(params, lr=args.vision_lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
+    history, step, total, warmup = [], 0, None, 50
+    t_start = time.time()
+    while total is None or step < total:
+        if total is None and step == 40:
+            sync()
+            per = (time.time() - t_start) / 40
+            total = max(41, int(seconds / per))
+            log(f"vision phase: {per * 1000:.1f} ms/step over the first 40 -> {total} steps")
+        prog = 0.0 if total is None else min(1.0, step / total)
+        lr = args.vision_lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        imgs, labels = scenes.get()
+        vision_forward(model, torch.from_numpy(imgs).to(DEV, non_blocking=True))
+        loss, acc = probe(tap.pooled(len(imgs)), torch.from_numpy(labels).to(DEV, non_blocking=True))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0 or step == total:
+            rec = {"step": step, "time": round(time.time() - t_start, 2), "lr": lr, "loss": round(loss.item(), 4),
+                   "acc": {k: round(v.item(), 3) for k, v in acc.items()}}
+            history.append(rec)
+            if step % 250 == 0 or step == total:
+                log("vision", rec)
+    model.zero_grad(set_to_none=True)
+    return {"seconds": round(time.time() - t_start, 1), "steps": step, "images": step * args.vision_batch,
+            "history": history}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -350,6 +452,12 @@ def main():
     ap.add_argument("--eval-every", type=int, default=150)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", default=None, help="start from the bf16 HF shards in this folder (continued training)")
+    ap.add_argument("--vision-seconds", type=float, default=0.0,
+                    help="first train the vision tower alone on the scene labels for this long")
+    ap.add_argument("--vision-batch", type=int, default=256)
+    ap.add_argument("--vision-lr", type=float, default=2e-3)
+    ap.add_argument("--probe-weight", type=float, default=0.0,
+                    help="weight of the scene-label loss on the question images during the joint phase")
     ap.add_argument("--kind-weights", default=None,
                     help="question mix colour,shape,count,position (default 0.3,0.3,0.25,0.3)")
     args = ap.parse_args()
@@ -365,8 +473,9 @@ def main():
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     data = Path(args.data)
-    images = ImageBatches(str(data / "tokenizer.json"), args.image_batch, seed=args.seed + 1,
-                          kind_weights=kind_weights)
+    scenes = ImageBatches(_scene_worker, args.vision_batch, args.seed + 3, workers=6) \
+        if (args.vision_seconds > 0 or args.smoke) else None
+    images = ImageBatches(_image_worker, args.image_batch, args.seed + 1, str(data / "tokenizer.json"), kind_weights)
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -374,7 +483,7 @@ def main():
     random.seed(args.seed)
     np.random.seed(args.seed)
     info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version,
-            "gpu": torch.cuda.get_device_name(0), "args": vars(args)}
+            "gpu": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu", "args": vars(args)}
     log(info)
 
     tok = Tokenizer.from_file(str(data / "tokenizer.json"))
@@ -382,13 +491,13 @@ def main():
     for s, ids in checks.items():
         assert tok.encode(s, add_special_tokens=False).ids == ids, f"tokenizer disagrees on {s!r}"
     prompts = Prompts(tok)
-    train_ids = torch.from_numpy(np.load(data / "train_ids.npy").astype(np.int64)).cuda()
-    held_ids = torch.from_numpy(np.load(data / "heldout_ids.npy").astype(np.int64)).cuda()
+    train_ids = torch.from_numpy(np.load(data / "train_ids.npy").astype(np.int64)).to(DEV)
+    held_ids = torch.from_numpy(np.load(data / "heldout_ids.npy").astype(np.int64)).to(DEV)
     log(f"tokens: train {len(train_ids)}, held-out {len(held_ids)}")
 
     cfg_dict = common.hf_config()
     cfg = Qwen3_5MoeConfig.from_dict(cfg_dict)
-    model = Qwen3_5MoeForConditionalGeneration(cfg).cuda().float()
+    model = Qwen3_5MoeForConditionalGeneration(cfg).to(DEV).float()
     set_experts_impl(model, args.experts)
     if args.init:
         from safetensors.torch import load_file
@@ -414,16 +523,23 @@ def main():
     rng = random.Random(1)
     img, _ = common.make_scene(rng, 160, 128)
     ref, grid = common.patchify(img)
-    mine = patchify_torch(torch.from_numpy(np.asarray(img)[None].copy()).cuda()).cpu().numpy()
+    mine = patchify_torch(torch.from_numpy(np.asarray(img)[None].copy()).to(DEV)).cpu().numpy()
     assert grid == (1, 8, 10) and np.abs(ref - mine).max() < 1e-6, "patchify mismatch"
+
+    probe = SceneProbe(cfg.vision_config.out_hidden_size).to(DEV)
+    tap = MergerTap(model)
+    if scenes is not None:
+        info["vision_phase"] = train_vision(model, probe, tap, scenes, args)
+        scenes.close()
 
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (no_decay if (p.ndim < 2 or "norm" in n or "A_log" in n or "dt_bias" in n or "embed" in n) else decay).append(p)
+    no_decay += list(probe.parameters()) if args.probe_weight > 0 else []
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
-    gen = torch.Generator(device="cuda")
+    gen = torch.Generator(device=DEV)
     gen.manual_seed(args.seed + 2)
     N, L = len(train_ids), args.seq
     cfg_text = cfg.text_config
@@ -431,34 +547,39 @@ def main():
     def step_fn(lr):
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = torch.randint(0, N - L - 1, (args.text_batch,), device="cuda", generator=gen)
-        w = train_ids[starts[:, None] + torch.arange(L + 1, device="cuda")]
+        starts = torch.randint(0, N - L - 1, (args.text_batch,), device=DEV, generator=gen)
+        w = train_ids[starts[:, None] + torch.arange(L + 1, device=DEV)]
         out_t = text_forward(model, w[:, :-1])
         lt = ce(out_t.logits, w[:, 1:])
         at = aux_loss_of(out_t, cfg_text)
-        out_i, lab = image_forward(model, images.get())
+        batch = images.get()
+        out_i, lab = image_forward(model, batch)
         li = ce(out_i.logits[:, :-1], lab[:, 1:])
         ai = aux_loss_of(out_i, cfg_text)
         loss = lt + args.image_weight * li + args.aux * 0.5 * (at + ai)
+        lp = torch.zeros((), device=DEV)
+        if args.probe_weight > 0:
+            lp, _ = probe(tap.pooled(len(batch[3])), torch.from_numpy(batch[4]).to(DEV))
+            loss = loss + args.probe_weight * lp
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return lt.detach(), li.detach(), (0.5 * (at + ai)).detach(), gn.detach()
+        return lt.detach(), li.detach(), (0.5 * (at + ai)).detach(), gn.detach(), lp.detach()
 
     if args.smoke:
         timings = {}
         for impl in ["grouped_mm", "eager", "batched_mm"]:
             try:
                 set_experts_impl(model, impl)
-                torch.cuda.synchronize()
+                sync()
                 for _ in range(2):
                     step_fn(1e-4)
-                torch.cuda.synchronize()
+                sync()
                 t = time.time()
                 for _ in range(5):
                     r = step_fn(1e-4)
-                torch.cuda.synchronize()
+                sync()
                 timings[impl] = (time.time() - t) / 5
                 log(f"experts={impl}: {timings[impl] * 1000:.1f} ms/step, losses {[round(x.item(), 3) for x in r]}")
             except Exception as e:  # report and go on
@@ -469,7 +590,7 @@ def main():
         log("eval text (8 windows)", eval_text(model, held_ids, max_windows=8), f"{time.time() - t:.2f}s")
         t = time.time()
         log("eval images (4/kind)", eval_images(model, prompts, per_kind=4), f"{time.time() - t:.2f}s")
-        log("peak mem GiB", torch.cuda.max_memory_allocated() / 2**30)
+        log("peak mem GiB", torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else None)
         steps_total = None
         history = []
     else:
@@ -492,17 +613,18 @@ def main():
                     log("time budget exceeded, stopping")
                     break
                 if steps_total is None and step == 30:
-                    torch.cuda.synchronize()
+                    sync()
                     per = (time.time() - t_start) / 30
                     steps_total = int(args.seconds / per)
                     log(f"{per * 1000:.1f} ms/step over the first 30 -> {steps_total} steps")
                 lr = lr_at(step)
-                lt, li, a, gn = step_fn(lr)
+                lt, li, a, gn, lp = step_fn(lr)
                 step += 1
                 if step % 10 == 0:
                     rec = {"step": step, "time": round(time.time() - t_start, 2), "lr": lr,
                            "text_loss": round(lt.item(), 4), "image_loss": round(li.item(), 4),
-                           "aux": round(a.item(), 4), "grad_norm": round(gn.item(), 3)}
+                           "aux": round(a.item(), 4), "grad_norm": round(gn.item(), 3),
+                           "probe_loss": round(lp.item(), 4)}
                     history.append(rec)
                     if step % 50 == 0:
                         log(rec)
@@ -524,7 +646,7 @@ def main():
 
             traceback.print_exc()
             info["error"] = f"{type(e).__name__}: {e}"
-        torch.cuda.synchronize()
+        sync()
         info["train_seconds"] = time.time() - t_start
         info["steps"] = step
         info["steps_planned"] = steps_total
