@@ -52,8 +52,9 @@ def main() -> None:
     ap.add_argument("--scratch", type=Path, default=Path("/var/tmp/streamoe-bench"))
     a = ap.parse_args()
     conv = a.scratch / f"{a.model.name}-q4q3"
-    if not (conv / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "streamoe.cli", "convert", str(a.model), str(conv), "--experts", "q4,q3"], check=True)
+    # converted afresh every time (seconds for the tiny model): a kept conversion may be of older weights
+    subprocess.run([sys.executable, "-m", "streamoe.cli", "convert", str(a.model), str(conv), "--experts", "q4,q3",
+                    "--force"], check=True)
     from streamoe.formats.manifest import load_manifest
     from streamoe.runtime.text import TextIO
 

@@ -43,14 +43,15 @@ def main() -> None:
     if (out / "vision.bin").exists():
         from PIL import Image, ImageDraw
 
-        image = WORK / "red-circle.png"
+        image = WORK / "orange-triangle.png"  # drawn like the training images: one shape in a quadrant
         im = Image.new("RGB", (160, 128), "white")
-        ImageDraw.Draw(im).ellipse((50, 30, 110, 90), fill=(220, 30, 30))
+        ImageDraw.Draw(im).polygon([(112, 22), (129.1, 53.5), (94.9, 53.5)], fill=(245, 130, 15))
         im.save(image)
         full = plan_for(out, Options(cap_gib=64, ctx=1024, images=True, runtime_bytes=RUNTIME_MIB << 20))
         cap = (full.fixed + n * full.stride // 4 + (1 << 20)) / 2**30
-        sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance, "--no-think", "-n", "16", "--image", str(image),
-           "-p", "What colour is the shape?")
+        for question in ("What shape is in the image?", "What colour is the shape?", "Where is the shape?"):
+            sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance, "--no-think", "-n", "16",
+               "--image", str(image), "-p", question)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ fraction of its experts, for text (mlx-lm) and image questions (mlx-vlm)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -89,42 +90,46 @@ def test_logits_identical_across_caps_on_the_trained_model(tiny):
     assert all(r == runs[0] for r in runs)
 
 
-def scene(path: Path, colour: tuple[int, int, int]) -> Path:
+def star_scene(path: Path) -> Path:
+    """A green five-pointed star in the top-left quadrant, drawn the way the training images are."""
     im = Image.new("RGB", (160, 128), (255, 255, 255))
-    ImageDraw.Draw(im).ellipse((50, 30, 110, 90), fill=colour)
+    radius = [18 if i % 2 == 0 else 18 * 0.45 for i in range(10)]
+    angle = [-math.pi / 2 + i * math.pi / 5 for i in range(10)]
+    ImageDraw.Draw(im).polygon([(48 + r * math.cos(a), 40 + r * math.sin(a)) for r, a in zip(radius, angle, strict=True)],
+                               fill=(30, 150, 40))
     im.save(path)
     return path
 
 
-def test_image_question_identical_to_mlx_vlm_and_answers_the_colour(tiny, tmp_path):
+@pytest.mark.parametrize(("fraction", "question", "answer"), [(0.1, "What shape is in the image?", "star"),
+                                                              (0.5, "What colour is the shape?", "green")])
+def test_image_question_identical_to_mlx_vlm_and_right(tiny, tmp_path, fraction, question, answer):
     from mlx_vlm.models.cache import make_prompt_cache
     from mlx_vlm.utils import load_model
 
     ref = load_model(TINY)
     ref.set_dtype(mx.float32)
-    pic = scene(tmp_path / "blue.png", (30, 70, 225))
-    answers = []
-    for fraction in (0.1, 0.5):
-        eng = Engine(tiny, Options(cap_gib=cap_for(tiny, fraction, images=True), ctx=1024, prefill_chunk=16,
-                                   runtime_bytes=RUNTIME, images=True))
-        cfg = eng.manifest.config
-        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]
-        ids = eng.text.encode(eng.text.chat_prompt(msgs, think=False))
-        patches, grid = preprocess(load_image(pic), ImageConfig.from_config(cfg, eng._preprocessor()))
-        full = mx.array([expand_image_tokens(ids, [grid], cfg["image_token_id"], cfg["vision_config"]["spatial_merge_size"])])
-        feat = ref.get_input_embeddings(full, mx.array(patches), image_grid_thw=mx.array([grid]))
-        cache = make_prompt_cache(ref.language_model)
-        lr = ref.language_model(full, inputs_embeds=feat.inputs_embeds, cache=cache, position_ids=feat.position_ids,
-                                rope_deltas=feat.rope_deltas).logits[0, -1]
-        theirs = []
-        for _ in range(16):
-            t = int(mx.argmax(lr).item())
-            if t in eng.text.stop_ids:
-                break
-            theirs.append(t)
-            lr = ref.language_model(mx.array([[t]]), cache=cache).logits[0, -1]
-        got = [t for t, _ in eng.generate(ids, 16, Sampler(), images=[pic])]
-        assert got == theirs
-        answers.append(eng.text.decode(got))
-        eng.close()
-    assert answers[0] == answers[1] and "blue" in answers[0].lower()
+    pic = star_scene(tmp_path / "star.png")
+    eng = Engine(tiny, Options(cap_gib=cap_for(tiny, fraction, images=True), ctx=1024, prefill_chunk=16,
+                               runtime_bytes=RUNTIME, images=True))
+    cfg = eng.manifest.config
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    ids = eng.text.encode(eng.text.chat_prompt(msgs, think=False))
+    patches, grid = preprocess(load_image(pic), ImageConfig.from_config(cfg, eng._preprocessor()))
+    full = mx.array([expand_image_tokens(ids, [grid], cfg["image_token_id"], cfg["vision_config"]["spatial_merge_size"])])
+    feat = ref.get_input_embeddings(full, mx.array(patches), image_grid_thw=mx.array([grid]))
+    cache = make_prompt_cache(ref.language_model)
+    lr = ref.language_model(full, inputs_embeds=feat.inputs_embeds, cache=cache, position_ids=feat.position_ids,
+                            rope_deltas=feat.rope_deltas).logits[0, -1]
+    theirs = []
+    for _ in range(16):
+        t = int(mx.argmax(lr).item())
+        if t in eng.text.stop_ids:
+            break
+        theirs.append(t)
+        lr = ref.language_model(mx.array([[t]]), cache=cache).logits[0, -1]
+    got = [t for t, _ in eng.generate(ids, 16, Sampler(), images=[pic])]
+    said = eng.text.decode(got)
+    eng.close()
+    assert got == theirs
+    assert said.strip() == answer

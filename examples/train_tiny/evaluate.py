@@ -55,18 +55,42 @@ def load_vlm(path):
     return model, proc
 
 
+def text_vs_reference(model, ref) -> dict:
+    import mlx.core as mx
+
+    lg = model(mx.array([ref["text"]["ids"]]))[0]
+    am = np.array(lg.argmax(-1))
+    return {"text_argmax_agree": float((am == np.array(ref["text"]["argmax"])).mean()),
+            "text_last_logits_maxabs_diff": float(np.abs(np.array(lg[-1, :16]) -
+                                                         np.array(ref["text"]["last_logits_first16"])).max()),
+            "text_logit_scale": ref["text"]["last_logit_max"]}
+
+
+def exact_norms_check(bf16_path, hf_path, ref) -> dict:
+    """The export stores each RMSNorm weight as bf16(1 + w), as mlx-community's does; near 2 that
+    rounds by up to 2^-7.  With the exact 1 + w put back from the HF shards, what is left of the
+    gap to the GPU reference is its TF32 arithmetic, so the conversion itself is checked."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, _ = load(str(bf16_path))
+    model.set_dtype(mx.float32)
+    exact = []
+    for shard in sorted(Path(hf_path).glob("model-*.safetensors")):
+        for k, v in mx.load(str(shard)).items():
+            if k.startswith("model.language_model.") and k.endswith("norm.weight") and ".linear_attn." not in k:
+                exact.append(("language_model.model." + k[len("model.language_model."):], v.astype(mx.float32) + 1.0))
+    model.load_weights(exact, strict=False)
+    return {"norms_replaced": len(exact), **text_vs_reference(model, ref)}
+
+
 def reference_check(path, ref) -> dict:
     import mlx.core as mx
     from mlx_lm import load
 
     model, _ = load(str(path))
     model.set_dtype(mx.float32)
-    lg = model(mx.array([ref["text"]["ids"]]))[0]
-    am = np.array(lg.argmax(-1))
-    res = {"text_argmax_agree": float((am == np.array(ref["text"]["argmax"])).mean()),
-           "text_last_logits_maxabs_diff": float(np.abs(np.array(lg[-1, :16]) -
-                                                        np.array(ref["text"]["last_logits_first16"])).max()),
-           "text_logit_scale": ref["text"]["last_logit_max"]}
+    res = text_vs_reference(model, ref)
     vmodel, proc = load_vlm(path)
     r = ref["image"]
     img, _ = common.make_scene(random.Random(r["seed"]), *r["size"])
@@ -229,7 +253,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mlx", default=str(ROOT / "models" / "tiny"))
     ap.add_argument("--bf16", default=None, help="unquantized export for the reference check")
-    ap.add_argument("--log", default=str(HERE / "results" / "train_log_stage1.json"))
+    ap.add_argument("--log", default=str(HERE / "results" / "train_log_stage4.json"))
+    ap.add_argument("--hf", default=str(HERE / "hf_out"), help="the bf16 HF checkpoint (exact norm weights)")
     ap.add_argument("--out", default=str(HERE / "results" / "eval_4bit.json"))
     ap.add_argument("--text-windows", type=int, default=32)
     ap.add_argument("--per-kind", type=int, default=50)
@@ -246,6 +271,8 @@ def main() -> None:
         res["reference"] = {"4bit": reference_check(args.mlx, ref)}
         if args.bf16:
             res["reference"]["bf16"] = reference_check(args.bf16, ref)
+            if Path(args.hf).exists():
+                res["reference"]["bf16_exact_norms"] = exact_norms_check(args.bf16, args.hf, ref)
         log("reference:", res["reference"])
     if "text" not in skip:
         res["text"] = text_metrics(args.mlx, args.text_windows)
