@@ -77,13 +77,19 @@ def read_header(path: str | os.PathLike) -> Header:
         raise fail(path, "file not found") from None
     except IsADirectoryError:
         raise fail(path, "is a directory, expected a safetensors file") from None
+    return parse_header(path, raw, size)
+
+
+def parse_header(path: Path, raw: bytes, size: int | None) -> Header:
+    """The JSON header `raw` (the bytes after the length prefix) of a container of `size` bytes (None: unknown,
+    as for a stream, whose reader then finds truncation itself)."""
+    data_start = 8 + len(raw)
     try:
         doc = json.loads(raw.decode("utf-8").rstrip(" \x00"))
         if not isinstance(doc, dict):
             raise ValueError("header is not a JSON object")
     except (UnicodeDecodeError, ValueError) as e:
         raise fail(path, f"safetensors header does not parse ({e})") from None
-    data_start = 8 + n
     meta = doc.pop("__metadata__", None) or {}
     tensors: dict[str, TensorInfo] = {}
     for name, t in doc.items():
@@ -96,10 +102,10 @@ def read_header(path: str | os.PathLike) -> Header:
         expect = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1]
         if b - a != expect or a < 0:
             raise fail(path, f"tensor {name!r} spans {b - a} bytes but {dtype}{list(shape)} needs {expect}")
-        if data_start + b > size:
+        if size is not None and data_start + b > size:
             raise fail(path, f"truncated: tensor {name!r} ends at byte {data_start + b}, file has {size}")
         tensors[name] = TensorInfo(name, dtype, shape, data_start + a, expect, path)
-    return Header(path, size, data_start, meta, tensors)
+    return Header(path, size if size is not None else -1, data_start, meta, tensors)
 
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:

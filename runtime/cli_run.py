@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..formats.errors import StreamoeError
+from . import session
 from .engine import Engine, Options
 from .telemetry import summarize, summary_line, validate_record
 from .text import Detokenizer, Sampler
@@ -28,12 +30,25 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
 
 
 def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
-            max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool) -> None:
+            max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
+            save_session: Path | None = None, load_session: Path | None = None) -> None:
     sampler = Sampler(**sampling)
     eng = Engine(model, Options(**opts))
     logits: list | None = [] if logits_out else None
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
-    fed: list[int] = []  # the rendered tokens the cache holds, so a chat turn feeds only what is new
+    fed: list[int] = []  # every token fed so far, as rendered: the history a saved session keeps
+    if load_session:
+        try:
+            saved = session.load_session(eng, load_session)
+        except BaseException:
+            eng.close()
+            raise
+        if saved.get("raw", raw) != raw:
+            eng.close()
+            raise StreamoeError(f"{load_session}: saved {'with' if saved['raw'] else 'without'} --raw; run it the same way")
+        messages, fed = saved.get("messages", []), saved.get("tokens", [])
+        if "sampler" in saved:  # a sampled conversation goes on drawing where it stopped
+            sampler.rng.bit_generator.state = saved["sampler"]
     try:
         turns = [prompt] if prompt is not None else None
         while True:
@@ -53,19 +68,19 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
                     print(f"(attached {images[-1]} to the next turn)", file=sys.stderr)
                     continue
             if raw:
-                full = fed + eng.text.encode(user)
+                ids = eng.text.encode(user)
             else:
-                content = [{"type": "image"} for _ in images] + [{"type": "text", "text": user}] if images else user
-                messages.append({"role": "user", "content": content})
-                full = eng.text.encode(eng.text.chat_prompt(messages, think=think))
-            if full[:len(fed)] != fed:  # history re-rendered differently: start the cache over
-                eng.reset()
-                fed = []
-            ids = full[len(fed):]
+                # only the new turn: re-rendering the history would differ from what the cache holds (templates
+                # drop past thinking), and a Gated DeltaNet state cannot be rewound to a common prefix
+                msg = {"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": user}]
+                       if images else user}
+                text = eng.text.chat_prompt([msg] if fed else messages + [msg], think=think)
+                ids = eng.text.encode(eng.text.turn_close() + text if fed else text)
+                messages.append(msg)
             n0 = len(eng.steps)
             turn_images, images = list(images), []
             out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images)
-            fed = full + out  # as rendered (one pad per image); the cache holds the expanded run, same history
+            fed += ids + out  # as rendered (one pad per image); the cache holds the expanded run, same history
             if not raw:
                 messages.append({"role": "assistant", "content": eng.text.decode(out)})
             if not quiet:
@@ -73,6 +88,10 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
                 print(summary_line(s), file=sys.stderr)
             if not chat:
                 break
+        if save_session:
+            extra = {"raw": raw, "messages": messages, "tokens": fed, "sampler": sampler.rng.bit_generator.state}
+            size = session.save_session(eng, save_session, extra)
+            print(f"(saved {eng.offset} tokens of conversation to {save_session}, {size / 2**20:.2f} MiB)", file=sys.stderr)
     finally:
         eng.close()
         if stats:

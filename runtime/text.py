@@ -43,6 +43,17 @@ class TextIO:
         return self.template.render(messages=messages, add_generation_prompt=True, enable_thinking=think,
                                     bos_token="", eos_token="")
 
+    def turn_close(self) -> str:
+        """What the template writes after an assistant message's content (`<|im_end|>\n` for ChatML): fed
+        after a generated answer, before the next turn, so a chat only ever appends to what the cache holds."""
+        if self.template is None:
+            raise fail("chat_template.jinja", "the model has no chat template; use --raw")
+        mark = "\u2063"
+        msgs = [{"role": "user", "content": "."}, {"role": "assistant", "content": mark}]
+        s = self.template.render(messages=msgs, add_generation_prompt=False, enable_thinking=False, bos_token="",
+                                 eos_token="")
+        return s[s.rindex(mark) + len(mark):]
+
 
 def _raise(msg: str):
     raise jinja2.TemplateError(msg)

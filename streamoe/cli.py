@@ -190,12 +190,16 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @click.option("--logits-out", type=click.Path(path_type=Path), default=None, help="Save every step's logits (.npz).")
 @click.option("--verify", is_flag=True, help="Check every file's checksum before running.")
 @click.option("--quiet", "-q", is_flag=True, help="No summary line.")
+@click.option("--save-session", type=click.Path(path_type=Path), default=None,
+              help="At the end, save the conversation (caches, history) to this file (zstd).")
+@click.option("--load-session", type=click.Path(path_type=Path), default=None,
+              help="Continue a saved conversation: the prompt (or chat) is its next turn.")
 @user_errors
 def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None,
         prompt: str | None, chat: bool,
         images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float, top_p: float, top_k: int, seed: int,
         tier: str, prefetch_width: int, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
-        verify: bool, quiet: bool) -> None:
+        verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
     from streamoe.runtime.cli_run import run_cli
 
@@ -203,12 +207,15 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
         raise click.UsageError("give --prompt TEXT or --chat")
     if images and raw:
         raise click.UsageError("--image needs the chat template; drop --raw")
+    if load_session and system is not None:
+        raise click.UsageError("a loaded session keeps its own system message; drop --system")
     vision = bool(images) or (chat and not raw)
     run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
                         prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=vision, max_pixels=max_pixels,
                         runtime_bytes=runtime_mib and runtime_mib << 20),
             prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
-            sampling=dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed), stats=stats, logits_out=logits_out, quiet=quiet)
+            sampling=dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed), stats=stats, logits_out=logits_out, quiet=quiet,
+            save_session=save_session, load_session=load_session)
 
 
 if __name__ == "__main__":

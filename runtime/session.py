@@ -1,0 +1,125 @@
+"""Save and restore a conversation's state: every layer's cache, the token count and M-RoPE delta, and what
+the caller keeps beside them (token history, chat messages, sampler state). A restored engine continues
+with bit-identical logits because it holds exactly the bytes the saved one held; the hot tier is not
+saved, since logits do not depend on what is resident.
+
+The byte layout is `formats.session`'s; this module maps engine state onto it, a block at a time, so
+saving or loading a long context never holds more than one head's keys beside the cache itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..formats.errors import fail
+from ..formats.safetensors import DTYPES as ST_DTYPES
+from ..formats.session import SessionReader, write_session
+from .cache import KVCache
+
+ST_NAME = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
+MX_DTYPE = {v: k for k, v in ST_NAME.items()}
+
+
+def fingerprint(eng) -> dict:
+    """What a saved state is valid for: the same model, expert format and dtypes."""
+    config = json.dumps(eng.manifest.config, sort_keys=True).encode()
+    return {"model": hashlib.sha256(config).hexdigest()[:16], "experts": eng.opts.experts,
+            "dtype": ST_NAME[eng.dtype], "kv": eng.opts.kv}
+
+
+def _entries(eng, n: int) -> list[tuple[str, mx.array, tuple[int, ...]]]:
+    """(name, array, saved shape) of every state tensor when the session holds n tokens; KV caches cut to n."""
+    out = []
+    for i, c in enumerate(eng.cache):
+        if isinstance(c, KVCache):
+            b, h, _, d = c.keys.shape
+            out += [(f"layers.{i}.keys", c.keys, (b, h, n, d)), (f"layers.{i}.values", c.values, (b, h, n, d))]
+        else:
+            out += [(f"layers.{i}.conv", c.conv, tuple(c.conv.shape)), (f"layers.{i}.state", c.state, tuple(c.state.shape))]
+    return out
+
+
+def _host(a: mx.array) -> np.ndarray:
+    """A numpy view of an evaluated MLX array (bf16 through its bits, which numpy has no type for)."""
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def _bytes(a: mx.array) -> np.ndarray:
+    return np.ascontiguousarray(_host(a)).reshape(-1).view(np.uint8)
+
+
+def _blocks(entries, n: int) -> Iterator[np.ndarray]:
+    for _, a, shape in entries:
+        if len(shape) == 4 and a.shape[2] != shape[2]:  # a KV cache: the first n positions of each head
+            for b in range(shape[0]):
+                for h in range(shape[1]):
+                    yield _bytes(a[b, h, :n])
+        else:
+            yield _bytes(a)
+
+
+def save_session(eng, path: str | Path, extra: dict) -> int:
+    """Write the engine's conversation state and `extra` (JSON-able) to `path`; returns the file size."""
+    entries = _entries(eng, eng.offset)
+    mx.eval([a for _, a, _ in entries])
+    meta = {**fingerprint(eng), "tokens": eng.offset, "rope_delta": eng.rope_delta, "extra": extra}
+    return write_session(path, meta, [(name, ST_NAME[a.dtype], shape) for name, a, shape in entries],
+                         _blocks(entries, eng.offset))
+
+
+def load_session(eng, path: str | Path) -> dict:
+    """Replace the engine's state by the saved one (checked against this engine first); returns `extra`."""
+    path = Path(path)
+    with SessionReader(path) as r:
+        meta = r.meta
+        mine = fingerprint(eng)
+        for key, what in (("model", "model"), ("experts", "expert format (--experts)"), ("dtype", "compute dtype (--dtype)"),
+                          ("kv", "KV cache dtype (--kv)")):
+            if meta.get(key) != mine[key]:
+                raise fail(path, f"saved with a different {what}: {meta.get(key)} here {mine[key]}")
+        n = int(meta["tokens"])
+        if n > eng.opts.ctx:
+            raise fail(path, f"the session holds {n} tokens, more than the planned context --ctx {eng.opts.ctx}")
+        eng.reset()
+        want = {name: (a, shape) for name, a, shape in _entries(eng, n)}
+        if [t.name for t in r.tensors] != list(want):
+            raise fail(path, "its tensors are not this model's layer states")
+        try:
+            for t in r.tensors:
+                a, shape = want[t.name]
+                if t.shape != shape or t.dtype != ST_NAME[a.dtype]:
+                    raise fail(path, f"tensor {t.name!r} is {t.dtype}{list(t.shape)}, this engine needs "
+                                     f"{ST_NAME[a.dtype]}{list(shape)}")
+                _fill(eng.cache[int(t.name.split(".")[1])], t.name.rsplit(".", 1)[1], r, t.dtype, shape, n)
+            r.finish()
+        except BaseException:
+            eng.reset()  # never a half-restored state: an empty conversation instead
+            raise
+    for c in eng.cache:
+        c.offset = n
+    eng.offset, eng.rope_delta = n, int(meta["rope_delta"])
+    return meta.get("extra", {})
+
+
+def _fill(cache, field: str, r: SessionReader, dtype: str, shape: tuple[int, ...], n: int) -> None:
+    np_dtype, item = ST_DTYPES[dtype]
+
+    def array(nbytes: int, shape) -> mx.array:
+        a = mx.array(np.frombuffer(r.read(nbytes), dtype=np_dtype).reshape(shape))
+        return a.view(mx.bfloat16) if dtype == "BF16" else a
+
+    if isinstance(cache, KVCache):
+        dst = getattr(cache, field)
+        for b in range(shape[0]):
+            for h in range(shape[1]):
+                dst[b, h, :n] = array(n * shape[3] * item, (n, shape[3]))
+                mx.eval(dst)
+    else:
+        setattr(cache, field, array(int(np.prod(shape)) * item, shape))
+        mx.eval(getattr(cache, field))

@@ -1,0 +1,175 @@
+"""Sessions (SPEC §5): a saved conversation is safetensors inside zstd, and a restored one continues with
+bit-identical logits; every bad session file is one line naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import zstandard
+from PIL import Image, ImageDraw
+
+from streamoe.convert.convert import convert
+from streamoe.formats.manifest import load_manifest
+from streamoe.formats.session import write_session
+from streamoe.runtime.cache import KVCache
+from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.session import load_session, save_session
+from streamoe.runtime.text import Sampler, TextIO
+
+from .conftest import REPO, cli, one_error_line
+from .test_runtime import RUNTIME
+
+FIRST, SECOND = [5, 17, 300, 41, 9, 77, 120, 3, 64, 250, 11], [40, 41, 42, 500, 7]
+
+
+def engine(conv, **kw) -> Engine:
+    return Engine(conv, Options(cap_gib=8, ctx=256, prefill_chunk=4, runtime_bytes=RUNTIME, **kw))
+
+
+def turn(eng: Engine, ids: list[int], n: int = 6) -> tuple[list[int], bytes]:
+    out = list(eng.generate(ids, n, Sampler()))
+    return [t for t, _ in out], np.stack([lg for _, lg in out]).tobytes()
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_restored_session_continues_bit_identical(tiny_conv, tmp_path, kv):
+    eng = engine(tiny_conv, kv=kv)
+    first, _ = turn(eng, FIRST)
+    save_session(eng, tmp_path / "s.zst", {"note": "kept"})
+    expect = turn(eng, SECOND)
+    eng.close()
+
+    eng = engine(tiny_conv, kv=kv, tier="lru", prefetch_width=0)  # the tier and prefetch are not state
+    assert load_session(eng, tmp_path / "s.zst") == {"note": "kept"}
+    assert eng.offset == len(FIRST) + len(first)
+    got = turn(eng, SECOND)
+    eng.close()
+    assert got == expect
+
+
+def test_session_file_is_safetensors_in_zstd(tiny_conv, tmp_path):
+    from safetensors.numpy import load
+
+    eng = engine(tiny_conv, kv="float16")
+    turn(eng, FIRST, 3)
+    save_session(eng, tmp_path / "s.zst", {})
+    raw = zstandard.ZstdDecompressor().stream_reader(open(tmp_path / "s.zst", "rb")).read()
+    tensors = load(raw)  # the safetensors library reads the decompressed file as is
+    n = eng.offset
+    assert n == len(FIRST) + 3
+    for i, c in enumerate(eng.cache):
+        if isinstance(c, KVCache):
+            for field in ("keys", "values"):
+                saved = tensors[f"layers.{i}.{field}"]
+                assert saved.dtype == np.float16 and saved.shape[2] == n
+                assert saved.tobytes() == np.array(getattr(c, field)[:, :, :n]).tobytes()
+        else:
+            assert tensors[f"layers.{i}.state"].tobytes() == np.array(c.state).tobytes()
+            assert tensors[f"layers.{i}.conv"].tobytes() == np.array(c.conv).tobytes()
+    eng.close()
+    assert len(tensors) == 2 * len(eng.cache)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "conv"
+    convert(REPO / "models" / "tiny", out, formats=["q4"], progress=False)
+    return out
+
+
+def test_cli_chat_split_by_a_saved_session_is_the_same_chat(trained, tmp_path):
+    """An image turn, saved; the next turn in a new process gives the logits an unbroken --chat gives."""
+    pic = tmp_path / "shape.png"
+    im = Image.new("RGB", (160, 128), "white")
+    ImageDraw.Draw(im).polygon([(112, 22), (129.1, 53.5), (94.9, 53.5)], fill=(245, 130, 15))
+    im.save(pic)
+    common = ["run", trained, "--cap", "1", "--ctx", "512", "--kv", "float16", "--no-think", "-n", "8"]
+    a = cli(*common, "--image", pic, "-p", "What shape is in the image?", "--save-session", tmp_path / "s.zst",
+            "--logits-out", tmp_path / "a.npz", check=True)
+    assert a.stdout.strip() == "triangle" and "saved" in a.stderr
+    b = cli(*common, "-p", "What colour is the shape?", "--load-session", tmp_path / "s.zst",
+            "--logits-out", tmp_path / "b.npz", check=True)
+    whole = subprocess.run([sys.executable, "-m", "streamoe.cli", *map(str, common), "--chat", "--logits-out",
+                            tmp_path / "c.npz"], input=f"/image {pic}\nWhat shape is in the image?\nWhat colour is the shape?\n",
+                           capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    la, lb, lc = (np.load(tmp_path / f"{k}.npz")["logits"] for k in "abc")
+    assert lc.shape[0] == la.shape[0] + lb.shape[0]
+    assert lc[:len(la)].tobytes() == la.tobytes() and lc[len(la):].tobytes() == lb.tobytes()
+    assert b.stdout.strip() == "orange"
+    # the second turn fed only itself (the close of the answer, then the new turn): the cache kept the first
+    text = TextIO(trained, load_manifest(trained).config)
+    new = text.encode(text.turn_close() + text.chat_prompt([{"role": "user", "content": "What colour is the shape?"}],
+                                                           think=False))
+    assert f"prefill {len(new)} tokens" in b.stderr
+
+
+def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
+    blob = good.read_bytes()
+    (d / "plain").write_bytes(b"hello, not zstd at all" * 10)
+    (d / "cut").write_bytes(blob[: len(blob) // 2])
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 0xFF
+    (d / "flipped").write_bytes(bytes(flipped))
+    (d / "notsession").write_bytes(zstandard.ZstdCompressor().compress(b"\x02\x00\x00\x00\x00\x00\x00\x00{}"))
+    eng = Engine(small_conv, Options(cap_gib=8, ctx=64, runtime_bytes=RUNTIME))
+    turn(eng, [1, 2, 3], 2)
+    save_session(eng, d / "other-model", {"raw": True, "messages": [], "tokens": [1, 2, 3]})
+    eng.close()
+    return [
+        ([d / "missing"], "not found"),
+        ([d / "plain"], "not a streamoe session"),
+        ([d / "cut"], "truncated"),
+        ([d / "flipped"], "damaged"),
+        ([d / "notsession"], "session metadata"),
+        ([d / "other-model"], "different model"),
+        ([good, "--kv", "float16"], "--kv"),
+        ([good, "--ctx", "8"], "--ctx 8"),
+        ([good, "--experts", "q3"], "--experts"),
+    ]
+
+
+def test_bad_session_files_are_one_line_each(tiny_conv, small_conv, tmp_path):
+    eng = engine(tiny_conv)
+    turn(eng, FIRST, 4)
+    save_session(eng, tmp_path / "good.zst", {"raw": True, "messages": [], "tokens": FIRST})
+    eng.close()
+    for args, needle in bad_sessions(tmp_path / "good.zst", tmp_path, small_conv):
+        p = cli("run", tiny_conv, "--cap", "1", "--raw", "-p", "x", "-n", "2", "--load-session", *args)
+        line = one_error_line(p, needle)
+        assert str(args[0]) in line
+    p = cli("run", tiny_conv, "--cap", "1", "-p", "x", "-n", "2", "--load-session", tmp_path / "good.zst")
+    one_error_line(p, "--raw")
+    p = cli("run", tiny_conv, "--cap", "1", "-p", "x", "--system", "s", "--load-session", tmp_path / "good.zst")
+    assert p.returncode == 2 and "--system" in p.stderr
+
+
+def test_failed_save_names_the_file_and_leaves_nothing(tiny_conv, tmp_path):
+    target = tmp_path / "no-such-dir" / "s.zst"
+    p = cli("run", tiny_conv, "--cap", "1", "--raw", "-p", "x", "-n", "2", "-q", "--save-session", target)
+    one_error_line(p, str(target), "cannot write")
+    assert not (tmp_path / "no-such-dir").exists()
+    (tmp_path / "s.zst").write_bytes(b"old")
+
+    def dies_midway():
+        yield b"\0" * 4096
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_session(tmp_path / "s.zst", {}, [("a", "F32", (2048,))], dies_midway())
+    assert (tmp_path / "s.zst").read_bytes() == b"old" and [f.name for f in tmp_path.iterdir()] == ["s.zst"]
+
+
+def test_session_of_an_empty_conversation_round_trips(tiny_conv, tmp_path):
+    eng = engine(tiny_conv)
+    save_session(eng, tmp_path / "s.zst", {})
+    expect = turn(eng, FIRST)
+    eng.close()
+    eng = engine(tiny_conv)
+    load_session(eng, tmp_path / "s.zst")
+    assert turn(eng, FIRST) == expect and mx.default_device() == mx.cpu
+    eng.close()
