@@ -27,9 +27,12 @@ MX_DTYPE = {v: k for k, v in ST_NAME.items()}
 
 
 def fingerprint(eng) -> dict:
-    """What a saved state is valid for: the same model, expert format and dtypes."""
-    config = json.dumps(eng.manifest.config, sort_keys=True).encode()
-    return {"model": hashlib.sha256(config).hexdigest()[:16], "experts": eng.opts.experts,
+    """What a saved state is valid for: the same model (its config and the checksums of the weights this run
+    reads, so a retrained model of the same shape does not match), expert format and dtypes."""
+    m = eng.manifest
+    weights = [m.blob("nonexpert")[0]["checksum"]] + [f["checksum"] for f in m.expert_formats()[eng.opts.experts].files]
+    ident = json.dumps([m.config, weights], sort_keys=True).encode()
+    return {"model": hashlib.sha256(ident).hexdigest()[:16], "experts": eng.opts.experts,
             "dtype": ST_NAME[eng.dtype], "kv": eng.opts.kv}
 
 
@@ -79,8 +82,8 @@ def load_session(eng, path: str | Path) -> dict:
     with SessionReader(path) as r:
         meta = r.meta
         mine = fingerprint(eng)
-        for key, what in (("model", "model"), ("experts", "expert format (--experts)"), ("dtype", "compute dtype (--dtype)"),
-                          ("kv", "KV cache dtype (--kv)")):
+        for key, what in (("experts", "expert format (--experts)"), ("dtype", "compute dtype (--dtype)"),
+                          ("kv", "KV cache dtype (--kv)"), ("model", "model or weights")):
             if meta.get(key) != mine[key]:
                 raise fail(path, f"saved with a different {what}: {meta.get(key)} here {mine[key]}")
         n = int(meta["tokens"])

@@ -13,6 +13,7 @@ import zstandard
 from PIL import Image, ImageDraw
 
 from streamoe.convert.convert import convert
+from streamoe.convert.synth import synth
 from streamoe.formats.manifest import load_manifest
 from streamoe.formats.session import write_session
 from streamoe.runtime.cache import KVCache
@@ -144,6 +145,11 @@ def test_bad_session_files_are_one_line_each(tiny_conv, small_conv, tmp_path):
         assert str(args[0]) in line
     p = cli("run", tiny_conv, "--cap", "1", "-p", "x", "-n", "2", "--load-session", tmp_path / "good.zst")
     one_error_line(p, "--raw")
+    # the same config with other weights (another seed): not the state of this model
+    synth(tmp_path / "reseeded", size="tiny", variant="qwen3.6", text_only=False, seed=5, shard_bytes=None, dry_run=False)
+    convert(tmp_path / "reseeded", tmp_path / "reseeded-conv", formats=["q4"], progress=False)
+    p = cli("run", tmp_path / "reseeded-conv", "--cap", "1", "--raw", "-p", "x", "--load-session", tmp_path / "good.zst")
+    one_error_line(p, "different model or weights")
     p = cli("run", tiny_conv, "--cap", "1", "-p", "x", "--system", "s", "--load-session", tmp_path / "good.zst")
     assert p.returncode == 2 and "--system" in p.stderr
 
