@@ -52,6 +52,18 @@ def test_restored_session_continues_bit_identical(tiny_conv, tmp_path, kv):
     assert got == expect
 
 
+def test_a_loaded_session_saves_back_to_the_same_bytes(tiny_conv, tmp_path):
+    eng = engine(tiny_conv, kv="float16")
+    turn(eng, FIRST)
+    save_session(eng, tmp_path / "a.zst", {"k": [1, 2]})
+    eng.close()
+    eng = engine(tiny_conv, kv="float16")
+    extra = load_session(eng, tmp_path / "a.zst")
+    save_session(eng, tmp_path / "b.zst", extra)
+    eng.close()
+    assert (tmp_path / "a.zst").read_bytes() == (tmp_path / "b.zst").read_bytes()
+
+
 def test_session_file_is_safetensors_in_zstd(tiny_conv, tmp_path):
     from safetensors.numpy import load
 
