@@ -23,6 +23,8 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/convert.py --size small
 	$(BIN)/python bench/decode.py
+	$(BIN)/python bench/q3_quality.py --tokens 768
+	$(BIN)/python bench/session.py --model /var/tmp/streamoe-bench/small-conv --name session-small
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
