@@ -126,8 +126,11 @@ def main() -> None:
         ck, model = a.scratch / f"{a.size}-ckpt", a.scratch / f"{a.size}-conv"
         if not ck.exists():
             subprocess.run([sys.executable, "-m", "streamoe.cli", "synth", str(ck), "--size", a.size], check=True)
-        if not (model / "manifest.json").exists():
-            subprocess.run([sys.executable, "-m", "streamoe.cli", "convert", str(ck), str(model), "--experts", "q4,q3"], check=True)
+        ok = subprocess.run([sys.executable, "-m", "streamoe.cli", "validate", str(model)], capture_output=True).returncode == 0
+        if not ok:  # absent, or written by an older streamoe: convert again
+            subprocess.run([sys.executable, "-m", "streamoe.cli", "convert", str(ck), str(model), "--experts", "q4,q3",
+                            "--force"], check=True)
+
     def plan(cap: float) -> dict:  # asked of a fresh process, which measures the same runtime allowance a run does
         p = subprocess.run([sys.executable, "-m", "streamoe.cli", "plan", str(model), "--cap", str(cap), "--ctx", str(a.ctx),
                             "--experts", a.experts, "--json"], capture_output=True, text=True)
