@@ -215,17 +215,14 @@ def probe(path, n_train: int = 600, n_test: int = 300) -> dict:
     rng = random.Random(EVAL_SEED + 1)
 
     def feats(n):
-        X, Y = [], {"colour": [], "shape": [], "count": [], "position": []}
+        X, labels = [], []
         for _ in range(n):
             img, scene = common.make_scene(rng, 128, 128)
             inp = proc.image_processor([img])
             h, _ = model.vision_tower(mx.array(inp["pixel_values"]), mx.array(inp["image_grid_thw"]))
             X.append(np.array(h.mean(axis=0)))
-            Y["colour"].append(list(common.COLOURS).index(scene["colour"]))
-            Y["shape"].append(common.SHAPES.index(scene["shape"]))
-            Y["count"].append(scene["count"] - 1)
-            Y["position"].append(common.POSITIONS.index(scene["position"]) if scene["position"] else -1)
-        return np.stack(X), {k: np.array(v) for k, v in Y.items()}
+            labels.append(common.scene_labels(scene))
+        return np.stack(X), dict(zip(common.SCENE_CLASSES, np.array(labels).T, strict=True))
 
     Xtr, Ytr = feats(n_train)
     Xte, Yte = feats(n_test)
