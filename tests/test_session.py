@@ -119,6 +119,8 @@ def test_cli_chat_split_by_a_saved_session_is_the_same_chat(trained, tmp_path):
     new = text.encode(text.turn_close() + text.chat_prompt([{"role": "user", "content": "What colour is the shape?"}],
                                                            think=False))
     assert f"prefill {len(new)} tokens" in b.stderr
+    second = [ln for ln in whole.stderr.splitlines() if "tok/s" in ln][1]  # and so does an unbroken --chat
+    assert f"prefill {len(new)} tokens" in second
 
 
 def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
