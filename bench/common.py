@@ -33,35 +33,12 @@ def drop_files(paths) -> None:
         os.close(fd)
 
 
-def raw_read_gbs(paths, limit_bytes: int = 8 << 30, chunk: int = 16 << 20) -> float:
-    """Sequential O_DIRECT read speed over the files (up to limit_bytes), GB/s."""
+def _uncached_chunks(paths, limit_bytes: int, chunk: int):
+    """Sequential O_DIRECT reads over the files (up to limit_bytes) into one aligned buffer; yields each
+    chunk's view, valid until the next."""
     buf = aligned_buffer(chunk)
     view = memoryview(buf)
-    total, t0 = 0, time.perf_counter()
-    for p in paths:
-        fd, _ = open_uncached(p)
-        size = os.path.getsize(p) // ALIGN * ALIGN
-        off = 0
-        while off < size and total < limit_bytes:
-            n = os.preadv(fd, [view[: min(chunk, size - off)]], off)
-            off += n
-            total += n
-        os.close(fd)
-        if total >= limit_bytes:
-            break
-    dt = time.perf_counter() - t0
-    view.release()
-    buf.close()
-    return total / dt / 1e9
-
-
-def raw_copy_gbs(paths, dst: Path, limit_bytes: int = 4 << 30, chunk: int = 16 << 20) -> float:
-    """O_DIRECT read + O_DIRECT write of the same bytes (a plain copy), GB/s of bytes copied: the ceiling for
-    a converter, which must write about as much as it reads through the same disk."""
-    buf = aligned_buffer(chunk)
-    view = memoryview(buf)
-    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
-    total, t0 = 0, time.perf_counter()
+    total = 0
     try:
         for p in paths:
             fd, _ = open_uncached(p)
@@ -69,20 +46,41 @@ def raw_copy_gbs(paths, dst: Path, limit_bytes: int = 4 << 30, chunk: int = 16 <
             off = 0
             while off < size and total < limit_bytes:
                 n = os.preadv(fd, [view[: min(chunk, size - off)]], off)
-                os.write(out, view[:n])
+                yield view[:n]
                 off += n
                 total += n
             os.close(fd)
             if total >= limit_bytes:
                 break
+    finally:
+        view.release()
+        buf.close()
+
+
+def raw_read_gbs(paths, limit_bytes: int = 8 << 30, chunk: int = 16 << 20) -> float:
+    """Sequential O_DIRECT read speed over the files (up to limit_bytes), GB/s."""
+    total, t0 = 0, time.perf_counter()
+    for piece in _uncached_chunks(paths, limit_bytes, chunk):
+        total += len(piece)
+        piece.release()
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+def raw_copy_gbs(paths, dst: Path, limit_bytes: int = 4 << 30, chunk: int = 16 << 20) -> float:
+    """O_DIRECT read + O_DIRECT write of the same bytes (a plain copy), GB/s of bytes copied: the ceiling for
+    a converter, which must write about as much as it reads through the same disk."""
+    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+    total, t0 = 0, time.perf_counter()
+    try:
+        for piece in _uncached_chunks(paths, limit_bytes, chunk):
+            os.write(out, piece)
+            total += len(piece)
+            piece.release()
         os.fsync(out)
     finally:
         os.close(out)
         os.unlink(dst)
-    dt = time.perf_counter() - t0
-    view.release()
-    buf.close()
-    return total / dt / 1e9
+    return total / (time.perf_counter() - t0) / 1e9
 
 
 def machine() -> dict:

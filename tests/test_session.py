@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import zstandard
@@ -191,5 +190,5 @@ def test_session_of_an_empty_conversation_round_trips(tiny_conv, tmp_path):
     eng.close()
     eng = engine(tiny_conv)
     load_session(eng, tmp_path / "s.zst")
-    assert turn(eng, FIRST) == expect and mx.default_device() == mx.cpu
+    assert turn(eng, FIRST) == expect
     eng.close()
