@@ -19,13 +19,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from streamoe.formats import quant
-from streamoe.formats.blobs import BlobTensor, plan_blob
-from streamoe.formats.direct import RangeReader, UncachedWriter, aligned_buffer
-from streamoe.formats.errors import fail
-from streamoe.formats.manifest import MANIFEST, segments_json, write_manifest
-from streamoe.formats.record import PARTS, PROJS, RecordLayout
-
+from ..formats import quant
+from ..formats.blobs import BlobTensor, plan_blob
+from ..formats.direct import RangeReader, UncachedWriter, aligned_buffer
+from ..formats.errors import fail
+from ..formats.manifest import MANIFEST, segments_json, write_manifest
+from ..formats.record import PARTS, PROJS, RecordLayout
 from .source import Checkpoint, open_checkpoint, quant_for
 
 CHUNK_BYTES = 32 << 20  # source bytes handled per step; bounds the converter's working memory

@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamoe.formats.errors import fail
-from streamoe.formats.record import PARTS, PROJS, RecordLayout
-from streamoe.formats.safetensors import Header, TensorInfo, read_header
+from ..formats.errors import fail
+from ..formats.record import PARTS, PROJS, RecordLayout
+from ..formats.safetensors import Header, TensorInfo, read_header
 
 SUPPORTED_MODEL_TYPES = {"qwen3_5_moe"}
 EXPERT_RE = re.compile(r"^(?P<prefix>(?:language_model\.)?model\.layers\.)(?P<layer>\d+)\.mlp\.switch_mlp\."

@@ -38,9 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from streamoe.formats.errors import StreamoeError, fail
-from streamoe.formats.safetensors import build_header, tensor_nbytes
-
+from ..formats.errors import StreamoeError, fail
+from ..formats.safetensors import build_header, tensor_nbytes
 from .synth_tokenizer import REAL_BASE, TRAINED_VOCAB, token_id, write_tokenizer_files
 
 GROUP_SIZE = 64

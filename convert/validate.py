@@ -11,13 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from streamoe.formats import quant
-from streamoe.formats.direct import RangeReader, file_checksum
-from streamoe.formats.errors import StreamoeError
-from streamoe.formats.layout import detect_format
-from streamoe.formats.manifest import Manifest, load_manifest, safe_path
-from streamoe.formats.record import PROJS, RecordLayout
-
+from ..formats import quant
+from ..formats.direct import RangeReader, file_checksum
+from ..formats.errors import StreamoeError
+from ..formats.layout import detect_format
+from ..formats.manifest import Manifest, load_manifest, safe_path
+from ..formats.record import PROJS, RecordLayout
 from .source import open_checkpoint
 
 

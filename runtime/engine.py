@@ -16,12 +16,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from streamoe.convert.source import text_config
-from streamoe.formats.direct import RangeReader, file_checksum
-from streamoe.formats.errors import StreamoeError, fail
-from streamoe.formats.layout import record_layouts
-from streamoe.formats.manifest import load_manifest, safe_path
-
+from ..convert.source import text_config
+from ..formats.direct import RangeReader, file_checksum
+from ..formats.errors import StreamoeError, fail
+from ..formats.layout import record_layouts
+from ..formats.manifest import load_manifest, safe_path
 from . import model as model_mod
 from .image import ImageConfig, decode_peak_bytes, load_image, preprocess
 from .model import Model, ModelArgs, combine, expert_mlp, text_positions

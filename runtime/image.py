@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from streamoe.formats.errors import StreamoeError, fail
+from ..formats.errors import StreamoeError, fail
 
 DEFAULT_MAX_PIXELS = 640 * 640
 # The Qwen3-VL processor's `size.shortest_edge`: small images are scaled up to about 256x256.

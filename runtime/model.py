@@ -28,8 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from streamoe.formats.record import ExpertWeights
-
+from ..formats.record import ExpertWeights
 from .cache import GDNCache, KVCache
 
 PREFIX = "language_model."

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streamoe.formats.errors import fail
+from ..formats.errors import fail
 
 
 def image_token_count(grid: Sequence[int], merge: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from streamoe.formats.errors import StreamoeError
+from ..formats.errors import StreamoeError
 
 GiB = 1 << 30
 MiB = 1 << 20

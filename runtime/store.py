@@ -16,10 +16,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from streamoe.formats.direct import ALIGN, drop_cache, open_uncached
-from streamoe.formats.errors import fail
-from streamoe.formats.layout import detect_format
-from streamoe.formats.record import ExpertWeights, RecordLayout
+from ..formats.direct import ALIGN, drop_cache, open_uncached
+from ..formats.errors import fail
+from ..formats.layout import detect_format
+from ..formats.record import ExpertWeights, RecordLayout
 
 MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import jsonschema
 
-from streamoe.formats.manifest import schema
+from ..formats.manifest import schema
 
 MiB = 1 << 20
 

@@ -10,7 +10,7 @@ import jinja2
 import numpy as np
 from tokenizers import Tokenizer
 
-from streamoe.formats.errors import fail
+from ..formats.errors import fail
 
 
 class TextIO:

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from streamoe.formats.errors import fail
+from ..formats.errors import fail
 
 # f32 bytes allowed for one chunk of attention scores; heads are processed in chunks under it.
 ATTENTION_SCORE_BYTES = 32 << 20

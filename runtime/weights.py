@@ -13,10 +13,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from streamoe.formats.blobs import BlobTensor
-from streamoe.formats.direct import RangeReader
-from streamoe.formats.safetensors import DTYPES
-
+from ..formats.blobs import BlobTensor
+from ..formats.direct import RangeReader
+from ..formats.safetensors import DTYPES
 from .store import MX_DTYPES
 
 CHUNK = 16 << 20

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from streamoe.formats.errors import StreamoeError
+from .formats.errors import StreamoeError
 
 
 def user_errors(fn):
@@ -50,7 +50,7 @@ def main() -> None:
 @user_errors
 def synth(out: Path, size: str, variant: str, text_only: bool, seed: int, shard_mb: float | None, dry_run: bool) -> None:
     """Write a synthetic checkpoint shaped exactly like the mlx-community Qwen3.6-35B-A3B-4bit export."""
-    from streamoe.convert.synth import synth as run_synth
+    from .convert.synth import synth as run_synth
 
     run_synth(out, size=size, variant=variant, text_only=text_only, seed=seed,
               shard_bytes=None if shard_mb is None else int(shard_mb * (1 << 20)), dry_run=dry_run)
@@ -64,7 +64,7 @@ def synth(out: Path, size: str, variant: str, text_only: bool, seed: int, shard_
 @user_errors
 def convert(ckpt: Path, out: Path, experts: str, force: bool) -> None:
     """Convert an mlx-community MoE checkpoint CKPT into a streamoe directory OUT."""
-    from streamoe.convert.convert import convert as run_convert
+    from .convert.convert import convert as run_convert
 
     formats = [f.strip() for f in experts.split(",") if f.strip()]
     run_convert(ckpt, out, formats=formats, force=force)
@@ -82,7 +82,7 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
     """Check a converted directory: schema, sizes, layouts, checksums (and bytes against --source)."""
     import json
 
-    from streamoe.convert.validate import validate as run_validate
+    from .convert.validate import validate as run_validate
 
     report = run_validate(out, source=source, samples=samples)
     if as_json:
@@ -97,13 +97,13 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
 
 def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str, runtime_mib: int | None = None):
     """A plan from a bare config.json, before any download or conversion."""
-    from streamoe.convert.source import read_json, text_config
-    from streamoe.convert.synth import tensor_table
-    from streamoe.formats.record import RecordLayout
-    from streamoe.formats.safetensors import tensor_nbytes
-    from streamoe.runtime.plan import ITEMSIZE, GiB
-    from streamoe.runtime.plan import make_plan as mk
-    from streamoe.runtime.weights import resident_bytes
+    from .convert.source import read_json, text_config
+    from .convert.synth import tensor_table
+    from .formats.record import RecordLayout
+    from .formats.safetensors import tensor_nbytes
+    from .runtime.plan import ITEMSIZE, GiB
+    from .runtime.plan import make_plan as mk
+    from .runtime.weights import resident_bytes
 
     config = read_json(path)
     tc = text_config(config)
@@ -149,7 +149,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
 
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
-    from streamoe.runtime.engine import Options, default_dtype, plan_for
+    from .runtime.engine import Options, default_dtype, plan_for
 
     dtype = dtype or default_dtype()
     if model.is_file() and model.suffix == ".json":
@@ -201,7 +201,7 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
         tier: str, prefetch_width: int, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
-    from streamoe.runtime.cli_run import run_cli
+    from .runtime.cli_run import run_cli
 
     if prompt is None and not chat:
         raise click.UsageError("give --prompt TEXT or --chat")
