@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..formats.config import quant_for, text_config
 from ..formats.errors import fail
 from ..formats.record import PARTS, PROJS, RecordLayout
 from ..formats.safetensors import Header, TensorInfo, read_header
@@ -30,21 +31,6 @@ def read_json(path: Path) -> dict:
     if not isinstance(doc, dict):
         raise fail(path, "is not a JSON object")
     return doc
-
-
-def text_config(config: dict) -> dict:
-    """The language model's config: nested `text_config` in VLM exports, else the top level."""
-    return config.get("text_config", config)
-
-
-def quant_for(quant: dict, module: str) -> tuple[int, int] | None:
-    """(bits, group_size) of a module from the `quantization` block, honouring per-module overrides."""
-    o = quant.get(module)
-    if isinstance(o, dict):
-        return int(o.get("bits", quant["bits"])), int(o.get("group_size", quant["group_size"]))
-    if o is False:
-        return None
-    return int(quant["bits"]), int(quant["group_size"])
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .record import align_up
+from .direct import align_up
 
 
 @dataclass(frozen=True)

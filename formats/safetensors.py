@@ -14,24 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .dtypes import DTYPES
 from .errors import fail
 
-# safetensors dtype name -> (numpy dtype for raw bytes, itemsize). bf16 has no numpy dtype: keep it as uint16.
-DTYPES: dict[str, tuple[np.dtype, int]] = {
-    "BOOL": (np.dtype(np.bool_), 1),
-    "U8": (np.dtype(np.uint8), 1),
-    "I8": (np.dtype(np.int8), 1),
-    "U16": (np.dtype(np.uint16), 2),
-    "I16": (np.dtype(np.int16), 2),
-    "F16": (np.dtype(np.float16), 2),
-    "BF16": (np.dtype(np.uint16), 2),
-    "U32": (np.dtype(np.uint32), 4),
-    "I32": (np.dtype(np.int32), 4),
-    "F32": (np.dtype(np.float32), 4),
-    "U64": (np.dtype(np.uint64), 8),
-    "I64": (np.dtype(np.int64), 8),
-    "F64": (np.dtype(np.float64), 8),
-}
 MAX_HEADER = 100 << 20
 
 
@@ -48,7 +33,7 @@ class TensorInfo:
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
+        return DTYPES[self.dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -99,7 +84,7 @@ def parse_header(path: Path, raw: bytes, size: int | None) -> Header:
             raise fail(path, f"tensor {name!r} has a malformed header entry") from None
         if dtype not in DTYPES:
             raise fail(path, f"tensor {name!r} has unsupported dtype {dtype!r}")
-        expect = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1]
+        expect = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
         if b - a != expect or a < 0:
             raise fail(path, f"tensor {name!r} spans {b - a} bytes but {dtype}{list(shape)} needs {expect}")
         if size is not None and data_start + b > size:
@@ -109,7 +94,7 @@ def parse_header(path: Path, raw: bytes, size: int | None) -> Header:
 
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1]
+    return int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
 
 
 def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, int]]:

@@ -10,51 +10,27 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..convert.source import text_config
+from ..formats.config import ModelArgs
 from ..formats.direct import RangeReader, file_checksum
 from ..formats.errors import StreamoeError, fail
 from ..formats.layout import record_layouts
 from ..formats.manifest import load_manifest, safe_path
 from . import model as model_mod
-from .image import ImageConfig, decode_peak_bytes, load_image, preprocess
-from .model import Model, ModelArgs, combine, expert_mlp, text_positions
+from .image import ImageConfig, load_image, preprocess
+from .model import Model, combine, expert_mlp, text_positions
 from .mrope import expand_image_tokens, image_positions
-from .plan import ITEMSIZE, GiB, MemoryPlan, current_rss, make_plan
+from .plan import Options, current_rss, default_dtype, plan_for
 from .store import ExpertStore, SlotPool
 from .telemetry import LayerStats, StepStats
 from .text import TextIO
 from .tier import HotTier
 from .vision import VisionArgs, VisionEncoder
-from .vision import max_patches as vision_max_patches
-from .vision import peak_bytes as vision_peak_bytes
-from .weights import load_tensors, read_tensor, resident_bytes
-
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-@dataclass
-class Options:
-    cap_gib: float = 4.0
-    ctx: int = 4096
-    experts: str = "q4"
-    tier: str = "freq"
-    prefetch_width: int = 6
-    dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
-    kv: str = "float32"
-    prefill_chunk: int = 256
-    io_threads: int = 4
-    cpu_streams: int | None = None  # CPU streams for expert and large matmul work; None = one per core (CPU backend)
-    verify: bool = False
-    runtime_bytes: int | None = None  # the interpreter/runtime allowance; None = measured at open
-    images: bool = False  # plan (and allow) image inputs: the vision account
-    max_pixels: int = 640 * 640  # largest image after resizing
-    max_decode_pixels: int = 1 << 24  # largest image file accepted (16 Mpx), decoded before resizing
+from .weights import load_tensors, mx_dtype, read_tensor
 
 
 def fix_malloc_thresholds() -> None:
@@ -75,43 +51,6 @@ def fix_malloc_thresholds() -> None:
         pass
 
 
-def default_dtype() -> str:
-    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
-
-
-def plan_for(root: Path, opts: Options, manifest=None) -> MemoryPlan:
-    """The plan for a converted directory (from its manifest). The runtime allowance is measured with the
-    tokenizer loaded, as `Engine` does, so `streamoe plan` and `streamoe run` agree."""
-    m = manifest or load_manifest(root)
-    if opts.runtime_bytes is None and manifest is None:
-        TextIO(Path(root), m.config)
-    fmts = m.expert_formats()
-    if opts.experts not in fmts:
-        raise fail(root / "manifest.json", f"has no {opts.experts} experts (has {', '.join(fmts)}); convert with --experts")
-    dtype = opts.dtype or default_dtype()
-    _, table = m.blob("nonexpert")
-    tc = text_config(m.config)
-    plan = make_plan(tc=tc, cap=int(opts.cap_gib * GiB), ctx=opts.ctx, expert_format=opts.experts,
-                     stride=fmts[opts.experts].layout.stride, nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), ITEMSIZE[dtype]),
-                     dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
-                     vision_bytes=vision_bytes(m, opts) if opts.images else 0)
-    if opts.images:
-        plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
-                                f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")
-    return plan
-
-
-def vision_bytes(m, opts: Options) -> int:
-    """The vision account: the larger of decoding the biggest accepted file and encoding the biggest resized
-    image (weights of one stage + activations), plus the image's patches and its embeddings."""
-    if m.blob("vision") is None:
-        raise fail(m.root / "manifest.json", "the model has no vision tower (text-only export); images are not supported")
-    va = VisionArgs.from_config(m.config)
-    n = vision_max_patches(va, opts.max_pixels)
-    staged = n * va.patch_dim * 4 + n // va.spatial_merge_size**2 * va.out_hidden_size * 4 * 2
-    return max(decode_peak_bytes(opts.max_decode_pixels), vision_peak_bytes(va, opts.max_pixels)) + staged
-
-
 class Engine:
     def __init__(self, root: str | Path, opts: Options | None = None):
         self.root, self.opts = Path(root), opts or Options()
@@ -129,10 +68,10 @@ class Engine:
         self.plan = plan_for(self.root, o, m)
         self.plan.require_fit()
         mx.set_cache_limit(32 << 20)
-        self.dtype = DTYPES[o.dtype or default_dtype()]
+        self.dtype = mx_dtype(o.dtype or default_dtype())
         on_cpu = mx.default_device() == mx.cpu
         model_mod.set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
-        self.args = ModelArgs.from_config(m.config)
+        self.args = ModelArgs.from_config(m.config, self.root / "manifest.json")
         fmt = m.expert_formats()[o.experts]
         self.lay = fmt.layout
         n_layers, self.n_exp, self.k = m.model["num_layers"], m.model["num_experts"], m.model["top_k"]
@@ -144,7 +83,7 @@ class Engine:
                             scratch=2 * self.k + o.prefetch_width, policy=o.tier)
         file, table = m.blob("nonexpert")
         self.model = Model(self.args, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
-        self.cache = self.model.make_cache(o.ctx, DTYPES[o.kv])
+        self.cache = self.model.make_cache(o.ctx, mx_dtype(o.kv))
         self.offset = 0
         self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens
         self.inflight: dict[int, object] = {}  # slot -> Future of its read
@@ -344,7 +283,7 @@ class Engine:
             logits = self.forward([tok], "decode")
 
     def reset(self) -> None:
-        self.cache = self.model.make_cache(self.opts.ctx, DTYPES[self.opts.kv])
+        self.cache = self.model.make_cache(self.opts.ctx, mx_dtype(self.opts.kv))
         self.offset = 0
         self.rope_delta = 0
 

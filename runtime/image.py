@@ -160,9 +160,9 @@ def smart_resize(
     """Target (height, width): multiples of `factor`, area within [min_pixels, max_pixels],
     aspect ratio kept as closely as possible (the Qwen2-VL/Qwen3-VL rule)."""
     if height <= 0 or width <= 0:
-        raise ValueError(f"image size must be positive, got {height}x{width}")
+        raise StreamoeError(f"image size must be positive, got {height}x{width}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect ratio of {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
+        raise StreamoeError(f"aspect ratio of {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:

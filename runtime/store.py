@@ -20,8 +20,7 @@ from ..formats.direct import ALIGN, drop_cache, open_uncached
 from ..formats.errors import fail
 from ..formats.layout import detect_format
 from ..formats.record import ExpertWeights, RecordLayout
-
-MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
+from .weights import mx_dtype
 
 
 def aligned_mlx_buffer(nbytes: int) -> tuple[mx.array, np.ndarray, int]:
@@ -37,7 +36,7 @@ def record_views(buf: mx.array, base: int, lay: RecordLayout) -> ExpertWeights:
     """The nine arrays of the record at byte `base` of `buf`, as zero-copy MLX views."""
     views = []
     for s in lay.segments:
-        v = buf[base + s.offset: base + s.offset + s.nbytes].view(MX_DTYPES[s.dtype]).reshape(s.shape)
+        v = buf[base + s.offset: base + s.offset + s.nbytes].view(mx_dtype(s.dtype)).reshape(s.shape)
         views.append(v)
     return ExpertWeights(*views)
 

@@ -10,7 +10,8 @@ import jinja2
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..formats.errors import fail
+from ..formats.config import eos_ids
+from ..formats.errors import StreamoeError, fail
 
 
 class TextIO:
@@ -60,14 +61,8 @@ def _raise(msg: str):
 
 
 def stop_tokens(root: Path, config: dict) -> set[int]:
-    ids: set[int] = set()
-    for src in (config.get("eos_token_id"), config.get("text_config", {}).get("eos_token_id")):
-        ids |= set(src if isinstance(src, list) else [src] if isinstance(src, int) else [])
     gen = root / "generation_config.json"
-    if gen.is_file():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        ids |= set(e if isinstance(e, list) else [e] if isinstance(e, int) else [])
-    return ids
+    return set(eos_ids(config, json.loads(gen.read_text()) if gen.is_file() else None))
 
 
 class Detokenizer:
@@ -90,11 +85,11 @@ class Sampler:
 
     def __init__(self, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0):
         if temp < 0:
-            raise ValueError("--temp must be >= 0")
+            raise StreamoeError("--temp must be >= 0")
         if not 0 < top_p <= 1:
-            raise ValueError("--top-p must be in (0, 1]")
+            raise StreamoeError("--top-p must be in (0, 1]")
         if top_k < 0:
-            raise ValueError("--top-k must be >= 0")
+            raise StreamoeError("--top-k must be >= 0")
         self.temp, self.top_p, self.top_k = temp, top_p, top_k
         self.rng = np.random.default_rng(seed)
 
