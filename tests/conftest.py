@@ -24,7 +24,7 @@ def cli(*args: str, check: bool = False, timeout: float = 300, **kw) -> subproce
 
 
 def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> str:
-    """The failure contract of SPEC §7: non-zero exit, no traceback, one line on stderr naming the problem."""
+    """The failure contract for bad input: non-zero exit, no traceback, one line on stderr naming the problem."""
     assert p.returncode != 0, p.stdout
     assert "Traceback" not in p.stderr, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith(("convert:", "synth:"))]

@@ -158,7 +158,7 @@ def test_run_inside_cgroup_limit_equal_to_cap(small_conv, tmp_path):
     assert sum(ly["misses"] for r in decode for ly in r["layers"]) > 0, "the cap must hold only a fraction of the experts"
 
 
-# ---- SPEC §7 for the runtime
+# ---- bad input to the runtime: one line naming the file, non-zero exit, no traceback
 
 def test_missing_and_corrupt_manifest(tiny_conv, tmp_path):
     out = tmp_path / "c"

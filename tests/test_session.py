@@ -1,4 +1,4 @@
-"""Sessions (SPEC §5): a saved conversation is safetensors inside zstd, and a restored one continues with
+"""Sessions (`--save-session` / `--load-session`, docs/FORMAT.md): a saved conversation is safetensors inside zstd, and a restored one continues with
 bit-identical logits; every bad session file is one line naming it."""
 
 from __future__ import annotations

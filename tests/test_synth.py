@@ -24,6 +24,8 @@ from streamoe.convert.synth import (
 from streamoe.formats.export import specs, tensor_table
 from streamoe.formats.safetensors import read_header
 
+# the tensor table of the real export (every tensor of mlx-community/Qwen3.6-35B-A3B-4bit), recorded in the
+# project's shared folder beside the checkout, not in the repository
 REFERENCE = Path("/work/shared/reference/qwen3.6-35b-a3b-4bit.layout.jsonl")
 if not REFERENCE.exists():  # a checkout next to shared/
     REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference/qwen3.6-35b-a3b-4bit.layout.jsonl"
@@ -32,7 +34,7 @@ TINY_TOTAL = 1_212_224
 VISION_FILES = {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
                 "chat_template.jinja", "generation_config.json", "preprocessor_config.json"}
 
-# reference §7, verbatim
+# the tiny faithful text config (mlx-lm and mlx-vlm load it), verbatim
 TINY_TEXT_CONFIG = {
     "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True,
     "bos_token_id": 512, "dtype": "bfloat16", "eos_token_id": 512,

@@ -35,7 +35,7 @@ from streamoe.runtime.image import (
 )
 from streamoe.runtime.vision import VisionArgs, VisionEncoder, max_patches, peak_bytes
 
-# reference §7: the tiny faithful vision config
+# the tiny faithful vision config (the one `streamoe synth --size tiny` writes)
 TINY_VISION = {
     "deepstack_visual_indexes": [], "depth": 2, "hidden_act": "gelu_pytorch_tanh",
     "hidden_size": 64, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 128,
