@@ -16,11 +16,8 @@ import pytest
 from streamoe.formats.manifest import schema
 from streamoe.runtime.engine import Engine, Options, plan_for
 
-from .conftest import cli, one_error_line, run_capped
+from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line, run_capped
 
-# Measured float32 agreement with mlx-lm on the synthetic checkpoints: max |Δlogit| 2e-7 (tiny) and
-# 2e-6 (small) over 12-step runs. The bound leaves a 10x margin and stays far below any real top-2 gap.
-LOGIT_ATOL = 2e-5
 PROMPTS = [
     "def fibonacci(n):\n    return n if n < 2 else",
     "The quick brown fox",
@@ -28,7 +25,6 @@ PROMPTS = [
     "import os\nimport sys\n\nclass Reader:\n    def __init__(self, path):\n        self.path = path\n"
     "    def read(self):\n        with open(self.path) as f:\n            return f.read()\n",
 ]
-RUNTIME = 64 << 20  # a fixed interpreter allowance so plans are comparable inside one test process
 
 
 def reference(ckpt: Path):

@@ -24,6 +24,8 @@ from streamoe.convert.synth import (
 from streamoe.formats.export import specs, tensor_table
 from streamoe.formats.safetensors import read_header
 
+from .conftest import TINY_VISION_CONFIG
+
 # the tensor table of the real export (every tensor of mlx-community/Qwen3.6-35B-A3B-4bit), recorded in the
 # project's shared folder beside the checkout, not in the repository
 REFERENCE = Path("/work/shared/reference/qwen3.6-35b-a3b-4bit.layout.jsonl")
@@ -53,12 +55,6 @@ TINY_TEXT_CONFIG = {
                         "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rope_type": "default"},
     "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 64, "use_cache": True,
     "vocab_size": 576,
-}
-TINY_VISION_CONFIG = {
-    "deepstack_visual_indexes": [], "depth": 2, "hidden_act": "gelu_pytorch_tanh",
-    "hidden_size": 64, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 128,
-    "model_type": "qwen3_5_moe", "num_heads": 2, "num_position_embeddings": 64,
-    "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
 }
 
 
