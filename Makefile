@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench lint imports clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: $(RUNTIME_STAMP)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
+
+# every project import resolves statically with jedi (which cannot follow the editable install): bench/results/imports.json
+imports: $(DEV_STAMP)
+	$(BIN)/python -m bench.check_imports
 
 clean:
 	rm -rf $(VENV) build *.egg-info
