@@ -390,20 +390,36 @@ class Attention:
 
 
 class SparseMoe:
-    """The non-routed parts of a layer's MoE block: router and gated shared expert."""
+    """The MoE block: the router picks the top-k experts, an experts provider computes them (it owns where
+    their weights live), and a gated shared expert is added: routed + shared, mlx-lm's order of the sums."""
 
     def __init__(self, args: ModelArgs, ld: _Loader, p: str):
         H, Is = args.hidden_size, args.shared_expert_intermediate_size
+        self.k, self.norm_topk, self.dtype = args.num_experts_per_tok, args.norm_topk_prob, ld.dtype
         self.gate = ld.linear(f"{p}gate", args.num_experts, H)
         self.shared_gate_proj = ld.linear(f"{p}shared_expert.gate_proj", Is, H)
         self.shared_up_proj = ld.linear(f"{p}shared_expert.up_proj", Is, H)
         self.shared_down_proj = ld.linear(f"{p}shared_expert.down_proj", H, Is)
         self.shared_expert_gate = ld.linear(f"{p}shared_expert_gate", 1, H)
 
+    def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        return route(logits, self.k, self.norm_topk, self.dtype)
+
+    def shared(self, x: mx.array) -> mx.array:
+        y = self.shared_down_proj(nn.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
+        return mx.sigmoid(self.shared_expert_gate(x)) * y
+
+    def __call__(self, i: int, x: mx.array, experts) -> mx.array:
+        inds, scores = self.route(self.gate(x))
+        return experts(i, x, inds, scores) + self.shared(x)
+
 
 class DecoderLayer:
+    """Token mixer (Gated DeltaNet or gated attention) and MoE block, each behind an RMSNorm and a residual."""
+
     def __init__(self, args: ModelArgs, ld: _Loader, i: int, gdn_chunked: bool | None):
         p = f"{PREFIX}model.layers.{i}."
+        self.i, self.eps = i, args.rms_norm_eps
         self.is_linear = args.is_linear(i)
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(args, ld, f"{p}linear_attn.", gdn_chunked)
@@ -412,6 +428,17 @@ class DecoderLayer:
         self.input_layernorm = ld.float(f"{p}input_layernorm.weight", (args.hidden_size,))
         self.post_attention_layernorm = ld.float(f"{p}post_attention_layernorm.weight", (args.hidden_size,))
         self.mlp = SparseMoe(args, ld, f"{p}mlp.")
+
+    def mix(self, h: mx.array, cache, rope: MRoPE, cos_sin) -> tuple[mx.array, mx.array]:
+        """(h + mixer(norm(h)), x): the residual stream after the mixer and the MoE block's input."""
+        x = mx.fast.rms_norm(h, self.input_layernorm, self.eps)
+        r = self.linear_attn(x, cache) if self.is_linear else self.self_attn(x, cache, rope, *cos_sin)
+        h = h + r
+        return h, mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
+
+    def __call__(self, h: mx.array, cache, rope: MRoPE, cos_sin, experts) -> mx.array:
+        h, x = self.mix(h, cache, rope, cos_sin)
+        return h + self.mlp(self.i, x, experts)
 
 
 class Model:
@@ -464,40 +491,26 @@ class Model:
         w, s, b, bits, group = self.embed_tokens
         return mx.dequantize(w[tokens], s[tokens], b[tokens], group_size=group, bits=bits).astype(self.dtype)
 
+    def layers_forward(self, h: mx.array, cache: list, positions: mx.array, experts) -> mx.array:
+        """The one layer loop: every decoder layer over h [B, L, H] with its cache entry. positions: [3, B, L]
+        int32 (t, h, w). `experts(i, x, inds, scores)` gives layer i's routed output."""
+        cos_sin = self.rope.cos_sin(positions) if self.args.n_full_attention else None
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache[i], self.rope, cos_sin, experts)
+        return h
+
     def mix(self, i: int, h: mx.array, cache_i, positions: mx.array) -> tuple[mx.array, mx.array]:
-        """Layer i's token mixer with its norm and residual: returns (h + mixer(norm(h)), x) where
-        x = post_attention_layernorm(h + ...) is the MoE input. positions: [3, B, L] int32 (t, h, w)."""
-        layer = self.layers[i]
-        x = mx.fast.rms_norm(h, layer.input_layernorm, self.args.rms_norm_eps)
-        if layer.is_linear:
-            r = layer.linear_attn(x, cache_i)
-        else:
-            cos, sin = self.rope.cos_sin(positions)
-            r = layer.self_attn(x, cache_i, self.rope, cos, sin)
-        h = h + r
-        return h, mx.fast.rms_norm(h, layer.post_attention_layernorm, self.args.rms_norm_eps)
+        """Layer i's token mixer with its norm and residual: (h + mixer(norm(h)), the MoE input)."""
+        return self.layers[i].mix(h, cache_i, self.rope, self.rope.cos_sin(positions))
 
     def router_logits(self, i: int, x: mx.array) -> mx.array:
         return self.layers[i].mlp.gate(x)
 
-    def route(self, logits: mx.array, k: int | None = None) -> tuple[mx.array, mx.array]:
-        """Top-k experts: (inds [..., k] uint32, scores [..., k] in dtype), in router-rank order.
-
-        Softmax in float32; the k largest picked by argpartition as mlx-lm does (kth=-k, last k, in the
-        order argpartition leaves them: that order is the one experts are combined in); scores renormalised
-        to sum to 1 (norm_topk_prob)."""
-        k = k or self.args.num_experts_per_tok
-        gates = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-        inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
-        scores = mx.take_along_axis(gates, inds, axis=-1)
-        if self.args.norm_topk_prob:
-            scores = scores / scores.sum(axis=-1, keepdims=True)
-        return inds.astype(mx.uint32), scores.astype(self.dtype)
+    def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        return route(logits, self.args.num_experts_per_tok, self.args.norm_topk_prob, self.dtype)
 
     def shared_expert(self, i: int, x: mx.array) -> mx.array:
-        m = self.layers[i].mlp
-        y = m.shared_down_proj(nn.silu(m.shared_gate_proj(x)) * m.shared_up_proj(x))
-        return mx.sigmoid(m.shared_expert_gate(x)) * y
+        return self.layers[i].mlp.shared(x)
 
     def head(self, h: mx.array) -> mx.array:
         return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps))
@@ -517,6 +530,45 @@ def _arrays(obj) -> list[mx.array]:
 
 # --------------------------------------------------------------------------------------------------
 # routed experts
+
+
+def route(logits: mx.array, k: int, norm_topk: bool, dtype) -> tuple[mx.array, mx.array]:
+    """Top-k experts: (inds [..., k] uint32, scores [..., k] in dtype), in router-rank order.
+
+    Softmax in float32; the k largest picked by argpartition as mlx-lm does (kth=-k, last k, in the order
+    argpartition leaves them: that order is the one experts are combined in); scores renormalised to sum
+    to 1 (norm_topk_prob)."""
+    gates = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if norm_topk:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return inds.astype(mx.uint32), scores.astype(dtype)
+
+
+def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, bits: int, group_size: int) -> mx.array:
+    """Routed experts for tokens x [N, H] picked as `slots` [N, k] into stacked weights (each of w's nine
+    arrays is [S, ...]): down(silu(gate(x)) * up(x)) per (token, pick) -> [N, k, H], three `gather_qmm`
+    calls in all. On the CPU backend the picks are split over the CPU streams (one core each); every
+    (token, pick) row is computed by the same kernel whatever the split, so results do not depend on it."""
+    if not STREAMS or slots.shape[-1] < 2:
+        return _switch_glu(x, w, slots, bits, group_size)
+    k, n = slots.shape[-1], min(len(STREAMS), slots.shape[-1])
+    parts = []
+    for j in range(n):
+        with mx.stream(STREAMS[j]):
+            parts.append(_switch_glu(x, w, slots[:, j * k // n:(j + 1) * k // n], bits, group_size))
+    return mx.concatenate(parts, axis=1)
+
+
+def _switch_glu(x, w, slots, bits, group_size):
+    def qmm(a, wq, s, b):
+        # scales/biases as stored (bf16): with float32 x the kernel upcasts them, the same bits as casting first
+        return mx.gather_qmm(a, wq, s, b, rhs_indices=slots, transpose=True, group_size=group_size, bits=bits)
+
+    xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, H]: each token meets its k picks
+    h = nn.silu(qmm(xe, w.gate_w, w.gate_s, w.gate_b)) * qmm(xe, w.up_w, w.up_s, w.up_b)
+    return qmm(h, w.down_w, w.down_s, w.down_b).squeeze(-2)
 
 
 def expert_mlp(x: mx.array, w: ExpertWeights, bits: int, group_size: int, dtype=mx.float32) -> mx.array:
@@ -576,21 +628,10 @@ class ResidentExperts:
 
     def __call__(self, i: int, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
         """Routed-expert output of layer i for x [..., H] with inds/scores [..., k] from `route`."""
-        _, bits, group = self.layers[i]
+        parts, bits, group = self.layers[i]
         shape, k = x.shape, inds.shape[-1]
-        xf = x.reshape(-1, shape[-1])
-        flat = np.array(inds.reshape(-1)).astype(np.int64)  # slot p = token * k + rank
-        order = np.argsort(flat, kind="stable")
-        experts, starts = np.unique(flat[order], return_index=True)
-        bounds = [*starts[1:], len(order)]
-        pieces = []
-        for e, lo, hi in zip(experts, starts, bounds, strict=True):
-            tokens = mx.array(order[lo:hi] // k)
-            pieces.append(expert_mlp(xf[tokens], self.expert(i, int(e)), bits, group, self.dtype))
-        back = np.empty_like(order)
-        back[order] = np.arange(len(order))
-        outs = mx.concatenate(pieces, axis=0)[mx.array(back)].reshape(-1, k, shape[-1])
-        return combine(outs, scores.reshape(-1, k)).reshape(shape)
+        y = switch_glu(x.reshape(-1, shape[-1]), ExpertWeights(*parts), inds.reshape(-1, k), bits, group)
+        return combine(y, scores.reshape(-1, k)).reshape(shape)
 
 
 def forward(
@@ -610,8 +651,4 @@ def forward(
             raise StreamoeError(f"KV cache holds {c.max_tokens} tokens; {c.offset + L} were asked for")
     if positions is None:
         positions = text_positions(cache[0].offset, L, B)
-    for i in range(model.num_layers):
-        h, x = model.mix(i, h, cache[i], positions)
-        inds, scores = model.route(model.router_logits(i, x))
-        h = h + (experts(i, x, inds, scores) + model.shared_expert(i, x))
-    return model.head(h)
+    return model.head(model.layers_forward(h, cache, positions, experts))

@@ -27,7 +27,7 @@ class Options:
     ctx: int = 4096
     experts: str = "q4"
     tier: str = "freq"
-    prefetch_width: int = 6
+    prefetch_width: int | None = None  # cross-layer guesses per layer; None = top-k
     dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
     kv: str = "float32"
     prefill_chunk: int = 256
@@ -38,6 +38,15 @@ class Options:
     images: bool = False  # plan (and allow) image inputs: the vision account
     max_pixels: int = 640 * 640  # largest image after resizing
     max_decode_pixels: int = 1 << 24  # largest image file accepted (16 Mpx), decoded before resizing
+
+
+def read_ring(opts: Options, top_k: int) -> int:
+    """Records of host staging the reads land in: a layer's misses and guesses, plus one per I/O thread."""
+    return 2 * top_k + prefetch_width(opts, top_k) + opts.io_threads
+
+
+def prefetch_width(opts: Options, top_k: int) -> int:
+    return top_k if opts.prefetch_width is None else opts.prefetch_width
 
 
 def default_dtype() -> str:
@@ -143,7 +152,7 @@ def state_bytes(a: ModelArgs, ctx: int, kv_item: int) -> tuple[int, int]:
 
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
-              prefill_chunk: int = 256) -> MemoryPlan:
+              prefill_chunk: int = 256, ring: int = 0) -> MemoryPlan:
     item, kv_item = itemsize(dtype), itemsize(kv_dtype)
     kv, lin = state_bytes(args, ctx, kv_item)
     n_exp = args.num_experts
@@ -158,12 +167,14 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "linear state": lin,
         "activations": activation_bytes(args, ctx, min(prefill_chunk, ctx), item),
         "prefill staging": n_exp * stride,
+        "read staging": 2 * ring * stride,
         "vision": vision_bytes,
         "runtime": runtime_bytes,
     }
     plan.notes["non-expert"] = f"weights as computed ({dtype} floats, packed codes)"
     plan.notes["kv cache"] = f"{ctx} tokens, {kv_dtype}"
     plan.notes["prefill staging"] = f"{n_exp} slots, one per expert of a layer"
+    plan.notes["read staging"] = f"{ring} records of host staging + their copies in flight"
     return plan
 
 
@@ -191,7 +202,7 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
                      ctx=opts.ctx, expert_format=opts.experts, stride=fmts[opts.experts].layout.stride,
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
                      dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
-                     vision_bytes=vision)
+                     vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])))
     if opts.images:
         plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
                                 f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")
