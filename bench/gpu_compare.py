@@ -1,6 +1,6 @@
 """streamoe against stock mlx-lm on the same checkpoint and machine, side by side in one process (GPU).
 
-    python bench/gpu_compare.py --ckpt CKPT --model CONVERTED --caps resident,4 --experts q4 --name gpu-q4
+    python -m bench.gpu_compare --ckpt CKPT --model CONVERTED --caps resident,4 --experts q4 --name gpu-q4
 
 For each: prefill time of one prompt and greedy decode tok/s; for streamoe also MiB read per token, the
 hit rates (already in memory vs read ahead), bytes wasted by prefetch, and the disk bound (bytes read per

@@ -16,7 +16,7 @@ from .formats.errors import StreamoeError
 
 
 def user_errors(fn):
-    """Turn StreamoeError into one clear line and exit 2 (SPEC §7)."""
+    """Turn StreamoeError (a bad input) into one clear line and exit 2, no traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

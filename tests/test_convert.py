@@ -128,7 +128,7 @@ def test_kill_9_mid_conversion_then_rerun_validates(small_ckpt, tmp_path):
     assert not tmp.exists()
 
 
-# ---- SPEC §7: bad input → one line naming the file, non-zero exit, no traceback, nothing half-written
+# ---- bad input → one line naming the file, non-zero exit, no traceback, nothing half-written
 
 def broken_copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)

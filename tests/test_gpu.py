@@ -12,11 +12,12 @@ import pytest
 from streamoe.runtime import experts as experts_mod
 from streamoe.runtime.engine import Engine, Options, plan_for
 
+from .conftest import RUNTIME
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(mx.default_device() != mx.gpu, reason="MLX has no GPU here (CPU backend only)"),
 ]
-RUNTIME = 64 << 20  # a fixed interpreter allowance so plans are comparable inside one test process
 PROMPT = ("import os\nimport sys\n\nclass Reader:\n    def __init__(self, path):\n        self.path = path\n"
           "    def read(self):\n        with open(self.path) as f:\n            return f.read()\n")
 
