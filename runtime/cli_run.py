@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..formats.errors import StreamoeError
+from ..convert.validate import check_open
+from ..formats.errors import StreamoeError, fail
 from . import session
 from .engine import Engine, Options
 from .telemetry import summarize, summary_line, validate_record
@@ -33,6 +34,7 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
             save_session: Path | None = None, load_session: Path | None = None) -> None:
     sampler = Sampler(**sampling)
+    check_open(model, opts["experts"])  # sizes and blob tables as `validate` checks them, before anything loads
     eng = Engine(model, Options(**opts))
     logits: list | None = [] if logits_out else None
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -48,7 +50,11 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             raise StreamoeError(f"{load_session}: saved {'with' if saved['raw'] else 'without'} --raw; run it the same way")
         messages, fed = saved.get("messages", []), saved.get("tokens", [])
         if "sampler" in saved:  # a sampled conversation goes on drawing where it stopped
-            sampler.rng.bit_generator.state = saved["sampler"]
+            try:
+                session.restore_sampler(sampler.rng, saved["sampler"], load_session)
+            except BaseException:
+                eng.close()
+                raise
     try:
         turns = [prompt] if prompt is not None else None
         while True:
@@ -61,6 +67,8 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
                     user = input("> ")
                 except EOFError:
                     break
+                except UnicodeDecodeError:
+                    raise fail("<stdin>", "the input is not valid UTF-8 text") from None
                 if user.strip() in ("/quit", "/exit"):
                     break
                 if user.startswith("/image "):

@@ -167,7 +167,9 @@ def test_missing_and_corrupt_manifest(tiny_conv, tmp_path):
     one_error_line(cli("run", out, "-p", "hi"), "manifest.json", "does not parse")
     (out / "manifest.json").unlink()
     one_error_line(cli("run", out, "-p", "hi"), "manifest.json", "missing")
-    one_error_line(cli("plan", tmp_path / "nowhere"), "nowhere", "not a directory")
+    one_error_line(cli("plan", tmp_path / "nowhere"), "nowhere", "missing")
+    (tmp_path / "afile").write_text("x")
+    one_error_line(cli("plan", tmp_path / "afile"), "afile", "is a regular file, not a directory")
 
 
 def test_truncated_and_resized_layer_file(tiny_conv, tmp_path):
