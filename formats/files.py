@@ -105,16 +105,17 @@ def check_writable_dir(d: Path, path: object) -> None:
     try:
         st = os.stat(anchor)
     except OSError as e:
-        raise os_fail(anchor, e, "cannot use as output directory") from None
+        raise os_fail(path, e, f"cannot write here ({anchor})") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise fail(anchor, f"is {kind(st.st_mode)}, cannot hold the output {path}")
+        raise fail(path, f"cannot write here: {anchor} is {kind(st.st_mode)}, not a directory")
     try:
-        if os.statvfs(anchor).f_flag & os.ST_RDONLY:
-            raise fail(anchor, f"read-only file system, cannot write {path}")
+        readonly = bool(os.statvfs(anchor).f_flag & os.ST_RDONLY)
     except OSError:
-        pass
+        readonly = False
+    if readonly:
+        raise fail(path, f"cannot write here: {anchor} is on a read-only file system")
     if not os.access(anchor, os.W_OK | os.X_OK):
-        raise fail(anchor, f"permission denied, cannot write {path}")
+        raise fail(path, f"cannot write here: permission denied on {anchor}")
 
 
 def check_output_file(path: str | os.PathLike, what: str = "output file") -> Path:
@@ -131,11 +132,11 @@ def check_output_file(path: str | os.PathLike, what: str = "output file") -> Pat
         raise fail(path, f"is {kind(st.st_mode)}, cannot write the {what} there")
     parent = path.parent
     if not parent.is_dir():
-        raise fail(parent, f"no such directory (for the {what} {path})" if not os.path.lexists(parent)
-                   else f"is not a directory (for the {what} {path})")
+        raise fail(path, f"cannot write the {what}: its directory {parent} "
+                         + ("does not exist" if not os.path.lexists(parent) else "is not a directory"))
     check_writable_dir(parent, path)
     if st is not None and not os.access(path, os.W_OK):
-        raise fail(path, f"permission denied, cannot write the {what}")
+        raise fail(path, f"cannot write the {what}: permission denied")
     return path
 
 

@@ -97,7 +97,23 @@ def utf8_text(ctx, param, value: str | None) -> str | None:
     return value
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineGroup(click.Group):
+    """Usage errors (a bad option value, a missing argument) are one stderr line too, not click's usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            cmd = f" {e.ctx.command_path}" if getattr(e, "ctx", None) is not None else ""
+            hint = f" (see streamoe{cmd.removeprefix(' streamoe')} --help)" if isinstance(e, click.UsageError) else ""
+            click.echo(_line(f"streamoe: error: {e.format_message()}{hint}"), err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("streamoe: aborted", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="streamoe")
 def main() -> None:
     """Run Mixture-of-Experts models larger than RAM inside a hard memory cap."""

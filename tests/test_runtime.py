@@ -177,7 +177,7 @@ def test_truncated_and_resized_layer_file(tiny_conv, tmp_path):
     shutil.copytree(tiny_conv, out)
     layer = out / "experts" / "q4" / "layer-02.bin"
     os.truncate(layer, layer.stat().st_size - 4096)
-    one_error_line(cli("run", out, "--cap", "1", "-p", "hi"), str(layer), "matches no expert layout")
+    one_error_line(cli("run", out, "--cap", "1", "-p", "hi"), str(layer), "truncated")
 
 
 def test_checksum_mismatch_with_verify(tiny_conv, tmp_path):
@@ -208,8 +208,8 @@ def test_prompt_longer_than_ctx(tiny_conv):
                                          (["--top-k", "-2"], "--top-k"), (["--experts", "q2"], "--experts")])
 def test_bad_sampling_options(tiny_conv, args, needle):
     p = cli("run", tiny_conv, "-p", "hi", *args)
-    assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert needle in [ln for ln in p.stderr.splitlines() if ln.startswith("Error")][0]
+    assert p.returncode == 2
+    one_error_line(p, needle)
 
 
 def test_plan_from_bare_config_of_the_real_model(tmp_path):
