@@ -30,6 +30,13 @@ def schema(name: str = "manifest.schema.json") -> dict:
     return json.loads(resources.files("streamoe.schemas").joinpath(name).read_text())
 
 
+@cache
+def validator(name: str = "manifest.schema.json") -> jsonschema.protocols.Validator:
+    """One compiled validator per schema (`jsonschema.validate` re-checks the schema itself on every call)."""
+    s = schema(name)
+    return jsonschema.validators.validator_for(s)(s)
+
+
 def segments_json(lay: RecordLayout) -> list[dict]:
     return [{"proj": s.proj, "part": s.part, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
             for s in lay.segments]
@@ -85,12 +92,12 @@ def check_doc(doc: object, where: Path) -> None:
     """Schema, sizes within bounds, path containment, layout and blob-table agreement; raises StreamoeError
     naming `where`."""
     try:
-        jsonschema.validate(doc, schema())
-    except jsonschema.ValidationError as e:
-        loc = "/".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise fail(where, f"manifest fails its schema at {loc}: {' '.join(e.message.split())[:300]}") from None
+        e = jsonschema.exceptions.best_match(validator().iter_errors(doc))
     except RecursionError:
         raise fail(where, "manifest is nested too deeply") from None
+    if e is not None:
+        loc = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise fail(where, f"manifest fails its schema at {loc}: {' '.join(e.message.split())[:300]}")
     m = doc["model"]
     for key, ckey in MODEL_BOUNDS.items():
         lo, hi = CONFIG_INTS[ckey]

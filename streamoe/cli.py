@@ -194,13 +194,13 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
         table = tensor_table(config)
         q = config["quantization"]
         lay = RecordLayout.make(tc["hidden_size"], tc["moe_intermediate_size"], {"q4": 4, "q3": 3}[experts], q["group_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise StreamoeError(f"{path}: not a config this version can plan for ({e})") from None
-    item = ITEMSIZE[dtype]
-    nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
-                                if ".switch_mlp." not in name and not name.startswith("vision_tower.")), item)
-    return mk(tc=tc, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride, nonexpert_resident=nonexpert,
-              dtype=dtype, kv_dtype=kv, runtime_bytes=runtime_mib and runtime_mib << 20)
+        item = ITEMSIZE[dtype]
+        nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
+                                    if ".switch_mlp." not in name and not name.startswith("vision_tower.")), item)
+        return mk(tc=tc, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride, nonexpert_resident=nonexpert,
+                  dtype=dtype, kv_dtype=kv, runtime_bytes=runtime_mib and runtime_mib << 20)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
 
 
 COMMON = [
