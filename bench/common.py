@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jsonschema
 
-from streamoe.formats.direct import ALIGN, aligned_buffer, drop_cache, open_uncached
+from streamoe.formats.direct import align_down, aligned_buffer, drop_cache, open_uncached
 from streamoe.formats.manifest import schema
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -42,7 +42,7 @@ def _uncached_chunks(paths, limit_bytes: int, chunk: int):
     try:
         for p in paths:
             fd, _ = open_uncached(p)
-            size = os.path.getsize(p) // ALIGN * ALIGN
+            size = align_down(os.path.getsize(p))
             off = 0
             while off < size and total < limit_bytes:
                 n = os.preadv(fd, [view[: min(chunk, size - off)]], off)

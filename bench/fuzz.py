@@ -263,7 +263,7 @@ def target_config(world: World, raw: bytes) -> None:
 
 
 def target_manifest(world: World, raw: bytes, name: str) -> None:
-    from streamoe.convert.validate import open_problems
+    from streamoe.formats.checks import open_problems
     from streamoe.formats.manifest import load_manifest
 
     d = world.conv_dir(name)

@@ -23,12 +23,14 @@ from tqdm import tqdm
 
 from ..formats import quant
 from ..formats.blobs import BlobTensor, plan_blob
+from ..formats.config import quant_for
 from ..formats.direct import RangeReader, UncachedWriter, aligned_buffer
 from ..formats.errors import fail
 from ..formats.files import check_writable_dir, exclusive_lock, kind, os_fail
+from ..formats.layout import layer_file
 from ..formats.manifest import MANIFEST, segments_json, write_manifest
 from ..formats.record import PARTS, PROJS, RecordLayout
-from .source import Checkpoint, open_checkpoint, quant_for
+from .source import Checkpoint, open_checkpoint
 
 FREE_MARGIN = 64 << 20  # left free on the disk beyond what the conversion writes
 CHUNK_BYTES = 32 << 20  # source bytes handled per step; bounds the converter's working memory
@@ -370,7 +372,7 @@ def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: b
                 save_journal(tmp, fp, done)
             blobs[kind] = {"file": {"path": rel, **done[rel]}, "tensors": [t.to_json() for t in table]}
         for li in range(n_layers):
-            rels = {f: f"experts/{f}/layer-{li:02d}.bin" for f in formats}
+            rels = {f: layer_file(f, li) for f in formats}
             todo = {f: tmp / r for f, r in rels.items() if r not in done}
             if todo:
                 recs = write_layer(readers, ckpt, layers[li], lay4, lay3, todo, n_exp, bar)
@@ -401,9 +403,9 @@ def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: b
             "segments": segments_json(lay),
             "files": [
                 {
-                    "path": f"experts/{f}/layer-{li:02d}.bin",
+                    "path": layer_file(f, li),
                     "layer": li,
-                    **done[f"experts/{f}/layer-{li:02d}.bin"],
+                    **done[layer_file(f, li)],
                 }
                 for li in range(n_layers)
             ],

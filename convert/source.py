@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..formats import files as fsio
+from ..formats.config import quant_for, text_config
 from ..formats.errors import fail
 from ..formats.limits import MAX_FILE_BYTES, MAX_TENSORS, check_config_sizes, check_int
 from ..formats.record import PARTS, PROJS, RecordLayout
@@ -25,21 +26,6 @@ EXPERT_RE = re.compile(r"^(?P<prefix>(?:language_model\.)?model\.layers\.)(?P<la
 def read_json(path: Path) -> dict:
     """A JSON object from a checkpoint side file (bounded, special files refused, one error each)."""
     return fsio.read_json(path, path.name)
-
-
-def text_config(config: dict) -> dict:
-    """The language model's config: nested `text_config` in VLM exports, else the top level."""
-    return config.get("text_config", config)
-
-
-def quant_for(quant: dict, module: str) -> tuple[int, int] | None:
-    """(bits, group_size) of a module from the `quantization` block, honouring per-module overrides."""
-    o = quant.get(module)
-    if isinstance(o, dict):
-        return int(o.get("bits", quant["bits"])), int(o.get("group_size", quant["group_size"]))
-    if o is False:
-        return None
-    return int(quant["bits"]), int(quant["group_size"])
 
 
 @dataclass

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .direct import align_up
 from .limits import MAX_FILE_BYTES, MAX_TENSORS, nbytes_of
-from .record import align_up
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def table_problem(table: list[BlobTensor], file_size: int) -> str | None:
         if t.name in names:
             return f"tensor {t.name!r} is listed twice"
         names.add(t.name)
-        want = nbytes_of(t.shape, DTYPES[t.dtype][1])
+        want = nbytes_of(t.shape, DTYPES[t.dtype].itemsize)
         if t.nbytes != want:
             return f"tensor {t.name!r} has {t.nbytes} bytes but {t.dtype}{list(t.shape)} needs {want}"
         if t.offset + t.nbytes > min(file_size, MAX_FILE_BYTES):

@@ -13,6 +13,11 @@ from .record import RecordLayout
 FORMAT_BITS = {"q4": 4, "q3": 3}
 
 
+def layer_file(fmt: str, layer: int) -> str:
+    """Where layer `layer`'s experts of format `fmt` live, relative to the converted directory."""
+    return f"experts/{fmt}/layer-{layer:02d}.bin"
+
+
 def record_layouts(hidden: int, intermediate: int, group_size: int, scale_dtype: str = "BF16") -> dict[str, RecordLayout]:
     return {fmt: RecordLayout.make(hidden, intermediate, bits, group_size, scale_dtype) for fmt, bits in FORMAT_BITS.items()}
 

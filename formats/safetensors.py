@@ -12,28 +12,11 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
+from .dtypes import DTYPES
 from .errors import fail
 from .files import check_input_file, os_fail, parse_json
 from .limits import MAX_FILE_BYTES, MAX_TENSORS, check_shape, is_int, nbytes_of
 
-# safetensors dtype name -> (numpy dtype for raw bytes, itemsize). bf16 has no numpy dtype: keep it as uint16.
-DTYPES: dict[str, tuple[np.dtype, int]] = {
-    "BOOL": (np.dtype(np.bool_), 1),
-    "U8": (np.dtype(np.uint8), 1),
-    "I8": (np.dtype(np.int8), 1),
-    "U16": (np.dtype(np.uint16), 2),
-    "I16": (np.dtype(np.int16), 2),
-    "F16": (np.dtype(np.float16), 2),
-    "BF16": (np.dtype(np.uint16), 2),
-    "U32": (np.dtype(np.uint32), 4),
-    "I32": (np.dtype(np.int32), 4),
-    "F32": (np.dtype(np.float32), 4),
-    "U64": (np.dtype(np.uint64), 8),
-    "I64": (np.dtype(np.int64), 8),
-    "F64": (np.dtype(np.float64), 8),
-}
 MAX_HEADER = 100 << 20
 
 
@@ -50,7 +33,7 @@ class TensorInfo:
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
+        return DTYPES[self.dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -118,7 +101,7 @@ def _entry(path: Path, name: str, t: object, data_start: int, size: int | None) 
     a, b = offsets
     if not 0 <= a <= b <= MAX_FILE_BYTES:
         raise fail(path, f"tensor {name!r}: data_offsets [{a}, {b}] are not an increasing range inside a file")
-    expect = nbytes_of(shape, DTYPES[dtype][1])
+    expect = nbytes_of(shape, DTYPES[dtype].itemsize)
     if b - a != expect:
         raise fail(path, f"tensor {name!r} spans {b - a} bytes but {dtype}{list(shape)} needs {expect}")
     if size is not None and data_start + b > size:
@@ -136,7 +119,7 @@ def _check_overlaps(path: Path, tensors) -> None:
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     """Bytes of a `dtype` tensor of `shape`, exact (no int64 wrap-around)."""
-    return nbytes_of(tuple(shape), DTYPES[dtype][1])
+    return nbytes_of(tuple(shape), DTYPES[dtype].itemsize)
 
 
 def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, int]]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..formats.errors import StreamoeError
+
 
 class KVCache:
     """Keys and values of one full-attention layer, preallocated to `max_tokens` positions.
@@ -36,7 +38,7 @@ class KVCache:
         """Store [B, n_kv, L, hd] new keys/values after the cached ones; return all of them so far."""
         start, end = self.offset, self.offset + keys.shape[2]
         if end > self.max_tokens:
-            raise ValueError(f"KV cache holds {self.max_tokens} tokens; {end} were asked for")
+            raise StreamoeError(f"KV cache holds {self.max_tokens} tokens; {end} were asked for")
         self.keys[:, :, start:end, :] = keys.astype(self.keys.dtype)
         self.values[:, :, start:end, :] = values.astype(self.values.dtype)
         self.offset = end

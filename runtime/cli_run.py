@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..convert.validate import check_open
+from ..formats.checks import check_open
 from ..formats.errors import StreamoeError, fail
+from ..formats.manifest import load_manifest
 from . import session
 from .engine import Engine, Options
+from .image import check_preprocessor
 from .telemetry import summarize, summary_line, validate_record
 from .text import Detokenizer, Sampler
 
@@ -35,6 +37,7 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             save_session: Path | None = None, load_session: Path | None = None) -> None:
     sampler = Sampler(**sampling)
     check_open(model, opts["experts"])  # sizes and blob tables as `validate` checks them, before anything loads
+    check_preprocessor(Path(model), load_manifest(model).config)
     eng = Engine(model, Options(**opts))
     logits: list | None = [] if logits_out else None
     messages: list[dict] = [{"role": "system", "content": system}] if system else []

@@ -11,7 +11,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..formats import files
-from ..formats.errors import fail
+from ..formats.config import eos_ids
+from ..formats.errors import StreamoeError, fail
 
 
 class TextIO:
@@ -88,19 +89,9 @@ def chat_template_text(root: Path) -> tuple[Path, str | None]:
     return tpl, None
 
 
-def _ids(v: object) -> set[int]:
-    """Token ids from an `eos_token_id` value: an int or a list of ints; anything else holds none."""
-    items = v if isinstance(v, list) else [v]
-    return {i for i in items if isinstance(i, int) and not isinstance(i, bool) and i >= 0}
-
-
 def stop_tokens(root: Path, config: dict) -> set[int]:
-    text = config.get("text_config")
-    ids = _ids(config.get("eos_token_id")) | _ids(text.get("eos_token_id") if isinstance(text, dict) else None)
     gen = root / "generation_config.json"
-    if os.path.lexists(gen):
-        ids |= _ids(files.read_json(gen, "generation config").get("eos_token_id"))
-    return ids
+    return set(eos_ids(config, files.read_json(gen, "generation config") if os.path.lexists(gen) else None))
 
 
 class Detokenizer:
@@ -123,11 +114,11 @@ class Sampler:
 
     def __init__(self, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0):
         if temp < 0:
-            raise ValueError("--temp must be >= 0")
+            raise StreamoeError("--temp must be >= 0")
         if not 0 < top_p <= 1:
-            raise ValueError("--top-p must be in (0, 1]")
+            raise StreamoeError("--top-p must be in (0, 1]")
         if top_k < 0:
-            raise ValueError("--top-k must be >= 0")
+            raise StreamoeError("--top-k must be >= 0")
         self.temp, self.top_p, self.top_k = temp, top_p, top_k
         self.rng = np.random.default_rng(seed)
 

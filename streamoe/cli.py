@@ -178,27 +178,28 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
 
 def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str, runtime_mib: int | None = None):
     """A plan from a bare config.json, before any download or conversion."""
-    from .convert.source import read_json, text_config
-    from .convert.synth import tensor_table
+    from .convert.source import read_json
+    from .formats.config import ModelArgs
+    from .formats.dtypes import itemsize
+    from .formats.export import tensor_table
+    from .formats.layout import FORMAT_BITS
     from .formats.limits import check_config_sizes
     from .formats.record import RecordLayout
     from .formats.safetensors import tensor_nbytes
-    from .runtime.plan import ITEMSIZE, GiB
-    from .runtime.plan import make_plan as mk
+    from .runtime.plan import GiB, make_plan
     from .runtime.weights import resident_bytes
 
     config = read_json(path)
     check_config_sizes(config, path)
-    tc = text_config(config)
+    args = ModelArgs.from_config(config, path)
     try:
         table = tensor_table(config)
-        q = config["quantization"]
-        lay = RecordLayout.make(tc["hidden_size"], tc["moe_intermediate_size"], {"q4": 4, "q3": 3}[experts], q["group_size"])
-        item = ITEMSIZE[dtype]
+        lay = RecordLayout.make(args.hidden_size, args.moe_intermediate_size, FORMAT_BITS[experts], args.expert_quant(0)[1])
         nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
-                                    if ".switch_mlp." not in name and not name.startswith("vision_tower.")), item)
-        return mk(tc=tc, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride, nonexpert_resident=nonexpert,
-                  dtype=dtype, kv_dtype=kv, runtime_bytes=runtime_mib and runtime_mib << 20)
+                                    if ".switch_mlp." not in name and not name.startswith("vision_tower.")), itemsize(dtype))
+        return make_plan(args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride,
+                         nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv,
+                         runtime_bytes=runtime_mib and runtime_mib << 20)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
 
@@ -232,7 +233,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
 
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
-    from .runtime.engine import Options, default_dtype, plan_for
+    from .runtime.plan import Options, default_dtype, plan_for
 
     dtype = dtype or default_dtype()
     if model.is_file() and model.suffix == ".json":

@@ -90,7 +90,7 @@ def test_qwen35_variant_matches_mlx_lm(tmp_path):
 
 
 def run_logits(conv: Path, cap_slots: int | None, steps: int = 24, **opts) -> tuple[bytes, Engine]:
-    base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, experts=opts.get("experts", "q4")))
+    base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
     cap = 64.0 if cap_slots is None else (base.fixed + cap_slots * base.stride + 1) / 2**30
     eng = Engine(conv, Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
     out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])))]

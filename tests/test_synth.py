@@ -18,11 +18,10 @@ from streamoe.convert.synth import (
     assign_shards,
     layout,
     make_config,
-    specs,
     synth,
-    tensor_table,
     write_checkpoint,
 )
+from streamoe.formats.export import specs, tensor_table
 from streamoe.formats.safetensors import read_header
 
 REFERENCE = Path("/work/shared/reference/qwen3.6-35b-a3b-4bit.layout.jsonl")

@@ -120,7 +120,7 @@ def test_smart_resize_never_exceeds_budget():
     # the reference overshoots here (its max(factor, ...) clamp gives 32x1024 > 96x96)
     h, w = smart_resize(100, 10000, 32, 16, 96 * 96)
     assert h * w <= 96 * 96 and h % 32 == 0 and w % 32 == 0
-    with pytest.raises(ValueError, match="aspect"):
+    with pytest.raises(StreamoeError, match="aspect"):
         smart_resize(1, 201)
 
 
@@ -211,7 +211,7 @@ def test_encoder_rejects_bad_shapes(tower):
     patches, grid = preprocess(noise_image(64, 64), SMALL)
     with pytest.raises(StreamoeError, match=r"vision_tower\.blocks\.1\.attn\.qkv\.weight"):
         VisionEncoder(tower.args, bad.__getitem__).encode(patches, grid)
-    with pytest.raises(ValueError, match="patches"):
+    with pytest.raises(StreamoeError, match="patches"):
         VisionEncoder(tower.args, tower.stored.__getitem__).encode(patches[:-1], grid)
 
 
