@@ -9,6 +9,7 @@ source is unchanged, else starts clean.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -315,6 +316,13 @@ def convert(
         try:
             _convert_locked(ckpt, out, formats, progress)
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                try:
+                    free = human(shutil.disk_usage(out.parent).free)
+                except OSError:
+                    free = "unknown"
+                raise fail(e.filename or out, f"no space left on device while converting ({free} free now on "
+                                              f"{out.parent}; free some and rerun to resume)") from None
             raise os_fail(out, e, "conversion failed (rerun to resume)") from None
     if replacing:
         sys.stderr.write(f"replaced the earlier streamoe conversion in {out}\n")

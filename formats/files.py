@@ -49,7 +49,10 @@ def os_words(e: OSError) -> str:
 
 
 def os_fail(path: object, e: OSError, doing: str = "") -> StreamoeError:
-    """The one-line error for an OSError met while `doing` something with `path` (the OS's own path wins)."""
+    """The one-line error for an OSError met while `doing` something with `path` (the OS's own path wins).
+    An OSError raised by code with a message and no errno keeps its message, which names its file."""
+    if e.errno is None and e.args and isinstance(e.args[0], str):
+        return StreamoeError(" ".join(e.args[0].split()))
     where = e.filename if isinstance(e.filename, str | bytes | os.PathLike) and e.filename else path
     if isinstance(where, bytes):
         where = os.fsdecode(where)

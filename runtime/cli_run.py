@@ -10,6 +10,7 @@ import numpy as np
 
 from ..formats.checks import check_open
 from ..formats.errors import StreamoeError, fail
+from ..formats.files import os_fail
 from ..formats.manifest import load_manifest
 from . import session
 from .engine import Engine, Options
@@ -105,11 +106,22 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             print(f"(saved {eng.offset} tokens of conversation to {save_session}, {size / 2**20:.2f} MiB)", file=sys.stderr)
     finally:
         eng.close()
+        write_outputs(eng, stats, logits_out, logits)
+
+
+def write_outputs(eng: Engine, stats: Path | None, logits_out: Path | None, logits: list | None) -> None:
+    """The telemetry and logits files, after the answer; a full disk is one line naming the file."""
+    try:
         if stats:
             with open(stats, "w") as f:
                 for st in eng.steps:
                     rec = st.to_json()
                     validate_record(rec)
                     f.write(json.dumps(rec) + "\n")
+    except OSError as e:
+        raise os_fail(stats, e, "cannot write the telemetry") from None
+    try:
         if logits_out is not None and logits:
             np.savez(logits_out, logits=np.stack(logits))
+    except OSError as e:
+        raise os_fail(logits_out, e, "cannot write the logits") from None

@@ -135,3 +135,45 @@ def test_fuzz_parser_raises_only_streamoe_errors(world, parser):
     assert r["signatures"] == {}, r["samples"]
     assert r["examples"] >= EXAMPLES[parser] * scale * 0.9
     assert r["refused"] > 0  # the inputs really are hostile; a fuzzer that only feeds valid files tests nothing
+
+
+# ---- a full or read-only disk: one line with the path and the numbers
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 600 KiB tmpfs (needs root and mount permission; skipped elsewhere)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_convert_onto_a_small_disk_says_the_numbers(tiny_ckpt, small_fs):
+    line = one_error_line(cli("convert", tiny_ckpt, small_fs / "out"), str(small_fs), "not enough free disk space")
+    assert "MiB" in line and "0.00 GiB" not in line
+    assert os.listdir(small_fs) == []
+
+
+def test_stats_onto_a_full_disk_names_the_file(tiny_conv, small_fs):
+    fd = os.open(small_fs / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, bytes(4096)):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    p = cli("run", tiny_conv, "--cap", "1", "-p", "hi", "-n", "4", "-q", "--stats", small_fs / "s.jsonl")
+    one_error_line(p, str(small_fs / "s.jsonl"), "no space left on device")
+
+
+def test_read_only_output_is_refused_before_work(tiny_ckpt, tiny_conv, small_fs):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    one_error_line(cli("convert", tiny_ckpt, small_fs / "out"), str(small_fs / "out"), "read-only file system")
+    one_error_line(cli("run", tiny_conv, "--cap", "1", "-p", "hi", "--stats", small_fs / "s.jsonl"),
+                   str(small_fs / "s.jsonl"), "read-only file system")
