@@ -12,8 +12,8 @@ inputs are *almost* valid and reach deep code), plus raw random bytes:
 
 Any other exception is recorded by signature (type, innermost streamoe frame); the result must list none.
 
-    python bench/fuzz.py --examples 20000            # writes bench/results/fuzz.json
-    python bench/fuzz.py --examples 200 --parsers session,index --scratch /tmp/fz
+    python -m bench.fuzz --examples 20000 --jobs 6      # writes bench/results/fuzz.json
+    python -m bench.fuzz --examples 200 --parsers session,index --scratch /tmp/fz
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import multiprocessing
 import os
 import struct
 import sys
-import tempfile
 import time
 import traceback
 from collections import Counter
@@ -38,6 +37,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamoe.formats.errors import StreamoeError
+
+from .common import scratch_dir, write_result
 
 LEAN = 12  # tensors kept in the manifest's blob tables and the shard header the fuzzers mutate
 SPECIAL_INTS = [0, 1, -1, 2, 7, 64, 4096, 2**31, 2**32, 2**53, 2**63 - 1, 2**63, 2**64, -(2**63), 10**9, 10**18]
@@ -414,16 +415,11 @@ def main() -> None:
     ap.add_argument("--name", default="fuzz", help="result file bench/results/NAME.json")
     ap.add_argument("--jobs", type=int, default=1, help="parsers fuzzed in parallel processes")
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="streamoe-fuzz-") as tmp:
-        scratch = a.scratch or Path(tmp)
-        scratch.mkdir(parents=True, exist_ok=True)
+    with scratch_dir(a.scratch) as scratch:
         World(scratch)  # build the checkpoint and conversion once, before the workers read them
         names = a.parsers.split(",")
         with multiprocessing.get_context("spawn").Pool(max(1, a.jobs)) as pool:
             results = pool.starmap(fuzz_one, [(name, scratch, a.examples) for name in names])
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import write_result
-
     write_result(a.name, "fuzz", results)
     if any(r["other_exceptions"] for r in results):
         sys.exit(1)

@@ -1,4 +1,4 @@
-"""`streamoe convert`: mlx-community checkpoint → streamoe directory (SPEC §3–4).
+"""`streamoe convert`: mlx-community checkpoint → streamoe directory (docs/FORMAT.md).
 
 Streams tensor by tensor with explicit byte-range reads (never `mx.load`, which reads a whole stacked
 tensor to give one expert), keeps the page cache clean, and is crash-safe: everything is written into

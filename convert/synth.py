@@ -1,10 +1,11 @@
 """`streamoe synth`: write a checkpoint shaped exactly like mlx-community/Qwen3.6-35B-A3B-4bit, random weights.
 
-Structure follows reference/checkpoint-format.md: the mlx-vlm 0.4.4 `config.json` (top-level keys sorted,
+Structure follows the real export: the mlx-vlm 0.4.4 `config.json` (top-level keys sorted,
 `quantization` == `quantization_config`, 8-bit router/shared-gate overrides), tensors in module order
 (vision tower first, then the language model), the `make_shards` rule with a 5 GiB cap, shards named
 `model-0000N-of-0000M.safetensors` with metadata `{"format": "mlx"}`, a sorted index, and tokenizer files.
-`--size full` reproduces `reference/qwen3.6-35b-a3b-4bit.layout.jsonl` tensor for tensor (20,401,929,952 B).
+`--size full` reproduces the real export's tensor table (names, dtypes, shapes, shard files) tensor for tensor
+(2,090 tensors, 20,401,929,952 B; tests/test_synth.py compares it with the recorded layout).
 
 Weights are random but numerically sane and reproducible from the seed: every tensor draws from its own
 generator seeded by (seed, crc32(name)), so a tensor's bytes do not depend on which other tensors exist.
@@ -78,7 +79,7 @@ class Dims:
 
 
 DIMS: dict[str, Dims] = {
-    # reference §7, validated there with mlx-lm and mlx-vlm
+    # the smallest faithful config: mlx-lm and mlx-vlm load it (tests/test_synth.py)
     "tiny": Dims(hidden=64, layers=8, heads=2, kv_heads=1, head_dim=64, lin_k_heads=2, lin_v_heads=4,
                  lin_k_dim=32, lin_v_dim=32, experts=8, top_k=2, moe_inter=64, shared_inter=64, vocab=576,
                  token_base=TRAINED_VOCAB, mrope=(3, 3, 2), v_depth=2, v_hidden=64, v_inter=128, v_heads=2,
@@ -88,7 +89,7 @@ DIMS: dict[str, Dims] = {
                   lin_k_dim=64, lin_v_dim=64, experts=64, top_k=8, moe_inter=256, shared_inter=256, vocab=576,
                   token_base=TRAINED_VOCAB, mrope=(3, 3, 2), v_depth=2, v_hidden=128, v_inter=256, v_heads=2,
                   v_npos=64),
-    # the real Qwen3.6-35B-A3B (reference §1.1)
+    # the real Qwen3.6-35B-A3B (its config.json)
     "full": Dims(hidden=2048, layers=40, heads=16, kv_heads=2, head_dim=256, lin_k_heads=16, lin_v_heads=32,
                  lin_k_dim=128, lin_v_dim=128, experts=256, top_k=8, moe_inter=512, shared_inter=512,
                  vocab=248320, token_base=REAL_BASE, mrope=(11, 11, 10), v_depth=27, v_hidden=1152,

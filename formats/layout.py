@@ -1,4 +1,4 @@
-"""Which expert format a layer file holds, derived from its size alone (SPEC §3).
+"""Which expert format a layer file holds, derived from its size alone (docs/FORMAT.md).
 
 The runtime never trusts a name: `size == n_experts × stride(bits)` decides, and the manifest must agree.
 """

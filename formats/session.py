@@ -1,4 +1,4 @@
-"""Saved conversations (SPEC §5, sessions): one zstandard frame holding one safetensors container.
+"""Saved conversations (`--save-session`, docs/FORMAT.md): one zstandard frame holding one safetensors container.
 
 Inside are the language model's per-layer state tensors, cut to the tokens the session holds (KV caches
 in their own dtype), and under `__metadata__["streamoe_session"]` a JSON document: the format version,

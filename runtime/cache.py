@@ -30,10 +30,6 @@ class KVCache:
     def max_tokens(self) -> int:
         return self.keys.shape[2]
 
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store [B, n_kv, L, hd] new keys/values after the cached ones; return all of them so far."""
         start, end = self.offset, self.offset + keys.shape[2]
@@ -60,7 +56,3 @@ class GDNCache:
         self.state = mx.zeros((batch, n_v_heads, dv, dk), dtype=mx.float32)
         mx.eval(self.conv, self.state)
         self.offset = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.conv.nbytes + self.state.nbytes

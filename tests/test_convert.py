@@ -19,7 +19,7 @@ from streamoe.convert.convert import convert
 from streamoe.convert.synth import synth
 from streamoe.convert.validate import validate
 from streamoe.formats.manifest import load_manifest, safe_path
-from streamoe.runtime.store import record_views
+from streamoe.runtime.weights import record_views
 
 from .conftest import cli, one_error_line
 
@@ -135,7 +135,7 @@ def test_kill_9_mid_conversion_then_rerun_validates(small_ckpt, tmp_path):
     assert not tmp.exists()
 
 
-# ---- SPEC §7: bad input → one line naming the file, non-zero exit, no traceback, nothing half-written
+# ---- bad input → one line naming the file, non-zero exit, no traceback, nothing half-written
 
 def broken_copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)

@@ -1,6 +1,6 @@
 """runtime/model.py against mlx-lm's qwen3_5_moe on a tiny faithful checkpoint (real MLX, no mocks).
 
-The checkpoint follows reference/checkpoint-format.md §7 (text part): 6 Gated DeltaNet + 2 gated attention
+The checkpoint has the tiny faithful config (`streamoe synth --size tiny`, text part): 6 Gated DeltaNet + 2 gated attention
 layers, 8 experts top-2, 4-bit group 64 with 8-bit router and shared-expert gate, bf16 scales/biases/norms,
 bf16 A_log. It is built with mlx-lm's own model class and quantizer, written with mx.save_safetensors and
 read back, so the runtime sees the tensors exactly as an export stores them.

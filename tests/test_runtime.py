@@ -16,11 +16,8 @@ import pytest
 from streamoe.formats.manifest import schema
 from streamoe.runtime.engine import Engine, Options, plan_for
 
-from .conftest import cli, one_error_line, run_capped
+from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line, run_capped
 
-# Measured float32 agreement with mlx-lm on the synthetic checkpoints: max |Δlogit| 2e-7 (tiny) and
-# 2e-6 (small) over 12-step runs. The bound leaves a 10x margin and stays far below any real top-2 gap.
-LOGIT_ATOL = 2e-5
 PROMPTS = [
     "def fibonacci(n):\n    return n if n < 2 else",
     "The quick brown fox",
@@ -28,7 +25,6 @@ PROMPTS = [
     "import os\nimport sys\n\nclass Reader:\n    def __init__(self, path):\n        self.path = path\n"
     "    def read(self):\n        with open(self.path) as f:\n            return f.read()\n",
 ]
-RUNTIME = 64 << 20  # a fixed interpreter allowance so plans are comparable inside one test process
 
 
 def reference(ckpt: Path):
@@ -158,7 +154,7 @@ def test_run_inside_cgroup_limit_equal_to_cap(small_conv, tmp_path):
     assert sum(ly["misses"] for r in decode for ly in r["layers"]) > 0, "the cap must hold only a fraction of the experts"
 
 
-# ---- SPEC §7 for the runtime
+# ---- bad input to the runtime: one line naming the file, non-zero exit, no traceback
 
 def test_missing_and_corrupt_manifest(tiny_conv, tmp_path):
     out = tmp_path / "c"
