@@ -19,8 +19,11 @@ from pathlib import Path
 
 from .errors import StreamoeError, fail
 
-MAX_JSON_BYTES = 64 << 20  # config, index, manifest, generation/preprocessor configs: real ones are < 1 MiB
-MAX_TEXT_BYTES = 16 << 20  # chat templates and other text side files
+# Side files are parsed whole, so their size bounds the memory parsing takes (a JSON byte can become tens of
+# bytes of Python objects). The real Qwen3.6 export's largest JSON is its index (~0.2 MiB), its manifest ~0.5 MiB.
+MAX_JSON_BYTES = 16 << 20  # config, index, manifest, generation/preprocessor/tokenizer configs
+MAX_TEXT_BYTES = 4 << 20  # chat templates (the real one is 8 KiB)
+MAX_TOKENIZER_BYTES = 64 << 20  # tokenizer.json (the real one is 12 MiB)
 
 _WORDS = {
     errno.EACCES: "permission denied",

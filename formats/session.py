@@ -28,6 +28,12 @@ VERSION = 1
 # parsed, outside the plan's other accounts: bounded here so a tiny file cannot make us allocate 100 MiB.
 # A full 262,144-token context's history is about 3 MiB of JSON; the runtime allowance has room for this.
 MAX_SESSION_HEADER = 8 << 20
+
+
+def header_limit(ctx: int) -> int:
+    """The largest session header an engine planned for `ctx` tokens accepts: 1 MiB plus 32 bytes a token
+    (token ids and message text as JSON), so its parse stays inside the plan's runtime allowance."""
+    return min(MAX_SESSION_HEADER, (1 << 20) + 32 * ctx)
 META_TYPES = {"version": int, "tokens": int, "rope_delta": int, "model": str, "experts": str, "dtype": str, "kv": str,
               "extra": dict}
 
@@ -93,7 +99,7 @@ class SessionReader:
     Every problem (not zstd, damaged, truncated, not a session, a newer version) is one `StreamoeError`
     naming the file."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, max_header: int = MAX_SESSION_HEADER):
         self.path = Path(path)
         size = check_input_file(self.path, "session file").st_size  # never open a FIFO: it would block
         try:
@@ -104,8 +110,11 @@ class SessionReader:
         try:
             declared = self._declared_size(size)
             (n,) = struct.unpack("<Q", self.read(8))
-            if n > MAX_SESSION_HEADER or (declared is not None and 8 + n > declared):
-                raise fail(self.path, f"not a streamoe session (header length {n} out of range)")
+            if declared is not None and 8 + n > declared:
+                raise fail(self.path, f"not a streamoe session (header length {n} exceeds the frame's {declared} bytes)")
+            if n > max_header:
+                raise fail(self.path, f"session header length {n} is over the {max_header}-byte limit (a larger --ctx "
+                                      "allows more; a real session's header is a few bytes per token)")
             head = parse_header(self.path, self.read(n), None)
             self.meta = check_meta(self.path, head.metadata.get(META_KEY))
             self.tensors: list[TensorInfo] = sorted(head.tensors.values(), key=lambda t: t.offset)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..formats.dtypes import DTYPES
 from ..formats.errors import fail
-from ..formats.session import SessionReader, write_session
+from ..formats.session import SessionReader, header_limit, write_session
 from .cache import KVCache
 from .weights import code_of
 
@@ -77,7 +77,7 @@ def save_session(eng, path: str | Path, extra: dict) -> int:
 def load_session(eng, path: str | Path) -> dict:
     """Replace the engine's state by the saved one (checked against this engine first); returns `extra`."""
     path = Path(path)
-    with SessionReader(path) as r:
+    with SessionReader(path, header_limit(eng.opts.ctx)) as r:
         meta = r.meta
         mine = fingerprint(eng)
         for key, what in (("experts", "expert format (--experts)"), ("dtype", "compute dtype (--dtype)"),

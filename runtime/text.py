@@ -20,7 +20,9 @@ class TextIO:
         tok = root / "tokenizer.json"
         if not os.path.lexists(tok):
             raise fail(tok, "missing (the converted directory must carry the checkpoint's tokenizer)")
-        files.check_input_file(tok, "tokenizer")  # a FIFO would block the tokenizer's reader
+        st = files.check_input_file(tok, "tokenizer")  # a FIFO would block the tokenizer's reader
+        if st.st_size > files.MAX_TOKENIZER_BYTES:
+            raise fail(tok, f"{st.st_size} bytes is too large for a tokenizer (at most {files.MAX_TOKENIZER_BYTES})")
         try:
             self.tokenizer = Tokenizer.from_file(str(tok))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
