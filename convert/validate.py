@@ -45,6 +45,9 @@ def expected_record(src_bytes: dict, lay4: RecordLayout, lay: RecordLayout) -> b
 
 def compare_source(m: Manifest, source: Path, samples: int) -> list[dict]:
     ckpt = open_checkpoint(source)
+    if ckpt.config != m.config:
+        return [{"name": "source", "ok": False,
+                 "detail": f"{source / 'config.json'}: not the checkpoint {m.root} was converted from (configs differ)"}]
     lay4 = ckpt.layer_layout()
     _, layers = ckpt.expert_keys()
     checks = []

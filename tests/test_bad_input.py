@@ -447,6 +447,13 @@ def _(tmp, ck, conv):
     return ["validate", tmp / "none"], (str(tmp / "none"), "missing")
 
 
+@case("validate-source-is-another-model")
+def _(tmp, ck, conv):
+    c = copy(ck, tmp / "ck")
+    edit_json(c / "config.json", lambda d: d["text_config"].update(rms_norm_eps=0.5))
+    return ["validate", conv, "--source", c], (str(c / "config.json"), "configs differ")
+
+
 @case("validate-samples-zero")
 def _(tmp, ck, conv):
     return ["validate", conv, "--samples", "0"], ("--samples",)
