@@ -454,4 +454,7 @@ def publish(tmp: Path, out: Path) -> None:
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     os.replace(out, old)
     os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_symlink():  # OUT was a link to a conversion: the link is replaced, its target left alone
+        old.unlink()
+    else:
+        shutil.rmtree(old, ignore_errors=True)
