@@ -1,0 +1,261 @@
+"""`streamoe serve`: the OpenAI-compatible HTTP API and the chat page, a Starlette app run by uvicorn.
+
+Handlers parse and check a request (`openai_api`), prepare it into a job (rendered, tokenized, inside the
+planned context), queue it for the one engine thread (`worker`), and turn the events that come back into an
+OpenAI response: one JSON object, or server-sent events ending in `data: [DONE]`. Every refusal is OpenAI's
+error object with its status; nothing a request sends is ever a path or a URL the server opens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from .chat_output import collect
+from .openai_api import APIError, Limits, bad, parse_chat, parse_completion
+from .plan import current_rss
+from .worker import Job, Server
+
+STATIC = Path(__file__).resolve().parent / "static"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+async def read_json(request: Request, limits: Limits) -> dict:
+    """The body as a JSON object, read no further than the size limit."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limits.max_body:
+        raise APIError(413, f"request body of {int(declared):,} bytes; at most {limits.max_body:,} are accepted")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body:
+                raise APIError(413, f"request body over {limits.max_body:,} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the client went away while sending the request") from None
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    return body
+
+
+async def first_event(job: Job, request: Request) -> tuple | None:
+    """Wait for the worker's first event, giving up (and cancelling the job) if the client disconnects."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel.set()
+                return None
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def tool_call(call: dict, i: int, job: Job) -> dict:
+    return {"index": i, "id": f"call_{job.id[:8]}{i}", "type": "function",
+            "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
+class API:
+    """The routes, over one `Server` (the engine thread)."""
+
+    def __init__(self, server: Server):
+        self.server, self.so = server, server.so
+        self.worker = server.worker
+
+    # ---- small GET endpoints
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "queue": self.server.queue.qsize()})
+
+    async def models(self, request: Request) -> Response:
+        eng = self.worker.eng
+        return JSONResponse({"object": "list", "data": [{"id": self.so.model_name, "object": "model", "created": 0,
+                                                         "owned_by": "streamoe", "max_model_len": eng.opts.ctx}]})
+
+    async def plan(self, request: Request) -> Response:
+        p = self.worker.eng.plan
+        return JSONResponse({**p.to_json(), "notes": p.notes, "text": p.render(), "model": self.so.model_name,
+                             "images": self.worker.eng.opts.images})
+
+    async def stats(self, request: Request) -> Response:
+        live = dict(self.worker.live)
+        if live.get("state") == "idle":
+            live["rss"] = current_rss()
+        return JSONResponse({**live, "cap": self.worker.eng.plan.cap, "queue": self.server.queue.qsize(),
+                             "served": self.worker.served})
+
+    async def index(self, request: Request) -> Response:
+        return FileResponse(STATIC / "index.html")
+
+    # ---- generation
+    async def submit(self, request: Request, kind: str) -> tuple[Job, tuple]:
+        body = await read_json(request, self.so.limits)
+        req = parse_chat(body, self.so.limits) if kind == "chat" else parse_completion(body)
+        job = self.worker.prepare(req)
+        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        self.server.submit(job)
+        ev = await first_event(job, request)
+        if ev is None:
+            return job, ("done", {"finish_reason": None, "cancelled": True})
+        if ev[0] == "error":
+            raise ev[1]
+        return job, ev
+
+    async def events(self, job: Job, first: tuple) -> AsyncIterator[tuple]:
+        ev = first
+        while True:
+            yield ev
+            if ev[0] in ("done", "error"):
+                return
+            ev = await job.events.get()
+
+    async def chat(self, request: Request) -> Response:
+        job, first = await self.submit(request, "chat")
+        if job.req.stream:
+            return StreamingResponse(self._stream(job, first, "chat"), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        evs, info = [], {}
+        async for ev in self.events(job, first):
+            if ev[0] == "delta":
+                evs += ev[1]
+            elif ev[0] == "error":
+                raise ev[1]
+            else:
+                info = ev[1]
+        msg = {"role": "assistant", **collect(evs)}
+        if msg["tool_calls"]:
+            msg["tool_calls"] = [tool_call(c, i, job) for i, c in enumerate(msg["tool_calls"])]
+        else:
+            del msg["tool_calls"]
+        if msg["reasoning_content"] is None:
+            del msg["reasoning_content"]
+        finish = "tool_calls" if msg.get("tool_calls") else info.get("finish_reason")
+        return JSONResponse({"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created,
+                             "model": self.so.model_name,
+                             "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
+                             "usage": info.get("usage"), "streamoe": info.get("telemetry")})
+
+    async def completions(self, request: Request) -> Response:
+        job, first = await self.submit(request, "completion")
+        if job.req.stream:
+            return StreamingResponse(self._stream(job, first, "completion"), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, info = "", {}
+        async for ev in self.events(job, first):
+            if ev[0] == "delta":
+                text += "".join(str(v) for _, v in ev[1])
+            elif ev[0] == "error":
+                raise ev[1]
+            else:
+                info = ev[1]
+        return JSONResponse({"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
+                             "model": self.so.model_name,
+                             "choices": [{"index": 0, "text": text, "finish_reason": info.get("finish_reason"),
+                                          "logprobs": None}],
+                             "usage": info.get("usage"), "streamoe": info.get("telemetry")})
+
+    async def _stream(self, job: Job, first: tuple, kind: str) -> AsyncIterator[str]:
+        base = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job.id}",
+                "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": job.created, "model": self.so.model_name}
+
+        def chunk(delta: dict | None = None, finish=None, text: str | None = None) -> str:
+            choice = {"index": 0, "delta": delta or {}} if kind == "chat" else {"index": 0, "text": text or ""}
+            return sse({**base, "choices": [{**choice, "finish_reason": finish, "logprobs": None}]})
+
+        n_calls = 0
+        try:
+            if kind == "chat":
+                yield chunk({"role": "assistant", "content": ""})
+            async for ev in self.events(job, first):
+                if ev[0] == "delta":
+                    for what, v in ev[1]:
+                        if kind == "completion":
+                            yield chunk(text=str(v))
+                        elif what == "tool_call":
+                            yield chunk({"tool_calls": [tool_call(v, n_calls, job)]})
+                            n_calls += 1
+                        else:
+                            yield chunk({"reasoning_content" if what == "reasoning" else "content": v})
+                elif ev[0] == "error":
+                    yield sse(ev[1].body())
+                else:
+                    info = ev[1]
+                    if info.get("cancelled"):
+                        return
+                    finish = "tool_calls" if n_calls else info["finish_reason"]
+                    last = json.loads(chunk(finish=finish)[6:])
+                    last["streamoe"] = info.get("telemetry")
+                    yield sse(last)
+                    if job.req.include_usage:
+                        yield sse({**base, "choices": [], "usage": info["usage"]})
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel.set()  # a client that went away stops the generation at its next token
+
+
+def error_response(err: APIError) -> Response:
+    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+async def on_api_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc)  # type: ignore[arg-type]
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    return error_response(APIError(status, str(getattr(exc, "detail", "error")), kind="invalid_request_error"))
+
+
+def create_app(server: Server) -> Starlette:
+    api = API(server)
+    routes = [
+        Route("/", api.index),
+        Route("/health", api.health),
+        Route("/v1/models", api.models),
+        Route("/v1/plan", api.plan),
+        Route("/v1/stats", api.stats),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+    return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
+
+
+def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -> None:
+    """Open the engine (its plan printed to stderr), then serve until interrupted."""
+    import uvicorn
+
+    server = Server(root, opts, so)
+    print(server.worker.eng.plan.render(), file=sys.stderr)
+    if host not in LOOPBACK:
+        print(f"streamoe: warning: listening on {host}, reachable from other machines; the API has no "
+              "authentication", file=sys.stderr)
+    print(f"streamoe: serving {so.model_name} on http://{'[' + host + ']' if ':' in host else host}:{port}/ "
+          f"(OpenAI API under /v1)", file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level, access_log=log_level == "info",
+                            timeout_graceful_shutdown=2)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        with contextlib.suppress(Exception):
+            server.close()
