@@ -9,9 +9,12 @@ error object with its status; nothing a request sends is ever a path or a URL th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import signal
+import socket
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from ..formats.errors import StreamoeError
 from .chat_output import collect
 from .openai_api import APIError, Limits, bad, parse_chat, parse_completion
 from .plan import current_rss
@@ -241,21 +245,55 @@ def create_app(server: Server) -> Starlette:
     return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a busy port is one clear error before anything else runs."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise StreamoeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
 def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -> None:
-    """Open the engine (its plan printed to stderr), then serve until interrupted."""
+    """Open the engine on this thread (its plan printed to stderr), run the HTTP server on another, and
+    answer queued requests here until interrupted (Ctrl+C or SIGTERM)."""
     import uvicorn
 
+    sock = listen(host, port)
     server = Server(root, opts, so)
     print(server.worker.eng.plan.render(), file=sys.stderr)
     if host not in LOOPBACK:
         print(f"streamoe: warning: listening on {host}, reachable from other machines; the API has no "
               "authentication", file=sys.stderr)
-    print(f"streamoe: serving {so.model_name} on http://{'[' + host + ']' if ':' in host else host}:{port}/ "
-          f"(OpenAI API under /v1)", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level, access_log=log_level == "info",
+    config = uvicorn.Config(create_app(server), log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=2)
+    http = uvicorn.Server(config)
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="streamoe-http", daemon=True)
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    thread.start()
     try:
-        uvicorn.Server(config).run()
+        while not http.started and thread.is_alive():
+            time.sleep(0.05)
+        if http.started:
+            shown = f"[{host}]" if ":" in host else host
+            print(f"streamoe: serving {so.model_name} on http://{shown}:{sock.getsockname()[1]}/ (OpenAI API under /v1)",
+                  file=sys.stderr, flush=True)
+            server.run(alive=thread.is_alive)
+    except KeyboardInterrupt:
+        pass
     finally:
-        with contextlib.suppress(Exception):
-            server.close()
+        server.stop()
+        http.should_exit = True
+        thread.join(timeout=10)
+        server.close()
+        sock.close()
+    print("streamoe: stopped", file=sys.stderr)

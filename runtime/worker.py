@@ -68,9 +68,12 @@ class Job:
     events: asyncio.Queue | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     logits: list | None = None  # kept when a test asks for them
+    sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
 
     def emit(self, ev: tuple) -> None:
         if self.loop is None:
+            if self.sink is not None:
+                self.sink.append(ev)
             return
         with contextlib.suppress(RuntimeError):  # the loop is gone: the server is shutting down
             self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
@@ -327,48 +330,44 @@ def open_engine(root: Path, opts: Options, so: ServeOptions) -> Engine:
 
 
 class Server:
-    """The worker thread and its bounded queue. The engine is opened on that thread and used only there."""
+    """The engine's thread (the one that opens it: MLX streams belong to the thread that made them) running
+    the queue, and the bounded queue the HTTP handlers put jobs in."""
 
     def __init__(self, root: Path, opts: Options, so: ServeOptions):
         self.so = so
         self.queue: queue.Queue = queue.Queue(maxsize=so.max_queue)
-        self.ready = threading.Event()
-        self.error: BaseException | None = None
-        self.worker: EngineWorker | None = None
+        self.worker = EngineWorker(open_engine(root, opts, so), so)
         self.current: Job | None = None
-        self.thread = threading.Thread(target=self._main, args=(root, opts), name="streamoe-engine", daemon=True)
-        self.thread.start()
-        self.ready.wait()
-        if self.error is not None:
-            raise self.error
+        self.stopping = threading.Event()
 
-    def _main(self, root: Path, opts: Options) -> None:
-        try:
-            self.worker = EngineWorker(open_engine(root, opts, self.so), self.so)
-        except BaseException as e:  # reported by the constructor, on the caller's thread
-            self.error = e
-            self.ready.set()
-            return
-        self.ready.set()
-        try:
-            while (job := self.queue.get()) is not None:
-                if job.cancel.is_set():
-                    job.emit(("done", {"finish_reason": None, "cancelled": True}))
-                    continue
-                self.current = job
+    def run(self, alive=lambda: True) -> None:
+        """Answer queued jobs in order until `stop()` or until `alive()` turns false."""
+        while not self.stopping.is_set() and alive():
+            try:
+                job = self.queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if job.cancel.is_set():  # its client went away while it waited
+                job.emit(("done", {"finish_reason": None, "cancelled": True}))
+                continue
+            self.current = job
+            try:
                 self.worker.run(job)
+            finally:
                 self.current = None
-        finally:
-            self.worker.eng.close()
 
     def submit(self, job: Job) -> None:
+        if self.stopping.is_set():
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         try:
             self.queue.put_nowait(job)
         except queue.Full:
             raise APIError(503, f"the server is busy: {self.so.max_queue} requests are already waiting; retry later",
                            code="queue_full") from None
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Stop taking jobs; the running one stops at its next token, the queued ones end without an answer."""
+        self.stopping.set()
         if self.current is not None:
             self.current.cancel.set()
         while True:
@@ -376,8 +375,9 @@ class Server:
                 job = self.queue.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
-                job.cancel.set()
-                job.emit(("done", {"finish_reason": None, "cancelled": True}))
-        self.queue.put(None)
-        self.thread.join(timeout=30)
+            job.cancel.set()
+            job.emit(("done", {"finish_reason": None, "cancelled": True}))
+
+    def close(self) -> None:
+        self.stop()
+        self.worker.eng.close()
