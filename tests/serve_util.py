@@ -17,12 +17,20 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from streamoe.runtime.engine import Engine
+from streamoe.runtime.engine import Engine, Options, plan_for
+from streamoe.runtime.plan import MiB
 from streamoe.runtime.text import Sampler
 
 from .conftest import REPO
 
 TINY = REPO / "models" / "tiny"
+
+
+def quarter_cap(conv: Path, ctx: int, runtime_mib: int, cache_mib: float, body_mib: float = 4, queue: int = 8) -> float:
+    """A cap (GiB) whose hot tier holds a quarter of the experts, with the server's accounts in the plan."""
+    extra = int(cache_mib * MiB) + (queue + 1) * 2 * int(body_mib * MiB)
+    p = plan_for(conv, Options(cap_gib=64, ctx=ctx, images=True, runtime_bytes=runtime_mib * MiB + extra))
+    return (p.fixed + p.n_layers * p.n_experts // 4 * p.stride + p.stride // 2) / 2**30
 
 
 def free_port() -> int:

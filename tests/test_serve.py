@@ -14,11 +14,12 @@ import openai
 import pytest
 
 from streamoe.convert.convert import convert
-from streamoe.runtime.engine import Engine, Options, plan_for
+from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.openai_api import Limits, parse_chat
 from streamoe.runtime.plan import MiB
 from streamoe.runtime.worker import EngineWorker, ServeOptions, open_engine
 
+from . import serve_util
 from .conftest import cgroup_dir, cli, one_error_line
 from .serve_util import (
     TINY,
@@ -53,10 +54,7 @@ def conv(tmp_path_factory) -> Path:
 
 
 def quarter_cap(conv: Path) -> float:
-    """A cap whose hot tier holds a quarter of the experts, with the server's accounts in the plan."""
-    extra = 8 * MiB + 9 * 2 * MiB // 2  # --prompt-cache-mib 8, (8 queued + 1) x 2 x 0.5 MiB bodies
-    p = plan_for(conv, Options(cap_gib=64, ctx=CTX, images=True, runtime_bytes=RUNTIME_MIB * MiB + extra))
-    return (p.fixed + p.n_layers * p.n_experts // 4 * p.stride + p.stride // 2) / 2**30
+    return serve_util.quarter_cap(conv, CTX, RUNTIME_MIB, cache_mib=8, body_mib=0.5)
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,9 @@ async function loadPlan() {
   for (const [name, bytes] of Object.entries(p.accounts)) row(name, bytes, p.notes[name]);
   row("hot tier", p.hot_slots * p.stride, `${p.hot_slots} expert slots of ${p.n_layers * p.n_experts}`);
   row("total", p.fixed + p.hot_slots * p.stride, "", "total");
-  $("plan-note").textContent = `${p.hot_slots} of ${p.n_layers * p.n_experts} experts fit the hot tier; ` +
-    `the rest stream from the SSD.` + (p.images ? "" : " Images are off.");
+  const all = p.n_layers * p.n_experts;
+  $("plan-note").textContent = (p.hot_slots >= all ? "Every expert is resident." :
+    `${p.hot_slots} of ${all} experts fit the hot tier; the rest stream from the SSD.`) + (p.images ? "" : " Images are off.");
   $("image").disabled = !p.images;
   $("status").textContent = "ready";
 }
@@ -81,7 +82,7 @@ async function send(text) {
                chat_template_kwargs: {enable_thinking: $("think").checked}};
   if ($("temperature").value !== "") req.temperature = Number($("temperature").value);
   const timer = setInterval(poll, 300);
-  let answer = "", reasoning = "", calls = [], usage = null, tele = null;
+  let answer = "", reasoning = "", calls = [], usage = null, tele = null, chunks = 0;
   try {
     const r = await fetch("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
                                                   body: JSON.stringify(req)});
@@ -99,6 +100,7 @@ async function send(text) {
         if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
         const ev = JSON.parse(line.slice(6));
         if (ev.error) throw new Error(ev.error.message);
+        out.dataset.chunks = ++chunks;
         if (ev.usage) usage = ev.usage;
         if (ev.streamoe) tele = ev.streamoe;
         const d = ev.choices.length ? ev.choices[0].delta : {};
