@@ -100,7 +100,8 @@ def key_items(ids: list[int], image_pad: int | None, image_hashes: list[str]) ->
     out: list[Item] = []
     it = iter(image_hashes)
     for t in ids:
-        out.append(("image", next(it)) if t == image_pad else t)
+        h = next(it, None) if t == image_pad else None
+        out.append(t if h is None else ("image", h))  # a placeholder without an image (raw text) is a token
     return tuple(out)
 
 

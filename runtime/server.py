@@ -58,8 +58,8 @@ async def read_json(request: Request, limits: Limits) -> dict:
     return body
 
 
-async def first_event(job: Job, request: Request) -> tuple | None:
-    """Wait for the worker's first event, giving up (and cancelling the job) if the client disconnects."""
+async def next_event(job: Job, request: Request) -> tuple | None:
+    """Wait for the worker's next event, giving up (and cancelling the job) if the client disconnects."""
     while True:
         try:
             return await asyncio.wait_for(job.events.get(), timeout=0.25)
@@ -116,20 +116,22 @@ class API:
         job = self.worker.prepare(req)
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self.server.submit(job)
-        ev = await first_event(job, request)
+        ev = await next_event(job, request)
         if ev is None:
             return job, ("done", {"finish_reason": None, "cancelled": True})
         if ev[0] == "error":
             raise ev[1]
         return job, ev
 
-    async def events(self, job: Job, first: tuple) -> AsyncIterator[tuple]:
+    async def events(self, job: Job, first: tuple, request: Request | None = None) -> AsyncIterator[tuple]:
+        """The job's events from `first` to its end; with `request`, ends early if that client disconnects
+        (a streamed response learns it from the server instead)."""
         ev = first
-        while True:
+        while ev is not None:
             yield ev
             if ev[0] in ("done", "error"):
                 return
-            ev = await job.events.get()
+            ev = await (next_event(job, request) if request is not None else job.events.get())
 
     async def chat(self, request: Request) -> Response:
         job, first = await self.submit(request, "chat")
@@ -137,7 +139,7 @@ class API:
             return StreamingResponse(self._stream(job, first, "chat"), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         evs, info = [], {}
-        async for ev in self.events(job, first):
+        async for ev in self.events(job, first, request):
             if ev[0] == "delta":
                 evs += ev[1]
             elif ev[0] == "error":
@@ -163,7 +165,7 @@ class API:
             return StreamingResponse(self._stream(job, first, "completion"), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, info = "", {}
-        async for ev in self.events(job, first):
+        async for ev in self.events(job, first, request):
             if ev[0] == "delta":
                 text += "".join(str(v) for _, v in ev[1])
             elif ev[0] == "error":

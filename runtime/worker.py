@@ -144,6 +144,8 @@ class EngineWorker:
             tail = prompt[prompt.rfind(head) + len(head):] if head and head in prompt else ""
             thinking = "<think>" in tail and "</think>" not in tail
             ids = self.eng.text.encode(prompt)
+            if ids.count(self.pad) != len(req.images):
+                raise bad("the messages' text may not contain the image placeholder token", "messages")
         elif isinstance(req.prompt, str):
             ids = self.eng.text.encode(req.prompt)
         else:
@@ -196,7 +198,7 @@ class EngineWorker:
             clear(eng)
             start = 0
         cached = eng.offset
-        where = [i for i, t in enumerate(ids) if t == self.pad]  # image i sits at ids[where[i]]
+        where = [i for i, t in enumerate(ids) if t == self.pad][:len(paths)]  # image i sits at ids[where[i]]
 
         def images(a: int, b: int) -> list[str]:
             return [paths[i] for i, w in enumerate(where) if a <= w < b]

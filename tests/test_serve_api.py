@@ -246,6 +246,7 @@ def test_keys_tell_images_apart_and_lookup_takes_the_longest_prefix():
 
     a, b = key_items([1, 9, 9, 2], 9, ["h1", "h2"]), key_items([1, 9, 9, 2], 9, ["h1", "h3"])
     assert a == (1, ("image", "h1"), ("image", "h2"), 2) and a != b
+    assert key_items([9, 1], 9, []) == (9, 1)  # a placeholder in raw text, without an image, is a plain token
     pc = PromptCache(budget=1000)
     for k in [(1,), (1, 2), (1, 2, 3), (5, 6)]:
         pc.add(Snapshot(k, len(k), 0, [("x", np.zeros(4, np.uint8))]))
