@@ -54,6 +54,7 @@ class GenRequest:
     model: str | None
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids in the response
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     temperature: float | None = None
@@ -97,6 +98,7 @@ def _common(body: dict, req: GenRequest) -> None:
         raise bad("'model' must be a string", "model")
     req.model = model
     req.stream = _flag(body, "stream")
+    req.return_token_ids = _flag(body, "return_token_ids")
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):

@@ -137,7 +137,7 @@ class PromptCache:
             return None
         self.snaps.move_to_end(best.key)
         self.hits += 1
-        self.tokens_saved += len(best.key)
+        self.tokens_saved += best.offset  # tokens of state not prefilled again (images expanded)
         return best
 
     def holds(self, key: tuple[Item, ...]) -> bool:

@@ -53,6 +53,8 @@ async def read_json(request: Request, limits: Limits) -> dict:
         body = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise bad("the body is not valid JSON (nested too deeply)") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     return body
@@ -154,10 +156,10 @@ class API:
         if msg["reasoning_content"] is None:
             del msg["reasoning_content"]
         finish = "tool_calls" if msg.get("tool_calls") else info.get("finish_reason")
+        choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
         return JSONResponse({"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created,
-                             "model": self.so.model_name,
-                             "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
-                             "usage": info.get("usage"), "streamoe": info.get("telemetry")})
+                             "model": self.so.model_name, **token_ids(job, info, choice),
+                             "choices": [choice], "usage": info.get("usage"), "streamoe": info.get("telemetry")})
 
     async def completions(self, request: Request) -> Response:
         job, first = await self.submit(request, "completion")
@@ -172,20 +174,19 @@ class API:
                 raise ev[1]
             else:
                 info = ev[1]
+        choice = {"index": 0, "text": text, "finish_reason": info.get("finish_reason"), "logprobs": None}
         return JSONResponse({"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
-                             "model": self.so.model_name,
-                             "choices": [{"index": 0, "text": text, "finish_reason": info.get("finish_reason"),
-                                          "logprobs": None}],
-                             "usage": info.get("usage"), "streamoe": info.get("telemetry")})
+                             "model": self.so.model_name, **token_ids(job, info, choice),
+                             "choices": [choice], "usage": info.get("usage"), "streamoe": info.get("telemetry")})
 
     async def _stream(self, job: Job, first: tuple, kind: str) -> AsyncIterator[str]:
         base = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job.id}",
                 "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": job.created, "model": self.so.model_name}
 
-        def chunk(delta: dict | None = None, finish=None, text: str | None = None) -> str:
+        def chunk(delta: dict | None = None, finish=None, text: str | None = None, **extra) -> str:
             choice = {"index": 0, "delta": delta or {}} if kind == "chat" else {"index": 0, "text": text or ""}
-            return sse({**base, "choices": [{**choice, "finish_reason": finish, "logprobs": None}]})
+            return sse({**base, "choices": [{**choice, "finish_reason": finish, "logprobs": None}], **extra})
 
         n_calls = 0
         try:
@@ -207,15 +208,21 @@ class API:
                     info = ev[1]
                     if info.get("cancelled"):
                         return
-                    finish = "tool_calls" if n_calls else info["finish_reason"]
-                    last = json.loads(chunk(finish=finish)[6:])
-                    last["streamoe"] = info.get("telemetry")
-                    yield sse(last)
+                    yield chunk(finish="tool_calls" if n_calls else info["finish_reason"], streamoe=info.get("telemetry"))
                     if job.req.include_usage:
                         yield sse({**base, "choices": [], "usage": info["usage"]})
             yield "data: [DONE]\n\n"
         finally:
             job.cancel.set()  # a client that went away stops the generation at its next token
+
+
+def token_ids(job: Job, info: dict, choice: dict) -> dict:
+    """With `return_token_ids` (vLLM's extension): the answer's token ids into the choice, and the prompt's
+    (as rendered, one placeholder per image) as a top-level field to merge into the response."""
+    if not job.req.return_token_ids:
+        return {}
+    choice["token_ids"] = info.get("token_ids", [])
+    return {"prompt_token_ids": job.ids}
 
 
 def error_response(err: APIError) -> Response:

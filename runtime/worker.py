@@ -221,7 +221,7 @@ class EngineWorker:
             self.cache.add(capture(eng, key[:a]))
         out = ChatOutput(job.thinking, req.parse_tools, req.stop)
         detok = Detokenizer(eng.text)
-        n, t0, seen, dec = 0, time.perf_counter(), 0, _Running()
+        n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
         finish = None
         gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None)
         for tok, lg in gen:
@@ -229,6 +229,7 @@ class EngineWorker:
                 print(f"streamoe: {job.id} cancelled after {n} tokens (the client went away)", file=sys.stderr, flush=True)
                 return {"finish_reason": None, "cancelled": True, "tokens": n}
             n += 1
+            toks.append(tok)
             if job.logits is not None:
                 job.logits.append(lg)
             if n == 1:
@@ -258,7 +259,7 @@ class EngineWorker:
         return {"finish_reason": finish, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                                                    "total_tokens": prompt_tokens + n,
                                                    "prompt_tokens_details": {"cached_tokens": cached}},
-                "telemetry": tele}
+                "telemetry": tele, "token_ids": toks}
 
 
 class _Running:
