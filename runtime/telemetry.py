@@ -52,12 +52,14 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int) -> dict:
     io = sum(ly.io_wait_ms for s in dec for ly in s.layers)
     comp = sum(ly.compute_ms for s in dec for ly in s.layers)
     picks = sum(ly.picks for s in dec for ly in s.layers)
-    hits = sum(ly.hits_hot + ly.hits_lent + ly.hits_prefetch for s in dec for ly in s.layers)
+    hits = sum(ly.hits_hot + ly.hits_lent for s in dec for ly in s.layers)  # already in memory when picked
+    ahead = sum(ly.hits_prefetch for s in dec for ly in s.layers)  # read for this step by a guess: not a hit
     read = sum(ly.bytes_read for s in dec for ly in s.layers)
     return {
         "tokens": len(dec), "tok_s": len(dec) / (tot_ms / 1000) if tot_ms else 0.0,
         "ms_token": tot_ms / n, "compute_ms": comp / n, "io_wait_ms": io / n, "other_ms": (tot_ms - comp - io) / n,
-        "hit_rate": hits / picks if picks else 0.0, "mib_read_token": read / MiB / n,
+        "hit_rate": hits / picks if picks else (1.0 if dec and not read else 0.0),
+        "read_ahead_rate": ahead / picks if picks else 0.0, "mib_read_token": read / MiB / n,
         "peak_gib": peak_bytes / (1 << 30), "cap_gib": cap / (1 << 30),
         "prefill_tokens": sum(s.n_tokens for s in steps if s.phase == "prefill"),
         "prefill_ms": sum(s.ms for s in steps if s.phase == "prefill"),
@@ -66,6 +68,7 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int) -> dict:
 
 def summary_line(s: dict) -> str:
     return (f"[{s['tokens']} tokens, {s['tok_s']:.2f} tok/s, {s['ms_token']:.1f} ms/token = compute {s['compute_ms']:.1f} + "
-            f"I/O wait {s['io_wait_ms']:.1f} + other {s['other_ms']:.1f}; hit rate {100 * s['hit_rate']:.1f}%, "
+            f"I/O wait {s['io_wait_ms']:.1f} + other {s['other_ms']:.1f}; hit rate {100 * s['hit_rate']:.1f}% "
+            f"(+{100 * s['read_ahead_rate']:.1f}% read ahead), "
             f"{s['mib_read_token']:.2f} MiB read/token; peak {s['peak_gib']:.2f} of {s['cap_gib']:.2f} GiB; "
             f"prefill {s['prefill_tokens']} tokens in {s['prefill_ms'] / 1000:.2f} s]")

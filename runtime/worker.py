@@ -276,7 +276,7 @@ class _Running:
             self.ms += st.ms
             for ly in st.layers:
                 self.picks += ly.picks
-                self.hits += ly.hits_hot + ly.hits_lent + ly.hits_prefetch
+                self.hits += ly.hits_hot + ly.hits_lent  # read-ahead experts were read for this step: not hits
                 self.read += ly.bytes_read
         return len(steps)
 
