@@ -33,7 +33,7 @@ demo: $(RUNTIME_STAMP)
 bench: $(RUNTIME_STAMP)
 	scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && \
 	$(BIN)/python -m bench.convert --size small --scratch "$$scratch" && \
-	$(BIN)/python bench/decode.py --size small --scratch "$$scratch" && \
+	$(BIN)/python -m bench.decode --size small --scratch "$$scratch" && \
 	$(BIN)/python -m bench.q3_quality --tokens 768 && \
 	$(BIN)/python -m bench.session --model "$$scratch/small-conv" --scratch "$$scratch" --name session-small
 

@@ -46,6 +46,19 @@ STREAMS: list = []
 SPLIT_ROWS = 2048
 
 
+def gpu_compiled(fn):
+    """`mx.compile(fn)` on a GPU, where fusing a chain of elementwise ops saves kernel launches (decode is
+    launch-bound there); `fn` itself on the CPU backend. Either way every run of a backend computes the
+    same ops, so results stay identical across caps and runs."""
+    compiled = mx.compile(fn)
+
+    def call(*args):
+        return compiled(*args) if mx.default_device() == mx.gpu else fn(*args)
+
+    call.__doc__ = fn.__doc__
+    return call
+
+
 def set_cpu_streams(n: int) -> None:
     """Use n CPU streams (n <= 1: the default stream only)."""
     STREAMS[:] = [mx.new_stream(mx.cpu) for _ in range(n)] if n > 1 else []
@@ -192,6 +205,7 @@ def text_positions(offset: int, length: int, batch: int = 1) -> mx.array:
 EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
 
 
+@gpu_compiled
 def _delta_step(state, q, k, v, g, beta):
     """One token. state [B, H, dv, dk] f32; q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]."""
     state = state * g[..., None, None]
@@ -287,6 +301,17 @@ def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = GDN_CHUNK):
 # layers
 
 
+@gpu_compiled
+def _conv_silu(seq: mx.array, w: mx.array) -> mx.array:
+    """Causal depthwise convolution of seq [B, K-1+L, C] with w [C, K] (taps summed left to right), SiLU."""
+    K = w.shape[1]
+    L = seq.shape[1] - (K - 1)
+    conv = seq[:, 0:L, :] * w[:, 0]
+    for j in range(1, K):
+        conv = conv + seq[:, j : j + L, :] * w[:, j]
+    return nn.silu(conv)
+
+
 class GatedDeltaNet:
     def __init__(self, args: ModelArgs, ld: _Loader, p: str, chunked: bool | None):
         H, eps = args.hidden_size, args.rms_norm_eps
@@ -318,10 +343,7 @@ class GatedDeltaNet:
         seq = mx.concatenate([past, qkv.astype(past.dtype)], axis=1)
         if cache is not None:
             cache.conv = mx.contiguous(seq[:, L:, :])
-        conv = seq[:, 0:L, :] * self.conv[:, 0]
-        for j in range(1, K):
-            conv = conv + seq[:, j : j + L, :] * self.conv[:, j]
-        conv = nn.silu(conv)
+        conv = _conv_silu(seq, self.conv)
 
         q, k, v = mx.split(conv, self.splits, axis=-1)
         q = q.reshape(B, L, self.hk, self.dk)
@@ -584,6 +606,7 @@ def expert_mlp(x: mx.array, w: ExpertWeights, bits: int, group_size: int, dtype=
     return qmm(h, w.down_w, w.down_s, w.down_b)
 
 
+@gpu_compiled
 def combine(outs: mx.array, scores: mx.array) -> mx.array:
     """outs [..., k, H] in router-rank order, scores [..., k] -> sum_j outs[..., j, :] * scores[..., j],
     accumulated left to right in rank order with elementwise ops (no reduction kernel), so the result

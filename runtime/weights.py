@@ -16,6 +16,7 @@ import numpy as np
 from ..formats.blobs import BlobTensor
 from ..formats.direct import RangeReader
 from ..formats.dtypes import DTYPES, dtype
+from ..formats.record import ExpertWeights, RecordLayout
 
 CHUNK = 16 << 20
 FLOATS = ("BF16", "F16", "F32")
@@ -67,3 +68,9 @@ def resident_bytes(tensors: Iterable[tuple[str, str, int]], dtype_item: int) -> 
         else:
             total += nbytes
     return total
+
+
+def record_views(buf: mx.array, base: int, lay: RecordLayout) -> ExpertWeights:
+    """The nine arrays of the expert record at byte `base` of a uint8 MLX array, as zero-copy views."""
+    return ExpertWeights(*(buf[base + s.offset: base + s.offset + s.nbytes].view(mx_dtype(s.dtype)).reshape(s.shape)
+                           for s in lay.segments))

@@ -19,7 +19,7 @@ from streamoe.convert.convert import convert
 from streamoe.convert.synth import synth
 from streamoe.convert.validate import validate
 from streamoe.formats.manifest import load_manifest, safe_path
-from streamoe.runtime.store import record_views
+from streamoe.runtime.weights import record_views
 
 from .conftest import cli, one_error_line
 
