@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup test demo bench lint imports clean
+.PHONY: setup test demo bench lint imports fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,10 @@ lint: $(DEV_STAMP)
 # every project import resolves statically with jedi (which cannot follow the editable install): bench/results/imports.json
 imports: $(DEV_STAMP)
 	$(BIN)/python -m bench.check_imports
+
+# every parser fuzzed with 20,000 hostile inputs (hypothesis, a dev tool): bench/results/fuzz.json
+fuzz: $(DEV_STAMP)
+	$(BIN)/python -m bench.fuzz --examples 20000 --jobs 6
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import xxhash
 
+from .errors import fail
+
 ALIGN = 4096  # the O_DIRECT unit here (buffer address, file offset, length), and the expert-record stride unit
 F_NOCACHE = 48  # macOS fcntl
 
@@ -69,12 +71,12 @@ class RangeReader:
             end = align_up(offset + nbytes)
             got = os.preadv(self.fd, [self.view[: end - start]], start)
             if got < offset + nbytes - start:
-                raise OSError(f"{self.path}: short read at {offset} ({got} bytes)")
+                raise fail(self.path, f"truncated: short read at byte {offset} ({got - (offset - start)} of {nbytes} bytes)")
             return self.view[offset - start: offset - start + nbytes]
         got = os.preadv(self.fd, [self.view[:nbytes]], offset)
         drop_cache(self.fd, offset, nbytes)
         if got < nbytes:
-            raise OSError(f"{self.path}: short read at {offset} ({got} bytes)")
+            raise fail(self.path, f"truncated: short read at byte {offset} ({got} of {nbytes} bytes)")
         return self.view[:nbytes]
 
     def close(self) -> None:

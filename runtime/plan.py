@@ -121,6 +121,8 @@ class MemoryPlan:
                 "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits}
 
     def require_fit(self) -> None:
+        """The fixed accounts fit the cap, and what the plan allocates fits the machine (see `require_machine`)."""
+        require_machine(self)
         if not self.fits:
             raise StreamoeError(f"cap {self.cap / GiB:.2f} GiB is too small for this model at ctx {self.ctx}: "
                                 f"the fixed accounts need {self.fixed / GiB:.2f} GiB; smallest cap that fits: "
@@ -207,3 +209,30 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
         plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
                                 f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")
     return plan
+
+
+def machine_bytes() -> tuple[int, str]:
+    """The most memory this process can have: physical memory, or less under an address-space limit."""
+    import resource
+
+    limits = []
+    try:
+        limits.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of physical memory"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append((soft, "of address space (ulimit -v)"))
+    return min(limits) if limits else (1 << 62, "")
+
+
+def require_machine(plan: MemoryPlan) -> None:
+    """A plan that would allocate more than the machine has fails here, with one line, instead of crashing in
+    the allocator (MLX segfaults on a KV cache larger than memory: `--cap 1e6 --ctx 100000000`)."""
+    total = min(plan.fixed, plan.cap) + plan.hot_slots * plan.stride
+    have, what = machine_bytes()
+    if total > have:
+        big = max(plan.accounts, key=plan.accounts.get)
+        raise StreamoeError(f"the plan needs {total / GiB:.2f} GiB but this machine has {have / GiB:.2f} GiB {what} "
+                            f"(largest account: {big}, {plan.accounts[big] / GiB:.2f} GiB at ctx {plan.ctx}); "
+                            "lower --ctx or --cap")

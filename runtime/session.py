@@ -19,7 +19,7 @@ import numpy as np
 
 from ..formats.dtypes import DTYPES
 from ..formats.errors import fail
-from ..formats.session import SessionReader, write_session
+from ..formats.session import SessionReader, header_limit, write_session
 from .cache import KVCache
 from .weights import code_of
 
@@ -77,7 +77,7 @@ def save_session(eng, path: str | Path, extra: dict) -> int:
 def load_session(eng, path: str | Path) -> dict:
     """Replace the engine's state by the saved one (checked against this engine first); returns `extra`."""
     path = Path(path)
-    with SessionReader(path) as r:
+    with SessionReader(path, header_limit(eng.opts.ctx)) as r:
         meta = r.meta
         mine = fingerprint(eng)
         for key, what in (("experts", "expert format (--experts)"), ("dtype", "compute dtype (--dtype)"),
@@ -102,10 +102,38 @@ def load_session(eng, path: str | Path) -> dict:
         except BaseException:
             eng.reset()  # never a half-restored state: an empty conversation instead
             raise
+    extra = check_extra(path, meta.get("extra", {}), eng.opts.ctx)
     for c in eng.cache:
         c.offset = n
     eng.offset, eng.rope_delta = n, int(meta["rope_delta"])
-    return meta.get("extra", {})
+    return extra
+
+
+def check_extra(path: Path, extra: dict, ctx: int) -> dict:
+    """What `streamoe run` keeps beside the state (raw flag, messages, token history, sampler), typed before
+    it is used: a session file is input like any other."""
+    if "raw" in extra and not isinstance(extra["raw"], bool):
+        raise fail(path, "session 'raw' must be true or false")
+    msgs = extra.get("messages", [])
+    if not isinstance(msgs, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str | list) for m in msgs):
+        raise fail(path, "session 'messages' must be a list of {role, content} objects")
+    toks = extra.get("tokens", [])
+    if not isinstance(toks, list) or len(toks) > ctx or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in toks):
+        raise fail(path, f"session 'tokens' must be a list of at most {ctx} token ids")
+    if "sampler" in extra and not isinstance(extra["sampler"], dict):
+        raise fail(path, "session 'sampler' must be a generator state object")
+    return extra
+
+
+def restore_sampler(rng: np.random.Generator, state: dict, path: Path) -> None:
+    """Continue a sampled conversation where it stopped; a state numpy rejects is the file's fault."""
+    try:
+        rng.bit_generator.state = state
+    except (TypeError, ValueError, KeyError, OverflowError):
+        raise fail(path, "session 'sampler' is not a valid random generator state") from None
 
 
 def _fill(cache, field: str, r: SessionReader, dtype: str, shape: tuple[int, ...], n: int) -> None:

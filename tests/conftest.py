@@ -41,6 +41,7 @@ def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> str:
     """The failure contract for bad input: non-zero exit, no traceback, one line on stderr naming the problem."""
     assert p.returncode != 0, p.stdout
     assert "Traceback" not in p.stderr, p.stderr
+    assert "internal error" not in p.stderr, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith(("convert:", "synth:"))]
     assert len(lines) == 1, p.stderr
     for n in needles:

@@ -163,7 +163,9 @@ def test_missing_and_corrupt_manifest(tiny_conv, tmp_path):
     one_error_line(cli("run", out, "-p", "hi"), "manifest.json", "does not parse")
     (out / "manifest.json").unlink()
     one_error_line(cli("run", out, "-p", "hi"), "manifest.json", "missing")
-    one_error_line(cli("plan", tmp_path / "nowhere"), "nowhere", "not a directory")
+    one_error_line(cli("plan", tmp_path / "nowhere"), "nowhere", "missing")
+    (tmp_path / "afile").write_text("x")
+    one_error_line(cli("plan", tmp_path / "afile"), "afile", "is a regular file, not a directory")
 
 
 def test_truncated_and_resized_layer_file(tiny_conv, tmp_path):
@@ -171,7 +173,7 @@ def test_truncated_and_resized_layer_file(tiny_conv, tmp_path):
     shutil.copytree(tiny_conv, out)
     layer = out / "experts" / "q4" / "layer-02.bin"
     os.truncate(layer, layer.stat().st_size - 4096)
-    one_error_line(cli("run", out, "--cap", "1", "-p", "hi"), str(layer), "matches no expert layout")
+    one_error_line(cli("run", out, "--cap", "1", "-p", "hi"), str(layer), "truncated")
 
 
 def test_checksum_mismatch_with_verify(tiny_conv, tmp_path):
@@ -202,8 +204,8 @@ def test_prompt_longer_than_ctx(tiny_conv):
                                          (["--top-k", "-2"], "--top-k"), (["--experts", "q2"], "--experts")])
 def test_bad_sampling_options(tiny_conv, args, needle):
     p = cli("run", tiny_conv, "-p", "hi", *args)
-    assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert needle in [ln for ln in p.stderr.splitlines() if ln.startswith("Error")][0]
+    assert p.returncode == 2
+    one_error_line(p, needle)
 
 
 def test_plan_from_bare_config_of_the_real_model(tmp_path):
