@@ -24,7 +24,7 @@ def _line(text: str) -> str:
 
 
 def user_errors(fn):
-    """Turn every failure into one clear stderr line (SPEC §7) and keep library warnings off stderr.
+    """Turn every failure into one clear stderr line (no traceback) and keep library warnings off stderr.
 
     - `StreamoeError` (a bad input, its message names the file): exit 2.
     - `OSError` that escaped a check (the OS refused a path): the same one line, naming the path, exit 2.

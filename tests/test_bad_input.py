@@ -1,4 +1,4 @@
-"""The bad-input catalogue (issue 12, SPEC §7): hostile inputs through the real console script.
+"""The bad-input catalogue (issue 12): hostile inputs through the real console script.
 
 Every case builds its inputs in a scratch directory, snapshots the whole tree, runs `streamoe ...` and
 asserts: a non-zero exit (2), exactly one stderr line, no traceback or "internal error", the line names the

@@ -12,7 +12,16 @@ import pytest
 from streamoe.formats.config import ModelArgs
 from streamoe.formats.errors import StreamoeError
 from streamoe.formats.record import RecordLayout
-from streamoe.runtime.plan import GiB, MemoryPlan, MiB, activation_bytes, make_plan, state_bytes
+from streamoe.runtime.plan import (
+    GiB,
+    MemoryPlan,
+    MiB,
+    Options,
+    activation_bytes,
+    make_plan,
+    read_ring,
+    state_bytes,
+)
 
 TEXT = {
     "hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4,
@@ -45,7 +54,11 @@ MOE = 3 * 256 * 8 * 2048 + 4 * 256 * 512
 LOGITS = 2 * 248320
 ACTIVATIONS = 3 * (HIDDEN + max(ATTN, GDN) + MOE + LOGITS) * 4 // 2
 STAGING = 256 * STRIDE_Q4  # one slot per expert of a layer
-FIXED = NONEXPERT + KV + LINEAR + ACTIVATIONS + STAGING + RUNTIME
+# host staging the reads land in: 2 x top-k 8 (a layer's misses) + 8 guesses (prefetch width = top-k by default)
+# + 4 I/O threads = 28 records, counted twice (the staging and the copies in flight)
+RING = 2 * 8 + 8 + 4
+READ_STAGING = 2 * RING * STRIDE_Q4
+FIXED = NONEXPERT + KV + LINEAR + ACTIVATIONS + STAGING + READ_STAGING + RUNTIME
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +68,14 @@ def args() -> ModelArgs:
 
 def plan(args: ModelArgs, cap: float, **kw) -> MemoryPlan:
     opts = {"ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4, "nonexpert_resident": NONEXPERT,
-            "runtime_bytes": RUNTIME, "dtype": "float32", "kv_dtype": "float32", "prefill_chunk": 256, **kw}
+            "runtime_bytes": RUNTIME, "dtype": "float32", "kv_dtype": "float32", "prefill_chunk": 256, "ring": RING, **kw}
     return make_plan(args=args, cap=int(cap * GiB), **opts)
 
 
 def test_hand_computed_values_are_the_ones_above():
-    assert (KV, LINEAR, ACTIVATIONS, STAGING) == (167_772_160, 65_863_680, 322_271_232, 452_984_832)
+    assert (KV, LINEAR, ACTIVATIONS, STAGING, READ_STAGING) == (167_772_160, 65_863_680, 322_271_232, 452_984_832,
+                                                                99_090_432)
+    assert read_ring(Options(), top_k=8) == RING
     assert RecordLayout.make(2048, 512, 4, 64).stride == STRIDE_Q4
     assert ATTN > GDN  # at ctx 4096 the attention scores are the largest temporary
 
@@ -68,13 +83,12 @@ def test_hand_computed_values_are_the_ones_above():
 def test_accounts_exact(args):
     p = plan(args, 4)
     assert p.accounts == {"non-expert": NONEXPERT, "kv cache": KV, "linear state": LINEAR, "activations": ACTIVATIONS,
-                          "prefill staging": STAGING, "read staging": 0, "vision": 0, "runtime": RUNTIME}
-    assert plan(args, 4, ring=28).accounts["read staging"] == 2 * 28 * STRIDE_Q4  # host ring + its copies in flight
+                          "prefill staging": STAGING, "read staging": READ_STAGING, "vision": 0, "runtime": RUNTIME}
     assert state_bytes(args, 4096, 4) == (KV, LINEAR)
     assert activation_bytes(args, 4096, 256, 4) == ACTIVATIONS
-    assert p.fixed == FIXED == 2_351_069_184
+    assert p.fixed == FIXED == 2_450_159_616
     assert p.hot_bytes == 4 * GiB - FIXED
-    assert p.hot_slots == (4 * GiB - FIXED) // STRIDE_Q4 == 1098
+    assert p.hot_slots == (4 * GiB - FIXED) // STRIDE_Q4 == 1042
     assert p.staging_slots == 256 and p.n_layers == 40 and p.n_experts == 256
     assert p.fits and p.min_cap == FIXED
     p.require_fit()
@@ -107,7 +121,7 @@ def test_too_small_a_cap_names_the_smallest_that_fits(args):
     need, smallest = FIXED / GiB, (FIXED + 0.01 * GiB) / GiB
     assert str(e.value) == (f"cap 2.00 GiB is too small for this model at ctx 4096: the fixed accounts need "
                             f"{need:.2f} GiB; smallest cap that fits: --cap {smallest:.2f}")
-    assert str(e.value).endswith("--cap 2.20")
+    assert str(e.value).endswith("--cap 2.29")
     plan(args, float(f"{smallest:.2f}")).require_fit()  # the cap it names does fit
 
 
@@ -116,14 +130,15 @@ def test_render_and_json(args):
     text = p.render().splitlines()
     assert text[0] == "memory plan: cap 4.00 GiB, ctx 4096, experts q4 (1,769,472 B per expert)"
     names = [ln.split("  ")[1].strip() for ln in text[1:]]
-    assert names == ["non-expert", "kv cache", "linear state", "activations", "prefill staging", "read staging",
-                     "vision", "runtime", "hot tier", "total"]
+    assert names == ["non-expert", "kv cache", "linear state", "activations", "prefill staging", "read staging", "vision",
+                     "runtime", "hot tier", "total"]
     assert "   1.000 GiB" in text[1] and "(4096 tokens, float32)" in text[2]
     assert "(256 slots, one per expert of a layer)" in text[5]
-    assert f"(1098 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[9]
-    assert text[10].endswith(f"{(FIXED + 1098 * STRIDE_Q4) / GiB:8.3f} GiB of 4.00 GiB")
+    assert "(28 records of host staging + their copies in flight)" in text[6]
+    assert f"(1042 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[9]
+    assert text[10].endswith(f"{(FIXED + 1042 * STRIDE_Q4) / GiB:8.3f} GiB of 4.00 GiB")
     assert p.to_json() == {"cap": 4 * GiB, "ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4,
-                           "accounts": p.accounts, "fixed": FIXED, "hot_slots": 1098, "staging_slots": 256,
+                           "accounts": p.accounts, "fixed": FIXED, "hot_slots": 1042, "staging_slots": 256,
                            "n_layers": 40, "n_experts": 256, "fits": True}
 
 
