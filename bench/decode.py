@@ -158,7 +158,7 @@ def main() -> None:
             warm, trace = r.pop("_warm", []), r.pop("_trace", [])
             if "error" not in r:
                 pl = plan(c)
-                scratch = min(pl["staging_slots"], 2 * top_k + 6)  # the engine's scratch ring (prefetch width 6)
+                scratch = min(pl["staging_slots"], 3 * top_k)  # the tier's scratch ring: 2 x top-k + the default width (top-k)
                 slots = pl["hot_slots"] + pl["staging_slots"] - scratch
                 r["hot_slots"], r["tier_slots"] = pl["hot_slots"], slots
                 if trace:
