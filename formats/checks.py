@@ -97,10 +97,10 @@ def open_problems(m: Manifest, experts: str | None = None) -> list[tuple[str, st
     return problems
 
 
-def check_open(root: Path, experts: str) -> None:
-    """What `run` checks at open without --verify: the engine should call this before it loads anything (the CLI
-    does, in runtime/cli_run.py)."""
-    m = load_manifest(root)
+def check_open(root: Path, experts: str, m=None) -> None:
+    """What every run checks at open without --verify (`Engine` calls it before it loads anything): file sizes
+    and blob tables as `validate` checks them."""
+    m = m or load_manifest(root)
     if experts not in m.expert_formats():
         return  # the engine names the missing format itself
     problems = open_problems(m, experts)

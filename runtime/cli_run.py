@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..formats.checks import check_open
 from ..formats.errors import StreamoeError, fail
 from ..formats.files import os_fail
 from ..formats.manifest import load_manifest
@@ -37,7 +36,6 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
             save_session: Path | None = None, load_session: Path | None = None) -> None:
     sampler = Sampler(**sampling)
-    check_open(model, opts["experts"])  # sizes and blob tables as `validate` checks them, before anything loads
     check_preprocessor(Path(model), load_manifest(model).config)
     eng = Engine(model, Options(**opts))
     logits: list | None = [] if logits_out else None

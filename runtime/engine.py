@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..formats.checks import check_open
 from ..formats.config import ModelArgs
 from ..formats.direct import RangeReader, file_checksum
 from ..formats.errors import StreamoeError, fail
@@ -58,6 +59,7 @@ class Engine:
         o = self.opts
         fix_malloc_thresholds()
         self.manifest = m = load_manifest(self.root)
+        check_open(self.root, o.experts, m)  # sizes and blob tables as `validate` checks them, before anything loads
         if o.verify:
             for f in m.all_files():
                 p = safe_path(self.root, f["path"])
