@@ -17,7 +17,7 @@ from pathlib import Path
 import jsonschema
 
 from .blobs import BlobTensor, table_problem
-from .errors import fail
+from .errors import StreamoeError, fail
 from .files import check_input_dir, read_json
 from .limits import CONFIG_INTS, MAX_FILE_BYTES, check_config_sizes, check_int, check_shape
 from .record import RecordLayout
@@ -116,7 +116,7 @@ def check_doc(doc: object, where: Path) -> None:
     for name, e in doc["experts"].items():
         try:
             want = RecordLayout.make(m["hidden_size"], m["moe_intermediate_size"], e["bits"], e["group_size"], e["scale_dtype"])
-        except ValueError as err:
+        except (ValueError, StreamoeError) as err:
             raise fail(where, f"expert format {name}: {err}") from None
         if segments_json(want) != e["segments"] or want.stride != e["stride"] or want.raw_size != e["raw_size"]:
             raise fail(where, f"expert format {name}: segments/stride disagree with the {e['bits']}-bit record layout")
