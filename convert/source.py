@@ -125,8 +125,8 @@ def open_checkpoint(root: str | Path) -> Checkpoint:
     config = read_json(root / "config.json")
     check_config_sizes(config, root / "config.json")
     mt = config.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise fail(root / "config.json", f"unsupported model_type {mt!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
+    if not isinstance(mt, str) or mt not in SUPPORTED_MODEL_TYPES:
+        raise fail(root / "config.json", f"unsupported model_type {str(mt)[:40]!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
     q = config.get("quantization")
     if not isinstance(q, dict) or "bits" not in q or "group_size" not in q:
         raise fail(root / "config.json", "no quantization block: streamoe converts quantized (4-bit) exports")
