@@ -1,4 +1,4 @@
-"""The `streamoe` command line: synth, convert, validate, plan, run.
+"""The `streamoe` command line: synth, convert, validate, plan, run, serve.
 
 Results go to stdout, diagnostics to stderr. Every `StreamoeError` (a bad input) becomes one stderr line
 and exit status 2; heavy imports happen inside the commands so `--help` stays instant.
@@ -269,7 +269,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @click.option("--top-k", type=click.IntRange(min=0, max=1 << 31), default=0, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
 @click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy.")
-@click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=6, show_default=True, help="Cross-layer guesses; 0 = off.")
+@click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None, help="Cross-layer guesses per layer (default: the model's top-k); 0 = off.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1, max=1 << 20), default=256, show_default=True)
 @click.option("--io-threads", type=click.IntRange(min=1, max=256), default=4, show_default=True)
 @click.option("--stats", type=click.Path(path_type=Path), default=None, help="Write per-step telemetry as JSON lines.")
@@ -284,17 +284,17 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None,
         prompt: str | None, chat: bool,
         images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float, top_p: float, top_k: int, seed: int,
-        tier: str, prefetch_width: int, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
+        tier: str, prefetch_width: int | None, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
     from .runtime.cli_run import run_cli
 
     if prompt is None and not chat:
-        raise click.UsageError("give --prompt TEXT or --chat")
+        raise StreamoeError("give --prompt TEXT or --chat")
     if images and raw:
-        raise click.UsageError("--image needs the chat template; drop --raw")
+        raise StreamoeError("--image needs the chat template; drop --raw")
     if load_session and system is not None:
-        raise click.UsageError("a loaded session keeps its own system message; drop --system")
+        raise StreamoeError("a loaded session keeps its own system message; drop --system")
     check_run_paths(stats, logits_out, save_session, load_session)
     vision = bool(images) or (chat and not raw)
     run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
@@ -317,6 +317,59 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
             check_output_file(path, what)
     if load_session is not None:
         check_input_file(load_session, "session file")
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@common
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback is reachable "
+              "from other machines (the API has no authentication).")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True)
+@click.option("--model-name", default=None, help="The model id clients see (default: MODEL's directory name).")
+@click.option("--no-images", is_flag=True, help="Refuse image inputs and plan no vision account.")
+@click.option("--max-pixels", type=click.IntRange(min=1024), default=640 * 640, show_default=True,
+              help="Largest image after resizing, in pixels (the vision account is planned for it).")
+@click.option("--no-think", is_flag=True, help="Thinking off when a request does not set chat_template_kwargs.enable_thinking.")
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None,
+              help="Answer length when a request sets none (default: what the planned context holds).")
+@click.option("--temp", type=click.FloatRange(min=0), default=None, help="Default temperature (else generation_config.json).")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None, help="Default top-p (else generation_config.json).")
+@click.option("--top-k", type=click.IntRange(min=0), default=None, help="Default top-k (else generation_config.json).")
+@click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy.")
+@click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None, help="Cross-layer guesses per layer (default: the model's top-k); 0 = off.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--io-threads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--verify", is_flag=True, help="Check every file's checksum before serving.")
+@click.option("--prompt-cache-mib", type=click.FloatRange(min=0), default=256, show_default=True,
+              help="Plan account for snapshots of repeated conversations (LRU); 0 = no prompt cache.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests that may wait behind the running one; more are answered 503.")
+@click.option("--max-body-mib", type=click.FloatRange(min=0.01), default=4, show_default=True, help="Largest request body.")
+@click.option("--max-image-mib", type=click.FloatRange(min=0.01), default=3, show_default=True, help="Largest image (decoded bytes).")
+@click.option("--max-images", type=click.IntRange(min=0), default=4, show_default=True, help="Images per request.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@user_errors
+def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, host: str,
+          port: int, model_name: str | None, no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
+          temp: float | None, top_p: float | None, top_k: int | None, tier: str, prefetch_width: int | None, prefill_chunk: int,
+          io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
+          max_image_mib: float, max_images: int, log_level: str) -> None:
+    """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
+    from .runtime.engine import Options
+    from .runtime.openai_api import Limits
+    from .runtime.server import serve as run_server
+    from .runtime.worker import ServeOptions
+
+    sampling = {k: v for k, v in (("temperature", temp), ("top_p", top_p), ("top_k", top_k)) if v is not None}
+    limits = Limits(max_body=int(max_body_mib * (1 << 20)), max_image_bytes=int(max_image_mib * (1 << 20)),
+                    max_images=0 if no_images else max_images)
+    so = ServeOptions(model_name=model_name or model.resolve().name, limits=limits, max_queue=max_queue,
+                      prompt_cache_bytes=int(prompt_cache_mib * (1 << 20)), max_tokens=max_tokens, sampling=sampling,
+                      think=not no_think)
+    opts = Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
+                   prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=not no_images,
+                   max_pixels=max_pixels, runtime_bytes=runtime_mib and runtime_mib << 20)
+    run_server(model, opts, so, host, port, log_level)
 
 
 if __name__ == "__main__":

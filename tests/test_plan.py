@@ -68,7 +68,8 @@ def test_hand_computed_values_are_the_ones_above():
 def test_accounts_exact(args):
     p = plan(args, 4)
     assert p.accounts == {"non-expert": NONEXPERT, "kv cache": KV, "linear state": LINEAR, "activations": ACTIVATIONS,
-                          "prefill staging": STAGING, "vision": 0, "runtime": RUNTIME}
+                          "prefill staging": STAGING, "read staging": 0, "vision": 0, "runtime": RUNTIME}
+    assert plan(args, 4, ring=28).accounts["read staging"] == 2 * 28 * STRIDE_Q4  # host ring + its copies in flight
     assert state_bytes(args, 4096, 4) == (KV, LINEAR)
     assert activation_bytes(args, 4096, 256, 4) == ACTIVATIONS
     assert p.fixed == FIXED == 2_351_069_184
@@ -115,12 +116,12 @@ def test_render_and_json(args):
     text = p.render().splitlines()
     assert text[0] == "memory plan: cap 4.00 GiB, ctx 4096, experts q4 (1,769,472 B per expert)"
     names = [ln.split("  ")[1].strip() for ln in text[1:]]
-    assert names == ["non-expert", "kv cache", "linear state", "activations", "prefill staging", "vision", "runtime",
-                     "hot tier", "total"]
+    assert names == ["non-expert", "kv cache", "linear state", "activations", "prefill staging", "read staging",
+                     "vision", "runtime", "hot tier", "total"]
     assert "   1.000 GiB" in text[1] and "(4096 tokens, float32)" in text[2]
     assert "(256 slots, one per expert of a layer)" in text[5]
-    assert f"(1098 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[8]
-    assert text[9].endswith(f"{(FIXED + 1098 * STRIDE_Q4) / GiB:8.3f} GiB of 4.00 GiB")
+    assert f"(1098 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[9]
+    assert text[10].endswith(f"{(FIXED + 1098 * STRIDE_Q4) / GiB:8.3f} GiB of 4.00 GiB")
     assert p.to_json() == {"cap": 4 * GiB, "ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4,
                            "accounts": p.accounts, "fixed": FIXED, "hot_slots": 1098, "staging_slots": 256,
                            "n_layers": 40, "n_experts": 256, "fits": True}

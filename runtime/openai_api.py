@@ -1,0 +1,305 @@
+"""OpenAI API requests in, checked and normalised, or one `APIError` with the status and error object OpenAI
+would answer with. Pure functions over the decoded JSON body: nothing here touches the engine.
+
+Images come only as `data:` URLs inside the request (the server never fetches a URL and never opens a path a
+request names); their bytes are size-checked and their header is read before the request is queued.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass, field
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP status + OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+                             429: "rate_limit_error", 503: "server_overloaded"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+@dataclass
+class Limits:
+    """What one request may carry. The plan's `requests` account is sized from them."""
+
+    max_body: int = 4 << 20
+    max_image_bytes: int = 3 << 20
+    max_images: int = 4
+    max_decode_pixels: int = 1 << 24
+
+
+@dataclass
+class GenRequest:
+    """A request reduced to what the worker needs."""
+
+    kind: str  # chat | completion
+    model: str | None
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids in the response
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    # chat
+    messages: list[dict] = field(default_factory=list)
+    tools: list[dict] | None = None
+    parse_tools: bool = False
+    template_kwargs: dict = field(default_factory=dict)
+    images: list[bytes] = field(default_factory=list)
+    # completion
+    prompt: str | list[int] | None = None
+
+
+def _number(body: dict, key: str, lo: float, hi: float, integer: bool = False):
+    v = body.get(key)
+    if v is None:
+        return None
+    ok = isinstance(v, int) if integer else isinstance(v, int | float)
+    if isinstance(v, bool) or not ok:
+        raise bad(f"'{key}' must be {'an integer' if integer else 'a number'}, got {type(v).__name__}", key)
+    if not lo <= v <= hi:
+        raise bad(f"'{key}' must be between {lo:g} and {hi:g}, got {v}", key)
+    return v
+
+
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(f"'{key}' must be true or false", key)
+    return v
+
+
+def _common(body: dict, req: GenRequest) -> None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    req.model = model
+    req.stream = _flag(body, "stream")
+    req.return_token_ids = _flag(body, "return_token_ids")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("'stream_options' must be an object", "stream_options")
+        req.include_usage = _flag(opts, "include_usage")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad("only n=1 is supported (one engine answers one request at a time)", "n")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = _number(body, key, 1, 1 << 30, integer=True)
+        if v is not None:
+            req.max_tokens = v if req.max_tokens is None else min(req.max_tokens, v)
+    req.temperature = _number(body, "temperature", 0, 2)
+    req.top_p = _number(body, "top_p", 0, 1)
+    if req.top_p == 0:
+        raise bad("'top_p' must be greater than 0", "top_p")
+    top_k = _number(body, "top_k", -1, 1 << 30, integer=True)
+    req.top_k = None if top_k is None else max(top_k, 0)  # -1 (vLLM's "off") is 0 here
+    req.seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4):
+        raise bad("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    req.stop = stop or []
+    for key in ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias"):
+        if body.get(key):
+            raise bad(f"'{key}' is not supported by this server", key)
+    if body.get("best_of") not in (None, 1):
+        raise bad("'best_of' is not supported by this server", "best_of")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise bad("'response_format' other than text is not supported (no constrained decoding)", "response_format")
+
+
+def decode_image(url: str, limits: Limits, where: str) -> bytes:
+    """A `data:image/...;base64,...` URL -> the image's bytes, with its header checked (format, pixel count)."""
+    if not url.startswith("data:"):
+        raise bad(f"{where}: only data: URLs are accepted (the server fetches no URL and reads no file)", where)
+    head, sep, data = url[5:].partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise bad(f"{where}: a data: URL must be base64 encoded (data:image/png;base64,...)", where)
+    mime = head[: -len(";base64")].split(";")[0]
+    if mime and not mime.startswith("image/"):
+        raise bad(f"{where}: media type {mime!r} is not an image", where)
+    if len(data) * 3 // 4 > limits.max_image_bytes + 3:
+        raise APIError(413, f"{where}: the image is {len(data) * 3 / 4 / 2**20:.1f} MiB; at most "
+                            f"{limits.max_image_bytes / 2**20:.1f} MiB per image", where)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(f"{where}: the data: URL is not valid base64", where) from None
+    check_image(raw, limits, where)
+    return raw
+
+
+def check_image(raw: bytes, limits: Limits, where: str) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            img = Image.open(io.BytesIO(raw))
+            fmt, (w, h) = img.format, img.size
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise bad(f"{where}: not an image (no PNG, JPEG or WebP header)", where) from None
+    if fmt not in IMAGE_FORMATS:
+        raise bad(f"{where}: unsupported image format {fmt} (PNG, JPEG and WebP are supported)", where)
+    if w * h > limits.max_decode_pixels or w <= 0 or h <= 0:
+        raise bad(f"{where}: image of {w}x{h} pixels; at most {limits.max_decode_pixels:,} pixels are decoded", where)
+
+
+def image_hash(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _content(content, role: str, where: str, limits: Limits, images: list[bytes]):
+    """A message's content in the form the chat template renders: a string, or parts with images as
+    `{"type": "image"}` (their bytes appended to `images` in order)."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or a list of parts", f"{where}.content")
+    parts = []
+    for j, part in enumerate(content):
+        pw = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise bad(f"{pw} must be an object", pw)
+        kind = part.get("type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise bad(f"{pw}.text must be a string", pw)
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            if role != "user":
+                raise bad(f"{pw}: images are accepted in user messages only", pw)
+            iu = part.get("image_url")
+            url = iu.get("url") if isinstance(iu, dict) else iu
+            if not isinstance(url, str):
+                raise bad(f"{pw}.image_url.url must be a string", pw)
+            if len(images) >= limits.max_images:
+                raise bad(f"at most {limits.max_images} images per request", pw)
+            images.append(decode_image(url, limits, pw))
+            parts.append({"type": "image"})
+        else:
+            raise bad(f"{pw}: unsupported content part type {kind!r} (text and image_url are)", pw)
+    return parts
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls must be a list", where)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str | dict):
+            raise bad(f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
+        out.append({"id": c.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments") or "{}"}})
+    return out
+
+
+def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object", where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+        msg = {"role": "system" if role == "developer" else role,
+               "content": _content(m.get("content"), role, where, limits, images)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        elif msg["content"] is None and role != "assistant":
+            raise bad(f"{where}.content is missing", f"{where}.content")
+        if role == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+def parse_tools(body: dict) -> tuple[list[dict] | None, bool]:
+    """(tools to render, whether to parse tool calls) from `tools` and `tool_choice`."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise bad("'tool_choice' names a tool but no 'tools' were given", "tool_choice")
+        return None, False
+    if not isinstance(tools, list) or not tools:
+        raise bad("'tools' must be a non-empty list", "tools")
+    names = []
+    for j, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", f"tools[{j}]")
+        names.append(fn["name"])
+    if choice is None or choice in ("auto", "required"):
+        return tools, True
+    if choice == "none":  # the model is not told about the tools at all
+        return None, False
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if name is None:
+        raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}",
+                  "tool_choice")
+    if name not in names:
+        raise bad(f"'tool_choice' names {name!r}, which is not among the tools", "tool_choice")
+    return [t for t in tools if t["function"]["name"] == name], True
+
+
+def parse_chat(body: dict, limits: Limits) -> GenRequest:
+    req = GenRequest(kind="chat", model=None)
+    _common(body, req)
+    req.messages = parse_messages(body.get("messages"), limits, req.images)
+    req.tools, req.parse_tools = parse_tools(body)
+    kw = body.get("chat_template_kwargs")
+    if kw is not None:
+        if not isinstance(kw, dict):
+            raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        for k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
+            if k in kw:
+                raise bad(f"'chat_template_kwargs' may not set {k!r}", "chat_template_kwargs")
+        if "enable_thinking" in kw and not isinstance(kw["enable_thinking"], bool):
+            raise bad("'chat_template_kwargs.enable_thinking' must be true or false", "chat_template_kwargs")
+        req.template_kwargs = dict(kw)
+    return req
+
+
+def parse_completion(body: dict) -> GenRequest:
+    req = GenRequest(kind="completion", model=None)
+    _common(body, req)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        req.prompt = p
+    elif isinstance(p, str) and p:
+        req.prompt = p
+    else:
+        raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    return req

@@ -1,0 +1,163 @@
+"""Prompt cache across requests: snapshots of the engine's conversation state, keyed by the exact prompt prefix
+they hold, so a request that repeats a conversation prefills only what is new.
+
+Chat clients resend the whole conversation every turn, and the chat template re-renders it: earlier answers
+come back without their thinking, so the state after the last answer is never a prefix of the next prompt,
+and a Gated DeltaNet state cannot be rewound to one. What the next rendering does share is everything up to
+the header of the assistant turn being answered (`<|im_start|>assistant\\n`), so the server prefills a chat
+prompt in segments that end at every assistant header and keeps a snapshot at the last one. The segments are
+a function of the prompt alone, so an answer computed from a restored snapshot is bit-identical to one
+computed from scratch.
+
+A snapshot is `runtime.session`'s state (KV caches cut to the tokens held, linear-attention conv and recurrent
+state, offset, M-RoPE delta) as host copies; its bytes are an account of the memory plan, evicted LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import KVCache
+from .session import _entries, _host
+
+# an item of a cache key: a token id, or ("image", sha256) where an image placeholder stands, because every
+# image renders to the same placeholder token and only its bytes tell two prompts apart
+Item = int | tuple[str, str]
+
+
+@dataclass
+class Snapshot:
+    key: tuple[Item, ...]
+    offset: int
+    rope_delta: int
+    arrays: list[tuple[str, np.ndarray]]  # (name, host copy) in session._entries order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, a in self.arrays)
+
+
+def capture(eng, key: tuple[Item, ...]) -> Snapshot:
+    """Copy the engine's current state (KV caches cut to the tokens held) to host memory."""
+    entries = _entries(eng, eng.offset)
+    arrays = []
+    for name, a, shape in entries:
+        if a.shape != shape:  # a KV cache: its first n positions
+            a = a[:, :, : shape[2], :]
+        arrays.append((name, np.array(_host(a), copy=True)))
+    return Snapshot(key, eng.offset, eng.rope_delta, arrays)
+
+
+def snapshot_nbytes(eng) -> int:
+    """What `capture` would copy now, known before copying, so room is made first."""
+    item = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}
+    return sum(int(np.prod(shape)) * item[a.dtype] for _, a, shape in _entries(eng, eng.offset))
+
+
+def _device(host: np.ndarray, dtype) -> mx.array:
+    a = mx.array(host)
+    return a.view(mx.bfloat16) if dtype == mx.bfloat16 else a
+
+
+def restore(eng, snap: Snapshot) -> None:
+    """Put a snapshot's state back into the engine, in place: KV caches are written up to the tokens held
+    (positions past the offset are never read), linear-attention states replaced."""
+    n = snap.offset
+    for name, host in snap.arrays:
+        _, layer, field = name.split(".")
+        c = eng.cache[int(layer)]
+        cur = getattr(c, field)
+        if isinstance(c, KVCache):
+            cur[:, :, :n, :] = _device(host, cur.dtype)
+            mx.eval(cur)
+        else:
+            setattr(c, field, _device(host, cur.dtype))
+            mx.eval(getattr(c, field))
+    for c in eng.cache:
+        c.offset = n
+    eng.offset, eng.rope_delta = n, snap.rope_delta
+
+
+def clear(eng) -> None:
+    """An empty conversation without reallocating the KV caches (`Engine.reset` makes new ones before the old
+    are freed: twice the KV account for a moment). Equal to a reset: attention reads only up to the offset."""
+    for c in eng.cache:
+        if isinstance(c, KVCache):
+            c.offset = 0
+        else:
+            c.conv, c.state = mx.zeros_like(c.conv), mx.zeros_like(c.state)
+            mx.eval(c.conv, c.state)
+            c.offset = 0
+    eng.offset, eng.rope_delta = 0, 0
+
+
+def key_items(ids: list[int], image_pad: int | None, image_hashes: list[str]) -> tuple[Item, ...]:
+    """The cache key of a prompt: its token ids with each image placeholder replaced by that image's hash."""
+    out: list[Item] = []
+    it = iter(image_hashes)
+    for t in ids:
+        h = next(it, None) if t == image_pad else None
+        out.append(t if h is None else ("image", h))  # a placeholder without an image (raw text) is a token
+    return tuple(out)
+
+
+def boundaries(ids: list[int], header: list[int]) -> list[int]:
+    """Where a chat prompt's segments end: just after every assistant header (and nowhere when the header is
+    empty, as for raw completions)."""
+    if not header:
+        return []
+    h, n = len(header), len(ids)
+    return [i + h for i in range(n - h + 1) if ids[i:i + h] == header and i + h < n]
+
+
+class PromptCache:
+    """Snapshots up to `budget` bytes, least recently used evicted first."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.snaps: OrderedDict[tuple[Item, ...], Snapshot] = OrderedDict()
+        self.hits = self.misses = self.tokens_saved = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.snaps.values())
+
+    def lookup(self, key: tuple[Item, ...]) -> Snapshot | None:
+        """The snapshot holding the longest prefix of `key` (shorter than `key`: the last token must be fed)."""
+        best = None
+        for k, s in self.snaps.items():
+            if len(k) < len(key) and (best is None or len(k) > len(best.key)) and key[:len(k)] == k:
+                best = s
+        if best is None:
+            self.misses += 1
+            return None
+        self.snaps.move_to_end(best.key)
+        self.hits += 1
+        self.tokens_saved += best.offset  # tokens of state not prefilled again (images expanded)
+        return best
+
+    def holds(self, key: tuple[Item, ...]) -> bool:
+        return key in self.snaps
+
+    def wants(self, nbytes: int) -> bool:
+        return 0 < nbytes <= self.budget
+
+    def make_room(self, nbytes: int) -> None:
+        """Evict least recently used snapshots until `nbytes` more fit in the budget (before copying them)."""
+        while self.snaps and self.nbytes + nbytes > self.budget:
+            self.snaps.popitem(last=False)
+
+    def add(self, snap: Snapshot) -> None:
+        if not self.wants(snap.nbytes):
+            return
+        self.snaps.pop(snap.key, None)
+        self.make_room(snap.nbytes)
+        self.snaps[snap.key] = snap
+
+    def to_json(self) -> dict:
+        return {"budget": self.budget, "bytes": self.nbytes, "snapshots": len(self.snaps), "hits": self.hits,
+                "misses": self.misses, "tokens_saved": self.tokens_saved}

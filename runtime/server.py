@@ -1,0 +1,308 @@
+"""`streamoe serve`: the OpenAI-compatible HTTP API and the chat page, a Starlette app run by uvicorn.
+
+Handlers parse and check a request (`openai_api`), prepare it into a job (rendered, tokenized, inside the
+planned context), queue it for the one engine thread (`worker`), and turn the events that come back into an
+OpenAI response: one JSON object, or server-sent events ending in `data: [DONE]`. Every refusal is OpenAI's
+error object with its status; nothing a request sends is ever a path or a URL the server opens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ..formats.errors import StreamoeError
+from .chat_output import collect
+from .openai_api import APIError, Limits, bad, parse_chat, parse_completion
+from .plan import current_rss
+from .worker import Job, Server
+
+STATIC = Path(__file__).resolve().parent / "static"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+async def read_json(request: Request, limits: Limits) -> dict:
+    """The body as a JSON object, read no further than the size limit."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limits.max_body:
+        raise APIError(413, f"request body of {int(declared):,} bytes; at most {limits.max_body:,} are accepted")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body:
+                raise APIError(413, f"request body over {limits.max_body:,} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the client went away while sending the request") from None
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise bad("the body is not valid JSON (nested too deeply)") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    return body
+
+
+async def next_event(job: Job, request: Request) -> tuple | None:
+    """Wait for the worker's next event, giving up (and cancelling the job) if the client disconnects."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel.set()
+                return None
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def tool_call(call: dict, i: int, job: Job) -> dict:
+    return {"index": i, "id": f"call_{job.id[:8]}{i}", "type": "function",
+            "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
+class API:
+    """The routes, over one `Server` (the engine thread)."""
+
+    def __init__(self, server: Server):
+        self.server, self.so = server, server.so
+        self.worker = server.worker
+
+    # ---- small GET endpoints
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "queue": self.server.queue.qsize()})
+
+    async def models(self, request: Request) -> Response:
+        eng = self.worker.eng
+        return JSONResponse({"object": "list", "data": [{"id": self.so.model_name, "object": "model", "created": 0,
+                                                         "owned_by": "streamoe", "max_model_len": eng.opts.ctx}]})
+
+    async def plan(self, request: Request) -> Response:
+        p = self.worker.eng.plan
+        return JSONResponse({**p.to_json(), "notes": p.notes, "text": p.render(), "model": self.so.model_name,
+                             "images": self.worker.eng.opts.images})
+
+    async def stats(self, request: Request) -> Response:
+        live = dict(self.worker.live)
+        if live.get("state") == "idle":
+            live["rss"] = current_rss()
+        return JSONResponse({**live, "cap": self.worker.eng.plan.cap, "queue": self.server.queue.qsize(),
+                             "served": self.worker.served})
+
+    async def index(self, request: Request) -> Response:
+        return FileResponse(STATIC / "index.html")
+
+    # ---- generation
+    async def submit(self, request: Request, kind: str) -> tuple[Job, tuple]:
+        body = await read_json(request, self.so.limits)
+        req = parse_chat(body, self.so.limits) if kind == "chat" else parse_completion(body)
+        job = self.worker.prepare(req)
+        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        self.server.submit(job)
+        ev = await next_event(job, request)
+        if ev is None:
+            return job, ("done", {"finish_reason": None, "cancelled": True})
+        if ev[0] == "error":
+            raise ev[1]
+        return job, ev
+
+    async def events(self, job: Job, first: tuple, request: Request | None = None) -> AsyncIterator[tuple]:
+        """The job's events from `first` to its end; with `request`, ends early if that client disconnects
+        (a streamed response learns it from the server instead)."""
+        ev = first
+        while ev is not None:
+            yield ev
+            if ev[0] in ("done", "error"):
+                return
+            ev = await (next_event(job, request) if request is not None else job.events.get())
+
+    async def chat(self, request: Request) -> Response:
+        job, first = await self.submit(request, "chat")
+        if job.req.stream:
+            return StreamingResponse(self._stream(job, first, "chat"), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        evs, info = [], {}
+        async for ev in self.events(job, first, request):
+            if ev[0] == "delta":
+                evs += ev[1]
+            elif ev[0] == "error":
+                raise ev[1]
+            else:
+                info = ev[1]
+        msg = {"role": "assistant", **collect(evs)}
+        if msg["tool_calls"]:
+            msg["tool_calls"] = [tool_call(c, i, job) for i, c in enumerate(msg["tool_calls"])]
+        else:
+            del msg["tool_calls"]
+        if msg["reasoning_content"] is None:
+            del msg["reasoning_content"]
+        finish = "tool_calls" if msg.get("tool_calls") else info.get("finish_reason")
+        choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
+        return JSONResponse({"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created,
+                             "model": self.so.model_name, **token_ids(job, info, choice),
+                             "choices": [choice], "usage": info.get("usage"), "streamoe": info.get("telemetry")})
+
+    async def completions(self, request: Request) -> Response:
+        job, first = await self.submit(request, "completion")
+        if job.req.stream:
+            return StreamingResponse(self._stream(job, first, "completion"), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, info = "", {}
+        async for ev in self.events(job, first, request):
+            if ev[0] == "delta":
+                text += "".join(str(v) for _, v in ev[1])
+            elif ev[0] == "error":
+                raise ev[1]
+            else:
+                info = ev[1]
+        choice = {"index": 0, "text": text, "finish_reason": info.get("finish_reason"), "logprobs": None}
+        return JSONResponse({"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
+                             "model": self.so.model_name, **token_ids(job, info, choice),
+                             "choices": [choice], "usage": info.get("usage"), "streamoe": info.get("telemetry")})
+
+    async def _stream(self, job: Job, first: tuple, kind: str) -> AsyncIterator[str]:
+        base = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job.id}",
+                "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": job.created, "model": self.so.model_name}
+
+        def chunk(delta: dict | None = None, finish=None, text: str | None = None, **extra) -> str:
+            choice = {"index": 0, "delta": delta or {}} if kind == "chat" else {"index": 0, "text": text or ""}
+            return sse({**base, "choices": [{**choice, "finish_reason": finish, "logprobs": None}], **extra})
+
+        n_calls = 0
+        try:
+            if kind == "chat":
+                yield chunk({"role": "assistant", "content": ""})
+            async for ev in self.events(job, first):
+                if ev[0] == "delta":
+                    for what, v in ev[1]:
+                        if kind == "completion":
+                            yield chunk(text=str(v))
+                        elif what == "tool_call":
+                            yield chunk({"tool_calls": [tool_call(v, n_calls, job)]})
+                            n_calls += 1
+                        else:
+                            yield chunk({"reasoning_content" if what == "reasoning" else "content": v})
+                elif ev[0] == "error":
+                    yield sse(ev[1].body())
+                else:
+                    info = ev[1]
+                    if info.get("cancelled"):
+                        return
+                    yield chunk(finish="tool_calls" if n_calls else info["finish_reason"], streamoe=info.get("telemetry"))
+                    if job.req.include_usage:
+                        yield sse({**base, "choices": [], "usage": info["usage"]})
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel.set()  # a client that went away stops the generation at its next token
+
+
+def token_ids(job: Job, info: dict, choice: dict) -> dict:
+    """With `return_token_ids` (vLLM's extension): the answer's token ids into the choice, and the prompt's
+    (as rendered, one placeholder per image) as a top-level field to merge into the response."""
+    if not job.req.return_token_ids:
+        return {}
+    choice["token_ids"] = info.get("token_ids", [])
+    return {"prompt_token_ids": job.ids}
+
+
+def error_response(err: APIError) -> Response:
+    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+async def on_api_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc)  # type: ignore[arg-type]
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    return error_response(APIError(status, str(getattr(exc, "detail", "error")), kind="invalid_request_error"))
+
+
+def create_app(server: Server) -> Starlette:
+    api = API(server)
+    routes = [
+        Route("/", api.index),
+        Route("/health", api.health),
+        Route("/v1/models", api.models),
+        Route("/v1/plan", api.plan),
+        Route("/v1/stats", api.stats),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+    return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a busy port is one clear error before anything else runs."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise StreamoeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -> None:
+    """Open the engine on this thread (its plan printed to stderr), run the HTTP server on another, and
+    answer queued requests here until interrupted (Ctrl+C or SIGTERM)."""
+    import uvicorn
+
+    sock = listen(host, port)
+    server = Server(root, opts, so)
+    print(server.worker.eng.plan.render(), file=sys.stderr)
+    if host not in LOOPBACK:
+        print(f"streamoe: warning: listening on {host}, reachable from other machines; the API has no "
+              "authentication", file=sys.stderr)
+    config = uvicorn.Config(create_app(server), log_level=log_level, access_log=log_level in ("debug", "info"),
+                            timeout_graceful_shutdown=2)
+    http = uvicorn.Server(config)
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="streamoe-http", daemon=True)
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    thread.start()
+    try:
+        while not http.started and thread.is_alive():
+            time.sleep(0.05)
+        if http.started:
+            shown = f"[{host}]" if ":" in host else host
+            print(f"streamoe: serving {so.model_name} on http://{shown}:{sock.getsockname()[1]}/ (OpenAI API under /v1)",
+                  file=sys.stderr, flush=True)
+            server.run(alive=thread.is_alive)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        http.should_exit = True
+        thread.join(timeout=10)
+        server.close()
+        sock.close()
+    print("streamoe: stopped", file=sys.stderr)

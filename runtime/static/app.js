@@ -1,0 +1,163 @@
+// The chat page: talks to the same OpenAI API as any client (streamed chat completions), shows the memory
+// plan from /v1/plan and polls /v1/stats while an answer streams. No build step, nothing from another host.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const MiB = 1 << 20;
+const history = [];  // the conversation as OpenAI messages (answers without their thinking)
+let model = null, imageURL = null, busy = false;
+
+function mib(n) { return n >= 1 << 30 ? (n / (1 << 30)).toFixed(2) + " GiB" : (n / MiB).toFixed(1) + " MiB"; }
+
+async function loadPlan() {
+  const p = await (await fetch("/v1/plan")).json();
+  model = p.model;
+  $("model").textContent = `${p.model} · cap ${mib(p.cap)} · ctx ${p.ctx} · experts ${p.expert_format}`;
+  const body = $("plan").tBodies[0];
+  body.replaceChildren();
+  const row = (name, bytes, note, cls) => {
+    const tr = body.insertRow();
+    if (cls) tr.className = cls;
+    tr.insertCell().outerHTML = `<th title="${note || ""}">${name}</th>`;
+    tr.insertCell().textContent = mib(bytes);
+  };
+  for (const [name, bytes] of Object.entries(p.accounts)) row(name, bytes, p.notes[name]);
+  row("hot tier", p.hot_slots * p.stride, `${p.hot_slots} expert slots of ${p.n_layers * p.n_experts}`);
+  row("total", p.fixed + p.hot_slots * p.stride, "", "total");
+  const all = p.n_layers * p.n_experts;
+  $("plan-note").textContent = (p.hot_slots >= all ? "Every expert is resident." :
+    `${p.hot_slots} of ${all} experts fit the hot tier; the rest stream from the SSD.`) + (p.images ? "" : " Images are off.");
+  $("image").disabled = !p.images;
+  $("status").textContent = "ready";
+}
+
+function showStats(s) {
+  $("t-state").textContent = s.state || "idle";
+  if (s.tokens !== undefined) $("t-tokens").textContent = s.tokens;
+  if (s.tok_s !== undefined) $("t-toks").textContent = s.tok_s.toFixed(2);
+  if (s.hit_rate !== undefined) $("t-hit").textContent = (100 * s.hit_rate).toFixed(1) + " %";
+  if (s.mib_read_token !== undefined) $("t-read").textContent = s.mib_read_token.toFixed(2);
+  if (s.prompt_tokens !== undefined) $("t-prompt").textContent = `${s.prompt_tokens} (${s.cached_tokens || 0})`;
+  if (s.rss && s.cap) {
+    $("t-mem").textContent = `${mib(s.rss)} of ${mib(s.cap)}`;
+    $("memfill").style.width = Math.min(100, 100 * s.rss / s.cap).toFixed(1) + "%";
+  }
+}
+
+async function poll() {
+  try { showStats(await (await fetch("/v1/stats")).json()); } catch (e) { /* the next poll will tell */ }
+}
+
+function bubble(cls) {
+  const div = document.createElement("div");
+  div.className = "msg " + cls;
+  $("log").appendChild(div);
+  return div;
+}
+
+function scroll() { $("log").scrollTop = $("log").scrollHeight; }
+
+async function send(text) {
+  const parts = imageURL ? [{type: "image_url", image_url: {url: imageURL}}, {type: "text", text}] : text;
+  const user = bubble("user");
+  if (imageURL) { const img = document.createElement("img"); img.src = imageURL; user.appendChild(img); }
+  user.appendChild(document.createTextNode(text));
+  history.push({role: "user", content: parts});
+  imageURL = null; $("image").value = ""; $("attached").textContent = "";
+
+  const out = bubble("assistant");
+  out.dataset.state = "waiting";
+  const thinking = document.createElement("details");
+  thinking.className = "thinking";
+  thinking.innerHTML = "<summary>Thinking</summary><pre></pre>";
+  const content = document.createElement("div");
+  content.className = "content";
+  const meta = document.createElement("div");
+  meta.className = "meta";
+  out.append(thinking, content, meta);
+  thinking.hidden = true;
+
+  const req = {model, messages: history, stream: true, stream_options: {include_usage: true},
+               max_tokens: Number($("max-tokens").value) || 256,
+               chat_template_kwargs: {enable_thinking: $("think").checked}};
+  if ($("temperature").value !== "") req.temperature = Number($("temperature").value);
+  const timer = setInterval(poll, 300);
+  let answer = "", reasoning = "", calls = [], usage = null, tele = null, chunks = 0;
+  try {
+    const r = await fetch("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
+                                                  body: JSON.stringify(req)});
+    if (!r.ok) throw new Error((await r.json()).error.message);
+    out.dataset.state = "streaming";
+    const reader = r.body.getReader(), dec = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buf += dec.decode(value, {stream: true});
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const line = buf.slice(0, cut); buf = buf.slice(cut + 2);
+        if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+        const ev = JSON.parse(line.slice(6));
+        if (ev.error) throw new Error(ev.error.message);
+        out.dataset.chunks = ++chunks;
+        if (ev.usage) usage = ev.usage;
+        if (ev.streamoe) tele = ev.streamoe;
+        const d = ev.choices.length ? ev.choices[0].delta : {};
+        if (d.reasoning_content) {
+          reasoning += d.reasoning_content; thinking.hidden = false;
+          thinking.querySelector("pre").textContent = reasoning;
+        }
+        if (d.content) { answer += d.content; content.textContent = answer; }
+        for (const c of d.tool_calls || []) {
+          calls.push(c);
+          const t = document.createElement("div");
+          t.className = "tool"; t.textContent = `→ ${c.function.name}(${c.function.arguments})`;
+          out.insertBefore(t, meta);
+        }
+        scroll();
+      }
+    }
+    const msg = {role: "assistant", content: answer};
+    if (calls.length) msg.tool_calls = calls.map(({index, ...c}) => c);
+    history.push(msg);
+    if (tele) showStats({...tele, state: "idle", tokens: tele.tokens, rss: tele.rss, cap: tele.cap,
+                         prompt_tokens: usage && usage.prompt_tokens, cached_tokens: tele.cached_tokens});
+    if (usage) meta.textContent = `${usage.completion_tokens} tokens · prompt ${usage.prompt_tokens} ` +
+      `(${usage.prompt_tokens_details.cached_tokens} cached)` + (tele ? ` · ${tele.tok_s.toFixed(2)} tok/s` : "");
+    out.dataset.state = "done";
+  } catch (e) {
+    out.classList.add("error");
+    content.textContent = "Error: " + e.message;
+    history.pop();
+    out.dataset.state = "error";
+  } finally {
+    clearInterval(timer);
+    await poll();
+  }
+}
+
+$("form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || busy) return;
+  busy = true; $("send").disabled = true; $("prompt").value = "";
+  try { await send(text); } finally { busy = false; $("send").disabled = false; $("prompt").focus(); scroll(); }
+});
+
+$("prompt").addEventListener("keydown", (ev) => {
+  if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("form").requestSubmit(); }
+});
+
+$("image").addEventListener("change", () => {
+  const f = $("image").files[0];
+  if (!f) { imageURL = null; return; }
+  const rd = new FileReader();
+  rd.onload = () => { imageURL = rd.result; $("attached").textContent = f.name; };
+  rd.readAsDataURL(f);
+});
+
+$("new").addEventListener("click", () => { history.length = 0; $("log").replaceChildren(); });
+
+loadPlan().catch((e) => { $("status").textContent = "error: " + e.message; });
+poll();

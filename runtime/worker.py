@@ -1,0 +1,386 @@
+"""One engine, many clients: the thread that owns the engine and answers queued requests one at a time.
+
+Requests are prepared (rendered, tokenized, checked against the planned context) where they arrive and then
+queued in order in a bounded queue; the worker thread restores the longest cached prompt prefix or clears
+the state (nothing one request did reaches the next one's answer), prefills the rest in segments that end at
+assistant headers (see `prompt_cache`), generates, and sends events back to the request's event loop. A
+request whose client went away is skipped if still queued, and stops at the next token if running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import secrets
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from ..formats.errors import StreamoeError
+from .chat_output import ChatOutput
+from .engine import Engine, Options, plan_for
+from .openai_api import APIError, GenRequest, Limits, bad, image_hash
+from .plan import MiB, current_rss
+from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
+from .telemetry import summarize
+from .text import Detokenizer, Sampler
+
+
+@dataclass
+class ServeOptions:
+    model_name: str
+    limits: Limits = field(default_factory=Limits)
+    max_queue: int = 8
+    prompt_cache_bytes: int = 256 * MiB
+    max_tokens: int | None = None  # when a request sets none; None = what the planned context holds
+    sampling: dict = field(default_factory=dict)  # temperature/top_p/top_k overriding generation_config.json
+    think: bool = True  # enable_thinking when a request does not say
+
+    @property
+    def requests_bytes(self) -> int:
+        """Memory of the requests held at once (the running one and a full queue): each body, and the images
+        decoded from it, at most twice the body limit."""
+        return (self.max_queue + 1) * 2 * self.limits.max_body
+
+
+@dataclass
+class Job:
+    """One request between its handler (an event loop) and the worker thread."""
+
+    req: GenRequest
+    ids: list[int]
+    thinking: bool
+    max_tokens: int
+    sampler: Sampler
+    id: str = field(default_factory=lambda: secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    logits: list | None = None  # kept when a test asks for them
+    sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
+
+    def emit(self, ev: tuple) -> None:
+        if self.loop is None:
+            if self.sink is not None:
+                self.sink.append(ev)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the server is shutting down
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+
+
+def sampling_defaults(root: Path) -> dict:
+    """temperature, top_p, top_k from the checkpoint's generation_config.json (greedy when it says
+    do_sample false)."""
+    p = root / "generation_config.json"
+    gen = json.loads(p.read_text()) if p.is_file() else {}
+    if gen.get("do_sample") is False:
+        return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    return {"temperature": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),
+            "top_k": int(gen.get("top_k", 0) or 0)}
+
+
+def assistant_header(text) -> list[int]:
+    """The tokens a chat template writes to open an assistant turn, both as the generation prompt and when
+    it re-renders a past answer (`<|im_start|>assistant\\n` for ChatML): the boundary a conversation's next
+    rendering shares with this one."""
+    if text.template is None:
+        return []
+    user = [{"role": "user", "content": "\u2063"}]
+
+    def render(msgs, gen):
+        return text.template.render(messages=msgs, add_generation_prompt=gen, bos_token="", eos_token="")
+
+    base, gen = render(user, False), render(user, True)
+    past = render(user + [{"role": "assistant", "content": "\u2064"}], False)
+    shared = os.path.commonprefix([gen, past])
+    if not shared.startswith(base) or len(shared) == len(base):
+        return []
+    return text.encode(shared[len(base):])
+
+
+class EngineWorker:
+    """The engine and everything that answers with it: prompt cache, sampling defaults, live telemetry.
+    `run` must only ever be called from one thread at a time."""
+
+    def __init__(self, eng: Engine, so: ServeOptions):
+        self.eng, self.so = eng, so
+        self.cache = PromptCache(so.prompt_cache_bytes)
+        self.defaults = {**sampling_defaults(eng.root), **so.sampling}
+        self.header = assistant_header(eng.text)
+        self.pad = eng.manifest.config.get("image_token_id")
+        self.vocab = eng.args.vocab_size
+        self.live: dict = {"state": "idle"}
+        self.served = 0
+
+    # ---- on the event loop: turn a request into a job (or an APIError)
+    def render(self, req: GenRequest) -> str:
+        if self.eng.text.template is None:
+            raise bad("the model has no chat template; use /v1/completions")
+        kw = {"enable_thinking": self.so.think, **req.template_kwargs}
+        try:
+            return self.eng.text.template.render(messages=req.messages, tools=req.tools, add_generation_prompt=True,
+                                                 bos_token="", eos_token="", **kw)
+        except jinja2.TemplateError as e:
+            raise bad(f"the chat template refused the messages: {e}", "messages") from None
+
+    def prepare(self, req: GenRequest) -> Job:
+        thinking = False
+        if req.kind == "chat":
+            if req.images and not self.eng.opts.images:
+                raise bad("this server was started without images (streamoe serve --no-images)", "messages")
+            prompt = self.render(req)
+            head = self.eng.text.decode(self.header)
+            tail = prompt[prompt.rfind(head) + len(head):] if head and head in prompt else ""
+            thinking = "<think>" in tail and "</think>" not in tail
+            ids = self.eng.text.encode(prompt)
+            if ids.count(self.pad) != len(req.images):
+                raise bad("the messages' text may not contain the image placeholder token", "messages")
+        elif isinstance(req.prompt, str):
+            ids = self.eng.text.encode(req.prompt)
+        else:
+            ids = list(req.prompt or [])
+            if any(not 0 <= t < self.vocab for t in ids):
+                raise bad(f"token ids must be in [0, {self.vocab})", "prompt")
+        ctx = self.eng.opts.ctx
+        if len(ids) >= ctx:
+            raise bad(f"the prompt is {len(ids)} tokens; the planned context (--ctx {ctx}) holds {ctx - 1} "
+                      "with one token to answer", "messages" if req.kind == "chat" else "prompt")
+        room = ctx - len(ids)
+        want = req.max_tokens or self.so.max_tokens or room
+        d = self.defaults
+        temp = d["temperature"] if req.temperature is None else req.temperature
+        top_p = d["top_p"] if req.top_p is None else req.top_p
+        top_k = d["top_k"] if req.top_k is None else req.top_k
+        seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
+        return Job(req, ids, thinking, min(want, room), Sampler(temp=float(temp), top_p=float(top_p), top_k=int(top_k), seed=seed))
+
+    # ---- on the worker thread
+    def run(self, job: Job) -> None:
+        """Answer one job, sending ("delta", events), then ("done", info) or ("error", APIError)."""
+        try:
+            with image_files(job.req.images) as paths:
+                info = self._answer(job, paths)
+            job.emit(("done", info))
+        except StreamoeError as e:
+            msg = str(e)
+            for i, p in enumerate(getattr(self, "_paths", [])):
+                msg = msg.replace(str(p), f"image {i + 1}")
+            job.emit(("error", APIError(400, msg)))
+        except Exception as e:  # a bug: logged with its traceback, the client gets a 500 without it
+            traceback.print_exc(file=sys.stderr)
+            job.emit(("error", APIError(500, f"internal error: {type(e).__name__}")))
+        finally:
+            self._paths = []
+            self.live = {"state": "idle", "last": self.live.get("last"), "prompt_cache": self.cache.to_json()}
+
+    def _answer(self, job: Job, paths: list[str]) -> dict:
+        eng, req, ids = self.eng, job.req, job.ids
+        self._paths = paths
+        del eng.steps[:]  # telemetry is per request; the list must not grow for the server's lifetime
+        hashes = [image_hash(b) for b in req.images]
+        key = key_items(ids, self.pad, hashes)
+        snap = self.cache.lookup(key) if self.cache.budget else None
+        if snap is not None:
+            restore(eng, snap)
+            start = len(snap.key)
+        else:
+            clear(eng)
+            start = 0
+        cached = eng.offset
+        where = [i for i, t in enumerate(ids) if t == self.pad][:len(paths)]  # image i sits at ids[where[i]]
+
+        def images(a: int, b: int) -> list[str]:
+            return [paths[i] for i, w in enumerate(where) if a <= w < b]
+
+        cuts = [b for b in boundaries(ids, self.header if req.kind == "chat" else []) if b > start]
+        self.live = {"state": "prefill", "id": job.id, "prompt_tokens": len(ids), "cached_tokens": cached,
+                     "rss": current_rss(), "cap": eng.plan.cap}
+        a = start
+        for b in cuts:
+            if job.cancel.is_set():
+                return {"finish_reason": None, "cancelled": True}
+            seg = images(a, b)
+            if seg:
+                eng.prefill_images(ids[a:b], seg)
+            else:
+                eng.prefill(ids[a:b])
+            a = b
+        if cuts and self.cache.wants(need := snapshot_nbytes(eng)) and not self.cache.holds(key[:a]):
+            self.cache.make_room(need)
+            self.cache.add(capture(eng, key[:a]))
+        out = ChatOutput(job.thinking, req.parse_tools, req.stop)
+        detok = Detokenizer(eng.text)
+        n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
+        finish = None
+        gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None)
+        for tok, lg in gen:
+            if job.cancel.is_set():
+                print(f"streamoe: {job.id} cancelled after {n} tokens (the client went away)", file=sys.stderr, flush=True)
+                return {"finish_reason": None, "cancelled": True, "tokens": n}
+            n += 1
+            toks.append(tok)
+            if job.logits is not None:
+                job.logits.append(lg)
+            if n == 1:
+                self.live["ttft_s"] = time.perf_counter() - t0
+            evs = out.feed(detok.add(tok))
+            if evs:
+                job.emit(("delta", evs))
+            seen = dec.add(eng.steps, seen)
+            self.live = {**self.live, "state": "decode", "tokens": n, **dec.stats(), "rss": current_rss()}
+            if out.stopped:
+                finish = "stop"
+                break
+        gen.close()
+        evs = out.flush()
+        if evs:
+            job.emit(("delta", evs))
+        if finish is None:
+            finish = "length" if n >= job.max_tokens or eng.offset >= eng.opts.ctx else "stop"
+        prompt_tokens = cached + sum(s.n_tokens for s in eng.steps if s.phase == "prefill")
+        s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
+        self.served += 1
+        tele = {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}
+        tele.update(cached_tokens=cached, prefilled_tokens=prompt_tokens - cached, rss=current_rss(), cap=eng.plan.cap)
+        self.live = {**self.live, "last": tele}
+        print(f"streamoe: {job.id} {prompt_tokens} prompt tokens ({cached} cached), {n} generated, "
+              f"{s['tok_s']:.1f} tok/s, hit rate {100 * s['hit_rate']:.0f}%", file=sys.stderr, flush=True)
+        return {"finish_reason": finish, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                                   "total_tokens": prompt_tokens + n,
+                                                   "prompt_tokens_details": {"cached_tokens": cached}},
+                "telemetry": tele, "token_ids": toks}
+
+
+class _Running:
+    """Decode telemetry summed as it happens (the page shows it while the answer streams)."""
+
+    def __init__(self):
+        self.tokens = self.ms = self.picks = self.hits = self.read = 0
+
+    def add(self, steps: list, seen: int) -> int:
+        for st in steps[seen:]:
+            if st.phase != "decode":
+                continue
+            self.tokens += 1
+            self.ms += st.ms
+            for ly in st.layers:
+                self.picks += ly.picks
+                self.hits += ly.hits_hot + ly.hits_lent + ly.hits_prefetch
+                self.read += ly.bytes_read
+        return len(steps)
+
+    def stats(self) -> dict:
+        n = max(1, self.tokens)
+        return {"tok_s": self.tokens / (self.ms / 1000) if self.ms else 0.0,
+                "hit_rate": self.hits / self.picks if self.picks else 0.0, "mib_read_token": self.read / MiB / n}
+
+
+@contextlib.contextmanager
+def image_files(images: list[bytes]):
+    """Each image's bytes as a path the engine's loader opens, named by the server, never by the request: an
+    anonymous memory file (Linux) or a private temporary file."""
+    paths, fds, tmp = [], [], None
+    try:
+        for raw in images:
+            if hasattr(os, "memfd_create"):
+                fd = os.memfd_create("streamoe-image")
+                fds.append(fd)
+                os.write(fd, raw)
+                paths.append(f"/proc/self/fd/{fd}")
+            else:
+                tmp = tmp or tempfile.TemporaryDirectory(prefix="streamoe-")
+                p = Path(tmp.name) / f"image-{len(paths)}"
+                p.write_bytes(raw)
+                paths.append(str(p))
+        yield paths
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def open_engine(root: Path, opts: Options, so: ServeOptions) -> Engine:
+    """The engine with two more accounts in its plan: the prompt cache and the requests in flight. The hot
+    tier is sized by the engine from what its plan leaves, so they are given to it inside the runtime
+    allowance and then shown as accounts of their own."""
+    runtime = opts.runtime_bytes
+    note = None
+    if runtime is None:
+        measured = plan_for(root, opts)
+        runtime, note = measured.accounts["runtime"], measured.notes.get("runtime")
+    extra = {"prompt cache": so.prompt_cache_bytes, "requests": so.requests_bytes}
+    eng = Engine(root, dataclasses.replace(opts, runtime_bytes=runtime + sum(extra.values())))
+    acc = {k: v for k, v in eng.plan.accounts.items() if k != "runtime"}
+    eng.plan.accounts = {**acc, **extra, "runtime": runtime}
+    if note:
+        eng.plan.notes["runtime"] = note
+    eng.plan.notes["prompt cache"] = "snapshots of conversation state for repeated prompts, LRU"
+    eng.plan.notes["requests"] = (f"{so.max_queue} queued + 1 running, bodies up to "
+                                  f"{so.limits.max_body / MiB:g} MiB and their images")
+    return eng
+
+
+class Server:
+    """The engine's thread (the one that opens it: MLX streams belong to the thread that made them) running
+    the queue, and the bounded queue the HTTP handlers put jobs in."""
+
+    def __init__(self, root: Path, opts: Options, so: ServeOptions):
+        self.so = so
+        self.queue: queue.Queue = queue.Queue(maxsize=so.max_queue)
+        self.worker = EngineWorker(open_engine(root, opts, so), so)
+        self.current: Job | None = None
+        self.stopping = threading.Event()
+
+    def run(self, alive=lambda: True) -> None:
+        """Answer queued jobs in order until `stop()` or until `alive()` turns false."""
+        while not self.stopping.is_set() and alive():
+            try:
+                job = self.queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if job.cancel.is_set():  # its client went away while it waited
+                job.emit(("done", {"finish_reason": None, "cancelled": True}))
+                continue
+            self.current = job
+            try:
+                self.worker.run(job)
+            finally:
+                self.current = None
+
+    def submit(self, job: Job) -> None:
+        if self.stopping.is_set():
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            raise APIError(503, f"the server is busy: {self.so.max_queue} requests are already waiting; retry later",
+                           code="queue_full") from None
+
+    def stop(self) -> None:
+        """Stop taking jobs; the running one stops at its next token, the queued ones end without an answer."""
+        self.stopping.set()
+        if self.current is not None:
+            self.current.cancel.set()
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            job.cancel.set()
+            job.emit(("done", {"finish_reason": None, "cancelled": True}))
+
+    def close(self) -> None:
+        self.stop()
+        self.worker.eng.close()

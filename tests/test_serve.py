@@ -1,0 +1,418 @@
+"""`streamoe serve` end to end: the official `openai` client against a live server on localhost serving the
+embedded model, answers checked token for token against the engine (`streamoe run`), images, tool calls,
+concurrent clients, disconnects, every bad request's status, the prompt cache's exactness, and the cap under
+a cgroup with several clients."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from streamoe.convert.convert import convert
+from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.openai_api import Limits, parse_chat
+from streamoe.runtime.plan import MiB
+from streamoe.runtime.worker import EngineWorker, ServeOptions, open_engine
+
+from . import serve_util
+from .conftest import cgroup_dir, cli, one_error_line
+from .serve_util import (
+    TINY,
+    chat_ids,
+    data_url,
+    fetch,
+    greedy,
+    raw_request,
+    sse_lines,
+    start_server,
+    stop_server,
+    triangle_png,
+    wait_for,
+)
+
+CTX = 1024
+RUNTIME_MIB = 256
+SERVE = ["--ctx", CTX, "--runtime-mib", RUNTIME_MIB, "--prompt-cache-mib", 8, "--max-body-mib", 0.5, "--max-image-mib", 0.1,
+         "--max-queue", 8]
+CODE = ["import os\nimport sys\n\n\ndef main(argv):\n", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+        "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def conv(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serve") / "tiny"
+    convert(TINY, out, formats=["q4"], progress=False)
+    return out
+
+
+def quarter_cap(conv: Path) -> float:
+    return serve_util.quarter_cap(conv, CTX, RUNTIME_MIB, cache_mib=8, body_mib=0.5)
+
+
+@pytest.fixture(scope="module")
+def server(conv, tmp_path_factory):
+    s = start_server(conv, tmp_path_factory.mktemp("log") / "serve.log", "--cap", quarter_cap(conv), *SERVE)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ref(conv):
+    eng = Engine(conv, Options(cap_gib=8, ctx=CTX, images=True, runtime_bytes=RUNTIME_MIB * MiB))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def triangle(tmp_path_factory) -> Path:
+    return triangle_png(tmp_path_factory.mktemp("img") / "triangle.png")
+
+
+def test_models_health_plan_and_page(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert fetch(server.url + "/health").json()["status"] == "ok"
+    plan = fetch(server.url + "/v1/plan").json()
+    assert plan["cap"] == int(quarter_cap(server_conv(server)) * 2**30)
+    assert plan["accounts"]["prompt cache"] == 8 * MiB and plan["accounts"]["requests"] == 9 * MiB
+    assert plan["hot_slots"] == plan["n_layers"] * plan["n_experts"] // 4 and plan["fixed"] <= plan["cap"]
+    page = fetch(server.url + "/")
+    assert page.status == 200 and "/static/app.js" in page.text
+    for asset in re.findall(r'(?:src|href)="([^"]+)"', page.text):
+        assert asset.startswith("/static/")  # nothing from another host
+        assert fetch(server.url + asset).status == 200
+
+
+def server_conv(server) -> Path:
+    return Path(server.proc.args[server.proc.args.index("serve") + 1]) if "serve" in server.proc.args else None
+
+
+def test_greedy_chat_equals_streamoe_run_streamed_or_not(client, ref, conv, server):
+    msgs = [{"role": "user", "content": "What shape is it?"}]
+    want = greedy(ref, chat_ids(ref, msgs, think=False), 24)
+    r = client.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=24,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False},
+                                                   "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want and r.model_extra["prompt_token_ids"] == chat_ids(ref, msgs, think=False)
+    assert r.choices[0].message.content == ref.text.decode(want)
+    assert r.usage.completion_tokens == len(want) and r.usage.prompt_tokens == len(chat_ids(ref, msgs, think=False))
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=24, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text.decode(want)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(want)
+    # the CLI itself, on the same conversion: same text
+    p = cli("run", conv, "--cap", 1, "--ctx", CTX, "-p", msgs[0]["content"], "--no-think", "-n", 24, "-q", check=True)
+    assert p.stdout == r.choices[0].message.content + "\n"
+
+
+def test_raw_completions_equal_streamoe_run_and_stream_ends_in_done(client, ref, conv, server):
+    want = greedy(ref, ref.text.encode(CODE[0]), 20)
+    r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20)
+    assert r.choices[0].text == ref.text.decode(want) and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 20
+    p = cli("run", conv, "--cap", 1, "--ctx", CTX, "--raw", "-p", CODE[0], "-n", 20, "-q", check=True)
+    assert p.stdout == r.choices[0].text + "\n"
+    resp, events = sse_lines(server.url + "/v1/completions", {"prompt": CODE[0], "temperature": 0, "max_tokens": 20,
+                                                               "stream": True})
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "data: [DONE]"
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == ref.text.decode(want)
+
+
+def test_thinking_is_reasoning_content(client, ref):
+    msgs = [{"role": "user", "content": "What colour is the shape?"}]
+    toks = greedy(ref, chat_ids(ref, msgs, think=True), 24)
+    said = ref.text.decode(toks)
+    assert "</think>" in said  # the model closes its (empty) thought, then answers
+    r = client.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=24)
+    m = r.choices[0].message
+    assert m.content == said.split("</think>")[1].lstrip("\n") and "think>" not in m.content
+    assert (getattr(m, "reasoning_content", None) or "") == said.split("</think>")[0].strip("\n")
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_image_question_answers_triangle(client, ref, triangle, think):
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(triangle)}},
+                                         {"type": "text", "text": "What shape is in the image?"}]}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=16,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": think}})
+    assert r.choices[0].message.content == "triangle"
+    ids = chat_ids(ref, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What shape is in the image?"}]}], think)
+    want = greedy(ref, ids, 16, images=[triangle])
+    assert r.usage.completion_tokens == len(want) and r.usage.prompt_tokens == ref.offset - len(want)  # images expanded
+
+
+def test_tool_call_round_trip(client, ref):
+    """Tools and tool results go through the checkpoint's own template (the prompt is exactly its rendering,
+    the answer exactly the engine's for it); the tiny model never calls a tool itself, so parsing its calls is
+    tested on the template's own rendering in test_serve_api."""
+    first = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="tiny", messages=first, tools=TOOLS, temperature=0, max_tokens=1)
+    assert r.usage.prompt_tokens == len(chat_ids(ref, first, tools=TOOLS))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    convo = first + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    r2 = client.chat.completions.create(model="tiny", messages=convo, tools=TOOLS, temperature=0, max_tokens=6,
+                                        extra_body={"return_token_ids": True})
+    ids2 = chat_ids(ref, convo, tools=TOOLS)
+    rendered = ref.text.decode(ids2)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in rendered
+    assert "<tool_response>\n18 degrees, sunny\n</tool_response>" in rendered
+    assert r2.model_extra["prompt_token_ids"] == ids2  # exactly the template's rendering, tools and results
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0  # the first request's prompt, up to its answer
+    said = ref.text.decode(r2.choices[0].model_extra["token_ids"])
+    assert r2.choices[0].message.content == said.split("</think>")[-1].lstrip("\n")
+    r3 = client.chat.completions.create(model="tiny", messages=first, tools=TOOLS, tool_choice="none", temperature=0,
+                                        max_tokens=1)
+    assert r3.usage.prompt_tokens == len(chat_ids(ref, first))  # "none": the model is not told about the tools
+
+
+def test_stop_strings_and_seeds(client, ref):
+    text = ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 16))
+    stop = text[10:16]
+    r = client.completions.create(model="tiny", prompt=CODE[1], temperature=0, max_tokens=16, stop=[stop])
+    assert r.choices[0].text == text[:text.index(stop)] and r.choices[0].finish_reason == "stop"
+    a, b, c = (client.completions.create(model="tiny", prompt=CODE[2], temperature=0.9, top_p=0.9, seed=s, max_tokens=6)
+               for s in (7, 7, 8))
+    assert a.choices[0].text == b.choices[0].text != c.choices[0].text
+
+
+def test_eight_concurrent_clients_all_answered_right(client, ref, triangle):
+    img = {"type": "image_url", "image_url": {"url": data_url(triangle)}}
+    asks = [("chat", [{"role": "user", "content": [img, {"type": "text", "text": q}]}], q, True)
+            for q in ("What shape is in the image?", "What colour is the shape?")]
+    asks += [("chat", [{"role": "user", "content": q}], None, False) for q in ("Which shape?", "Is it red?")]
+    asks += [("code", p, None, False) for p in CODE + [CODE[0] + "    pass\n"]]
+    want = ["triangle", "orange"]  # what the engine answers (tests/test_tiny_model, examples/demo.py)
+    want += [ref.text.decode(greedy(ref, chat_ids(ref, x, think=False), 8)) for _, x, _, _ in asks[2:4]]
+    want += [ref.text.decode(greedy(ref, ref.text.encode(x), 8)) for _, x, _, _ in asks[4:]]
+
+    def ask(a):
+        kind, x, _, _ = a
+        if kind == "code":
+            return client.completions.create(model="tiny", prompt=x, temperature=0, max_tokens=8).choices[0].text
+        return client.chat.completions.create(model="tiny", messages=x, temperature=0, max_tokens=8,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+                                              ).choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, asks))
+    assert got == want
+
+
+def test_a_client_that_disconnects_stops_its_generation(server, client, ref):
+    body = json.dumps({"prompt": CODE[0], "temperature": 0, "max_tokens": 600, "stream": True}).encode()
+    s = raw_request(server.port, "/v1/completions", body)
+    seen = b""
+    while seen.count(b"data: ") < 4:
+        seen += s.recv(4096)
+    s.close()
+    line = wait_for(lambda: re.search(r"cancelled after (\d+) tokens", server.text()), what="the cancellation")
+    assert int(line.group(1)) < 100  # stopped at its next token, not at max_tokens
+    r = client.completions.create(model="tiny", prompt=CODE[1], temperature=0, max_tokens=8)
+    assert r.choices[0].text == ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 8))  # nothing leaked
+
+
+def test_a_full_queue_is_503_and_hung_up_requests_leave_it(server, client, ref):
+    body = json.dumps({"prompt": CODE[2], "temperature": 0, "max_tokens": 600, "stream": True}).encode()
+    socks = [raw_request(server.port, "/v1/completions", body)]
+    wait_for(lambda: fetch(server.url + "/v1/stats").json()["state"] != "idle", what="the first request to run")
+    socks += [raw_request(server.port, "/v1/completions", body) for _ in range(8)]
+    wait_for(lambda: fetch(server.url + "/health").json()["queue"] == 8, what="8 queued requests")
+    r = fetch(server.url + "/v1/completions", "POST", {"prompt": "x", "max_tokens": 1})
+    assert r.status == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full"
+    for s in socks:
+        s.close()
+    wait_for(lambda: fetch(server.url + "/health").json()["queue"] == 0, what="the queue to empty")
+    wait_for(lambda: fetch(server.url + "/v1/stats").json()["state"] == "idle", what="the worker to be idle")
+    r = client.completions.create(model="tiny", prompt=CODE[1], temperature=0, max_tokens=8)
+    assert r.choices[0].text == ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 8))
+
+
+def test_bad_requests_get_their_status_and_an_openai_error(server, triangle):
+    u = server.url
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [
+        ("POST", "/v1/chat/completions", b'{"messages": [', 400),
+        ("POST", "/v1/chat/completions", b"[1, 2]", 400),
+        ("POST", "/v1/chat/completions", b"\xff\xfe", 400),
+        ("POST", "/v1/chat/completions", b"[" * 100_000, 400),
+        ("POST", "/v1/chat/completions", {"messages": "hi"}, 400),
+        ("POST", "/v1/chat/completions", {"messages": msgs, "temperature": "warm"}, 400),
+        ("POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": -1}, 400),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}, 400),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}]}]}, 400),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 200_000}}]}]}, 413),
+        ("POST", "/v1/chat/completions", b"{" + b" " * (1 << 20) + b"}", 413),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "def " * 1100}]}, 400),
+        ("POST", "/v1/chat/completions", {"messages": msgs, "tools": TOOLS,
+                                          "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a <|image_pad|> b"}]}, 400),
+        ("POST", "/v1/completions", {"prompt": ""}, 400),
+        ("POST", "/v1/completions", {"prompt": [1, 99999]}, 400),
+        ("GET", "/v1/chat/completions", None, 405),
+        ("GET", "/v1/nothing", None, 404),
+        ("GET", "/static/../../../../etc/passwd", None, 404),
+    ]
+    for method, path, body, status in cases:
+        r = fetch(u + path, method, body, timeout=30)
+        assert r.status == status, (path, body if not isinstance(body, bytes) else body[:40], r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"], r.text
+    assert "root:" not in fetch(u + "/static/..%2F..%2F..%2F..%2Fetc%2Fpasswd").text
+
+
+def test_prompt_cache_over_http_a_second_turn_prefills_only_what_is_new(client, ref):
+    first = [{"role": "user", "content": "Is it a circle?"}]
+    r1 = client.chat.completions.create(model="tiny", messages=first, temperature=0, max_tokens=8)
+    turn2 = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And the colour?"}]
+    r2 = client.chat.completions.create(model="tiny", messages=turn2, temperature=0, max_tokens=8)
+    ids1, ids2 = chat_ids(ref, first), chat_ids(ref, turn2)
+    shared = len(ids1) - len(ref.text.encode("<think>\n"))  # everything before the generation prompt's <think>
+    assert ids2[:shared] == ids1[:shared]
+    assert r2.usage.prompt_tokens == len(ids2) and r2.usage.prompt_tokens_details.cached_tokens == shared
+    assert r2.choices[0].message.content == ref.text.decode(greedy(ref, ids2, 8)).split("</think>")[-1].lstrip("\n")
+
+
+def test_no_traceback_in_the_server_log(server):
+    log = server.text()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    assert "cancelled after" in log
+
+
+# ---- in one process: the prompt cache is exact, and bounded by its account
+
+def turns(worker: EngineWorker, picture: Path, questions: list[str]) -> tuple[list[bytes], list[int], list[str]]:
+    """A conversation with thinking on and an image in the first turn; per turn: the logits, the tokens
+    taken from a snapshot, and the answer. (bench/serve.py runs five turns through the HTTP API.)"""
+    img = {"type": "image_url", "image_url": {"url": data_url(picture)}}
+    msgs: list[dict] = []
+    logits, cached, answers = [], [], []
+    for i, q in enumerate(questions):
+        msgs.append({"role": "user", "content": [img, {"type": "text", "text": q}] if i == 0 else q})
+        job = worker.prepare(parse_chat({"messages": msgs, "temperature": 0, "max_tokens": 12}, Limits()))
+        job.logits, job.sink = [], []
+        worker.run(job)
+        done = [e for e in job.sink if e[0] == "done"]
+        assert done, job.sink
+        answer = "".join(v for e in job.sink if e[0] == "delta" for k, v in e[1] if k == "content")
+        msgs.append({"role": "assistant", "content": answer})
+        import numpy as np
+
+        logits.append(np.stack(job.logits).tobytes())
+        cached.append(done[0][1]["usage"]["prompt_tokens_details"]["cached_tokens"])
+        answers.append(answer)
+    return logits, cached, answers
+
+
+def test_prompt_cache_is_bit_identical_to_a_fresh_prefill_turn_after_turn(conv, triangle):
+    questions = ["What shape is in the image?", "What colour is it?", "Where is it?"]
+    opts = Options(cap_gib=8, ctx=CTX, images=True, runtime_bytes=RUNTIME_MIB * MiB)
+    on = EngineWorker(open_engine(conv, opts, so := ServeOptions("t", prompt_cache_bytes=8 * MiB)), so)
+    with_cache = turns(on, triangle, questions)
+    snaps = on.cache.to_json()
+    assert on.eng.plan.accounts["prompt cache"] == 8 * MiB and snaps["bytes"] <= 8 * MiB
+    on.eng.close()
+    off = EngineWorker(open_engine(conv, opts, so := ServeOptions("t", prompt_cache_bytes=0)), so)
+    without = turns(off, triangle, questions)
+    off.eng.close()
+    assert with_cache[0] == without[0]  # every logit of every turn, bit for bit
+    assert with_cache[2] == without[2] and with_cache[2][0] == "triangle"
+    assert without[1] == [0] * 3 and with_cache[1][0] == 0 and all(c > 0 for c in with_cache[1][1:])
+    assert snaps["hits"] == 2 and snaps["tokens_saved"] == sum(with_cache[1]) > 0
+
+
+def test_max_tokens_is_clamped_to_what_the_planned_context_holds(conv):
+    eng = open_engine(conv, Options(cap_gib=8, ctx=48, runtime_bytes=RUNTIME_MIB * MiB), so := ServeOptions("t"))
+    w = EngineWorker(eng, so)
+    job = w.prepare(parse_chat({"messages": [{"role": "user", "content": "Where is the shape?"}], "max_tokens": 10**6,
+                                "temperature": 0}, Limits()))
+    assert job.max_tokens == 48 - len(job.ids) and job.sampler.temp == 0
+    w.run(job)
+    eng.close()
+
+
+def test_snapshots_beyond_the_budget_are_evicted(conv):
+    opts = Options(cap_gib=8, ctx=CTX, runtime_bytes=RUNTIME_MIB * MiB)
+    eng = open_engine(conv, opts, so := ServeOptions("t", prompt_cache_bytes=1))
+    w = EngineWorker(eng, so)
+    job = w.prepare(parse_chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, Limits()))
+    w.run(job)
+    assert w.cache.to_json()["snapshots"] == 0  # one snapshot is larger than a 1-byte account: none kept
+    w.cache.budget = 10 * MiB
+    for q in ("a", "b", "c"):
+        w.run(w.prepare(parse_chat({"messages": [{"role": "user", "content": q}], "max_tokens": 2}, Limits())))
+    one = w.cache.nbytes // 3
+    w.cache.budget = 2 * one
+    w.run(w.prepare(parse_chat({"messages": [{"role": "user", "content": "d"}], "max_tokens": 2}, Limits())))
+    assert len(w.cache.snaps) == 2 and w.cache.nbytes <= w.cache.budget
+    eng.close()
+
+
+# ---- the cap holds with several clients, under a real cgroup
+
+def test_cap_holds_with_several_clients_inside_a_cgroup(conv, tmp_path, triangle, ref):
+    import os
+
+    base = cgroup_dir()
+    if base is None:
+        pytest.skip("no writable cgroup-v1 memory controller here (needs /sys/fs/cgroup/memory and root)")
+    cap = quarter_cap(conv)
+    cg = base / f"streamoe_serve_{os.getpid()}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(int(cap * 2**30)))
+        s = start_server(conv, tmp_path / "capped.log", "--cap", cap, *SERVE, cgroup=cg)
+        try:
+            c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            img = {"type": "image_url", "image_url": {"url": data_url(triangle)}}
+
+            def ask(i):
+                if i % 2:
+                    return c.completions.create(model="tiny", prompt=CODE[i % 3], temperature=0, max_tokens=24).choices[0].text
+                return c.chat.completions.create(model="tiny", temperature=0, max_tokens=8, messages=[
+                    {"role": "user", "content": [img, {"type": "text", "text": "What shape is in the image?"}]}],
+                    extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message.content
+
+            with ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(ask, range(4)))
+            stats = fetch(s.url + "/v1/stats").json()
+        finally:
+            assert stop_server(s) == 0, s.text()
+        failcnt, peak = int((cg / "memory.failcnt").read_text()), int((cg / "memory.max_usage_in_bytes").read_text())
+    finally:
+        try:
+            (cg / "memory.force_empty").write_text("1")
+        except OSError:
+            pass
+        cg.rmdir()
+    assert got[0] == got[2] == "triangle"
+    assert got[1] == ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 24))
+    assert failcnt == 0 and peak <= cap * 2**30, (failcnt, peak, cap)
+    assert stats["last"]["mib_read_token"] > 0 and stats["last"]["hit_rate"] < 1  # experts did stream
+
+
+def test_serve_refuses_a_bad_model_in_one_line(tmp_path):
+    one_error_line(cli("serve", tmp_path / "nowhere", "--port", 1), "nowhere")

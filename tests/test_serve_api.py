@@ -1,0 +1,277 @@
+"""`streamoe serve`'s pure parts, without a server: the tool-call parser on exactly what the shipped chat
+template renders, thinking and stop strings, streamed and whole answers alike, request checking, and the
+prompt cache's keys and segment boundaries."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import pytest
+from PIL import Image
+
+from streamoe.runtime.chat_output import ChatOutput, StopMatcher, collect, parse_call
+from streamoe.runtime.openai_api import APIError, Limits, parse_chat, parse_completion
+from streamoe.runtime.prompt_cache import PromptCache, Snapshot, boundaries, key_items
+from streamoe.runtime.text import TextIO
+from streamoe.runtime.worker import assistant_header, sampling_defaults
+
+from .conftest import REPO
+
+TINY = REPO / "models" / "tiny"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALLS = [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+         {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "CET", "n": [1, 2.5]}}}]
+
+
+@pytest.fixture(scope="module")
+def text() -> TextIO:
+    return TextIO(TINY, json.loads((TINY / "config.json").read_text()))
+
+
+def rendered_answer(text: TextIO, content: str, calls: list[dict]) -> str:
+    """What the shipped template writes for an assistant message: the text between its header and <|im_end|>."""
+    msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": content, "tool_calls": calls}]
+    s = text.template.render(messages=msgs, tools=TOOLS, add_generation_prompt=False, bos_token="", eos_token="")
+    body = s[s.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n"):]
+    assert body.endswith("<|im_end|>\n")
+    return body[: -len("<|im_end|>\n")]
+
+
+def streamed(text: TextIO, answer: str, **kw) -> list:
+    """Feed an answer token by token, as the server decodes it."""
+    out = ChatOutput(**kw)
+    evs = []
+    for t in text.encode(answer):
+        evs += out.feed(text.decode([t]))
+    return evs + out.flush()
+
+
+def whole(answer: str, **kw) -> list:
+    out = ChatOutput(**kw)
+    return out.feed(answer) + out.flush()
+
+
+@pytest.mark.parametrize("content", ["", "Let me look that up."])
+def test_tool_calls_parse_back_from_the_templates_rendering(text, content):
+    body = rendered_answer(text, content, CALLS)
+    assert body.count("<tool_call>") == 2  # the template's own form, not ours
+    for evs in (whole(body, thinking=False, tools=True, stops=[]), streamed(text, body, thinking=False, tools=True, stops=[])):
+        got = collect(evs)
+        assert got["content"] == (content or None)
+        assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
+            ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET", "n": [1, 2.5]})]
+
+
+def test_a_parsed_call_renders_back_to_the_same_text(text):
+    body = rendered_answer(text, "Sure.", CALLS)
+    got = collect(whole(body, thinking=False, tools=True, stops=[]))
+    again = [{"id": str(i), "type": "function", "function": c} for i, c in enumerate(got["tool_calls"])]
+    assert rendered_answer(text, got["content"], again) == body
+
+
+@pytest.mark.parametrize("block", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',  # bad JSON
+    '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>',  # no name
+    '<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>',  # arguments not an object
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',  # never closed
+])
+def test_malformed_tool_call_blocks_stay_content_verbatim(text, block):
+    answer = "Checking.\n" + block
+    for evs in (whole(answer, thinking=False, tools=True, stops=[]), streamed(text, answer, thinking=False, tools=True, stops=[])):
+        got = collect(evs)
+        assert got["tool_calls"] is None and got["content"] == answer
+
+
+def test_a_malformed_block_beside_a_good_one(text):
+    good = rendered_answer(text, "", CALLS[:1])
+    answer = good + "\n<tool_call>\nnot json\n</tool_call>"
+    got = collect(streamed(text, answer, thinking=False, tools=True, stops=[]))
+    assert [c["name"] for c in got["tool_calls"]] == ["get_weather"]
+    assert got["content"] == "<tool_call>\nnot json\n</tool_call>"
+
+
+def test_without_tools_a_tool_call_is_plain_content(text):
+    body = rendered_answer(text, "x", CALLS)
+    assert collect(whole(body, thinking=False, tools=False, stops=[])) == {"content": body, "reasoning_content": None,
+                                                                          "tool_calls": None}
+
+
+@pytest.mark.parametrize("answer, reasoning, content", [
+    ("\n</think>\n\ntriangle", None, "triangle"),  # what the embedded model writes: an empty thought
+    ("Two shapes?\nNo, one.\n</think>\n\nstar", "Two shapes?\nNo, one.", "star"),
+    ("still thinking\n\n", "still thinking", ""),  # cut by max_tokens inside the thought
+])
+def test_thinking_becomes_reasoning_content(text, answer, reasoning, content):
+    for evs in (whole(answer, thinking=True, tools=False, stops=[]), streamed(text, answer, thinking=True, tools=False, stops=[])):
+        got = collect(evs)
+        assert (got["reasoning_content"], got["content"]) == (reasoning, content)
+
+
+def test_thinking_then_a_tool_call(text):
+    body = rendered_answer(text, "", CALLS[:1])
+    got = collect(streamed(text, "I need the weather.\n</think>\n\n" + body, thinking=True, tools=True, stops=[]))
+    assert got["reasoning_content"] == "I need the weather." and got["content"] is None
+    assert got["tool_calls"][0]["name"] == "get_weather"
+
+
+def test_stop_strings_cut_before_the_match_at_any_split():
+    answer = "def f(x):\n    return x\n\n\ndef g():"
+    for cut in range(len(answer) + 1):
+        m = StopMatcher(["\n\n\n", "never"])
+        got = m.feed(answer[:cut]) + m.feed(answer[cut:]) + m.flush()
+        assert got == "def f(x):\n    return x" and m.stopped
+
+
+def test_parse_call_gives_arguments_as_a_json_string():
+    assert parse_call('{"name": "f", "arguments": {"a": "é"}}') == {"name": "f", "arguments": '{"a": "é"}'}
+    assert parse_call('{"name": "f"}') == {"name": "f", "arguments": "{}"}
+    assert parse_call('{"name": "", "arguments": {}}') is None
+
+
+# ---- request checking
+
+def png_url(size=(64, 48)) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (200, 10, 10)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat(**kw) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    (chat(temperature="hot"), "temperature"),
+    (chat(temperature=3), "temperature"),
+    (chat(top_p=0), "top_p"),
+    (chat(top_p=1.5), "top_p"),
+    (chat(max_tokens=0), "max_tokens"),
+    (chat(max_completion_tokens=2.5), "max_completion_tokens"),
+    (chat(n=2), "n"),
+    (chat(stream="yes"), "stream"),
+    (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (chat(seed="x"), "seed"),
+    (chat(logprobs=True), "logprobs"),
+    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(tools=[{"type": "function"}]), "tools[0]"),
+    (chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+    (chat(chat_template_kwargs={"enable_thinking": "no"}), "chat_template_kwargs"),
+])
+def test_bad_fields_are_400_naming_the_field(body, param):
+    with pytest.raises(APIError) as e:
+        parse_chat(body, Limits())
+    assert e.value.status == 400 and e.value.param == param
+    assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("url, status, words", [
+    ("http://example.com/cat.png", 400, "only data: URLs"),
+    ("file:///etc/passwd", 400, "only data: URLs"),
+    ("/etc/passwd", 400, "only data: URLs"),
+    ("data:image/png,rawbytes", 400, "base64"),
+    ("data:image/png;base64,@@@@", 400, "not valid base64"),
+    ("data:text/plain;base64,aGVsbG8=", 400, "not an image"),
+    ("data:image/png;base64," + base64.b64encode(b"GIF89a" + bytes(40)).decode(), 400, "not an image"),
+    ("data:image/png;base64," + "A" * 5000, 413, "at most"),
+])
+def test_images_only_as_checked_data_urls(url, status, words):
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "?"}]}]}
+    with pytest.raises(APIError) as e:
+        parse_chat(body, Limits(max_image_bytes=2000))
+    assert e.value.status == status and words in e.value.message
+
+
+def test_a_good_request_normalised():
+    body = chat(messages=[{"role": "developer", "content": "be brief"},
+                          {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}},
+                                                       {"type": "text", "text": "shape?"}]},
+                          {"role": "assistant", "content": None, "tool_calls": CALLS[:1]},
+                          {"role": "tool", "tool_call_id": "a", "content": "18 C"}],
+                max_tokens=50, max_completion_tokens=20, stop="\n", top_k=-1, tools=TOOLS, tool_choice="auto",
+                chat_template_kwargs={"enable_thinking": False}, stream=True, stream_options={"include_usage": True})
+    r = parse_chat(body, Limits())
+    assert r.messages[0] == {"role": "system", "content": "be brief"}
+    assert r.messages[1]["content"] == [{"type": "image"}, {"type": "text", "text": "shape?"}]
+    assert len(r.images) == 1 and r.images[0].startswith(b"\x89PNG")
+    assert r.max_tokens == 20 and r.stop == ["\n"] and r.top_k == 0 and r.temperature is None
+    assert r.tools == TOOLS and r.parse_tools and r.template_kwargs == {"enable_thinking": False}
+    assert r.stream and r.include_usage
+    assert parse_chat(chat(tools=TOOLS, tool_choice="none"), Limits()).tools is None
+
+
+def test_too_many_images_and_images_outside_user_messages():
+    part = {"type": "image_url", "image_url": {"url": png_url()}}
+    with pytest.raises(APIError, match="at most 2 images"):
+        parse_chat({"messages": [{"role": "user", "content": [part, part, part]}]}, Limits(max_images=2))
+    with pytest.raises(APIError, match="user messages only"):
+        parse_chat({"messages": [{"role": "system", "content": [part]}]}, Limits())
+
+
+def test_completion_prompts():
+    assert parse_completion({"prompt": "def f():"}).prompt == "def f():"
+    assert parse_completion({"prompt": ["x"]}).prompt == "x"
+    assert parse_completion({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    for p in (None, "", [], [1, "a"], {"a": 1}):
+        with pytest.raises(APIError) as e:
+            parse_completion({"prompt": p})
+        assert e.value.status == 400 and e.value.param == "prompt"
+
+
+# ---- prompt cache keys and the template's boundaries
+
+def test_assistant_header_and_boundaries(text):
+    header = assistant_header(text)
+    assert text.decode(header) == "<|im_start|>assistant\n"
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    ids = text.encode(text.chat_prompt(msgs))
+    cuts = boundaries(ids, header)
+    assert [text.decode(ids[:c])[-len("assistant\n"):] for c in cuts] == ["assistant\n", "assistant\n"]
+    # the first cut is where the first turn's own prompt had its boundary: the next turn shares that prefix
+    first = text.encode(text.chat_prompt(msgs[:1]))
+    assert boundaries(first, header) == [cuts[0]] and first[:cuts[0]] == ids[:cuts[0]]
+    assert boundaries(ids, []) == []
+
+
+def test_keys_tell_images_apart_and_lookup_takes_the_longest_prefix():
+    import numpy as np
+
+    a, b = key_items([1, 9, 9, 2], 9, ["h1", "h2"]), key_items([1, 9, 9, 2], 9, ["h1", "h3"])
+    assert a == (1, ("image", "h1"), ("image", "h2"), 2) and a != b
+    assert key_items([9, 1], 9, []) == (9, 1)  # a placeholder in raw text, without an image, is a plain token
+    pc = PromptCache(budget=1000)
+    for k in [(1,), (1, 2), (1, 2, 3), (5, 6)]:
+        pc.add(Snapshot(k, len(k), 0, [("x", np.zeros(4, np.uint8))]))
+    assert pc.lookup((1, 2, 3)).key == (1, 2)  # a snapshot of the whole prompt is not used: one token must be fed
+    assert pc.lookup((1, 2, 3, 4)).key == (1, 2, 3)
+    assert pc.lookup((7, 8)) is None and pc.lookup((5,)) is None
+    assert pc.hits == 2 and pc.misses == 2 and pc.tokens_saved == 5
+
+
+def test_lru_eviction_keeps_the_budget():
+    import numpy as np
+
+    pc = PromptCache(budget=3000)
+    snap = lambda k: Snapshot(k, 1, 0, [("layers.0.state", np.zeros(250, np.float32))])  # noqa: E731  1000 B each
+    for k in [(1,), (2,), (3,)]:
+        pc.add(snap(k))
+    pc.lookup((1, 0))  # (1,) is now the most recent
+    pc.add(snap((4,)))
+    assert list(pc.snaps) == [(3,), (1,), (4,)] and pc.nbytes == 3000
+    pc.add(Snapshot((9,), 1, 0, [("x", np.zeros(1000, np.float32))]))  # larger than the budget: not kept
+    assert (9,) not in pc.snaps and pc.nbytes <= 3000
+
+
+def test_sampling_defaults_come_from_generation_config(tmp_path):
+    assert sampling_defaults(TINY) == {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
+    assert sampling_defaults(tmp_path)["temperature"] == 0.0
+    assert sampling_defaults(tmp_path / "none") == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
