@@ -418,13 +418,13 @@ def main() -> None:
     ap.add_argument("--update", action="store_true",
                     help="replace only these parsers' entries in an existing bench/results/NAME.json (after a fix)")
     a = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()  # at the start: the code the workers load
     with scratch_dir(a.scratch) as scratch:
         World(scratch)  # build the checkpoint and conversion once, before the workers read them
         names = a.parsers.split(",")
         with multiprocessing.get_context("spawn").Pool(max(1, a.jobs)) as pool:
             results = pool.starmap(fuzz_one, [(name, scratch, a.examples) for name in names])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
     for r in results:
         r["commit"] = commit  # the code each parser's count holds for
     if a.update:
