@@ -25,6 +25,7 @@ import json
 import multiprocessing
 import os
 import struct
+import subprocess
 import sys
 import time
 import traceback
@@ -38,7 +39,7 @@ from hypothesis import strategies as st
 
 from streamoe.formats.errors import StreamoeError
 
-from .common import scratch_dir, write_result
+from .common import RESULTS, scratch_dir, write_result
 
 LEAN = 12  # tensors kept in the manifest's blob tables and the shard header the fuzzers mutate
 SPECIAL_INTS = [0, 1, -1, 2, 7, 64, 4096, 2**31, 2**32, 2**53, 2**63 - 1, 2**63, 2**64, -(2**63), 10**9, 10**18]
@@ -414,12 +415,23 @@ def main() -> None:
     ap.add_argument("--scratch", type=Path, default=None, help="working directory (default: a new temporary one)")
     ap.add_argument("--name", default="fuzz", help="result file bench/results/NAME.json")
     ap.add_argument("--jobs", type=int, default=1, help="parsers fuzzed in parallel processes")
+    ap.add_argument("--update", action="store_true",
+                    help="replace only these parsers' entries in an existing bench/results/NAME.json (after a fix)")
     a = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()  # at the start: the code the workers load
     with scratch_dir(a.scratch) as scratch:
         World(scratch)  # build the checkpoint and conversion once, before the workers read them
         names = a.parsers.split(",")
         with multiprocessing.get_context("spawn").Pool(max(1, a.jobs)) as pool:
             results = pool.starmap(fuzz_one, [(name, scratch, a.examples) for name in names])
+    for r in results:
+        r["commit"] = commit  # the code each parser's count holds for
+    if a.update:
+        old = json.loads((RESULTS / f"{a.name}.json").read_text())["results"]
+        fresh = {r["parser"] for r in results}
+        results = [r for r in old if r["parser"] not in fresh] + results
+        results.sort(key=lambda r: PARSERS.index(r["parser"]) if r["parser"] in PARSERS else len(PARSERS))
     write_result(a.name, "fuzz", results)
     if any(r["other_exceptions"] for r in results):
         sys.exit(1)

@@ -26,7 +26,7 @@ from ..formats import quant
 from ..formats.blobs import BlobTensor, plan_blob
 from ..formats.config import quant_for
 from ..formats.direct import RangeReader, UncachedWriter, aligned_buffer
-from ..formats.errors import fail
+from ..formats.errors import StreamoeError, fail
 from ..formats.files import check_writable_dir, exclusive_lock, kind, os_fail
 from ..formats.layout import layer_file
 from ..formats.manifest import MANIFEST, segments_json, write_manifest
@@ -331,7 +331,12 @@ def convert(
 
 def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: bool) -> None:
     lay4 = ckpt.layer_layout()
-    lay3 = RecordLayout.make(lay4.hidden, lay4.intermediate, 3, lay4.group_size, lay4.scale_dtype)
+    try:
+        lay3 = RecordLayout.make(lay4.hidden, lay4.intermediate, 3, lay4.group_size, lay4.scale_dtype)
+    except StreamoeError as e:
+        if "q3" in formats:
+            raise fail(ckpt.root / "config.json", f"the expert dims cannot hold 3-bit records ({e})") from None
+        lay3 = lay4  # never written: q3 was not asked for
     prefix, layers = ckpt.expert_keys()
     tc = ckpt.text
     n_exp, n_layers = tc["num_experts"], tc["num_hidden_layers"]

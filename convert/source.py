@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..formats import files as fsio
 from ..formats.config import quant_for, text_config
-from ..formats.errors import fail
+from ..formats.errors import StreamoeError, fail
 from ..formats.limits import MAX_FILE_BYTES, MAX_TENSORS, check_config_sizes, check_int
 from ..formats.record import PARTS, PROJS, RecordLayout
 from ..formats.safetensors import Header, TensorInfo, read_header
@@ -71,7 +71,7 @@ class Checkpoint:
             raise fail(self.root / "model.safetensors.index.json", f"tensor {prefix}{min(layers)}.mlp.switch_mlp.gate_proj.scales is missing")
         try:
             lay = RecordLayout.make(hidden, inter, 4, bits_group[1], sample.dtype)
-        except ValueError as e:
+        except (ValueError, StreamoeError) as e:
             raise fail(self.root / "config.json", f"expert dims do not pack: {e}") from None
         n_layers = tc["num_hidden_layers"]
         if sorted(layers) != list(range(n_layers)):
@@ -125,8 +125,8 @@ def open_checkpoint(root: str | Path) -> Checkpoint:
     config = read_json(root / "config.json")
     check_config_sizes(config, root / "config.json")
     mt = config.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise fail(root / "config.json", f"unsupported model_type {mt!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
+    if not isinstance(mt, str) or mt not in SUPPORTED_MODEL_TYPES:
+        raise fail(root / "config.json", f"unsupported model_type {str(mt)[:40]!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
     q = config.get("quantization")
     if not isinstance(q, dict) or "bits" not in q or "group_size" not in q:
         raise fail(root / "config.json", "no quantization block: streamoe converts quantized (4-bit) exports")

@@ -202,6 +202,8 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
                          runtime_bytes=runtime_mib and runtime_mib << 20)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
+    except StreamoeError as e:
+        raise StreamoeError(e.args[0] if str(path) in str(e) else f"{path}: {e}") from None
 
 
 COMMON = [
