@@ -137,7 +137,7 @@ def machine() -> dict:
     import mlx.core as mx
 
     return {"cpus": os.cpu_count() or 0, "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "device": str(mx.default_device())}
+            "device": str(mx.default_device()), "load_avg_1m": round(os.getloadavg()[0], 2)}  # a shared machine is noisy
 
 
 def main() -> None:
