@@ -351,7 +351,17 @@ def test_max_tokens_is_clamped_to_what_the_planned_context_holds(conv):
                                 "temperature": 0}, Limits()))
     assert job.max_tokens == 48 - len(job.ids) and job.sampler.temp == 0
     w.run(job)
+    unset = w.prepare(parse_chat({"messages": [{"role": "user", "content": "?"}]}, Limits()))
+    assert (unset.sampler.temp, unset.sampler.top_p, unset.sampler.top_k) == (1.0, 0.95, 20)  # generation_config.json
+    assert unset.max_tokens == 48 - len(unset.ids)
     eng.close()
+
+
+def test_only_loopback_binds_quietly():
+    from streamoe.runtime.server import exposure
+
+    assert exposure("127.0.0.1") is None and exposure("localhost") is None and exposure("::1") is None
+    assert "reachable from other machines" in exposure("0.0.0.0") and "192.168.1.4" in exposure("192.168.1.4")
 
 
 def test_snapshots_beyond_the_budget_are_evicted(conv):
