@@ -1,33 +1,52 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUNTIME_STAMP := $(VENV)/.installed-runtime
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench lint imports fuzz clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+# the runtime dependencies only: what `pip install streamoe` brings
+$(RUNTIME_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# plus the test tools and the peers used as test oracles (mlx-lm, mlx-vlm): `[dev]`
+$(DEV_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
-	touch $(STAMP)
+	touch $@ $(RUNTIME_STAMP)
 
-setup: $(STAMP)
+setup: $(DEV_STAMP)
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
-demo: $(STAMP)
+demo: $(RUNTIME_STAMP)
 	$(BIN)/python examples/demo.py
 
-bench: $(STAMP)
-	$(BIN)/python bench/convert.py --size small
-	$(BIN)/python bench/decode.py
-	$(BIN)/python bench/q3_quality.py --tokens 768
-	$(BIN)/python bench/session.py --model /var/tmp/streamoe-bench/small-conv --name session-small
+# every bench works in one fresh temporary directory, removed at the end
+bench: $(RUNTIME_STAMP)
+	scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && \
+	$(BIN)/python -m bench.convert --size small --scratch "$$scratch" && \
+	$(BIN)/python -m bench.decode --size small --scratch "$$scratch" && \
+	$(BIN)/python -m bench.q3_quality --tokens 768 && \
+	$(BIN)/python -m bench.session --model "$$scratch/small-conv" --scratch "$$scratch" --name session-small
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
+
+# every project import resolves statically with jedi (which cannot follow the editable install): bench/results/imports.json
+imports: $(DEV_STAMP)
+	$(BIN)/python -m bench.check_imports
+
+# every parser fuzzed with 20,000 hostile inputs (hypothesis, a dev tool): bench/results/fuzz.json
+fuzz: $(DEV_STAMP)
+	$(BIN)/python -m bench.fuzz --examples 20000 --jobs 6
 
 clean:
 	rm -rf $(VENV) build *.egg-info

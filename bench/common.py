@@ -1,20 +1,36 @@
-"""Shared by the bench scripts: machine facts, page-cache accounting, raw O_DIRECT speed, JSON results."""
+"""Shared by the bench scripts: machine facts, page-cache accounting, raw O_DIRECT speed, scratch directories,
+JSON results."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 
-from streamoe.formats.direct import ALIGN, aligned_buffer, drop_cache, open_uncached
+from streamoe.formats.direct import align_down, aligned_buffer, drop_cache, open_uncached
 from streamoe.formats.manifest import schema
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@contextlib.contextmanager
+def scratch_dir(path: Path | None) -> Iterator[Path]:
+    """The work directory of a bench: `path` if given (created, kept, reused by later runs), else a fresh
+    temporary directory removed at the end."""
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="streamoe-bench-") as tmp:
+        yield Path(tmp)
 
 
 def meminfo(key: str) -> int:
@@ -42,7 +58,7 @@ def _uncached_chunks(paths, limit_bytes: int, chunk: int):
     try:
         for p in paths:
             fd, _ = open_uncached(p)
-            size = os.path.getsize(p) // ALIGN * ALIGN
+            size = align_down(os.path.getsize(p))
             off = 0
             while off < size and total < limit_bytes:
                 n = os.preadv(fd, [view[: min(chunk, size - off)]], off)

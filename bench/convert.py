@@ -1,8 +1,8 @@
 """Converter benchmark: peak RSS, wall time and GB/s against the raw O_DIRECT read speed of the same shards
 (measured in the same run), page-cache growth, and output sizes.
 
-    python bench/convert.py --size full --scratch /var/tmp/streamoe-bench      # 19 GiB synthetic checkpoint
-    python bench/convert.py --size small                                          # seconds, for a smoke run
+    python -m bench.convert --size full --scratch /var/tmp/streamoe-bench      # 19 GiB synthetic checkpoint, kept
+    python -m bench.convert --size small                                          # seconds, for a smoke run
 """
 
 from __future__ import annotations
@@ -17,30 +17,33 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_files, meminfo, raw_copy_gbs, raw_read_gbs, write_result  # noqa: E402
+from .common import drop_files, meminfo, raw_copy_gbs, raw_read_gbs, scratch_dir, write_result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=["tiny", "small", "full"], default="small")
-    ap.add_argument("--scratch", type=Path, default=Path("/var/tmp/streamoe-bench"))
+    ap.add_argument("--scratch", type=Path, default=None, help="work directory, kept (default: a fresh temporary directory, removed at the end)")
     ap.add_argument("--experts", default="q4", help="q4 or q4,q3")
-    ap.add_argument("--keep", action="store_true", help="keep the converted directory")
+    ap.add_argument("--keep", action="store_true", help="keep the converted directory (in --scratch)")
     a = ap.parse_args()
-    a.scratch.mkdir(parents=True, exist_ok=True)
-    ckpt = a.scratch / f"{a.size}-ckpt"
+    with scratch_dir(a.scratch) as scratch:
+        run(a, scratch)
+
+
+def run(a, scratch: Path) -> None:
+    ckpt = scratch / f"{a.size}-ckpt"
     if not (ckpt / "model.safetensors.index.json").exists():
         subprocess.run([sys.executable, "-m", "streamoe.cli", "synth", str(ckpt), "--size", a.size], check=True)
     shards = sorted(ckpt.glob("*.safetensors"))
     src_bytes = sum(p.stat().st_size for p in shards)
-    out = a.scratch / f"{a.size}-conv-{a.experts.replace(',', '-')}"
+    out = scratch / f"{a.size}-conv-{a.experts.replace(',', '-')}"
     shutil.rmtree(out, ignore_errors=True)
 
     drop_files(shards)
     raw = raw_read_gbs(shards)
     drop_files(shards)
-    copy = raw_copy_gbs(shards, a.scratch / "copy-probe.bin")
+    copy = raw_copy_gbs(shards, scratch / "copy-probe.bin")
     drop_files(shards)
     cached0 = meminfo("Cached")
     t0 = time.perf_counter()

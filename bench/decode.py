@@ -6,8 +6,8 @@ telemetry we report decode tok/s, ms/token split (compute / I/O wait / other), M
 rate by tier, prefetch accuracy, and the hit rate of Belady's optimum on the same routing trace with the
 same number of slots. The raw O_DIRECT read speed of the layer files is measured in the same run.
 
-    python bench/decode.py --model /var/tmp/streamoe-bench/full-conv --caps 3,4,6,resident --tokens 24
-    python bench/decode.py --size small            # synthesizes + converts a small model in --scratch
+    python -m bench.decode --model /var/tmp/streamoe-bench/full-conv --caps 3,4,6,resident --tokens 24
+    python -m bench.decode --size small            # synthesizes + converts a small model in --scratch
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_files, raw_read_gbs, write_result  # noqa: E402
+from bench.common import drop_files, raw_read_gbs, write_result
 
 PROMPT = ("Write a Python function that parses a CSV file, computes the mean of every numeric column, "
           "and prints a short report. Explain each step.")
@@ -112,7 +112,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="converted directory")
     ap.add_argument("--size", choices=["small", "full"], default="small", help="without --model: synth + convert this size")
-    ap.add_argument("--scratch", type=Path, default=Path("/var/tmp/streamoe-bench"))
+    ap.add_argument("--scratch", type=Path, default=None, help="work directory (default: a fresh temporary one)")
     ap.add_argument("--caps", default=None, help="comma list of GiB, 'resident' = everything in RAM")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--experts", default="q4")
@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also tier lru and prefetch 0 at each cap")
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
+    a.scratch = a.scratch or Path(tempfile.mkdtemp(prefix="streamoe-bench-"))
     a.scratch.mkdir(parents=True, exist_ok=True)
     model = a.model
     if model is None:

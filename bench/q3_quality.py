@@ -1,7 +1,7 @@
 """Packed 3-bit (the exact shift) against 4-bit experts: KL divergence and top-1 agreement of the next-token
 distributions on held-out text, teacher-forced through the streaming engine, on the trained default model.
 
-    python bench/q3_quality.py --tokens 1024
+    python -m bench.q3_quality --tokens 1024
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from .common import scratch_dir, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,9 +48,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
     ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--scratch", type=Path, default=Path("/var/tmp/streamoe-bench"))
+    ap.add_argument("--scratch", type=Path, default=None, help="work directory, kept (default: a fresh temporary directory, removed at the end)")
     a = ap.parse_args()
-    conv = a.scratch / f"{a.model.name}-q4q3"
+    with scratch_dir(a.scratch) as scratch:
+        run(a, scratch)
+
+
+def run(a, scratch: Path) -> None:
+    conv = scratch / f"{a.model.name}-q4q3"
     # converted afresh every time (seconds for the tiny model): a kept conversion may be of older weights
     subprocess.run([sys.executable, "-m", "streamoe.cli", "convert", str(a.model), str(conv), "--experts", "q4,q3",
                     "--force"], check=True)

@@ -1,37 +1,40 @@
 """Session files: size, save and load time for a conversation of N tokens, and that a loaded session saves
 back to the same bytes.
 
-    python bench/session.py --model /var/tmp/streamoe-bench/full-conv-q4-q3 --tokens 154 --cap 4
+    python -m bench.session --model /var/tmp/streamoe-bench/full-conv-q4-q3 --tokens 154 --cap 4
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from .common import scratch_dir, write_result
 
 
 def main() -> None:
-    from streamoe.runtime.engine import Engine, Options
-    from streamoe.runtime.session import load_session, save_session
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="converted directory")
     ap.add_argument("--tokens", type=int, default=154, help="conversation length (random token ids)")
     ap.add_argument("--cap", type=float, default=4.0)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--kv", default="float32")
-    ap.add_argument("--scratch", type=Path, default=Path("/var/tmp/streamoe-bench"))
+    ap.add_argument("--scratch", type=Path, default=None, help="work directory, kept (default: a fresh temporary directory, removed at the end)")
     ap.add_argument("--name", default="session")
     a = ap.parse_args()
-    first, second = a.scratch / "bench-session-a.zst", a.scratch / "bench-session-b.zst"
+    with scratch_dir(a.scratch) as scratch:
+        run(a, scratch)
+
+
+def run(a, scratch: Path) -> None:
+    from streamoe.runtime.engine import Engine, Options
+    from streamoe.runtime.session import load_session, save_session
+
+    first, second = scratch / "bench-session-a.zst", scratch / "bench-session-b.zst"
     opts = Options(cap_gib=a.cap, ctx=a.ctx, kv=a.kv)
     eng = Engine(a.model, opts)
     ids = np.random.default_rng(0).integers(0, eng.args.vocab_size, a.tokens).tolist()

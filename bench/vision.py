@@ -1,7 +1,7 @@
 """Image path benchmark: encode time and peak memory per image size on the full-size vision tower, and the
 prefill of an image turn plus decode speed after it against a text-only turn, on the trained default model.
 
-    python bench/vision.py --model /var/tmp/streamoe-bench/full-conv-q4-q3     # a converted full-size model
+    python -m bench.vision --model /var/tmp/streamoe-bench/full-conv-q4-q3     # a converted full-size model
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from .common import scratch_dir, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,12 +83,12 @@ def turn_speeds(scratch: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="converted full-size model for the encode timings")
-    ap.add_argument("--scratch", type=Path, default=Path("/var/tmp/streamoe-bench"))
+    ap.add_argument("--scratch", type=Path, default=None, help="work directory, kept (default: a fresh temporary directory, removed at the end)")
     a = ap.parse_args()
-    a.scratch.mkdir(parents=True, exist_ok=True)
-    results = turn_speeds(a.scratch)
-    if a.model is not None:
-        results = encode_sizes(a.model, a.scratch) + results
+    with scratch_dir(a.scratch) as scratch:
+        results = turn_speeds(scratch)
+        if a.model is not None:
+            results = encode_sizes(a.model, scratch) + results
     write_result("vision", "decode", results)
 
 

@@ -1,4 +1,4 @@
-"""`streamoe convert`: mlx-community checkpoint → streamoe directory (SPEC §3–4).
+"""`streamoe convert`: mlx-community checkpoint → streamoe directory (docs/FORMAT.md).
 
 Streams tensor by tensor with explicit byte-range reads (never `mx.load`, which reads a whole stacked
 tensor to give one expert), keeps the page cache clean, and is crash-safe: everything is written into
@@ -9,10 +9,13 @@ source is unchanged, else starts clean.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,12 +24,16 @@ from tqdm import tqdm
 
 from ..formats import quant
 from ..formats.blobs import BlobTensor, plan_blob
+from ..formats.config import quant_for
 from ..formats.direct import RangeReader, UncachedWriter, aligned_buffer
 from ..formats.errors import fail
+from ..formats.files import check_writable_dir, exclusive_lock, kind, os_fail
+from ..formats.layout import layer_file
 from ..formats.manifest import MANIFEST, segments_json, write_manifest
 from ..formats.record import PARTS, PROJS, RecordLayout
-from .source import Checkpoint, open_checkpoint, quant_for
+from .source import Checkpoint, open_checkpoint
 
+FREE_MARGIN = 64 << 20  # left free on the disk beyond what the conversion writes
 CHUNK_BYTES = 32 << 20  # source bytes handled per step; bounds the converter's working memory
 JOURNAL = "journal.json"
 COPY_SUFFIXES = (".json", ".jinja", ".txt", ".model")
@@ -56,8 +63,11 @@ def blob_entries(ckpt: Checkpoint, names: list[str]) -> list[tuple]:
             if qg is not None:
                 w, s = ckpt.tensors[f"{module}.weight"], ckpt.tensors[f"{module}.scales"]
                 group = qg[1]
+                if not w.shape or not s.shape or not s.shape[-1] or w.shape[:-1] != s.shape[:-1]:
+                    raise fail(s.file, f"tensor {module}.scales shape {list(s.shape)} does not match "
+                                       f"{module}.weight {list(w.shape)}")
                 bits = 32 * w.shape[-1] // (s.shape[-1] * group)
-                if bits * s.shape[-1] * group != 32 * w.shape[-1]:
+                if bits not in (2, 3, 4, 5, 6, 8) or bits * s.shape[-1] * group != 32 * w.shape[-1]:
                     raise fail(
                         w.file,
                         f"tensor {module}.weight shape {list(w.shape)} fits no bit width at group {group}",
@@ -185,13 +195,30 @@ def write_layer(
     return {fmt: w.close() for fmt, w in writers.items()}
 
 
+def human(n: int) -> str:
+    """A byte count for a message: MiB below 1 GiB, so small numbers never read as 0.00."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def free_space_check(parent: Path, need: int) -> None:
-    free = shutil.disk_usage(parent).free
-    if free < need + (64 << 20):
-        raise fail(
-            parent,
-            f"not enough free disk space: conversion needs {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free",
-        )
+    try:
+        free = shutil.disk_usage(parent).free
+    except OSError as e:
+        raise os_fail(parent, e, "cannot check free space") from None
+    need += FREE_MARGIN
+    if free < need:
+        raise fail(parent, f"not enough free disk space: conversion needs {human(need)} "
+                           f"(with a {human(FREE_MARGIN)} margin), {human(free)} free")
+
+
+def is_ours(tmp: Path) -> bool:
+    """A partial directory this converter made: empty (killed right after mkdir), or holding its journal or a
+    streamoe manifest. Anything else under that name is the user's and is never removed."""
+    try:
+        names = set(os.listdir(tmp))
+    except OSError:
+        return False
+    return not names or JOURNAL in names or (MANIFEST in names and is_conversion(tmp))
 
 
 def load_journal(tmp: Path, fp: str) -> dict:
@@ -206,9 +233,11 @@ def load_journal(tmp: Path, fp: str) -> dict:
                     for k, v in doc["done"].items()
                     if (tmp / k).is_file() and (tmp / k).stat().st_size == v["size"]
                 }
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError):
             pass
-    if tmp.exists():
+    if os.path.lexists(tmp):
+        if not tmp.is_dir() or tmp.is_symlink() or not is_ours(tmp):
+            raise fail(tmp, "exists and was not made by streamoe convert; remove it or choose another OUT")
         shutil.rmtree(tmp)
     return {}
 
@@ -219,29 +248,94 @@ def save_journal(tmp: Path, fp: str, done: dict) -> None:
     os.replace(p, tmp / JOURNAL)
 
 
+def is_conversion(d: Path) -> bool:
+    """Whether `d` holds a streamoe conversion: its manifest parses and says `"format": "streamoe"`."""
+    try:
+        doc = json.loads((d / MANIFEST).read_bytes()[: 64 << 20])
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == "streamoe"
+
+
+def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
+    """Whether OUT may be written, before any work: True when it holds a conversion `--force` will replace.
+
+    OUT may be missing or an empty directory; with `--force` it may hold a streamoe conversion. It is never
+    the source, a directory above the source, a file or a special file (those are the user's, not ours)."""
+    src, dst = Path(os.path.abspath(ckpt_path)), Path(os.path.abspath(out))
+    try:
+        src, dst = src.resolve(), dst.resolve()
+    except (OSError, RuntimeError):
+        pass
+    if src == dst or src.is_relative_to(dst):
+        raise fail(out, f"is the source checkpoint {ckpt_path} or a directory above it; choose another OUT")
+    if not os.path.lexists(out):
+        check_writable_dir(out.parent, out)
+        return False
+    try:
+        st = os.stat(out)
+    except OSError as e:
+        raise os_fail(out, e, "cannot use as OUT") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise fail(out, f"exists and is {kind(st.st_mode)}, not a directory (will not replace it)")
+    check_writable_dir(out.parent, out)
+    try:
+        empty = not os.listdir(out)
+    except OSError as e:
+        raise os_fail(out, e, "cannot list OUT") from None
+    if empty:
+        return False
+    ours = is_conversion(out)
+    if not force:
+        raise fail(out, f"already exists ({'a converted model' if ours else 'not empty'}); "
+                        + ("use --force to replace it" if ours else "choose an empty or new OUT"))
+    if not ours:
+        raise fail(out, "is not a streamoe conversion (no streamoe manifest.json): --force only replaces "
+                        "an earlier conversion, never other files")
+    return True
+
+
 def convert(
     ckpt_path: Path, out: Path, formats: list[str] | None = None, force: bool = False, progress: bool = True
 ) -> Path:
+    """Convert; see the module docstring. Holds a lock on OUT throughout, so a second convert into the same
+    OUT fails at once instead of sharing the partial directory."""
     formats = formats or ["q4"]
     bad = [f for f in formats if f not in ("q4", "q3")]
     if bad or not formats:
         raise fail(out, f"unknown expert format(s) {bad}: choose from q4, q3")
+    out = Path(out)
+    check_out(ckpt_path, out, force)
     ckpt = open_checkpoint(ckpt_path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_fail(out.parent, e, "cannot create the output directory") from None
+    with exclusive_lock(out.parent / f".{out.name}.lock", out, "this OUT"):
+        replacing = check_out(ckpt_path, out, force)  # again, now that no one else can change OUT
+        try:
+            _convert_locked(ckpt, out, formats, progress)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                try:
+                    free = human(shutil.disk_usage(out.parent).free)
+                except OSError:
+                    free = "unknown"
+                raise fail(e.filename or out, f"no space left on device while converting ({free} free now on "
+                                              f"{out.parent}; free some and rerun to resume)") from None
+            raise os_fail(out, e, "conversion failed (rerun to resume)") from None
+    if replacing:
+        sys.stderr.write(f"replaced the earlier streamoe conversion in {out}\n")
+    return out
+
+
+def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: bool) -> None:
     lay4 = ckpt.layer_layout()
     lay3 = RecordLayout.make(lay4.hidden, lay4.intermediate, 3, lay4.group_size, lay4.scale_dtype)
     prefix, layers = ckpt.expert_keys()
     tc = ckpt.text
     n_exp, n_layers = tc["num_experts"], tc["num_hidden_layers"]
-
-    out = Path(out)
-    if out.exists() and not force:
-        what = (
-            "a converted model" if (out / MANIFEST).exists() else "not empty" if any(out.iterdir()) else None
-        )
-        if what:
-            raise fail(out, f"already exists ({what}); use --force to replace it")
     tmp = out.parent / f".{out.name}.partial"
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     groups: dict[str, list[str]] = {"nonexpert": [], "vision": [], "skip": []}
     for name in sorted(ckpt.tensors):
@@ -255,6 +349,8 @@ def convert(
     fp = fingerprint(ckpt, formats)
     done = load_journal(tmp, fp)
     free_space_check(out.parent, need - sum(v["size"] for v in done.values()))
+    tmp.mkdir(exist_ok=True)
+    save_journal(tmp, fp, done)  # first thing inside: marks the partial directory as ours
     for f in formats:
         (tmp / "experts" / f).mkdir(parents=True, exist_ok=True)
 
@@ -284,7 +380,7 @@ def convert(
                 save_journal(tmp, fp, done)
             blobs[kind] = {"file": {"path": rel, **done[rel]}, "tensors": [t.to_json() for t in table]}
         for li in range(n_layers):
-            rels = {f: f"experts/{f}/layer-{li:02d}.bin" for f in formats}
+            rels = {f: layer_file(f, li) for f in formats}
             todo = {f: tmp / r for f, r in rels.items() if r not in done}
             if todo:
                 recs = write_layer(readers, ckpt, layers[li], lay4, lay3, todo, n_exp, bar)
@@ -315,9 +411,9 @@ def convert(
             "segments": segments_json(lay),
             "files": [
                 {
-                    "path": f"experts/{f}/layer-{li:02d}.bin",
+                    "path": layer_file(f, li),
                     "layer": li,
-                    **done[f"experts/{f}/layer-{li:02d}.bin"],
+                    **done[layer_file(f, li)],
                 }
                 for li in range(n_layers)
             ],
@@ -346,12 +442,19 @@ def convert(
     }
     (tmp / JOURNAL).unlink(missing_ok=True)
     write_manifest(tmp, doc)
-    if out.exists():
-        old = out.parent / f".{out.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
+    publish(tmp, out)
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out`; an existing `out` (checked: empty or a conversion) is moved aside
+    under a name only this process uses, then removed."""
+    if not os.path.lexists(out):
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.replace(out, old)
+    os.replace(tmp, out)
+    if old.is_symlink():  # OUT was a link to a conversion: the link is replaced, its target left alone
+        old.unlink()
     else:
-        os.replace(tmp, out)
-    return out
+        shutil.rmtree(old, ignore_errors=True)

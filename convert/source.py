@@ -6,12 +6,15 @@ assumptions; every problem becomes one `StreamoeError` naming the file.
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..formats import files as fsio
+from ..formats.config import quant_for, text_config
 from ..formats.errors import fail
+from ..formats.limits import MAX_FILE_BYTES, MAX_TENSORS, check_config_sizes, check_int
 from ..formats.record import PARTS, PROJS, RecordLayout
 from ..formats.safetensors import Header, TensorInfo, read_header
 
@@ -21,30 +24,8 @@ EXPERT_RE = re.compile(r"^(?P<prefix>(?:language_model\.)?model\.layers\.)(?P<la
 
 
 def read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise fail(path, "missing")
-    try:
-        doc = json.loads(path.read_text())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise fail(path, f"does not parse as JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise fail(path, "is not a JSON object")
-    return doc
-
-
-def text_config(config: dict) -> dict:
-    """The language model's config: nested `text_config` in VLM exports, else the top level."""
-    return config.get("text_config", config)
-
-
-def quant_for(quant: dict, module: str) -> tuple[int, int] | None:
-    """(bits, group_size) of a module from the `quantization` block, honouring per-module overrides."""
-    o = quant.get(module)
-    if isinstance(o, dict):
-        return int(o.get("bits", quant["bits"])), int(o.get("group_size", quant["group_size"]))
-    if o is False:
-        return None
-    return int(quant["bits"]), int(quant["group_size"])
+    """A JSON object from a checkpoint side file (bounded, special files refused, one error each)."""
+    return fsio.read_json(path, path.name)
 
 
 @dataclass
@@ -85,8 +66,13 @@ class Checkpoint:
         bits_group = quant_for(self.quant, f"{prefix}0.mlp.switch_mlp.gate_proj")
         if bits_group is None or bits_group[0] != 4:
             raise fail(self.root / "config.json", f"unsupported expert quantization {bits_group}: streamoe needs 4-bit source experts")
-        sample = layers[min(layers)][("gate_proj", "scales")]
-        lay = RecordLayout.make(hidden, inter, 4, bits_group[1], sample.dtype)
+        sample = layers[min(layers)].get(("gate_proj", "scales"))
+        if sample is None:
+            raise fail(self.root / "model.safetensors.index.json", f"tensor {prefix}{min(layers)}.mlp.switch_mlp.gate_proj.scales is missing")
+        try:
+            lay = RecordLayout.make(hidden, inter, 4, bits_group[1], sample.dtype)
+        except ValueError as e:
+            raise fail(self.root / "config.json", f"expert dims do not pack: {e}") from None
         n_layers = tc["num_hidden_layers"]
         if sorted(layers) != list(range(n_layers)):
             raise fail(self.root / "model.safetensors.index.json",
@@ -105,11 +91,39 @@ class Checkpoint:
         return lay
 
 
+def read_index(path: Path) -> tuple[dict[str, str], int]:
+    """The index's weight_map (tensor name -> shard file name) and total_size, types checked."""
+    index = read_json(path)
+    wm = index.get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        raise fail(path, "has no weight_map")
+    if len(wm) > MAX_TENSORS:
+        raise fail(path, f"weight_map names {len(wm)} tensors (at most {MAX_TENSORS})")
+    bad = next((k for k, v in wm.items() if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise fail(path, f"weight_map entry {bad[:80]!r} is not a shard file name")
+    meta = index.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise fail(path, "metadata is not a JSON object")
+    total = check_int(meta.get("total_size", 0), 0, MAX_FILE_BYTES, "metadata.total_size", path)
+    return wm, total
+
+
+def check_unique(headers: dict[str, Header]) -> None:
+    """A tensor stored in two shards is ambiguous (which bytes are the model?): refused, both files named."""
+    seen: dict[str, Path] = {}
+    for h in headers.values():
+        for name in h.tensors:
+            if name in seen:
+                raise fail(h.path, f"tensor {name!r} is also in {seen[name].name}; a tensor must be in one shard")
+            seen[name] = h.path
+
+
 def open_checkpoint(root: str | Path) -> Checkpoint:
     root = Path(root)
-    if not root.is_dir():
-        raise fail(root, "not a directory (expected an mlx-community checkpoint)")
+    fsio.check_input_dir(root, "an mlx-community checkpoint directory")
     config = read_json(root / "config.json")
+    check_config_sizes(config, root / "config.json")
     mt = config.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise fail(root / "config.json", f"unsupported model_type {mt!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
@@ -124,13 +138,9 @@ def open_checkpoint(root: str | Path) -> Checkpoint:
             raise fail(root / "config.json", f"text config lacks integer {key!r}")
 
     index_path = root / "model.safetensors.index.json"
-    if index_path.exists():
-        index = read_json(index_path)
-        wm = index.get("weight_map")
-        if not isinstance(wm, dict) or not wm:
-            raise fail(index_path, "has no weight_map")
-        total = int(index.get("metadata", {}).get("total_size", 0))
-    elif (root / "model.safetensors").exists():
+    if os.path.lexists(index_path):
+        wm, total = read_index(index_path)
+    elif os.path.lexists(root / "model.safetensors"):
         wm, total = None, 0
     else:
         raise fail(root, "no model.safetensors.index.json and no model.safetensors")
@@ -138,12 +148,13 @@ def open_checkpoint(root: str | Path) -> Checkpoint:
     files = sorted(set(wm.values())) if wm else ["model.safetensors"]
     headers: dict[str, Header] = {}
     for fname in files:
-        if "/" in fname or fname.startswith("."):
+        if "/" in fname or "\x00" in fname or fname.startswith("."):
             raise fail(index_path, f"shard name {fname!r} is not a plain file name")
         p = root / fname
-        if not p.is_file():
+        if not os.path.lexists(p):
             raise fail(p, "missing shard (named by the index)")
         headers[fname] = read_header(p)
+    check_unique(headers)
     tensors: dict[str, TensorInfo] = {}
     if wm:
         for name, fname in wm.items():

@@ -1,10 +1,11 @@
 """`streamoe synth`: write a checkpoint shaped exactly like mlx-community/Qwen3.6-35B-A3B-4bit, random weights.
 
-Structure follows reference/checkpoint-format.md: the mlx-vlm 0.4.4 `config.json` (top-level keys sorted,
+Structure follows the real export: the mlx-vlm 0.4.4 `config.json` (top-level keys sorted,
 `quantization` == `quantization_config`, 8-bit router/shared-gate overrides), tensors in module order
 (vision tower first, then the language model), the `make_shards` rule with a 5 GiB cap, shards named
 `model-0000N-of-0000M.safetensors` with metadata `{"format": "mlx"}`, a sorted index, and tokenizer files.
-`--size full` reproduces `reference/qwen3.6-35b-a3b-4bit.layout.jsonl` tensor for tensor (20,401,929,952 B).
+`--size full` reproduces the real export's tensor table (names, dtypes, shapes, shard files) tensor for tensor
+(2,090 tensors, 20,401,929,952 B; tests/test_synth.py compares it with the recorded layout).
 
 Weights are random but numerically sane and reproducible from the seed: every tensor draws from its own
 generator seeded by (seed, crc32(name)), so a tensor's bytes do not depend on which other tensors exist.
@@ -39,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ..formats.errors import StreamoeError, fail
+from ..formats.export import Spec, specs
 from ..formats.safetensors import build_header, tensor_nbytes
 from .synth_tokenizer import REAL_BASE, TRAINED_VOCAB, token_id, write_tokenizer_files
 
@@ -77,7 +79,7 @@ class Dims:
 
 
 DIMS: dict[str, Dims] = {
-    # reference §7, validated there with mlx-lm and mlx-vlm
+    # the smallest faithful config: mlx-lm and mlx-vlm load it (tests/test_synth.py)
     "tiny": Dims(hidden=64, layers=8, heads=2, kv_heads=1, head_dim=64, lin_k_heads=2, lin_v_heads=4,
                  lin_k_dim=32, lin_v_dim=32, experts=8, top_k=2, moe_inter=64, shared_inter=64, vocab=576,
                  token_base=TRAINED_VOCAB, mrope=(3, 3, 2), v_depth=2, v_hidden=64, v_inter=128, v_heads=2,
@@ -87,7 +89,7 @@ DIMS: dict[str, Dims] = {
                   lin_k_dim=64, lin_v_dim=64, experts=64, top_k=8, moe_inter=256, shared_inter=256, vocab=576,
                   token_base=TRAINED_VOCAB, mrope=(3, 3, 2), v_depth=2, v_hidden=128, v_inter=256, v_heads=2,
                   v_npos=64),
-    # the real Qwen3.6-35B-A3B (reference §1.1)
+    # the real Qwen3.6-35B-A3B (its config.json)
     "full": Dims(hidden=2048, layers=40, heads=16, kv_heads=2, head_dim=256, lin_k_heads=16, lin_v_heads=32,
                  lin_k_dim=128, lin_v_dim=128, experts=256, top_k=8, moe_inter=512, shared_inter=512,
                  vocab=248320, token_base=REAL_BASE, mrope=(11, 11, 10), v_depth=27, v_hidden=1152,
@@ -201,139 +203,6 @@ def make_config(size: str, variant: str = "qwen3.6", text_only: bool = False) ->
 
 
 # --------------------------------------------------------------------------------------------- tensors
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One stored tensor: safetensors dtype and shape, how to fill it, and its quantization (if any)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    kind: str  # qweight | scales | biases | one | zero | normal | a_log | dt_bias | conv
-    bits: int = 0  # quantized tensors only
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.dtype, self.shape)
-
-    @property
-    def module(self) -> str:
-        return self.name.rsplit(".", 1)[0]
-
-    @property
-    def float_shape(self) -> tuple[int, ...]:
-        """Shape of the unquantized weight of a quantized module."""
-        return (*self.shape[:-1], self.shape[-1] * 32 // self.bits)
-
-
-def _bits_for(quant: dict, module: str) -> int:
-    override = quant.get(module)
-    return int(override["bits"]) if isinstance(override, dict) else int(quant["bits"])
-
-
-def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
-    """Every tensor of the export in module order (the order `model.parameters()` flattens to).
-
-    `a_log_dtype` defaults to what the export implies: BF16 when the quantization block carries the 8-bit
-    router overrides (the Qwen3.6 export), F32 otherwise (the Qwen3.5 export).
-    """
-    t = config["text_config"]
-    quant = config.get("quantization") or {}
-    group = int(quant.get("group_size", GROUP_SIZE))
-    if a_log_dtype is None:
-        has_8bit = any(isinstance(v, dict) and v.get("bits") == 8 for v in quant.values())
-        a_log_dtype = "BF16" if has_8bit else "F32"
-    out: list[Spec] = []
-
-    def plain(name: str, shape: tuple[int, ...], kind: str, dtype: str = "BF16") -> None:
-        out.append(Spec(name, dtype, tuple(shape), kind))
-
-    def linear(module: str, out_dim: int, in_dim: int, lead: tuple[int, ...] = ()) -> None:
-        if not quant:
-            raise StreamoeError("config.json: no quantization block (expected a quantized MLX export)")
-        if in_dim % group:
-            raise StreamoeError(f"config.json: {module} has input dimension {in_dim}, "
-                                f"not a multiple of the group size {group}")
-        bits = _bits_for(quant, module)
-        out.append(Spec(f"{module}.weight", "U32", (*lead, out_dim, in_dim * bits // 32), "qweight", bits))
-        out.append(Spec(f"{module}.scales", "BF16", (*lead, out_dim, in_dim // group), "scales", bits))
-        out.append(Spec(f"{module}.biases", "BF16", (*lead, out_dim, in_dim // group), "biases", bits))
-
-    v = config.get("vision_config")
-    if v is not None:
-        dv, p, tp, c = v["hidden_size"], v["patch_size"], v["temporal_patch_size"], v["in_channels"]
-        merged = dv * v["spatial_merge_size"] ** 2
-        plain("vision_tower.patch_embed.proj.weight", (dv, tp, p, p, c), "normal")
-        plain("vision_tower.patch_embed.proj.bias", (dv,), "zero")
-        plain("vision_tower.pos_embed.weight", (v["num_position_embeddings"], dv), "normal")
-        for i in range(v["depth"]):
-            b = f"vision_tower.blocks.{i}"
-            for norm in ("norm1", "norm2"):
-                plain(f"{b}.{norm}.weight", (dv,), "one")
-                plain(f"{b}.{norm}.bias", (dv,), "zero")
-            for mod, o, n in (("attn.qkv", 3 * dv, dv), ("attn.proj", dv, dv),
-                              ("mlp.linear_fc1", v["intermediate_size"], dv),
-                              ("mlp.linear_fc2", dv, v["intermediate_size"])):
-                plain(f"{b}.{mod}.weight", (o, n), "normal")
-                plain(f"{b}.{mod}.bias", (o,), "zero")
-        plain("vision_tower.merger.norm.weight", (dv,), "one")
-        plain("vision_tower.merger.norm.bias", (dv,), "zero")
-        plain("vision_tower.merger.linear_fc1.weight", (merged, merged), "normal")
-        plain("vision_tower.merger.linear_fc1.bias", (merged,), "zero")
-        plain("vision_tower.merger.linear_fc2.weight", (v["out_hidden_size"], merged), "normal")
-        plain("vision_tower.merger.linear_fc2.bias", (v["out_hidden_size"],), "zero")
-
-    h, vocab = t["hidden_size"], t["vocab_size"]
-    nq, nkv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
-    hk, hv, dk, dvv = (t["linear_num_key_heads"], t["linear_num_value_heads"],
-                       t["linear_key_head_dim"], t["linear_value_head_dim"])
-    key_dim, value_dim = hk * dk, hv * dvv
-    conv_dim = 2 * key_dim + value_dim
-    e, inter, shared = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
-    interval = t["full_attention_interval"]
-    lm = "language_model.model"
-    linear(f"{lm}.embed_tokens", vocab, h)
-    for i in range(t["num_hidden_layers"]):
-        L = f"{lm}.layers.{i}"
-        if (i + 1) % interval != 0:
-            a = f"{L}.linear_attn"
-            plain(f"{a}.conv1d.weight", (conv_dim, t["linear_conv_kernel_dim"], 1), "conv")
-            linear(f"{a}.in_proj_qkv", conv_dim, h)
-            linear(f"{a}.in_proj_z", value_dim, h)
-            linear(f"{a}.in_proj_b", hv, h)
-            linear(f"{a}.in_proj_a", hv, h)
-            plain(f"{a}.dt_bias", (hv,), "dt_bias")
-            plain(f"{a}.A_log", (hv,), "a_log", a_log_dtype)
-            plain(f"{a}.norm.weight", (dvv,), "one")
-            linear(f"{a}.out_proj", h, value_dim)
-        else:
-            a = f"{L}.self_attn"
-            linear(f"{a}.q_proj", 2 * nq * hd, h)
-            linear(f"{a}.k_proj", nkv * hd, h)
-            linear(f"{a}.v_proj", nkv * hd, h)
-            linear(f"{a}.o_proj", h, nq * hd)
-            plain(f"{a}.q_norm.weight", (hd,), "one")
-            plain(f"{a}.k_norm.weight", (hd,), "one")
-        plain(f"{L}.input_layernorm.weight", (h,), "one")
-        plain(f"{L}.post_attention_layernorm.weight", (h,), "one")
-        m = f"{L}.mlp"
-        linear(f"{m}.gate", e, h)
-        linear(f"{m}.switch_mlp.gate_proj", inter, h, (e,))
-        linear(f"{m}.switch_mlp.up_proj", inter, h, (e,))
-        linear(f"{m}.switch_mlp.down_proj", h, inter, (e,))
-        linear(f"{m}.shared_expert.gate_proj", shared, h)
-        linear(f"{m}.shared_expert.down_proj", h, shared)
-        linear(f"{m}.shared_expert.up_proj", shared, h)
-        linear(f"{m}.shared_expert_gate", 1, h)
-    plain(f"{lm}.norm.weight", (h,), "one")
-    linear("language_model.lm_head", vocab, h)
-    return out
-
-
-def tensor_table(config: dict, *, a_log_dtype: str | None = None) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, safetensors dtype, shape) of every tensor, in module order."""
-    return [(s.name, s.dtype, s.shape) for s in specs(config, a_log_dtype=a_log_dtype)]
 
 
 def assign_shards(table: list, shard_bytes: int | None = None, *, leading_empty: bool = True) -> list[tuple[str, list]]:

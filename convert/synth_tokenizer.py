@@ -1,7 +1,7 @@
 """Tokenizer, chat template and generation/preprocessor configs for `streamoe synth`.
 
 The real files (Qwen's 248,044-token byte-level BPE plus 33 added tokens) cannot be reproduced offline,
-so synth ships a functionally equivalent set (checkpoint-format.md §5, §10):
+so synth ships a functionally equivalent set, with the real files' structure and special-token ids:
 
 - `tokenizer.json`: a byte-level BPE with Qwen's normalizer (NFC), split regex and ByteLevel pre-tokenizer
   and decoder, trained in a fraction of a second on a few files of the Python standard library to
@@ -24,7 +24,7 @@ REAL_BASE = 248044  # id of <|endoftext|> in the real tokenizer = size of its ba
 TRAINED_VOCAB = 512  # 256 byte tokens + 256 merges
 MODEL_MAX_LENGTH = 262144
 
-# The 33 added tokens in real-id order (id = base + index); True = special (checkpoint-format.md §5).
+# The 33 added tokens of the real tokenizer.json, in real-id order (id = base + index); True = special.
 ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("<|endoftext|>", True),
     ("<|im_start|>", True),
@@ -62,7 +62,7 @@ ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 )
 _INDEX = {content: i for i, (content, _) in enumerate(ADDED_TOKENS)}
 
-# Qwen3.5's pre-tokenizer split (transformers models/qwen3_5/tokenization_qwen3_5.py, checkpoint-format.md §5).
+# Qwen3.5's pre-tokenizer split, as in the real tokenizer.json (transformers models/qwen3_5/tokenization_qwen3_5.py).
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

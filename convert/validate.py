@@ -7,11 +7,13 @@ and every blob tensor byte for byte (q3 records against the shift of the source'
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
 from ..formats import quant
+from ..formats.checks import tensor_problem
 from ..formats.direct import RangeReader, file_checksum
 from ..formats.errors import StreamoeError
 from ..formats.layout import detect_format
@@ -43,6 +45,9 @@ def expected_record(src_bytes: dict, lay4: RecordLayout, lay: RecordLayout) -> b
 
 def compare_source(m: Manifest, source: Path, samples: int) -> list[dict]:
     ckpt = open_checkpoint(source)
+    if ckpt.config != m.config:
+        return [{"name": "source", "ok": False,
+                 "detail": f"{source / 'config.json'}: not the checkpoint {m.root} was converted from (configs differ)"}]
     lay4 = ckpt.layer_layout()
     _, layers = ckpt.expert_keys()
     checks = []
@@ -93,12 +98,18 @@ def validate(root: Path, source: Path | None = None, samples: int = 16) -> dict:
     """A report {"ok": bool, "checks": [{"name", "ok", "detail"}]}; bad manifests raise StreamoeError."""
     m = load_manifest(root)
     checks: list[dict] = [{"name": "schema", "ok": True, "detail": f"{root}/manifest.json is valid (format version 1)"}]
+    for blob_kind in m.doc["blobs"]:
+        problem = tensor_problem(m, blob_kind)
+        checks.append({"name": f"tensors:{blob_kind}", "ok": problem is None,
+                       "detail": f"{m.root / 'manifest.json'}: {problem}" if problem
+                       else f"the {blob_kind} blob holds every tensor the config needs, in bounds"})
     n_exp = m.model["num_experts"]
     layouts = {name: ef.layout for name, ef in m.expert_formats().items()}
     for f in m.all_files():
         path = safe_path(m.root, f["path"])
         if not path.is_file():
-            checks.append({"name": f"file:{f['path']}", "ok": False, "detail": f"{path}: missing"})
+            checks.append({"name": f"file:{f['path']}", "ok": False,
+                           "detail": f"{path}: missing" if not os.path.lexists(path) else f"{path}: not a regular file"})
             continue
         size = path.stat().st_size
         if size != f["size"]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .record import align_up
+from .direct import align_up
+from .limits import MAX_FILE_BYTES, MAX_TENSORS, nbytes_of
 
 
 @dataclass(frozen=True)
@@ -39,3 +40,28 @@ def plan_blob(entries: list[tuple[str, str, tuple[int, ...], int, int | None, in
         table.append(BlobTensor(name, dtype, tuple(shape), pos, nbytes, bits, group))
         pos = align_up(pos + nbytes)
     return table, pos
+
+
+def table_problem(table: list[BlobTensor], file_size: int) -> str | None:
+    """What is wrong with a blob table for a file of `file_size` bytes, or None: every tensor's byte count is
+    its dtype x shape, lies inside the file, and no two tensors share a byte or a name. `run` reads exactly
+    these ranges, so `validate` and the open check both rely on this."""
+    from .safetensors import DTYPES
+
+    if len(table) > MAX_TENSORS:
+        return f"blob table lists {len(table)} tensors (at most {MAX_TENSORS})"
+    names: set[str] = set()
+    for t in table:
+        if t.name in names:
+            return f"tensor {t.name!r} is listed twice"
+        names.add(t.name)
+        want = nbytes_of(t.shape, DTYPES[t.dtype].itemsize)
+        if t.nbytes != want:
+            return f"tensor {t.name!r} has {t.nbytes} bytes but {t.dtype}{list(t.shape)} needs {want}"
+        if t.offset + t.nbytes > min(file_size, MAX_FILE_BYTES):
+            return f"tensor {t.name!r} ends at byte {t.offset + t.nbytes}, past the end of the {file_size}-byte file"
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in table if t.nbytes)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            return f"tensors {a!r} and {b!r} overlap (bytes {start}..{end})"
+    return None

@@ -15,13 +15,23 @@ from pathlib import Path
 
 import xxhash
 
-ALIGN = 4096
+from .errors import fail
+
+ALIGN = 4096  # the O_DIRECT unit here (buffer address, file offset, length), and the expert-record stride unit
 F_NOCACHE = 48  # macOS fcntl
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def align_down(n: int, a: int = ALIGN) -> int:
+    return n // a * a
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
     """Anonymous page-aligned memory (valid as an O_DIRECT target)."""
-    return mmap.mmap(-1, max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN))
+    return mmap.mmap(-1, max(ALIGN, align_up(nbytes)))
 
 
 def open_uncached(path: str | os.PathLike) -> tuple[int, bool]:
@@ -57,16 +67,16 @@ class RangeReader:
         if nbytes + 2 * ALIGN > len(self.buf):
             raise ValueError(f"range of {nbytes} bytes exceeds the reader's buffer")
         if self.direct:
-            start = offset & ~(ALIGN - 1)
-            end = (offset + nbytes + ALIGN - 1) & ~(ALIGN - 1)
+            start = align_down(offset)
+            end = align_up(offset + nbytes)
             got = os.preadv(self.fd, [self.view[: end - start]], start)
             if got < offset + nbytes - start:
-                raise OSError(f"{self.path}: short read at {offset} ({got} bytes)")
+                raise fail(self.path, f"truncated: short read at byte {offset} ({got - (offset - start)} of {nbytes} bytes)")
             return self.view[offset - start: offset - start + nbytes]
         got = os.preadv(self.fd, [self.view[:nbytes]], offset)
         drop_cache(self.fd, offset, nbytes)
         if got < nbytes:
-            raise OSError(f"{self.path}: short read at {offset} ({got} bytes)")
+            raise fail(self.path, f"truncated: short read at byte {offset} ({got} of {nbytes} bytes)")
         return self.view[:nbytes]
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The one error type every bad input becomes (SPEC §7).
+"""The one error type every bad input becomes.
 
 The CLI turns a `StreamoeError` into a single stderr line and a non-zero exit; anything else is a bug
 and keeps its traceback.

@@ -1,4 +1,4 @@
-"""Which expert format a layer file holds, derived from its size alone (SPEC §3).
+"""Which expert format a layer file holds, derived from its size alone (docs/FORMAT.md).
 
 The runtime never trusts a name: `size == n_experts × stride(bits)` decides, and the manifest must agree.
 """
@@ -11,6 +11,11 @@ from .errors import fail
 from .record import RecordLayout
 
 FORMAT_BITS = {"q4": 4, "q3": 3}
+
+
+def layer_file(fmt: str, layer: int) -> str:
+    """Where layer `layer`'s experts of format `fmt` live, relative to the converted directory."""
+    return f"experts/{fmt}/layer-{layer:02d}.bin"
 
 
 def record_layouts(hidden: int, intermediate: int, group_size: int, scale_dtype: str = "BF16") -> dict[str, RecordLayout]:

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import jsonschema
 
-from .blobs import BlobTensor
-from .errors import fail
+from .blobs import BlobTensor, table_problem
+from .errors import StreamoeError, fail
+from .files import check_input_dir, read_json
+from .limits import CONFIG_INTS, MAX_FILE_BYTES, check_config_sizes, check_int, check_shape
 from .record import RecordLayout
 
 MANIFEST = "manifest.json"
@@ -26,6 +28,13 @@ MANIFEST = "manifest.json"
 @cache
 def schema(name: str = "manifest.schema.json") -> dict:
     return json.loads(resources.files("streamoe.schemas").joinpath(name).read_text())
+
+
+@cache
+def validator(name: str = "manifest.schema.json") -> jsonschema.protocols.Validator:
+    """One compiled validator per schema (`jsonschema.validate` re-checks the schema itself on every call)."""
+    s = schema(name)
+    return jsonschema.validators.validator_for(s)(s)
 
 
 def segments_json(lay: RecordLayout) -> list[dict]:
@@ -75,16 +84,40 @@ class Manifest:
         return files + list(self.doc["files"])
 
 
+MODEL_BOUNDS = {"num_layers": "num_hidden_layers", "num_experts": "num_experts", "top_k": "num_experts_per_tok",
+                "hidden_size": "hidden_size", "moe_intermediate_size": "moe_intermediate_size"}
+
+
 def check_doc(doc: object, where: Path) -> None:
-    """Schema, path containment and layout agreement; raises StreamoeError naming `where`."""
+    """Schema, sizes within bounds, path containment, layout and blob-table agreement; raises StreamoeError
+    naming `where`."""
     try:
-        jsonschema.validate(doc, schema())
-    except jsonschema.ValidationError as e:
+        e = jsonschema.exceptions.best_match(validator().iter_errors(doc))
+    except RecursionError:
+        raise fail(where, "manifest is nested too deeply") from None
+    if e is not None:
         loc = "/".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise fail(where, f"manifest fails its schema at {loc}: {e.message}") from None
+        raise fail(where, f"manifest fails its schema at {loc}: {' '.join(e.message.split())[:300]}")
     m = doc["model"]
+    for key, ckey in MODEL_BOUNDS.items():
+        lo, hi = CONFIG_INTS[ckey]
+        check_int(m[key], lo, hi, f"model.{key}", where)
+    if m["top_k"] > m["num_experts"]:
+        raise fail(where, f"model.top_k = {m['top_k']} exceeds model.num_experts = {m['num_experts']}")
+    check_config_sizes(doc["config"], where)
+    for f in [f for e in doc["experts"].values() for f in e["files"]] + [b["file"] for b in doc["blobs"].values()]:
+        check_int(f["size"], 0, MAX_FILE_BYTES, f"size of {f['path']}", where)
+    for name, b in doc["blobs"].items():
+        for t in b["tensors"]:
+            check_shape(t["shape"], where, t["name"])
+        problem = table_problem([BlobTensor.from_json(t) for t in b["tensors"]], b["file"]["size"])
+        if problem:
+            raise fail(where, f"{name} blob ({b['file']['path']}): {problem}")
     for name, e in doc["experts"].items():
-        want = RecordLayout.make(m["hidden_size"], m["moe_intermediate_size"], e["bits"], e["group_size"], e["scale_dtype"])
+        try:
+            want = RecordLayout.make(m["hidden_size"], m["moe_intermediate_size"], e["bits"], e["group_size"], e["scale_dtype"])
+        except (ValueError, StreamoeError) as err:
+            raise fail(where, f"expert format {name}: {err}") from None
         if segments_json(want) != e["segments"] or want.stride != e["stride"] or want.raw_size != e["raw_size"]:
             raise fail(where, f"expert format {name}: segments/stride disagree with the {e['bits']}-bit record layout")
         layers = sorted(f.get("layer", -1) for f in e["files"])
@@ -93,8 +126,12 @@ def check_doc(doc: object, where: Path) -> None:
 
 
 def safe_path(root: Path, rel: str) -> Path:
-    p = (root / rel).resolve()
-    if not p.is_relative_to(root.resolve()):
+    try:
+        p = (root / rel).resolve()
+        inside = p.is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        raise fail(root / rel, "cannot be resolved (a symbolic link loop?)") from None
+    if not inside:
         raise fail(root / MANIFEST, f"path {rel!r} points outside the directory")
     return p
 
@@ -102,14 +139,10 @@ def safe_path(root: Path, rel: str) -> Path:
 def load_manifest(root: str | os.PathLike) -> Manifest:
     root = Path(root)
     path = root / MANIFEST
-    if not root.is_dir():
-        raise fail(root, "not a directory (expected a converted streamoe model)")
-    if not path.is_file():
+    check_input_dir(root, "a converted streamoe model")
+    if not os.path.lexists(path):
         raise fail(path, "missing: not a converted streamoe model, or an incomplete conversion")
-    try:
-        doc = json.loads(path.read_text())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise fail(path, f"does not parse as JSON ({e})") from None
+    doc = read_json(path, "streamoe manifest")
     check_doc(doc, path)
     m = Manifest(root, doc)
     for f in m.all_files():

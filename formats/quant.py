@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-BF16 = "BF16"
-
 
 def unpack(words: np.ndarray, bits: int) -> np.ndarray:
     """Codes (uint8, [..., n]) from packed uint32 words ([..., n * bits / 32])."""

@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-ALIGN = 4096
+from .direct import align_up
+from .dtypes import DTYPES
+from .errors import StreamoeError
+
 PROJS = ("gate_proj", "up_proj", "down_proj")
 PARTS = ("weight", "scales", "biases")
 
@@ -27,10 +30,6 @@ class ExpertWeights(NamedTuple):
     down_w: object
     down_s: object
     down_b: object
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 @dataclass(frozen=True)
@@ -60,15 +59,14 @@ class RecordLayout:
 
     @classmethod
     def make(cls, hidden: int, intermediate: int, bits: int, group_size: int, scale_dtype: str = "BF16") -> RecordLayout:
-        from .safetensors import DTYPES
 
-        sitem = DTYPES[scale_dtype][1]
+        sitem = DTYPES[scale_dtype].itemsize
         segs: list[Segment] = []
         off = 0
         for proj in PROJS:
             out_dim, in_dim = (hidden, intermediate) if proj == "down_proj" else (intermediate, hidden)
             if in_dim % group_size or (in_dim * bits) % 32:
-                raise ValueError(f"{proj}: input dim {in_dim} does not pack at {bits} bits, group {group_size}")
+                raise StreamoeError(f"{proj}: input dim {in_dim} does not pack at {bits} bits, group {group_size}")
             shapes = {
                 "weight": ("U32", (out_dim, in_dim * bits // 32), 4),
                 "scales": (scale_dtype, (out_dim, in_dim // group_size), sitem),

@@ -1,4 +1,4 @@
-"""Saved conversations (SPEC §5, sessions): one zstandard frame holding one safetensors container.
+"""Saved conversations (`--save-session`, docs/FORMAT.md): one zstandard frame holding one safetensors container.
 
 Inside are the language model's per-layer state tensors, cut to the tokens the session holds (KV caches
 in their own dtype), and under `__metadata__["streamoe_session"]` a JSON document: the format version,
@@ -19,10 +19,23 @@ from pathlib import Path
 import zstandard
 
 from .errors import fail
-from .safetensors import MAX_HEADER, TensorInfo, build_header, parse_header, tensor_nbytes
+from .files import check_input_file, exclusive_lock, os_fail, parse_json
+from .safetensors import TensorInfo, build_header, parse_header, tensor_nbytes
 
 META_KEY = "streamoe_session"
 VERSION = 1
+# The container header (tensor table + metadata with the token history and messages) is read whole and
+# parsed, outside the plan's other accounts: bounded here so a tiny file cannot make us allocate 100 MiB.
+# A full 262,144-token context's history is about 3 MiB of JSON; the runtime allowance has room for this.
+MAX_SESSION_HEADER = 8 << 20
+
+
+def header_limit(ctx: int) -> int:
+    """The largest session header an engine planned for `ctx` tokens accepts: 1 MiB plus 32 bytes a token
+    (token ids and message text as JSON), so its parse stays inside the plan's runtime allowance."""
+    return min(MAX_SESSION_HEADER, (1 << 20) + 32 * ctx)
+META_TYPES = {"version": int, "tokens": int, "rope_delta": int, "model": str, "experts": str, "dtype": str, "kv": str,
+              "extra": dict}
 
 
 def write_session(path: str | os.PathLike, meta: dict, entries: list[tuple[str, str, tuple[int, ...]]],
@@ -30,12 +43,20 @@ def write_session(path: str | os.PathLike, meta: dict, entries: list[tuple[str, 
     """Write `entries` (name, safetensors dtype, shape), whose bytes `blocks` yields back to back in that
     order, with `meta`; atomically (a temporary file renamed over `path`). Returns the file size."""
     path = Path(path)
+    with exclusive_lock(path.with_name(f".{path.name}.lock"), path, "this session file"):
+        return _write_locked(path, meta, entries, blocks, level)
+
+
+def _write_locked(path: Path, meta: dict, entries: list[tuple[str, str, tuple[int, ...]]],
+                  blocks: Iterable[bytes | memoryview], level: int) -> int:
     header, _ = build_header(entries, {META_KEY: json.dumps({"version": VERSION, **meta}, separators=(",", ":"))})
     expected = sum(tensor_nbytes(d, s) for _, d, s in entries)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            with zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(f, closefd=False) as w:
+            # the frame declares its content size, so a reader can check it against the header before trusting it
+            with zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(
+                    f, size=len(header) + expected, closefd=False) as w:
                 w.write(header)
                 written = 0
                 for b in blocks:
@@ -47,10 +68,29 @@ def write_session(path: str | os.PathLike, meta: dict, entries: list[tuple[str, 
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise fail(path, f"cannot write the session ({e.strerror or e})") from None
+        raise os_fail(path, e, "cannot write the session") from None
     finally:
         tmp.unlink(missing_ok=True)
     return path.stat().st_size
+
+
+def check_meta(path: Path, doc: str | None) -> dict:
+    """The session metadata, parsed and typed: a session is only trusted as far as these checks go."""
+    if doc is None:
+        raise fail(path, "not a streamoe session (a safetensors file without session metadata)")
+    meta = parse_json(path, doc)
+    if not isinstance(meta, dict):
+        raise fail(path, "session metadata is not a JSON object")
+    if meta.get("version") != VERSION or isinstance(meta.get("version"), bool):
+        raise fail(path, f"session format version {str(meta.get('version'))[:20]} is not supported "
+                         f"(this streamoe reads version {VERSION})")
+    for key, typ in META_TYPES.items():
+        v = meta.get(key)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise fail(path, f"session metadata {key!r} must be a {typ.__name__}, got {type(v).__name__}")
+    if not 0 <= meta["tokens"] <= 1 << 31 or abs(meta["rope_delta"]) > 1 << 31:
+        raise fail(path, "session metadata tokens/rope_delta out of range")
+    return meta
 
 
 class SessionReader:
@@ -59,37 +99,45 @@ class SessionReader:
     Every problem (not zstd, damaged, truncated, not a session, a newer version) is one `StreamoeError`
     naming the file."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, max_header: int = MAX_SESSION_HEADER):
         self.path = Path(path)
+        size = check_input_file(self.path, "session file").st_size  # never open a FIFO: it would block
         try:
             self._file = open(self.path, "rb")
-        except FileNotFoundError:
-            raise fail(self.path, "session file not found") from None
-        except IsADirectoryError:
-            raise fail(self.path, "is a directory, expected a session file") from None
+        except OSError as e:
+            raise os_fail(self.path, e, "cannot read the session file") from None
         self._stream = zstandard.ZstdDecompressor().stream_reader(self._file)
         try:
+            declared = self._declared_size(size)
             (n,) = struct.unpack("<Q", self.read(8))
-            if n > MAX_HEADER:
-                raise fail(self.path, "not a streamoe session (header length out of range)")
+            if declared is not None and 8 + n > declared:
+                raise fail(self.path, f"not a streamoe session (header length {n} exceeds the frame's {declared} bytes)")
+            if n > max_header:
+                raise fail(self.path, f"session header length {n} is over the {max_header}-byte limit (a larger --ctx "
+                                      "allows more; a real session's header is a few bytes per token)")
             head = parse_header(self.path, self.read(n), None)
-            doc = head.metadata.get(META_KEY)
-            if doc is None:
-                raise fail(self.path, "not a streamoe session (a safetensors file without session metadata)")
-            self.meta = json.loads(doc)
-            if self.meta.get("version") != VERSION:
-                raise fail(self.path, f"session format version {self.meta.get('version')} is not supported "
-                                      f"(this streamoe reads version {VERSION})")
+            self.meta = check_meta(self.path, head.metadata.get(META_KEY))
+            self.tensors: list[TensorInfo] = sorted(head.tensors.values(), key=lambda t: t.offset)
+            pos = head.data_start
+            for t in self.tensors:
+                if t.offset != pos:
+                    raise fail(self.path, f"tensor {t.name!r} is not where the one before it ends")
+                pos += t.nbytes
+            if declared is not None and pos != declared:
+                raise fail(self.path, f"the frame holds {declared} bytes but its tensors need {pos}")
         except BaseException:
             self.close()
             raise
-        self.tensors: list[TensorInfo] = sorted(head.tensors.values(), key=lambda t: t.offset)
-        pos = head.data_start
-        for t in self.tensors:
-            if t.offset != pos:
-                self.close()
-                raise fail(self.path, f"tensor {t.name!r} is not where the one before it ends")
-            pos += t.nbytes
+
+    def _declared_size(self, size: int) -> int | None:
+        """The zstd frame's declared content size (None when the writer did not record it)."""
+        try:
+            with open(self.path, "rb") as f:
+                params = zstandard.get_frame_parameters(f.read(min(size, 18)))
+        except (zstandard.ZstdError, OSError):
+            raise fail(self.path, "not a streamoe session (not a zstandard frame)") from None
+        cs = params.content_size
+        return None if cs in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) else cs
 
     def read(self, n: int) -> bytes:
         """Exactly `n` more bytes of the container."""
@@ -101,8 +149,10 @@ class SessionReader:
                     raise fail(self.path, "truncated session file")
                 chunks.append(b)
                 got += len(b)
-        except zstandard.ZstdError as e:
-            raise fail(self.path, f"not a streamoe session, or damaged (zstd: {e})") from None
+        except zstandard.ZstdError:
+            raise fail(self.path, "not a streamoe session, or damaged (the zstd data does not decode)") from None
+        except OSError as e:
+            raise os_fail(self.path, e, "cannot read the session file") from None
         return b"".join(chunks)
 
     def finish(self) -> None:
@@ -110,8 +160,8 @@ class SessionReader:
         try:
             if self._stream.read(1):
                 raise fail(self.path, "data after the last tensor")
-        except zstandard.ZstdError as e:
-            raise fail(self.path, f"damaged session file (zstd: {e})") from None
+        except zstandard.ZstdError:
+            raise fail(self.path, "damaged session file (the zstd data or its checksum does not match)") from None
 
     def close(self) -> None:
         self._stream.close()

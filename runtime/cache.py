@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..formats.errors import StreamoeError
+
 
 class KVCache:
     """Keys and values of one full-attention layer, preallocated to `max_tokens` positions.
@@ -28,15 +30,11 @@ class KVCache:
     def max_tokens(self) -> int:
         return self.keys.shape[2]
 
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store [B, n_kv, L, hd] new keys/values after the cached ones; return all of them so far."""
         start, end = self.offset, self.offset + keys.shape[2]
         if end > self.max_tokens:
-            raise ValueError(f"KV cache holds {self.max_tokens} tokens; {end} were asked for")
+            raise StreamoeError(f"KV cache holds {self.max_tokens} tokens; {end} were asked for")
         self.keys[:, :, start:end, :] = keys.astype(self.keys.dtype)
         self.values[:, :, start:end, :] = values.astype(self.values.dtype)
         self.offset = end
@@ -58,7 +56,3 @@ class GDNCache:
         self.state = mx.zeros((batch, n_v_heads, dv, dk), dtype=mx.float32)
         mx.eval(self.conv, self.state)
         self.offset = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.conv.nbytes + self.state.nbytes

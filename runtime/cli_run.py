@@ -8,9 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..formats.errors import StreamoeError
+from ..formats.checks import check_open
+from ..formats.errors import StreamoeError, fail
+from ..formats.files import os_fail
+from ..formats.manifest import load_manifest
 from . import session
 from .engine import Engine, Options
+from .image import check_preprocessor
 from .telemetry import summarize, summary_line, validate_record
 from .text import Detokenizer, Sampler
 
@@ -33,6 +37,8 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
             save_session: Path | None = None, load_session: Path | None = None) -> None:
     sampler = Sampler(**sampling)
+    check_open(model, opts["experts"])  # sizes and blob tables as `validate` checks them, before anything loads
+    check_preprocessor(Path(model), load_manifest(model).config)
     eng = Engine(model, Options(**opts))
     logits: list | None = [] if logits_out else None
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -48,7 +54,11 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             raise StreamoeError(f"{load_session}: saved {'with' if saved['raw'] else 'without'} --raw; run it the same way")
         messages, fed = saved.get("messages", []), saved.get("tokens", [])
         if "sampler" in saved:  # a sampled conversation goes on drawing where it stopped
-            sampler.rng.bit_generator.state = saved["sampler"]
+            try:
+                session.restore_sampler(sampler.rng, saved["sampler"], load_session)
+            except BaseException:
+                eng.close()
+                raise
     try:
         turns = [prompt] if prompt is not None else None
         while True:
@@ -61,6 +71,8 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
                     user = input("> ")
                 except EOFError:
                     break
+                except UnicodeDecodeError:
+                    raise fail("<stdin>", "the input is not valid UTF-8 text") from None
                 if user.strip() in ("/quit", "/exit"):
                     break
                 if user.startswith("/image "):
@@ -94,11 +106,22 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             print(f"(saved {eng.offset} tokens of conversation to {save_session}, {size / 2**20:.2f} MiB)", file=sys.stderr)
     finally:
         eng.close()
+        write_outputs(eng, stats, logits_out, logits)
+
+
+def write_outputs(eng: Engine, stats: Path | None, logits_out: Path | None, logits: list | None) -> None:
+    """The telemetry and logits files, after the answer; a full disk is one line naming the file."""
+    try:
         if stats:
             with open(stats, "w") as f:
                 for st in eng.steps:
                     rec = st.to_json()
                     validate_record(rec)
                     f.write(json.dumps(rec) + "\n")
+    except OSError as e:
+        raise os_fail(stats, e, "cannot write the telemetry") from None
+    try:
         if logits_out is not None and logits:
             np.savez(logits_out, logits=np.stack(logits))
+    except OSError as e:
+        raise os_fail(logits_out, e, "cannot write the logits") from None

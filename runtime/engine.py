@@ -1,60 +1,35 @@
 """The engine: opens a converted model inside a memory cap and runs it, streaming routed experts.
 
-Per layer: the token mixer and the router run, the model's own top-k picks the experts, hits bind their
-slot, misses are read in parallel, the next layer's experts are guessed from its router on the current
-hidden state and read ahead, and the experts are combined in router-rank order. Which slot an expert
-came from never enters the math, so logits are bit-identical at every cap and prefetch setting.
+open (plan, non-expert weights, caches, the streaming-experts provider) / prefill (chunks through the
+staging slots) / decode (one token) / generate / close. The layer loop is the model's own
+(`Model.layers_forward`); where experts live, and how they get there, is `runtime/experts.py`.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..convert.source import text_config
+from ..formats.config import ModelArgs
 from ..formats.direct import RangeReader, file_checksum
 from ..formats.errors import StreamoeError, fail
 from ..formats.layout import record_layouts
 from ..formats.manifest import load_manifest, safe_path
 from . import model as model_mod
-from .image import ImageConfig, decode_peak_bytes, load_image, preprocess
-from .model import Model, ModelArgs, combine, expert_mlp, text_positions
+from .experts import StreamingExperts
+from .image import ImageConfig, load_image, preprocess
+from .model import Model, text_positions
 from .mrope import expand_image_tokens, image_positions
-from .plan import ITEMSIZE, GiB, MemoryPlan, current_rss, make_plan
-from .store import ExpertStore, SlotPool
+from .plan import Options, current_rss, default_dtype, plan_for, prefetch_width, read_ring
+from .store import ExpertStore
 from .telemetry import LayerStats, StepStats
 from .text import TextIO
-from .tier import HotTier
 from .vision import VisionArgs, VisionEncoder
-from .vision import max_patches as vision_max_patches
-from .vision import peak_bytes as vision_peak_bytes
-from .weights import load_tensors, read_tensor, resident_bytes
-
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-@dataclass
-class Options:
-    cap_gib: float = 4.0
-    ctx: int = 4096
-    experts: str = "q4"
-    tier: str = "freq"
-    prefetch_width: int = 6
-    dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
-    kv: str = "float32"
-    prefill_chunk: int = 256
-    io_threads: int = 4
-    cpu_streams: int | None = None  # CPU streams for expert and large matmul work; None = one per core (CPU backend)
-    verify: bool = False
-    runtime_bytes: int | None = None  # the interpreter/runtime allowance; None = measured at open
-    images: bool = False  # plan (and allow) image inputs: the vision account
-    max_pixels: int = 640 * 640  # largest image after resizing
-    max_decode_pixels: int = 1 << 24  # largest image file accepted (16 Mpx), decoded before resizing
+from .weights import load_tensors, mx_dtype, read_tensor
 
 
 def fix_malloc_thresholds() -> None:
@@ -75,44 +50,9 @@ def fix_malloc_thresholds() -> None:
         pass
 
 
-def default_dtype() -> str:
-    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
-
-
-def plan_for(root: Path, opts: Options, manifest=None) -> MemoryPlan:
-    """The plan for a converted directory (from its manifest). The runtime allowance is measured with the
-    tokenizer loaded, as `Engine` does, so `streamoe plan` and `streamoe run` agree."""
-    m = manifest or load_manifest(root)
-    if opts.runtime_bytes is None and manifest is None:
-        TextIO(Path(root), m.config)
-    fmts = m.expert_formats()
-    if opts.experts not in fmts:
-        raise fail(root / "manifest.json", f"has no {opts.experts} experts (has {', '.join(fmts)}); convert with --experts")
-    dtype = opts.dtype or default_dtype()
-    _, table = m.blob("nonexpert")
-    tc = text_config(m.config)
-    plan = make_plan(tc=tc, cap=int(opts.cap_gib * GiB), ctx=opts.ctx, expert_format=opts.experts,
-                     stride=fmts[opts.experts].layout.stride, nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), ITEMSIZE[dtype]),
-                     dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
-                     vision_bytes=vision_bytes(m, opts) if opts.images else 0)
-    if opts.images:
-        plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
-                                f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")
-    return plan
-
-
-def vision_bytes(m, opts: Options) -> int:
-    """The vision account: the larger of decoding the biggest accepted file and encoding the biggest resized
-    image (weights of one stage + activations), plus the image's patches and its embeddings."""
-    if m.blob("vision") is None:
-        raise fail(m.root / "manifest.json", "the model has no vision tower (text-only export); images are not supported")
-    va = VisionArgs.from_config(m.config)
-    n = vision_max_patches(va, opts.max_pixels)
-    staged = n * va.patch_dim * 4 + n // va.spatial_merge_size**2 * va.out_hidden_size * 4 * 2
-    return max(decode_peak_bytes(opts.max_decode_pixels), vision_peak_bytes(va, opts.max_pixels)) + staged
-
-
 class Engine:
+    """open / prefill / decode / generate / close: a converted model inside its plan, experts streamed."""
+
     def __init__(self, root: str | Path, opts: Options | None = None):
         self.root, self.opts = Path(root), opts or Options()
         o = self.opts
@@ -129,176 +69,47 @@ class Engine:
         self.plan = plan_for(self.root, o, m)
         self.plan.require_fit()
         mx.set_cache_limit(32 << 20)
-        self.dtype = DTYPES[o.dtype or default_dtype()]
+        self.dtype = mx_dtype(o.dtype or default_dtype())
         on_cpu = mx.default_device() == mx.cpu
         model_mod.set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
-        self.args = ModelArgs.from_config(m.config)
+        self.args = a = ModelArgs.from_config(m.config, self.root / "manifest.json")
         fmt = m.expert_formats()[o.experts]
         self.lay = fmt.layout
-        n_layers, self.n_exp, self.k = m.model["num_layers"], m.model["num_experts"], m.model["top_k"]
         layouts = record_layouts(self.lay.hidden, self.lay.intermediate, self.lay.group_size, self.lay.scale_dtype)
-        self.store = ExpertStore([safe_path(self.root, f["path"]) for f in fmt.files], self.lay, self.n_exp, layouts,
-                                 o.experts, o.io_threads)
-        self.pool = SlotPool(self.plan.hot_slots + self.n_exp, self.lay)
-        self.tier = HotTier(self.plan.hot_slots, self.n_exp, n_layers, self.n_exp,
-                            scratch=2 * self.k + o.prefetch_width, policy=o.tier)
+        k = a.num_experts_per_tok
+        store = ExpertStore([safe_path(self.root, f["path"]) for f in fmt.files], self.lay, a.num_experts, layouts,
+                            o.experts, o.io_threads, ring=read_ring(o, k))
         file, table = m.blob("nonexpert")
-        self.model = Model(self.args, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
-        self.cache = self.model.make_cache(o.ctx, DTYPES[o.kv])
+        self.model = Model(a, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
+        self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
+                                        o.tier, prefetch_width(o, k), self.model.router_logits)
+        self.cache = self.model.make_cache(o.ctx, mx_dtype(o.kv))
         self.offset = 0
         self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens
-        self.inflight: dict[int, object] = {}  # slot -> Future of its read
-        self.prefetched: dict[tuple[int, int], int] = {}
-        self.issued: dict[int, int] = {}  # layer -> prefetch reads issued for it
         self.steps: list[StepStats] = []
-        if self.plan.hot_slots >= n_layers * self.n_exp:
-            self._preload_all()
         self.peak_rss = current_rss()
 
-    def _preload_all(self) -> None:
-        """When the cap holds every expert, read them all at open: the run is then fully resident."""
-        for li in range(self.args.num_hidden_layers):
-            for e in range(self.n_exp):
-                slot = li * self.n_exp + e
-                self.tier.assign(slot, (li, e))
-                self._read((li, e), slot)
-        for s in list(self.inflight):
-            self._settle(s)
-        self.store.bytes_read = 0
-
-    # ---- expert I/O
-    def _read(self, key: tuple[int, int], slot: int) -> None:
-        self.inflight[slot] = self.store.read(key[0], key[1], self.pool.memory(slot))
-        self.tier.busy.add(slot)
-
-    def _settle(self, slot: int) -> float:
-        """Wait for a slot's read, if any; returns the seconds waited."""
-        fut = self.inflight.pop(slot, None)
-        if fut is None:
-            return 0.0
-        t = time.perf_counter()
-        fut.result()
-        self.tier.busy.discard(slot)
-        return time.perf_counter() - t
-
-    def _reap(self) -> None:
-        for s in [s for s, f in self.inflight.items() if f.done()]:
-            self._settle(s)
-
-    def prefetch(self, layer: int, logits: np.ndarray) -> None:
-        """Read ahead the `width` experts layer `layer`'s router likes best for the current hidden state."""
-        w = self.opts.prefetch_width
-        if w <= 0 or layer >= self.args.num_hidden_layers:
-            return
-        self._reap()
-        scores = logits.reshape(-1, logits.shape[-1]).max(axis=0)
-        for e in np.argsort(-scores, kind="stable")[:w]:
-            key = (layer, int(e))
-            if self.tier.lookup(key) is not None:
-                continue
-            slot, _ = self.tier.place(key, optional=True)
-            if slot is None:
-                continue
-            self._read(key, slot)
-            self.prefetched[key] = slot
-            self.issued[layer] = self.issued.get(layer, 0) + 1
-
-    def routed(self, layer: int, x: mx.array, inds: np.ndarray, scores: mx.array, st: LayerStats) -> mx.array:
-        """The routed experts' output for tokens x [T, H] picked as inds [T, k], combined in rank order."""
-        experts = np.unique(inds)
-        st.picks = len(experts)
-        st.experts = experts.tolist()
-        self._reap()
-        self.tier.note_picks(layer, inds.reshape(-1))  # this pick counts toward the admission of a miss
-        slots: dict[int, int] = {}
-        for e in experts.tolist():  # pin every hit first, so placing a miss cannot evict one
-            key = (layer, e)
-            slot = self.tier.lookup(key)
-            if slot is None:
-                continue
-            if self.prefetched.get(key) == slot:
-                st.hits_prefetch += 1
-            elif self.tier.is_staging(slot):
-                st.hits_lent += 1
-            else:
-                st.hits_hot += 1
-            self.tier.pinned.add(slot)
-            slots[e] = slot
-        for e in experts.tolist():
-            if e not in slots:
-                slot, _ = self.tier.place((layer, e))
-                self._read((layer, e), slot)
-                self.tier.pinned.add(slot)
-                slots[e] = slot
-                st.misses += 1
-        st.prefetch_wasted = sum(1 for (ly, e) in self.prefetched if ly == layer and e not in slots)
-        self.prefetched = {k: v for k, v in self.prefetched.items() if k[0] != layer}
-        T, k = inds.shape
-        streams = model_mod.STREAMS or [mx.default_stream(mx.default_device())]
-        outs: dict[int, mx.array] = {}
-        where = [None] * len(experts)
-
-        def run(j: int, e: int) -> None:
-            rows, ranks = np.nonzero(inds == e)
-            with mx.stream(streams[j % len(streams)]):  # experts are independent: one core each
-                xe = x if T == 1 else x[mx.array(rows)]
-                outs[e] = expert_mlp(xe, self.pool.views[slots[e]], self.lay.bits, self.lay.group_size, self.dtype)
-            where[j] = rows * k + ranks
-
-        # experts already in memory start computing while the missing ones are still being read
-        waiting = [(j, e) for j, e in enumerate(experts.tolist()) if slots[e] in self.inflight]
-        for j, e in enumerate(experts.tolist()):
-            if slots[e] not in self.inflight:
-                run(j, e)
-        if outs and waiting:
-            mx.async_eval(list(outs.values()))
-        st.io_wait_ms += 1000 * sum(self._settle(slots[e]) for _, e in waiting)
-        for j, e in waiting:
-            run(j, e)
-        ys = [outs[e] for e in experts.tolist()]
-        order = np.argsort(np.concatenate(where), kind="stable")
-        out = mx.concatenate(ys, axis=0)[mx.array(order)].reshape(T, k, -1)
-        return combine(out, scores.reshape(T, k))
+    @property
+    def tier(self):
+        return self.experts.tier
 
     # ---- one forward step over a chunk of tokens
     def forward(self, tokens: list[int], phase: str, positions: mx.array | None = None,
                 embeddings: mx.array | None = None) -> mx.array:
+        """Logits of the last token after feeding `tokens` (a prefill chunk or one decoded token)."""
         t0 = time.perf_counter()
         T = len(tokens)
-        step = StepStats(step=len(self.steps), phase=phase, n_tokens=T)
         if self.offset + T > self.opts.ctx:
             raise StreamoeError(f"prompt of {self.offset + T} tokens is longer than the planned context --ctx {self.opts.ctx}")
+        step = StepStats(step=len(self.steps), phase=phase, n_tokens=T,
+                         layers=[LayerStats(layer=i) for i in range(self.args.num_hidden_layers)])
+        self.experts.stats = step.layers
         h = embeddings if embeddings is not None else self.model.embed(mx.array([tokens]))
         pos = positions if positions is not None else text_positions(self.offset + self.rope_delta, T)
-        pinned_prev: list[int] = []
-        n_layers = self.args.num_hidden_layers
-        for i in range(n_layers):
-            st = LayerStats(layer=i, prefetch_issued=self.issued.pop(i, 0))
-            read0 = self.store.bytes_read
-            h, x = self.model.mix(i, h, self.cache[i], pos)
-            logits = self.model.router_logits(i, x)
-            guess = None
-            if phase == "decode" and self.opts.prefetch_width > 0 and i + 1 < n_layers:
-                guess = self.model.router_logits(i + 1, x)
-            inds, scores = self.model.route(logits)
-            tc = time.perf_counter()
-            mx.eval(h, x, inds, scores, *([guess] if guess is not None else []))
-            st.compute_ms = 1000 * (time.perf_counter() - tc)
-            self.tier.pinned.difference_update(pinned_prev)
-            inds_np = np.array(inds).reshape(T, -1).astype(np.int64)
-            x2 = x.reshape(T, -1)
-            y = self.routed(i, x2, inds_np, scores, st)
-            pinned_prev = [self.tier.lookup((i, int(e))) for e in np.unique(inds_np)]
-            if guess is not None:
-                self.prefetch(i + 1, np.array(guess.astype(mx.float32)))
-            h = h + (y.reshape(h.shape) + self.model.shared_expert(i, x))  # mlx-lm's order of the sums
-            st.bytes_read = self.store.bytes_read - read0
-            step.layers.append(st)
-        logits = self.model.head(h[:, -1:, :])
+        logits = self.model.head(self.model.layers_forward(h, self.cache, pos, self.experts)[:, -1:, :])
         tc = time.perf_counter()
         mx.eval(logits)
         step.layers[-1].compute_ms += 1000 * (time.perf_counter() - tc)
-        self.tier.pinned.difference_update(pinned_prev)
         self.offset += T
         step.ms = 1000 * (time.perf_counter() - t0)
         self.steps.append(step)
@@ -314,19 +125,19 @@ class Engine:
                                 f"context --ctx {self.opts.ctx}")
         return self._prefill_chunks(tokens)
 
+    def decode(self, token: int) -> mx.array:
+        """Feed one generated token; returns the next logits."""
+        return self.forward([token], "decode")
+
     def _prefill_chunks(self, ids: list[int], positions: mx.array | None = None, emb: mx.array | None = None) -> mx.array:
         """Take the staging slots back from the tier, run the prompt chunk by chunk, lend them again."""
-        for s in list(self.inflight):
-            self._settle(s)
-        self.tier.reclaim_staging()
-        self.prefetched.clear()
-        self.issued.clear()
+        self.experts.begin_prompt()
         c = self.opts.prefill_chunk
         for a in range(0, len(ids), c):
             b = min(len(ids), a + c)
             logits = self.forward(ids[a:b], "prefill", positions=None if positions is None else positions[:, :, a:b],
                                   embeddings=None if emb is None else emb[:, a:b])
-        self.tier.lend_staging()
+        self.experts.end_prompt()
         return logits
 
     def generate(self, prompt: list[int], max_tokens: int, sampler, images: list | None = None):
@@ -341,10 +152,10 @@ class Engine:
             yield tok, lg
             if self.offset >= self.opts.ctx:
                 return
-            logits = self.forward([tok], "decode")
+            logits = self.decode(tok)
 
     def reset(self) -> None:
-        self.cache = self.model.make_cache(self.opts.ctx, DTYPES[self.opts.kv])
+        self.cache = self.model.make_cache(self.opts.ctx, mx_dtype(self.opts.kv))
         self.offset = 0
         self.rope_delta = 0
 
@@ -401,6 +212,4 @@ class Engine:
         return logits
 
     def close(self) -> None:
-        for s in list(self.inflight):
-            self._settle(s)
-        self.store.close()
+        self.experts.close()

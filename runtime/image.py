@@ -23,11 +23,13 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..formats.errors import StreamoeError, fail
+from ..formats.files import read_json
 
 DEFAULT_MAX_PIXELS = 640 * 640
 # The Qwen3-VL processor's `size.shortest_edge`: small images are scaled up to about 256x256.
@@ -160,9 +162,9 @@ def smart_resize(
     """Target (height, width): multiples of `factor`, area within [min_pixels, max_pixels],
     aspect ratio kept as closely as possible (the Qwen2-VL/Qwen3-VL rule)."""
     if height <= 0 or width <= 0:
-        raise ValueError(f"image size must be positive, got {height}x{width}")
+        raise StreamoeError(f"image size must be positive, got {height}x{width}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect ratio of {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
+        raise StreamoeError(f"aspect ratio of {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -214,3 +216,23 @@ def num_image_tokens(height: int, width: int, cfg: ImageConfig | None = None) ->
     cfg = cfg or ImageConfig()
     h, w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     return (h // cfg.patch_size) * (w // cfg.patch_size) // cfg.merge_size**2
+
+
+def check_preprocessor(root: Path, config: dict) -> None:
+    """The image preprocessor's config parses and holds sane numbers (the engine reads it on the first image)."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        p = root / name
+        if not os.path.lexists(p):
+            continue
+        pre = read_json(p, "preprocessor config")
+        try:
+            cfg = ImageConfig.from_config(config, pre)
+            ok = (len(cfg.image_mean) == 3 and len(cfg.image_std) == 3 and all(s != 0 for s in cfg.image_std)
+                  and all(math.isfinite(v) for v in (*cfg.image_mean, *cfg.image_std, cfg.rescale_factor))
+                  and 0 < cfg.min_pixels <= cfg.max_pixels and cfg.patch_size > 0 and cfg.merge_size > 0)
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            ok = False
+        if not ok:
+            raise fail(p, "preprocessor values are not usable (sizes must be positive integers, "
+                          "image_mean/image_std three finite numbers, std non-zero)")
+        return

@@ -21,173 +21,18 @@ prompt into differently sized calls changes rounding (matmul shapes, attention a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..formats.config import PREFIX, ModelArgs
+from ..formats.errors import StreamoeError
 from ..formats.record import ExpertWeights
 from .cache import GDNCache, KVCache
 
-PREFIX = "language_model."
-LINEAR, FULL = "linear_attention", "full_attention"
 GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
-
-
-@dataclass
-class ModelArgs:
-    hidden_size: int
-    num_hidden_layers: int
-    layer_types: tuple[str, ...]
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    rms_norm_eps: float
-    vocab_size: int
-    rope_theta: float
-    partial_rotary_factor: float
-    mrope_section: tuple[int, ...]
-    full_attention_interval: int = 4
-    norm_topk_prob: bool = True
-    tie_word_embeddings: bool = False
-    quantization: dict | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    model_type: str = "qwen3_5_moe"
-
-    @classmethod
-    def from_config(cls, config: dict) -> ModelArgs:
-        """Read config.json: a vision export (`text_config` inside) or a text-only one (flat or nested)."""
-        text = config.get("text_config", config)
-
-        def need(key):
-            if key not in text:
-                raise ValueError(f"config.json: text config has no '{key}'")
-            return text[key]
-
-        n_layers = int(need("num_hidden_layers"))
-        interval = int(text.get("full_attention_interval", 4))
-        by_interval = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers))
-        layer_types = tuple(text.get("layer_types") or by_interval)
-        if layer_types != by_interval:
-            # mlx-lm/mlx-vlm place the layers by the interval; a config that disagrees would run differently.
-            raise ValueError(
-                f"config.json: layer_types {list(layer_types)} disagree with full_attention_interval {interval}"
-            )
-        if int(need("num_experts")) <= 0:
-            raise ValueError("config.json: num_experts must be > 0 (only the MoE model is supported)")
-        if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
-            raise ValueError(
-                "config.json: dense MLP layers (mlp_only_layers / decoder_sparse_step) are not supported"
-            )
-        if text.get("attention_bias", False):
-            raise ValueError("config.json: attention_bias = true is not supported")
-
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            raise ValueError(f"config.json: rope type {rope_type!r} is not supported")
-        if rope.get("mrope_interleaved", True) is False:
-            raise ValueError("config.json: only interleaved M-RoPE (mrope_interleaved = true) is supported")
-        theta = rope.get("rope_theta", text.get("rope_theta"))
-        if theta is None:
-            raise ValueError("config.json: no rope_theta")
-        prf = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
-        head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
-        rot = int(head_dim * prf)
-        section = tuple(int(s) for s in (rope.get("mrope_section") or (rot // 2, 0, 0)))
-        if rot % 2 or len(section) != 3 or sum(section) != rot // 2:
-            raise ValueError(
-                f"config.json: mrope_section {list(section)} must have 3 parts summing to {rot // 2}"
-            )
-
-        quant = config.get("quantization") or config.get("quantization_config") or text.get("quantization")
-        if not quant or "bits" not in quant or "group_size" not in quant:
-            raise ValueError("config.json: no quantization block (only quantized exports are supported)")
-        if quant.get("mode", "affine") != "affine":
-            raise ValueError(f"config.json: quantization mode {quant.get('mode')!r} is not supported")
-
-        eos: list[int] = []
-        for src in (config, text, config.get("generation_config") or {}):
-            ids = src.get("eos_token_id")
-            for t in [ids] if isinstance(ids, int) else ids or []:
-                if t not in eos:
-                    eos.append(int(t))
-
-        args = cls(
-            hidden_size=int(need("hidden_size")),
-            num_hidden_layers=n_layers,
-            layer_types=layer_types,
-            num_attention_heads=int(need("num_attention_heads")),
-            num_key_value_heads=int(need("num_key_value_heads")),
-            head_dim=head_dim,
-            linear_num_key_heads=int(need("linear_num_key_heads")),
-            linear_num_value_heads=int(need("linear_num_value_heads")),
-            linear_key_head_dim=int(need("linear_key_head_dim")),
-            linear_value_head_dim=int(need("linear_value_head_dim")),
-            linear_conv_kernel_dim=int(need("linear_conv_kernel_dim")),
-            num_experts=int(need("num_experts")),
-            num_experts_per_tok=int(need("num_experts_per_tok")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
-            shared_expert_intermediate_size=int(need("shared_expert_intermediate_size")),
-            rms_norm_eps=float(need("rms_norm_eps")),
-            vocab_size=int(need("vocab_size")),
-            rope_theta=float(theta),
-            partial_rotary_factor=prf,
-            mrope_section=section,
-            full_attention_interval=interval,
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            tie_word_embeddings=bool(
-                config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-            ),
-            quantization=dict(quant),
-            eos_token_ids=tuple(eos),
-            model_type=str(config.get("model_type", text.get("model_type", "qwen3_5_moe"))),
-        )
-        if args.linear_num_value_heads % args.linear_num_key_heads:
-            raise ValueError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
-        if args.num_attention_heads % args.num_key_value_heads:
-            raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
-        return args
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def conv_dim(self) -> int:
-        return (
-            2 * self.linear_num_key_heads * self.linear_key_head_dim
-            + self.linear_num_value_heads * self.linear_value_head_dim
-        )
-
-    def is_linear(self, i: int) -> bool:
-        return self.layer_types[i] == LINEAR
-
-    def quant_params(self, module: str) -> tuple[int, int]:
-        """(bits, group_size) of a quantized module, e.g. 'language_model.model.layers.0.mlp.gate'."""
-        q = self.quantization or {}
-        spec = q.get(module)
-        if spec is False:
-            raise ValueError(f"{module}: left unquantized by the export; not supported")
-        spec = spec if isinstance(spec, dict) else q
-        if spec.get("mode", "affine") != "affine":
-            raise ValueError(f"{module}: quantization mode {spec.get('mode')!r} is not supported")
-        return int(spec.get("bits", q["bits"])), int(spec.get("group_size", q["group_size"]))
-
-    def expert_quant(self, i: int) -> tuple[int, int]:
-        """(bits, group_size) of layer i's routed experts, as the export's config states them."""
-        return self.quant_params(f"{PREFIX}model.layers.{i}.mlp.switch_mlp.gate_proj")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,6 +44,19 @@ class ModelArgs:
 # whatever the split, so results do not change with the number of streams.
 STREAMS: list = []
 SPLIT_ROWS = 2048
+
+
+def gpu_compiled(fn):
+    """`mx.compile(fn)` on a GPU, where fusing a chain of elementwise ops saves kernel launches (decode is
+    launch-bound there); `fn` itself on the CPU backend. Either way every run of a backend computes the
+    same ops, so results stay identical across caps and runs."""
+    compiled = mx.compile(fn)
+
+    def call(*args):
+        return compiled(*args) if mx.default_device() == mx.gpu else fn(*args)
+
+    call.__doc__ = fn.__doc__
+    return call
 
 
 def set_cpu_streams(n: int) -> None:
@@ -240,15 +98,15 @@ class _Loader:
 
     def _get(self, name: str) -> mx.array:
         if name not in self.weights:
-            raise ValueError(f"missing tensor {name}")
+            raise StreamoeError(f"missing tensor {name}")
         return self.weights[name]
 
     def float(self, name: str, shape: tuple[int, ...], dtype=None) -> mx.array:
         w = self._get(name)
         if not mx.issubdtype(w.dtype, mx.floating):
-            raise ValueError(f"{name}: dtype {w.dtype} is not floating point")
+            raise StreamoeError(f"{name}: dtype {w.dtype} is not floating point")
         if tuple(w.shape) != tuple(shape):
-            raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {tuple(shape)}")
+            raise StreamoeError(f"{name}: shape {tuple(w.shape)}, expected {tuple(shape)}")
         return w.astype(dtype or self.dtype)
 
     def quantized(
@@ -260,13 +118,13 @@ class _Loader:
         s = self._get(f"{module}.scales")
         b = self._get(f"{module}.biases")
         if w.dtype != mx.uint32:
-            raise ValueError(f"{module}.weight: dtype {w.dtype}, expected uint32 (quantized)")
+            raise StreamoeError(f"{module}.weight: dtype {w.dtype}, expected uint32 (quantized)")
         lead = tuple(w.shape[:-2])
         if in_dims % group or (in_dims * bits) % 32:
-            raise ValueError(f"{module}: input dim {in_dims} does not pack at {bits} bits, group {group}")
+            raise StreamoeError(f"{module}: input dim {in_dims} does not pack at {bits} bits, group {group}")
         if s.ndim == w.ndim and s.shape[-1] and 32 * w.shape[-1] != bits * s.shape[-1] * group:
             found = 32 * w.shape[-1] / (s.shape[-1] * group)
-            raise ValueError(
+            raise StreamoeError(
                 f"{module}.weight: shape {tuple(w.shape)} with scales {tuple(s.shape)} means {found:g} bits, "
                 f"config says {bits}"
             )
@@ -276,12 +134,12 @@ class _Loader:
             (f"{module}.biases", b, (*lead, out_dims, in_dims // group)),
         ):
             if tuple(arr.shape) != shape:
-                raise ValueError(
+                raise StreamoeError(
                     f"{name}: shape {tuple(arr.shape)}, expected {shape} ({bits}-bit, group {group})"
                 )
         for name, arr in ((f"{module}.scales", s), (f"{module}.biases", b)):
             if not mx.issubdtype(arr.dtype, mx.floating):
-                raise ValueError(f"{name}: dtype {arr.dtype} is not floating point")
+                raise StreamoeError(f"{name}: dtype {arr.dtype} is not floating point")
         return w, s.astype(self.dtype), b.astype(self.dtype), bits, group
 
     def linear(self, module: str, out_dims: int, in_dims: int) -> QLinear:
@@ -347,6 +205,7 @@ def text_positions(offset: int, length: int, batch: int = 1) -> mx.array:
 EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
 
 
+@gpu_compiled
 def _delta_step(state, q, k, v, g, beta):
     """One token. state [B, H, dv, dk] f32; q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]."""
     state = state * g[..., None, None]
@@ -442,6 +301,17 @@ def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = GDN_CHUNK):
 # layers
 
 
+@gpu_compiled
+def _conv_silu(seq: mx.array, w: mx.array) -> mx.array:
+    """Causal depthwise convolution of seq [B, K-1+L, C] with w [C, K] (taps summed left to right), SiLU."""
+    K = w.shape[1]
+    L = seq.shape[1] - (K - 1)
+    conv = seq[:, 0:L, :] * w[:, 0]
+    for j in range(1, K):
+        conv = conv + seq[:, j : j + L, :] * w[:, j]
+    return nn.silu(conv)
+
+
 class GatedDeltaNet:
     def __init__(self, args: ModelArgs, ld: _Loader, p: str, chunked: bool | None):
         H, eps = args.hidden_size, args.rms_norm_eps
@@ -473,10 +343,7 @@ class GatedDeltaNet:
         seq = mx.concatenate([past, qkv.astype(past.dtype)], axis=1)
         if cache is not None:
             cache.conv = mx.contiguous(seq[:, L:, :])
-        conv = seq[:, 0:L, :] * self.conv[:, 0]
-        for j in range(1, K):
-            conv = conv + seq[:, j : j + L, :] * self.conv[:, j]
-        conv = nn.silu(conv)
+        conv = _conv_silu(seq, self.conv)
 
         q, k, v = mx.split(conv, self.splits, axis=-1)
         q = q.reshape(B, L, self.hk, self.dk)
@@ -545,20 +412,36 @@ class Attention:
 
 
 class SparseMoe:
-    """The non-routed parts of a layer's MoE block: router and gated shared expert."""
+    """The MoE block: the router picks the top-k experts, an experts provider computes them (it owns where
+    their weights live), and a gated shared expert is added: routed + shared, mlx-lm's order of the sums."""
 
     def __init__(self, args: ModelArgs, ld: _Loader, p: str):
         H, Is = args.hidden_size, args.shared_expert_intermediate_size
+        self.k, self.norm_topk, self.dtype = args.num_experts_per_tok, args.norm_topk_prob, ld.dtype
         self.gate = ld.linear(f"{p}gate", args.num_experts, H)
         self.shared_gate_proj = ld.linear(f"{p}shared_expert.gate_proj", Is, H)
         self.shared_up_proj = ld.linear(f"{p}shared_expert.up_proj", Is, H)
         self.shared_down_proj = ld.linear(f"{p}shared_expert.down_proj", H, Is)
         self.shared_expert_gate = ld.linear(f"{p}shared_expert_gate", 1, H)
 
+    def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        return route(logits, self.k, self.norm_topk, self.dtype)
+
+    def shared(self, x: mx.array) -> mx.array:
+        y = self.shared_down_proj(nn.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
+        return mx.sigmoid(self.shared_expert_gate(x)) * y
+
+    def __call__(self, i: int, x: mx.array, experts) -> mx.array:
+        inds, scores = self.route(self.gate(x))
+        return experts(i, x, inds, scores) + self.shared(x)
+
 
 class DecoderLayer:
+    """Token mixer (Gated DeltaNet or gated attention) and MoE block, each behind an RMSNorm and a residual."""
+
     def __init__(self, args: ModelArgs, ld: _Loader, i: int, gdn_chunked: bool | None):
         p = f"{PREFIX}model.layers.{i}."
+        self.i, self.eps = i, args.rms_norm_eps
         self.is_linear = args.is_linear(i)
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(args, ld, f"{p}linear_attn.", gdn_chunked)
@@ -567,6 +450,17 @@ class DecoderLayer:
         self.input_layernorm = ld.float(f"{p}input_layernorm.weight", (args.hidden_size,))
         self.post_attention_layernorm = ld.float(f"{p}post_attention_layernorm.weight", (args.hidden_size,))
         self.mlp = SparseMoe(args, ld, f"{p}mlp.")
+
+    def mix(self, h: mx.array, cache, rope: MRoPE, cos_sin) -> tuple[mx.array, mx.array]:
+        """(h + mixer(norm(h)), x): the residual stream after the mixer and the MoE block's input."""
+        x = mx.fast.rms_norm(h, self.input_layernorm, self.eps)
+        r = self.linear_attn(x, cache) if self.is_linear else self.self_attn(x, cache, rope, *cos_sin)
+        h = h + r
+        return h, mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
+
+    def __call__(self, h: mx.array, cache, rope: MRoPE, cos_sin, experts) -> mx.array:
+        h, x = self.mix(h, cache, rope, cos_sin)
+        return h + self.mlp(self.i, x, experts)
 
 
 class Model:
@@ -619,40 +513,26 @@ class Model:
         w, s, b, bits, group = self.embed_tokens
         return mx.dequantize(w[tokens], s[tokens], b[tokens], group_size=group, bits=bits).astype(self.dtype)
 
+    def layers_forward(self, h: mx.array, cache: list, positions: mx.array, experts) -> mx.array:
+        """The one layer loop: every decoder layer over h [B, L, H] with its cache entry. positions: [3, B, L]
+        int32 (t, h, w). `experts(i, x, inds, scores)` gives layer i's routed output."""
+        cos_sin = self.rope.cos_sin(positions) if self.args.n_full_attention else None
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache[i], self.rope, cos_sin, experts)
+        return h
+
     def mix(self, i: int, h: mx.array, cache_i, positions: mx.array) -> tuple[mx.array, mx.array]:
-        """Layer i's token mixer with its norm and residual: returns (h + mixer(norm(h)), x) where
-        x = post_attention_layernorm(h + ...) is the MoE input. positions: [3, B, L] int32 (t, h, w)."""
-        layer = self.layers[i]
-        x = mx.fast.rms_norm(h, layer.input_layernorm, self.args.rms_norm_eps)
-        if layer.is_linear:
-            r = layer.linear_attn(x, cache_i)
-        else:
-            cos, sin = self.rope.cos_sin(positions)
-            r = layer.self_attn(x, cache_i, self.rope, cos, sin)
-        h = h + r
-        return h, mx.fast.rms_norm(h, layer.post_attention_layernorm, self.args.rms_norm_eps)
+        """Layer i's token mixer with its norm and residual: (h + mixer(norm(h)), the MoE input)."""
+        return self.layers[i].mix(h, cache_i, self.rope, self.rope.cos_sin(positions))
 
     def router_logits(self, i: int, x: mx.array) -> mx.array:
         return self.layers[i].mlp.gate(x)
 
-    def route(self, logits: mx.array, k: int | None = None) -> tuple[mx.array, mx.array]:
-        """Top-k experts: (inds [..., k] uint32, scores [..., k] in dtype), in router-rank order.
-
-        Softmax in float32; the k largest picked by argpartition as mlx-lm does (kth=-k, last k, in the
-        order argpartition leaves them: that order is the one experts are combined in); scores renormalised
-        to sum to 1 (norm_topk_prob)."""
-        k = k or self.args.num_experts_per_tok
-        gates = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-        inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
-        scores = mx.take_along_axis(gates, inds, axis=-1)
-        if self.args.norm_topk_prob:
-            scores = scores / scores.sum(axis=-1, keepdims=True)
-        return inds.astype(mx.uint32), scores.astype(self.dtype)
+    def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        return route(logits, self.args.num_experts_per_tok, self.args.norm_topk_prob, self.dtype)
 
     def shared_expert(self, i: int, x: mx.array) -> mx.array:
-        m = self.layers[i].mlp
-        y = m.shared_down_proj(nn.silu(m.shared_gate_proj(x)) * m.shared_up_proj(x))
-        return mx.sigmoid(m.shared_expert_gate(x)) * y
+        return self.layers[i].mlp.shared(x)
 
     def head(self, h: mx.array) -> mx.array:
         return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps))
@@ -674,6 +554,45 @@ def _arrays(obj) -> list[mx.array]:
 # routed experts
 
 
+def route(logits: mx.array, k: int, norm_topk: bool, dtype) -> tuple[mx.array, mx.array]:
+    """Top-k experts: (inds [..., k] uint32, scores [..., k] in dtype), in router-rank order.
+
+    Softmax in float32; the k largest picked by argpartition as mlx-lm does (kth=-k, last k, in the order
+    argpartition leaves them: that order is the one experts are combined in); scores renormalised to sum
+    to 1 (norm_topk_prob)."""
+    gates = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if norm_topk:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return inds.astype(mx.uint32), scores.astype(dtype)
+
+
+def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, bits: int, group_size: int) -> mx.array:
+    """Routed experts for tokens x [N, H] picked as `slots` [N, k] into stacked weights (each of w's nine
+    arrays is [S, ...]): down(silu(gate(x)) * up(x)) per (token, pick) -> [N, k, H], three `gather_qmm`
+    calls in all. On the CPU backend the picks are split over the CPU streams (one core each); every
+    (token, pick) row is computed by the same kernel whatever the split, so results do not depend on it."""
+    if not STREAMS or slots.shape[-1] < 2:
+        return _switch_glu(x, w, slots, bits, group_size)
+    k, n = slots.shape[-1], min(len(STREAMS), slots.shape[-1])
+    parts = []
+    for j in range(n):
+        with mx.stream(STREAMS[j]):
+            parts.append(_switch_glu(x, w, slots[:, j * k // n:(j + 1) * k // n], bits, group_size))
+    return mx.concatenate(parts, axis=1)
+
+
+def _switch_glu(x, w, slots, bits, group_size):
+    def qmm(a, wq, s, b):
+        # scales/biases as stored (bf16): with float32 x the kernel upcasts them, the same bits as casting first
+        return mx.gather_qmm(a, wq, s, b, rhs_indices=slots, transpose=True, group_size=group_size, bits=bits)
+
+    xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, H]: each token meets its k picks
+    h = nn.silu(qmm(xe, w.gate_w, w.gate_s, w.gate_b)) * qmm(xe, w.up_w, w.up_s, w.up_b)
+    return qmm(h, w.down_w, w.down_s, w.down_b).squeeze(-2)
+
+
 def expert_mlp(x: mx.array, w: ExpertWeights, bits: int, group_size: int, dtype=mx.float32) -> mx.array:
     """One routed expert on tokens x [N, H]: down(silu(gate(x)) * up(x))."""
 
@@ -687,6 +606,7 @@ def expert_mlp(x: mx.array, w: ExpertWeights, bits: int, group_size: int, dtype=
     return qmm(h, w.down_w, w.down_s, w.down_b)
 
 
+@gpu_compiled
 def combine(outs: mx.array, scores: mx.array) -> mx.array:
     """outs [..., k, H] in router-rank order, scores [..., k] -> sum_j outs[..., j, :] * scores[..., j],
     accumulated left to right in rank order with elementwise ops (no reduction kernel), so the result
@@ -718,11 +638,11 @@ class ResidentExperts:
             ):
                 w, s, b, bits, group = ld.quantized(p + proj, out_dims, in_dims)
                 if w.shape[0] != E:
-                    raise ValueError(f"{p}{proj}.weight: {w.shape[0]} experts, config says {E}")
+                    raise StreamoeError(f"{p}{proj}.weight: {w.shape[0]} experts, config says {E}")
                 parts += [w, s, b]
                 quant.add((bits, group))
             if len(quant) != 1:
-                raise ValueError(f"{p}: gate/up/down quantized differently: {sorted(quant)}")
+                raise StreamoeError(f"{p}: gate/up/down quantized differently: {sorted(quant)}")
             mx.eval(parts)
             self.layers.append((parts, *quant.pop()))
 
@@ -731,21 +651,10 @@ class ResidentExperts:
 
     def __call__(self, i: int, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
         """Routed-expert output of layer i for x [..., H] with inds/scores [..., k] from `route`."""
-        _, bits, group = self.layers[i]
+        parts, bits, group = self.layers[i]
         shape, k = x.shape, inds.shape[-1]
-        xf = x.reshape(-1, shape[-1])
-        flat = np.array(inds.reshape(-1)).astype(np.int64)  # slot p = token * k + rank
-        order = np.argsort(flat, kind="stable")
-        experts, starts = np.unique(flat[order], return_index=True)
-        bounds = [*starts[1:], len(order)]
-        pieces = []
-        for e, lo, hi in zip(experts, starts, bounds, strict=True):
-            tokens = mx.array(order[lo:hi] // k)
-            pieces.append(expert_mlp(xf[tokens], self.expert(i, int(e)), bits, group, self.dtype))
-        back = np.empty_like(order)
-        back[order] = np.arange(len(order))
-        outs = mx.concatenate(pieces, axis=0)[mx.array(back)].reshape(-1, k, shape[-1])
-        return combine(outs, scores.reshape(-1, k)).reshape(shape)
+        y = switch_glu(x.reshape(-1, shape[-1]), ExpertWeights(*parts), inds.reshape(-1, k), bits, group)
+        return combine(y, scores.reshape(-1, k)).reshape(shape)
 
 
 def forward(
@@ -762,11 +671,7 @@ def forward(
     B, L = h.shape[:2]
     for c in cache:  # refuse before any layer's state has moved
         if isinstance(c, KVCache) and c.offset + L > c.max_tokens:
-            raise ValueError(f"KV cache holds {c.max_tokens} tokens; {c.offset + L} were asked for")
+            raise StreamoeError(f"KV cache holds {c.max_tokens} tokens; {c.offset + L} were asked for")
     if positions is None:
         positions = text_positions(cache[0].offset, L, B)
-    for i in range(model.num_layers):
-        h, x = model.mix(i, h, cache[i], positions)
-        inds, scores = model.route(model.router_logits(i, x))
-        h = h + (experts(i, x, inds, scores) + model.shared_expert(i, x))
-    return model.head(h)
+    return model.head(model.layers_forward(h, cache, positions, experts))

@@ -8,12 +8,50 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from ..formats.errors import StreamoeError
+import mlx.core as mx
+
+from ..formats.config import ModelArgs
+from ..formats.dtypes import itemsize
+from ..formats.errors import StreamoeError, fail
+from ..formats.manifest import Manifest, load_manifest
 
 GiB = 1 << 30
 MiB = 1 << 20
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass
+class Options:
+    cap_gib: float = 4.0
+    ctx: int = 4096
+    experts: str = "q4"
+    tier: str = "freq"
+    prefetch_width: int | None = None  # cross-layer guesses per layer; None = top-k
+    dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
+    kv: str = "float32"
+    prefill_chunk: int = 256
+    io_threads: int = 4
+    cpu_streams: int | None = None  # CPU streams for expert and large matmul work; None = one per core (CPU backend)
+    verify: bool = False
+    runtime_bytes: int | None = None  # the interpreter/runtime allowance; None = measured at open
+    images: bool = False  # plan (and allow) image inputs: the vision account
+    max_pixels: int = 640 * 640  # largest image after resizing
+    max_decode_pixels: int = 1 << 24  # largest image file accepted (16 Mpx), decoded before resizing
+
+
+def read_ring(opts: Options, top_k: int) -> int:
+    """Records of host staging the reads land in: a layer's misses and guesses, plus one per I/O thread."""
+    return 2 * top_k + prefetch_width(opts, top_k) + opts.io_threads
+
+
+def prefetch_width(opts: Options, top_k: int) -> int:
+    return top_k if opts.prefetch_width is None else opts.prefetch_width
+
+
+def default_dtype() -> str:
+    """float32 on the CPU backend (its bf16 kernels are 8x slower and accumulate in bf16), bf16 on GPUs."""
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
 
 
 def current_rss() -> int:
@@ -83,50 +121,45 @@ class MemoryPlan:
                 "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits}
 
     def require_fit(self) -> None:
+        """The fixed accounts fit the cap, and what the plan allocates fits the machine (see `require_machine`)."""
+        require_machine(self)
         if not self.fits:
             raise StreamoeError(f"cap {self.cap / GiB:.2f} GiB is too small for this model at ctx {self.ctx}: "
                                 f"the fixed accounts need {self.fixed / GiB:.2f} GiB; smallest cap that fits: "
                                 f"--cap {(self.min_cap + 0.01 * GiB) / GiB:.2f}")
 
 
-def activation_bytes(tc: dict, ctx: int, chunk: int, item: int) -> int:
+def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int) -> int:
     """Working memory of one prefill chunk (the decode step is a chunk of one): a conservative sum of the
     largest live temporaries — attention scores over the whole context dominate for long contexts."""
-    H, E_k = tc["hidden_size"], tc["num_experts_per_tok"]
-    nq, nkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc.get("head_dim", H // tc["num_attention_heads"])
-    conv = 2 * tc["linear_num_key_heads"] * tc["linear_key_head_dim"] + tc["linear_num_value_heads"] * tc["linear_value_head_dim"]
-    vdim = tc["linear_num_value_heads"] * tc["linear_value_head_dim"]
-    inter = max(tc["moe_intermediate_size"], tc["shared_expert_intermediate_size"])
+    H, nq, nkv, hd = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    inter = max(a.moe_intermediate_size, a.shared_expert_intermediate_size)
     hidden = 8 * chunk * H
     attn = chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * chunk * ctx
     # the recurrence is evaluated every 8 tokens: up to 8 steps x ~6 state-sized temporaries alive at once
-    gdn = 3 * chunk * (conv + vdim) + 48 * tc["linear_num_value_heads"] * tc["linear_value_head_dim"] * tc["linear_key_head_dim"]
-    moe = 3 * chunk * E_k * H + 4 * chunk * inter
-    logits = 2 * tc["vocab_size"]
+    gdn = 3 * chunk * (a.conv_dim + a.value_dim) + 48 * a.value_dim * a.linear_key_head_dim
+    moe = 3 * chunk * a.num_experts_per_tok * H + 4 * chunk * inter
+    logits = 2 * a.vocab_size
     return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item)
 
 
-def state_bytes(tc: dict, ctx: int, kv_item: int) -> tuple[int, int]:
+def state_bytes(a: ModelArgs, ctx: int, kv_item: int) -> tuple[int, int]:
     """(KV cache for ctx tokens, linear-attention state), both preallocated at open."""
-    n = tc["num_hidden_layers"]
-    interval = tc.get("full_attention_interval", 4)
-    n_full = sum(1 for i in range(n) if (i + 1) % interval == 0)
-    hd = tc.get("head_dim", tc["hidden_size"] // tc["num_attention_heads"])
-    kv = n_full * 2 * tc["num_key_value_heads"] * hd * ctx * kv_item
-    conv = 2 * tc["linear_num_key_heads"] * tc["linear_key_head_dim"] + tc["linear_num_value_heads"] * tc["linear_value_head_dim"]
-    rec = tc["linear_num_value_heads"] * tc["linear_value_head_dim"] * tc["linear_key_head_dim"]
-    lin = (n - n_full) * ((tc.get("linear_conv_kernel_dim", 4) - 1) * conv + rec) * 4
+    n_full = a.n_full_attention
+    kv = n_full * 2 * a.num_key_value_heads * a.head_dim * ctx * kv_item
+    rec = a.value_dim * a.linear_key_head_dim
+    lin = (a.num_hidden_layers - n_full) * ((a.linear_conv_kernel_dim - 1) * a.conv_dim + rec) * 4
     return kv, lin
 
 
-def make_plan(*, tc: dict, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
+def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
-              prefill_chunk: int = 256) -> MemoryPlan:
-    item, kv_item = ITEMSIZE[dtype], ITEMSIZE[kv_dtype]
-    kv, lin = state_bytes(tc, ctx, kv_item)
-    n_exp = tc["num_experts"]
+              prefill_chunk: int = 256, ring: int = 0) -> MemoryPlan:
+    item, kv_item = itemsize(dtype), itemsize(kv_dtype)
+    kv, lin = state_bytes(args, ctx, kv_item)
+    n_exp = args.num_experts
     plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp,
-                      n_layers=tc["num_hidden_layers"])
+                      n_layers=args.num_hidden_layers)
     if runtime_bytes is None:
         runtime_bytes = current_rss() + 64 * MiB
         plan.notes["runtime"] = "measured RSS at open + 64 MiB for allocator cache and Python heap"
@@ -134,12 +167,72 @@ def make_plan(*, tc: dict, cap: int, ctx: int, expert_format: str, stride: int, 
         "non-expert": nonexpert_resident,
         "kv cache": kv,
         "linear state": lin,
-        "activations": activation_bytes(tc, ctx, min(prefill_chunk, ctx), item),
+        "activations": activation_bytes(args, ctx, min(prefill_chunk, ctx), item),
         "prefill staging": n_exp * stride,
+        "read staging": 2 * ring * stride,
         "vision": vision_bytes,
         "runtime": runtime_bytes,
     }
     plan.notes["non-expert"] = f"weights as computed ({dtype} floats, packed codes)"
     plan.notes["kv cache"] = f"{ctx} tokens, {kv_dtype}"
     plan.notes["prefill staging"] = f"{n_exp} slots, one per expert of a layer"
+    plan.notes["read staging"] = f"{ring} records of host staging + their copies in flight"
     return plan
+
+
+def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> MemoryPlan:
+    """The plan for a converted directory (from its manifest). The runtime allowance is measured with the
+    tokenizer loaded, as `Engine` does, so `streamoe plan` and `streamoe run` agree."""
+    from .text import TextIO
+    from .vision import vision_account
+    from .weights import resident_bytes
+
+    m = manifest or load_manifest(root)
+    if opts.runtime_bytes is None and manifest is None:
+        TextIO(Path(root), m.config)
+    fmts = m.expert_formats()
+    if opts.experts not in fmts:
+        raise fail(root / "manifest.json", f"has no {opts.experts} experts (has {', '.join(fmts)}); convert with --experts")
+    dtype = opts.dtype or default_dtype()
+    _, table = m.blob("nonexpert")
+    vision = 0
+    if opts.images:
+        if m.blob("vision") is None:
+            raise fail(m.root / "manifest.json", "the model has no vision tower (text-only export); images are not supported")
+        vision = vision_account(m.config, opts.max_pixels, opts.max_decode_pixels)
+    plan = make_plan(args=ModelArgs.from_config(m.config, m.root / "manifest.json"), cap=int(opts.cap_gib * GiB),
+                     ctx=opts.ctx, expert_format=opts.experts, stride=fmts[opts.experts].layout.stride,
+                     nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
+                     dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
+                     vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])))
+    if opts.images:
+        plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
+                                f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")
+    return plan
+
+
+def machine_bytes() -> tuple[int, str]:
+    """The most memory this process can have: physical memory, or less under an address-space limit."""
+    import resource
+
+    limits = []
+    try:
+        limits.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of physical memory"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append((soft, "of address space (ulimit -v)"))
+    return min(limits) if limits else (1 << 62, "")
+
+
+def require_machine(plan: MemoryPlan) -> None:
+    """A plan that would allocate more than the machine has fails here, with one line, instead of crashing in
+    the allocator (MLX segfaults on a KV cache larger than memory: `--cap 1e6 --ctx 100000000`)."""
+    total = min(plan.fixed, plan.cap) + plan.hot_slots * plan.stride
+    have, what = machine_bytes()
+    if total > have:
+        big = max(plan.accounts, key=plan.accounts.get)
+        raise StreamoeError(f"the plan needs {total / GiB:.2f} GiB but this machine has {have / GiB:.2f} GiB {what} "
+                            f"(largest account: {big}, {plan.accounts[big] / GiB:.2f} GiB at ctx {plan.ctx}); "
+                            "lower --ctx or --cap")

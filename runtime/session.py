@@ -17,13 +17,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..formats.dtypes import DTYPES
 from ..formats.errors import fail
-from ..formats.safetensors import DTYPES as ST_DTYPES
-from ..formats.session import SessionReader, write_session
+from ..formats.session import SessionReader, header_limit, write_session
 from .cache import KVCache
-
-ST_NAME = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
-MX_DTYPE = {v: k for k, v in ST_NAME.items()}
+from .weights import code_of
 
 
 def fingerprint(eng) -> dict:
@@ -33,7 +31,7 @@ def fingerprint(eng) -> dict:
     weights = [m.blob("nonexpert")[0]["checksum"]] + [f["checksum"] for f in m.expert_formats()[eng.opts.experts].files]
     ident = json.dumps([m.config, weights], sort_keys=True).encode()
     return {"model": hashlib.sha256(ident).hexdigest()[:16], "experts": eng.opts.experts,
-            "dtype": ST_NAME[eng.dtype], "kv": eng.opts.kv}
+            "dtype": code_of(eng.dtype), "kv": eng.opts.kv}
 
 
 def _entries(eng, n: int) -> list[tuple[str, mx.array, tuple[int, ...]]]:
@@ -72,14 +70,14 @@ def save_session(eng, path: str | Path, extra: dict) -> int:
     entries = _entries(eng, eng.offset)
     mx.eval([a for _, a, _ in entries])
     meta = {**fingerprint(eng), "tokens": eng.offset, "rope_delta": eng.rope_delta, "extra": extra}
-    return write_session(path, meta, [(name, ST_NAME[a.dtype], shape) for name, a, shape in entries],
+    return write_session(path, meta, [(name, code_of(a.dtype), shape) for name, a, shape in entries],
                          _blocks(entries, eng.offset))
 
 
 def load_session(eng, path: str | Path) -> dict:
     """Replace the engine's state by the saved one (checked against this engine first); returns `extra`."""
     path = Path(path)
-    with SessionReader(path) as r:
+    with SessionReader(path, header_limit(eng.opts.ctx)) as r:
         meta = r.meta
         mine = fingerprint(eng)
         for key, what in (("experts", "expert format (--experts)"), ("dtype", "compute dtype (--dtype)"),
@@ -96,22 +94,50 @@ def load_session(eng, path: str | Path) -> dict:
         try:
             for t in r.tensors:
                 a, shape = want[t.name]
-                if t.shape != shape or t.dtype != ST_NAME[a.dtype]:
+                if t.shape != shape or t.dtype != code_of(a.dtype):
                     raise fail(path, f"tensor {t.name!r} is {t.dtype}{list(t.shape)}, this engine needs "
-                                     f"{ST_NAME[a.dtype]}{list(shape)}")
+                                     f"{code_of(a.dtype)}{list(shape)}")
                 _fill(eng.cache[int(t.name.split(".")[1])], t.name.rsplit(".", 1)[1], r, t.dtype, shape, n)
             r.finish()
         except BaseException:
             eng.reset()  # never a half-restored state: an empty conversation instead
             raise
+    extra = check_extra(path, meta.get("extra", {}), eng.opts.ctx)
     for c in eng.cache:
         c.offset = n
     eng.offset, eng.rope_delta = n, int(meta["rope_delta"])
-    return meta.get("extra", {})
+    return extra
+
+
+def check_extra(path: Path, extra: dict, ctx: int) -> dict:
+    """What `streamoe run` keeps beside the state (raw flag, messages, token history, sampler), typed before
+    it is used: a session file is input like any other."""
+    if "raw" in extra and not isinstance(extra["raw"], bool):
+        raise fail(path, "session 'raw' must be true or false")
+    msgs = extra.get("messages", [])
+    if not isinstance(msgs, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str | list) for m in msgs):
+        raise fail(path, "session 'messages' must be a list of {role, content} objects")
+    toks = extra.get("tokens", [])
+    if not isinstance(toks, list) or len(toks) > ctx or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in toks):
+        raise fail(path, f"session 'tokens' must be a list of at most {ctx} token ids")
+    if "sampler" in extra and not isinstance(extra["sampler"], dict):
+        raise fail(path, "session 'sampler' must be a generator state object")
+    return extra
+
+
+def restore_sampler(rng: np.random.Generator, state: dict, path: Path) -> None:
+    """Continue a sampled conversation where it stopped; a state numpy rejects is the file's fault."""
+    try:
+        rng.bit_generator.state = state
+    except (TypeError, ValueError, KeyError, OverflowError):
+        raise fail(path, "session 'sampler' is not a valid random generator state") from None
 
 
 def _fill(cache, field: str, r: SessionReader, dtype: str, shape: tuple[int, ...], n: int) -> None:
-    np_dtype, item = ST_DTYPES[dtype]
+    np_dtype, item = DTYPES[dtype].numpy, DTYPES[dtype].itemsize
 
     def array(nbytes: int, shape) -> mx.array:
         a = mx.array(np.frombuffer(r.read(nbytes), dtype=np_dtype).reshape(shape))

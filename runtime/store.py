@@ -1,78 +1,34 @@
-"""ExpertStore: expert records read from the layer files straight into MLX memory, bypassing the page cache.
+"""ExpertStore: expert records read from the layer files into host staging this process owns.
 
-One MLX uint8 array holds every expert slot (hot tier + prefill staging), 4096-aligned so O_DIRECT can
-write into it; each slot has nine precomputed zero-copy views (weights, scales, biases of gate/up/down)
-that the quantized matmuls read directly. A small thread pool runs the reads (`os.preadv` drops the GIL).
-Rule: a slot is never refilled while an unevaluated graph still reads it — the engine evaluates each
-layer before its slots can be reused, and the tier never hands out a pinned slot.
+The disk never writes into memory a device may be using: every record lands, with one page-cache-free
+read, in an entry of a small ring of page-aligned host buffers (anonymous mmap, never seen by MLX), and
+the slot pools copy it from there (`runtime/experts.py`). That is what keeps a CUDA device's managed
+memory out of the DMA path (O_DIRECT into managed pages that a kernel touches loses pages), and it costs
+one memcpy per record, far below the read itself.
+
+A read waits for a free ring entry inside its I/O thread, so any number of reads can be queued while the
+staging memory stays at `ring` records: the consumer fills a slot from an entry and releases it.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-
-from ..formats.direct import ALIGN, drop_cache, open_uncached
+from ..formats.direct import aligned_buffer, drop_cache, open_uncached
 from ..formats.errors import fail
 from ..formats.layout import detect_format
-from ..formats.record import ExpertWeights, RecordLayout
-
-MX_DTYPES = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
-
-
-def aligned_mlx_buffer(nbytes: int) -> tuple[mx.array, np.ndarray, int]:
-    """An evaluated MLX uint8 array with a 4096-aligned window of `nbytes`; returns (array, numpy view, offset)."""
-    raw = mx.zeros((nbytes + 2 * ALIGN,), mx.uint8)
-    mx.eval(raw)
-    host = np.asarray(raw)  # writable, zero-copy; keeping it referenced also prevents buffer donation
-    off = (-host.ctypes.data) % ALIGN
-    return raw, host, off
-
-
-def record_views(buf: mx.array, base: int, lay: RecordLayout) -> ExpertWeights:
-    """The nine arrays of the record at byte `base` of `buf`, as zero-copy MLX views."""
-    views = []
-    for s in lay.segments:
-        v = buf[base + s.offset: base + s.offset + s.nbytes].view(MX_DTYPES[s.dtype]).reshape(s.shape)
-        views.append(v)
-    return ExpertWeights(*views)
-
-
-class SlotPool:
-    """`n` expert slots of one record layout in aligned MLX buffers of at most 1 GiB each (an MLX dimension
-    is a 32-bit integer, so one array cannot hold a 4 GiB pool)."""
-
-    GROUP_BYTES = 1 << 30
-
-    def __init__(self, n: int, lay: RecordLayout):
-        self.n, self.lay = n, lay
-        self.per_group = max(1, self.GROUP_BYTES // lay.stride)
-        self.groups = []
-        self.views: list[ExpertWeights] = []
-        for g0 in range(0, max(1, n), self.per_group):
-            k = min(self.per_group, max(1, n) - g0)
-            raw, host, base = aligned_mlx_buffer(k * lay.stride)
-            self.groups.append((raw, host, base))
-            self.views += [record_views(raw, base + i * lay.stride, lay) for i in range(k)]
-        mx.eval([v for ew in self.views for v in ew])
-        self.nbytes = sum(g[0].nbytes for g in self.groups)
-
-    def memory(self, slot: int) -> memoryview:
-        _, host, base = self.groups[slot // self.per_group]
-        o = base + (slot % self.per_group) * self.lay.stride
-        return memoryview(host[o: o + self.lay.stride])
+from ..formats.record import RecordLayout
 
 
 class ExpertStore:
-    """The layer files of one expert format, and the I/O pool that reads records into slots."""
+    """The layer files of one expert format, an I/O thread pool, and the host staging ring."""
 
     def __init__(self, paths: list[Path], lay: RecordLayout, n_experts: int, layouts: dict[str, RecordLayout], fmt: str,
-                 io_threads: int = 4):
-        self.lay, self.n_experts = lay, n_experts
+                 io_threads: int = 4, ring: int = 16):
+        self.lay, self.n_experts, self.paths = lay, n_experts, list(paths)
         self.fds: list[int] = []
         self.direct: list[bool] = []
         for p in paths:
@@ -84,21 +40,63 @@ class ExpertStore:
             fd, direct = open_uncached(p)
             self.fds.append(fd)
             self.direct.append(direct)
+        self.ring = max(ring, io_threads)
+        self.buf = aligned_buffer(self.ring * lay.stride)
+        self.view = memoryview(self.buf)
+        self.free = list(range(self.ring))
+        self.cond = threading.Condition()
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="streamoe-io")
         self.bytes_read = 0
 
-    def read_sync(self, layer: int, expert: int, dst: memoryview) -> int:
-        off = expert * self.lay.stride
-        n = os.preadv(self.fds[layer], [dst], off)
-        if not self.direct[layer]:
-            drop_cache(self.fds[layer], off, self.lay.stride)
-        if n != self.lay.stride:
-            raise OSError(f"short read of layer {layer} expert {expert}: {n} bytes")
-        return n
+    @property
+    def staging_bytes(self) -> int:
+        return self.ring * self.lay.stride
 
-    def read(self, layer: int, expert: int, dst: memoryview) -> Future:
+    def record(self, entry: int) -> memoryview:
+        """The bytes of the record held in ring entry `entry`."""
+        s = self.lay.stride
+        return self.view[entry * s: (entry + 1) * s]
+
+    def release(self, entry: int) -> None:
+        with self.cond:
+            self.free.append(entry)
+            self.cond.notify()
+
+    def _read(self, layer: int, expert: int) -> int:
+        with self.cond:
+            while not self.free:
+                self.cond.wait()
+            entry = self.free.pop()
+        try:
+            off = expert * self.lay.stride
+            n = os.preadv(self.fds[layer], [self.record(entry)], off)
+            if not self.direct[layer]:
+                drop_cache(self.fds[layer], off, self.lay.stride)
+            if n != self.lay.stride:
+                raise OSError(f"short read of layer {layer} expert {expert}: {n} bytes")
+        except BaseException:
+            self.release(entry)
+            raise
+        return entry
+
+    def read(self, layer: int, expert: int) -> Future:
+        """Start reading one record; the future's result is the ring entry holding it (release it after use)."""
         self.bytes_read += self.lay.stride
-        return self.pool.submit(self.read_sync, layer, expert, dst)
+        return self.pool.submit(self._read, layer, expert)
+
+    def cancel(self, fut: Future) -> bool:
+        """Withdraw a read that has not started (its bytes are then not counted)."""
+        if fut.cancel():
+            self.bytes_read -= self.lay.stride
+            return True
+        return False
+
+    def read_bytes(self, layer: int, expert: int) -> bytes:
+        """One record through a plain buffered read, bypassing the ring (the verification mode's reference)."""
+        s = self.lay.stride
+        with open(self.paths[layer], "rb") as f:
+            f.seek(expert * s)
+            return f.read(self.lay.raw_size)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

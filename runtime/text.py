@@ -3,32 +3,37 @@ stop tokens from generation_config, sampling, and incremental detokenization for
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import jinja2
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..formats.errors import fail
+from ..formats import files
+from ..formats.config import eos_ids
+from ..formats.errors import StreamoeError, fail
 
 
 class TextIO:
     def __init__(self, root: Path, config: dict):
         tok = root / "tokenizer.json"
-        if not tok.is_file():
+        if not os.path.lexists(tok):
             raise fail(tok, "missing (the converted directory must carry the checkpoint's tokenizer)")
+        st = files.check_input_file(tok, "tokenizer")  # a FIFO would block the tokenizer's reader
+        if st.st_size > files.MAX_TOKENIZER_BYTES:
+            raise fail(tok, f"{st.st_size} bytes is too large for a tokenizer (at most {files.MAX_TOKENIZER_BYTES})")
         try:
             self.tokenizer = Tokenizer.from_file(str(tok))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise fail(tok, f"does not load ({str(e).splitlines()[0]})") from None
-        tpl = root / "chat_template.jinja"
-        text = tpl.read_text() if tpl.is_file() else None
-        if text is None and (root / "tokenizer_config.json").is_file():
-            text = json.loads((root / "tokenizer_config.json").read_text()).get("chat_template")
+        self.template_path, text = chat_template_text(root)
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
         env.globals["raise_exception"] = _raise
-        self.template = env.from_string(text) if text else None
+        try:
+            self.template = env.from_string(text) if text else None
+        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
+            raise fail(self.template_path, f"chat template does not parse ({_first_line(e)})") from None
         self.stop_ids = stop_tokens(root, config)
 
     def encode(self, text: str) -> list[int]:
@@ -40,8 +45,15 @@ class TextIO:
     def chat_prompt(self, messages: list[dict], think: bool = True) -> str:
         if self.template is None:
             raise fail("chat_template.jinja", "the model has no chat template; use --raw")
-        return self.template.render(messages=messages, add_generation_prompt=True, enable_thinking=think,
-                                    bos_token="", eos_token="")
+        return self._render(messages=messages, add_generation_prompt=True, enable_thinking=think)
+
+    def _render(self, **kw) -> str:
+        """The template rendered; its own errors (raise_exception, bad expressions) name the template file."""
+        try:
+            return self.template.render(bos_token="", eos_token="", **kw)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError,
+                ZeroDivisionError, RecursionError) as e:
+            raise fail(self.template_path, f"chat template fails to render ({_first_line(e)})") from None
 
     def turn_close(self) -> str:
         """What the template writes after an assistant message's content (`<|im_end|>\n` for ChatML): fed
@@ -50,8 +62,9 @@ class TextIO:
             raise fail("chat_template.jinja", "the model has no chat template; use --raw")
         mark = "\u2063"
         msgs = [{"role": "user", "content": "."}, {"role": "assistant", "content": mark}]
-        s = self.template.render(messages=msgs, add_generation_prompt=False, enable_thinking=False, bos_token="",
-                                 eos_token="")
+        s = self._render(messages=msgs, add_generation_prompt=False, enable_thinking=False)
+        if mark not in s:
+            raise fail(self.template_path, "chat template drops the assistant's message; cannot continue a chat")
         return s[s.rindex(mark) + len(mark):]
 
 
@@ -59,15 +72,28 @@ def _raise(msg: str):
     raise jinja2.TemplateError(msg)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def chat_template_text(root: Path) -> tuple[Path, str | None]:
+    """(file, template source): chat_template.jinja, else tokenizer_config.json's `chat_template`, else None."""
+    tpl = root / "chat_template.jinja"
+    if os.path.lexists(tpl):
+        return tpl, files.read_text(tpl, "chat template")
+    cfg = root / "tokenizer_config.json"
+    if os.path.lexists(cfg):
+        text = files.read_json(cfg, "tokenizer config").get("chat_template")
+        if text is not None and not isinstance(text, str):
+            raise fail(cfg, "chat_template must be a string")
+        return cfg, text
+    return tpl, None
+
+
 def stop_tokens(root: Path, config: dict) -> set[int]:
-    ids: set[int] = set()
-    for src in (config.get("eos_token_id"), config.get("text_config", {}).get("eos_token_id")):
-        ids |= set(src if isinstance(src, list) else [src] if isinstance(src, int) else [])
     gen = root / "generation_config.json"
-    if gen.is_file():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        ids |= set(e if isinstance(e, list) else [e] if isinstance(e, int) else [])
-    return ids
+    return set(eos_ids(config, files.read_json(gen, "generation config") if os.path.lexists(gen) else None))
 
 
 class Detokenizer:
@@ -90,11 +116,11 @@ class Sampler:
 
     def __init__(self, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0):
         if temp < 0:
-            raise ValueError("--temp must be >= 0")
+            raise StreamoeError("--temp must be >= 0")
         if not 0 < top_p <= 1:
-            raise ValueError("--top-p must be in (0, 1]")
+            raise StreamoeError("--top-p must be in (0, 1]")
         if top_k < 0:
-            raise ValueError("--top-k must be >= 0")
+            raise StreamoeError("--top-k must be >= 0")
         self.temp, self.top_p, self.top_k = temp, top_p, top_k
         self.rng = np.random.default_rng(seed)
 

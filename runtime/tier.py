@@ -16,6 +16,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..formats.errors import StreamoeError
+
 Key = tuple[int, int]  # (layer, expert)
 
 
@@ -23,7 +25,7 @@ class HotTier:
     def __init__(self, hot: int, staging: int, n_layers: int, n_experts: int, scratch: int,
                  policy: str = "freq", sample: int = 8, seed: int = 0):
         if policy not in ("freq", "lru"):
-            raise ValueError(f"unknown tier policy {policy!r}")
+            raise StreamoeError(f"unknown tier policy {policy!r}")
         self.hot, self.staging, self.policy, self.sample = hot, staging, policy, sample
         self.scratch_n = min(scratch, staging)
         self.n_slots = hot + staging
@@ -160,7 +162,7 @@ class HotTier:
             return None, False
         if s is None:  # everything pinned or in flight: admit over the victim rather than stall
             if v is None:
-                raise RuntimeError("no expert slot available: plan too small for top_k + prefetch width")
+                raise StreamoeError("no expert slot available: plan too small for top_k + prefetch width")
             self.assign(v, key)
             return v, True
         self.assign(s, key)

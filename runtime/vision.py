@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..formats.errors import fail
+from ..formats.errors import StreamoeError, fail
 
 # f32 bytes allowed for one chunk of attention scores; heads are processed in chunks under it.
 ATTENTION_SCORE_BYTES = 32 << 20
@@ -316,10 +316,10 @@ class VisionEncoder:
         t, h, w = (int(v) for v in grid_thw)
         m = a.spatial_merge_size
         if t < 1 or h < m or w < m or h % m or w % m:
-            raise ValueError(f"grid {t}x{h}x{w} is not a whole number of {m}x{m} cells")
+            raise StreamoeError(f"grid {t}x{h}x{w} is not a whole number of {m}x{m} cells")
         n = t * h * w
         if tuple(patches.shape) != (n, a.patch_dim):
-            raise ValueError(f"patches have shape {tuple(patches.shape)}, grid {t}x{h}x{w} needs {(n, a.patch_dim)}")
+            raise StreamoeError(f"patches have shape {tuple(patches.shape)}, grid {t}x{h}x{w} needs {(n, a.patch_dim)}")
         with mx.stream(self.stream):
             rows_np, cols_np = merge_order_coords(t, h, w, m)
             rows, cols = mx.array(rows_np), mx.array(cols_np)
@@ -370,3 +370,14 @@ def peak_bytes(args: VisionArgs, max_pixels: int, dtype_bytes: int = 4, stored_b
         (Dout * M + Dout) * w + (n * D + cells * (2 * M + Dout)) * dtype_bytes,
     ]
     return int(1.25 * max(phases))
+
+
+def vision_account(config: dict, max_pixels: int, max_decode_pixels: int) -> int:
+    """The plan's vision account: the larger of decoding the biggest accepted file and encoding the biggest
+    resized image (weights of one stage + activations), plus the image's patches and its embeddings."""
+    from .image import decode_peak_bytes
+
+    va = VisionArgs.from_config(config)
+    n = max_patches(va, max_pixels)
+    staged = n * va.patch_dim * 4 + n // va.spatial_merge_size**2 * va.out_hidden_size * 4 * 2
+    return max(decode_peak_bytes(max_decode_pixels), peak_bytes(va, max_pixels)) + staged

@@ -15,16 +15,26 @@ import numpy as np
 
 from ..formats.blobs import BlobTensor
 from ..formats.direct import RangeReader
-from ..formats.safetensors import DTYPES
-from .store import MX_DTYPES
+from ..formats.dtypes import DTYPES, dtype
+from ..formats.record import ExpertWeights, RecordLayout
 
 CHUNK = 16 << 20
 FLOATS = ("BF16", "F16", "F32")
 
 
+def mx_dtype(name: str) -> mx.Dtype:
+    """The MLX dtype of a safetensors code (`BF16`) or compute name (`bfloat16`)."""
+    return getattr(mx, dtype(name).mlx)
+
+
+def code_of(d: mx.Dtype) -> str:
+    """The safetensors code of an MLX dtype."""
+    return next(c for c, t in DTYPES.items() if getattr(mx, t.mlx) == d)
+
+
 def read_tensor(reader: RangeReader, t: BlobTensor) -> mx.array:
     """One stored tensor as an MLX array of its stored dtype (bf16 as bf16)."""
-    arr = mx.zeros(t.shape, MX_DTYPES[t.dtype] if t.dtype != "BF16" else mx.uint16)
+    arr = mx.zeros(t.shape, mx.uint16 if t.dtype == "BF16" else mx_dtype(t.dtype))  # numpy has no bf16
     mx.eval(arr)
     host = np.asarray(arr).reshape(-1).view(np.uint8)
     for off in range(0, t.nbytes, CHUNK):
@@ -51,10 +61,16 @@ def resident_bytes(tensors: Iterable[tuple[str, str, int]], dtype_item: int) -> 
     """What `load_tensors` will hold for (name, stored dtype, stored nbytes) entries: packed codes as stored,
     floats at the compute dtype, A_log at 4 bytes. The plan counts exactly this."""
     total = 0
-    for name, dtype, nbytes in tensors:
-        if dtype in FLOATS:
+    for name, code, nbytes in tensors:
+        if code in FLOATS:
             item = 4 if name.endswith("A_log") else dtype_item
-            total += nbytes // DTYPES[dtype][1] * item
+            total += nbytes // DTYPES[code].itemsize * item
         else:
             total += nbytes
     return total
+
+
+def record_views(buf: mx.array, base: int, lay: RecordLayout) -> ExpertWeights:
+    """The nine arrays of the expert record at byte `base` of a uint8 MLX array, as zero-copy views."""
+    return ExpertWeights(*(buf[base + s.offset: base + s.offset + s.nbytes].view(mx_dtype(s.dtype)).reshape(s.shape)
+                           for s in lay.segments))

@@ -7,7 +7,10 @@ and exit status 2; heavy imports happen inside the commands so `--help` stays in
 from __future__ import annotations
 
 import functools
+import math
+import os
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -15,24 +18,102 @@ import click
 from .formats.errors import StreamoeError
 
 
+def _line(text: str) -> str:
+    """One stderr line: newlines folded, and undecodable argv bytes (surrogates) shown escaped, not crashing."""
+    return " ".join(text.split()).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def user_errors(fn):
-    """Turn StreamoeError into one clear line and exit 2 (SPEC §7)."""
+    """Turn every failure into one clear stderr line (SPEC §7) and keep library warnings off stderr.
+
+    - `StreamoeError` (a bad input, its message names the file): exit 2.
+    - `OSError` that escaped a check (the OS refused a path): the same one line, naming the path, exit 2.
+    - `RecursionError`, `MemoryError` (an input too deep or too large to hold): one line, exit 2.
+    - anything else is a bug in streamoe: one line saying so, exit 70, and the traceback only when
+      STREAMOE_TRACEBACK=1 — a hostile input must never dump a traceback, a bug must never pass silently.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                if not os.environ.get("STREAMOE_WARNINGS"):
+                    warnings.simplefilter("ignore")  # Pillow EXIF, numpy overflow: not the user's business
+                return fn(*args, **kwargs)
         except StreamoeError as e:
-            click.echo(f"streamoe: error: {e}", err=True)
+            click.echo(_line(f"streamoe: error: {e}"), err=True)
+            sys.exit(2)
+        except OSError as e:
+            from .formats.files import os_fail
+
+            click.echo(_line(f"streamoe: error: {os_fail('(unknown path)', e)}"), err=True)
+            sys.exit(2)
+        except RecursionError:
+            click.echo("streamoe: error: an input is nested too deeply to read", err=True)
+            sys.exit(2)
+        except MemoryError:
+            click.echo("streamoe: error: out of memory reading the input (a size in a file is too large?)", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("streamoe: interrupted", err=True)
             sys.exit(130)
+        except Exception as e:
+            if os.environ.get("STREAMOE_TRACEBACK"):
+                raise
+            click.echo(_line(f"streamoe: internal error: {type(e).__name__}: {str(e)[:300]} (a bug in streamoe; "
+                             "rerun with STREAMOE_TRACEBACK=1 and report the traceback)"), err=True)
+            sys.exit(70)
 
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Finite(click.FloatRange):
+    """A float option that must be a finite number in range (click's FloatRange lets nan and inf through)."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return v
+
+
+def expert_list(ctx, param, value: str) -> list[str]:
+    """--experts for convert: a comma list of q4/q3, not empty, no unknown names."""
+    names = [f.strip() for f in value.split(",")]
+    if not value.strip() or any(n not in ("q4", "q3") for n in names):
+        raise click.BadParameter(f"{value!r}: give q4, q3 or q4,q3")
+    return list(dict.fromkeys(names))
+
+
+def utf8_text(ctx, param, value: str | None) -> str | None:
+    """Text options (prompt, system) must be valid UTF-8: undecodable argv bytes arrive as surrogates."""
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise click.BadParameter("is not valid UTF-8 text") from None
+    return value
+
+
+class OneLineGroup(click.Group):
+    """Usage errors (a bad option value, a missing argument) are one stderr line too, not click's usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            cmd = f" {e.ctx.command_path}" if getattr(e, "ctx", None) is not None else ""
+            hint = f" (see streamoe{cmd.removeprefix(' streamoe')} --help)" if isinstance(e, click.UsageError) else ""
+            click.echo(_line(f"streamoe: error: {e.format_message()}{hint}"), err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("streamoe: aborted", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="streamoe")
 def main() -> None:
     """Run Mixture-of-Experts models larger than RAM inside a hard memory cap."""
@@ -44,8 +125,8 @@ def main() -> None:
 @click.option("--variant", type=click.Choice(["qwen3.6", "qwen3.5"]), default="qwen3.6", show_default=True,
               help="qwen3.6: 8-bit routers, bf16 A_log; qwen3.5: 4-bit routers, f32 A_log.")
 @click.option("--text-only", is_flag=True, help="Write an mlx-lm style text-only export (no vision tower).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--shard-mb", type=float, default=None, help="Shard cap in MiB (default: 5 GiB, as mlx-vlm).")
+@click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
+@click.option("--shard-mb", type=Finite(min=0.001, max=1 << 30), default=None, help="Shard cap in MiB (default: 5 GiB, as mlx-vlm).")
 @click.option("--dry-run", is_flag=True, help="Print the tensor table and total; write nothing.")
 @user_errors
 def synth(out: Path, size: str, variant: str, text_only: bool, seed: int, shard_mb: float | None, dry_run: bool) -> None:
@@ -59,15 +140,15 @@ def synth(out: Path, size: str, variant: str, text_only: bool, seed: int, shard_
 @main.command()
 @click.argument("ckpt", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--experts", default="q4", show_default=True, help="Expert formats to write: q4, q3 or q4,q3.")
-@click.option("--force", is_flag=True, help="Replace an existing converted directory.")
+@click.option("--experts", default="q4", show_default=True, callback=expert_list,
+              help="Expert formats to write: q4, q3 or q4,q3.")
+@click.option("--force", is_flag=True, help="Replace an earlier streamoe conversion in OUT (never other files).")
 @user_errors
-def convert(ckpt: Path, out: Path, experts: str, force: bool) -> None:
+def convert(ckpt: Path, out: Path, experts: list[str], force: bool) -> None:
     """Convert an mlx-community MoE checkpoint CKPT into a streamoe directory OUT."""
     from .convert.convert import convert as run_convert
 
-    formats = [f.strip() for f in experts.split(",") if f.strip()]
-    run_convert(ckpt, out, formats=formats, force=force)
+    run_convert(ckpt, out, formats=experts, force=force)
     click.echo(str(out))
 
 
@@ -75,7 +156,7 @@ def convert(ckpt: Path, out: Path, experts: str, force: bool) -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--source", type=click.Path(path_type=Path), default=None,
               help="Also compare sampled experts and tensors byte for byte with this checkpoint.")
-@click.option("--samples", type=int, default=16, show_default=True, help="Experts sampled per layer with --source.")
+@click.option("--samples", type=click.IntRange(min=1, max=1 << 20), default=16, show_default=True, help="Experts sampled per layer with --source.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report.")
 @user_errors
 def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> None:
@@ -97,37 +178,40 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
 
 def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str, runtime_mib: int | None = None):
     """A plan from a bare config.json, before any download or conversion."""
-    from .convert.source import read_json, text_config
-    from .convert.synth import tensor_table
+    from .convert.source import read_json
+    from .formats.config import ModelArgs
+    from .formats.dtypes import itemsize
+    from .formats.export import tensor_table
+    from .formats.layout import FORMAT_BITS
+    from .formats.limits import check_config_sizes
     from .formats.record import RecordLayout
     from .formats.safetensors import tensor_nbytes
-    from .runtime.plan import ITEMSIZE, GiB
-    from .runtime.plan import make_plan as mk
+    from .runtime.plan import GiB, make_plan
     from .runtime.weights import resident_bytes
 
     config = read_json(path)
-    tc = text_config(config)
+    check_config_sizes(config, path)
+    args = ModelArgs.from_config(config, path)
     try:
         table = tensor_table(config)
-        q = config["quantization"]
-        lay = RecordLayout.make(tc["hidden_size"], tc["moe_intermediate_size"], {"q4": 4, "q3": 3}[experts], q["group_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise StreamoeError(f"{path}: not a config this version can plan for ({e})") from None
-    item = ITEMSIZE[dtype]
-    nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
-                                if ".switch_mlp." not in name and not name.startswith("vision_tower.")), item)
-    return mk(tc=tc, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride, nonexpert_resident=nonexpert,
-              dtype=dtype, kv_dtype=kv, runtime_bytes=runtime_mib and runtime_mib << 20)
+        lay = RecordLayout.make(args.hidden_size, args.moe_intermediate_size, FORMAT_BITS[experts], args.expert_quant(0)[1])
+        nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
+                                    if ".switch_mlp." not in name and not name.startswith("vision_tower.")), itemsize(dtype))
+        return make_plan(args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride,
+                         nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv,
+                         runtime_bytes=runtime_mib and runtime_mib << 20)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
 
 
 COMMON = [
-    click.option("--cap", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="Memory cap in GiB."),
-    click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True, help="Context length to plan for."),
+    click.option("--cap", type=Finite(min=0, min_open=True, max=1 << 20), default=4.0, show_default=True, help="Memory cap in GiB."),
+    click.option("--ctx", type=click.IntRange(min=1, max=1 << 31), default=4096, show_default=True, help="Context length to plan for."),
     click.option("--experts", type=click.Choice(["q4", "q3"]), default="q4", show_default=True),
     click.option("--kv", type=click.Choice(["float32", "float16"]), default="float32", show_default=True, help="KV cache dtype."),
     click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                  help="Compute dtype (default float32 on the CPU backend, bfloat16 on GPUs)."),
-    click.option("--runtime-mib", type=click.IntRange(min=1), default=None,
+    click.option("--runtime-mib", type=click.IntRange(min=1, max=1 << 30), default=None,
                  help="Fix the interpreter/runtime allowance (default: measured at open) so plans are reproducible."),
 ]
 
@@ -149,7 +233,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
 
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
-    from .runtime.engine import Options, default_dtype, plan_for
+    from .runtime.plan import Options, default_dtype, plan_for
 
     dtype = dtype or default_dtype()
     if model.is_file() and model.suffix == ".json":
@@ -169,23 +253,23 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @common
-@click.option("--prompt", "-p", default=None, help="One prompt; answered, then exit.")
+@click.option("--prompt", "-p", default=None, callback=utf8_text, help="One prompt; answered, then exit.")
 @click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="An image for the prompt (repeatable).")
-@click.option("--max-pixels", type=click.IntRange(min=1024), default=640 * 640, show_default=True,
+@click.option("--max-pixels", type=click.IntRange(min=1024, max=1 << 28), default=640 * 640, show_default=True,
               help="Largest image after resizing, in pixels (the vision account is planned for it).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
-@click.option("--system", default=None, help="System message for the chat template.")
+@click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
 @click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
-@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1, max=1 << 31), default=256, show_default=True)
+@click.option("--temp", type=Finite(min=0, max=1e6), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0, max=1 << 31), default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
 @click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy.")
-@click.option("--prefetch-width", type=click.IntRange(min=0), default=6, show_default=True, help="Cross-layer guesses; 0 = off.")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--io-threads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None, help="Cross-layer guesses per layer (default: the model's top-k); 0 = off.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1, max=1 << 20), default=256, show_default=True)
+@click.option("--io-threads", type=click.IntRange(min=1, max=256), default=4, show_default=True)
 @click.option("--stats", type=click.Path(path_type=Path), default=None, help="Write per-step telemetry as JSON lines.")
 @click.option("--logits-out", type=click.Path(path_type=Path), default=None, help="Save every step's logits (.npz).")
 @click.option("--verify", is_flag=True, help="Check every file's checksum before running.")
@@ -198,7 +282,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None,
         prompt: str | None, chat: bool,
         images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float, top_p: float, top_k: int, seed: int,
-        tier: str, prefetch_width: int, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
+        tier: str, prefetch_width: int | None, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
     from .runtime.cli_run import run_cli
@@ -209,6 +293,7 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
         raise click.UsageError("--image needs the chat template; drop --raw")
     if load_session and system is not None:
         raise click.UsageError("a loaded session keeps its own system message; drop --system")
+    check_run_paths(stats, logits_out, save_session, load_session)
     vision = bool(images) or (chat and not raw)
     run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
                         prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=vision, max_pixels=max_pixels,
@@ -216,6 +301,20 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
             prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
             sampling=dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed), stats=stats, logits_out=logits_out, quiet=quiet,
             save_session=save_session, load_session=load_session)
+
+
+def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: Path | None,
+                    load_session: Path | None) -> None:
+    """Before the model opens: every output can be written (so the answer is never lost at the end) and the
+    session to load is a regular file (a FIFO would block the open)."""
+    from .formats.files import check_input_file, check_output_file
+
+    for path, what in ((stats, "telemetry file (--stats)"), (logits_out, "logits file (--logits-out)"),
+                       (save_session, "session file (--save-session)")):
+        if path is not None:
+            check_output_file(path, what)
+    if load_session is not None:
+        check_input_file(load_session, "session file")
 
 
 @main.command()
@@ -235,7 +334,7 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None, help="Default top-p (else generation_config.json).")
 @click.option("--top-k", type=click.IntRange(min=0), default=None, help="Default top-k (else generation_config.json).")
 @click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy.")
-@click.option("--prefetch-width", type=click.IntRange(min=0), default=6, show_default=True, help="Cross-layer guesses; 0 = off.")
+@click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None, help="Cross-layer guesses per layer (default: the model's top-k); 0 = off.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--io-threads", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--verify", is_flag=True, help="Check every file's checksum before serving.")
@@ -250,7 +349,7 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
 @user_errors
 def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, host: str,
           port: int, model_name: str | None, no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
-          temp: float | None, top_p: float | None, top_k: int | None, tier: str, prefetch_width: int, prefill_chunk: int,
+          temp: float | None, top_p: float | None, top_k: int | None, tier: str, prefetch_width: int | None, prefill_chunk: int,
           io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
           max_image_mib: float, max_images: int, log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""

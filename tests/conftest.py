@@ -12,6 +12,20 @@ from streamoe.convert.convert import convert
 from streamoe.convert.synth import synth
 
 REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = REPO / "models" / "tiny"  # the embedded default: the trained tiny Qwen3.5-MoE, as mlx-community exports
+
+# Measured float32 agreement with mlx-lm on the synthetic checkpoints: max |Δlogit| 2e-7 (tiny) and
+# 2e-6 (small) over 12-step runs. The bound leaves a 10x margin and stays far below any real top-2 gap.
+LOGIT_ATOL = 2e-5
+RUNTIME = 64 << 20  # a fixed interpreter allowance so plans are comparable inside one test process
+
+# the tiny faithful vision config (the one `streamoe synth --size tiny` writes), verbatim
+TINY_VISION_CONFIG = {
+    "deepstack_visual_indexes": [], "depth": 2, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_size": 64, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 128,
+    "model_type": "qwen3_5_moe", "num_heads": 2, "num_position_embeddings": 64,
+    "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+}
 
 
 def cli(*args: str, check: bool = False, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
@@ -24,9 +38,10 @@ def cli(*args: str, check: bool = False, timeout: float = 300, **kw) -> subproce
 
 
 def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> str:
-    """The failure contract of SPEC §7: non-zero exit, no traceback, one line on stderr naming the problem."""
+    """The failure contract for bad input: non-zero exit, no traceback, one line on stderr naming the problem."""
     assert p.returncode != 0, p.stdout
     assert "Traceback" not in p.stderr, p.stderr
+    assert "internal error" not in p.stderr, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith(("convert:", "synth:"))]
     assert len(lines) == 1, p.stderr
     for n in needles:

@@ -16,8 +16,7 @@ from streamoe.runtime.engine import Engine, Options, plan_for
 from streamoe.runtime.image import ImageConfig, load_image, preprocess
 from streamoe.runtime.mrope import expand_image_tokens
 
-from .conftest import cli, one_error_line, run_capped
-from .test_runtime import LOGIT_ATOL, RUNTIME
+from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line, run_capped
 
 
 @pytest.fixture(scope="module")

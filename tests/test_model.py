@@ -1,6 +1,6 @@
 """runtime/model.py against mlx-lm's qwen3_5_moe on a tiny faithful checkpoint (real MLX, no mocks).
 
-The checkpoint follows reference/checkpoint-format.md §7 (text part): 6 Gated DeltaNet + 2 gated attention
+The checkpoint has the tiny faithful config (`streamoe synth --size tiny`, text part): 6 Gated DeltaNet + 2 gated attention
 layers, 8 experts top-2, 4-bit group 64 with 8-bit router and shared-expert gate, bf16 scales/biases/norms,
 bf16 A_log. It is built with mlx-lm's own model class and quantizer, written with mx.save_safetensors and
 read back, so the runtime sees the tensors exactly as an export stores them.
@@ -23,10 +23,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import qwen3_5_moe
 from mlx_lm.utils import quantize_model
 
+from streamoe.formats.config import PREFIX, ModelArgs
+from streamoe.formats.errors import StreamoeError
 from streamoe.runtime.model import (
-    PREFIX,
     Model,
-    ModelArgs,
     MRoPE,
     ResidentExperts,
     combine,
@@ -179,7 +179,7 @@ def test_config(tiny):
 
     bad = copy.deepcopy(tiny.config)
     bad["text_config"]["layer_types"][0] = "full_attention"
-    with pytest.raises(ValueError, match="layer_types"):
+    with pytest.raises(StreamoeError, match="layer_types"):
         ModelArgs.from_config(bad)
 
 
@@ -280,7 +280,7 @@ def test_kv_cache(tiny):
     f16 = forward(m, tiny.prompt, cache, tiny.experts)
     f32 = forward(m, tiny.prompt, m.make_cache(40), tiny.experts)
     assert rel_diff(f16, f32) < 1e-2  # f16 keys/values: rounding only
-    with pytest.raises(ValueError, match="KV cache holds 40 tokens; 41"):
+    with pytest.raises(StreamoeError, match="KV cache holds 40 tokens; 41"):
         forward(m, tiny.prompt[:, :1], cache, tiny.experts)
     assert [c.offset for c in cache] == [40] * N_LAYERS  # nothing moved
 
@@ -376,22 +376,22 @@ def test_missing_tensor_is_named(tiny):
         f"{PREFIX}lm_head.biases",
     ):
         weights = {k: v for k, v in tiny.nonexpert.items() if k != name}
-        with pytest.raises(ValueError, match=f"missing tensor {name}"):
+        with pytest.raises(StreamoeError, match=f"missing tensor {name}"):
             Model(tiny.args, weights)
     name = f"{PREFIX}model.layers.2.mlp.switch_mlp.down_proj.weight"
-    with pytest.raises(ValueError, match=f"missing tensor {name}"):
+    with pytest.raises(StreamoeError, match=f"missing tensor {name}"):
         ResidentExperts(tiny.args, {k: v for k, v in tiny.experts_w.items() if k != name}, mx.float32)
 
 
 def test_wrong_shape_or_bits_is_named(tiny):
     name = f"{PREFIX}model.layers.1.linear_attn.conv1d.weight"
     weights = {**tiny.nonexpert, name: mx.zeros((tiny.args.conv_dim, 1, 4), dtype=mx.bfloat16)}
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(StreamoeError, match=name):
         Model(tiny.args, weights)
 
     # the router is 8-bit; a config claiming 4 bits must be caught from the shapes
     cfg = copy.deepcopy(tiny.config)
     del cfg["quantization"][f"{PREFIX}model.layers.4.mlp.gate"]
     cfg.pop("quantization_config", None)
-    with pytest.raises(ValueError, match=rf"{PREFIX}model\.layers\.4\.mlp\.gate\.weight.*8 bits"):
+    with pytest.raises(StreamoeError, match=rf"{PREFIX}model\.layers\.4\.mlp\.gate\.weight.*8 bits"):
         Model(ModelArgs.from_config(cfg), tiny.nonexpert)

@@ -1,4 +1,4 @@
-"""Sessions (SPEC §5): a saved conversation is safetensors inside zstd, and a restored one continues with
+"""Sessions (`--save-session` / `--load-session`, docs/FORMAT.md): a saved conversation is safetensors inside zstd, and a restored one continues with
 bit-identical logits; every bad session file is one line naming it."""
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.session import load_session, save_session
 from streamoe.runtime.text import Sampler, TextIO
 
-from .conftest import REPO, cli, one_error_line
-from .test_runtime import RUNTIME
+from .conftest import RUNTIME, TINY_MODEL, cli, one_error_line
 
 FIRST, SECOND = [5, 17, 300, 41, 9, 77, 120, 3, 64, 250, 11], [40, 41, 42, 500, 7]
 
@@ -89,7 +88,7 @@ def test_session_file_is_safetensors_in_zstd(tiny_conv, tmp_path):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained") / "conv"
-    convert(REPO / "models" / "tiny", out, formats=["q4"], progress=False)
+    convert(TINY_MODEL, out, formats=["q4"], progress=False)
     return out
 
 

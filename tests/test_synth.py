@@ -18,13 +18,16 @@ from streamoe.convert.synth import (
     assign_shards,
     layout,
     make_config,
-    specs,
     synth,
-    tensor_table,
     write_checkpoint,
 )
+from streamoe.formats.export import specs, tensor_table
 from streamoe.formats.safetensors import read_header
 
+from .conftest import TINY_VISION_CONFIG
+
+# the tensor table of the real export (every tensor of mlx-community/Qwen3.6-35B-A3B-4bit), recorded in the
+# project's shared folder beside the checkout, not in the repository
 REFERENCE = Path("/work/shared/reference/qwen3.6-35b-a3b-4bit.layout.jsonl")
 if not REFERENCE.exists():  # a checkout next to shared/
     REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference/qwen3.6-35b-a3b-4bit.layout.jsonl"
@@ -33,7 +36,7 @@ TINY_TOTAL = 1_212_224
 VISION_FILES = {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
                 "chat_template.jinja", "generation_config.json", "preprocessor_config.json"}
 
-# reference §7, verbatim
+# the tiny faithful text config (mlx-lm and mlx-vlm load it), verbatim
 TINY_TEXT_CONFIG = {
     "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True,
     "bos_token_id": 512, "dtype": "bfloat16", "eos_token_id": 512,
@@ -52,12 +55,6 @@ TINY_TEXT_CONFIG = {
                         "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rope_type": "default"},
     "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 64, "use_cache": True,
     "vocab_size": 576,
-}
-TINY_VISION_CONFIG = {
-    "deepstack_visual_indexes": [], "depth": 2, "hidden_act": "gelu_pytorch_tanh",
-    "hidden_size": 64, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 128,
-    "model_type": "qwen3_5_moe", "num_heads": 2, "num_position_embeddings": 64,
-    "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
 }
 
 

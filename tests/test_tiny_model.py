@@ -17,10 +17,8 @@ from streamoe.runtime.image import ImageConfig, load_image, preprocess
 from streamoe.runtime.mrope import expand_image_tokens
 from streamoe.runtime.text import Sampler
 
-from .conftest import REPO
-from .test_runtime import RUNTIME
+from .conftest import RUNTIME, TINY_MODEL
 
-TINY = REPO / "models" / "tiny"
 PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -32,7 +30,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "conv"
-    convert(TINY, out, formats=["q4", "q3"], progress=False)
+    convert(TINY_MODEL, out, formats=["q4", "q3"], progress=False)
     return out
 
 
@@ -57,7 +55,7 @@ def mlx_lm_greedy(ids: list[int], n: int, stop: set[int]) -> list[int]:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
-    model, _ = load_model(TINY)
+    model, _ = load_model(TINY_MODEL)
     model.set_dtype(mx.float32)
     cache = make_prompt_cache(model)
     logits = model(mx.array([ids]), cache=cache)[0, -1]
@@ -107,7 +105,7 @@ def test_image_question_identical_to_mlx_vlm_and_right(tiny, tmp_path, fraction,
     from mlx_vlm.models.cache import make_prompt_cache
     from mlx_vlm.utils import load_model
 
-    ref = load_model(TINY)
+    ref = load_model(TINY_MODEL)
     ref.set_dtype(mx.float32)
     pic = star_scene(tmp_path / "star.png")
     eng = Engine(tiny, Options(cap_gib=cap_for(tiny, fraction, images=True), ctx=1024, prefill_chunk=16,

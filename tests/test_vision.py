@@ -35,13 +35,8 @@ from streamoe.runtime.image import (
 )
 from streamoe.runtime.vision import VisionArgs, VisionEncoder, max_patches, peak_bytes
 
-# reference §7: the tiny faithful vision config
-TINY_VISION = {
-    "deepstack_visual_indexes": [], "depth": 2, "hidden_act": "gelu_pytorch_tanh",
-    "hidden_size": 64, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 128,
-    "model_type": "qwen3_5_moe", "num_heads": 2, "num_position_embeddings": 64,
-    "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-}
+from .conftest import TINY_VISION_CONFIG
+
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 521, 522, 524, 525
 ENCODER_REL_TOL = 1e-5
 # small floor so the 64x64 and 96x128 cases keep their own size
@@ -68,7 +63,7 @@ def tower():
     from mlx_vlm.models.qwen3_5_moe.config import VisionConfig
     from mlx_vlm.models.qwen3_5_moe.vision import VisionModel
 
-    ref = VisionModel(VisionConfig.from_dict(TINY_VISION))
+    ref = VisionModel(VisionConfig.from_dict(TINY_VISION_CONFIG))
     rng = np.random.default_rng(1234)
     stored = {}
     for name, p in tree_flatten(ref.parameters()):
@@ -79,7 +74,7 @@ def tower():
     assert stored["vision_tower.patch_embed.proj.weight"].shape == (64, 2, 16, 16, 3)  # MLX layout
     ref.load_weights([(k.removeprefix("vision_tower."), v.astype(mx.float32)) for k, v in stored.items()])
     mx.eval(ref.parameters())
-    return SimpleNamespace(ref=ref, stored=stored, args=VisionArgs.from_config({"vision_config": TINY_VISION}))
+    return SimpleNamespace(ref=ref, stored=stored, args=VisionArgs.from_config({"vision_config": TINY_VISION_CONFIG}))
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +115,7 @@ def test_smart_resize_never_exceeds_budget():
     # the reference overshoots here (its max(factor, ...) clamp gives 32x1024 > 96x96)
     h, w = smart_resize(100, 10000, 32, 16, 96 * 96)
     assert h * w <= 96 * 96 and h % 32 == 0 and w % 32 == 0
-    with pytest.raises(ValueError, match="aspect"):
+    with pytest.raises(StreamoeError, match="aspect"):
         smart_resize(1, 201)
 
 
@@ -162,12 +157,12 @@ def test_decode_budget_is_stated():
 
 def test_image_config_from_checkpoint_files():
     cfg = ImageConfig.from_config(
-        {"vision_config": TINY_VISION},
+        {"vision_config": TINY_VISION_CONFIG},
         {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "image_mean": [0.5] * 3},
     )
     assert (cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size) == (16, 2, 2)
     assert (cfg.min_pixels, cfg.max_pixels) == (65536, 640 * 640)  # streamoe's budget wins
-    small = ImageConfig.from_config({"vision_config": TINY_VISION}, None, max_pixels=128 * 128)
+    small = ImageConfig.from_config({"vision_config": TINY_VISION_CONFIG}, None, max_pixels=128 * 128)
     assert small.max_pixels == 128 * 128 and small.min_pixels <= small.max_pixels
 
 
@@ -180,7 +175,7 @@ def test_encoder_matches_mlx_vlm(tower, size):
     out = VisionEncoder(tower.args, tower.stored.__getitem__).encode(patches, grid)
     expected, _ = tower.ref(mx.array(patches), mx.array([list(grid)]))
     assert out.dtype == mx.float32
-    assert out.shape == expected.shape == (grid[1] * grid[2] // 4, TINY_VISION["out_hidden_size"])
+    assert out.shape == expected.shape == (grid[1] * grid[2] // 4, TINY_VISION_CONFIG["out_hidden_size"])
     out, expected = np.array(out), np.array(expected)
     scale = np.abs(expected).max()
     assert scale > 1e-2  # the features are not degenerate
@@ -211,7 +206,7 @@ def test_encoder_rejects_bad_shapes(tower):
     patches, grid = preprocess(noise_image(64, 64), SMALL)
     with pytest.raises(StreamoeError, match=r"vision_tower\.blocks\.1\.attn\.qkv\.weight"):
         VisionEncoder(tower.args, bad.__getitem__).encode(patches, grid)
-    with pytest.raises(ValueError, match="patches"):
+    with pytest.raises(StreamoeError, match="patches"):
         VisionEncoder(tower.args, tower.stored.__getitem__).encode(patches[:-1], grid)
 
 
@@ -235,12 +230,12 @@ def test_peak_bytes_bounds_measured_peak(tower):
 
 
 def test_vision_args_from_config():
-    args = VisionArgs.from_config({"vision_config": TINY_VISION})
+    args = VisionArgs.from_config({"vision_config": TINY_VISION_CONFIG})
     assert (args.head_dim, args.grid_side, args.patch_dim, args.merged_size) == (32, 8, 1536, 256)
     with pytest.raises(StreamoeError, match="depth"):
-        VisionArgs.from_config({k: v for k, v in TINY_VISION.items() if k != "depth"})
+        VisionArgs.from_config({k: v for k, v in TINY_VISION_CONFIG.items() if k != "depth"})
     with pytest.raises(StreamoeError, match="square"):
-        VisionArgs.from_config({**TINY_VISION, "num_position_embeddings": 60})
+        VisionArgs.from_config({**TINY_VISION_CONFIG, "num_position_embeddings": 60})
 
 
 # -- M-RoPE positions ----------------------------------------------------------------------------

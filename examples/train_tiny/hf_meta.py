@@ -3,8 +3,8 @@
     python examples/train_tiny/hf_meta.py DIR [--data examples/train_tiny/data]
 
 DIR gets: config.json, generation_config.json, preprocessor_config.json,
-video_preprocessor_config.json, and, through mlx-vlm's torch-free Qwen3VLProcessor
-(reference §11), tokenizer.json, tokenizer_config.json, chat_template.jinja,
+video_preprocessor_config.json, and, through mlx-vlm's torch-free Qwen3VLProcessor,
+tokenizer.json, tokenizer_config.json, chat_template.jinja,
 processor_config.json.
 """
 

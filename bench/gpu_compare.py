@@ -1,0 +1,163 @@
+"""streamoe against stock mlx-lm on the same checkpoint and machine, side by side in one process (GPU).
+
+    python -m bench.gpu_compare --ckpt CKPT --model CONVERTED --caps resident,4 --experts q4 --name gpu-q4
+
+For each: prefill time of one prompt and greedy decode tok/s; for streamoe also MiB read per token, the
+hit rates (already in memory vs read ahead), bytes wasted by prefetch, and the disk bound (bytes read per
+token / the raw O_DIRECT random-read speed of the layer files, measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from streamoe.formats.direct import aligned_buffer, open_uncached
+from streamoe.formats.manifest import load_manifest, safe_path
+from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.telemetry import summarize
+
+TEXT = ("Explain, step by step, how a mixture-of-experts language model decides which experts to use for a token, "
+        "why only a few experts run for each token, and what that means for memory, speed and accuracy when the "
+        "model is larger than the memory of the machine it runs on. Give a short example in Python code. ")
+
+
+def random_read_gbs(paths: list[Path], stride: int, n: int = 400, threads: int = 8) -> float:
+    """O_DIRECT reads of whole random records with `threads` in flight: the disk's speed for this access."""
+    fds = [open_uncached(p)[0] for p in paths]
+    sizes = [os.path.getsize(p) // stride for p in paths]
+    bufs = [aligned_buffer(stride) for _ in range(threads)]
+    jobs = [(random.randrange(len(fds)), j) for j in range(n)]
+
+    def one(job):
+        f, j = job
+        os.preadv(fds[f], [memoryview(bufs[j % threads])], random.randrange(sizes[f]) * stride)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, jobs))
+    dt = time.perf_counter() - t0
+    for fd in fds:
+        os.close(fd)
+    return n * stride / dt / 1e9
+
+
+def mlx_lm_run(ckpt: Path, ids: list[int], tokens: int) -> dict:
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    model, _ = load_model(ckpt)
+    cache = make_prompt_cache(model)
+    t0 = time.perf_counter()
+    lg = model(mx.array([ids]), cache=cache)[0, -1]
+    mx.eval(lg)
+    prefill = time.perf_counter() - t0
+    tok, times = int(mx.argmax(lg).item()), []
+    for _ in range(tokens):  # one sync per token, as streamoe's loop does
+        t = time.perf_counter()
+        lg = model(mx.array([[tok]]), cache=cache)[0, -1]
+        tok = int(mx.argmax(lg).item())
+        times.append(time.perf_counter() - t)
+    stock = None
+    try:  # stock generate (pipelined with async_eval): the number users see
+        tk = load_tokenizer(ckpt)
+        for r in stream_generate(model, tk, prompt=ids, max_tokens=tokens):
+            stock = r
+    except Exception as e:  # noqa: BLE001 - the simple loop above still stands
+        print("stream_generate failed:", e)
+    del model, cache
+    mx.clear_cache()
+    ms = float(np.median(times) * 1000)
+    return {"tag": "mlx-lm", "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
+            "stock_generate_tok_s": round(stock.generation_tps, 2) if stock else None,
+            "stock_prompt_tok_s": round(stock.prompt_tps, 1) if stock else None,
+            "peak_gib": round(mx.get_peak_memory() / 2**30, 2)}
+
+
+def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: str, dtype: str | None) -> dict:
+    cap_gib = 64.0 if cap == "resident" else float(cap)
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    # a fixed interpreter allowance: the measured one would include what the mlx-lm run left in this process
+    eng = Engine(model, Options(cap_gib=cap_gib, ctx=2048, experts=experts, dtype=dtype, runtime_bytes=600 << 20))
+    open_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lg = eng.prefill(ids)
+    prefill = time.perf_counter() - t0
+    tok, times = int(mx.argmax(lg).item()), []
+    for _ in range(tokens):
+        t = time.perf_counter()
+        tok = int(mx.argmax(eng.decode(tok)).item())
+        times.append(time.perf_counter() - t)
+    s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
+    dec = [st for st in eng.steps if st.phase == "decode"]
+    lay = [ly for st in dec for ly in st.layers]
+    stride = eng.lay.stride
+    read = sum(ly.bytes_read for ly in lay)
+    picks = sum(ly.picks for ly in lay)
+    eng.close()
+    ms = float(np.median(times) * 1000)
+    return {"tag": f"streamoe-{cap}-{experts}", "cap_gib": cap_gib, "resident": eng.experts.resident, "open_s": round(open_s, 1),
+            "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
+            "compute_ms": round(s["compute_ms"], 2), "io_wait_ms": round(s["io_wait_ms"], 2),
+            "mib_read_token": round(read / 2**20 / max(1, len(dec)), 2),
+            "hit_in_memory": round(sum(ly.hits_hot + ly.hits_lent for ly in lay) / picks, 4) if picks else None,
+            "hit_read_ahead": round(sum(ly.hits_prefetch for ly in lay) / picks, 4) if picks else None,
+            "prefetch_wasted_frac": round(sum(ly.prefetch_wasted for ly in lay) * stride / read, 4) if read else 0.0,
+            "hot_slots": eng.plan.hot_slots, "peak_mlx_gib": round(mx.get_peak_memory() / 2**30, 2),
+            "plan_total_gib": round((eng.plan.fixed + eng.plan.hot_slots * stride) / 2**30, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", type=Path, required=True)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--caps", default="resident,4")
+    ap.add_argument("--experts", default="q4")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    from streamoe.runtime.text import TextIO
+
+    m = load_manifest(a.model)
+    ids = TextIO(a.model, m.config).encode(TEXT)[:110]
+    fmt = m.expert_formats()[a.experts]
+    paths = [safe_path(a.model, f["path"]) for f in fmt.files]
+    res = {"device": str(mx.default_device()), "prompt_tokens": len(ids),
+           "raw_random_read_gbs": round(random_read_gbs(paths, fmt.layout.stride), 3), "runs": []}
+    if not a.skip_mlx_lm:
+        res["runs"].append(mlx_lm_run(a.ckpt, ids, a.tokens))
+        print(res["runs"][-1], flush=True)
+    for cap in a.caps.split(","):
+        r = streamoe_run(a.model, ids, a.tokens, cap, a.experts, a.dtype)
+        if r["mib_read_token"]:
+            bound_ms = r["mib_read_token"] * 2**20 / (res["raw_random_read_gbs"] * 1e9) * 1000
+            r["disk_bound_ms"] = round(bound_ms, 2)
+            r["of_disk_bound"] = round(bound_ms / r["ms_token"], 3)
+        res["runs"].append(r)
+        print(r, flush=True)
+    base = next((r for r in res["runs"] if r["tag"] == "mlx-lm"), None)
+    if base:
+        for r in res["runs"][1:]:
+            r["decode_vs_mlx_lm"] = round(base["ms_token"] / r["ms_token"], 3)
+            r["prefill_vs_mlx_lm"] = round(base["prefill_s"] / r["prefill_s"], 3)
+    import json
+
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

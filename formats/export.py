@@ -1,0 +1,135 @@
+"""The tensor table an mlx-community export of a config holds: every tensor's name, dtype and shape.
+
+A model fact, derived from the config alone: `streamoe synth` writes exactly these tensors, and
+`streamoe plan config.json` sizes the non-expert weights from them before anything is downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelArgs
+from .errors import StreamoeError
+from .safetensors import tensor_nbytes
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One stored tensor: safetensors dtype and shape, how to fill it, and its quantization (if any)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str  # qweight | scales | biases | one | zero | normal | a_log | dt_bias | conv
+    bits: int = 0  # quantized tensors only
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+    @property
+    def float_shape(self) -> tuple[int, ...]:
+        """Shape of the unquantized weight of a quantized module."""
+        return (*self.shape[:-1], self.shape[-1] * 32 // self.bits)
+
+
+def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
+    """Every tensor of the export in module order (the order `model.parameters()` flattens to).
+
+    `a_log_dtype` defaults to what the export implies: BF16 when the quantization block carries the 8-bit
+    router overrides (the Qwen3.6 export), F32 otherwise (the Qwen3.5 export).
+    """
+    a = ModelArgs.from_config(config)
+    quant = a.quantization or {}
+    group = int(quant["group_size"])
+    if a_log_dtype is None:
+        has_8bit = any(isinstance(v, dict) and v.get("bits") == 8 for v in quant.values())
+        a_log_dtype = "BF16" if has_8bit else "F32"
+    out: list[Spec] = []
+
+    def plain(name: str, shape: tuple[int, ...], kind: str, dtype: str = "BF16") -> None:
+        out.append(Spec(name, dtype, tuple(shape), kind))
+
+    def linear(module: str, out_dim: int, in_dim: int, lead: tuple[int, ...] = ()) -> None:
+        if in_dim % group:
+            raise StreamoeError(f"config.json: {module} has input dimension {in_dim}, "
+                                f"not a multiple of the group size {group}")
+        bits = a.quant_params(module)[0]
+        out.append(Spec(f"{module}.weight", "U32", (*lead, out_dim, in_dim * bits // 32), "qweight", bits))
+        out.append(Spec(f"{module}.scales", "BF16", (*lead, out_dim, in_dim // group), "scales", bits))
+        out.append(Spec(f"{module}.biases", "BF16", (*lead, out_dim, in_dim // group), "biases", bits))
+
+    v = config.get("vision_config")
+    if v is not None:
+        dv, p, tp, c = v["hidden_size"], v["patch_size"], v["temporal_patch_size"], v["in_channels"]
+        merged = dv * v["spatial_merge_size"] ** 2
+        plain("vision_tower.patch_embed.proj.weight", (dv, tp, p, p, c), "normal")
+        plain("vision_tower.patch_embed.proj.bias", (dv,), "zero")
+        plain("vision_tower.pos_embed.weight", (v["num_position_embeddings"], dv), "normal")
+        for i in range(v["depth"]):
+            b = f"vision_tower.blocks.{i}"
+            for norm in ("norm1", "norm2"):
+                plain(f"{b}.{norm}.weight", (dv,), "one")
+                plain(f"{b}.{norm}.bias", (dv,), "zero")
+            for mod, o, n in (("attn.qkv", 3 * dv, dv), ("attn.proj", dv, dv),
+                              ("mlp.linear_fc1", v["intermediate_size"], dv),
+                              ("mlp.linear_fc2", dv, v["intermediate_size"])):
+                plain(f"{b}.{mod}.weight", (o, n), "normal")
+                plain(f"{b}.{mod}.bias", (o,), "zero")
+        plain("vision_tower.merger.norm.weight", (dv,), "one")
+        plain("vision_tower.merger.norm.bias", (dv,), "zero")
+        plain("vision_tower.merger.linear_fc1.weight", (merged, merged), "normal")
+        plain("vision_tower.merger.linear_fc1.bias", (merged,), "zero")
+        plain("vision_tower.merger.linear_fc2.weight", (v["out_hidden_size"], merged), "normal")
+        plain("vision_tower.merger.linear_fc2.bias", (v["out_hidden_size"],), "zero")
+
+    h, vocab = a.hidden_size, a.vocab_size
+    nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    hv, dvv, value_dim, conv_dim = a.linear_num_value_heads, a.linear_value_head_dim, a.value_dim, a.conv_dim
+    e, inter, shared = a.num_experts, a.moe_intermediate_size, a.shared_expert_intermediate_size
+    lm = "language_model.model"
+    linear(f"{lm}.embed_tokens", vocab, h)
+    for i in range(a.num_hidden_layers):
+        L = f"{lm}.layers.{i}"
+        if a.is_linear(i):
+            p = f"{L}.linear_attn"
+            plain(f"{p}.conv1d.weight", (conv_dim, a.linear_conv_kernel_dim, 1), "conv")
+            linear(f"{p}.in_proj_qkv", conv_dim, h)
+            linear(f"{p}.in_proj_z", value_dim, h)
+            linear(f"{p}.in_proj_b", hv, h)
+            linear(f"{p}.in_proj_a", hv, h)
+            plain(f"{p}.dt_bias", (hv,), "dt_bias")
+            plain(f"{p}.A_log", (hv,), "a_log", a_log_dtype)
+            plain(f"{p}.norm.weight", (dvv,), "one")
+            linear(f"{p}.out_proj", h, value_dim)
+        else:
+            p = f"{L}.self_attn"
+            linear(f"{p}.q_proj", 2 * nq * hd, h)
+            linear(f"{p}.k_proj", nkv * hd, h)
+            linear(f"{p}.v_proj", nkv * hd, h)
+            linear(f"{p}.o_proj", h, nq * hd)
+            plain(f"{p}.q_norm.weight", (hd,), "one")
+            plain(f"{p}.k_norm.weight", (hd,), "one")
+        plain(f"{L}.input_layernorm.weight", (h,), "one")
+        plain(f"{L}.post_attention_layernorm.weight", (h,), "one")
+        m = f"{L}.mlp"
+        linear(f"{m}.gate", e, h)
+        linear(f"{m}.switch_mlp.gate_proj", inter, h, (e,))
+        linear(f"{m}.switch_mlp.up_proj", inter, h, (e,))
+        linear(f"{m}.switch_mlp.down_proj", h, inter, (e,))
+        linear(f"{m}.shared_expert.gate_proj", shared, h)
+        linear(f"{m}.shared_expert.down_proj", h, shared)
+        linear(f"{m}.shared_expert.up_proj", shared, h)
+        linear(f"{m}.shared_expert_gate", 1, h)
+    plain(f"{lm}.norm.weight", (h,), "one")
+    linear("language_model.lm_head", vocab, h)
+    return out
+
+
+def tensor_table(config: dict, *, a_log_dtype: str | None = None) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every tensor, in module order."""
+    return [(s.name, s.dtype, s.shape) for s in specs(config, a_log_dtype=a_log_dtype)]

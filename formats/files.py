@@ -1,0 +1,230 @@
+"""Files as a hostile user hands them to us: every OS problem becomes one `StreamoeError` naming the path.
+
+Inputs are `stat`ed before they are opened, so a FIFO, a device or a directory is named as what it is and
+never opened (opening a FIFO for reading blocks until a writer appears). Outputs are checked before the
+work starts, so a long run never fails at its very end on a missing directory. JSON side files are read
+with a size limit and a nesting limit. `exclusive_lock` keeps two commands from writing one output.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import StreamoeError, fail
+
+# Side files are parsed whole, so their size bounds the memory parsing takes (a JSON byte can become tens of
+# bytes of Python objects). The real Qwen3.6 export's largest JSON is its index (~0.2 MiB), its manifest ~0.5 MiB.
+MAX_JSON_BYTES = 16 << 20  # config, index, manifest, generation/preprocessor/tokenizer configs
+MAX_TEXT_BYTES = 4 << 20  # chat templates (the real one is 8 KiB)
+MAX_TOKENIZER_BYTES = 64 << 20  # tokenizer.json (the real one is 12 MiB)
+
+_WORDS = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.ENOTDIR: "a component of the path is not a directory",
+    errno.EISDIR: "is a directory",
+    errno.ENOENT: "no such file or directory",
+    errno.EEXIST: "already exists",
+    errno.ENOTEMPTY: "directory not empty",
+    errno.ELOOP: "too many levels of symbolic links",
+    errno.ENAMETOOLONG: "file name too long",
+    errno.EIO: "input/output error",
+    errno.EFBIG: "file too large",
+    errno.EMFILE: "too many open files",
+    errno.ENXIO: "no such device or address",
+    errno.EXDEV: "cannot rename across file systems",
+}
+
+
+def os_words(e: OSError) -> str:
+    """A short, stable description of an OS error (no Python exception text)."""
+    return _WORDS.get(e.errno) or (e.strerror or type(e).__name__).lower()
+
+
+def os_fail(path: object, e: OSError, doing: str = "") -> StreamoeError:
+    """The one-line error for an OSError met while `doing` something with `path` (the OS's own path wins).
+    An OSError raised by code with a message and no errno keeps its message, which names its file."""
+    if e.errno is None and e.args and isinstance(e.args[0], str):
+        return StreamoeError(" ".join(e.args[0].split()))
+    where = e.filename if isinstance(e.filename, str | bytes | os.PathLike) and e.filename else path
+    if isinstance(where, bytes):
+        where = os.fsdecode(where)
+    return fail(where, f"{doing + ': ' if doing else ''}{os_words(e)}")
+
+
+def kind(mode: int) -> str:
+    """What a file is, in words, from its `st_mode`."""
+    for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                        (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return words
+    return "a special file"
+
+
+def check_input_file(path: str | os.PathLike, what: str = "file") -> os.stat_result:
+    """`path` must be an existing regular file (checked without opening it, so a FIFO never blocks us)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise fail(path, f"missing ({what} not found)") from None
+    except OSError as e:
+        raise os_fail(path, e, f"cannot read the {what}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise fail(path, f"is {kind(st.st_mode)}, expected a {what}")
+    return st
+
+
+def check_input_dir(path: str | os.PathLike, what: str) -> None:
+    """`path` must be an existing directory."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise fail(path, f"missing (expected {what})") from None
+    except OSError as e:
+        raise os_fail(path, e, f"cannot open {what}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise fail(path, f"is {kind(st.st_mode)}, not a directory (expected {what})")
+
+
+def existing_ancestor(path: Path) -> Path:
+    """The nearest existing directory at or above `path` (whose free space and permissions decide a write)."""
+    p = Path(os.path.abspath(path))
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_writable_dir(d: Path, path: object) -> None:
+    """Writing under `d` can succeed: it exists as a directory (or can be made), and is writable."""
+    anchor = existing_ancestor(d)
+    try:
+        st = os.stat(anchor)
+    except OSError as e:
+        raise os_fail(path, e, f"cannot write here ({anchor})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise fail(path, f"cannot write here: {anchor} is {kind(st.st_mode)}, not a directory")
+    try:
+        readonly = bool(os.statvfs(anchor).f_flag & os.ST_RDONLY)
+    except OSError:
+        readonly = False
+    if readonly:
+        raise fail(path, f"cannot write here: {anchor} is on a read-only file system")
+    if not os.access(anchor, os.W_OK | os.X_OK):
+        raise fail(path, f"cannot write here: permission denied on {anchor}")
+
+
+def check_output_file(path: str | os.PathLike, what: str = "output file") -> Path:
+    """Before any work: `path` can be written (its directory exists and is writable; it is not a directory,
+    FIFO or device). Its parent must already exist: we do not create directories for single files."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise os_fail(path, e, f"cannot write the {what}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise fail(path, f"is {kind(st.st_mode)}, cannot write the {what} there")
+    parent = path.parent
+    if not parent.is_dir():
+        raise fail(path, f"cannot write the {what}: its directory {parent} "
+                         + ("does not exist" if not os.path.lexists(parent) else "is not a directory"))
+    check_writable_dir(parent, path)
+    if st is not None and not os.access(path, os.W_OK):
+        raise fail(path, f"cannot write the {what}: permission denied")
+    return path
+
+
+def _no_constants(name: str) -> object:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def parse_json(path: object, raw: bytes | str) -> object:
+    """JSON from bytes read out of `path`; NaN/Infinity refused, too deep nesting is one error."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return json.loads(text, parse_constant=_no_constants)
+    except UnicodeDecodeError as e:
+        raise fail(path, f"is not UTF-8 text (byte {e.start})") from None
+    except RecursionError:
+        raise fail(path, "does not parse as JSON (nested too deeply)") from None
+    except ValueError as e:
+        raise fail(path, f"does not parse as JSON ({str(e).splitlines()[0][:200]})") from None
+
+
+def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
+    """A whole small side file, refused past `limit` bytes (checked before reading)."""
+    st = check_input_file(path, what)
+    if st.st_size > limit:
+        raise fail(path, f"{st.st_size} bytes is too large for a {what} (at most {limit})")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise os_fail(path, e, f"cannot read the {what}") from None
+    if len(data) > limit:
+        raise fail(path, f"too large for a {what} (at most {limit} bytes)")
+    return data
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file", limit: int = MAX_JSON_BYTES) -> dict:
+    """A JSON object from a file: missing, special, too large, not JSON, not an object are one error each."""
+    doc = parse_json(path, read_bytes(path, what, limit))
+    if not isinstance(doc, dict):
+        raise fail(path, f"is not a JSON object ({type(doc).__name__} at the top level)")
+    return doc
+
+
+def read_text(path: str | os.PathLike, what: str = "text file", limit: int = MAX_TEXT_BYTES) -> str:
+    data = read_bytes(path, what, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fail(path, f"is not UTF-8 text (byte {e.start})") from None
+
+
+@contextmanager
+def exclusive_lock(lock_path: Path, target: object, what: str) -> Iterator[None]:
+    """Hold an exclusive `flock` on `lock_path` (created if needed) for the block, or fail at once with one
+    line: another streamoe command is writing `target`. The lock file is removed on the way out; a waiter that
+    opened it before that notices its inode is gone and fails instead of proceeding on a stale lock."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise os_fail(lock_path, e, f"cannot create the lock for {what}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise fail(target, f"another streamoe command is writing {what} here now (lock {lock_path}); "
+                               "wait for it to finish") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise fail(target, f"another streamoe command just finished writing {what} here; run again")
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError:
+            pass
+        try:
+            yield
+        finally:
+            try:
+                os.unlink(lock_path)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,242 @@
+"""Streaming experts: the experts provider that keeps a layer's routed experts in slot pools inside the plan.
+
+`SlotPools` holds, for each of the nine arrays of an expert record (weights, scales, biases of
+gate/up/down), one MLX array stacked over slots, so a layer's routed experts are three `gather_qmm`
+calls over slot indices for all its tokens (`switch_glu`). `StreamingExperts` owns everything around
+them: the store and its reads in flight, the hot tier (which expert lives in which slot, pins), the
+cross-layer prefetch, and the per-layer telemetry.
+
+Where every expert fits, every slot is filled at open and slot = layer * E + expert is computed on the
+device: no host round trip at all, the same kernels as a capped run. Otherwise each layer costs one
+small transfer (its top-k) and this sequence:
+
+1. The fence: `mx.synchronize()` on every stream that reads the pools. Every kernel that read a slot
+   has then completed and released it, on every backend, so a refill cannot race a reader, and MLX
+   updates the pool in place (a pool with no other holder is donated to its own update).
+2. Hits are looked up, misses placed by the tier and read from disk into host staging (demand reads
+   go first: guesses not yet started are withdrawn).
+3. Each record is copied from staging into its slot by an MLX update queued on the stream, so it lands
+   in device memory in stream order, before the layer's `gather_qmm` reads it.
+4. The next layer's experts are guessed from its router on this layer's input and read ahead into
+   staging (never into a slot: a wrong guess costs a read, never a slot or a copy).
+
+Which slot an expert sits in never enters the math (the kernels read slot s as they would read expert
+e), so logits are bit-identical at every cap, tier policy and prefetch width.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+import mlx.core as mx
+import numpy as np
+
+from ..formats.dtypes import DTYPES
+from ..formats.record import ExpertWeights, RecordLayout
+from . import model as model_mod
+from .model import combine, switch_glu
+from .store import ExpertStore
+from .telemetry import LayerStats
+from .tier import HotTier
+from .weights import mx_dtype
+
+Key = tuple[int, int]  # (layer, expert)
+VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
+
+
+class SlotPools:
+    """One MLX array per record segment, [slots, *segment shape], in the compute device's memory."""
+
+    def __init__(self, n_slots: int, lay: RecordLayout):
+        self.lay, self.n = lay, n_slots
+        self.arrays = [mx.zeros((n_slots, *s.shape), dtype=mx_dtype(s.dtype)) for s in lay.segments]
+        mx.eval(self.arrays)
+        self.nbytes = sum(a.nbytes for a in self.arrays)
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(*self.arrays)
+
+    def fill(self, slot: int, record: memoryview) -> None:
+        """Queue the copy of one record (host bytes) into `slot`. The bytes are copied at once (the staging
+        entry may be reused as soon as this returns); the slot update runs in stream order."""
+        for j, s in enumerate(self.lay.segments):
+            raw = np.frombuffer(record, dtype=DTYPES[s.dtype].numpy, count=s.nbytes // DTYPES[s.dtype].itemsize,
+                                offset=s.offset).reshape(s.shape)
+            a = mx.array(raw)
+            self.arrays[j][slot] = a.view(mx.bfloat16) if s.dtype == "BF16" else a
+
+    def bytes_at(self, slot: int) -> bytes:
+        """The record bytes slot `slot` holds now (a gathered copy: the pools themselves stay where they are)."""
+        idx = mx.array([slot], dtype=mx.uint32)
+        out = []
+        for a in self.arrays:
+            c = mx.take(a, idx, axis=0)
+            out.append(np.array(c.view(mx.uint16) if c.dtype == mx.bfloat16 else c).tobytes())
+        return b"".join(out)
+
+
+class StreamingExperts:
+    """The experts provider of a streamed model: `experts(i, x, inds, scores)` -> layer i's routed output."""
+
+    def __init__(self, store: ExpertStore, lay: RecordLayout, n_layers: int, n_experts: int, top_k: int,
+                 hot_slots: int, tier: str, prefetch_width: int, guess: Callable[[int, mx.array], mx.array]):
+        self.store, self.lay, self.guess = store, lay, guess
+        self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
+        self.resident = hot_slots >= n_layers * n_experts
+        staging = 0 if self.resident else n_experts
+        self.pools = SlotPools(hot_slots + staging, lay)
+        self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
+        self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
+        self.stats: list[LayerStats] | None = None  # the current step's per-layer records (set by the engine)
+        self.reads = 0  # records read, for telemetry
+        if self.resident:
+            self._preload()
+
+    # ---- reading and filling
+    def _preload(self) -> None:
+        """Every expert into slot layer * E + expert (the cap holds them all): the run is then resident."""
+        keys = [(li, e) for li in range(self.L) for e in range(self.E)]
+        for key in keys:
+            self.tier.assign(key[0] * self.E + key[1], key)
+        self._land({key: key[0] * self.E + key[1] for key in keys}, {})
+        mx.eval(self.pools.arrays)
+        self.store.bytes_read = 0
+
+    def _land(self, slots: dict[Key, int], reads: dict[Key, Future]) -> float:
+        """Read every key of `slots` not in `reads` yet, copy each record into its slot as it arrives;
+        returns the seconds spent waiting for the disk. The staging ring bounds the bytes in flight."""
+        for key in slots:
+            if key not in reads:
+                reads[key] = self.store.read(*key)
+        pending = {f: key for key, f in reads.items()}
+        waited, filled = 0.0, 0
+        while pending:
+            t = time.perf_counter()
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            waited += time.perf_counter() - t
+            for f in done:
+                key = pending.pop(f)
+                entry = f.result()
+                self.pools.fill(slots[key], self.store.record(entry))
+                self.store.release(entry)
+                filled += 1
+                if filled % self.store.ring == 0:  # bound the MLX copies queued behind the updates
+                    mx.eval(self.pools.arrays)
+        if VERIFY and slots:
+            self._verify(slots)
+        return waited
+
+    def _verify(self, slots: dict[Key, int]) -> None:
+        mx.eval(self.pools.arrays)
+        for key, slot in slots.items():
+            got, want = self.pools.bytes_at(slot), self.store.read_bytes(*key)
+            if got != want:
+                bad = next(i for i in range(len(want)) if got[i] != want[i])
+                raise AssertionError(f"slot {slot} holds wrong bytes for layer {key[0]} expert {key[1]} "
+                                     f"(first difference at byte {bad})")
+
+    def fence(self) -> None:
+        """Wait until every kernel queued so far has completed: nothing reads a slot after this returns."""
+        for s in {mx.default_stream(mx.default_device()), *model_mod.STREAMS}:
+            mx.synchronize(s)
+
+    # ---- the provider
+    def __call__(self, i: int, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
+        shape, k = x.shape, inds.shape[-1]
+        xf, inds = x.reshape(-1, shape[-1]), inds.reshape(-1, k)
+        if self.resident:
+            slots = inds + mx.array(i * self.E, dtype=mx.uint32)  # on the device: no round trip
+        else:
+            slots = self._resolve(i, xf, inds)
+        y = switch_glu(xf, self.pools.weights(), slots, self.lay.bits, self.lay.group_size)
+        return combine(y, scores.reshape(-1, k)).reshape(shape)
+
+    def _resolve(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
+        """Layer i's picks -> their slots [T, k], every picked record landed in its slot."""
+        st = self.stats[i] if self.stats is not None else LayerStats(layer=i)
+        guess = self.guess(i + 1, x) if self.width > 0 and i + 1 < self.L and x.shape[0] == 1 else None
+        t = time.perf_counter()
+        mx.eval(inds, *([guess] if guess is not None else []))
+        self.fence()
+        st.compute_ms += 1000 * (time.perf_counter() - t)
+        picks = np.array(inds).astype(np.int64)
+        experts = np.unique(picks).tolist()
+        st.picks, st.experts = len(experts), experts
+        self.tier.note_picks(i, picks.reshape(-1))  # this pick counts toward the admission of a miss
+        # withdraw guesses for this layer that were not picked; started ones are waste
+        for key in [key for key in self.ahead if key[0] == i and key[1] not in experts]:
+            f = self.ahead.pop(key)
+            if self.store.cancel(f):
+                st.prefetch_issued -= 1
+                if i > 0 and self.stats is not None:
+                    self.stats[i - 1].bytes_read -= self.lay.stride
+            else:
+                st.prefetch_wasted += 1
+                f.add_done_callback(lambda f: f.exception() is None and self.store.release(f.result()))
+        read0 = self.store.bytes_read
+        slot_of: dict[int, int] = {}
+        for e in experts:  # pin every hit first, so placing a miss cannot evict one
+            s = self.tier.lookup((i, e))
+            if s is not None:
+                slot_of[e] = s
+                self.tier.pinned.add(s)
+                if self.tier.is_staging(s):
+                    st.hits_lent += 1
+                else:
+                    st.hits_hot += 1
+        land: dict[Key, int] = {}
+        reads: dict[Key, Future] = {}
+        for e in experts:
+            if e in slot_of:
+                continue
+            key = (i, e)
+            s, _ = self.tier.place(key)
+            slot_of[e] = land[key] = s
+            self.tier.pinned.add(s)
+            if key in self.ahead:
+                reads[key] = self.ahead.pop(key)
+                st.hits_prefetch += 1
+            else:
+                st.misses += 1
+        st.io_wait_ms += 1000 * self._land(land, reads)
+        if guess is not None:
+            self._prefetch(i + 1, np.array(guess.astype(mx.float32)))
+        self.tier.pinned.clear()
+        st.bytes_read += self.store.bytes_read - read0
+        table = np.zeros(self.E, dtype=np.uint32)
+        table[experts] = [slot_of[e] for e in experts]
+        return mx.array(table[picks])
+
+    def _prefetch(self, layer: int, logits: np.ndarray) -> None:
+        """Read ahead into staging the `width` experts layer `layer`'s router likes best for this hidden state."""
+        st = self.stats[layer] if self.stats is not None else None
+        for e in np.argsort(-logits.reshape(-1), kind="stable")[: self.width].tolist():
+            key = (layer, e)
+            if key in self.ahead or self.tier.lookup(key) is not None:
+                continue
+            self.ahead[key] = self.store.read(layer, e)
+            if st is not None:
+                st.prefetch_issued += 1
+
+    # ---- prompts and lifetime
+    def begin_prompt(self) -> None:
+        """A prompt takes the staging slots back from the tier (prefill streams each expert through them)."""
+        self.drop_guesses()
+        self.tier.reclaim_staging()
+
+    def end_prompt(self) -> None:
+        """Decode begins: the idle staging slots are lent to the tier."""
+        self.tier.lend_staging()
+
+    def drop_guesses(self) -> None:
+        for f in self.ahead.values():
+            if not self.store.cancel(f):
+                f.add_done_callback(lambda f: f.exception() is None and self.store.release(f.result()))
+        self.ahead.clear()
+
+    def close(self) -> None:
+        self.drop_guesses()
+        self.store.close()

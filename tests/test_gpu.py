@@ -1,0 +1,93 @@
+"""Exactness on a GPU (MLX's CUDA or Metal backend): bit-identical logits across caps, prefetch widths,
+tier policies and repeated runs, with every filled slot checked against the file; per-layer hidden
+states against mlx-lm's. Skipped where MLX has no GPU; run on the H200 in every session that touches
+the engine (see docs/performance.md for the command)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from streamoe.runtime import experts as experts_mod
+from streamoe.runtime.engine import Engine, Options, plan_for
+
+from .conftest import RUNTIME
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(mx.default_device() != mx.gpu, reason="MLX has no GPU here (CPU backend only)"),
+]
+PROMPT = ("import os\nimport sys\n\nclass Reader:\n    def __init__(self, path):\n        self.path = path\n"
+          "    def read(self):\n        with open(self.path) as f:\n            return f.read()\n")
+
+
+def run(conv, slots: int | None, dtype: str, steps: int = 12, **opts) -> tuple[bytes, int]:
+    """Greedy logits (prompt + steps) as bytes, and the misses the run had."""
+    o = dict(ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, dtype=dtype, **opts)
+    base = plan_for(conv, Options(cap_gib=64, **o))
+    cap = 64.0 if slots is None else (base.fixed + slots * base.stride + 1) / 2**30
+    eng = Engine(conv, Options(cap_gib=cap, **o))
+    out = [np.array(eng.prefill(eng.text.encode(PROMPT)).astype(mx.float32))]
+    for _ in range(steps):
+        out.append(np.array(eng.decode(int(out[-1].argmax())).astype(mx.float32)))
+    eng.close()
+    return np.stack(out).tobytes(), sum(ly.misses for s in eng.steps for ly in s.layers)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_logits_bit_identical_across_caps_prefetch_tiers_and_runs(small_conv, dtype, monkeypatch):
+    monkeypatch.setattr(experts_mod, "VERIFY", True)  # every slot's bytes against the file after each fill
+    runs = {}
+    for key in [(0, 8, "freq"), (0, 8, "freq"), (0, 0, "lru"), (24, 8, "lru"), (200, 0, "freq"), (None, 8, "freq"),
+                (None, 8, "freq")]:
+        runs.setdefault(key, []).append(run(small_conv, key[0], dtype, prefetch_width=key[1], tier=key[2]))
+    first = runs[(0, 8, "freq")][0][0]
+    assert runs[(0, 0, "lru")][0][1] > 0 and runs[(None, 8, "freq")][0][1] == 0  # streamed .. resident
+    for key, results in runs.items():
+        for data, _ in results:
+            assert data == first, f"logits differ at {key}"
+
+
+def test_gpu_hidden_states_match_mlx_lm(small_ckpt, small_conv):
+    """float32: the residual stream after every layer within 1e-4 relative of mlx-lm's, prompt and decode."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(small_ckpt)
+    ref.set_dtype(mx.float32)
+    eng = Engine(small_conv, Options(cap_gib=64, ctx=256, prefill_chunk=256, runtime_bytes=RUNTIME, dtype="float32"))
+    ours_h, ref_h = tap(eng.model.layers), tap(ref.language_model.model.layers)
+    ids = eng.text.encode(PROMPT)
+    cache = make_prompt_cache(ref)
+    lr, le = ref(mx.array([ids]), cache=cache)[0, -1], eng.prefill(ids)
+    for _ in range(4):
+        t = int(np.array(lr).argmax())
+        lr, le = ref(mx.array([[t]]), cache=cache)[0, -1], eng.decode(t)
+    mx.eval(lr, le)
+    assert len(ours_h) == len(ref_h)
+    errs = [float(mx.abs(a - b).max() / mx.abs(b).max()) for a, b in zip(ours_h, ref_h, strict=True)]
+    eng.close()
+    n = len(eng.model.layers)  # errs: the prompt's layers, then each decode step's
+    assert max(errs) < 1e-4, [f"step {j // n} layer {j % n}: {e:.2e}" for j, e in enumerate(errs) if e >= 1e-5]
+
+
+def tap(layers: list) -> list:
+    """Record every layer's output (the residual stream) by wrapping the layers in place."""
+    seen: list = []
+
+    class Tap:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, *a, **k):
+            y = self.inner(*a, **k)
+            seen.append(y.astype(mx.float32))
+            return y
+
+    for i, layer in enumerate(layers):
+        layers[i] = Tap(layer)
+    return seen

@@ -1,0 +1,133 @@
+"""MemoryPlan: every account of a known config, in bytes, computed here by hand from the formula's inputs.
+
+The config is the text part of the real Qwen3.6-35B-A3B (40 layers, every 4th gated full attention, 256
+experts top-8). The planner's inputs that depend on the machine (the measured runtime allowance) are fixed,
+so each number below follows from the config alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from streamoe.formats.config import ModelArgs
+from streamoe.formats.errors import StreamoeError
+from streamoe.formats.record import RecordLayout
+from streamoe.runtime.plan import GiB, MemoryPlan, MiB, activation_bytes, make_plan, state_bytes
+
+TEXT = {
+    "hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "vocab_size": 248320,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+CONFIG = {"model_type": "qwen3_5_moe", "text_config": TEXT, "quantization": {"bits": 4, "group_size": 64}}
+
+STRIDE_Q4 = 1_769_472  # one 4-bit expert record of this config (docs/FORMAT.md)
+NONEXPERT = 1 * GiB  # given, not derived: what the non-expert tensors hold at the compute dtype
+RUNTIME = 256 * MiB  # given: the interpreter allowance (measured at open when not given)
+
+# Hand-computed accounts at ctx 4096, prefill chunk 256, float32 activations and KV cache.
+# 10 full-attention layers x (K, V) x 2 KV heads x head_dim 256 x 4096 tokens x 4 bytes
+KV = 10 * 2 * 2 * 256 * 4096 * 4
+# 30 Gated DeltaNet layers x (conv window (K-1) x conv_dim + recurrent state value_dim x key_dim) x 4 bytes,
+# conv_dim = 2 x 16 key heads x 128 + 32 value heads x 128 = 8192, value_dim = 32 x 128 = 4096
+LINEAR = 30 * (3 * 8192 + 4096 * 128) * 4
+# one chunk of 256 tokens: hidden 8·T·H, attention max(T·(2·nq·hd + 2·nkv·hd) + 2·nq·T·ctx, GDN temporaries
+# 3·T·(conv_dim + value_dim) + 48·value_dim·key_dim), MoE 3·T·k·H + 4·T·inter, logits 2·V; x 1.5 x 4 bytes
+HIDDEN = 8 * 256 * 2048
+ATTN = 256 * (2 * 16 * 256 + 2 * 2 * 256) + 2 * 16 * 256 * 4096
+GDN = 3 * 256 * (8192 + 4096) + 48 * 4096 * 128
+MOE = 3 * 256 * 8 * 2048 + 4 * 256 * 512
+LOGITS = 2 * 248320
+ACTIVATIONS = 3 * (HIDDEN + max(ATTN, GDN) + MOE + LOGITS) * 4 // 2
+STAGING = 256 * STRIDE_Q4  # one slot per expert of a layer
+FIXED = NONEXPERT + KV + LINEAR + ACTIVATIONS + STAGING + RUNTIME
+
+
+@pytest.fixture(scope="module")
+def args() -> ModelArgs:
+    return ModelArgs.from_config(CONFIG)
+
+
+def plan(args: ModelArgs, cap: float, **kw) -> MemoryPlan:
+    opts = {"ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4, "nonexpert_resident": NONEXPERT,
+            "runtime_bytes": RUNTIME, "dtype": "float32", "kv_dtype": "float32", "prefill_chunk": 256, **kw}
+    return make_plan(args=args, cap=int(cap * GiB), **opts)
+
+
+def test_hand_computed_values_are_the_ones_above():
+    assert (KV, LINEAR, ACTIVATIONS, STAGING) == (167_772_160, 65_863_680, 322_271_232, 452_984_832)
+    assert RecordLayout.make(2048, 512, 4, 64).stride == STRIDE_Q4
+    assert ATTN > GDN  # at ctx 4096 the attention scores are the largest temporary
+
+
+def test_accounts_exact(args):
+    p = plan(args, 4)
+    assert p.accounts == {"non-expert": NONEXPERT, "kv cache": KV, "linear state": LINEAR, "activations": ACTIVATIONS,
+                          "prefill staging": STAGING, "read staging": 0, "vision": 0, "runtime": RUNTIME}
+    assert plan(args, 4, ring=28).accounts["read staging"] == 2 * 28 * STRIDE_Q4  # host ring + its copies in flight
+    assert state_bytes(args, 4096, 4) == (KV, LINEAR)
+    assert activation_bytes(args, 4096, 256, 4) == ACTIVATIONS
+    assert p.fixed == FIXED == 2_351_069_184
+    assert p.hot_bytes == 4 * GiB - FIXED
+    assert p.hot_slots == (4 * GiB - FIXED) // STRIDE_Q4 == 1098
+    assert p.staging_slots == 256 and p.n_layers == 40 and p.n_experts == 256
+    assert p.fits and p.min_cap == FIXED
+    p.require_fit()
+
+
+def test_dtypes_and_context_scale_their_accounts(args):
+    half = plan(args, 4, kv_dtype="float16", dtype="bfloat16")
+    assert half.accounts["kv cache"] == KV // 2
+    assert half.accounts["linear state"] == LINEAR  # the recurrent state is float32 whatever the dtype
+    assert half.accounts["activations"] == 3 * (HIDDEN + max(ATTN, GDN) + MOE + LOGITS) * 2 // 2
+    short = plan(args, 4, ctx=128)  # a chunk never exceeds the context
+    hidden, attn = 8 * 128 * 2048, 128 * (2 * 16 * 256 + 2 * 2 * 256) + 2 * 16 * 128 * 128
+    gdn, moe = 3 * 128 * (8192 + 4096) + 48 * 4096 * 128, 3 * 128 * 8 * 2048 + 4 * 128 * 512
+    assert short.accounts["activations"] == 3 * (hidden + max(attn, gdn) + moe + LOGITS) * 4 // 2
+    assert short.accounts["kv cache"] == KV // 32
+    assert plan(args, 4, vision_bytes=12345).accounts["vision"] == 12345
+
+
+def test_hot_slots_never_exceed_every_expert(args):
+    p = plan(args, 512)
+    assert p.hot_bytes // STRIDE_Q4 > 40 * 256
+    assert p.hot_slots == 40 * 256
+
+
+def test_too_small_a_cap_names_the_smallest_that_fits(args):
+    p = plan(args, 2)
+    assert not p.fits and p.hot_bytes == 0 and p.hot_slots == 0 and p.min_cap == FIXED
+    with pytest.raises(StreamoeError) as e:
+        p.require_fit()
+    need, smallest = FIXED / GiB, (FIXED + 0.01 * GiB) / GiB
+    assert str(e.value) == (f"cap 2.00 GiB is too small for this model at ctx 4096: the fixed accounts need "
+                            f"{need:.2f} GiB; smallest cap that fits: --cap {smallest:.2f}")
+    assert str(e.value).endswith("--cap 2.20")
+    plan(args, float(f"{smallest:.2f}")).require_fit()  # the cap it names does fit
+
+
+def test_render_and_json(args):
+    p = plan(args, 4)
+    text = p.render().splitlines()
+    assert text[0] == "memory plan: cap 4.00 GiB, ctx 4096, experts q4 (1,769,472 B per expert)"
+    names = [ln.split("  ")[1].strip() for ln in text[1:]]
+    assert names == ["non-expert", "kv cache", "linear state", "activations", "prefill staging", "read staging",
+                     "vision", "runtime", "hot tier", "total"]
+    assert "   1.000 GiB" in text[1] and "(4096 tokens, float32)" in text[2]
+    assert "(256 slots, one per expert of a layer)" in text[5]
+    assert f"(1098 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[9]
+    assert text[10].endswith(f"{(FIXED + 1098 * STRIDE_Q4) / GiB:8.3f} GiB of 4.00 GiB")
+    assert p.to_json() == {"cap": 4 * GiB, "ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4,
+                           "accounts": p.accounts, "fixed": FIXED, "hot_slots": 1098, "staging_slots": 256,
+                           "n_layers": 40, "n_experts": 256, "fits": True}
+
+
+def test_runtime_allowance_is_measured_when_not_given(args):
+    p = plan(args, 4, runtime_bytes=None)
+    assert p.accounts["runtime"] > 64 * MiB  # this process's RSS + 64 MiB
+    assert "measured" in p.notes["runtime"]
