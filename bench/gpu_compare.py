@@ -1,6 +1,7 @@
-"""streamoe against stock mlx-lm on the same checkpoint and machine, side by side in one process (GPU).
+"""streamoe against stock mlx-lm on the same checkpoint and machine, side by side in one process.
 
-    python -m bench.gpu_compare --ckpt CKPT --model CONVERTED --caps resident,4 --experts q4 --name gpu-q4
+    python -m bench.gpu_compare --ckpt CKPT --model CONVERTED --caps resident,4 --experts q4 --out R.json      # H200
+    python -m bench.gpu_compare --ckpt CKPT --model CONVERTED --caps resident,slots:128 --dtype float32 ...   # CPU
 
 For each: prefill time of one prompt and greedy decode tok/s; for streamoe also MiB read per token, the
 hit rates (already in memory vs read ahead), bytes wasted by prefetch, and the disk bound (bytes read per
@@ -49,16 +50,23 @@ def random_read_gbs(paths: list[Path], stride: int, n: int = 400, threads: int =
     return n * stride / dt / 1e9
 
 
-def mlx_lm_run(ckpt: Path, ids: list[int], tokens: int) -> dict:
+def mlx_lm_run(ckpt: Path, ids: list[int], tokens: int, tokenwise: bool = False, dtype: str | None = None) -> dict:
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model, load_tokenizer
 
     model, _ = load_model(ckpt)
+    if dtype:
+        model.set_dtype(getattr(mx, dtype))
     cache = make_prompt_cache(model)
     t0 = time.perf_counter()
-    lg = model(mx.array([ids]), cache=cache)[0, -1]
-    mx.eval(lg)
+    if tokenwise:  # one token at a time: only decode-shaped kernels (a fresh CUDA machine JIT-compiles prefill's for minutes)
+        for t in ids:
+            lg = model(mx.array([[t]]), cache=cache)[0, -1]
+            mx.eval(lg)
+    else:
+        lg = model(mx.array([ids]), cache=cache)[0, -1]
+        mx.eval(lg)
     prefill = time.perf_counter() - t0
     tok, times = int(mx.argmax(lg).item()), []
     for _ in range(tokens):  # one sync per token, as streamoe's loop does
@@ -69,34 +77,41 @@ def mlx_lm_run(ckpt: Path, ids: list[int], tokens: int) -> dict:
     stock = None
     try:  # stock generate (pipelined with async_eval): the number users see
         tk = load_tokenizer(ckpt)
-        for r in stream_generate(model, tk, prompt=ids, max_tokens=tokens):
+        for r in stream_generate(model, tk, prompt=ids, max_tokens=tokens, prefill_step_size=1 if tokenwise else 2048):
             stock = r
     except Exception as e:  # noqa: BLE001 - the simple loop above still stands
         print("stream_generate failed:", e)
     del model, cache
     mx.clear_cache()
     ms = float(np.median(times) * 1000)
-    return {"tag": "mlx-lm", "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
+    return {"tag": "mlx-lm", "prefill_tokenwise": tokenwise, "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
             "stock_generate_tok_s": round(stock.generation_tps, 2) if stock else None,
             "stock_prompt_tok_s": round(stock.prompt_tps, 1) if stock else None,
             "peak_gib": round(mx.get_peak_memory() / 2**30, 2)}
 
 
 def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: str, dtype: str | None) -> dict:
-    cap_gib = 64.0 if cap == "resident" else float(cap)
+    if cap.startswith("slots:"):  # a cap that holds exactly N hot-tier slots
+        from streamoe.runtime.plan import plan_for
+
+        base = plan_for(model, Options(cap_gib=64, ctx=2048, experts=experts, dtype=dtype, runtime_bytes=600 << 20))
+        cap_gib = (base.fixed + int(cap[6:]) * base.stride + 1) / 2**30
+    else:
+        cap_gib = 64.0 if cap == "resident" else float(cap)
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     # a fixed interpreter allowance: the measured one would include what the mlx-lm run left in this process
     eng = Engine(model, Options(cap_gib=cap_gib, ctx=2048, experts=experts, dtype=dtype, runtime_bytes=600 << 20))
     open_s = time.perf_counter() - t0
+    from streamoe.runtime.text import Sampler
+
+    eng.text.stop_ids = set()  # random weights may pick a stop token early: measure a fixed number of tokens
     t0 = time.perf_counter()
-    lg = eng.prefill(ids)
-    prefill = time.perf_counter() - t0
-    tok, times = int(mx.argmax(lg).item()), []
-    for _ in range(tokens):
-        t = time.perf_counter()
-        tok = int(mx.argmax(eng.decode(tok)).item())
-        times.append(time.perf_counter() - t)
+    stamps = []
+    for _ in eng.generate(ids, tokens + 1, Sampler()):  # greedy: the pipelined path where everything is resident
+        stamps.append(time.perf_counter())
+    prefill = stamps[0] - t0  # time to the first token
+    times = list(np.diff(stamps))
     s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
     dec = [st for st in eng.steps if st.phase == "decode"]
     lay = [ly for st in dec for ly in st.layers]
@@ -125,6 +140,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--mlx-lm-tokenwise", action="store_true", help="feed mlx-lm's prompt one token at a time")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from streamoe.runtime.text import TextIO
@@ -136,7 +152,7 @@ def main() -> None:
     res = {"device": str(mx.default_device()), "prompt_tokens": len(ids),
            "raw_random_read_gbs": round(random_read_gbs(paths, fmt.layout.stride), 3), "runs": []}
     if not a.skip_mlx_lm:
-        res["runs"].append(mlx_lm_run(a.ckpt, ids, a.tokens))
+        res["runs"].append(mlx_lm_run(a.ckpt, ids, a.tokens, a.mlx_lm_tokenwise, a.dtype))
         print(res["runs"][-1], flush=True)
     for cap in a.caps.split(","):
         r = streamoe_run(a.model, ids, a.tokens, cap, a.experts, a.dtype)
@@ -150,7 +166,10 @@ def main() -> None:
     if base:
         for r in res["runs"][1:]:
             r["decode_vs_mlx_lm"] = round(base["ms_token"] / r["ms_token"], 3)
-            r["prefill_vs_mlx_lm"] = round(base["prefill_s"] / r["prefill_s"], 3)
+            if not base["prefill_tokenwise"]:
+                r["prefill_vs_mlx_lm"] = round(base["prefill_s"] / r["prefill_s"], 3)
+            if base.get("stock_generate_tok_s"):
+                r["decode_vs_stock_generate"] = round(r["tok_s"] / base["stock_generate_tok_s"], 3)
     import json
 
     text = json.dumps(res, indent=2)

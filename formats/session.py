@@ -55,15 +55,17 @@ def _write_locked(path: Path, meta: dict, entries: list[tuple[str, str, tuple[in
     try:
         with open(tmp, "wb") as f:
             # the frame declares its content size, so a reader can check it against the header before trusting it
-            with zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(
-                    f, size=len(header) + expected, closefd=False) as w:
-                w.write(header)
-                written = 0
-                for b in blocks:
-                    w.write(b)
-                    written += memoryview(b).nbytes
+            # closed only when whole: an interrupted frame is abandoned (the temporary file goes), never finished
+            w = zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(
+                f, size=len(header) + expected, closefd=False)
+            w.write(header)
+            written = 0
+            for b in blocks:
+                w.write(b)
+                written += memoryview(b).nbytes
             if written != expected:
                 raise AssertionError(f"session data is {written} bytes, its header says {expected}")
+            w.close()
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -97,24 +97,35 @@ class Engine:
     def forward(self, tokens: list[int], phase: str, positions: mx.array | None = None,
                 embeddings: mx.array | None = None) -> mx.array:
         """Logits of the last token after feeding `tokens` (a prefill chunk or one decoded token)."""
-        t0 = time.perf_counter()
-        T = len(tokens)
-        if self.offset + T > self.opts.ctx:
-            raise StreamoeError(f"prompt of {self.offset + T} tokens is longer than the planned context --ctx {self.opts.ctx}")
+        if self.offset + len(tokens) > self.opts.ctx:
+            raise StreamoeError(f"prompt of {self.offset + len(tokens)} tokens is longer than the planned context "
+                                f"--ctx {self.opts.ctx}")
+        h = embeddings if embeddings is not None else self.model.embed(mx.array([tokens]))
+        logits = self._step(h, phase, positions)
+        self._finish(logits)
+        return logits
+
+    def _step(self, h: mx.array, phase: str, positions: mx.array | None = None) -> mx.array:
+        """Queue one step over h [1, T, H]: the model's layer loop and head, lazily where every expert is
+        resident (a capped run syncs once per layer for its picks). Advances the offset; returns logits [V]."""
+        T = h.shape[1]
         step = StepStats(step=len(self.steps), phase=phase, n_tokens=T,
                          layers=[LayerStats(layer=i) for i in range(self.args.num_hidden_layers)])
+        step.t0 = time.perf_counter()
         self.experts.stats = step.layers
-        h = embeddings if embeddings is not None else self.model.embed(mx.array([tokens]))
         pos = positions if positions is not None else text_positions(self.offset + self.rope_delta, T)
         logits = self.model.head(self.model.layers_forward(h, self.cache, pos, self.experts)[:, -1:, :])
+        self.offset += T
+        self.steps.append(step)
+        return logits.reshape(-1)
+
+    def _finish(self, logits: mx.array) -> None:
+        step = self.steps[-1]
         tc = time.perf_counter()
         mx.eval(logits)
         step.layers[-1].compute_ms += 1000 * (time.perf_counter() - tc)
-        self.offset += T
-        step.ms = 1000 * (time.perf_counter() - t0)
-        self.steps.append(step)
+        step.ms = 1000 * (time.perf_counter() - step.t0)
         self.peak_rss = max(self.peak_rss, current_rss())
-        return logits.reshape(-1)
 
     def prefill(self, tokens: list[int]) -> mx.array:
         """A prompt, in chunks, expert-major through the staging slots (taken back from the tier first)."""
@@ -141,8 +152,11 @@ class Engine:
         return logits
 
     def generate(self, prompt: list[int], max_tokens: int, sampler, images: list | None = None):
-        """Yield generated token ids (stop token excluded) with their logits."""
+        """Yield generated token ids (stop token excluded) with their float32 logits."""
         logits = self.prefill_images(prompt, images) if images else self.prefill(prompt)
+        if self.experts.resident and sampler.temp == 0:
+            yield from self._generate_pipelined(logits, max_tokens)
+            return
         for _ in range(max_tokens):
             lg = np.array(logits.astype(mx.float32))
             tok = sampler(lg)
@@ -153,6 +167,53 @@ class Engine:
             if self.offset >= self.opts.ctx:
                 return
             logits = self.decode(tok)
+
+    def _generate_pipelined(self, logits: mx.array, max_tokens: int):
+        """Greedy decode with everything resident, as stock mlx-lm does it: the next step's graph is built
+        from the token still being computed and queued before that token is read, so the host never waits
+        with the device idle. A step built for a token that turns out to be a stop token (or that the
+        caller never takes) is taken back (KV offsets rewound, Gated DeltaNet states restored), so the
+        state after the answer is exactly what the plain loop leaves."""
+        y, made_by = mx.argmax(logits), self.steps[-1]  # the token being computed, and the step computing it
+        mx.async_eval(y)
+        ahead = None  # (snapshot, next logits, next token, next step) queued before its token is known
+        try:
+            for _ in range(max_tokens):
+                if self.offset < self.opts.ctx:  # the plain loop feeds every token it yields
+                    snap = self._snapshot()
+                    nxt = self._step(self.model.embed(y.reshape(1, 1).astype(mx.uint32)), "decode")
+                    y_next = mx.argmax(nxt)
+                    mx.async_eval(y_next)
+                    ahead = (snap, nxt, y_next, self.steps[-1])
+                tok = int(y.item())  # waits for this token only; the next step is already queued
+                if made_by.ms == 0.0:
+                    made_by.ms = 1000 * (time.perf_counter() - made_by.t0)
+                    self.peak_rss = max(self.peak_rss, current_rss())
+                made_by.token_id = tok
+                if tok in self.text.stop_ids:
+                    return
+                yield tok, logits.astype(mx.float32)
+                if ahead is None:
+                    return
+                _, logits, y, made_by = ahead
+                ahead = None
+            mx.eval(logits)  # the last token's step, kept: the cache holds the whole answer
+            made_by.ms = 1000 * (time.perf_counter() - made_by.t0)
+        finally:
+            if ahead is not None:
+                self._restore(ahead[0])
+
+    def _snapshot(self) -> tuple:
+        return (self.offset, len(self.steps), [(c.offset, getattr(c, "conv", None), getattr(c, "state", None))
+                                                for c in self.cache])
+
+    def _restore(self, snap: tuple) -> None:
+        self.offset, n_steps, caches = snap
+        del self.steps[n_steps:]
+        for c, (offset, conv, state) in zip(self.cache, caches, strict=True):
+            c.offset = offset
+            if conv is not None:
+                c.conv, c.state = conv, state
 
     def reset(self) -> None:
         self.cache = self.model.make_cache(self.opts.ctx, mx_dtype(self.opts.kv))

@@ -288,11 +288,11 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
     from .runtime.cli_run import run_cli
 
     if prompt is None and not chat:
-        raise click.UsageError("give --prompt TEXT or --chat")
+        raise StreamoeError("give --prompt TEXT or --chat")
     if images and raw:
-        raise click.UsageError("--image needs the chat template; drop --raw")
+        raise StreamoeError("--image needs the chat template; drop --raw")
     if load_session and system is not None:
-        raise click.UsageError("a loaded session keeps its own system message; drop --system")
+        raise StreamoeError("a loaded session keeps its own system message; drop --system")
     check_run_paths(stats, logits_out, save_session, load_session)
     vision = bool(images) or (chat and not raw)
     run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,

@@ -91,3 +91,22 @@ def tap(layers: list) -> list:
     for i, layer in enumerate(layers):
         layers[i] = Tap(layer)
     return seen
+
+
+def test_gpu_float32_matmul_is_float32_only_without_tf32():
+    """The kernel-level difference behind float32 drift on CUDA: MLX runs float32 matmuls in TF32 unless
+    MLX_ENABLE_TF32=0, which importing streamoe.runtime sets. Each setting in a fresh process (MLX reads it once)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, mlx.core as mx; r = np.random.default_rng(0); a = r.standard_normal((256, 512), np.float32); "
+            "b = r.standard_normal((512, 256), np.float32); ref = a.astype(np.float64) @ b; "
+            "got = np.array(mx.array(a) @ mx.array(b)); print(float(np.abs(got - ref).max() / np.abs(ref).max()))")
+    err = {}
+    for tf32 in ("1", "0"):
+        env = {**os.environ, "MLX_ENABLE_TF32": tf32}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        err[tf32] = float(out.stdout.strip())
+    assert err["0"] < 1e-6 < 1e-4 < err["1"], err
+    assert os.environ.get("MLX_ENABLE_TF32") == "0"  # set by importing streamoe.runtime (this module did)
