@@ -35,7 +35,8 @@ bench: $(RUNTIME_STAMP)
 	$(BIN)/python -m bench.convert --size small --scratch "$$scratch" && \
 	$(BIN)/python -m bench.decode --size small --scratch "$$scratch" && \
 	$(BIN)/python -m bench.q3_quality --tokens 768 && \
-	$(BIN)/python -m bench.session --model "$$scratch/small-conv" --scratch "$$scratch" --name session-small
+	$(BIN)/python -m bench.session --model "$$scratch/small-conv" --scratch "$$scratch" --name session-small && \
+	$(BIN)/python -m bench.serve --scratch "$$scratch"
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .

@@ -1,33 +1,28 @@
 """`streamoe serve` under load: time to first token and tok/s for 1, 4 and 8 concurrent clients (streamed
-completions through the official openai client), and the prefill tokens a 5-turn chat saves with the prompt
+completions, read as a client reads them), and the prefill tokens a 5-turn chat saves with the prompt
 cache (the same conversation against a second server started with --prompt-cache-mib 0).
 
-    python bench/serve.py                                   # the embedded model, converted in --scratch
-    python bench/serve.py --model ~/models/qwen36-streamoe --cap 4 --ctx 4096 --name serve-full
+    python -m bench.serve                                   # the embedded model, converted in --scratch
+    python -m bench.serve --model ~/models/qwen36-streamoe --cap 4 --ctx 4096 --name serve-full
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import http.client
 import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import jsonschema
-import openai
-
-from streamoe.formats.manifest import schema
+from .common import scratch_dir, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
            "import json\n\n\ndef load(path):\n", "def parse_args(argv=None):\n", "class Reader:\n    def read(self):\n",
@@ -41,20 +36,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def post(url: str, body: dict, timeout: float = 600):
+    """A POST with the standard library's client (the bench needs nothing beyond the runtime install)."""
+    host, _, path = url.removeprefix("http://").partition("/")
+    conn = http.client.HTTPConnection(host, timeout=timeout)
+    conn.request("POST", "/" + path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
 def start(model: Path, args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "streamoe.cli", "serve", str(model), "--port", str(port), *args],
                                 stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/v1"
-    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=5)
+    url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:
             raise SystemExit(f"streamoe serve exited ({proc.returncode}); see {log}")
         try:
-            client.models.list()
-            return proc, url
-        except openai.APIConnectionError:
+            conn = http.client.HTTPConnection(f"127.0.0.1:{port}", timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc, url
+        except OSError:
             time.sleep(0.2)
     proc.terminate()
     raise SystemExit(f"streamoe serve did not start; see {log}")
@@ -65,26 +69,31 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
-def one_stream(client: openai.OpenAI, prompt: str, tokens: int) -> dict:
+def one_stream(url: str, prompt: str, tokens: int) -> dict:
     """A streamed greedy completion: seconds to the first text, tokens, seconds in all, server telemetry."""
     t0 = time.perf_counter()
     first, n, tele = None, 0, None
-    for chunk in client.completions.create(model="m", prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
-                                           stream_options={"include_usage": True}):
-        if chunk.choices and chunk.choices[0].text and first is None:
+    conn, resp = post(url + "/v1/completions", {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk["choices"] and chunk["choices"][0]["text"] and first is None:
             first = time.perf_counter() - t0
-        if chunk.usage:
-            n = chunk.usage.completion_tokens
-        tele = (chunk.model_extra or {}).get("streamoe") or tele
+        if chunk.get("usage"):
+            n = chunk["usage"]["completion_tokens"]
+        tele = chunk.get("streamoe") or tele
+    conn.close()
     return {"ttft_s": first, "tokens": n, "s": time.perf_counter() - t0, "decode_tok_s": tele and tele["tok_s"]}
 
 
 def load(url: str, clients: int, tokens: int) -> dict:
-    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-    one_stream(client, PROMPTS[0], 4)  # warm-up: first-use costs are not the server's steady state
+    one_stream(url, PROMPTS[0], 4)  # warm-up: first-use costs are not the server's steady state
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        runs = list(pool.map(lambda i: one_stream(client, PROMPTS[i % len(PROMPTS)], tokens), range(clients)))
+        runs = list(pool.map(lambda i: one_stream(url, PROMPTS[i % len(PROMPTS)], tokens), range(clients)))
     wall = time.perf_counter() - t0
     ttft = [r["ttft_s"] for r in runs]
     return {"clients": clients, "max_tokens": tokens, "tokens": sum(r["tokens"] for r in runs), "wall_s": round(wall, 2),
@@ -97,18 +106,20 @@ def load(url: str, clients: int, tokens: int) -> dict:
 def conversation(url: str, picture: str | None) -> list[dict]:
     """Five chat turns, thinking on (the template drops past thinking when it re-renders): per turn the
     prompt tokens, those restored from a snapshot, and the time to the whole answer."""
-    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
     msgs: list[dict] = []
     out = []
     for i, q in enumerate(TURNS):
         content = [{"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": q}] if i == 0 and picture else q
         msgs.append({"role": "user", "content": content})
         t0 = time.perf_counter()
-        r = client.chat.completions.create(model="m", messages=msgs, temperature=0, max_tokens=16)
+        conn, resp = post(url + "/v1/chat/completions", {"messages": msgs, "temperature": 0, "max_tokens": 16})
+        r = json.loads(resp.read())
+        conn.close()
         s = time.perf_counter() - t0
-        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
-        out.append({"prompt_tokens": r.usage.prompt_tokens, "cached_tokens": r.usage.prompt_tokens_details.cached_tokens,
-                    "s": round(s, 3), "answer": r.choices[0].message.content})
+        answer = r["choices"][0]["message"]["content"]
+        msgs.append({"role": "assistant", "content": answer})
+        out.append({"prompt_tokens": r["usage"]["prompt_tokens"], "cached_tokens": r["usage"]["prompt_tokens_details"]["cached_tokens"],
+                    "s": round(s, 3), "answer": answer})
     return out
 
 
@@ -133,13 +144,6 @@ def quarter_cap(model: Path, ctx: int, runtime_mib: int, cache_mib: float) -> fl
     return (p.fixed + p.n_layers * p.n_experts // 4 * p.stride + p.stride // 2) / 2**30
 
 
-def machine() -> dict:
-    import mlx.core as mx
-
-    return {"cpus": os.cpu_count() or 0, "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "device": str(mx.default_device())}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="converted directory (default: models/tiny, converted)")
@@ -148,12 +152,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="max_tokens of each load request")
     ap.add_argument("--runtime-mib", type=int, default=256)
     ap.add_argument("--prompt-cache-mib", type=float, default=64)
-    ap.add_argument("--scratch", type=Path, default=None, help="work directory (default: a temporary one)")
+    ap.add_argument("--scratch", type=Path, default=None,
+                    help="work directory, kept (default: a fresh temporary directory, removed at the end)")
     ap.add_argument("--name", default="serve")
     a = ap.parse_args()
-    tmp = tempfile.TemporaryDirectory(prefix="streamoe-bench-") if a.scratch is None else None
-    scratch = Path(tmp.name) if tmp else a.scratch
-    scratch.mkdir(parents=True, exist_ok=True)
+    with scratch_dir(a.scratch) as scratch:
+        run(a, scratch)
+
+
+def run(a: argparse.Namespace, scratch: Path) -> None:
     model = a.model
     if model is None:
         from streamoe.convert.convert import convert
@@ -164,6 +171,7 @@ def main() -> None:
     cap = a.cap or quarter_cap(model, a.ctx, a.runtime_mib, a.prompt_cache_mib)
     common = ["--cap", str(cap), "--ctx", str(a.ctx), "--runtime-mib", str(a.runtime_mib), "--log-level", "warning"]
     picture = triangle_url(scratch)
+    load_avg = round(os.getloadavg()[0], 2)  # these machines are shared: the timings are as noisy as this says
 
     proc, url = start(model, [*common, "--prompt-cache-mib", str(a.prompt_cache_mib)], scratch / "serve.log")
     try:
@@ -182,16 +190,8 @@ def main() -> None:
              "saved_fraction": round(saved / total, 3), "s_with_cache": round(sum(t["s"] for t in cached), 2),
              "s_without_cache": round(sum(t["s"] for t in fresh), 2),
              "same_answers": [t["answer"] for t in cached] == [t["answer"] for t in fresh], "per_turn": cached}
-    doc = {"bench": "serve", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-           "results": [{"model": str(a.model or "models/tiny"), "cap_gib": round(cap, 4), "ctx": a.ctx, "load": loads,
-                        "prompt_cache": cache}]}
-    jsonschema.validate(doc, schema("bench.schema.json"))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{a.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(json.dumps(doc, indent=2))
-    if tmp:
-        tmp.cleanup()
+    write_result(a.name, "serve", [{"model": str(a.model or "models/tiny"), "cap_gib": round(cap, 4), "ctx": a.ctx,
+                                    "load_avg_1m": load_avg, "load": loads, "prompt_cache": cache}])
 
 
 if __name__ == "__main__":

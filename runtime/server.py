@@ -254,6 +254,13 @@ def create_app(server: Server) -> Starlette:
     return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
 
 
+def exposure(host: str) -> str | None:
+    """The warning for an address other machines can reach (the API has no authentication)."""
+    if host in LOOPBACK or host.startswith("127."):
+        return None
+    return f"streamoe: warning: listening on {host}, reachable from other machines; the API has no authentication"
+
+
 def listen(host: str, port: int) -> socket.socket:
     """The listening socket, bound here so that a busy port is one clear error before anything else runs."""
     try:
@@ -276,9 +283,8 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     sock = listen(host, port)
     server = Server(root, opts, so)
     print(server.worker.eng.plan.render(), file=sys.stderr)
-    if host not in LOOPBACK:
-        print(f"streamoe: warning: listening on {host}, reachable from other machines; the API has no "
-              "authentication", file=sys.stderr)
+    if (notice := exposure(host)) is not None:
+        print(notice, file=sys.stderr)
     config = uvicorn.Config(create_app(server), log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=2)
     http = uvicorn.Server(config)

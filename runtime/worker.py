@@ -131,7 +131,7 @@ class EngineWorker:
         try:
             return self.eng.text.template.render(messages=req.messages, tools=req.tools, add_generation_prompt=True,
                                                  bos_token="", eos_token="", **kw)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise bad(f"the chat template refused the messages: {e}", "messages") from None
 
     def prepare(self, req: GenRequest) -> Job:

@@ -351,7 +351,17 @@ def test_max_tokens_is_clamped_to_what_the_planned_context_holds(conv):
                                 "temperature": 0}, Limits()))
     assert job.max_tokens == 48 - len(job.ids) and job.sampler.temp == 0
     w.run(job)
+    unset = w.prepare(parse_chat({"messages": [{"role": "user", "content": "?"}]}, Limits()))
+    assert (unset.sampler.temp, unset.sampler.top_p, unset.sampler.top_k) == (1.0, 0.95, 20)  # generation_config.json
+    assert unset.max_tokens == 48 - len(unset.ids)
     eng.close()
+
+
+def test_only_loopback_binds_quietly():
+    from streamoe.runtime.server import exposure
+
+    assert exposure("127.0.0.1") is None and exposure("localhost") is None and exposure("::1") is None
+    assert "reachable from other machines" in exposure("0.0.0.0") and "192.168.1.4" in exposure("192.168.1.4")
 
 
 def test_snapshots_beyond_the_budget_are_evicted(conv):
@@ -391,7 +401,7 @@ def test_cap_holds_with_several_clients_inside_a_cgroup(conv, tmp_path, triangle
 
             def ask(i):
                 if i % 2:
-                    return c.completions.create(model="tiny", prompt=CODE[i % 3], temperature=0, max_tokens=24).choices[0].text
+                    return c.completions.create(model="tiny", prompt=CODE[i % 3], temperature=0, max_tokens=12).choices[0].text
                 return c.chat.completions.create(model="tiny", temperature=0, max_tokens=8, messages=[
                     {"role": "user", "content": [img, {"type": "text", "text": "What shape is in the image?"}]}],
                     extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message.content
@@ -409,7 +419,7 @@ def test_cap_holds_with_several_clients_inside_a_cgroup(conv, tmp_path, triangle
             pass
         cg.rmdir()
     assert got[0] == got[2] == "triangle"
-    assert got[1] == ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 24))
+    assert got[1] == ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 12))
     assert failcnt == 0 and peak <= cap * 2**30, (failcnt, peak, cap)
     assert stats["last"]["mib_read_token"] > 0 and stats["last"]["hit_rate"] < 1  # experts did stream
 

@@ -41,6 +41,7 @@ def server(conv, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
+    pytest.importorskip("selenium", reason="selenium is a [dev] dependency (pip install -e '.[dev]')")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
