@@ -44,6 +44,7 @@ from .tier import HotTier
 from .weights import mx_dtype
 
 Key = tuple[int, int]  # (layer, expert)
+MIN_PRECISION = float(os.environ.get("STREAMOE_PREFETCH_PRECISION", "0.6"))  # see StreamingExperts.rank_seen
 VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
 
 
@@ -90,6 +91,10 @@ class StreamingExperts:
         self.pools = SlotPools(hot_slots + staging, lay)
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
         self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
+        # how often the router's r-th guess for the next layer was then picked, issued or not: a rank is read
+        # ahead only while that has been at least MIN_PRECISION, so guesses mostly wrong stop costing reads
+        self.rank_seen, self.rank_right = np.zeros(max(1, prefetch_width)), np.zeros(max(1, prefetch_width))
+        self.candidates: dict[int, list[int]] = {}
         self.stats: list[LayerStats] | None = None  # the current step's per-layer records (set by the engine)
         self.reads = 0  # records read, for telemetry
         if self.resident:
@@ -164,6 +169,9 @@ class StreamingExperts:
         st.compute_ms += 1000 * (time.perf_counter() - t)
         picks = np.array(inds).astype(np.int64)
         experts = np.unique(picks).tolist()
+        for r, e in enumerate(self.candidates.pop(i, [])):
+            self.rank_seen[r] += 1
+            self.rank_right[r] += e in experts
         st.picks, st.experts = len(experts), experts
         self.tier.note_picks(i, picks.reshape(-1))  # this pick counts toward the admission of a miss
         # withdraw guesses for this layer that were not picked; started ones are waste
@@ -213,9 +221,12 @@ class StreamingExperts:
     def _prefetch(self, layer: int, logits: np.ndarray) -> None:
         """Read ahead into staging the `width` experts layer `layer`'s router likes best for this hidden state."""
         st = self.stats[layer] if self.stats is not None else None
-        for e in np.argsort(-logits.reshape(-1), kind="stable")[: self.width].tolist():
+        self.candidates[layer] = order = np.argsort(-logits.reshape(-1), kind="stable")[: self.width].tolist()
+        for r, e in enumerate(order):
             key = (layer, e)
             if key in self.ahead or self.tier.lookup(key) is not None:
+                continue
+            if (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) < MIN_PRECISION:
                 continue
             self.ahead[key] = self.store.read(layer, e)
             if st is not None:
@@ -232,6 +243,7 @@ class StreamingExperts:
         self.tier.lend_staging()
 
     def drop_guesses(self) -> None:
+        self.candidates.clear()
         for f in self.ahead.values():
             if not self.store.cancel(f):
                 f.add_done_callback(lambda f: f.exception() is None and self.store.release(f.result()))
