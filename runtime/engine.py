@@ -22,7 +22,7 @@ from ..formats.layout import record_layouts
 from ..formats.manifest import load_manifest, safe_path
 from . import model as model_mod
 from .experts import StreamingExperts
-from .image import ImageConfig, load_image, preprocess
+from .image import ImageConfig, check_preprocessor, load_image, preprocess
 from .model import Model, text_positions
 from .mrope import expand_image_tokens, image_positions
 from .plan import Options, current_rss, default_dtype, plan_for, prefetch_width, read_ring
@@ -60,6 +60,8 @@ class Engine:
         fix_malloc_thresholds()
         self.manifest = m = load_manifest(self.root)
         check_open(self.root, o.experts, m)  # sizes and blob tables as `validate` checks them, before anything loads
+        if o.images:
+            check_preprocessor(self.root, m.config)  # read on the first image: a bad one must not fail mid-answer
         if o.verify:
             for f in m.all_files():
                 p = safe_path(self.root, f["path"])

@@ -73,7 +73,8 @@ class ExpertStore:
             if not self.direct[layer]:
                 drop_cache(self.fds[layer], off, self.lay.stride)
             if n != self.lay.stride:
-                raise OSError(f"short read of layer {layer} expert {expert}: {n} bytes")
+                raise fail(self.paths[layer], f"short read of expert {expert}: {n} of {self.lay.stride} bytes "
+                                              "(the file changed since it was opened?)")
         except BaseException:
             self.release(entry)
             raise
