@@ -57,7 +57,7 @@ def belady_hits(trace: list[tuple[int, int]], slots: int, start: int = 0) -> int
 
 def run_one(model: Path, cap: float, tokens: int, extra: list[str], tag: str, scratch: Path) -> dict:
     stats = scratch / f"stats-{tag}.jsonl"
-    cmd = [sys.executable, "-m", "streamoe.cli", "run", str(model), "--cap", str(cap), "-n", str(tokens), "-p", PROMPT,
+    cmd = [sys.executable, "-m", "streamoe.cli", "run", str(model), "--cap", str(cap), "--temp", "0", "-n", str(tokens), "-p", PROMPT,
            "--no-think", "--stats", str(stats), "-q", *extra]
     base, peak = cgroup_base(), None
     if base is not None:

@@ -36,9 +36,9 @@ def main() -> None:
     n = full.n_layers * full.n_experts
     cap = (full.fixed + n * full.stride // 4 + (1 << 20)) / 2**30  # a quarter of the experts
     sh("plan", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance)
-    sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance, "--raw", "-n", "48",
+    sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", "--temp", "0", *allowance, "--raw", "-n", "48",
        "-p", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
-    sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance, "--experts", "q3", "--raw", "-n", "48",
+    sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", "--temp", "0", *allowance, "--experts", "q3", "--raw", "-n", "48",
        "-p", "import os\nimport sys\n\n\ndef main(argv):\n")
     if (out / "vision.bin").exists():
         from PIL import Image, ImageDraw
@@ -50,7 +50,7 @@ def main() -> None:
         full = plan_for(out, Options(cap_gib=64, ctx=1024, images=True, runtime_bytes=RUNTIME_MIB << 20))
         cap = (full.fixed + n * full.stride // 4 + (1 << 20)) / 2**30
         for question in ("What shape is in the image?", "What colour is the shape?", "Where is the shape?"):
-            sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance, "--no-think", "-n", "16",
+            sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", "--temp", "0", *allowance, "--no-think", "-n", "16",
                "--image", str(image), "-p", question)
 
 

@@ -91,6 +91,20 @@ def chat_template_text(root: Path) -> tuple[Path, str | None]:
     return tpl, None
 
 
+def generation_defaults(root: Path) -> dict:
+    """temperature, top_p, top_k from the checkpoint's generation_config.json, used where a request or `run`
+    sets none: greedy when the file is absent or says do_sample false."""
+    p = root / "generation_config.json"
+    gen = files.read_json(p, "generation config") if p.is_file() else {}
+    if not gen or gen.get("do_sample") is False:
+        return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    try:
+        return {"temperature": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),
+                "top_k": int(gen.get("top_k", 0) or 0)}
+    except (TypeError, ValueError):
+        raise fail(p, "temperature/top_p/top_k are not numbers") from None
+
+
 def stop_tokens(root: Path, config: dict) -> set[int]:
     gen = root / "generation_config.json"
     return set(eos_ids(config, files.read_json(gen, "generation config") if os.path.lexists(gen) else None))

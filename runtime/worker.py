@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import queue
 import secrets
@@ -33,7 +32,7 @@ from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .plan import MiB, current_rss
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
 from .telemetry import summarize
-from .text import Detokenizer, Sampler
+from .text import Detokenizer, Sampler, generation_defaults
 
 
 @dataclass
@@ -79,17 +78,6 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
 
 
-def sampling_defaults(root: Path) -> dict:
-    """temperature, top_p, top_k from the checkpoint's generation_config.json (greedy when it says
-    do_sample false)."""
-    p = root / "generation_config.json"
-    gen = json.loads(p.read_text()) if p.is_file() else {}
-    if gen.get("do_sample") is False:
-        return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
-    return {"temperature": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),
-            "top_k": int(gen.get("top_k", 0) or 0)}
-
-
 def assistant_header(text) -> list[int]:
     """The tokens a chat template writes to open an assistant turn, both as the generation prompt and when
     it re-renders a past answer (`<|im_start|>assistant\\n` for ChatML): the boundary a conversation's next
@@ -116,7 +104,7 @@ class EngineWorker:
     def __init__(self, eng: Engine, so: ServeOptions):
         self.eng, self.so = eng, so
         self.cache = PromptCache(so.prompt_cache_bytes)
-        self.defaults = {**sampling_defaults(eng.root), **so.sampling}
+        self.defaults = {**generation_defaults(eng.root), **so.sampling}
         self.header = assistant_header(eng.text)
         self.pad = eng.manifest.config.get("image_token_id")
         self.vocab = eng.args.vocab_size

@@ -264,9 +264,10 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
 @click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1, max=1 << 31), default=256, show_default=True)
-@click.option("--temp", type=Finite(min=0, max=1e6), default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0, max=1 << 31), default=0, show_default=True)
+@click.option("--temp", type=Finite(min=0, max=1e6), default=None,
+              help="Sampling temperature; 0 = greedy. Default: the checkpoint's generation_config.json (greedy without one).")
+@click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=None, help="Default: generation_config.json.")
+@click.option("--top-k", type=click.IntRange(min=0, max=1 << 31), default=None, help="Default: generation_config.json.")
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
 @click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy.")
 @click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None, help="Cross-layer guesses per layer (default: the model's top-k); 0 = off.")
@@ -283,7 +284,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @user_errors
 def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None,
         prompt: str | None, chat: bool,
-        images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float, top_p: float, top_k: int, seed: int,
+        images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float | None, top_p: float | None, top_k: int | None, seed: int,
         tier: str, prefetch_width: int | None, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
@@ -296,6 +297,7 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
     if load_session and system is not None:
         raise StreamoeError("a loaded session keeps its own system message; drop --system")
     check_run_paths(stats, logits_out, save_session, load_session)
+    temp, top_p, top_k = sampling_for(model, temp, top_p, top_k)
     vision = bool(images) or (chat and not raw)
     run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
                         prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=vision, max_pixels=max_pixels,
@@ -303,6 +305,16 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
             prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
             sampling=dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed), stats=stats, logits_out=logits_out, quiet=quiet,
             save_session=save_session, load_session=load_session)
+
+
+def sampling_for(model: Path, temp: float | None, top_p: float | None, top_k: int | None) -> tuple[float, float, int]:
+    """What the command line leaves unset comes from the checkpoint's generation_config.json, as a server
+    request's does; --temp 0 is greedy whatever the checkpoint says."""
+    from .runtime.text import generation_defaults
+
+    gen = generation_defaults(model) if model.is_dir() else {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    temp = gen["temperature"] if temp is None else temp
+    return temp, gen["top_p"] if top_p is None else top_p, gen["top_k"] if top_k is None else top_k
 
 
 def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: Path | None,

@@ -116,7 +116,8 @@ def test_greedy_chat_equals_streamoe_run_streamed_or_not(client, ref, conv, serv
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage.completion_tokens == len(want)
     # the CLI itself, on the same conversion: same text
-    p = cli("run", conv, "--cap", 1, "--ctx", CTX, "-p", msgs[0]["content"], "--no-think", "-n", 24, "-q", check=True)
+    p = cli("run", conv, "--cap", 1, "--ctx", CTX, "-p", msgs[0]["content"], "--no-think", "-n", 24, "-q", "--temp", 0,
+            check=True)
     assert p.stdout == r.choices[0].message.content + "\n"
 
 
@@ -125,7 +126,7 @@ def test_raw_completions_equal_streamoe_run_and_stream_ends_in_done(client, ref,
     r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20)
     assert r.choices[0].text == ref.text.decode(want) and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 20
-    p = cli("run", conv, "--cap", 1, "--ctx", CTX, "--raw", "-p", CODE[0], "-n", 20, "-q", check=True)
+    p = cli("run", conv, "--cap", 1, "--ctx", CTX, "--raw", "-p", CODE[0], "-n", 20, "-q", "--temp", 0, check=True)
     assert p.stdout == r.choices[0].text + "\n"
     resp, events = sse_lines(server.url + "/v1/completions", {"prompt": CODE[0], "temperature": 0, "max_tokens": 20,
                                                                "stream": True})

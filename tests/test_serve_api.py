@@ -14,8 +14,8 @@ from PIL import Image
 from streamoe.runtime.chat_output import ChatOutput, StopMatcher, collect, parse_call
 from streamoe.runtime.openai_api import APIError, Limits, parse_chat, parse_completion
 from streamoe.runtime.prompt_cache import PromptCache, Snapshot, boundaries, key_items
-from streamoe.runtime.text import TextIO
-from streamoe.runtime.worker import assistant_header, sampling_defaults
+from streamoe.runtime.text import TextIO, generation_defaults
+from streamoe.runtime.worker import assistant_header
 
 from .conftest import REPO
 
@@ -271,7 +271,15 @@ def test_lru_eviction_keeps_the_budget():
 
 
 def test_sampling_defaults_come_from_generation_config(tmp_path):
-    assert sampling_defaults(TINY) == {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    assert generation_defaults(TINY) == {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
     (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
-    assert sampling_defaults(tmp_path)["temperature"] == 0.0
-    assert sampling_defaults(tmp_path / "none") == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    assert generation_defaults(tmp_path)["temperature"] == 0.0
+    assert generation_defaults(tmp_path / "none") == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}  # no file: greedy
+
+
+def test_run_takes_unset_sampling_from_generation_config():
+    from streamoe.cli import sampling_for
+
+    assert sampling_for(TINY, None, None, None) == (1.0, 0.95, 20)
+    assert sampling_for(TINY, 0.0, None, 5) == (0.0, 0.95, 5)  # what the command line sets wins; --temp 0 is greedy
+    assert sampling_for(TINY / "config.json", None, None, None) == (0.0, 1.0, 0)

@@ -98,7 +98,7 @@ def test_cli_chat_split_by_a_saved_session_is_the_same_chat(trained, tmp_path):
     im = Image.new("RGB", (160, 128), "white")
     ImageDraw.Draw(im).polygon([(112, 22), (129.1, 53.5), (94.9, 53.5)], fill=(245, 130, 15))
     im.save(pic)
-    common = ["run", trained, "--cap", "1", "--ctx", "512", "--kv", "float16", "--no-think", "-n", "8"]
+    common = ["run", trained, "--cap", "1", "--ctx", "512", "--kv", "float16", "--no-think", "-n", "8", "--temp", "0"]
     a = cli(*common, "--image", pic, "-p", "What shape is in the image?", "--save-session", tmp_path / "s.zst",
             "--logits-out", tmp_path / "a.npz", check=True)
     assert a.stdout.strip() == "triangle" and "saved" in a.stderr
