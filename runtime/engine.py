@@ -93,10 +93,6 @@ class Engine:
         self.steps: list[StepStats] = []
         self.peak_rss = current_rss()
 
-    @property
-    def tier(self):
-        return self.experts.tier
-
     # ---- one forward step over a chunk of tokens
     def forward(self, tokens: list[int], phase: str, positions: mx.array | None = None,
                 embeddings: mx.array | None = None) -> mx.array:

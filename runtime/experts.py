@@ -55,7 +55,6 @@ class SlotPools:
         self.lay, self.n = lay, n_slots
         self.arrays = [mx.zeros((n_slots, *s.shape), dtype=mx_dtype(s.dtype)) for s in lay.segments]
         mx.eval(self.arrays)
-        self.nbytes = sum(a.nbytes for a in self.arrays)
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(*self.arrays)

@@ -1,13 +1,11 @@
-"""Qwen3.5 / Qwen3.6 MoE language model (mlx-community 4-bit exports), exposed layer by layer.
+"""Qwen3.5 / Qwen3.6 MoE language model (mlx-community 4-bit exports).
 
-The streaming engine owns the routed experts, so the model is not one `__call__` but the pieces of a
-decoder layer:
+The routed experts' weights live wherever an experts provider keeps them, so every MoE block calls one:
 
-    h, x = model.mix(i, h, cache[i], positions)      # token mixer (Gated DeltaNet or gated attention)
-    inds, scores = model.route(model.router_logits(i, x))
-    h = h + (routed + model.shared_expert(i, x))      # routed = combine(outs in rank order, scores)
+    h = layer(h, cache[i], rope, cos_sin, experts)    # mixer, then router + experts(i, x, inds, scores) + shared
 
-`forward()` runs that loop with an expert provider (`ResidentExperts` keeps every expert in memory).
+`Model.layers_forward` is the one layer loop; `forward()` adds the embedding and the head for reference use
+(`ResidentExperts` keeps every expert in memory; the engine passes `runtime/experts.StreamingExperts`).
 
 Architecture (40 layers in the 35B-A3B model): every `full_attention_interval`-th layer is gated full
 attention with partial, interleaved M-RoPE; the others are Gated DeltaNet (linear attention with a
@@ -521,18 +519,11 @@ class Model:
             h = layer(h, cache[i], self.rope, cos_sin, experts)
         return h
 
-    def mix(self, i: int, h: mx.array, cache_i, positions: mx.array) -> tuple[mx.array, mx.array]:
-        """Layer i's token mixer with its norm and residual: (h + mixer(norm(h)), the MoE input)."""
-        return self.layers[i].mix(h, cache_i, self.rope, self.rope.cos_sin(positions))
-
     def router_logits(self, i: int, x: mx.array) -> mx.array:
         return self.layers[i].mlp.gate(x)
 
     def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         return route(logits, self.args.num_experts_per_tok, self.args.norm_topk_prob, self.dtype)
-
-    def shared_expert(self, i: int, x: mx.array) -> mx.array:
-        return self.layers[i].mlp.shared(x)
 
     def head(self, h: mx.array) -> mx.array:
         return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps))
@@ -593,19 +584,6 @@ def _switch_glu(x, w, slots, bits, group_size):
     return qmm(h, w.down_w, w.down_s, w.down_b).squeeze(-2)
 
 
-def expert_mlp(x: mx.array, w: ExpertWeights, bits: int, group_size: int, dtype=mx.float32) -> mx.array:
-    """One routed expert on tokens x [N, H]: down(silu(gate(x)) * up(x))."""
-
-    # Scales and biases stay as stored (bf16): quantized_matmul takes them with float32 activations and gives
-    # the same bits as casting first, without a float32 copy of every expert's scales alive in a prefill graph.
-    def qmm(a, wq, s, b):
-        return mx.quantized_matmul(a, wq, s, b, transpose=True, group_size=group_size, bits=bits)
-
-    x = x.astype(dtype)
-    h = nn.silu(qmm(x, w.gate_w, w.gate_s, w.gate_b)) * qmm(x, w.up_w, w.up_s, w.up_b)
-    return qmm(h, w.down_w, w.down_s, w.down_b)
-
-
 @gpu_compiled
 def combine(outs: mx.array, scores: mx.array) -> mx.array:
     """outs [..., k, H] in router-rank order, scores [..., k] -> sum_j outs[..., j, :] * scores[..., j],
@@ -645,9 +623,6 @@ class ResidentExperts:
                 raise StreamoeError(f"{p}: gate/up/down quantized differently: {sorted(quant)}")
             mx.eval(parts)
             self.layers.append((parts, *quant.pop()))
-
-    def expert(self, i: int, e: int) -> ExpertWeights:
-        return ExpertWeights(*(t[e] for t in self.layers[i][0]))
 
     def __call__(self, i: int, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
         """Routed-expert output of layer i for x [..., H] with inds/scores [..., k] from `route`."""

@@ -48,10 +48,6 @@ class ExpertStore:
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="streamoe-io")
         self.bytes_read = 0
 
-    @property
-    def staging_bytes(self) -> int:
-        return self.ring * self.lay.stride
-
     def record(self, entry: int) -> memoryview:
         """The bytes of the record held in ring entry `entry`."""
         s = self.lay.stride

@@ -35,7 +35,6 @@ class HotTier:
         self.recency: OrderedDict[int, None] = OrderedDict()  # occupied tier slots, least recently used first
         self.free: list[int] = list(range(hot - 1, -1, -1))  # unoccupied tier slots (a stack)
         self.pinned: set[int] = set()
-        self.busy: set[int] = set()  # slots with a read in flight
         self.lent = False
         self.rng = np.random.default_rng(seed)
         self.scratch_next = 0
@@ -96,7 +95,7 @@ class HotTier:
             self.recency.move_to_end(slot)
 
     def usable(self, slot: int) -> bool:
-        return slot not in self.pinned and slot not in self.busy
+        return slot not in self.pinned
 
     # --- placement of a miss
     def _take_free(self) -> int | None:

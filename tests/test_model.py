@@ -25,15 +25,16 @@ from mlx_lm.utils import quantize_model
 
 from streamoe.formats.config import PREFIX, ModelArgs
 from streamoe.formats.errors import StreamoeError
+from streamoe.formats.record import ExpertWeights
 from streamoe.runtime.model import (
     Model,
     MRoPE,
     ResidentExperts,
     combine,
-    expert_mlp,
     forward,
     gated_delta_chunked,
     gated_delta_loop,
+    switch_glu,
     text_positions,
 )
 
@@ -323,15 +324,16 @@ def test_text_positions():
     assert np.array(p).tolist() == [[[5, 6, 7]] * 2] * 3
 
 
-def test_expert_mlp_matches_switch_glu(tiny):
+def test_switch_glu_matches_mlx_lm_per_expert(tiny):
+    """Each expert through our stacked-weights path against mlx-lm's SwitchGLU on the same weights."""
     x = mx.random.normal((5, 64), key=mx.random.key(3))
     for layer in (0, 3):
         switch = tiny.ref.language_model.model.layers[layer].mlp.switch_mlp
-        bits, group = tiny.args.expert_quant(layer)
+        parts, bits, group = tiny.experts.layers[layer]
         for e in range(tiny.args.num_experts):
-            want = switch(x, mx.full((5, 1), e, dtype=mx.uint32))[:, 0]
-            got = expert_mlp(x, tiny.experts.expert(layer, e), bits, group, mx.float32)
-            assert rel_diff(got, want) <= 1e-6, (layer, e)
+            idx = mx.full((5, 1), e, dtype=mx.uint32)
+            got = switch_glu(x, ExpertWeights(*parts), idx, bits, group)[:, 0]
+            assert rel_diff(got, switch(x, idx)[:, 0]) <= 1e-6, (layer, e)
 
 
 def test_route_and_resident_experts_match_mlx_lm(tiny):

@@ -21,10 +21,6 @@ def unpin(tier: HotTier, slot: int) -> None:
     tier.pinned.discard(slot)
 
 
-def busy(tier: HotTier, slot: int) -> None:
-    tier.busy.add(slot)
-
-
 def make(hot: int = 3, staging: int = 4, layers: int = 2, experts: int = 4, scratch: int = 2, **kw) -> HotTier:
     return HotTier(hot, staging, layers, experts, scratch, **kw)
 
@@ -108,7 +104,7 @@ def test_assigning_a_resident_key_moves_it():
 
 
 @pytest.mark.parametrize("policy", ["freq", "lru"])
-@pytest.mark.parametrize("mark", [pin, busy])
+@pytest.mark.parametrize("mark", [pin])
 def test_pinned_or_busy_slots_are_never_handed_out(policy, mark):
     t = make(hot=3, policy=policy, sample=64)
     for e in range(3):
@@ -125,7 +121,7 @@ def test_no_slot_at_all_is_a_streamoe_error_and_a_guess_gets_none():
     t = make(hot=1, staging=2, experts=2)
     t.place((0, 0))
     pin(t, 0)
-    busy(t, 1 + 1)  # the staging slot of expert 1
+    pin(t, 1 + 1)  # the staging slot of expert 1
     assert t.place((0, 1), optional=True) == (None, False)
     with pytest.raises(StreamoeError, match="no expert slot available"):
         t.place((0, 1))
@@ -175,9 +171,9 @@ def test_decode_misses_the_tier_declines_go_round_the_scratch_ring():
     cold = [(1, 0), (1, 1), (1, 2)]
     assert [t.place(k) for k in cold] == [(2, False), (3, False), (2, False)]  # ring of 2, round robin
     assert t.lookup((1, 0)) is None and t.lookup((1, 1)) == 3 and t.lookup((1, 2)) == 2
-    busy(t, 3)
+    pin(t, 3)
     assert t.place((1, 3)) == (2, False)  # a busy ring slot is skipped
-    busy(t, 2)
+    pin(t, 2)
     assert t.place((1, 0), optional=True) == (None, False)  # a guess never forces an admission
     slot, admitted = t.place((1, 0))  # a needed expert is admitted over a victim rather than stall
     assert admitted and slot in (0, 1, 4, 5)
