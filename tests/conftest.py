@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -61,28 +62,36 @@ def cgroup_dir() -> Path | None:
     return base if (base / "memory.limit_in_bytes").exists() and os.access(base, os.W_OK) else None
 
 
-def run_capped(args: list[str], cap_gib: float) -> tuple[subprocess.CompletedProcess, int, int]:
-    """`streamoe ARGS` inside a fresh child cgroup whose memory limit is the cap (page cache included);
-    returns (process, failcnt, max_usage_in_bytes). Skips the test where cgroups are unavailable."""
+@contextlib.contextmanager
+def capped_cgroup(cap_gib: float, name: str = "test"):
+    """A fresh child cgroup whose memory limit is the cap (page cache included), removed afterwards; yields
+    (path, read) where read() gives (failcnt, max_usage_in_bytes). Skips where cgroups are unavailable."""
     import os
-    import shlex
 
     base = cgroup_dir()
     if base is None:
         pytest.skip("no writable cgroup-v1 memory controller here (needs /sys/fs/cgroup/memory and root)")
-    cg = base / f"streamoe_test_{os.getpid()}"
+    cg = base / f"streamoe_{name}_{os.getpid()}"
     cg.mkdir()
     try:
         (cg / "memory.limit_in_bytes").write_text(str(int(cap_gib * 2**30)))
-        cmd = f"echo $$ > {cg}/cgroup.procs && exec {sys.executable} -m streamoe.cli {shlex.join(map(str, args))}"
-        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=300)
-        return p, int((cg / "memory.failcnt").read_text()), int((cg / "memory.max_usage_in_bytes").read_text())
+        yield cg, lambda: (int((cg / "memory.failcnt").read_text()), int((cg / "memory.max_usage_in_bytes").read_text()))
     finally:
         try:
             (cg / "memory.force_empty").write_text("1")
         except OSError:
             pass
         cg.rmdir()
+
+
+def run_capped(args: list[str], cap_gib: float) -> tuple[subprocess.CompletedProcess, int, int]:
+    """`streamoe ARGS` inside a cgroup capped at `cap_gib`; returns (process, failcnt, max_usage_in_bytes)."""
+    import shlex
+
+    with capped_cgroup(cap_gib) as (cg, read):
+        cmd = f"echo $$ > {cg}/cgroup.procs && exec {sys.executable} -m streamoe.cli {shlex.join(map(str, args))}"
+        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=300)
+        return (p, *read())
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from streamoe.runtime.plan import MiB
 from streamoe.runtime.worker import EngineWorker, ServeOptions, open_engine
 
 from . import serve_util
-from .conftest import cgroup_dir, cli, one_error_line
+from .conftest import capped_cgroup, cli, one_error_line
 from .serve_util import (
     TINY,
     chat_ids,
@@ -385,16 +385,8 @@ def test_snapshots_beyond_the_budget_are_evicted(conv):
 # ---- the cap holds with several clients, under a real cgroup
 
 def test_cap_holds_with_several_clients_inside_a_cgroup(conv, tmp_path, triangle, ref):
-    import os
-
-    base = cgroup_dir()
-    if base is None:
-        pytest.skip("no writable cgroup-v1 memory controller here (needs /sys/fs/cgroup/memory and root)")
     cap = quarter_cap(conv)
-    cg = base / f"streamoe_serve_{os.getpid()}"
-    cg.mkdir()
-    try:
-        (cg / "memory.limit_in_bytes").write_text(str(int(cap * 2**30)))
+    with capped_cgroup(cap, "serve") as (cg, read):
         s = start_server(conv, tmp_path / "capped.log", "--cap", cap, *SERVE, cgroup=cg)
         try:
             c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -412,13 +404,7 @@ def test_cap_holds_with_several_clients_inside_a_cgroup(conv, tmp_path, triangle
             stats = fetch(s.url + "/v1/stats").json()
         finally:
             assert stop_server(s) == 0, s.text()
-        failcnt, peak = int((cg / "memory.failcnt").read_text()), int((cg / "memory.max_usage_in_bytes").read_text())
-    finally:
-        try:
-            (cg / "memory.force_empty").write_text("1")
-        except OSError:
-            pass
-        cg.rmdir()
+        failcnt, peak = read()
     assert got[0] == got[2] == "triangle"
     assert got[1] == ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 12))
     assert failcnt == 0 and peak <= cap * 2**30, (failcnt, peak, cap)
