@@ -32,6 +32,16 @@ def _partial_suffix(text: str, marks: list[str]) -> int:
     return best
 
 
+
+def hold_newlines(owner, s: str, kind: str, out: list) -> None:
+    """Emit `s` after the newlines held back from before, holding back its own trailing newlines: text that
+    ends a block (before a tool call or the end of thinking) must not end in the newlines the template adds."""
+    s = owner.newlines + s
+    body = s.rstrip("\n")
+    owner.newlines = s[len(body):]
+    if body:
+        out.append((kind, body))
+
 class StopMatcher:
     """Cuts the text at the first of the request's stop strings (which are not returned, as OpenAI does)."""
 
@@ -87,11 +97,7 @@ class ToolCallStream:
             if not s:
                 return
             self.after_call = False
-        s = self.newlines + s
-        body = s.rstrip("\n")
-        self.newlines = s[len(body):]
-        if body:
-            out.append(("content", body))
+        hold_newlines(self, s, "content", out)
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -160,11 +166,7 @@ class ChatOutput:
             if not s:
                 return
             self.started = True
-        s = self.newlines + s
-        body = s.rstrip("\n")
-        self.newlines = s[len(body):]
-        if body:
-            out.append(("reasoning", body))
+        hold_newlines(self, s, "reasoning", out)
 
     def _split(self, text: str, out: list[Event]) -> None:
         if self.phase == "content":
