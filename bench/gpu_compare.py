@@ -68,10 +68,11 @@ def mlx_lm_run(ckpt: Path, ids: list[int], tokens: int, tokenwise: bool = False,
         lg = model(mx.array([ids]), cache=cache)[0, -1]
         mx.eval(lg)
     prefill = time.perf_counter() - t0
-    tok, times = int(mx.argmax(lg).item()), []
-    for _ in range(tokens):  # one sync per token, as streamoe's loop does
+    tok, times, build = int(mx.argmax(lg).item()), [], []
+    for _ in range(tokens):  # one sync per token
         t = time.perf_counter()
         lg = model(mx.array([[tok]]), cache=cache)[0, -1]
+        build.append(time.perf_counter() - t)
         tok = int(mx.argmax(lg).item())
         times.append(time.perf_counter() - t)
     stock = None
@@ -85,12 +86,20 @@ def mlx_lm_run(ckpt: Path, ids: list[int], tokens: int, tokenwise: bool = False,
     mx.clear_cache()
     ms = float(np.median(times) * 1000)
     return {"tag": "mlx-lm", "prefill_tokenwise": tokenwise, "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
+            "build_ms": round(float(np.median(build) * 1000), 2),
             "stock_generate_tok_s": round(stock.generation_tps, 2) if stock else None,
             "stock_prompt_tok_s": round(stock.prompt_tps, 1) if stock else None,
             "peak_gib": round(mx.get_peak_memory() / 2**30, 2)}
 
 
-def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: str, dtype: str | None) -> dict:
+def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: str, dtype: str | None,
+                 ablate: str = "") -> dict:
+    """`ablate`: run without one of the speed measures, to measure what it is worth: `cache32` (MLX's buffer
+    cache held at 32 MiB, as before the plan had an allocator account), `kvf32` (a float32 KV cache), `fastgdn`
+    (the delta rule as compiled ops instead of `mx.fast.gated_delta_update`)."""
+    from streamoe.runtime import model as model_mod
+
+    model_mod.FAST_GDN = ablate != "fastgdn"
     if cap.startswith("slots:"):  # a cap that holds exactly N hot-tier slots
         from streamoe.runtime.plan import plan_for
 
@@ -101,8 +110,20 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     # a fixed interpreter allowance: the measured one would include what the mlx-lm run left in this process
-    eng = Engine(model, Options(cap_gib=cap_gib, ctx=2048, experts=experts, dtype=dtype, runtime_bytes=600 << 20))
+    eng = Engine(model, Options(cap_gib=cap_gib, ctx=2048, experts=experts, dtype=dtype, runtime_bytes=600 << 20,
+                                kv="float32" if ablate == "kvf32" else "auto"))
     open_s = time.perf_counter() - t0
+    if ablate == "cache32":
+        mx.set_cache_limit(32 << 20)
+    build, step = [], eng._step
+
+    def timed_step(*a, **k):  # the host's time to queue one step's graph
+        t = time.perf_counter()
+        out = step(*a, **k)
+        build.append(time.perf_counter() - t)
+        return out
+
+    eng._step = timed_step
     from streamoe.runtime.text import Sampler
 
     eng.text.stop_ids = set()  # random weights may pick a stop token early: measure a fixed number of tokens
@@ -120,9 +141,9 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     picks = sum(ly.picks for ly in lay)
     eng.close()
     ms = float(np.median(times) * 1000)
-    return {"tag": f"streamoe-{cap}-{experts}", "cap_gib": cap_gib, "resident": eng.experts.resident, "open_s": round(open_s, 1),
+    return {"tag": f"streamoe-{cap}-{experts}" + (f"-no-{ablate}" if ablate else ""), "cap_gib": cap_gib, "resident": eng.experts.resident, "open_s": round(open_s, 1),
             "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
-            "compute_ms": round(s["compute_ms"], 2), "io_wait_ms": round(s["io_wait_ms"], 2),
+            "build_ms": round(float(np.median(build[-tokens:]) * 1000), 2), "compute_ms": round(s["compute_ms"], 2), "io_wait_ms": round(s["io_wait_ms"], 2),
             "mib_read_token": round(read / 2**20 / max(1, len(dec)), 2),
             "hit_in_memory": round(sum(ly.hits_hot + ly.hits_lent for ly in lay) / picks, 4) if picks else None,
             "hit_read_ahead": round(sum(ly.hits_prefetch for ly in lay) / picks, 4) if picks else None,
@@ -141,6 +162,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--mlx-lm-tokenwise", action="store_true", help="feed mlx-lm's prompt one token at a time")
+    ap.add_argument("--ablate", default="", help="also run resident without: cache32,kvf32,fastgdn (comma-separated)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from streamoe.runtime.text import TextIO
@@ -154,8 +176,9 @@ def main() -> None:
     if not a.skip_mlx_lm:
         res["runs"].append(mlx_lm_run(a.ckpt, ids, a.tokens, a.mlx_lm_tokenwise, a.dtype))
         print(res["runs"][-1], flush=True)
-    for cap in a.caps.split(","):
-        r = streamoe_run(a.model, ids, a.tokens, cap, a.experts, a.dtype)
+    runs = [(cap, "") for cap in a.caps.split(",")] + [("resident", x) for x in a.ablate.split(",") if x]
+    for cap, ablate in runs:
+        r = streamoe_run(a.model, ids, a.tokens, cap, a.experts, a.dtype, ablate)
         if r["mib_read_token"]:
             bound_ms = r["mib_read_token"] * 2**20 / (res["raw_random_read_gbs"] * 1e9) * 1000
             r["disk_bound_ms"] = round(bound_ms, 2)

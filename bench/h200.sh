@@ -4,6 +4,7 @@
 #   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3) into /root/bench
 #   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3)
+#   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 S=/root/bench
@@ -19,8 +20,13 @@ case "$1" in
   gputest)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gputest.log"
     ;;
+  prepare)
+    bash "$0" setup > "$OUT/setup.log" 2>&1 &
+    bash "$0" gputest
+    wait
+    ;;
   compare)
-    python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 \
+    python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 --mlx-lm-tokenwise --ablate fastgdn \
       --out "$OUT/gpu-compare-q4.json" | grep -v '^ '
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps 4 --experts q3 --skip-mlx-lm \
       --out "$OUT/gpu-compare-q3.json" | grep -v '^ '

@@ -23,9 +23,9 @@ from ..formats.manifest import load_manifest, safe_path
 from . import model as model_mod
 from .experts import StreamingExperts
 from .image import ImageConfig, check_preprocessor, load_image, preprocess
-from .model import Model, text_positions
+from .model import Model
 from .mrope import expand_image_tokens, image_positions
-from .plan import Options, current_rss, default_dtype, plan_for, prefetch_width, read_ring
+from .plan import Options, current_rss, default_dtype, kv_dtype, plan_for, prefetch_width, read_ring
 from .store import ExpertStore
 from .telemetry import LayerStats, StepStats
 from .text import TextIO
@@ -72,7 +72,7 @@ class Engine:
         self.text = TextIO(self.root, m.config)
         self.plan = plan_for(self.root, o, m)
         self.plan.require_fit()
-        mx.set_cache_limit(32 << 20)
+        mx.set_cache_limit(self.plan.accounts["allocator cache"])  # a smaller cache frees and reallocates every step
         self.dtype = mx_dtype(o.dtype or default_dtype())
         on_cpu = mx.default_device() == mx.cpu
         model_mod.set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
@@ -87,7 +87,7 @@ class Engine:
         self.model = Model(a, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), self.model.router_logits)
-        self.cache = self.model.make_cache(o.ctx, mx_dtype(o.kv))
+        self.cache = self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)))
         self.offset = 0
         self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens
         self.steps: list[StepStats] = []
@@ -113,7 +113,7 @@ class Engine:
                          layers=[LayerStats(layer=i) for i in range(self.args.num_hidden_layers)])
         step.t0 = time.perf_counter()
         self.experts.stats = step.layers
-        pos = positions if positions is not None else text_positions(self.offset + self.rope_delta, T)
+        pos = positions if positions is not None else self.offset + self.rope_delta
         logits = self.model.head(self.model.layers_forward(h, self.cache, pos, self.experts)[:, -1:, :])
         self.offset += T
         self.steps.append(step)
@@ -218,7 +218,7 @@ class Engine:
                 c.conv, c.state = conv, state
 
     def reset(self) -> None:
-        self.cache = self.model.make_cache(self.opts.ctx, mx_dtype(self.opts.kv))
+        self.cache = self.model.make_cache(self.opts.ctx, mx_dtype(kv_dtype(self.opts)))
         self.offset = 0
         self.rope_delta = 0
 

@@ -34,7 +34,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import mlx.core as mx
 import numpy as np
 
-from ..formats.dtypes import DTYPES
 from ..formats.record import ExpertWeights, RecordLayout
 from . import model as model_mod
 from .model import combine, switch_glu
@@ -44,7 +43,7 @@ from .tier import HotTier
 from .weights import mx_dtype
 
 Key = tuple[int, int]  # (layer, expert)
-MIN_PRECISION = float(os.environ.get("STREAMOE_PREFETCH_PRECISION", "0.6"))  # see StreamingExperts.rank_seen
+MIN_PRECISION = float(os.environ.get("STREAMOE_PREFETCH_PRECISION", "0.8"))  # see StreamingExperts.rank_seen
 VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
 
 
@@ -53,20 +52,25 @@ class SlotPools:
 
     def __init__(self, n_slots: int, lay: RecordLayout):
         self.lay, self.n = lay, n_slots
-        self.arrays = [mx.zeros((n_slots, *s.shape), dtype=mx_dtype(s.dtype)) for s in lay.segments]
+        self.dtypes = [mx_dtype(s.dtype) for s in lay.segments]
+        self.arrays = [mx.zeros((n_slots, *s.shape), dtype=dt) for s, dt in zip(lay.segments, self.dtypes, strict=True)]
         mx.eval(self.arrays)
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(*self.arrays)
 
     def fill(self, slot: int, record: memoryview) -> None:
-        """Queue the copy of one record (host bytes) into `slot`. The bytes are copied at once (the staging
-        entry may be reused as soon as this returns); the slot update runs in stream order."""
-        for j, s in enumerate(self.lay.segments):
-            raw = np.frombuffer(record, dtype=DTYPES[s.dtype].numpy, count=s.nbytes // DTYPES[s.dtype].itemsize,
-                                offset=s.offset).reshape(s.shape)
-            a = mx.array(raw)
-            self.arrays[j][slot] = a.view(mx.bfloat16) if s.dtype == "BF16" else a
+        """Queue the copy of one record (host bytes) into `slot`. The bytes are copied at once, into one MLX
+        array (the staging entry may be reused as soon as this returns); the nine slot updates read views of
+        it, in stream order."""
+        raw = np.frombuffer(record, dtype=np.uint8, count=self.lay.raw_size)
+        rec = mx.array(raw)
+        for j, (s, dt) in enumerate(zip(self.lay.segments, self.dtypes, strict=True)):
+            part = raw[s.offset: s.offset + s.nbytes]
+            if s.offset % dt.size:  # a segment a kernel could not read in place (tiny models): its own copy
+                self.arrays[j][slot] = mx.array(part).view(dt).reshape(s.shape)
+            else:
+                self.arrays[j][slot] = rec[s.offset: s.offset + s.nbytes].view(dt).reshape(s.shape)
 
     def bytes_at(self, slot: int) -> bytes:
         """The record bytes slot `slot` holds now (a gathered copy: the pools themselves stay where they are)."""
@@ -207,10 +211,11 @@ class StreamingExperts:
                 reads[key] = self.ahead.pop(key)
                 st.hits_prefetch += 1
             else:
+                reads[key] = self.store.read(*key)
                 st.misses += 1
-        st.io_wait_ms += 1000 * self._land(land, reads)
-        if guess is not None:
+        if guess is not None:  # queued behind this layer's misses: the disk never waits for the next guess
             self._prefetch(i + 1, np.array(guess.astype(mx.float32)))
+        st.io_wait_ms += 1000 * self._land(land, reads)
         self.tier.pinned.clear()
         st.bytes_read += self.store.bytes_read - read0
         table = np.zeros(self.E, dtype=np.uint32)

@@ -2,7 +2,7 @@
 
 The routed experts' weights live wherever an experts provider keeps them, so every MoE block calls one:
 
-    h = layer(h, cache[i], rope, cos_sin, experts)    # mixer, then router + experts(i, x, inds, scores) + shared
+    h = layer(h, cache[i], rope, rot, experts)    # mixer, then router + experts(i, x, inds, scores) + shared
 
 `Model.layers_forward` is the one layer loop; `forward()` adds the embedding and the head for reference use
 (`ResidentExperts` keeps every expert in memory; the engine passes `runtime/experts.StreamingExperts`).
@@ -31,6 +31,10 @@ from ..formats.record import ExpertWeights
 from .cache import GDNCache, KVCache
 
 GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
+# On a GPU, calls of up to GDN_CHUNK tokens (decode) run the delta rule as `mx.fast.gated_delta_update`, one
+# kernel per layer instead of a chain of state-sized ones. On the CPU backend that op is the token loop
+# below, bit for bit; there the loop itself runs, evaluated in pieces.
+FAST_GDN = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -53,7 +57,7 @@ def gpu_compiled(fn):
     def call(*args):
         return compiled(*args) if mx.default_device() == mx.gpu else fn(*args)
 
-    call.__doc__ = fn.__doc__
+    call.__doc__, call.__wrapped__ = fn.__doc__, fn
     return call
 
 
@@ -88,16 +92,42 @@ class QLinear(NamedTuple):
         return mx.concatenate(parts, axis=-1)
 
 
-class _Loader:
-    """Takes tensors out of the weight dict, checking presence, dtype and shape, casting floats once."""
+class Projections:
+    """Quantized linear layers that read the same input, run as one matmul per quantization (bits, group
+    size): their rows are concatenated at load and the output split again. Each output row is the same dot
+    product whichever matrix holds it, so results do not change; decode is launch-bound on GPUs, and every
+    projection fused is a kernel and a graph node fewer per layer."""
 
-    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype):
-        self.args, self.weights, self.dtype = args, weights, dtype
+    def __init__(self, ld: _Loader, modules: list[tuple[str, int]], in_dims: int):
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, (module, _) in enumerate(modules):
+            groups.setdefault(ld.args.quant_params(module), []).append(j)
+        self.linears, self.where = [], [None] * len(modules)
+        for g, members in enumerate(groups.values()):
+            parts = [ld.quantized(modules[j][0], modules[j][1], in_dims) for j in members]
+            w, s, b = (mx.concatenate([q[n] for q in parts]) if len(parts) > 1 else parts[0][n] for n in range(3))
+            mx.eval(w, s, b)  # now, so the parts are freed as the load goes on
+            self.linears.append(QLinear(w, s, b, *parts[0][3:]))
+            for n, j in enumerate(members):
+                self.where[j] = (g, n)
+        self.cuts = [list(np.cumsum([modules[j][1] for j in members])[:-1]) for members in groups.values()]
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        outs = [mx.split(lin(x), cut, axis=-1) if cut else [lin(x)] for lin, cut in zip(self.linears, self.cuts, strict=True)]
+        return [outs[g][n] for g, n in self.where]
+
+
+class _Loader:
+    """Gets tensors from the weight dict, checking presence, dtype and shape, casting floats once. With
+    `consume`, each is taken out of the dict, so fused copies are not held twice while a model loads."""
+
+    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype, consume: bool = False):
+        self.args, self.weights, self.dtype, self.consume = args, weights, dtype, consume
 
     def _get(self, name: str) -> mx.array:
         if name not in self.weights:
             raise StreamoeError(f"missing tensor {name}")
-        return self.weights[name]
+        return self.weights.pop(name) if self.consume else self.weights[name]
 
     def float(self, name: str, shape: tuple[int, ...], dtype=None) -> mx.array:
         w = self._get(name)
@@ -154,11 +184,13 @@ class MRoPE:
     The first `rotary_dim` dims of every head rotate; frequency f (of rotary_dim/2) takes its position
     from axis t, h or w: f % 3 == 1 -> h (for f < 3*section[1]), f % 3 == 2 -> w (for f < 3*section[2]),
     else t. With all three position rows equal this is exactly `mx.fast.rope(traditional=False)`: the
-    inverse frequencies and angles are computed with the same float32 operations.
+    inverse frequencies and angles are computed with the same float32 operations. So plain text (every
+    axis the token index) takes `mx.fast.rope` itself, one kernel per call, as mlx-lm does; only calls
+    with image positions build the cos/sin tables.
     """
 
     def __init__(self, rotary_dim: int, base: float, section: tuple[int, ...]):
-        self.dims = rotary_dim
+        self.dims, self.base = rotary_dim, base
         half = rotary_dim // 2
         step = np.log(np.float32(base)) / np.float32(half)  # float32 arithmetic, as mx.fast.rope does it
         self.inv_freq = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(step, dtype=mx.float32))
@@ -171,6 +203,11 @@ class MRoPE:
         self.axis = mx.array(axis, dtype=mx.int32)
         mx.eval(self.inv_freq, self.axis)
 
+    def prepare(self, positions: int | mx.array):
+        """What the attention layers of one call rotate by: an int (plain text from that position) stays an
+        int; positions [3, B, L] become their (cos, sin) tables."""
+        return positions if isinstance(positions, int) else self.cos_sin(positions)
+
     def cos_sin(self, positions: mx.array) -> tuple[mx.array, mx.array]:
         """positions [3, B, L] (or [B, L] for plain text) -> cos, sin [B, 1, L, rotary_dim/2] float32."""
         if positions.ndim == 2:
@@ -179,8 +216,11 @@ class MRoPE:
         theta = pos * self.inv_freq
         return mx.cos(theta)[:, None], mx.sin(theta)[:, None]
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-        """x [B, heads, L, head_dim]"""
+    def __call__(self, x: mx.array, rot) -> mx.array:
+        """x [B, heads, L, head_dim]; rot from `prepare`."""
+        if isinstance(rot, int):
+            return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=rot)
+        cos, sin = rot
         half, d = self.dims // 2, self.dims
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         x1, x2 = x[..., :half], x[..., half:d]
@@ -204,27 +244,27 @@ EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same m
 
 
 @gpu_compiled
-def _delta_step(state, q, k, v, g, beta):
-    """One token. state [B, H, dv, dk] f32; q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]."""
-    state = state * g[..., None, None]
+def _delta_step(state, q, k, v, log_g, beta):
+    """One token. state [B, H, dv, dk] f32; q, k [B, H, dk]; v [B, H, dv]; log_g, beta [B, H].
+    Returns y [B, H, dv] in v's dtype and the new state."""
+    state = state * mx.exp(log_g)[..., None, None]
     kv = (state * k[..., None, :]).sum(axis=-1)  # what the state currently recalls for k
     delta = (v - kv) * beta[..., None]
     state = state + k[..., None, :] * delta[..., None]
     y = (state * q[..., None, :]).sum(axis=-1)
-    return y, state
+    return y.astype(v.dtype), state
 
 
 def gated_delta_loop(q, k, v, log_g, beta, state):
     """The recurrence token by token. q, k [B, L, H, dk] (already repeated to H = Hv); v [B, L, H, dv];
     log_g, beta [B, L, H]; state [B, H, dv, dk] float32. Returns y [B, L, H, dv] (v's dtype), state."""
-    g = mx.exp(log_g)
     ys = []
     for t in range(q.shape[1]):
-        y, state = _delta_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
-        ys.append(y.astype(v.dtype))
+        y, state = _delta_step(state, q[:, t], k[:, t], v[:, t], log_g[:, t], beta[:, t])
+        ys.append(y)
         if t % EVAL_EVERY == EVAL_EVERY - 1:  # bound the live graph: a long prompt would hold every step's state
             mx.eval(state, ys)
-    return mx.stack(ys, axis=1), state
+    return (mx.stack(ys, axis=1) if len(ys) > 1 else ys[0][:, None]), state
 
 
 def _unit_lower_inverse(a: mx.array) -> mx.array:
@@ -300,6 +340,28 @@ def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = GDN_CHUNK):
 
 
 @gpu_compiled
+def _gdn_gates(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:
+    """(log of the decay (float32), write strength beta) from the a/b projections."""
+    return -mx.exp(A_log) * nn.softplus(a + dt_bias), mx.sigmoid(b)
+
+
+@gpu_compiled
+def _gated_out(y: mx.array, z: mx.array) -> mx.array:
+    """The gate of the per-head RMSNorm: y (already normalised and scaled) * silu(z), in float32, in z's dtype."""
+    return (nn.silu(z.astype(mx.float32)) * y.astype(mx.float32)).astype(z.dtype)
+
+
+@gpu_compiled
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+@gpu_compiled
+def _sigmoid_gate(y: mx.array, gate: mx.array) -> mx.array:
+    return y * mx.sigmoid(gate)
+
+
+@gpu_compiled
 def _conv_silu(seq: mx.array, w: mx.array) -> mx.array:
     """Causal depthwise convolution of seq [B, K-1+L, C] with w [C, K] (taps summed left to right), SiLU."""
     K = w.shape[1]
@@ -317,23 +379,22 @@ class GatedDeltaNet:
         self.hk, self.hv = args.linear_num_key_heads, args.linear_num_value_heads
         self.dk, self.dv = args.linear_key_head_dim, args.linear_value_head_dim
         self.kernel, self.eps = args.linear_conv_kernel_dim, eps
-        key_dim, value_dim, conv_dim = self.hk * self.dk, self.hv * self.dv, args.conv_dim
-        self.in_proj_qkv = ld.linear(f"{p}in_proj_qkv", conv_dim, H)
-        self.in_proj_z = ld.linear(f"{p}in_proj_z", value_dim, H)
-        self.in_proj_b = ld.linear(f"{p}in_proj_b", self.hv, H)
-        self.in_proj_a = ld.linear(f"{p}in_proj_a", self.hv, H)
+        value_dim, conv_dim = self.hv * self.dv, args.conv_dim
+        self.in_proj = Projections(ld, [(f"{p}in_proj_qkv", conv_dim), (f"{p}in_proj_z", value_dim),
+                                        (f"{p}in_proj_b", self.hv), (f"{p}in_proj_a", self.hv)], H)
         self.conv = ld.float(f"{p}conv1d.weight", (conv_dim, self.kernel, 1))[..., 0]  # [C, K]
         self.dt_bias = ld.float(f"{p}dt_bias", (self.hv,))
         self.A_log = ld.float(f"{p}A_log", (self.hv,), dtype=mx.float32)
         self.norm = ld.float(f"{p}norm.weight", (self.dv,))
         self.out_proj = ld.linear(f"{p}out_proj", H, value_dim)
-        self.splits = [key_dim, 2 * key_dim]
+        inv = self.dk**-0.5  # q and k are L2-normalised together; q also takes the dk^-0.5 readout scale
+        self.qk_scale = mx.array([inv**2] * self.hk + [inv] * self.hk, dtype=ld.dtype)[:, None]
+        self.qk_eps = 1e-6 * inv**2  # 1e-6 on the sum of squares, as rms_norm's eps on their mean
 
     def __call__(self, x: mx.array, cache: GDNCache | None) -> mx.array:
         B, L, _ = x.shape
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(B, L, self.hv, self.dv)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, b, a = self.in_proj(x)
+        z = z.reshape(B, L, self.hv, self.dv)
 
         # causal depthwise convolution over [last K-1 inputs | this call's inputs], then SiLU
         K = self.kernel
@@ -343,36 +404,30 @@ class GatedDeltaNet:
             cache.conv = mx.contiguous(seq[:, L:, :])
         conv = _conv_silu(seq, self.conv)
 
-        q, k, v = mx.split(conv, self.splits, axis=-1)
-        q = q.reshape(B, L, self.hk, self.dk)
-        k = k.reshape(B, L, self.hk, self.dk)
+        qk, v = mx.split(conv, [2 * self.hk * self.dk], axis=-1)
+        qk = mx.fast.rms_norm(qk.reshape(B, L, 2 * self.hk, self.dk), None, self.qk_eps) * self.qk_scale
+        q, k = qk[:, :, : self.hk], qk[:, :, self.hk :]
         v = v.reshape(B, L, self.hv, self.dv)
-        # L2-normalise q and k (eps 1e-6 on the sum of squares); q also takes the dk^-0.5 readout scale
-        inv = self.dk**-0.5
-        q = mx.fast.rms_norm(q, None, 1e-6 * inv**2) * inv**2
-        k = mx.fast.rms_norm(k, None, 1e-6 * inv**2) * inv
-        if self.hv != self.hk:  # value head j reads key head j // (Hv/Hk)
-            q = mx.repeat(q, self.hv // self.hk, axis=2)
-            k = mx.repeat(k, self.hv // self.hk, axis=2)
 
-        beta = mx.sigmoid(b)
-        log_g = -mx.exp(self.A_log) * nn.softplus(a + self.dt_bias)  # float32
+        log_g, beta = _gdn_gates(a, b, self.A_log, self.dt_bias)
         state = (
             cache.state if cache is not None else mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
         )
-        chunked = self.chunked if self.chunked is not None else mx.default_device() == mx.gpu
-        if chunked and L > GDN_CHUNK:
-            y, state = gated_delta_chunked(q, k, v, log_g, beta, state)
+        gpu = mx.default_device() == mx.gpu
+        if gpu and FAST_GDN and L <= GDN_CHUNK:  # MLX's fused kernel (GQA built in): one launch per layer
+            y, state = mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, state)
         else:
-            y, state = gated_delta_loop(q, k, v, log_g, beta, state)
-        y = y.astype(x.dtype)
+            if self.hv != self.hk:  # value head j reads key head j // (Hv/Hk)
+                q = mx.repeat(q, self.hv // self.hk, axis=2)
+                k = mx.repeat(k, self.hv // self.hk, axis=2)
+            if (self.chunked if self.chunked is not None else gpu) and L > GDN_CHUNK:
+                y, state = gated_delta_chunked(q, k, v, log_g, beta, state)
+            else:
+                y, state = gated_delta_loop(q, k, v, log_g, beta, state)
         if cache is not None:
             cache.state = state
             cache.offset += L
-
-        # gated RMSNorm per head: rms_norm(y) * w * silu(z), in float32
-        y = mx.fast.rms_norm(y, self.norm, self.eps).astype(mx.float32)
-        y = (nn.silu(z.astype(mx.float32)) * y).astype(x.dtype)
+        y = _gated_out(mx.fast.rms_norm(y, self.norm, self.eps), z)  # gated RMSNorm per head
         return self.out_proj(y.reshape(B, L, -1))
 
 
@@ -381,24 +436,23 @@ class Attention:
         H = args.hidden_size
         self.nq, self.nkv, self.hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.eps, self.scale = args.rms_norm_eps, args.head_dim**-0.5
-        self.q_proj = ld.linear(f"{p}q_proj", 2 * self.nq * self.hd, H)  # per head [query | gate]
-        self.k_proj = ld.linear(f"{p}k_proj", self.nkv * self.hd, H)
-        self.v_proj = ld.linear(f"{p}v_proj", self.nkv * self.hd, H)
+        # q_proj gives per head [query | gate]
+        self.qkv_proj = Projections(ld, [(f"{p}q_proj", 2 * self.nq * self.hd), (f"{p}k_proj", self.nkv * self.hd),
+                                         (f"{p}v_proj", self.nkv * self.hd)], H)
         self.o_proj = ld.linear(f"{p}o_proj", H, self.nq * self.hd)
         self.q_norm = ld.float(f"{p}q_norm.weight", (self.hd,))
         self.k_norm = ld.float(f"{p}k_norm.weight", (self.hd,))
 
-    def __call__(
-        self, x: mx.array, cache: KVCache | None, rope: MRoPE, cos: mx.array, sin: mx.array
-    ) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | None, rope: MRoPE, rot) -> mx.array:
         B, L, _ = x.shape
-        q, gate = mx.split(self.q_proj(x).reshape(B, L, self.nq, 2 * self.hd), 2, axis=-1)
-        k = self.k_proj(x).reshape(B, L, self.nkv, self.hd)
-        v = self.v_proj(x).reshape(B, L, self.nkv, self.hd)
+        q, k, v = self.qkv_proj(x)
+        q, gate = mx.split(q.reshape(B, L, self.nq, 2 * self.hd), 2, axis=-1)
+        k = k.reshape(B, L, self.nkv, self.hd)
+        v = v.reshape(B, L, self.nkv, self.hd)
         q = mx.fast.rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3)
         k = mx.fast.rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k = rope(q, rot), rope(k, rot)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         # causal: query i sits at key position (n_keys - L + i); GQA is handled by the kernel
@@ -406,7 +460,7 @@ class Attention:
             q, k, v, scale=self.scale, mask="causal" if L > 1 else None
         )
         out = out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))
+        return self.o_proj(_sigmoid_gate(out, gate.reshape(B, L, -1)))
 
 
 class SparseMoe:
@@ -415,23 +469,21 @@ class SparseMoe:
 
     def __init__(self, args: ModelArgs, ld: _Loader, p: str):
         H, Is = args.hidden_size, args.shared_expert_intermediate_size
-        self.k, self.norm_topk, self.dtype = args.num_experts_per_tok, args.norm_topk_prob, ld.dtype
-        self.gate = ld.linear(f"{p}gate", args.num_experts, H)
-        self.shared_gate_proj = ld.linear(f"{p}shared_expert.gate_proj", Is, H)
-        self.shared_up_proj = ld.linear(f"{p}shared_expert.up_proj", Is, H)
+        self.k, self.norm_topk = args.num_experts_per_tok, args.norm_topk_prob
+        # everything that reads the block's input: router, shared expert's gate and up, its output gate
+        self.in_proj = Projections(ld, [(f"{p}gate", args.num_experts), (f"{p}shared_expert.gate_proj", Is),
+                                        (f"{p}shared_expert.up_proj", Is), (f"{p}shared_expert_gate", 1)], H)
         self.shared_down_proj = ld.linear(f"{p}shared_expert.down_proj", H, Is)
-        self.shared_expert_gate = ld.linear(f"{p}shared_expert_gate", 1, H)
 
-    def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
-        return route(logits, self.k, self.norm_topk, self.dtype)
-
-    def shared(self, x: mx.array) -> mx.array:
-        y = self.shared_down_proj(nn.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
-        return mx.sigmoid(self.shared_expert_gate(x)) * y
+    def gate(self, x: mx.array) -> mx.array:
+        """The router's logits alone (the cross-layer guess asks for them)."""
+        return self.in_proj(x)[0]
 
     def __call__(self, i: int, x: mx.array, experts) -> mx.array:
-        inds, scores = self.route(self.gate(x))
-        return experts(i, x, inds, scores) + self.shared(x)
+        logits, gate, up, out_gate = self.in_proj(x)
+        inds, scores = route(logits, self.k, self.norm_topk)
+        shared = _sigmoid_gate(self.shared_down_proj(swiglu(gate, up)), out_gate)
+        return experts(i, x, inds, scores) + shared
 
 
 class DecoderLayer:
@@ -449,15 +501,15 @@ class DecoderLayer:
         self.post_attention_layernorm = ld.float(f"{p}post_attention_layernorm.weight", (args.hidden_size,))
         self.mlp = SparseMoe(args, ld, f"{p}mlp.")
 
-    def mix(self, h: mx.array, cache, rope: MRoPE, cos_sin) -> tuple[mx.array, mx.array]:
+    def mix(self, h: mx.array, cache, rope: MRoPE, rot) -> tuple[mx.array, mx.array]:
         """(h + mixer(norm(h)), x): the residual stream after the mixer and the MoE block's input."""
         x = mx.fast.rms_norm(h, self.input_layernorm, self.eps)
-        r = self.linear_attn(x, cache) if self.is_linear else self.self_attn(x, cache, rope, *cos_sin)
+        r = self.linear_attn(x, cache) if self.is_linear else self.self_attn(x, cache, rope, rot)
         h = h + r
         return h, mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
 
-    def __call__(self, h: mx.array, cache, rope: MRoPE, cos_sin, experts) -> mx.array:
-        h, x = self.mix(h, cache, rope, cos_sin)
+    def __call__(self, h: mx.array, cache, rope: MRoPE, rot, experts) -> mx.array:
+        h, x = self.mix(h, cache, rope, rot)
         return h + self.mlp(self.i, x, experts)
 
 
@@ -471,13 +523,15 @@ class Model:
     ):
         """`weights`: every non-routed-expert tensor of the language model, keyed by its export name
         ("language_model.model.layers.0.linear_attn.in_proj_qkv.weight", ...), as stored. Float tensors are
-        cast once to `dtype` (scales and biases too), A_log to float32. Other keys are ignored.
+        cast once to `dtype` (scales and biases too), A_log to float32. The tensors used are taken out of the
+        dict (projections that read the same input are concatenated, and the parts freed as the load goes);
+        other keys are left.
 
         `gdn_chunked`: whether calls of more than GDN_CHUNK tokens run the delta rule in its chunked form
         (fewer, larger ops) instead of token by token. None = only on a GPU: on the CPU backend the
         token loop is as fast and reproduces mlx-lm bit for bit."""
         self.args, self.dtype = args, dtype
-        ld = _Loader(args, weights, dtype)
+        ld = _Loader(args, weights, dtype, consume=True)
         H = args.hidden_size
         self.embed_tokens = ld.quantized(f"{PREFIX}model.embed_tokens", args.vocab_size, H)
         self.layers = [DecoderLayer(args, ld, i, gdn_chunked) for i in range(args.num_hidden_layers)]
@@ -511,19 +565,20 @@ class Model:
         w, s, b, bits, group = self.embed_tokens
         return mx.dequantize(w[tokens], s[tokens], b[tokens], group_size=group, bits=bits).astype(self.dtype)
 
-    def layers_forward(self, h: mx.array, cache: list, positions: mx.array, experts) -> mx.array:
-        """The one layer loop: every decoder layer over h [B, L, H] with its cache entry. positions: [3, B, L]
-        int32 (t, h, w). `experts(i, x, inds, scores)` gives layer i's routed output."""
-        cos_sin = self.rope.cos_sin(positions) if self.args.n_full_attention else None
+    def layers_forward(self, h: mx.array, cache: list, positions: int | mx.array, experts) -> mx.array:
+        """The one layer loop: every decoder layer over h [B, L, H] with its cache entry. positions: the int
+        position of h's first token for plain text, or [3, B, L] int32 (t, h, w) M-RoPE positions.
+        `experts(i, x, inds, scores)` gives layer i's routed output."""
+        rot = self.rope.prepare(positions) if self.args.n_full_attention else None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cache[i], self.rope, cos_sin, experts)
+            h = layer(h, cache[i], self.rope, rot, experts)
         return h
 
     def router_logits(self, i: int, x: mx.array) -> mx.array:
         return self.layers[i].mlp.gate(x)
 
     def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
-        return route(logits, self.args.num_experts_per_tok, self.args.norm_topk_prob, self.dtype)
+        return route(logits, self.args.num_experts_per_tok, self.args.norm_topk_prob)
 
     def head(self, h: mx.array) -> mx.array:
         return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps))
@@ -536,6 +591,8 @@ def _arrays(obj) -> list[mx.array]:
             out.append(v)
         elif isinstance(v, QLinear):
             out.extend(v[:3])
+        elif isinstance(v, Projections):
+            out.extend(a for lin in v.linears for a in lin[:3])
         elif isinstance(v, GatedDeltaNet | Attention | SparseMoe):
             out.extend(_arrays(v))
     return out
@@ -545,26 +602,27 @@ def _arrays(obj) -> list[mx.array]:
 # routed experts
 
 
-def route(logits: mx.array, k: int, norm_topk: bool, dtype) -> tuple[mx.array, mx.array]:
-    """Top-k experts: (inds [..., k] uint32, scores [..., k] in dtype), in router-rank order.
+def route(logits: mx.array, k: int, norm_topk: bool) -> tuple[mx.array, mx.array]:
+    """Top-k experts: (inds [..., k] uint32, scores [..., k] in the logits' dtype), in router-rank order.
 
-    Softmax in float32; the k largest picked by argpartition as mlx-lm does (kth=-k, last k, in the order
-    argpartition leaves them: that order is the one experts are combined in); scores renormalised to sum
-    to 1 (norm_topk_prob)."""
-    gates = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+    Exactly mlx-lm's arithmetic: the softmax accumulates in float32 (precise) and returns the logits' dtype;
+    the k largest picked by argpartition (kth=-k, last k, in the order argpartition leaves them: that order
+    is the one experts are combined in); scores renormalised to sum to 1 (norm_topk_prob)."""
+    gates = mx.softmax(logits, axis=-1, precise=True)
     inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
     scores = mx.take_along_axis(gates, inds, axis=-1)
     if norm_topk:
         scores = scores / scores.sum(axis=-1, keepdims=True)
-    return inds.astype(mx.uint32), scores.astype(dtype)
+    return inds.astype(mx.uint32), scores
 
 
 def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, bits: int, group_size: int) -> mx.array:
     """Routed experts for tokens x [N, H] picked as `slots` [N, k] into stacked weights (each of w's nine
     arrays is [S, ...]): down(silu(gate(x)) * up(x)) per (token, pick) -> [N, k, H], three `gather_qmm`
     calls in all. On the CPU backend the picks are split over the CPU streams (one core each); every
-    (token, pick) row is computed by the same kernel whatever the split, so results do not depend on it."""
-    if not STREAMS or slots.shape[-1] < 2:
+    (token, pick) row is computed by the same kernel whatever the split, so results do not depend on it. Small
+    experts stay on one stream: below SPLIT_ROWS x 512 weights per matrix a stream hop costs more than it saves."""
+    if not STREAMS or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
         return _switch_glu(x, w, slots, bits, group_size)
     k, n = slots.shape[-1], min(len(STREAMS), slots.shape[-1])
     parts = []
@@ -580,7 +638,7 @@ def _switch_glu(x, w, slots, bits, group_size):
         return mx.gather_qmm(a, wq, s, b, rhs_indices=slots, transpose=True, group_size=group_size, bits=bits)
 
     xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, H]: each token meets its k picks
-    h = nn.silu(qmm(xe, w.gate_w, w.gate_s, w.gate_b)) * qmm(xe, w.up_w, w.up_s, w.up_b)
+    h = swiglu(qmm(xe, w.gate_w, w.gate_s, w.gate_b), qmm(xe, w.up_w, w.up_s, w.up_b))
     return qmm(h, w.down_w, w.down_s, w.down_b).squeeze(-2)
 
 
@@ -648,5 +706,5 @@ def forward(
         if isinstance(c, KVCache) and c.offset + L > c.max_tokens:
             raise StreamoeError(f"KV cache holds {c.max_tokens} tokens; {c.offset + L} were asked for")
     if positions is None:
-        positions = text_positions(cache[0].offset, L, B)
+        positions = cache[0].offset
     return model.head(model.layers_forward(h, cache, positions, experts))

@@ -29,9 +29,9 @@ class Options:
     tier: str = "freq"
     prefetch_width: int | None = None  # cross-layer guesses per layer; None = top-k
     dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
-    kv: str = "float32"
+    kv: str = "auto"  # KV cache dtype; auto = the activation dtype, as mlx-lm keeps it
     prefill_chunk: int = 256
-    io_threads: int = 4
+    io_threads: int = 8  # reads in flight: a fast SSD reaches its random-read speed only with several
     cpu_streams: int | None = None  # CPU streams for expert and large matmul work; None = one per core (CPU backend)
     verify: bool = False
     runtime_bytes: int | None = None  # the interpreter/runtime allowance; None = measured at open
@@ -47,6 +47,12 @@ def read_ring(opts: Options, top_k: int) -> int:
 
 def prefetch_width(opts: Options, top_k: int) -> int:
     return top_k if opts.prefetch_width is None else opts.prefetch_width
+
+
+def kv_dtype(opts: Options) -> str:
+    """The KV cache's dtype: `auto` stores keys and values in the activation dtype, so attention runs in one
+    dtype (a float32 cache under bfloat16 activations would make every step upcast queries and keys)."""
+    return (opts.dtype or default_dtype()) if opts.kv == "auto" else opts.kv
 
 
 def default_dtype() -> str:
@@ -168,6 +174,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "kv cache": kv,
         "linear state": lin,
         "activations": activation_bytes(args, ctx, min(prefill_chunk, ctx), item),
+        "allocator cache": lin + 32 * MiB,
         "prefill staging": n_exp * stride,
         "read staging": 2 * ring * stride,
         "vision": vision_bytes,
@@ -175,6 +182,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
     }
     plan.notes["non-expert"] = f"weights as computed ({dtype} floats, packed codes)"
     plan.notes["kv cache"] = f"{ctx} tokens, {kv_dtype}"
+    plan.notes["allocator cache"] = "freed buffers MLX keeps for reuse: a decode step's new linear state + 32 MiB"
     plan.notes["prefill staging"] = f"{n_exp} slots, one per expert of a layer"
     plan.notes["read staging"] = f"{ring} records of host staging + their copies in flight"
     return plan
@@ -203,7 +211,7 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
     plan = make_plan(args=ModelArgs.from_config(m.config, m.root / "manifest.json"), cap=int(opts.cap_gib * GiB),
                      ctx=opts.ctx, expert_format=opts.experts, stride=fmts[opts.experts].layout.stride,
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
-                     dtype=dtype, kv_dtype=opts.kv, prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
+                     dtype=dtype, kv_dtype=kv_dtype(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
                      vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])))
     if opts.images:
         plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "

@@ -21,6 +21,7 @@ from ..formats.dtypes import DTYPES
 from ..formats.errors import fail
 from ..formats.session import SessionReader, header_limit, write_session
 from .cache import KVCache
+from .plan import kv_dtype
 from .weights import code_of
 
 
@@ -31,7 +32,7 @@ def fingerprint(eng) -> dict:
     weights = [m.blob("nonexpert")[0]["checksum"]] + [f["checksum"] for f in m.expert_formats()[eng.opts.experts].files]
     ident = json.dumps([m.config, weights], sort_keys=True).encode()
     return {"model": hashlib.sha256(ident).hexdigest()[:16], "experts": eng.opts.experts,
-            "dtype": code_of(eng.dtype), "kv": eng.opts.kv}
+            "dtype": code_of(eng.dtype), "kv": kv_dtype(eng.opts)}
 
 
 def _entries(eng, n: int) -> list[tuple[str, mx.array, tuple[int, ...]]]:

@@ -198,7 +198,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
         nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
                                     if ".switch_mlp." not in name and not name.startswith("vision_tower.")), itemsize(dtype))
         return make_plan(args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride,
-                         nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv,
+                         nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=dtype if kv == "auto" else kv,
                          runtime_bytes=runtime_mib and runtime_mib << 20)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
@@ -210,7 +210,8 @@ COMMON = [
     click.option("--cap", type=Finite(min=0, min_open=True, max=1 << 20), default=4.0, show_default=True, help="Memory cap in GiB."),
     click.option("--ctx", type=click.IntRange(min=1, max=1 << 31), default=4096, show_default=True, help="Context length to plan for."),
     click.option("--experts", type=click.Choice(["q4", "q3"]), default="q4", show_default=True),
-    click.option("--kv", type=click.Choice(["float32", "float16"]), default="float32", show_default=True, help="KV cache dtype."),
+    click.option("--kv", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
+                 help="KV cache dtype (auto: the compute dtype)."),
     click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                  help="Compute dtype (default float32 on the CPU backend, bfloat16 on GPUs)."),
     click.option("--runtime-mib", type=click.IntRange(min=1, max=1 << 30), default=None,
@@ -272,7 +273,8 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy.")
 @click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None, help="Cross-layer guesses per layer (default: the model's top-k); 0 = off.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1, max=1 << 20), default=256, show_default=True)
-@click.option("--io-threads", type=click.IntRange(min=1, max=256), default=4, show_default=True)
+@click.option("--io-threads", type=click.IntRange(min=1, max=256), default=8, show_default=True,
+              help="Expert reads in flight.")
 @click.option("--stats", type=click.Path(path_type=Path), default=None, help="Write per-step telemetry as JSON lines.")
 @click.option("--logits-out", type=click.Path(path_type=Path), default=None, help="Save every step's logits (.npz).")
 @click.option("--verify", is_flag=True, help="Check every file's checksum before running.")
@@ -350,7 +352,7 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
 @click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy.")
 @click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None, help="Cross-layer guesses per layer (default: the model's top-k); 0 = off.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--io-threads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--io-threads", type=click.IntRange(min=1), default=8, show_default=True, help="Expert reads in flight.")
 @click.option("--verify", is_flag=True, help="Check every file's checksum before serving.")
 @click.option("--prompt-cache-mib", type=click.FloatRange(min=0), default=256, show_default=True,
               help="Plan account for snapshots of repeated conversations (LRU); 0 = no prompt cache.")

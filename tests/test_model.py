@@ -140,7 +140,7 @@ def tiny(tmp_path_factory):
     t.args = ModelArgs.from_config(config)
     t.nonexpert = {k: v for k, v in stored.items() if ".mlp.switch_mlp." not in k}
     t.experts_w = {k: v for k, v in stored.items() if ".mlp.switch_mlp." in k}
-    t.model = Model(t.args, t.nonexpert)
+    t.model = Model(t.args, dict(t.nonexpert))
     t.experts = ResidentExperts(t.args, t.experts_w, mx.float32)
     ref.set_dtype(mx.float32)
     t.ref = ref
@@ -235,7 +235,7 @@ def test_prefill_chunking(tiny):
 def test_gdn_chunked_form_in_model(tiny):
     """Prefill of 150 tokens (3 chunks of 64, padded) with the chunked delta rule vs the token loop."""
     loop = tiny.model
-    chunked = Model(tiny.args, tiny.nonexpert, gdn_chunked=True)
+    chunked = Model(tiny.args, dict(tiny.nonexpert), gdn_chunked=True)
     prompt = mx.array(np.random.default_rng(2).integers(0, 576, size=(1, 150)), dtype=mx.int32)
     c1, c2 = loop.make_cache(160), chunked.make_cache(160)
     a = forward(loop, prompt, c1, tiny.experts)
@@ -298,7 +298,8 @@ def test_mrope_text_equals_rope():
         for offset in (0, 1000, 200_000):
             cos, sin = rope.cos_sin(text_positions(offset, 37, batch=2))
             want = mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=offset)
-            assert mx.array_equal(rope(x, cos, sin), want), (dims, base, offset)
+            assert mx.array_equal(rope(x, (cos, sin)), want), (dims, base, offset)
+            assert mx.array_equal(rope(x, rope.prepare(offset)), want)  # plain text takes the kernel itself
 
 
 def test_mrope_image_positions_match_mlx_vlm():
@@ -313,9 +314,9 @@ def test_mrope_image_positions_match_mlx_vlm():
     want_q, want_k = Qwen3_5RotaryEmbedding(64, base=1e7, mrope_section=[11, 11, 10]).apply_rotary(q, k, pos)
     rope = MRoPE(64, 1e7, (11, 11, 10))
     cos, sin = rope.cos_sin(pos)
-    assert mx.abs(rope(q, cos, sin) - want_q).max().item() < 1e-5
-    assert mx.abs(rope(k, cos, sin) - want_k).max().item() < 1e-5
-    assert mx.array_equal(rope(q, cos, sin)[..., 64:], q[..., 64:])  # pass-through dims untouched
+    assert mx.abs(rope(q, (cos, sin)) - want_q).max().item() < 1e-5
+    assert mx.abs(rope(k, (cos, sin)) - want_k).max().item() < 1e-5
+    assert mx.array_equal(rope(q, (cos, sin))[..., 64:], q[..., 64:])  # pass-through dims untouched
 
 
 def test_text_positions():
@@ -396,4 +397,4 @@ def test_wrong_shape_or_bits_is_named(tiny):
     del cfg["quantization"][f"{PREFIX}model.layers.4.mlp.gate"]
     cfg.pop("quantization_config", None)
     with pytest.raises(StreamoeError, match=rf"{PREFIX}model\.layers\.4\.mlp\.gate\.weight.*8 bits"):
-        Model(ModelArgs.from_config(cfg), tiny.nonexpert)
+        Model(ModelArgs.from_config(cfg), dict(tiny.nonexpert))

@@ -53,12 +53,14 @@ GDN = 3 * 256 * (8192 + 4096) + 48 * 4096 * 128
 MOE = 3 * 256 * 8 * 2048 + 4 * 256 * 512
 LOGITS = 2 * 248320
 ACTIVATIONS = 3 * (HIDDEN + max(ATTN, GDN) + MOE + LOGITS) * 4 // 2
+# MLX keeps freed buffers for reuse up to this: a decode step's new recurrent states (LINEAR) + 32 MiB
+ALLOC_CACHE = LINEAR + 32 * MiB
 STAGING = 256 * STRIDE_Q4  # one slot per expert of a layer
 # host staging the reads land in: 2 x top-k 8 (a layer's misses) + 8 guesses (prefetch width = top-k by default)
-# + 4 I/O threads = 28 records, counted twice (the staging and the copies in flight)
-RING = 2 * 8 + 8 + 4
+# + 8 I/O threads = 32 records, counted twice (the staging and the copies in flight)
+RING = 2 * 8 + 8 + 8
 READ_STAGING = 2 * RING * STRIDE_Q4
-FIXED = NONEXPERT + KV + LINEAR + ACTIVATIONS + STAGING + READ_STAGING + RUNTIME
+FIXED = NONEXPERT + KV + LINEAR + ACTIVATIONS + ALLOC_CACHE + STAGING + READ_STAGING + RUNTIME
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,7 @@ def plan(args: ModelArgs, cap: float, **kw) -> MemoryPlan:
 
 def test_hand_computed_values_are_the_ones_above():
     assert (KV, LINEAR, ACTIVATIONS, STAGING, READ_STAGING) == (167_772_160, 65_863_680, 322_271_232, 452_984_832,
-                                                                99_090_432)
+                                                                113_246_208)
     assert read_ring(Options(), top_k=8) == RING
     assert RecordLayout.make(2048, 512, 4, 64).stride == STRIDE_Q4
     assert ATTN > GDN  # at ctx 4096 the attention scores are the largest temporary
@@ -83,12 +85,12 @@ def test_hand_computed_values_are_the_ones_above():
 def test_accounts_exact(args):
     p = plan(args, 4)
     assert p.accounts == {"non-expert": NONEXPERT, "kv cache": KV, "linear state": LINEAR, "activations": ACTIVATIONS,
-                          "prefill staging": STAGING, "read staging": READ_STAGING, "vision": 0, "runtime": RUNTIME}
+                          "allocator cache": ALLOC_CACHE, "prefill staging": STAGING, "read staging": READ_STAGING, "vision": 0, "runtime": RUNTIME}
     assert state_bytes(args, 4096, 4) == (KV, LINEAR)
     assert activation_bytes(args, 4096, 256, 4) == ACTIVATIONS
-    assert p.fixed == FIXED == 2_450_159_616
+    assert p.fixed == FIXED == 2_563_733_504
     assert p.hot_bytes == 4 * GiB - FIXED
-    assert p.hot_slots == (4 * GiB - FIXED) // STRIDE_Q4 == 1042
+    assert p.hot_slots == (4 * GiB - FIXED) // STRIDE_Q4 == 978
     assert p.staging_slots == 256 and p.n_layers == 40 and p.n_experts == 256
     assert p.fits and p.min_cap == FIXED
     p.require_fit()
@@ -121,7 +123,7 @@ def test_too_small_a_cap_names_the_smallest_that_fits(args):
     need, smallest = FIXED / GiB, (FIXED + 0.01 * GiB) / GiB
     assert str(e.value) == (f"cap 2.00 GiB is too small for this model at ctx 4096: the fixed accounts need "
                             f"{need:.2f} GiB; smallest cap that fits: --cap {smallest:.2f}")
-    assert str(e.value).endswith("--cap 2.29")
+    assert str(e.value).endswith("--cap 2.40")
     plan(args, float(f"{smallest:.2f}")).require_fit()  # the cap it names does fit
 
 
@@ -130,15 +132,16 @@ def test_render_and_json(args):
     text = p.render().splitlines()
     assert text[0] == "memory plan: cap 4.00 GiB, ctx 4096, experts q4 (1,769,472 B per expert)"
     names = [ln.split("  ")[1].strip() for ln in text[1:]]
-    assert names == ["non-expert", "kv cache", "linear state", "activations", "prefill staging", "read staging", "vision",
+    assert names == ["non-expert", "kv cache", "linear state", "activations", "allocator cache", "prefill staging",
+                     "read staging", "vision",
                      "runtime", "hot tier", "total"]
     assert "   1.000 GiB" in text[1] and "(4096 tokens, float32)" in text[2]
-    assert "(256 slots, one per expert of a layer)" in text[5]
-    assert "(28 records of host staging + their copies in flight)" in text[6]
-    assert f"(1042 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[9]
-    assert text[10].endswith(f"{(FIXED + 1042 * STRIDE_Q4) / GiB:8.3f} GiB of 4.00 GiB")
+    assert "(256 slots, one per expert of a layer)" in text[6]
+    assert "(32 records of host staging + their copies in flight)" in text[7]
+    assert f"(978 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[10]
+    assert text[11].endswith(f"{(FIXED + 978 * STRIDE_Q4) / GiB:8.3f} GiB of 4.00 GiB")
     assert p.to_json() == {"cap": 4 * GiB, "ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4,
-                           "accounts": p.accounts, "fixed": FIXED, "hot_slots": 1042, "staging_slots": 256,
+                           "accounts": p.accounts, "fixed": FIXED, "hot_slots": 978, "staging_slots": 256,
                            "n_layers": 40, "n_experts": 256, "fits": True}
 
 
@@ -146,3 +149,11 @@ def test_runtime_allowance_is_measured_when_not_given(args):
     p = plan(args, 4, runtime_bytes=None)
     assert p.accounts["runtime"] > 64 * MiB  # this process's RSS + 64 MiB
     assert "measured" in p.notes["runtime"]
+
+
+def test_kv_auto_follows_the_compute_dtype(args):
+    from streamoe.runtime.plan import kv_dtype
+
+    assert kv_dtype(Options(dtype="bfloat16")) == "bfloat16" and kv_dtype(Options(dtype="float32")) == "float32"
+    assert kv_dtype(Options(dtype="bfloat16", kv="float32")) == "float32"
+    assert plan(args, 4, kv_dtype=kv_dtype(Options(dtype="bfloat16")), dtype="bfloat16").accounts["kv cache"] == KV // 2
