@@ -17,11 +17,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from bench.common import drop_files, raw_read_gbs, write_result
+from bench.common import drop_files, raw_read_gbs, scratch_dir, write_result
 
+RAW_PROMPT = "import csv\nimport sys\n\n\ndef mean_of_columns(path):\n    "  # a trained model continues this for many tokens
 PROMPT = ("Write a Python function that parses a CSV file, computes the mean of every numeric column, "
           "and prints a short report. Explain each step.")
 
@@ -55,10 +55,11 @@ def belady_hits(trace: list[tuple[int, int]], slots: int, start: int = 0) -> int
     return hits
 
 
-def run_one(model: Path, cap: float, tokens: int, extra: list[str], tag: str, scratch: Path) -> dict:
+def run_one(model: Path, cap: float, tokens: int, extra: list[str], tag: str, scratch: Path, raw: bool = False) -> dict:
     stats = scratch / f"stats-{tag}.jsonl"
-    cmd = [sys.executable, "-m", "streamoe.cli", "run", str(model), "--cap", str(cap), "--temp", "0", "-n", str(tokens), "-p", PROMPT,
-           "--no-think", "--stats", str(stats), "-q", *extra]
+    prompt = ["--raw", "-p", RAW_PROMPT] if raw else ["-p", PROMPT, "--no-think"]
+    cmd = [sys.executable, "-m", "streamoe.cli", "run", str(model), "--cap", str(cap), "--temp", "0", "-n", str(tokens), *prompt,
+           "--stats", str(stats), "-q", *extra]
     base, peak = cgroup_base(), None
     if base is not None:
         cg = base / f"streamoe_bench_{os.getpid()}"
@@ -118,13 +119,21 @@ def main() -> None:
     ap.add_argument("--experts", default="q4")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--variants", action="store_true", help="also tier lru and prefetch 0 at each cap")
+    ap.add_argument("--runtime-mib", type=int, default=300,
+                    help="the interpreter allowance, fixed for the plans and the runs alike (so the caps they compute agree)")
+    ap.add_argument("--raw", action="store_true", help="continue a code prompt without the chat template (the trained "
+                    "tiny model answers a chat prompt in a few tokens; Belady needs a long trace)")
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
-    a.scratch = a.scratch or Path(tempfile.mkdtemp(prefix="streamoe-bench-"))
-    a.scratch.mkdir(parents=True, exist_ok=True)
+    with scratch_dir(a.scratch) as scratch:
+        sweep(a, scratch)
+
+
+def sweep(a: argparse.Namespace, scratch: Path) -> None:
+    """Every configuration of the sweep, its runs' files in `scratch`; the result goes to bench/results."""
     model = a.model
     if model is None:
-        ck, model = a.scratch / f"{a.size}-ckpt", a.scratch / f"{a.size}-conv"
+        ck, model = scratch / f"{a.size}-ckpt", scratch / f"{a.size}-conv"
         if not ck.exists():
             subprocess.run([sys.executable, "-m", "streamoe.cli", "synth", str(ck), "--size", a.size], check=True)
         ok = subprocess.run([sys.executable, "-m", "streamoe.cli", "validate", str(model)], capture_output=True).returncode == 0
@@ -134,7 +143,7 @@ def main() -> None:
 
     def plan(cap: float) -> dict:  # asked of a fresh process, which measures the same runtime allowance a run does
         p = subprocess.run([sys.executable, "-m", "streamoe.cli", "plan", str(model), "--cap", str(cap), "--ctx", str(a.ctx),
-                            "--experts", a.experts, "--json"], capture_output=True, text=True)
+                            "--experts", a.experts, "--runtime-mib", str(a.runtime_mib), "--json"], capture_output=True, text=True)
         return json.loads(p.stdout)
 
     full = plan(512)
@@ -154,7 +163,7 @@ def main() -> None:
         if a.variants and cap != "resident":
             variants += [("lru-pf6", ["--tier", "lru"]), ("freq-pf0", ["--prefetch-width", "0"])]
         for name, extra in variants:
-            r = run_one(model, c, a.tokens, ["--experts", a.experts, "--ctx", str(a.ctx), *extra], f"{cap}-{name}", a.scratch)
+            r = run_one(model, c, a.tokens, ["--experts", a.experts, "--ctx", str(a.ctx), "--runtime-mib", str(a.runtime_mib), *extra], f"{cap}-{name}", scratch, a.raw)
             warm, trace = r.pop("_warm", []), r.pop("_trace", [])
             if "error" not in r:
                 pl = plan(c)
@@ -163,6 +172,8 @@ def main() -> None:
                 r["hot_slots"], r["tier_slots"] = pl["hot_slots"], slots
                 if trace:
                     r["belady_hit_rate"] = round(belady_hits(warm + trace, slots, start=len(warm)) / len(trace), 4)
+                    if r["belady_hit_rate"] and r["hit_hot"] is not None:  # already in memory, read ahead not counted
+                        r["of_belady"] = round((r["hit_hot"] + r["hit_lent"]) / r["belady_hit_rate"], 3)
                 r["raw_read_gbs"] = round(raw, 3)
                 r["io_wait_bound_ms"] = round(0.5 * r["misses_token"] * stride / (raw * 1e9) * 1000, 2)
             r["resident"] = cap == "resident"

@@ -11,6 +11,7 @@ token / the raw O_DIRECT random-read speed of the layer files, measured in the s
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import time
@@ -107,6 +108,8 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
         cap_gib = (base.fixed + int(cap[6:]) * base.stride + 1) / 2**30
     else:
         cap_gib = 64.0 if cap == "resident" else float(cap)
+    gc.collect()  # the previous run's engine (its timing wrapper makes a cycle), so its memory is not counted here
+    mx.clear_cache()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     # a fixed interpreter allowance: the measured one would include what the mlx-lm run left in this process

@@ -96,6 +96,8 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             if not quiet:
                 s = summarize(eng.steps[n0:], eng.peak_rss, eng.plan.cap)
                 print(summary_line(s), file=sys.stderr)
+            if stats is None:  # kept only for --stats: a long chat must not grow them outside the plan
+                del eng.steps[:]
             if not chat:
                 break
         if save_session:

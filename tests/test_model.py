@@ -273,6 +273,42 @@ def test_gdn_chunked_vs_loop(L):
     assert rel_diff(s2, s1) <= TOL_GDN_CHUNKED
 
 
+def test_fused_delta_rule_op_is_the_token_loop_on_the_cpu():
+    """`mx.fast.gated_delta_update` (what a GPU runs for decode) against our loop, float32, grouped heads: on the
+    CPU backend they are the same arithmetic, bit for bit (on a GPU, tests/test_gpu.py bounds it against mlx-lm)."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the CPU backend's op is the claim; GPUs are covered by tests/test_gpu.py")
+    rng = np.random.default_rng(7)
+    B, L, Hk, Hv, dk, dv = 1, 5, 2, 4, 32, 16
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    q, k, v = 0.2 * arr(B, L, Hk, dk), 0.2 * arr(B, L, Hk, dk), arr(B, L, Hv, dv)
+    log_g, beta, s0 = -0.1 * mx.abs(arr(B, L, Hv)), mx.sigmoid(arr(B, L, Hv)), 0.1 * arr(B, Hv, dv, dk)
+    y, s = mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, s0)
+    y_ref, s_ref = gated_delta_loop(mx.repeat(q, 2, axis=2), mx.repeat(k, 2, axis=2), v, log_g, beta, s0)
+    assert mx.array_equal(y, y_ref) and mx.array_equal(s, s_ref)
+
+
+def test_fused_projections_equal_separate_ones(tiny):
+    """Projections that read the same input run as one matmul per quantization: every output equals its own
+    layer's, bit for bit (the 8-bit router and output gate, the 4-bit shared gate/up: two matmuls)."""
+    from streamoe.runtime.model import Projections, QLinear, _Loader
+
+    p = f"{PREFIX}model.layers.2.mlp."
+    a = tiny.args
+    modules = [(f"{p}gate", a.num_experts), (f"{p}shared_expert.gate_proj", a.shared_expert_intermediate_size),
+               (f"{p}shared_expert.up_proj", a.shared_expert_intermediate_size), (f"{p}shared_expert_gate", 1)]
+    ld = _Loader(a, tiny.nonexpert, mx.float32)
+    fused = Projections(ld, modules, a.hidden_size)
+    assert len(fused.linears) == 2  # 8-bit and 4-bit
+    x = mx.random.normal((1, 3, a.hidden_size), key=mx.random.key(9))
+    for (module, out_dims), got in zip(modules, fused(x), strict=True):
+        want = QLinear(*ld.quantized(module, out_dims, a.hidden_size))(x)
+        assert got.shape == want.shape and mx.array_equal(got, want), module
+
+
 def test_kv_cache(tiny):
     m = tiny.model
     cache = m.make_cache(40, kv_dtype=mx.float16)

@@ -112,6 +112,8 @@ def test_logits_bit_identical_across_caps_prefetch_and_tiers(small_conv, experts
 
 def test_telemetry_adds_up_and_validates(small_conv, tmp_path):
     _, eng = run_logits(small_conv, 16, steps=12, prefetch_width=6)
+    cache = eng.plan.accounts["allocator cache"]
+    assert mx.set_cache_limit(cache) == cache  # the buffers MLX keeps for reuse are the plan's account, no more
     stride = eng.lay.stride
     for s in eng.steps:
         jsonschema.validate(s.to_json(), schema("telemetry.schema.json"))
