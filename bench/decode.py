@@ -148,9 +148,9 @@ def sweep(a: argparse.Namespace, scratch: Path) -> None:
 
     full = plan(512)
     top_k = json.loads((model / "manifest.json").read_text())["model"]["top_k"]
-    n_exp_total, stride = full["n_layers"] * full["n_experts"], full["stride"]
+    n_exp_total, slot, stride = full["n_layers"] * full["n_experts"], full["slot"], full["stride"]
     if a.caps is None:  # fractions of the experts held, for a model of any size
-        caps = [round((full["fixed"] + f * n_exp_total * stride) / 2**30 + 0.002, 3) for f in (0.05, 0.2, 0.5)] + ["resident"]
+        caps = [round((full["fixed"] + f * n_exp_total * slot) / 2**30 + 0.002, 3) for f in (0.05, 0.2, 0.5)] + ["resident"]
     else:
         caps = [c if c == "resident" else float(c) for c in a.caps.split(",")]
     layer_files = sorted((model / "experts" / a.experts).glob("layer-*.bin"))
@@ -158,7 +158,7 @@ def sweep(a: argparse.Namespace, scratch: Path) -> None:
     raw = raw_read_gbs(layer_files, limit_bytes=2 << 30)
     results = []
     for cap in caps:
-        c = round((full["fixed"] + n_exp_total * stride) / 2**30 + 0.05, 3) if cap == "resident" else cap
+        c = round((full["fixed"] + n_exp_total * slot) / 2**30 + 0.05, 3) if cap == "resident" else cap
         variants = [("freq-pf6", [])]
         if a.variants and cap != "resident":
             variants += [("lru-pf6", ["--tier", "lru"]), ("freq-pf0", ["--prefetch-width", "0"])]
@@ -167,8 +167,8 @@ def sweep(a: argparse.Namespace, scratch: Path) -> None:
             warm, trace = r.pop("_warm", []), r.pop("_trace", [])
             if "error" not in r:
                 pl = plan(c)
-                scratch = min(pl["staging_slots"], 3 * top_k)  # the tier's scratch ring: 2 x top-k + the default width (top-k)
-                slots = pl["hot_slots"] + pl["staging_slots"] - scratch
+                tier_scratch = min(pl["staging_slots"], 3 * top_k)  # the tier's scratch ring: 2 x top-k + the default width (top-k)
+                slots = pl["hot_slots"] + pl["staging_slots"] - tier_scratch
                 r["hot_slots"], r["tier_slots"] = pl["hot_slots"], slots
                 if trace:
                     r["belady_hit_rate"] = round(belady_hits(warm + trace, slots, start=len(warm)) / len(trace), 4)

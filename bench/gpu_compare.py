@@ -105,7 +105,7 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
         from streamoe.runtime.plan import plan_for
 
         base = plan_for(model, Options(cap_gib=64, ctx=2048, experts=experts, dtype=dtype, runtime_bytes=600 << 20))
-        cap_gib = (base.fixed + int(cap[6:]) * base.stride + 1) / 2**30
+        cap_gib = (base.fixed + int(cap[6:]) * base.slot_bytes + 1) / 2**30
     else:
         cap_gib = 64.0 if cap == "resident" else float(cap)
     gc.collect()  # the previous run's engine (its timing wrapper makes a cycle), so its memory is not counted here

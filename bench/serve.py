@@ -141,7 +141,7 @@ def quarter_cap(model: Path, ctx: int, runtime_mib: int, cache_mib: float) -> fl
 
     extra = int(cache_mib * 2**20) + 9 * 2 * 4 * 2**20
     p = plan_for(model, Options(cap_gib=64, ctx=ctx, images=True, runtime_bytes=runtime_mib * 2**20 + extra))
-    return (p.fixed + p.n_layers * p.n_experts // 4 * p.stride + p.stride // 2) / 2**30
+    return (p.fixed + p.n_layers * p.n_experts // 4 * p.slot_bytes + p.slot_bytes // 2) / 2**30
 
 
 def main() -> None:

@@ -48,11 +48,15 @@ VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check e
 
 
 class SlotPools:
-    """One MLX array per record segment, [slots, *segment shape], in the compute device's memory."""
+    """One MLX array per record segment, [slots, *segment shape], in the compute device's memory. Packed
+    weights stay as stored; scales and biases are held at the compute dtype, cast once as a record lands
+    (`gather_qmm` takes them in the activations' dtype: stored bf16 under float32 activations, every call
+    would cast the whole pool). `plan.slot_bytes` counts exactly this."""
 
-    def __init__(self, n_slots: int, lay: RecordLayout):
+    def __init__(self, n_slots: int, lay: RecordLayout, dtype: mx.Dtype):
         self.lay, self.n = lay, n_slots
-        self.dtypes = [mx_dtype(s.dtype) for s in lay.segments]
+        self.stored = [mx_dtype(s.dtype) for s in lay.segments]
+        self.dtypes = [st if s.part == "weight" else dtype for s, st in zip(lay.segments, self.stored, strict=True)]
         self.arrays = [mx.zeros((n_slots, *s.shape), dtype=dt) for s, dt in zip(lay.segments, self.dtypes, strict=True)]
         mx.eval(self.arrays)
 
@@ -65,19 +69,20 @@ class SlotPools:
         it, in stream order."""
         raw = np.frombuffer(record, dtype=np.uint8, count=self.lay.raw_size)
         rec = mx.array(raw)
-        for j, (s, dt) in enumerate(zip(self.lay.segments, self.dtypes, strict=True)):
-            part = raw[s.offset: s.offset + s.nbytes]
-            if s.offset % dt.size:  # a segment a kernel could not read in place (tiny models): its own copy
-                self.arrays[j][slot] = mx.array(part).view(dt).reshape(s.shape)
+        for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):
+            if s.offset % st.size:  # a segment a kernel could not read in place (tiny models): its own copy
+                part = mx.array(raw[s.offset: s.offset + s.nbytes])
             else:
-                self.arrays[j][slot] = rec[s.offset: s.offset + s.nbytes].view(dt).reshape(s.shape)
+                part = rec[s.offset: s.offset + s.nbytes]
+            self.arrays[j][slot] = part.view(st).reshape(s.shape).astype(self.dtypes[j])
 
     def bytes_at(self, slot: int) -> bytes:
-        """The record bytes slot `slot` holds now (a gathered copy: the pools themselves stay where they are)."""
+        """The record bytes slot `slot` holds now, scales and biases cast back to their stored dtype (exact from a
+        wider float; a gathered copy: the pools themselves stay where they are)."""
         idx = mx.array([slot], dtype=mx.uint32)
         out = []
-        for a in self.arrays:
-            c = mx.take(a, idx, axis=0)
+        for a, st in zip(self.arrays, self.stored, strict=True):
+            c = mx.take(a, idx, axis=0).astype(st)
             out.append(np.array(c.view(mx.uint16) if c.dtype == mx.bfloat16 else c).tobytes())
         return b"".join(out)
 
@@ -86,12 +91,13 @@ class StreamingExperts:
     """The experts provider of a streamed model: `experts(i, x, inds, scores)` -> layer i's routed output."""
 
     def __init__(self, store: ExpertStore, lay: RecordLayout, n_layers: int, n_experts: int, top_k: int,
-                 hot_slots: int, tier: str, prefetch_width: int, guess: Callable[[int, mx.array], mx.array]):
+                 hot_slots: int, tier: str, prefetch_width: int, guess: Callable[[int, mx.array], mx.array],
+                 dtype: mx.Dtype = mx.float32):
         self.store, self.lay, self.guess = store, lay, guess
         self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
         self.resident = hot_slots >= n_layers * n_experts
         staging = 0 if self.resident else n_experts
-        self.pools = SlotPools(hot_slots + staging, lay)
+        self.pools = SlotPools(hot_slots + staging, lay, dtype)
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
         self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
         # how often the router's r-th guess for the next layer was then picked, issued or not: a rank is read

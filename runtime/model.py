@@ -634,7 +634,7 @@ def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, bits: int, group_
 
 def _switch_glu(x, w, slots, bits, group_size):
     def qmm(a, wq, s, b):
-        # scales/biases as stored (bf16): with float32 x the kernel upcasts them, the same bits as casting first
+        # scales/biases at x's dtype (the pools hold them so): mixed dtypes would cast the whole stacked array
         return mx.gather_qmm(a, wq, s, b, rhs_indices=slots, transpose=True, group_size=group_size, bits=bits)
 
     xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, H]: each token meets its k picks

@@ -16,6 +16,7 @@ from ..formats.config import ModelArgs
 from ..formats.dtypes import itemsize
 from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import Manifest, load_manifest
+from ..formats.record import RecordLayout
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -80,9 +81,10 @@ class MemoryPlan:
     cap: int
     ctx: int
     expert_format: str
-    stride: int
+    stride: int  # bytes of one expert record on disk
     n_experts: int
     n_layers: int = 1
+    slot: int = 0  # bytes one slot of the pools holds (scales and biases at the compute dtype); 0 = stride
     accounts: dict[str, int] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -96,7 +98,11 @@ class MemoryPlan:
 
     @property
     def hot_slots(self) -> int:
-        return min(self.hot_bytes // self.stride, self.n_layers * self.n_experts)  # more would hold nothing
+        return min(self.hot_bytes // self.slot_bytes, self.n_layers * self.n_experts)  # more would hold nothing
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot or self.stride
 
     @property
     def staging_slots(self) -> int:
@@ -112,17 +118,17 @@ class MemoryPlan:
 
     def render(self) -> str:
         rows = [f"memory plan: cap {self.cap / GiB:.2f} GiB, ctx {self.ctx}, experts {self.expert_format} "
-                f"({self.stride:,} B per expert)"]
+                f"({self.stride:,} B per expert, {self.slot_bytes:,} B per slot)"]
         for name, n in self.accounts.items():
             note = f"  ({self.notes[name]})" if name in self.notes else ""
             rows.append(f"  {name:<16} {size(n)}{note}")
-        rows.append(f"  {'hot tier':<16} {size(self.hot_slots * self.stride)}  ({self.hot_slots} expert slots of "
+        rows.append(f"  {'hot tier':<16} {size(self.hot_slots * self.slot_bytes)}  ({self.hot_slots} expert slots of "
                     f"{self.n_layers * self.n_experts}; +{self.staging_slots} lent staging slots during decode)")
-        rows.append(f"  {'total':<16} {size(self.fixed + self.hot_slots * self.stride)} of {self.cap / GiB:.2f} GiB")
+        rows.append(f"  {'total':<16} {size(self.fixed + self.hot_slots * self.slot_bytes)} of {self.cap / GiB:.2f} GiB")
         return "\n".join(rows)
 
     def to_json(self) -> dict:
-        return {"cap": self.cap, "ctx": self.ctx, "expert_format": self.expert_format, "stride": self.stride,
+        return {"cap": self.cap, "ctx": self.ctx, "expert_format": self.expert_format, "stride": self.stride, "slot": self.slot_bytes,
                 "accounts": dict(self.accounts), "fixed": self.fixed, "hot_slots": self.hot_slots,
                 "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits}
 
@@ -158,14 +164,20 @@ def state_bytes(a: ModelArgs, ctx: int, kv_item: int) -> tuple[int, int]:
     return kv, lin
 
 
+def slot_bytes(lay: RecordLayout, dtype: str) -> int:
+    """What one slot of the pools holds: the packed weights as stored, scales and biases at the compute dtype
+    (kernels take them in the activations' dtype; kept as stored, every call would cast the whole pool)."""
+    return sum(s.nbytes if s.part == "weight" else s.nbytes // itemsize(s.dtype) * itemsize(dtype) for s in lay.segments)
+
+
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
-              prefill_chunk: int = 256, ring: int = 0) -> MemoryPlan:
+              prefill_chunk: int = 256, ring: int = 0, slot: int = 0) -> MemoryPlan:
     item, kv_item = itemsize(dtype), itemsize(kv_dtype)
     kv, lin = state_bytes(args, ctx, kv_item)
     n_exp = args.num_experts
     plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp,
-                      n_layers=args.num_hidden_layers)
+                      n_layers=args.num_hidden_layers, slot=slot)
     if runtime_bytes is None:
         runtime_bytes = current_rss() + 64 * MiB
         plan.notes["runtime"] = "measured RSS at open + 64 MiB for allocator cache and Python heap"
@@ -175,7 +187,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "linear state": lin,
         "activations": activation_bytes(args, ctx, min(prefill_chunk, ctx), item),
         "allocator cache": lin + 32 * MiB,
-        "prefill staging": n_exp * stride,
+        "prefill staging": n_exp * plan.slot_bytes,
         "read staging": 2 * ring * stride,
         "vision": vision_bytes,
         "runtime": runtime_bytes,
@@ -210,6 +222,7 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
         vision = vision_account(m.config, opts.max_pixels, opts.max_decode_pixels)
     plan = make_plan(args=ModelArgs.from_config(m.config, m.root / "manifest.json"), cap=int(opts.cap_gib * GiB),
                      ctx=opts.ctx, expert_format=opts.experts, stride=fmts[opts.experts].layout.stride,
+                     slot=slot_bytes(fmts[opts.experts].layout, dtype),
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
                      dtype=dtype, kv_dtype=kv_dtype(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
                      vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])))
@@ -237,7 +250,7 @@ def machine_bytes() -> tuple[int, str]:
 def require_machine(plan: MemoryPlan) -> None:
     """A plan that would allocate more than the machine has fails here, with one line, instead of crashing in
     the allocator (MLX segfaults on a KV cache larger than memory: `--cap 1e6 --ctx 100000000`)."""
-    total = min(plan.fixed, plan.cap) + plan.hot_slots * plan.stride
+    total = min(plan.fixed, plan.cap) + plan.hot_slots * plan.slot_bytes
     have, what = machine_bytes()
     if total > have:
         big = max(plan.accounts, key=plan.accounts.get)

@@ -186,7 +186,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
     from .formats.limits import check_config_sizes
     from .formats.record import RecordLayout
     from .formats.safetensors import tensor_nbytes
-    from .runtime.plan import GiB, make_plan
+    from .runtime.plan import GiB, make_plan, slot_bytes
     from .runtime.weights import resident_bytes
 
     config = read_json(path)
@@ -197,7 +197,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
         lay = RecordLayout.make(args.hidden_size, args.moe_intermediate_size, FORMAT_BITS[experts], args.expert_quant(0)[1])
         nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
                                     if ".switch_mlp." not in name and not name.startswith("vision_tower.")), itemsize(dtype))
-        return make_plan(args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride,
+        return make_plan(args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride, slot=slot_bytes(lay, dtype),
                          nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=dtype if kv == "auto" else kv,
                          runtime_bytes=runtime_mib and runtime_mib << 20)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:

@@ -30,7 +30,7 @@ def quarter_cap(conv: Path, ctx: int, runtime_mib: int, cache_mib: float, body_m
     """A cap (GiB) whose hot tier holds a quarter of the experts, with the server's accounts in the plan."""
     extra = int(cache_mib * MiB) + (queue + 1) * 2 * int(body_mib * MiB)
     p = plan_for(conv, Options(cap_gib=64, ctx=ctx, images=True, runtime_bytes=runtime_mib * MiB + extra))
-    return (p.fixed + p.n_layers * p.n_experts // 4 * p.stride + p.stride // 2) / 2**30
+    return (p.fixed + p.n_layers * p.n_experts // 4 * p.slot_bytes + p.slot_bytes // 2) / 2**30
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ def run(conv, slots: int | None, dtype: str, steps: int = 12, **opts) -> tuple[b
     """Greedy logits (prompt + steps) as bytes, and the misses the run had."""
     o = dict(ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, dtype=dtype, **opts)
     base = plan_for(conv, Options(cap_gib=64, **o))
-    cap = 64.0 if slots is None else (base.fixed + slots * base.stride + 1) / 2**30
+    cap = 64.0 if slots is None else (base.fixed + slots * base.slot_bytes + 1) / 2**30
     eng = Engine(conv, Options(cap_gib=cap, **o))
     out = [np.array(eng.prefill(eng.text.encode(PROMPT)).astype(mx.float32))]
     for _ in range(steps):

@@ -35,7 +35,7 @@ def question(eng: Engine) -> list[int]:
 
 def engine(conv: Path, slots: int | None) -> Engine:
     base = plan_for(conv, Options(cap_gib=64, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME, images=True))
-    cap = 64.0 if slots is None else (base.fixed + slots * base.stride + 1) / 2**30
+    cap = 64.0 if slots is None else (base.fixed + slots * base.slot_bytes + 1) / 2**30
     return Engine(conv, Options(cap_gib=cap, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME, images=True))
 
 
@@ -86,7 +86,7 @@ def test_chat_turns_and_cli_image(tiny_conv, picture):
 
 def test_image_run_inside_cgroup(small_conv, picture, tmp_path):
     plan = plan_for(small_conv, Options(cap_gib=8, ctx=512, images=True, runtime_bytes=160 << 20))
-    cap = round((plan.fixed + 100 * plan.stride) / 2**30, 3)
+    cap = round((plan.fixed + 100 * plan.slot_bytes) / 2**30, 3)
     stats = tmp_path / "s.jsonl"
     p, failcnt, peak = run_capped(["run", small_conv, "--cap", cap, "--ctx", 512, "--image", picture, "-p", "Describe it.",
                                    "-n", 12, "--stats", stats], cap)

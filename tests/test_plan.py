@@ -20,6 +20,7 @@ from streamoe.runtime.plan import (
     activation_bytes,
     make_plan,
     read_ring,
+    slot_bytes,
     state_bytes,
 )
 
@@ -36,6 +37,9 @@ TEXT = {
 CONFIG = {"model_type": "qwen3_5_moe", "text_config": TEXT, "quantization": {"bits": 4, "group_size": 64}}
 
 STRIDE_Q4 = 1_769_472  # one 4-bit expert record of this config (docs/FORMAT.md)
+# one slot of the pools at float32: the packed weights as stored (gate and up 512 x 256 uint32, down 2048 x 64)
+# and the 6 x 16,384 scales and biases (gate/up 512 x 32, down 2048 x 8) at 4 bytes instead of bf16's 2
+SLOT_F32 = 3 * 524_288 + 6 * 16_384 * 4
 NONEXPERT = 1 * GiB  # given, not derived: what the non-expert tensors hold at the compute dtype
 RUNTIME = 256 * MiB  # given: the interpreter allowance (measured at open when not given)
 
@@ -55,7 +59,7 @@ LOGITS = 2 * 248320
 ACTIVATIONS = 3 * (HIDDEN + max(ATTN, GDN) + MOE + LOGITS) * 4 // 2
 # MLX keeps freed buffers for reuse up to this: a decode step's new recurrent states (LINEAR) + 32 MiB
 ALLOC_CACHE = LINEAR + 32 * MiB
-STAGING = 256 * STRIDE_Q4  # one slot per expert of a layer
+STAGING = 256 * SLOT_F32  # one slot per expert of a layer
 # host staging the reads land in: 2 x top-k 8 (a layer's misses) + 8 guesses (prefetch width = top-k by default)
 # + 8 I/O threads = 32 records, counted twice (the staging and the copies in flight)
 RING = 2 * 8 + 8 + 8
@@ -70,15 +74,18 @@ def args() -> ModelArgs:
 
 def plan(args: ModelArgs, cap: float, **kw) -> MemoryPlan:
     opts = {"ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4, "nonexpert_resident": NONEXPERT,
-            "runtime_bytes": RUNTIME, "dtype": "float32", "kv_dtype": "float32", "prefill_chunk": 256, "ring": RING, **kw}
+            "runtime_bytes": RUNTIME, "dtype": "float32", "kv_dtype": "float32", "prefill_chunk": 256, "ring": RING,
+            "slot": SLOT_F32, **kw}
     return make_plan(args=args, cap=int(cap * GiB), **opts)
 
 
 def test_hand_computed_values_are_the_ones_above():
-    assert (KV, LINEAR, ACTIVATIONS, STAGING, READ_STAGING) == (167_772_160, 65_863_680, 322_271_232, 452_984_832,
+    assert (KV, LINEAR, ACTIVATIONS, STAGING, READ_STAGING) == (167_772_160, 65_863_680, 322_271_232, 503_316_480,
                                                                 113_246_208)
     assert read_ring(Options(), top_k=8) == RING
     assert RecordLayout.make(2048, 512, 4, 64).stride == STRIDE_Q4
+    assert slot_bytes(RecordLayout.make(2048, 512, 4, 64), "float32") == SLOT_F32 == 1_966_080
+    assert slot_bytes(RecordLayout.make(2048, 512, 4, 64), "bfloat16") == STRIDE_Q4  # as stored
     assert ATTN > GDN  # at ctx 4096 the attention scores are the largest temporary
 
 
@@ -88,9 +95,9 @@ def test_accounts_exact(args):
                           "allocator cache": ALLOC_CACHE, "prefill staging": STAGING, "read staging": READ_STAGING, "vision": 0, "runtime": RUNTIME}
     assert state_bytes(args, 4096, 4) == (KV, LINEAR)
     assert activation_bytes(args, 4096, 256, 4) == ACTIVATIONS
-    assert p.fixed == FIXED == 2_563_733_504
+    assert p.fixed == FIXED == 2_614_065_152
     assert p.hot_bytes == 4 * GiB - FIXED
-    assert p.hot_slots == (4 * GiB - FIXED) // STRIDE_Q4 == 978
+    assert p.hot_slots == (4 * GiB - FIXED) // SLOT_F32 == 854
     assert p.staging_slots == 256 and p.n_layers == 40 and p.n_experts == 256
     assert p.fits and p.min_cap == FIXED
     p.require_fit()
@@ -111,7 +118,7 @@ def test_dtypes_and_context_scale_their_accounts(args):
 
 def test_hot_slots_never_exceed_every_expert(args):
     p = plan(args, 512)
-    assert p.hot_bytes // STRIDE_Q4 > 40 * 256
+    assert p.hot_bytes // SLOT_F32 > 40 * 256
     assert p.hot_slots == 40 * 256
 
 
@@ -123,14 +130,14 @@ def test_too_small_a_cap_names_the_smallest_that_fits(args):
     need, smallest = FIXED / GiB, (FIXED + 0.01 * GiB) / GiB
     assert str(e.value) == (f"cap 2.00 GiB is too small for this model at ctx 4096: the fixed accounts need "
                             f"{need:.2f} GiB; smallest cap that fits: --cap {smallest:.2f}")
-    assert str(e.value).endswith("--cap 2.40")
+    assert str(e.value).endswith("--cap 2.44")
     plan(args, float(f"{smallest:.2f}")).require_fit()  # the cap it names does fit
 
 
 def test_render_and_json(args):
     p = plan(args, 4)
     text = p.render().splitlines()
-    assert text[0] == "memory plan: cap 4.00 GiB, ctx 4096, experts q4 (1,769,472 B per expert)"
+    assert text[0] == "memory plan: cap 4.00 GiB, ctx 4096, experts q4 (1,769,472 B per expert, 1,966,080 B per slot)"
     names = [ln.split("  ")[1].strip() for ln in text[1:]]
     assert names == ["non-expert", "kv cache", "linear state", "activations", "allocator cache", "prefill staging",
                      "read staging", "vision",
@@ -138,10 +145,10 @@ def test_render_and_json(args):
     assert "   1.000 GiB" in text[1] and "(4096 tokens, float32)" in text[2]
     assert "(256 slots, one per expert of a layer)" in text[6]
     assert "(32 records of host staging + their copies in flight)" in text[7]
-    assert f"(978 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[10]
-    assert text[11].endswith(f"{(FIXED + 978 * STRIDE_Q4) / GiB:8.3f} GiB of 4.00 GiB")
-    assert p.to_json() == {"cap": 4 * GiB, "ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4,
-                           "accounts": p.accounts, "fixed": FIXED, "hot_slots": 978, "staging_slots": 256,
+    assert f"(854 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[10]
+    assert text[11].endswith(f"{(FIXED + 854 * SLOT_F32) / GiB:8.3f} GiB of 4.00 GiB")
+    assert p.to_json() == {"cap": 4 * GiB, "ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4, "slot": SLOT_F32,
+                           "accounts": p.accounts, "fixed": FIXED, "hot_slots": 854, "staging_slots": 256,
                            "n_layers": 40, "n_experts": 256, "fits": True}
 
 

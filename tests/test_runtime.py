@@ -67,7 +67,7 @@ def test_tiny_matches_mlx_lm(tiny_ckpt, tiny_conv, prompt):
 
 def test_small_matches_mlx_lm_at_a_tight_cap(small_ckpt, small_conv):
     base = plan_for(small_conv, Options(cap_gib=8, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME))
-    cap = (base.fixed + 40 * base.stride) / 2**30  # 40 hot slots of 512 experts
+    cap = (base.fixed + 40 * base.slot_bytes) / 2**30  # 40 hot slots of 512 experts
     ref, ours, worst = teacher_forced(small_ckpt, small_conv, PROMPTS[2], 32, cap_gib=cap, prefetch_width=6)
     assert ours == ref and worst < LOGIT_ATOL
     ref2, ours2, worst2 = teacher_forced(small_ckpt, small_conv, PROMPTS[0], 32, cap_gib=cap, tier="lru")
@@ -87,7 +87,7 @@ def test_qwen35_variant_matches_mlx_lm(tmp_path):
 
 def run_logits(conv: Path, cap_slots: int | None, steps: int = 24, **opts) -> tuple[bytes, Engine]:
     base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
-    cap = 64.0 if cap_slots is None else (base.fixed + cap_slots * base.stride + 1) / 2**30
+    cap = 64.0 if cap_slots is None else (base.fixed + cap_slots * base.slot_bytes + 1) / 2**30
     eng = Engine(conv, Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
     out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])))]
     for _ in range(steps):
@@ -146,7 +146,7 @@ def test_cli_logits_out_equal_across_caps(small_conv, tmp_path):
 
 def test_run_inside_cgroup_limit_equal_to_cap(small_conv, tmp_path):
     plan = plan_for(small_conv, Options(cap_gib=8, ctx=512, runtime_bytes=160 << 20))
-    cap_gib = round((plan.fixed + 120 * plan.stride) / 2**30, 3)  # about 120 of the 512 experts
+    cap_gib = round((plan.fixed + 120 * plan.slot_bytes) / 2**30, 3)  # about 120 of the 512 experts
     stats = tmp_path / "stats.jsonl"
     p, failcnt, peak = run_capped(["run", small_conv, "--cap", cap_gib, "--ctx", 512, "-p", "def main():", "-n", 24,
                                    "--raw", "--stats", stats], cap_gib)
@@ -231,7 +231,7 @@ def test_pipelined_resident_generate_equals_the_plain_loop(small_conv, max_token
     results = []
     for slots in (None, 24):
         base = plan_for(small_conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME))
-        cap = 64.0 if slots is None else (base.fixed + slots * base.stride + 1) / 2**30
+        cap = 64.0 if slots is None else (base.fixed + slots * base.slot_bytes + 1) / 2**30
         eng = Engine(small_conv, Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME))
         assert eng.experts.resident == (slots is None)
         eng.text.stop_ids = {int(np.array(eng.prefill(eng.text.encode(PROMPTS[1]))).argsort()[-3])}  # a stop it may meet

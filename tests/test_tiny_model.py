@@ -38,7 +38,7 @@ def cap_for(conv: Path, fraction: float | None, **kw) -> float:
     base = plan_for(conv, Options(cap_gib=64, ctx=1024, prefill_chunk=16, runtime_bytes=RUNTIME, **kw))
     if fraction is None:
         return 64.0
-    return (base.fixed + int(fraction * base.n_layers * base.n_experts) * base.stride + 1) / 2**30
+    return (base.fixed + int(fraction * base.n_layers * base.n_experts) * base.slot_bytes + 1) / 2**30
 
 
 def ours(conv: Path, ids: list[int], n: int, fraction: float | None, **kw) -> tuple[list[int], bytes]:
