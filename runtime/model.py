@@ -31,9 +31,10 @@ from ..formats.record import ExpertWeights
 from .cache import GDNCache, KVCache
 
 GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
-# On a GPU, calls of up to GDN_CHUNK tokens (decode) run the delta rule as `mx.fast.gated_delta_update`, one
-# kernel per layer instead of a chain of state-sized ones. On the CPU backend that op is the token loop
-# below, bit for bit; there the loop itself runs, evaluated in pieces.
+# Calls of up to GDN_CHUNK tokens (decode) run the delta rule as `mx.fast.gated_delta_update`: on a GPU one
+# kernel per layer instead of a chain of state-sized ones; on the CPU backend the same arithmetic as the token
+# loop below, bit for bit, in fewer passes. Longer calls take the loop (evaluated in pieces) or, on a GPU,
+# the chunked form.
 FAST_GDN = True
 
 
@@ -45,7 +46,7 @@ FAST_GDN = True
 # big layer's output rows across streams uses every core. Each output row is computed by the same kernel
 # whatever the split, so results do not change with the number of streams.
 STREAMS: list = []
-SPLIT_ROWS = 2048
+SPLIT_ROWS = 1024
 
 
 def gpu_compiled(fn):
@@ -414,7 +415,7 @@ class GatedDeltaNet:
             cache.state if cache is not None else mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
         )
         gpu = mx.default_device() == mx.gpu
-        if gpu and FAST_GDN and L <= GDN_CHUNK:  # MLX's fused kernel (GQA built in): one launch per layer
+        if FAST_GDN and L <= GDN_CHUNK:  # MLX's fused op (GQA built in)
             y, state = mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, state)
         else:
             if self.hv != self.hk:  # value head j reads key head j // (Hv/Hk)

@@ -274,8 +274,8 @@ def test_gdn_chunked_vs_loop(L):
 
 
 def test_fused_delta_rule_op_is_the_token_loop_on_the_cpu():
-    """`mx.fast.gated_delta_update` (what a GPU runs for decode) against our loop, float32, grouped heads: on the
-    CPU backend they are the same arithmetic, bit for bit (on a GPU, tests/test_gpu.py bounds it against mlx-lm)."""
+    """`mx.fast.gated_delta_update` (what decode runs) against our token loop, float32, grouped heads: on the CPU
+    backend they are the same arithmetic, bit for bit (on a GPU, tests/test_gpu.py bounds it against mlx-lm)."""
     if mx.default_device() != mx.cpu:
         pytest.skip("the CPU backend's op is the claim; GPUs are covered by tests/test_gpu.py")
     rng = np.random.default_rng(7)
