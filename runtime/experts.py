@@ -53,22 +53,33 @@ class SlotPools:
     (`gather_qmm` takes them in the activations' dtype: stored bf16 under float32 activations, every call
     would cast the whole pool). `plan.slot_bytes` counts exactly this."""
 
-    def __init__(self, n_slots: int, lay: RecordLayout, dtype: mx.Dtype):
+    def __init__(self, n_slots: int, lay: RecordLayout, dtype: mx.Dtype, uploads: int):
         self.lay, self.n = lay, n_slots
         self.stored = [mx_dtype(s.dtype) for s in lay.segments]
         self.dtypes = [st if s.part == "weight" else dtype for s, st in zip(lay.segments, self.stored, strict=True)]
         self.arrays = [mx.zeros((n_slots, *s.shape), dtype=dt) for s, dt in zip(lay.segments, self.dtypes, strict=True)]
-        mx.eval(self.arrays)
+        # a ring of MLX buffers records are copied into (the plan's "copies in flight"): allocated once, so a
+        # fill is one memcpy into resident pages, not an allocation the copy then faults in page by page
+        self.uploads = [mx.zeros((lay.raw_size,), dtype=mx.uint8) for _ in range(uploads)]
+        mx.eval(self.arrays, self.uploads)
+        self.hosts = [np.asarray(u) for u in self.uploads]  # writable host views of the same memory
+        self.next = 0
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(*self.arrays)
 
     def fill(self, slot: int, record: memoryview) -> None:
-        """Queue the copy of one record (host bytes) into `slot`. The bytes are copied at once, into one MLX
-        array (the staging entry may be reused as soon as this returns); the nine slot updates read views of
-        it, in stream order."""
+        """Queue the copy of one record (host bytes) into `slot`. The bytes are copied at once, into the next
+        upload buffer (the staging entry may be reused as soon as this returns); the nine slot updates read
+        views of it, in stream order. Before the ring wraps, every queued update is evaluated, so no buffer
+        is rewritten while an update that reads it is pending."""
+        if self.next == len(self.uploads):
+            mx.eval(self.arrays)
+            self.next = 0
         raw = np.frombuffer(record, dtype=np.uint8, count=self.lay.raw_size)
-        rec = mx.array(raw)
+        np.copyto(self.hosts[self.next], raw)
+        rec = self.uploads[self.next]
+        self.next += 1
         for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):
             if s.offset % st.size:  # a segment a kernel could not read in place (tiny models): its own copy
                 part = mx.array(raw[s.offset: s.offset + s.nbytes])
@@ -97,7 +108,7 @@ class StreamingExperts:
         self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
         self.resident = hot_slots >= n_layers * n_experts
         staging = 0 if self.resident else n_experts
-        self.pools = SlotPools(hot_slots + staging, lay, dtype)
+        self.pools = SlotPools(hot_slots + staging, lay, dtype, store.ring)
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
         self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
         # how often the router's r-th guess for the next layer was then picked, issued or not: a rank is read
@@ -126,7 +137,7 @@ class StreamingExperts:
             if key not in reads:
                 reads[key] = self.store.read(*key)
         pending = {f: key for key, f in reads.items()}
-        waited, filled = 0.0, 0
+        waited = 0.0
         while pending:
             t = time.perf_counter()
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -136,9 +147,6 @@ class StreamingExperts:
                 entry = f.result()
                 self.pools.fill(slots[key], self.store.record(entry))
                 self.store.release(entry)
-                filled += 1
-                if filled % self.store.ring == 0:  # bound the MLX copies queued behind the updates
-                    mx.eval(self.pools.arrays)
         if VERIFY and slots:
             self._verify(slots)
         return waited
