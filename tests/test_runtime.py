@@ -89,9 +89,9 @@ def run_logits(conv: Path, cap_slots: int | None, steps: int = 24, **opts) -> tu
     base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
     cap = 64.0 if cap_slots is None else (base.fixed + cap_slots * base.slot_bytes + 1) / 2**30
     eng = Engine(conv, Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
-    out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])))]
+    out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])).astype(mx.float32))]
     for _ in range(steps):
-        out.append(np.array(eng.forward([int(out[-1].argmax())], "decode")))
+        out.append(np.array(eng.forward([int(out[-1].argmax())], "decode").astype(mx.float32)))
     eng.close()
     return np.stack(out).tobytes(), eng
 
@@ -108,6 +108,21 @@ def test_logits_bit_identical_across_caps_prefetch_and_tiers(small_conv, experts
     first = runs[(0, 6, "freq")][0]
     for key, (data, _, _) in runs.items():
         assert data == first, f"logits differ at {key}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_filled_slot_holds_the_file_bytes(tiny_conv, dtype, monkeypatch):
+    """The verification mode the GPU tests use, on the CPU: after every fill each slot's bytes (scales cast back
+    from the compute dtype) equal the record in the file, through the upload ring and its wrap-arounds; the
+    logits equal the resident run's."""
+    from streamoe.runtime import experts as experts_mod
+
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    capped, eng = run_logits(tiny_conv, 4, steps=6, dtype=dtype)
+    misses = sum(ly.misses for s in eng.steps for ly in s.layers)
+    assert misses > 2 * len(eng.experts.pools.uploads) and misses > eng.experts.pools.n  # ring wrapped, slots refilled
+    resident, _ = run_logits(tiny_conv, None, steps=6, dtype=dtype)
+    assert capped == resident
 
 
 def test_telemetry_adds_up_and_validates(small_conv, tmp_path):
