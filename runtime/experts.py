@@ -80,12 +80,8 @@ class SlotPools:
         np.copyto(self.hosts[self.next], raw)
         rec = self.uploads[self.next]
         self.next += 1
-        for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):
-            if s.offset % st.size:  # a segment a kernel could not read in place (tiny models): its own copy
-                part = mx.array(raw[s.offset: s.offset + s.nbytes])
-            else:
-                part = rec[s.offset: s.offset + s.nbytes]
-            self.arrays[j][slot] = part.view(st).reshape(s.shape).astype(self.dtypes[j])
+        for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):  # offsets are itemsize-aligned
+            self.arrays[j][slot] = rec[s.offset: s.offset + s.nbytes].view(st).reshape(s.shape).astype(self.dtypes[j])
 
     def bytes_at(self, slot: int) -> bytes:
         """The record bytes slot `slot` holds now, scales and biases cast back to their stored dtype (exact from a

@@ -19,6 +19,7 @@ prompt into differently sized calls changes rounding (matmul shapes, attention a
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -31,10 +32,12 @@ from ..formats.record import ExpertWeights
 from .cache import GDNCache, KVCache
 
 GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
-# Calls of up to GDN_CHUNK tokens (decode) run the delta rule as `mx.fast.gated_delta_update`: on a GPU one
+EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
+# Calls of up to EVAL_EVERY tokens (decode) run the delta rule as `mx.fast.gated_delta_update`: on a GPU one
 # kernel per layer instead of a chain of state-sized ones; on the CPU backend the same arithmetic as the token
-# loop below, bit for bit, in fewer passes. Longer calls take the loop (evaluated in pieces) or, on a GPU,
-# the chunked form.
+# loop below, bit for bit, in fewer passes, but with every token's temporaries alive at once (146 MiB for 64
+# full-size tokens against the loop's 35), hence the bound. Longer calls take the loop (evaluated every
+# EVAL_EVERY tokens) or, on a GPU beyond GDN_CHUNK, the chunked form.
 FAST_GDN = True
 
 
@@ -58,8 +61,7 @@ def gpu_compiled(fn):
     def call(*args):
         return compiled(*args) if mx.default_device() == mx.gpu else fn(*args)
 
-    call.__doc__, call.__wrapped__ = fn.__doc__, fn
-    return call
+    return functools.wraps(fn)(call)
 
 
 def set_cpu_streams(n: int) -> None:
@@ -111,11 +113,20 @@ class Projections:
             self.linears.append(QLinear(w, s, b, *parts[0][3:]))
             for n, j in enumerate(members):
                 self.where[j] = (g, n)
-        self.cuts = [list(np.cumsum([modules[j][1] for j in members])[:-1]) for members in groups.values()]
+        self.cuts = [np.cumsum([modules[j][1] for j in members])[:-1].tolist() for members in groups.values()]
 
     def __call__(self, x: mx.array) -> list[mx.array]:
-        outs = [mx.split(lin(x), cut, axis=-1) if cut else [lin(x)] for lin, cut in zip(self.linears, self.cuts, strict=True)]
+        outs = [self._group(x, g) for g in range(len(self.linears))]
         return [outs[g][n] for g, n in self.where]
+
+    def one(self, x: mx.array, j: int) -> mx.array:
+        """Output j alone: only the matmul of its quantization group."""
+        g, n = self.where[j]
+        return self._group(x, g)[n]
+
+    def _group(self, x: mx.array, g: int) -> list[mx.array]:
+        y = self.linears[g](x)
+        return mx.split(y, self.cuts[g], axis=-1) if self.cuts[g] else [y]
 
 
 class _Loader:
@@ -239,9 +250,6 @@ def text_positions(offset: int, length: int, batch: int = 1) -> mx.array:
 
 # --------------------------------------------------------------------------------------------------
 # gated delta rule
-
-
-EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
 
 
 @gpu_compiled
@@ -415,7 +423,7 @@ class GatedDeltaNet:
             cache.state if cache is not None else mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
         )
         gpu = mx.default_device() == mx.gpu
-        if FAST_GDN and L <= GDN_CHUNK:  # MLX's fused op (GQA built in)
+        if FAST_GDN and L <= EVAL_EVERY:  # MLX's fused op (GQA built in)
             y, state = mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, state)
         else:
             if self.hv != self.hk:  # value head j reads key head j // (Hv/Hk)
@@ -478,7 +486,7 @@ class SparseMoe:
 
     def gate(self, x: mx.array) -> mx.array:
         """The router's logits alone (the cross-layer guess asks for them)."""
-        return self.in_proj(x)[0]
+        return self.in_proj.one(x, 0)
 
     def __call__(self, i: int, x: mx.array, experts) -> mx.array:
         logits, gate, up, out_gate = self.in_proj(x)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamoe.formats import quant
+from streamoe.formats.dtypes import itemsize
 from streamoe.formats.errors import StreamoeError
 from streamoe.formats.layout import detect_format, record_layouts
 from streamoe.formats.manifest import check_doc, load_manifest
@@ -81,6 +82,17 @@ def test_record_layout_of_the_real_model():
     assert [(s.proj, s.part) for s in q4.segments][:3] == [("gate_proj", "weight"), ("gate_proj", "scales"), ("gate_proj", "biases")]
     assert q4.segment("down_proj", "weight").shape == (2048, 64)
     assert q4.segment("up_proj", "weight").offset == 589_824
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 64), st.sampled_from([2, 3, 4, 8]), st.sampled_from([32, 64, 128]),
+       st.sampled_from(["BF16", "F16", "F32"]))
+def test_record_segments_are_aligned_to_their_item_size(h, i, bits, group, scale_dtype):
+    """The runtime views every segment of a record in place (`SlotPools.fill`): each offset is a multiple of
+    its dtype's size, whatever the dims (odd scale counts pair up with the biases that follow)."""
+    lay = RecordLayout.make(h * group, i * group, bits, group, scale_dtype)
+    assert all(s.offset % itemsize(s.dtype) == 0 for s in lay.segments)
+    assert lay.segments[-1].offset + lay.segments[-1].nbytes == lay.raw_size <= lay.stride
 
 
 def test_layout_detection_from_size(tmp_path):
