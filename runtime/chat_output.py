@@ -32,7 +32,6 @@ def _partial_suffix(text: str, marks: list[str]) -> int:
     return best
 
 
-
 def hold_newlines(owner, s: str, kind: str, out: list) -> None:
     """Emit `s` after the newlines held back from before, holding back its own trailing newlines: text that
     ends a block (before a tool call or the end of thinking) must not end in the newlines the template adds."""
@@ -41,6 +40,7 @@ def hold_newlines(owner, s: str, kind: str, out: list) -> None:
     owner.newlines = s[len(body):]
     if body:
         out.append((kind, body))
+
 
 class StopMatcher:
     """Cuts the text at the first of the request's stop strings (which are not returned, as OpenAI does)."""

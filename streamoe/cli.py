@@ -186,7 +186,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
     from .formats.limits import check_config_sizes
     from .formats.record import RecordLayout
     from .formats.safetensors import tensor_nbytes
-    from .runtime.plan import GiB, make_plan, slot_bytes
+    from .runtime.plan import GiB, Options, kv_dtype, make_plan, slot_bytes
     from .runtime.weights import resident_bytes
 
     config = read_json(path)
@@ -198,7 +198,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
         nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
                                     if ".switch_mlp." not in name and not name.startswith("vision_tower.")), itemsize(dtype))
         return make_plan(args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride, slot=slot_bytes(lay, dtype),
-                         nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=dtype if kv == "auto" else kv,
+                         nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_dtype(Options(kv=kv, dtype=dtype)),
                          runtime_bytes=runtime_mib and runtime_mib << 20)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
