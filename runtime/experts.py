@@ -36,6 +36,7 @@ import numpy as np
 
 from ..formats.record import ExpertWeights, RecordLayout
 from . import model as model_mod
+from .managed import keep_on_host
 from .model import combine, switch_glu
 from .store import ExpertStore
 from .telemetry import LayerStats
@@ -63,6 +64,7 @@ class SlotPools:
         self.uploads = [mx.zeros((lay.raw_size,), dtype=mx.uint8) for _ in range(uploads)]
         mx.eval(self.arrays, self.uploads)
         self.hosts = [np.asarray(u) for u in self.uploads]  # writable host views of the same memory
+        self.host_mapped = keep_on_host(self.hosts)  # CUDA: the ring stays on the host, read over the bus
         self.next = 0
 
     def weights(self) -> ExpertWeights:

@@ -1,0 +1,93 @@
+"""The copy of an expert record from host staging into its slot, against the disk read that precedes it.
+
+    python -m bench.fill --model CONVERTED [--experts q4] [--records 512] [--dtype bfloat16] [--name fill-h200]
+
+Same run, same records: (1) random whole-record O_DIRECT reads through `ExpertStore` with 8 in flight, GB/s;
+(2) `SlotPools.fill` of records already in staging, then one eval, GB/s, with the CUDA upload-ring advice
+(`runtime/managed.py`) off and on. A fill should cost a small fraction of the read it follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+from pathlib import Path
+
+import mlx.core as mx
+
+from streamoe.formats.layout import record_layouts
+from streamoe.formats.manifest import load_manifest
+from streamoe.runtime import managed
+from streamoe.runtime.experts import SlotPools
+from streamoe.runtime.store import ExpertStore
+from streamoe.runtime.weights import mx_dtype
+
+from .common import write_result
+
+
+def disk_gbs(store: ExpertStore, keys: list[tuple[int, int]]) -> float:
+    t = time.perf_counter()
+    pending = {store.read(*k) for k in keys}
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for f in done:
+            store.release(f.result())
+    return len(keys) * store.lay.stride / (time.perf_counter() - t) / 1e9
+
+
+def fill_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.Dtype, advise: bool) -> dict:
+    """`n` fills cycling over the records of `keys` (read once into private copies) into 64 slots."""
+    managed.ENABLED = advise
+    records = []
+    for k in keys:
+        e = store.read(*k).result()
+        records.append(bytearray(store.record(e)))
+        store.release(e)
+    pools = SlotPools(64, store.lay, dtype, store.ring)
+    for i in range(2 * store.ring):  # warm-up: kernels compiled, pages placed
+        pools.fill(i % 64, memoryview(records[i % len(records)]))
+    mx.eval(pools.arrays)
+    mx.synchronize()
+    t = time.perf_counter()
+    host = 0.0
+    for i in range(n):
+        h = time.perf_counter()
+        pools.fill(i % 64, memoryview(records[i % len(records)]))
+        host += time.perf_counter() - h
+    mx.eval(pools.arrays)
+    mx.synchronize()
+    dt = time.perf_counter() - t
+    return {"advice": pools.host_mapped, "fill_gbs": round(n * store.lay.raw_size / dt / 1e9, 3),
+            "ms_per_fill": round(1000 * dt / n, 4), "host_ms_per_fill": round(1000 * host / n, 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--experts", default="q4")
+    ap.add_argument("--records", type=int, default=512)
+    ap.add_argument("--dtype", default="bfloat16" if mx.default_device() == mx.gpu else "float32")
+    ap.add_argument("--name", default="fill")
+    a = ap.parse_args()
+    m = load_manifest(a.model)
+    fmt = m.expert_formats()[a.experts]
+    lay = fmt.layout
+    layouts = record_layouts(lay.hidden, lay.intermediate, lay.group_size, lay.scale_dtype)
+    n_experts = m.model["num_experts"]
+    store = ExpertStore([a.model / f["path"] for f in fmt.files], lay, n_experts, layouts, a.experts, io_threads=8, ring=16)
+    rng = random.Random(0)
+    keys = [(rng.randrange(len(fmt.files)), rng.randrange(n_experts)) for _ in range(a.records)]
+    disk = disk_gbs(store, keys)
+    rows = [{"what": "disk", "read_gbs": round(disk, 3), "records": a.records, "record_bytes": lay.stride}]
+    for advise in (False, True):
+        r = fill_gbs(store, keys[:32], a.records, mx_dtype(a.dtype), advise)
+        r["fill_vs_disk"] = round(r["fill_gbs"] / disk, 2)
+        rows.append({"what": "fill", "dtype": a.dtype, **r})
+    store.close()
+    write_result(a.name, "fill", rows)
+
+
+if __name__ == "__main__":
+    main()
