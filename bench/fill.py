@@ -3,7 +3,8 @@
     python -m bench.fill --model CONVERTED [--experts q4] [--records 512] [--dtype bfloat16] [--name fill-h200]
 
 Same run, same records: (1) random whole-record O_DIRECT reads through `ExpertStore` with 8 in flight, GB/s;
-(2) `SlotPools.fill` of records already in staging, then one eval, GB/s, with the CUDA upload-ring advice
+(2) `SlotPools.stage` of records already in staging (through the upload ring, flushed eight at a time as
+a layer's misses are, and on the CPU also written straight into the slot), then one eval, GB/s; the ring with the CUDA advice
 (`runtime/managed.py`) off and on. A fill should cost a small fraction of the read it follows.
 """
 
@@ -37,7 +38,7 @@ def disk_gbs(store: ExpertStore, keys: list[tuple[int, int]]) -> float:
     return len(keys) * store.lay.stride / (time.perf_counter() - t) / 1e9
 
 
-def fill_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.Dtype, advise: bool) -> dict:
+def fill_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.Dtype, direct: bool, advise: bool) -> dict:
     """`n` fills cycling over the records of `keys` (read once into private copies) into 64 slots."""
     managed.ENABLED = advise
     records = []
@@ -45,21 +46,25 @@ def fill_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.
         e = store.read(*k).result()
         records.append(bytearray(store.record(e)))
         store.release(e)
-    pools = SlotPools(64, store.lay, dtype, store.ring)
+    pools = SlotPools(64, store.lay, dtype, store.ring, direct=direct)
     for i in range(2 * store.ring):  # warm-up: kernels compiled, pages placed
-        pools.fill(i % 64, memoryview(records[i % len(records)]))
+        pools.stage(i % 64, memoryview(records[i % len(records)]))
+    pools.flush()
     mx.eval(pools.arrays)
     mx.synchronize()
     t = time.perf_counter()
     host = 0.0
     for i in range(n):
         h = time.perf_counter()
-        pools.fill(i % 64, memoryview(records[i % len(records)]))
+        pools.stage(i % 64, memoryview(records[i % len(records)]))
+        if i % 8 == 7:  # a layer's misses land together
+            pools.flush()
         host += time.perf_counter() - h
+    pools.flush()
     mx.eval(pools.arrays)
     mx.synchronize()
     dt = time.perf_counter() - t
-    return {"advice": pools.host_mapped, "fill_gbs": round(n * store.lay.raw_size / dt / 1e9, 3),
+    return {"path": "direct" if pools.direct else "ring", "advice": pools.host_mapped, "fill_gbs": round(n * store.lay.raw_size / dt / 1e9, 3),
             "ms_per_fill": round(1000 * dt / n, 4), "host_ms_per_fill": round(1000 * host / n, 4)}
 
 
@@ -81,8 +86,9 @@ def main() -> None:
     keys = [(rng.randrange(len(fmt.files)), rng.randrange(n_experts)) for _ in range(a.records)]
     disk = disk_gbs(store, keys)
     rows = [{"what": "disk", "read_gbs": round(disk, 3), "records": a.records, "record_bytes": lay.stride}]
-    for advise in (False, True):
-        r = fill_gbs(store, keys[:32], a.records, mx_dtype(a.dtype), advise)
+    variants = [(False, False), (False, True)] + ([(True, False)] if mx.default_device() == mx.cpu else [])
+    for direct, advise in variants:
+        r = fill_gbs(store, keys[:32], a.records, mx_dtype(a.dtype), direct, advise)
         r["fill_vs_disk"] = round(r["fill_gbs"] / disk, 2)
         rows.append({"what": "fill", "dtype": a.dtype, **r})
     store.close()

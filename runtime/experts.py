@@ -46,44 +46,87 @@ from .weights import mx_dtype
 Key = tuple[int, int]  # (layer, expert)
 MIN_PRECISION = float(os.environ.get("STREAMOE_PREFETCH_PRECISION", "0.8"))  # see StreamingExperts.rank_seen
 VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
+DIRECT_ON_CPU = True  # on the CPU backend records are written straight into their slots (tests turn it off)
+
+
+# stored dtype -> compute dtype conversions numpy does exactly as MLX's astype does (widening), for direct writes
+_WIDEN = {(mx.bfloat16, mx.float32), (mx.float16, mx.float32)}
+
+
+def _write_segment(dst: np.ndarray, src: np.ndarray, stored: mx.Dtype, held: mx.Dtype) -> None:
+    """Bytes of one stored segment -> bytes of the same values at the pool's dtype (identity or widening)."""
+    if stored == held:
+        dst[:] = src
+    elif stored == mx.bfloat16:  # a bfloat16 is the high half of the float32 with the same value
+        np.left_shift(src.view(np.uint16), 16, out=dst.view(np.uint32), dtype=np.uint32)
+    else:
+        dst.view(np.float32)[:] = src.view(np.float16)
 
 
 class SlotPools:
     """One MLX array per record segment, [slots, *segment shape], in the compute device's memory. Packed
     weights stay as stored; scales and biases are held at the compute dtype, cast once as a record lands
     (`gather_qmm` takes them in the activations' dtype: stored bf16 under float32 activations, every call
-    would cast the whole pool). `plan.slot_bytes` counts exactly this."""
+    would cast the whole pool). `plan.slot_bytes` counts exactly this.
 
-    def __init__(self, n_slots: int, lay: RecordLayout, dtype: mx.Dtype, uploads: int):
+    A record lands in two ways. Every write happens after the layer's fence (no kernel reads a slot any
+    more), and before the next evaluation (which queues the kernels that read it):
+    - On the CPU backend the pools are plain host memory: `stage` writes the record's segments straight
+      into the slot (`direct`), no MLX operation at all.
+    - Elsewhere, through an upload ring (the plan's "copies in flight"): one MLX array per segment,
+      [uploads, segment bytes], allocated once. `stage` copies the segments into the next row; `flush`
+      queues, per segment, one scatter of every row staged since the last flush into its slots, in stream
+      order, so a layer's misses land with nine MLX operations. Before the ring wraps, every queued scatter
+      is evaluated, so no row is rewritten while an update that reads it is pending."""
+
+    def __init__(self, n_slots: int, lay: RecordLayout, dtype: mx.Dtype, uploads: int, direct: bool | None = None):
         self.lay, self.n = lay, n_slots
         self.stored = [mx_dtype(s.dtype) for s in lay.segments]
         self.dtypes = [st if s.part == "weight" else dtype for s, st in zip(lay.segments, self.stored, strict=True)]
         self.arrays = [mx.zeros((n_slots, *s.shape), dtype=dt) for s, dt in zip(lay.segments, self.dtypes, strict=True)]
-        # a ring of MLX buffers records are copied into (the plan's "copies in flight"): allocated once, so a
-        # fill is one memcpy into resident pages, not an allocation the copy then faults in page by page
-        self.uploads = [mx.zeros((lay.raw_size,), dtype=mx.uint8) for _ in range(uploads)]
-        mx.eval(self.arrays, self.uploads)
-        self.hosts = [np.asarray(u) for u in self.uploads]  # writable host views of the same memory
-        self.host_mapped = keep_on_host(self.hosts)  # CUDA: the ring stays on the host, read over the bus
-        self.next = 0
+        if direct is None:
+            direct = DIRECT_ON_CPU and mx.default_device() == mx.cpu
+        self.direct = direct and all(st == dt or (st, dt) in _WIDEN for st, dt in zip(self.stored, self.dtypes, strict=True))
+        self.uploads = 0 if self.direct else uploads
+        self.rings = [mx.zeros((self.uploads, s.nbytes), dtype=mx.uint8) for s in lay.segments]
+        mx.eval(self.arrays, self.rings)
+        # writable host views: of the pools themselves (direct), else of the ring
+        self.hosts = [np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(len(a), -1)
+                      for a in (self.arrays if self.direct else self.rings)]
+        self.host_mapped = not self.direct and keep_on_host(self.hosts)  # CUDA: the ring stays on the host
+        self.start = self.next = 0  # ring rows [start, next) are staged, not yet flushed
+        self.pending: list[int] = []  # their slots
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(*self.arrays)
 
-    def fill(self, slot: int, record: memoryview) -> None:
-        """Queue the copy of one record (host bytes) into `slot`. The bytes are copied at once, into the next
-        upload buffer (the staging entry may be reused as soon as this returns); the nine slot updates read
-        views of it, in stream order. Before the ring wraps, every queued update is evaluated, so no buffer
-        is rewritten while an update that reads it is pending."""
-        if self.next == len(self.uploads):
-            mx.eval(self.arrays)
-            self.next = 0
+    def stage(self, slot: int, record: memoryview) -> None:
+        """Copy one record (host bytes) toward `slot`; the staging entry it came from may be reused as soon as
+        this returns."""
         raw = np.frombuffer(record, dtype=np.uint8, count=self.lay.raw_size)
-        np.copyto(self.hosts[self.next], raw)
-        rec = self.uploads[self.next]
+        if self.direct:
+            for host, s, st, dt in zip(self.hosts, self.lay.segments, self.stored, self.dtypes, strict=True):
+                _write_segment(host[slot], raw[s.offset: s.offset + s.nbytes], st, dt)
+            return
+        if self.next == self.uploads:
+            self.flush()
+            mx.eval(self.arrays)  # the fence of the ring: every update that reads a row has run
+            self.start = self.next = 0
+        for host, s in zip(self.hosts, self.lay.segments, strict=True):
+            host[self.next] = raw[s.offset: s.offset + s.nbytes]
+        self.pending.append(slot)
         self.next += 1
-        for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):  # offsets are itemsize-aligned
-            self.arrays[j][slot] = rec[s.offset: s.offset + s.nbytes].view(st).reshape(s.shape).astype(self.dtypes[j])
+
+    def flush(self) -> None:
+        """Queue the staged rows' copies into their slots, in stream order (before any later kernel reads them)."""
+        if not self.pending:
+            return
+        idx = mx.array(self.pending, dtype=mx.uint32)  # distinct: the tier gives each landing key its own slot
+        m, a, b = len(self.pending), self.start, self.next
+        for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):
+            self.arrays[j][idx] = self.rings[j][a:b].view(st).reshape(m, *s.shape).astype(self.dtypes[j])
+        self.pending.clear()
+        self.start = self.next
 
     def bytes_at(self, slot: int) -> bytes:
         """The record bytes slot `slot` holds now, scales and biases cast back to their stored dtype (exact from a
@@ -143,8 +186,9 @@ class StreamingExperts:
             for f in done:
                 key = pending.pop(f)
                 entry = f.result()
-                self.pools.fill(slots[key], self.store.record(entry))
+                self.pools.stage(slots[key], self.store.record(entry))
                 self.store.release(entry)
+        self.pools.flush()
         if VERIFY and slots:
             self._verify(slots)
         return waited

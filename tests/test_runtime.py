@@ -111,16 +111,20 @@ def test_logits_bit_identical_across_caps_prefetch_and_tiers(small_conv, experts
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_filled_slot_holds_the_file_bytes(tiny_conv, dtype, monkeypatch):
+@pytest.mark.parametrize("direct", [True, False])
+def test_every_filled_slot_holds_the_file_bytes(tiny_conv, dtype, direct, monkeypatch):
     """The verification mode the GPU tests use, on the CPU: after every fill each slot's bytes (scales cast back
-    from the compute dtype) equal the record in the file, through the upload ring and its wrap-arounds; the
-    logits equal the resident run's."""
+    from the compute dtype) equal the record in the file, written straight into the slot or through the upload
+    ring (the GPUs' path) and its wrap-arounds; the logits equal the resident run's."""
     from streamoe.runtime import experts as experts_mod
 
     monkeypatch.setattr(experts_mod, "VERIFY", True)
+    monkeypatch.setattr(experts_mod, "DIRECT_ON_CPU", direct)
     capped, eng = run_logits(tiny_conv, 4, steps=6, dtype=dtype)
     misses = sum(ly.misses for s in eng.steps for ly in s.layers)
-    assert misses > 2 * len(eng.experts.pools.uploads) and misses > eng.experts.pools.n  # ring wrapped, slots refilled
+    pools = eng.experts.pools
+    assert pools.direct == direct and misses > pools.n  # slots refilled
+    assert direct or misses > 2 * pools.uploads  # the ring wrapped
     resident, _ = run_logits(tiny_conv, None, steps=6, dtype=dtype)
     assert capped == resident
 
