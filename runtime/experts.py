@@ -15,8 +15,9 @@ small transfer (its top-k) and this sequence:
    updates the pool in place (a pool with no other holder is donated to its own update).
 2. Hits are looked up, misses placed by the tier and read from disk into host staging (demand reads
    go first: guesses not yet started are withdrawn).
-3. Each record is copied from staging into its slot by an MLX update queued on the stream, so it lands
-   in device memory in stream order, before the layer's `gather_qmm` reads it.
+3. Each record is written from staging toward its slot (`SlotPools.stage`): straight into the pool on
+   the CPU backend, else through an upload ring and one scatter per segment queued on the stream, so it
+   lands in device memory in stream order, before the layer's `gather_qmm` reads it.
 4. The next layer's experts are guessed from its router on this layer's input and read ahead into
    staging (never into a slot: a wrong guess costs a read, never a slot or a copy).
 
@@ -47,6 +48,7 @@ Key = tuple[int, int]  # (layer, expert)
 MIN_PRECISION = float(os.environ.get("STREAMOE_PREFETCH_PRECISION", "0.8"))  # see StreamingExperts.rank_seen
 VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
 DIRECT_ON_CPU = True  # on the CPU backend records are written straight into their slots (tests turn it off)
+HITS_FIRST = True  # with direct writes, a decode step's hits compute while its misses are read (StreamingExperts._streamed)
 
 
 # stored dtype -> compute dtype conversions numpy does exactly as MLX's astype does (widening), for direct writes
@@ -212,14 +214,21 @@ class StreamingExperts:
         shape, k = x.shape, inds.shape[-1]
         xf, inds = x.reshape(-1, shape[-1]), inds.reshape(-1, k)
         if self.resident:
-            slots = inds + mx.array(i * self.E, dtype=mx.uint32)  # on the device: no round trip
+            y = self._compute(xf, inds + mx.array(i * self.E, dtype=mx.uint32))  # on the device: no round trip
         else:
-            slots = self._resolve(i, xf, inds)
-        y = switch_glu(xf, self.pools.weights(), slots, self.lay.bits, self.lay.group_size)
+            y = self._streamed(i, xf, inds)
         return combine(y, scores.reshape(-1, k)).reshape(shape)
 
-    def _resolve(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
-        """Layer i's picks -> their slots [T, k], every picked record landed in its slot."""
+    def _compute(self, x: mx.array, slots: mx.array) -> mx.array:
+        return switch_glu(x, self.pools.weights(), slots, self.lay.bits, self.lay.group_size)
+
+    def _streamed(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
+        """Layer i's routed outputs [T, k, H]: picks looked up or placed, misses read and landed in their slots.
+
+        Where records are written straight into the pools (the CPU backend), a decode step's hits start
+        computing while the misses are read: the hits' kernels read only hit slots, no miss slot is written
+        before the fence, and each (token, pick) row is the same kernel's output whichever call computes it,
+        so the result is bit for bit the one call's."""
         st = self.stats[i] if self.stats is not None else LayerStats(layer=i)
         guess = self.guess(i + 1, x) if self.width > 0 and i + 1 < self.L and x.shape[0] == 1 else None
         t = time.perf_counter()
@@ -271,12 +280,22 @@ class StreamingExperts:
                 st.misses += 1
         if guess is not None:  # queued behind this layer's misses: the disk never waits for the next guess
             self._prefetch(i + 1, np.array(guess.astype(mx.float32)))
+        table = np.zeros(self.E, dtype=np.uint32)
+        table[experts] = [slot_of[e] for e in experts]
+        slots = table[picks]
+        early = None
+        if HITS_FIRST and self.pools.direct and 0 < len(land) < len(experts) and picks.shape[0] == 1:
+            hit = np.array([(i, e) not in land for e in picks[0]])
+            early = self._compute(x, mx.array(slots[:, hit]))
+            mx.async_eval(early)
         st.io_wait_ms += 1000 * self._land(land, reads)
         self.tier.pinned.clear()
         st.bytes_read += self.store.bytes_read - read0
-        table = np.zeros(self.E, dtype=np.uint32)
-        table[experts] = [slot_of[e] for e in experts]
-        return mx.array(table[picks])
+        if early is None:
+            return self._compute(x, mx.array(slots))
+        late = self._compute(x, mx.array(slots[:, ~hit]))
+        back = np.argsort(np.concatenate([np.flatnonzero(hit), np.flatnonzero(~hit)]))  # rank order again
+        return mx.concatenate([early, late], axis=1)[:, mx.array(back)]
 
     def _prefetch(self, layer: int, logits: np.ndarray) -> None:
         """Read ahead into staging the `width` experts layer `layer`'s router likes best for this hidden state."""

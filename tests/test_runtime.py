@@ -110,6 +110,22 @@ def test_logits_bit_identical_across_caps_prefetch_and_tiers(small_conv, experts
         assert data == first, f"logits differ at {key}"
 
 
+def test_hits_computed_while_misses_are_read_give_the_same_bits(small_conv, monkeypatch):
+    """A decode step's hits start computing before its misses land (two calls, rows put back in rank order):
+    the logits equal one call's, and the early path really ran."""
+    from streamoe.runtime import experts as experts_mod
+
+    early = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (early.append(1), real(*a)))
+    split, _ = run_logits(small_conv, 24, steps=8)
+    assert len(early) > 8
+    monkeypatch.setattr(experts_mod, "HITS_FIRST", False)
+    early.clear()
+    whole, _ = run_logits(small_conv, 24, steps=8)
+    assert not early and split == whole
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("direct", [True, False])
 def test_every_filled_slot_holds_the_file_bytes(tiny_conv, dtype, direct, monkeypatch):
