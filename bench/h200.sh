@@ -30,7 +30,7 @@ case "$1" in
     python3 -m bench.fill --model "$S/full-conv" --experts q4 --name "$OUT/fill-h200" | tail -30
     ;;
   compare)
-    python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 --mlx-lm-tokenwise --ablate fastgdn \
+    python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 --mlx-lm-tokenwise \
       --out "$OUT/gpu-compare-q4.json" | grep -v '^ '
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps 4 --experts q3 --skip-mlx-lm \
       --out "$OUT/gpu-compare-q3.json" | grep -v '^ '
