@@ -48,7 +48,7 @@ def fill_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.
         store.release(e)
     pools = SlotPools(64, store.lay, dtype, store.ring, direct=direct)
     for i in range(2 * store.ring):  # warm-up: kernels compiled, pages placed
-        pools.stage(i % 64, memoryview(records[i % len(records)]))
+        pools.stage(i % 64, memoryview(records[i % len(records)]), lambda: None)
     pools.flush()
     mx.eval(pools.arrays)
     mx.synchronize()
@@ -56,7 +56,7 @@ def fill_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.
     host = 0.0
     for i in range(n):
         h = time.perf_counter()
-        pools.stage(i % 64, memoryview(records[i % len(records)]))
+        pools.stage(i % 64, memoryview(records[i % len(records)]), lambda: None)
         if i % 8 == 7:  # a layer's misses land together
             pools.flush()
         host += time.perf_counter() - h
@@ -64,6 +64,7 @@ def fill_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.
     mx.eval(pools.arrays)
     mx.synchronize()
     dt = time.perf_counter() - t
+    pools.close()
     return {"path": "direct" if pools.direct else "ring", "advice": pools.host_mapped, "fill_gbs": round(n * store.lay.raw_size / dt / 1e9, 3),
             "ms_per_fill": round(1000 * dt / n, 4), "host_ms_per_fill": round(1000 * host / n, 4)}
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import mlx.core as mx
 import numpy as np
@@ -98,29 +98,42 @@ class SlotPools:
         self.host_mapped = not self.direct and keep_on_host(self.hosts)  # CUDA: the ring stays on the host
         self.start = self.next = 0  # ring rows [start, next) are staged, not yet flushed
         self.pending: list[int] = []  # their slots
+        self.copier = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="streamoe-copy")  # ring
+        self.copies: list[Future] = []
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(*self.arrays)
 
-    def stage(self, slot: int, record: memoryview) -> None:
-        """Copy one record (host bytes) toward `slot`; the staging entry it came from may be reused as soon as
-        this returns."""
+    def stage(self, slot: int, record: memoryview, done: Callable[[], None]) -> None:
+        """Copy one record (host bytes) toward `slot`; `done()` is called once the bytes are taken, so the
+        staging entry they came from can be reused. Ring copies run on copy threads (numpy releases the GIL:
+        a layer's misses are copied side by side, off the thread that waits for the disk); direct writes run
+        here (on the CPU backend the cores are busy computing, and a thread hop costs more than a small copy)."""
         raw = np.frombuffer(record, dtype=np.uint8, count=self.lay.raw_size)
         if self.direct:
-            for host, s, st, dt in zip(self.hosts, self.lay.segments, self.stored, self.dtypes, strict=True):
-                _write_segment(host[slot], raw[s.offset: s.offset + s.nbytes], st, dt)
+            self._copy(slot, raw, done)
             return
         if self.next == self.uploads:
             self.flush()
             mx.eval(self.arrays)  # the fence of the ring: every update that reads a row has run
             self.start = self.next = 0
-        for host, s in zip(self.hosts, self.lay.segments, strict=True):
-            host[self.next] = raw[s.offset: s.offset + s.nbytes]
+        self.copies.append(self.copier.submit(self._copy, self.next, raw, done))
         self.pending.append(slot)
         self.next += 1
 
+    def _copy(self, row: int, raw: np.ndarray, done: Callable[[], None]) -> None:
+        try:
+            for host, s, st, dt in zip(self.hosts, self.lay.segments, self.stored, self.dtypes, strict=True):
+                _write_segment(host[row], raw[s.offset: s.offset + s.nbytes], st, dt if self.direct else st)
+        finally:
+            done()
+
     def flush(self) -> None:
-        """Queue the staged rows' copies into their slots, in stream order (before any later kernel reads them)."""
+        """Wait for the staged copies; on the ring, queue their rows' copies into their slots, in stream order
+        (before any later kernel reads them)."""
+        for f in self.copies:
+            f.result()
+        self.copies.clear()
         if not self.pending:
             return
         idx = mx.array(self.pending, dtype=mx.uint32)  # distinct: the tier gives each landing key its own slot
@@ -129,6 +142,9 @@ class SlotPools:
             self.arrays[j][idx] = self.rings[j][a:b].view(st).reshape(m, *s.shape).astype(self.dtypes[j])
         self.pending.clear()
         self.start = self.next
+
+    def close(self) -> None:
+        self.copier.shutdown(wait=True)
 
     def bytes_at(self, slot: int) -> bytes:
         """The record bytes slot `slot` holds now, scales and biases cast back to their stored dtype (exact from a
@@ -188,8 +204,7 @@ class StreamingExperts:
             for f in done:
                 key = pending.pop(f)
                 entry = f.result()
-                self.pools.stage(slots[key], self.store.record(entry))
-                self.store.release(entry)
+                self.pools.stage(slots[key], self.store.record(entry), lambda e=entry: self.store.release(e))
         self.pools.flush()
         if VERIFY and slots:
             self._verify(slots)
@@ -215,9 +230,10 @@ class StreamingExperts:
         xf, inds = x.reshape(-1, shape[-1]), inds.reshape(-1, k)
         if self.resident:
             y = self._compute(xf, inds + mx.array(i * self.E, dtype=mx.uint32))  # on the device: no round trip
-        else:
-            y = self._streamed(i, xf, inds)
-        return combine(y, scores.reshape(-1, k)).reshape(shape)
+            return combine(y, scores.reshape(-1, k)).reshape(shape)
+        out = combine(self._streamed(i, xf, inds), scores.reshape(-1, k)).reshape(shape)
+        mx.async_eval(out)  # the device copies and computes while the host builds the next layer
+        return out
 
     def _compute(self, x: mx.array, slots: mx.array) -> mx.array:
         return switch_glu(x, self.pools.weights(), slots, self.lay.bits, self.lay.group_size)
@@ -330,4 +346,5 @@ class StreamingExperts:
 
     def close(self) -> None:
         self.drop_guesses()
+        self.pools.close()
         self.store.close()
