@@ -5,6 +5,7 @@
 #   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3)
 #   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes)
+#   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
 #   bash bench/h200.sh fill      # a record's copy into its slot against the disk read (upload-ring advice off / on)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,6 +26,12 @@ case "$1" in
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
     bash "$0" gputest
     wait
+    ;;
+  capped)
+    for q in q4 q3; do
+      python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps 4 --experts $q --skip-mlx-lm \
+        --out "$OUT/gpu-capped-$q.json" | grep -v '^ '
+    done
     ;;
   fill)
     python3 -m bench.fill --model "$S/full-conv" --experts q4 --name "$OUT/fill-h200" | tail -30

@@ -50,6 +50,8 @@ FAST_GDN = True
 # whatever the split, so results do not change with the number of streams.
 STREAMS: list = []
 SPLIT_ROWS = 1024
+BLAS_TOKENS = 16  # CPU: from this many tokens a quantized linear layer runs through numpy's BLAS (QLinear._blas)
+BLAS_BLOCK = 1024  # rows dequantized at a time there (the plan's activation account holds one block)
 
 
 def gpu_compiled(fn):
@@ -80,6 +82,8 @@ class QLinear(NamedTuple):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = self.weight.shape[0]
+        if x.size >= BLAS_TOKENS * x.shape[-1] and mx.default_device() == mx.cpu:
+            return self._blas(x)
         if not STREAMS or rows < SPLIT_ROWS * len(STREAMS):
             return mx.quantized_matmul(
                 x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
@@ -93,6 +97,20 @@ class QLinear(NamedTuple):
                 parts.append(mx.quantized_matmul(x, self.weight[a:b], self.scales[a:b], self.biases[a:b],
                                                  transpose=True, group_size=self.group_size, bits=self.bits))
         return mx.concatenate(parts, axis=-1)
+
+    def _blas(self, x: mx.array) -> mx.array:
+        """Many tokens on the CPU backend (prefill): the weights dequantized BLAS_BLOCK rows at a time and
+        multiplied by numpy's BLAS. MLX's CPU quantized matmul does not reuse a weight across tokens (0.8 GMAC/s
+        per core: 2.8 s for 97 tokens through a Gated DeltaNet in_proj, 0.34 s this way). The rounding differs
+        from the quantized kernel's, but the path depends only on the number of tokens, never on the cap."""
+        rows, xs = self.weight.shape[0], np.asarray(x.reshape(-1, x.shape[-1]).astype(mx.float32))
+        out = np.empty((xs.shape[0], rows), dtype=np.float32)
+        for a in range(0, rows, BLAS_BLOCK):
+            b = min(rows, a + BLAS_BLOCK)
+            w = mx.dequantize(self.weight[a:b], self.scales[a:b], self.biases[a:b], group_size=self.group_size,
+                              bits=self.bits).astype(mx.float32)
+            np.matmul(xs, np.asarray(w).T, out=out[:, a:b])
+        return mx.array(out).astype(x.dtype).reshape(*x.shape[:-1], rows)
 
 
 class Projections:

@@ -17,6 +17,7 @@ from ..formats.dtypes import itemsize
 from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import Manifest, load_manifest
 from ..formats.record import RecordLayout
+from .model import BLAS_BLOCK, BLAS_TOKENS
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -152,7 +153,12 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int) -> int:
     gdn = 3 * chunk * (a.conv_dim + a.value_dim) + 48 * a.value_dim * a.linear_key_head_dim
     moe = 3 * chunk * a.num_experts_per_tok * H + 4 * chunk * inter
     logits = 2 * a.vocab_size
-    return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item)
+    # a chunk of BLAS_TOKENS+ tokens on the CPU: one dequantized block of rows, the input and output in float32
+    widest_in = max(H, a.value_dim, nq * hd)
+    widest_out = max(a.conv_dim + a.value_dim + 2 * a.linear_num_value_heads, 2 * nq * hd + 2 * nkv * hd,
+                     a.num_experts + 2 * a.shared_expert_intermediate_size + 1)
+    blas = 4 * (BLAS_BLOCK * widest_in + chunk * (widest_in + 2 * widest_out)) if chunk >= BLAS_TOKENS else 0
+    return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item) + blas
 
 
 def state_bytes(a: ModelArgs, ctx: int, kv_item: int) -> tuple[int, int]:

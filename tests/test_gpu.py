@@ -110,3 +110,15 @@ def test_gpu_float32_matmul_is_float32_only_without_tf32():
         err[tf32] = float(out.stdout.strip())
     assert err["0"] < 1e-6 < 1e-4 < err["1"], err
     assert os.environ.get("MLX_ENABLE_TF32") == "0"  # set by importing streamoe.runtime (this module did)
+
+
+def test_gpu_upload_ring_is_advised_to_stay_on_the_host(small_conv):
+    """On CUDA the capped path's upload ring must be host-resident and mapped for the GPU (runtime/managed.py):
+    without the advice every fill migrates its pages twice (bench/fill.py). Metal's memory is unified: no advice."""
+    from streamoe.formats.manifest import load_manifest
+    from streamoe.runtime.experts import SlotPools
+
+    lay = load_manifest(small_conv).expert_formats()["q4"].layout
+    pools = SlotPools(4, lay, mx.bfloat16, 8, direct=False)
+    pools.close()
+    assert pools.host_mapped == mx.cuda.is_available()
