@@ -62,7 +62,8 @@ def start_server(conv: Path, log: Path, *args, cgroup: Path | None = None, timeo
 
         cmd = ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec {shlex.join(cmd)}"]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                                                  "PYTHONFAULTHANDLER": "1"})
     served = Served(proc, port, log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -113,9 +114,13 @@ def stop_server(served: Served) -> int:
         served.proc.send_signal(signal.SIGINT)
         try:
             served.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            served.proc.kill()
-            served.proc.wait()
+        except subprocess.TimeoutExpired:  # a hang: every thread's Python stack into the log (faulthandler), then kill
+            served.proc.send_signal(signal.SIGABRT)
+            try:
+                served.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                served.proc.kill()
+                served.proc.wait()
     return served.proc.returncode
 
 
