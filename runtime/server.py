@@ -293,7 +293,10 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     def terminate(signum, frame):
         raise KeyboardInterrupt
 
+    # both, explicitly: a process started in the background by a shell inherits SIGINT as ignored, and Python
+    # then installs no Ctrl+C handler of its own (the server would only stop when killed)
     signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
     thread.start()
     try:
         while not http.started and thread.is_alive():

@@ -53,14 +53,17 @@ class Served:
         return self.log.read_text()
 
 
-def start_server(conv: Path, log: Path, *args, cgroup: Path | None = None, timeout: float = 120) -> Served:
-    """`streamoe serve CONV ARGS` on a free port, its stdout and stderr in `log`; returns once /health answers."""
+def start_server(conv: Path, log: Path, *args, cgroup: Path | None = None, timeout: float = 120,
+                 sigint_ignored: bool = False) -> Served:
+    """`streamoe serve CONV ARGS` on a free port, its stdout and stderr in `log`; returns once /health answers.
+    `sigint_ignored`: started as a shell's background job is, with SIGINT ignored."""
+    import shlex
+
     port = free_port()
     cmd = [sys.executable, "-m", "streamoe.cli", "serve", str(conv), "--port", str(port), *map(str, args)]
-    if cgroup is not None:
-        import shlex
-
-        cmd = ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec {shlex.join(cmd)}"]
+    if cgroup is not None or sigint_ignored:
+        join = f"echo $$ > {cgroup}/cgroup.procs && " if cgroup is not None else ""
+        cmd = ["sh", "-c", ("trap '' INT; " if sigint_ignored else "") + f"{join}exec {shlex.join(cmd)}"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1",
                                                                                   "PYTHONFAULTHANDLER": "1"})

@@ -413,3 +413,11 @@ def test_cap_holds_with_several_clients_inside_a_cgroup(conv, tmp_path, triangle
 
 def test_serve_refuses_a_bad_model_in_one_line(tmp_path):
     one_error_line(cli("serve", tmp_path / "nowhere", "--port", 1), "nowhere")
+
+
+def test_ctrl_c_stops_a_server_started_with_sigint_ignored(conv, tmp_path):
+    """A shell's background job inherits SIGINT as ignored; the server still stops cleanly on it."""
+    s = start_server(conv, tmp_path / "bg.log", "--cap", "2", sigint_ignored=True)
+    assert stop_server(s) == 0, s.text()
+    assert "streamoe: stopped" in s.text()
+
