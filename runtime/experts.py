@@ -35,6 +35,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import mlx.core as mx
 import numpy as np
 
+from ..formats.quant import bf16_to_f32
 from ..formats.record import ExpertWeights, RecordLayout
 from . import model as model_mod
 from .managed import keep_on_host
@@ -59,8 +60,8 @@ def _write_segment(dst: np.ndarray, src: np.ndarray, stored: mx.Dtype, held: mx.
     """Bytes of one stored segment -> bytes of the same values at the pool's dtype (identity or widening)."""
     if stored == held:
         dst[:] = src
-    elif stored == mx.bfloat16:  # a bfloat16 is the high half of the float32 with the same value
-        np.left_shift(src.view(np.uint16), 16, out=dst.view(np.uint32), dtype=np.uint32)
+    elif stored == mx.bfloat16:
+        dst.view(np.float32)[:] = bf16_to_f32(src.view(np.uint16))
     else:
         dst.view(np.float32)[:] = src.view(np.float16)
 

@@ -1,13 +1,13 @@
 """Where CUDA managed memory lives: keeping the upload ring on the host.
 
 MLX's CUDA backend allocates every array with `cudaMallocManaged`. A buffer the host writes and a kernel
-then reads migrates page by page twice per use: back to the host when `SlotPools.fill` rewrites it, to
+then reads migrates page by page twice per use: back to the host when `SlotPools.stage` rewrites it, to
 the GPU when the copy into the slot reads it. The faults cost more than the bytes, and the layer's one
 sync waits for them. Advised to stay in host memory and mapped for the GPU, the ring is written in
 place by the host and read by the copy kernel over the bus, with no fault at all.
 
 The advice is a hint about placement, never about contents: correctness still rests on the ring's
-fence (`SlotPools.fill` evaluates every queued update before an upload buffer is rewritten). Where the
+fence (`SlotPools.stage` evaluates every queued update before a row of the ring is rewritten). Where the
 driver API is missing or refuses, nothing changes but speed. `STREAMOE_UPLOAD_ADVICE=0` turns it off
 (for `bench/fill.py`'s comparison).
 """
