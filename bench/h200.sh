@@ -7,6 +7,7 @@
 #   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes)
 #   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
 #   bash bench/h200.sh fill      # a record's copy into its slot against the disk read (upload-ring advice off / on)
+#   bash bench/h200.sh parts     # a resident decode step part by part (mixers, MoE block, head) against mlx-lm's modules
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 S=/root/bench
@@ -35,6 +36,9 @@ case "$1" in
     ;;
   fill)
     python3 -m bench.fill --model "$S/full-conv" --experts q4 --name "$OUT/fill-h200" | tail -30
+    ;;
+  parts)
+    python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-q4.json"
     ;;
   compare)
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 --mlx-lm-tokenwise \
