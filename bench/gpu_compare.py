@@ -97,10 +97,10 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
                  ablate: str = "") -> dict:
     """`ablate`: run without one of the speed measures, to measure what it is worth: `cache32` (MLX's buffer
     cache held at 32 MiB, as before the plan had an allocator account), `kvf32` (a float32 KV cache), `fastgdn`
-    (the delta rule as compiled ops instead of `mx.fast.gated_delta_update`)."""
+    (decode's delta rule in the other form than the backend's: `mx.fast.gated_delta_update` or the compiled step)."""
     from streamoe.runtime import model as model_mod
 
-    model_mod.FAST_GDN = ablate != "fastgdn"
+    model_mod.FAST_GDN = (not model_mod.fast_gdn()) if ablate == "fastgdn" else None
     if cap.startswith("slots:"):  # a cap that holds exactly N hot-tier slots
         from streamoe.runtime.plan import plan_for
 

@@ -9,6 +9,11 @@ timed three ways, per call:
 - `build_ms`: the host's time to build the call's graph (Python only, nothing evaluated);
 - `device_ms`: n calls built first (chained through their caches), then evaluated in one go, divided by n:
   the device's time plus the kernel launches, with no Python in between.
+
+Then greedy decode loops, pipelined as stock mlx-lm's `generate_step` is (the next step is queued before
+this token is read), each token split into `build_ms` (the host builds the next step), `async_ms` (the
+`mx.async_eval` call: launches, and any wait hidden inside it) and `wait_ms` (reading this token): mlx-lm's
+model, then streamoe's engine as it is and with one setting changed at a time (`--variants`).
 """
 
 from __future__ import annotations
@@ -63,16 +68,16 @@ def parts(eng: Engine, ref, ref_cache: list, dtype) -> dict:
             h = ly(h, None, rc[i])
         return lm.lm_head(lm.model.norm(h)) if not lm.args.tie_word_embeddings else lm.model.embed_tokens.as_linear(lm.model.norm(h))
 
-    def ours_gdn_loop(x):
-        model_mod.FAST_GDN = False
+    def ours_gdn_other(x):  # decode's delta rule in the form this backend does not use
+        model_mod.FAST_GDN = not model_mod.fast_gdn()
         try:
             return ours_l[g].mix(x, c[g], m.rope, None)[0]
         finally:
-            model_mod.FAST_GDN = True
+            model_mod.FAST_GDN = None
 
     return {
         "gdn_mixer": (lambda x: ours_l[g].mix(x, c[g], m.rope, None)[0], lambda x: ref_mix(g, x)),
-        "gdn_mixer_ops_loop": (ours_gdn_loop, None),
+        "gdn_mixer_other_form": (ours_gdn_other, None),
         "attention_mixer": (lambda x: ours_l[a].mix(x, c[a], m.rope, rot(a))[0], lambda x: ref_mix(a, x)),
         "moe_block": (lambda x: ours_l[g].mlp(g, x, ex), lambda x: refs_l[g].mlp(x)),
         "routed_experts_only": (lambda x: ex(g, x, *m.route(ours_l[g].mlp.gate(x))),
@@ -91,6 +96,75 @@ def _ref_routed(block, x):
     return (block.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
 
 
+def pipelined(step, first: mx.array, n: int) -> dict:
+    """n greedy tokens, each step built from the token still being computed: `step(y) -> logits [V]`."""
+    y = mx.argmax(first)
+    mx.async_eval(y)
+    rows = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        y_next = mx.argmax(step(y))
+        t1 = time.perf_counter()
+        mx.async_eval(y_next)
+        t2 = time.perf_counter()
+        y.item()
+        t3 = time.perf_counter()
+        rows.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+        y = y_next
+    y.item()
+    med = [sorted(r[j] for r in rows[4:])[len(rows[4:]) // 2] * 1e3 for j in range(4)]
+    return dict(zip(("build_ms", "async_ms", "wait_ms", "token_ms"), (round(v, 3) for v in med), strict=True))
+
+
+VARIANTS = {  # name -> (enter, leave): one setting changed around a streamoe loop
+    "as_is": (lambda: None, lambda: None),
+    "own_stream": None,  # handled in loops(): the loop runs inside `with mx.stream(new stream)`
+    "gdn_other_form": (lambda: setattr(model_mod, "FAST_GDN", not model_mod.fast_gdn()),
+                       lambda: setattr(model_mod, "FAST_GDN", None)),
+    "cache_unlimited": (lambda: mx.set_cache_limit(64 << 30), None),
+}
+
+
+def loops(eng: Engine, ref, tk, ids: list[int], n: int, variants: list[str]) -> dict:
+    """`stock_generate_ms`: mlx-lm's own `stream_generate` on the same prompt, right after its loop here."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out = {}
+
+    def ref_loop(tag):
+        rc = make_prompt_cache(ref)
+        for t in ids:  # token by token, as in ours_loop: no prefill kernels to compile
+            first = ref(mx.array([[t]]), cache=rc)[0, -1]
+        out[tag] = pipelined(lambda y: ref(y.reshape(1, 1), cache=rc)[0, -1], first, n)
+        *_, last = stream_generate(ref, tk, prompt=ids, max_tokens=n, prefill_step_size=1)
+        out[tag]["stock_generate_ms"] = round(1e3 / last.generation_tps, 3)
+        print(tag, out[tag], flush=True)
+
+    def ours_loop(tag):
+        eng.reset()
+        for t in ids:
+            first = eng.decode(t)
+        out[tag] = pipelined(lambda y: eng._step(eng.model.embed(y.reshape(1, 1).astype(mx.uint32)), "decode"), first, n)
+        print(tag, out[tag], flush=True)
+
+    ref_loop("mlx_lm")
+    limit = eng.plan.accounts["allocator cache"]
+    for v in variants:
+        if v == "own_stream":
+            with mx.stream(mx.new_stream(mx.default_device())):
+                ours_loop("streamoe_" + v)
+            continue
+        enter, leave = VARIANTS[v]
+        enter()
+        try:
+            ours_loop("streamoe_" + v)
+        finally:
+            (leave or (lambda: mx.set_cache_limit(limit)))()
+    ref_loop("mlx_lm_again")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", type=Path, required=True)
@@ -98,10 +172,13 @@ def main() -> None:
     ap.add_argument("--experts", default="q4")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--tokens", type=int, default=40, help="tokens per decode loop")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="streamoe loop settings to try, comma-separated")
+    ap.add_argument("--skip-parts", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_model, load_tokenizer
 
     eng = Engine(a.model, Options(cap_gib=64, ctx=2048, experts=a.experts, dtype=a.dtype, runtime_bytes=600 << 20))
     dtype = eng.dtype
@@ -114,13 +191,16 @@ def main() -> None:
     mx.eval(eng.prefill(ids))
     x = (mx.random.normal((1, 1, eng.args.hidden_size)) * 0.5).astype(dtype)
     res = {"device": str(mx.default_device()), "dtype": str(dtype), "n": a.n, "parts": {}}
-    for name, (ours, theirs) in parts(eng, ref, rc, dtype).items():
-        row = {"streamoe": timed(ours, x, a.n)}
-        if theirs is not None:
-            row["mlx_lm"] = timed(theirs, x, a.n)
-            row["device_ratio"] = round(row["mlx_lm"]["device_ms"] / row["streamoe"]["device_ms"], 3)
-        res["parts"][name] = row
+    for _ in range(0 if a.skip_parts else 2):  # the first round also pays for first-use costs (kernels, graphs): the second is kept
+        for name, (ours, theirs) in parts(eng, ref, rc, dtype).items():
+            row = {"streamoe": timed(ours, x, a.n)}
+            if theirs is not None:
+                row["mlx_lm"] = timed(theirs, x, a.n)
+                row["device_ratio"] = round(row["mlx_lm"]["device_ms"] / row["streamoe"]["device_ms"], 3)
+            res["parts"][name] = row
+    for name, row in res["parts"].items():
         print(name, json.dumps(row), flush=True)
+    res["loops"] = loops(eng, ref, load_tokenizer(a.ckpt), list(range(100, 116)), a.tokens, [v for v in a.variants.split(",") if v])
     eng.close()
     text = json.dumps(res, indent=2)
     if a.out:

@@ -179,6 +179,9 @@ class StreamingExperts:
         self.reads = 0  # records read, for telemetry
         if self.resident:
             self._preload()
+            # layer i's first slot, made once: a scalar made per call is a host array the device must fetch
+            self.base = [mx.array(i * n_experts, dtype=mx.uint32) for i in range(n_layers)]
+            mx.eval(self.base)
 
     # ---- reading and filling
     def _preload(self) -> None:
@@ -230,7 +233,7 @@ class StreamingExperts:
         shape, k = x.shape, inds.shape[-1]
         xf, inds = x.reshape(-1, shape[-1]), inds.reshape(-1, k)
         if self.resident:
-            y = self._compute(xf, inds + mx.array(i * self.E, dtype=mx.uint32))  # on the device: no round trip
+            y = self._compute(xf, inds + self.base[i])  # on the device: no round trip
             return combine(y, scores.reshape(-1, k)).reshape(shape)
         out = combine(self._streamed(i, xf, inds), scores.reshape(-1, k)).reshape(shape)
         mx.async_eval(out)  # the device copies and computes while the host builds the next layer

@@ -33,12 +33,20 @@ from .cache import GDNCache, KVCache
 
 GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
 EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
-# Calls of up to EVAL_EVERY tokens (decode) run the delta rule as `mx.fast.gated_delta_update`: on a GPU one
-# kernel per layer instead of a chain of state-sized ones; on the CPU backend the same arithmetic as the token
-# loop below, bit for bit, in fewer passes, but with every token's temporaries alive at once (146 MiB for 64
-# full-size tokens against the loop's 35), hence the bound. Longer calls take the loop (evaluated every
-# EVAL_EVERY tokens) or, on a GPU beyond GDN_CHUNK, the chunked form.
-FAST_GDN = True
+# Calls of up to EVAL_EVERY tokens (decode) run the delta rule as `mx.fast.gated_delta_update` on the CPU
+# backend and on Metal: on the CPU the same arithmetic as the token loop below, bit for bit, in fewer passes,
+# but with every token's temporaries alive at once (146 MiB for 64 full-size tokens against the loop's 35),
+# hence the bound. On CUDA the op is a chunked form, slower for one token than the loop's fused step (measured
+# on the H200: bench/gpu_parts.py), so decode takes the loop there, as mlx-lm does. Longer calls take the loop
+# (evaluated every EVAL_EVERY tokens) or, on a GPU beyond GDN_CHUNK, the chunked form.
+FAST_GDN: bool | None = None  # None: by backend, as above
+
+
+def fast_gdn() -> bool:
+    """Whether short calls use `mx.fast.gated_delta_update` (FAST_GDN, else every backend but CUDA)."""
+    if FAST_GDN is not None:
+        return FAST_GDN
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -441,7 +449,7 @@ class GatedDeltaNet:
             cache.state if cache is not None else mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
         )
         gpu = mx.default_device() == mx.gpu
-        if FAST_GDN and L <= EVAL_EVERY:  # MLX's fused op (GQA built in)
+        if L <= EVAL_EVERY and fast_gdn():  # MLX's fused op (GQA built in)
             y, state = mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, state)
         else:
             if self.hv != self.hk:  # value head j reads key head j // (Hv/Hk)
