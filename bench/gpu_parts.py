@@ -19,6 +19,7 @@ model, then streamoe's engine as it is and with one setting changed at a time (`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -116,19 +117,39 @@ def pipelined(step, first: mx.array, n: int) -> dict:
     return dict(zip(("build_ms", "async_ms", "wait_ms", "token_ms"), (round(v, 3) for v in med), strict=True))
 
 
-VARIANTS = {  # name -> (enter, leave): one setting changed around a streamoe loop
-    "as_is": (lambda: None, lambda: None),
-    "own_stream": None,  # handled in loops(): the loop runs inside `with mx.stream(new stream)`
-    "gdn_other_form": (lambda: setattr(model_mod, "FAST_GDN", not model_mod.fast_gdn()),
-                       lambda: setattr(model_mod, "FAST_GDN", None)),
-    "cache_unlimited": (lambda: mx.set_cache_limit(64 << 30), None),
-}
+@contextlib.contextmanager
+def variant(name: str, eng: Engine):
+    """One setting changed around a streamoe loop (`as_is`: none)."""
+    limit = eng.plan.cache_limit
+    try:
+        if name == "own_stream":  # as mlx-lm's generate_step: its own stream
+            with mx.stream(mx.new_stream(mx.default_device())):
+                yield
+            return
+        if name == "gdn_other_form":
+            model_mod.FAST_GDN = not model_mod.fast_gdn()
+        elif name == "cache_account_only":  # the allocator cache as before plan.cache_limit
+            mx.set_cache_limit(eng.plan.accounts["allocator cache"])
+        elif name == "cache_unlimited":
+            mx.set_cache_limit(64 << 30)
+        elif name != "as_is":
+            raise SystemExit(f"unknown variant {name}")
+        yield
+    finally:
+        model_mod.FAST_GDN = None
+        mx.set_cache_limit(limit)
+
+
+VARIANTS = ("as_is", "own_stream", "gdn_other_form", "cache_account_only", "cache_unlimited")
 
 
 def loops(eng: Engine, ref, tk, ids: list[int], n: int, variants: list[str]) -> dict:
-    """`stock_generate_ms`: mlx-lm's own `stream_generate` on the same prompt, right after its loop here."""
+    """`stock_generate_ms`: mlx-lm's own `stream_generate` on the same prompt, right after its loop here;
+    `engine_generate_ms`: streamoe's own `Engine.generate` (greedy), right after its loop."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
+
+    from streamoe.runtime.text import Sampler
 
     out = {}
 
@@ -146,21 +167,19 @@ def loops(eng: Engine, ref, tk, ids: list[int], n: int, variants: list[str]) -> 
         for t in ids:
             first = eng.decode(t)
         out[tag] = pipelined(lambda y: eng._step(eng.model.embed(y.reshape(1, 1).astype(mx.uint32)), "decode"), first, n)
+        eng.reset()
+        eng.text.stop_ids = set()  # random weights may pick a stop token early
+        for t in ids[:-1]:
+            eng.decode(t)
+        stamps = [time.perf_counter() for _ in eng.generate(ids[-1:], n + 1, Sampler())]
+        gaps = sorted(b - a for a, b in zip(stamps[4:], stamps[5:], strict=False))
+        out[tag]["engine_generate_ms"] = round(gaps[len(gaps) // 2] * 1e3, 3)
         print(tag, out[tag], flush=True)
 
     ref_loop("mlx_lm")
-    limit = eng.plan.accounts["allocator cache"]
     for v in variants:
-        if v == "own_stream":
-            with mx.stream(mx.new_stream(mx.default_device())):
-                ours_loop("streamoe_" + v)
-            continue
-        enter, leave = VARIANTS[v]
-        enter()
-        try:
+        with variant(v, eng):
             ours_loop("streamoe_" + v)
-        finally:
-            (leave or (lambda: mx.set_cache_limit(limit)))()
     ref_loop("mlx_lm_again")
     return out
 

@@ -72,7 +72,7 @@ class Engine:
         self.text = TextIO(self.root, m.config)
         self.plan = plan_for(self.root, o, m)
         self.plan.require_fit()
-        mx.set_cache_limit(self.plan.accounts["allocator cache"])  # a smaller cache frees and reallocates every step
+        mx.set_cache_limit(self.plan.cache_limit)  # a smaller cache frees and reallocates every step
         self.dtype = mx_dtype(o.dtype or default_dtype())
         on_cpu = mx.default_device() == mx.cpu
         model_mod.set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))

@@ -117,6 +117,16 @@ class MemoryPlan:
     def min_cap(self) -> int:
         return self.fixed
 
+    @property
+    def cache_limit(self) -> int:
+        """What MLX may keep of freed buffers: the allocator account plus the part of the cap nothing else is
+        planned for. A capped plan fills the cap with slots, so this is the account (+ under one slot); a
+        resident plan may have gigabytes unused, and a larger cache spares a decode step its frees and
+        re-allocations (6 % of a resident H200 step: bench/gpu_parts.py `cache_unlimited`). Every buffer
+        counted still lives inside the cap."""
+        unused = max(0, self.cap - self.fixed - self.hot_slots * self.slot_bytes)
+        return self.accounts["allocator cache"] + unused
+
     def render(self) -> str:
         rows = [f"memory plan: cap {self.cap / GiB:.2f} GiB, ctx {self.ctx}, experts {self.expert_format} "
                 f"({self.stride:,} B per expert, {self.slot_bytes:,} B per slot)"]

@@ -126,6 +126,14 @@ def test_hot_slots_never_exceed_every_expert(args):
     assert p.hot_slots == 40 * 256
 
 
+def test_allocator_cache_takes_what_the_cap_leaves_unplanned(args):
+    capped = plan(args, 4)
+    assert capped.cache_limit == ALLOC_CACHE + (4 * GiB - FIXED) % SLOT_F32
+    assert capped.cache_limit - ALLOC_CACHE < SLOT_F32
+    resident = plan(args, 512)
+    assert resident.cache_limit == ALLOC_CACHE + 512 * GiB - FIXED - 40 * 256 * SLOT_F32
+
+
 def test_too_small_a_cap_names_the_smallest_that_fits(args):
     p = plan(args, 2)
     assert not p.fits and p.hot_bytes == 0 and p.hot_slots == 0 and p.min_cap == FIXED

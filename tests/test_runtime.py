@@ -147,8 +147,9 @@ def test_every_filled_slot_holds_the_file_bytes(tiny_conv, dtype, direct, monkey
 
 def test_telemetry_adds_up_and_validates(small_conv, tmp_path):
     _, eng = run_logits(small_conv, 16, steps=12, prefetch_width=6)
-    cache = eng.plan.accounts["allocator cache"]
+    cache = eng.plan.cache_limit
     assert mx.set_cache_limit(cache) == cache  # the buffers MLX keeps for reuse are the plan's account, no more
+    assert cache - eng.plan.accounts["allocator cache"] < eng.plan.slot_bytes  # capped: the cap holds slots
     stride = eng.lay.stride
     for s in eng.steps:
         jsonschema.validate(s.to_json(), schema("telemetry.schema.json"))
