@@ -61,7 +61,7 @@ def _write_segment(dst: np.ndarray, src: np.ndarray, stored: mx.Dtype, held: mx.
     if stored == held:
         dst[:] = src
     elif stored == mx.bfloat16:
-        dst.view(np.float32)[:] = bf16_to_f32(src.view(np.uint16))
+        bf16_to_f32(src.view(np.uint16), out=dst.view(np.float32))
     else:
         dst.view(np.float32)[:] = src.view(np.float16)
 

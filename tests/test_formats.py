@@ -40,7 +40,10 @@ def test_bf16_roundtrip_and_rounding():
     x = np.array([1.0, -2.5, 3.14159, 1e-8, 65504.0, -0.0], np.float32)
     b = quant.f32_to_bf16(x)
     assert np.array_equal(b, np.array(mx.array(x).astype(mx.bfloat16).view(mx.uint16)))
-    assert np.array_equal(quant.bf16_to_f32(b), np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)))
+    want = np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32))
+    assert np.array_equal(quant.bf16_to_f32(b), want)
+    out = np.full(len(x), np.nan, np.float32)  # written in place, every bit of it
+    assert quant.bf16_to_f32(b, out=out) is out and np.array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
 def test_shift_moves_every_weight_by_half_a_scale_including_negative_scales():
