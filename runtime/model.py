@@ -36,9 +36,10 @@ EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same m
 # Calls of up to EVAL_EVERY tokens (decode) run the delta rule as `mx.fast.gated_delta_update` on the CPU
 # backend and on Metal: on the CPU the same arithmetic as the token loop below, bit for bit, in fewer passes,
 # but with every token's temporaries alive at once (146 MiB for 64 full-size tokens against the loop's 35),
-# hence the bound. On CUDA the op is a chunked form, slower for one token than the loop's fused step (measured
-# on the H200: bench/gpu_parts.py), so decode takes the loop there, as mlx-lm does. Longer calls take the loop
-# (evaluated every EVAL_EVERY tokens) or, on a GPU beyond GDN_CHUNK, the chunked form.
+# hence the bound. On CUDA the loop's compiled step measured faster for one token (H200, session 6,
+# bench/gpu_parts.py: 0.40-0.66 against 0.72-1.13 ms per GDN mixer, 1.4 ms per decode token), so decode takes
+# it there, as mlx-lm does on CUDA. Longer calls take the loop (evaluated every EVAL_EVERY tokens) or, on a
+# GPU beyond GDN_CHUNK, the chunked form.
 FAST_GDN: bool | None = None  # None: by backend, as above
 
 
