@@ -46,7 +46,7 @@ def timed(f, x: mx.array, n: int) -> dict:
     return {"synced_ms": round(synced * 1e3, 4), "build_ms": round(build * 1e3, 4), "device_ms": round(device * 1e3, 4)}
 
 
-def parts(eng: Engine, ref, ref_cache: list, dtype) -> dict:
+def parts(eng: Engine, ref, ref_cache: list) -> dict:
     """name -> (streamoe's callable, mlx-lm's callable), each mapping a hidden state [1, 1, H] to the part's output."""
     m, lm = eng.model, ref.language_model
     ours_l, refs_l = m.layers, lm.layers
@@ -63,11 +63,15 @@ def parts(eng: Engine, ref, ref_cache: list, dtype) -> dict:
     def ours_step(x):
         return m.head(m.layers_forward(x, c, c[a].offset, ex))
 
+    def ref_head(h):
+        h = lm.model.norm(h)
+        return lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h)
+
     def ref_step(x):
         h = x
         for i, ly in enumerate(refs_l):
             h = ly(h, None, rc[i])
-        return lm.lm_head(lm.model.norm(h)) if not lm.args.tie_word_embeddings else lm.model.embed_tokens.as_linear(lm.model.norm(h))
+        return ref_head(h)
 
     def ours_gdn_other(x):  # decode's delta rule in the form this backend does not use
         model_mod.FAST_GDN = not model_mod.fast_gdn()
@@ -84,7 +88,7 @@ def parts(eng: Engine, ref, ref_cache: list, dtype) -> dict:
         "routed_experts_only": (lambda x: ex(g, x, *m.route(ours_l[g].mlp.gate(x))),
                                 lambda x: _ref_routed(refs_l[g].mlp, x)),
         "gdn_layer": (lambda x: ours_l[g](x, c[g], m.rope, None, ex), lambda x: refs_l[g](x, None, rc[g])),
-        "head": (m.head, lambda x: lm.lm_head(lm.model.norm(x))),
+        "head": (m.head, ref_head),
         "step_no_embed": (ours_step, ref_step),
     }
 
@@ -211,7 +215,7 @@ def main() -> None:
     x = (mx.random.normal((1, 1, eng.args.hidden_size)) * 0.5).astype(dtype)
     res = {"device": str(mx.default_device()), "dtype": str(dtype), "n": a.n, "parts": {}}
     for _ in range(0 if a.skip_parts else 2):  # the first round also pays for first-use costs (kernels, graphs): the second is kept
-        for name, (ours, theirs) in parts(eng, ref, rc, dtype).items():
+        for name, (ours, theirs) in parts(eng, ref, rc).items():
             row = {"streamoe": timed(ours, x, a.n)}
             if theirs is not None:
                 row["mlx_lm"] = timed(theirs, x, a.n)

@@ -7,8 +7,6 @@ on the packed bytes directly). A weight is `scale * code + bias` per group of 64
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 
@@ -46,12 +44,9 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
 def bf16_to_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """bf16 (stored as uint16) to float32, exactly. With `out` (float32, x's size, contiguous) the bits are
     written there in place, no temporary: a bf16 is the high half of its float32, the low half zero."""
-    if out is None or sys.byteorder != "little":
-        f = (np.asarray(x, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-        if out is not None:
-            out[:] = f
-        return f if out is None else out
-    halves = out.view(np.uint16)
+    if out is None:
+        return (np.asarray(x, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    halves = out.view(np.uint16)  # little-endian, as every layout here: the low half first
     halves[0::2] = 0
     halves[1::2] = x
     return out

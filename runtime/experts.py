@@ -99,7 +99,8 @@ class SlotPools:
         self.host_mapped = not self.direct and keep_on_host(self.hosts)  # CUDA: the ring stays on the host
         self.start = self.next = 0  # ring rows [start, next) are staged, not yet flushed
         self.pending: list[int] = []  # their slots
-        self.copier = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="streamoe-copy")  # ring
+        self.copier = None if self.direct else ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                                                  thread_name_prefix="streamoe-copy")
         self.copies: list[Future] = []
 
     def weights(self) -> ExpertWeights:
@@ -145,7 +146,8 @@ class SlotPools:
         self.start = self.next
 
     def close(self) -> None:
-        self.copier.shutdown(wait=True)
+        if self.copier is not None:
+            self.copier.shutdown(wait=True)
 
     def bytes_at(self, slot: int) -> bytes:
         """The record bytes slot `slot` holds now, scales and biases cast back to their stored dtype (exact from a

@@ -1,6 +1,7 @@
 """Where CUDA managed memory lives: keeping the upload ring on the host.
 
-MLX's CUDA backend allocates every array with `cudaMallocManaged`. A buffer the host writes and a kernel
+MLX's CUDA backend keeps an array in device memory until the host touches it (a numpy view, as the ring's
+host views are); from then on the buffer is managed memory. A managed buffer the host writes and a kernel
 then reads migrates page by page twice per use: back to the host when `SlotPools.stage` rewrites it, to
 the GPU when the copy into the slot reads it. The faults cost more than the bytes, and the layer's one
 sync waits for them. Advised to stay in host memory and mapped for the GPU, the ring is written in

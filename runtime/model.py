@@ -47,7 +47,7 @@ def fast_gdn() -> bool:
     """Whether short calls use `mx.fast.gated_delta_update` (FAST_GDN, else every backend but CUDA)."""
     if FAST_GDN is not None:
         return FAST_GDN
-    return mx.default_device() == mx.cpu or mx.metal.is_available()
+    return not (mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 
 # --------------------------------------------------------------------------------------------------
