@@ -5,7 +5,8 @@
 
 For each: prefill time of one prompt and greedy decode tok/s; for streamoe also MiB read per token, the
 hit rates (already in memory vs read ahead), bytes wasted by prefetch, and the disk bound (bytes read per
-token / the raw O_DIRECT random-read speed of the layer files, measured in the same run).
+token / the raw O_DIRECT random-read speed of the layer files, measured in the same run with 8 and with 16
+reads in flight: the faster of the two).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def mlx_lm_run(ckpt: Path, ids: list[int], tokens: int, tokenwise: bool = False,
     model, _ = load_model(ckpt)
     if dtype:
         model.set_dtype(getattr(mx, dtype))
+    if not tokenwise:  # a warm-up prompt: the first one compiles prefill's kernels (minutes on a fresh CUDA machine)
+        mx.eval(model(mx.array([ids]), cache=make_prompt_cache(model)))
     cache = make_prompt_cache(model)
     t0 = time.perf_counter()
     if tokenwise:  # one token at a time: only decode-shaped kernels (a fresh CUDA machine JIT-compiles prefill's for minutes)
@@ -94,13 +97,13 @@ def mlx_lm_run(ckpt: Path, ids: list[int], tokens: int, tokenwise: bool = False,
 
 
 def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: str, dtype: str | None,
-                 ablate: str = "") -> dict:
+                 ablate: str = "", io_threads: int = 8) -> dict:
     """`ablate`: run without one of the speed measures, to measure what it is worth: `cache32` (MLX's buffer
-    cache held at 32 MiB, as before the plan had an allocator account), `kvf32` (a float32 KV cache), `fastgdn`
-    (decode's delta rule in the other form than the backend's: `mx.fast.gated_delta_update` or the compiled step)."""
+    cache held at 32 MiB, as before the plan had an allocator account), `kvf32` (a float32 KV cache), `gdnkernel`
+    (the delta rule as the token loop of compiled steps, not the backend's form)."""
     from streamoe.runtime import model as model_mod
 
-    model_mod.FAST_GDN = (not model_mod.fast_gdn()) if ablate == "fastgdn" else None
+    model_mod.GDN_FORM = "ops" if ablate == "gdnkernel" else None
     if cap.startswith("slots:"):  # a cap that holds exactly N hot-tier slots
         from streamoe.runtime.plan import plan_for
 
@@ -114,8 +117,11 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     t0 = time.perf_counter()
     # a fixed interpreter allowance: the measured one would include what the mlx-lm run left in this process
     eng = Engine(model, Options(cap_gib=cap_gib, ctx=2048, experts=experts, dtype=dtype, runtime_bytes=600 << 20,
-                                kv="float32" if ablate == "kvf32" else "auto"))
+                                kv="float32" if ablate == "kvf32" else "auto", io_threads=io_threads))
     open_s = time.perf_counter() - t0
+    if eng.experts.resident:  # a warm-up prompt, as for mlx-lm (a capped one would also warm the tier)
+        mx.eval(eng.prefill(ids))
+        eng.reset()
     if ablate == "cache32":
         mx.set_cache_limit(32 << 20)
     build, step = [], eng._step
@@ -144,7 +150,7 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     picks = sum(ly.picks for ly in lay)
     eng.close()
     ms = float(np.median(times) * 1000)
-    return {"tag": f"streamoe-{cap}-{experts}" + (f"-no-{ablate}" if ablate else ""), "cap_gib": cap_gib, "resident": eng.experts.resident, "open_s": round(open_s, 1),
+    return {"tag": f"streamoe-{cap}-{experts}" + (f"-no-{ablate}" if ablate else "") + (f"-io{io_threads}" if io_threads != 8 else ""), "io_threads": io_threads, "cap_gib": cap_gib, "resident": eng.experts.resident, "open_s": round(open_s, 1),
             "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
             "build_ms": round(float(np.median(build[-tokens:]) * 1000), 2), "compute_ms": round(s["compute_ms"], 2), "io_wait_ms": round(s["io_wait_ms"], 2),
             "mib_read_token": round(read / 2**20 / max(1, len(dec)), 2),
@@ -165,7 +171,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--mlx-lm-tokenwise", action="store_true", help="feed mlx-lm's prompt one token at a time")
-    ap.add_argument("--ablate", default="", help="also run resident without: cache32,kvf32,fastgdn (comma-separated)")
+    ap.add_argument("--ablate", default="", help="also run resident without: cache32,kvf32,gdnkernel (comma-separated)")
+    ap.add_argument("--io-threads", default="8", help="capped runs: reads in flight, comma-separated for several runs")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from streamoe.runtime.text import TextIO
@@ -175,15 +182,19 @@ def main() -> None:
     fmt = m.expert_formats()[a.experts]
     paths = [safe_path(a.model, f["path"]) for f in fmt.files]
     res = {"device": str(mx.default_device()), "prompt_tokens": len(ids),
-           "raw_random_read_gbs": round(random_read_gbs(paths, fmt.layout.stride), 3), "runs": []}
+           "raw_random_read_gbs": round(random_read_gbs(paths, fmt.layout.stride), 3),
+           "raw_random_read_gbs_16_threads": round(random_read_gbs(paths, fmt.layout.stride, threads=16), 3), "runs": []}
     if not a.skip_mlx_lm:
         res["runs"].append(mlx_lm_run(a.ckpt, ids, a.tokens, a.mlx_lm_tokenwise, a.dtype))
         print(res["runs"][-1], flush=True)
-    runs = [(cap, "") for cap in a.caps.split(",")] + [("resident", x) for x in a.ablate.split(",") if x]
-    for cap, ablate in runs:
-        r = streamoe_run(a.model, ids, a.tokens, cap, a.experts, a.dtype, ablate)
+    threads = [int(t) for t in a.io_threads.split(",")]
+    runs = [(cap, "", t) for cap in a.caps.split(",") for t in (threads[:1] if cap == "resident" else threads)]
+    runs += [("resident", x, threads[0]) for x in a.ablate.split(",") if x]
+    for cap, ablate, io in runs:
+        r = streamoe_run(a.model, ids, a.tokens, cap, a.experts, a.dtype, ablate, io)
         if r["mib_read_token"]:
-            bound_ms = r["mib_read_token"] * 2**20 / (res["raw_random_read_gbs"] * 1e9) * 1000
+            raw = max(res["raw_random_read_gbs"], res["raw_random_read_gbs_16_threads"])  # the disk at its best here
+            bound_ms = r["mib_read_token"] * 2**20 / (raw * 1e9) * 1000
             r["disk_bound_ms"] = round(bound_ms, 2)
             r["of_disk_bound"] = round(bound_ms / r["ms_token"], 3)
         res["runs"].append(r)

@@ -73,19 +73,26 @@ def parts(eng: Engine, ref, ref_cache: list) -> dict:
             h = ly(h, None, rc[i])
         return ref_head(h)
 
-    def ours_gdn_other(x):  # decode's delta rule in the form this backend does not use
-        model_mod.FAST_GDN = not model_mod.fast_gdn()
-        try:
-            return ours_l[g].mix(x, c[g], m.rope, None)[0]
-        finally:
-            model_mod.FAST_GDN = None
+    def ours_gdn_form(form):  # decode's delta rule in another form than the backend's
+        def mixer(x):
+            model_mod.GDN_FORM = form
+            try:
+                return ours_l[g].mix(x, c[g], m.rope, None)[0]
+            finally:
+                model_mod.GDN_FORM = None
+        return mixer
+
+    def routed(i, x):
+        inds, scores = m.route(ours_l[i].mlp.gate(x))
+        return model_mod.combine(ex(i, x, inds), scores)
 
     return {
         "gdn_mixer": (lambda x: ours_l[g].mix(x, c[g], m.rope, None)[0], lambda x: ref_mix(g, x)),
-        "gdn_mixer_other_form": (ours_gdn_other, None),
+        "gdn_mixer_ops_form": (ours_gdn_form("ops"), None),
+        "gdn_mixer_fast_op": (ours_gdn_form("fast"), None),
         "attention_mixer": (lambda x: ours_l[a].mix(x, c[a], m.rope, rot(a))[0], lambda x: ref_mix(a, x)),
-        "moe_block": (lambda x: ours_l[g].mlp(g, x, ex), lambda x: refs_l[g].mlp(x)),
-        "routed_experts_only": (lambda x: ex(g, x, *m.route(ours_l[g].mlp.gate(x))),
+        "moe_block_and_residual": (lambda x: ours_l[g].mlp(g, x, ex, x), lambda x: x + refs_l[g].mlp(x)),
+        "routed_experts_only": (lambda x: routed(g, x),
                                 lambda x: _ref_routed(refs_l[g].mlp, x)),
         "gdn_layer": (lambda x: ours_l[g](x, c[g], m.rope, None, ex), lambda x: refs_l[g](x, None, rc[g])),
         "head": (m.head, ref_head),
@@ -130,8 +137,16 @@ def variant(name: str, eng: Engine):
             with mx.stream(mx.new_stream(mx.default_device())):
                 yield
             return
-        if name == "gdn_other_form":
-            model_mod.FAST_GDN = not model_mod.fast_gdn()
+        if name == "whole_pool":  # as before session 7: every layer's gather_qmm over the whole model's pools
+            ex = eng.experts
+            eng.experts = WholePool(ex)
+            try:
+                yield
+            finally:
+                eng.experts = ex
+            return
+        if name in ("gdn_ops", "gdn_fast"):  # the token loop's compiled step (session 6's CUDA form), MLX's op
+            model_mod.GDN_FORM = name[4:]
         elif name == "cache_account_only":  # the allocator cache as before plan.cache_limit
             mx.set_cache_limit(eng.plan.accounts["allocator cache"])
         elif name == "cache_unlimited":
@@ -140,11 +155,26 @@ def variant(name: str, eng: Engine):
             raise SystemExit(f"unknown variant {name}")
         yield
     finally:
-        model_mod.FAST_GDN = None
+        model_mod.GDN_FORM = None
         mx.set_cache_limit(limit)
 
 
-VARIANTS = ("as_is", "own_stream", "gdn_other_form", "cache_account_only", "cache_unlimited")
+class WholePool:
+    """The resident provider as it was before per-layer views: slot = layer * E + expert over the whole pools."""
+
+    def __init__(self, ex):
+        self.ex, self.resident, self.stats = ex, True, None
+        self.base = [mx.array(i * ex.E, dtype=mx.uint32) for i in range(ex.L)]
+        mx.eval(self.base)
+
+    def __call__(self, i, x, inds):
+        shape, k = x.shape, inds.shape[-1]
+        y = model_mod.switch_glu(x.reshape(-1, shape[-1]), self.ex.pools.weights(), inds.reshape(-1, k) + self.base[i],
+                                 self.ex.lay.bits, self.ex.lay.group_size)
+        return y.reshape(*shape[:-1], k, shape[-1])
+
+
+VARIANTS = ("as_is", "whole_pool", "gdn_ops", "gdn_fast", "own_stream", "cache_unlimited")
 
 
 def loops(eng: Engine, ref, tk, ids: list[int], n: int, variants: list[str]) -> dict:

@@ -6,8 +6,8 @@ calls over slot indices for all its tokens (`switch_glu`). `StreamingExperts` ow
 them: the store and its reads in flight, the hot tier (which expert lives in which slot, pins), the
 cross-layer prefetch, and the per-layer telemetry.
 
-Where every expert fits, every slot is filled at open and slot = layer * E + expert is computed on the
-device: no host round trip at all, the same kernels as a capped run. Otherwise each layer costs one
+Where every expert fits, every slot is filled at open (slot = layer * E + expert) and each layer's
+kernels read a view of its own E slots: no host round trip at all, the same kernels as a capped run. Otherwise each layer costs one
 small transfer (its top-k) and this sequence:
 
 1. The fence: `mx.synchronize()` on every stream that reads the pools. Every kernel that read a slot
@@ -39,7 +39,7 @@ from ..formats.quant import bf16_to_f32
 from ..formats.record import ExpertWeights, RecordLayout
 from . import model as model_mod
 from .managed import keep_on_host
-from .model import combine, switch_glu
+from .model import switch_glu
 from .store import ExpertStore
 from .telemetry import LayerStats
 from .tier import HotTier
@@ -161,7 +161,7 @@ class SlotPools:
 
 
 class StreamingExperts:
-    """The experts provider of a streamed model: `experts(i, x, inds, scores)` -> layer i's routed output."""
+    """The experts provider of a streamed model: `experts(i, x, inds)` -> layer i's picks' outputs [..., k, H]."""
 
     def __init__(self, store: ExpertStore, lay: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  hot_slots: int, tier: str, prefetch_width: int, guess: Callable[[int, mx.array], mx.array],
@@ -181,9 +181,13 @@ class StreamingExperts:
         self.reads = 0  # records read, for telemetry
         if self.resident:
             self._preload()
-            # layer i's first slot, made once: a scalar made per call is a host array the device must fetch
-            self.base = [mx.array(i * n_experts, dtype=mx.uint32) for i in range(n_layers)]
-            mx.eval(self.base)
+            # layer i's experts as views of its E slots, made once: expert e is then row e, and each gather_qmm
+            # reads one layer's matrices, as mlx-lm's SwitchGLU does. MLX's CUDA backend counts every input's
+            # bytes toward a graph's limit (1000 MB on an H200) and launches the graph once it is passed: inputs
+            # of the whole model's pools (GBs) would launch one graph per expert matmul, 120 per token.
+            E = n_experts
+            self.layer_weights = [ExpertWeights(*(a[i * E:(i + 1) * E] for a in self.pools.arrays)) for i in range(n_layers)]
+            mx.eval(self.layer_weights)
 
     # ---- reading and filling
     def _preload(self) -> None:
@@ -231,15 +235,16 @@ class StreamingExperts:
             mx.synchronize(s)
 
     # ---- the provider
-    def __call__(self, i: int, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
+    def __call__(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
+        """Layer i's picks' outputs [..., k, H] for x [..., H] and inds [..., k] (the model combines them)."""
         shape, k = x.shape, inds.shape[-1]
         xf, inds = x.reshape(-1, shape[-1]), inds.reshape(-1, k)
-        if self.resident:
-            y = self._compute(xf, inds + self.base[i])  # on the device: no round trip
-            return combine(y, scores.reshape(-1, k)).reshape(shape)
-        out = combine(self._streamed(i, xf, inds), scores.reshape(-1, k)).reshape(shape)
-        mx.async_eval(out)  # the device copies and computes while the host builds the next layer
-        return out
+        if self.resident:  # on the device: no round trip
+            y = switch_glu(xf, self.layer_weights[i], inds, self.lay.bits, self.lay.group_size)
+        else:
+            y = self._streamed(i, xf, inds)
+            mx.async_eval(y)  # the device copies and computes while the host builds the next layer
+        return y.reshape(*shape[:-1], k, shape[-1])
 
     def _compute(self, x: mx.array, slots: mx.array) -> mx.array:
         return switch_glu(x, self.pools.weights(), slots, self.lay.bits, self.lay.group_size)

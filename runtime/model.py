@@ -2,7 +2,7 @@
 
 The routed experts' weights live wherever an experts provider keeps them, so every MoE block calls one:
 
-    h = layer(h, cache[i], rope, rot, experts)    # mixer, then router + experts(i, x, inds, scores) + shared
+    h = layer(h, cache[i], rope, rot, experts)    # mixer, then h + (router -> experts(i, x, inds) + shared)
 
 `Model.layers_forward` is the one layer loop; `forward()` adds the embedding and the head for reference use
 (`ResidentExperts` keeps every expert in memory; the engine passes `runtime/experts.StreamingExperts`).
@@ -33,21 +33,24 @@ from .cache import GDNCache, KVCache
 
 GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
 EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
-# Calls of up to EVAL_EVERY tokens (decode) run the delta rule as `mx.fast.gated_delta_update` on the CPU
-# backend and on Metal: on the CPU the same arithmetic as the token loop below, bit for bit, in fewer passes,
-# but with every token's temporaries alive at once (146 MiB for 64 full-size tokens against the loop's 35),
-# hence the bound. On CUDA the loop's compiled step measured faster for one token (H200, session 6,
-# bench/gpu_parts.py: 0.40-0.66 against 0.72-1.13 ms per GDN mixer, 1.4 ms per decode token), so decode takes
-# it there, as mlx-lm does on CUDA. Longer calls take the loop (evaluated every EVAL_EVERY tokens) or, on a
-# GPU beyond GDN_CHUNK, the chunked form.
-FAST_GDN: bool | None = None  # None: by backend, as above
+# The delta rule's form, by backend (`gdn_form()`):
+# - "kernel" on CUDA: one kernel per call (`_delta_rule_cuda`), any number of tokens. Decode is host-bound there
+#   (MLX encodes every kernel into a CUDA graph on the host): the token loop's compiled step was ~8 kernels
+#   and two copies for the grouped heads per layer.
+# - "fast" on the CPU backend and Metal, calls of up to EVAL_EVERY tokens: MLX's fused
+#   `mx.fast.gated_delta_update`; on the CPU the same arithmetic as the token loop below, bit for bit, in fewer
+#   passes, but with every token's temporaries alive at once (146 MiB for 64 full-size tokens against the
+#   loop's 35), hence the bound.
+# - "ops" otherwise: the token loop (evaluated every EVAL_EVERY tokens) or, on a GPU beyond GDN_CHUNK tokens,
+#   the chunked form.
+GDN_FORM: str | None = None  # None: by backend, as above
 
 
-def fast_gdn() -> bool:
-    """Whether short calls use `mx.fast.gated_delta_update` (FAST_GDN, else every backend but CUDA)."""
-    if FAST_GDN is not None:
-        return FAST_GDN
-    return not (mx.default_device() == mx.gpu and mx.cuda.is_available())
+def gdn_form() -> str:
+    """"kernel", "fast" or "ops" (GDN_FORM, else by backend)."""
+    if GDN_FORM is not None:
+        return GDN_FORM
+    return "kernel" if mx.default_device() == mx.gpu and mx.cuda.is_available() else "fast"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,6 +306,58 @@ def gated_delta_loop(q, k, v, log_g, beta, state):
     return (mx.stack(ys, axis=1) if len(ys) > 1 else ys[0][:, None]), state
 
 
+_DELTA_RULE_SOURCE = """
+    // one thread per row j of one value head's state [DV, DK], carried through the call's tokens
+    const int nb = conv_shape[0], len = conv_shape[1];
+    const unsigned int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (unsigned int)(nb * HV * DV)) return;
+    const int j = idx % DV, h = (idx / DV) % HV, b = idx / (DV * HV);
+    const int kh = h / (HV / HK);  // the key head this value head reads
+    const size_t row = ((size_t)(b * HV + h) * DV + j) * DK;
+    float s[DK];
+    #pragma unroll
+    for (int i = 0; i < DK; ++i) s[i] = state[row + i];
+    for (int t = 0; t < len; ++t) {
+        const size_t bt = (size_t)b * len + t;
+        const float g = expf(log_g[bt * HV + h]);
+        const float w = static_cast<float>(beta[bt * HV + h]);
+        const auto* q = qk + (bt * 2 * HK + kh) * DK;
+        const auto* k = qk + (bt * 2 * HK + HK + kh) * DK;
+        float recall = 0.f;
+        #pragma unroll
+        for (int i = 0; i < DK; ++i) { s[i] *= g; recall += s[i] * static_cast<float>(k[i]); }
+        const float delta = (static_cast<float>(conv[bt * CONV + VOFF + h * DV + j]) - recall) * w;
+        float acc = 0.f;
+        #pragma unroll
+        for (int i = 0; i < DK; ++i) { s[i] += static_cast<float>(k[i]) * delta; acc += s[i] * static_cast<float>(q[i]); }
+        y[bt * HV * DV + h * DV + j] = static_cast<T>(acc);
+    }
+    #pragma unroll
+    for (int i = 0; i < DK; ++i) state_out[row + i] = s[i];
+"""
+
+
+@functools.cache
+def _delta_rule_kernel():
+    return mx.fast.cuda_kernel("streamoe_delta_rule", ["qk", "conv", "log_g", "beta", "state"], ["y", "state_out"],
+                               _DELTA_RULE_SOURCE)
+
+
+def delta_rule_cuda(qk, conv, log_g, beta, state, hk: int, hv: int, dk: int, dv: int):
+    """The recurrence of a whole call as one CUDA kernel: qk [B, L, 2*Hk, dk] (q, then k: normalised, q scaled),
+    conv [B, L, C] (v is its last Hv*dv columns), log_g [B, L, Hv] float32, beta [B, L, Hv] (conv's dtype),
+    state [B, Hv, dv, dk] float32. The token loop's arithmetic in float32, one thread per state row, its sums
+    over dk taken left to right: y [B, L, Hv, dv] in conv's dtype, and the new state. Shapes other than the
+    model's head sizes are read at run time, so every prompt length runs the one compiled kernel."""
+    B, L, C = conv.shape
+    n = B * hv * dv
+    return _delta_rule_kernel()(
+        inputs=[qk, conv, log_g, beta, state],
+        template=[("T", conv.dtype), ("HK", hk), ("HV", hv), ("DK", dk), ("DV", dv), ("CONV", C), ("VOFF", C - hv * dv)],
+        grid=(n, 1, 1), threadgroup=(min(128, n), 1, 1),
+        output_shapes=[(B, L, hv, dv), state.shape], output_dtypes=[conv.dtype, mx.float32])
+
+
 def _unit_lower_inverse(a: mx.array) -> mx.array:
     """(I + a)^-1 for strictly lower-triangular a [..., C, C] (C a power of two), by recursive 2x2 block
     inversion done level by level on all diagonal blocks at once: inv([[X, 0], [Y, Z]]) =
@@ -398,6 +453,13 @@ def _sigmoid_gate(y: mx.array, gate: mx.array) -> mx.array:
 
 
 @gpu_compiled
+def _moe_out(h: mx.array, outs: mx.array, scores: mx.array, down: mx.array, out_gate: mx.array) -> mx.array:
+    """h + (routed + shared): the picks' outputs outs [..., k, H] combined by their scores, plus the shared
+    expert's down projection times sigmoid(its gate): mlx-lm's sums in mlx-lm's order, one kernel on GPUs."""
+    return h + (combine(outs, scores) + down * mx.sigmoid(out_gate))
+
+
+@gpu_compiled
 def _conv_silu(seq: mx.array, w: mx.array) -> mx.array:
     """Causal depthwise convolution of seq [B, K-1+L, C] with w [C, K] (taps summed left to right), SiLU."""
     K = w.shape[1]
@@ -440,31 +502,36 @@ class GatedDeltaNet:
             cache.conv = mx.contiguous(seq[:, L:, :])
         conv = _conv_silu(seq, self.conv)
 
-        qk, v = mx.split(conv, [2 * self.hk * self.dk], axis=-1)
+        qk = conv[..., : 2 * self.hk * self.dk]
         qk = mx.fast.rms_norm(qk.reshape(B, L, 2 * self.hk, self.dk), None, self.qk_eps) * self.qk_scale
-        q, k = qk[:, :, : self.hk], qk[:, :, self.hk :]
-        v = v.reshape(B, L, self.hv, self.dv)
 
         log_g, beta = _gdn_gates(a, b, self.A_log, self.dt_bias)
         state = (
             cache.state if cache is not None else mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
         )
-        gpu = mx.default_device() == mx.gpu
-        if L <= EVAL_EVERY and fast_gdn():  # MLX's fused op (GQA built in)
-            y, state = mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, state)
-        else:
-            if self.hv != self.hk:  # value head j reads key head j // (Hv/Hk)
-                q = mx.repeat(q, self.hv // self.hk, axis=2)
-                k = mx.repeat(k, self.hv // self.hk, axis=2)
-            if (self.chunked if self.chunked is not None else gpu) and L > GDN_CHUNK:
-                y, state = gated_delta_chunked(q, k, v, log_g, beta, state)
-            else:
-                y, state = gated_delta_loop(q, k, v, log_g, beta, state)
+        y, state = self._delta_rule(qk, conv, log_g, beta, state)
         if cache is not None:
             cache.state = state
             cache.offset += L
         y = _gated_out(mx.fast.rms_norm(y, self.norm, self.eps), z)  # gated RMSNorm per head
         return self.out_proj(y.reshape(B, L, -1))
+
+    def _delta_rule(self, qk, conv, log_g, beta, state):
+        """y [B, L, Hv, dv] and the new state, in the backend's form (`gdn_form()`)."""
+        B, L, _ = conv.shape
+        form = gdn_form()
+        if form == "kernel":
+            return delta_rule_cuda(qk, conv, log_g, beta, state, self.hk, self.hv, self.dk, self.dv)
+        q, k = qk[:, :, : self.hk], qk[:, :, self.hk :]
+        v = conv[..., 2 * self.hk * self.dk :].reshape(B, L, self.hv, self.dv)
+        if L <= EVAL_EVERY and form == "fast":  # MLX's fused op (GQA built in)
+            return mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, state)
+        if self.hv != self.hk:  # value head j reads key head j // (Hv/Hk)
+            q = mx.repeat(q, self.hv // self.hk, axis=2)
+            k = mx.repeat(k, self.hv // self.hk, axis=2)
+        if (self.chunked if self.chunked is not None else mx.default_device() == mx.gpu) and L > GDN_CHUNK:
+            return gated_delta_chunked(q, k, v, log_g, beta, state)
+        return gated_delta_loop(q, k, v, log_g, beta, state)
 
 
 class Attention:
@@ -515,11 +582,12 @@ class SparseMoe:
         """The router's logits alone (the cross-layer guess asks for them)."""
         return self.in_proj.one(x, 0)
 
-    def __call__(self, i: int, x: mx.array, experts) -> mx.array:
+    def __call__(self, i: int, x: mx.array, experts, residual: mx.array) -> mx.array:
+        """residual + (routed + shared): the block's output already added to the residual stream."""
         logits, gate, up, out_gate = self.in_proj(x)
         inds, scores = route(logits, self.k, self.norm_topk)
-        shared = _sigmoid_gate(self.shared_down_proj(swiglu(gate, up)), out_gate)
-        return experts(i, x, inds, scores) + shared
+        down = self.shared_down_proj(swiglu(gate, up))
+        return _moe_out(residual, experts(i, x, inds), scores, down, out_gate)
 
 
 class DecoderLayer:
@@ -546,7 +614,7 @@ class DecoderLayer:
 
     def __call__(self, h: mx.array, cache, rope: MRoPE, rot, experts) -> mx.array:
         h, x = self.mix(h, cache, rope, rot)
-        return h + self.mlp(self.i, x, experts)
+        return self.mlp(self.i, x, experts, h)
 
 
 class Model:
@@ -604,7 +672,7 @@ class Model:
     def layers_forward(self, h: mx.array, cache: list, positions: int | mx.array, experts) -> mx.array:
         """The one layer loop: every decoder layer over h [B, L, H] with its cache entry. positions: the int
         position of h's first token for plain text, or [3, B, L] int32 (t, h, w) M-RoPE positions.
-        `experts(i, x, inds, scores)` gives layer i's routed output."""
+        `experts(i, x, inds)` gives layer i's picks' outputs [..., k, H]."""
         rot = self.rope.prepare(positions) if self.args.n_full_attention else None
         for i, layer in enumerate(self.layers):
             h = layer(h, cache[i], self.rope, rot, experts)
@@ -678,7 +746,6 @@ def _switch_glu(x, w, slots, bits, group_size):
     return qmm(h, w.down_w, w.down_s, w.down_b).squeeze(-2)
 
 
-@gpu_compiled
 def combine(outs: mx.array, scores: mx.array) -> mx.array:
     """outs [..., k, H] in router-rank order, scores [..., k] -> sum_j outs[..., j, :] * scores[..., j],
     accumulated left to right in rank order with elementwise ops (no reduction kernel), so the result
@@ -718,12 +785,12 @@ class ResidentExperts:
             mx.eval(parts)
             self.layers.append((parts, *quant.pop()))
 
-    def __call__(self, i: int, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
-        """Routed-expert output of layer i for x [..., H] with inds/scores [..., k] from `route`."""
+    def __call__(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
+        """Layer i's picks' outputs [..., k, H] (router-rank order) for x [..., H] and inds [..., k] from `route`."""
         parts, bits, group = self.layers[i]
         shape, k = x.shape, inds.shape[-1]
         y = switch_glu(x.reshape(-1, shape[-1]), ExpertWeights(*parts), inds.reshape(-1, k), bits, group)
-        return combine(y, scores.reshape(-1, k)).reshape(shape)
+        return y.reshape(*shape[:-1], k, shape[-1])
 
 
 def forward(
@@ -734,8 +801,8 @@ def forward(
     positions: mx.array | None = None,
     input_embeddings: mx.array | None = None,
 ) -> mx.array:
-    """The whole model for reference use: logits [B, L, V]. `experts(i, x, inds, scores)` gives the routed
-    output; it is added to the shared expert's before the residual, as mlx-lm does: h + (routed + shared)."""
+    """The whole model for reference use: logits [B, L, V]. `experts(i, x, inds)` gives the picks' outputs; their
+    combination is added to the shared expert's before the residual, as mlx-lm does: h + (routed + shared)."""
     h = model.embed(tokens) if input_embeddings is None else input_embeddings.astype(model.dtype)
     B, L = h.shape[:2]
     for c in cache:  # refuse before any layer's state has moved

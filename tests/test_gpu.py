@@ -122,3 +122,33 @@ def test_gpu_upload_ring_is_advised_to_stay_on_the_host(small_conv):
     pools = SlotPools(4, lay, mx.bfloat16, 8, direct=False)
     pools.close()
     assert pools.host_mapped == mx.cuda.is_available()
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the delta-rule kernel is CUDA's form (model.gdn_form)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_delta_rule_kernel_is_the_token_loop(dtype):
+    """CUDA runs the delta rule as one kernel (model.delta_rule_cuda): grouped heads, one token and a prompt's
+    worth, against the token loop (float32 state; the kernel sums over dk in another order: 1e-5 relative)."""
+    from streamoe.runtime.model import delta_rule_cuda, gated_delta_loop
+
+    rng = np.random.default_rng(3)
+    B, Hk, Hv, dk, dv, extra = 2, 2, 4, 32, 16, 24  # conv holds q, k, then v: extra columns before v test VOFF
+
+    def arr(*shape, dt=mx.float32):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dt)
+
+    dt = getattr(mx, dtype)
+    for L in (1, 37):
+        qk = (0.2 * arr(B, L, 2 * Hk, dk)).astype(dt)
+        conv = arr(B, L, 2 * Hk * dk + extra + Hv * dv, dt=dt)
+        v = conv[..., -Hv * dv:].reshape(B, L, Hv, dv)
+        log_g, beta, s0 = -0.1 * mx.abs(arr(B, L, Hv)), mx.sigmoid(arr(B, L, Hv, dt=dt)), 0.1 * arr(B, Hv, dv, dk)
+        y, s = delta_rule_cuda(qk, conv, log_g, beta, s0, Hk, Hv, dk, dv)
+        q, k = (mx.repeat(t, Hv // Hk, axis=2) for t in (qk[:, :, :Hk], qk[:, :, Hk:]))
+        y_ref, s_ref = gated_delta_loop(q, k, v, log_g, beta, s0)
+        assert y.dtype == dt and y.shape == y_ref.shape and s.shape == s_ref.shape
+        for got, want in ((y, y_ref), (s, s_ref)):
+            err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max() / mx.abs(want.astype(mx.float32)).max())
+            assert err < (1e-5 if dtype == "float32" else 1e-2), (L, err)
+        y2, s2 = delta_rule_cuda(qk, conv, log_g, beta, s0, Hk, Hv, dk, dv)
+        assert mx.array_equal(y, y2) and mx.array_equal(s, s2)  # deterministic
