@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
+import pstats
 import time
 from pathlib import Path
 
@@ -164,6 +167,7 @@ class WholePool:
 
     def __init__(self, ex):
         self.ex, self.resident, self.stats = ex, True, None
+        self.begin_prompt, self.end_prompt = ex.begin_prompt, ex.end_prompt
         self.base = [mx.array(i * ex.E, dtype=mx.uint32) for i in range(ex.L)]
         mx.eval(self.base)
 
@@ -205,11 +209,28 @@ def loops(eng: Engine, ref, tk, ids: list[int], n: int, variants: list[str]) -> 
         eng.text.stop_ids = set()  # random weights may pick a stop token early
         for t in ids[:-1]:
             eng.decode(t)
+        prof = cProfile.Profile() if tag == "streamoe_as_is" else None
+        if prof:
+            prof.enable()
         stamps = [time.perf_counter() for _ in eng.generate(ids[-1:], n + 1, Sampler())]
+        if prof:
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            out["engine_generate_profile"] = text.getvalue()
+            print(text.getvalue(), flush=True)
         gaps = sorted(b - a for a, b in zip(stamps[4:], stamps[5:], strict=False))
         out[tag]["engine_generate_ms"] = round(gaps[len(gaps) // 2] * 1e3, 3)
         print(tag, out[tag], flush=True)
 
+    from streamoe.runtime.plan import current_rss
+
+    for name, f in (("current_rss", current_rss), ("snapshot", eng._snapshot)):  # host costs of Engine.generate's loop
+        t = time.perf_counter()
+        for _ in range(200):
+            f()
+        out[f"{name}_ms"] = round((time.perf_counter() - t) / 200 * 1e3, 4)
+        print(name, out[f"{name}_ms"], "ms", flush=True)
     ref_loop("mlx_lm")
     for v in variants:
         with variant(v, eng):

@@ -226,7 +226,7 @@ class EngineWorker:
             if evs:
                 job.emit(("delta", evs))
             seen = dec.add(eng.steps, seen)
-            self.live = {**self.live, "state": "decode", "tokens": n, **dec.stats(), "rss": current_rss()}
+            self.live = {**self.live, "state": "decode", "tokens": n, **dec.stats(), "rss": eng.rss}
             if out.stopped:
                 finish = "stop"
                 break
