@@ -5,8 +5,9 @@
 
 For each: prefill time of one prompt and greedy decode tok/s; for streamoe also MiB read per token, the
 hit rates (already in memory vs read ahead), bytes wasted by prefetch, and the disk bound (bytes read per
-token / the raw O_DIRECT random-read speed of the layer files, measured in the same run with 8 and with 16
-reads in flight: the faster of the two).
+token / the raw O_DIRECT random-read speed of the layer files with 8 and with 16 reads in flight, the faster of
+the two, measured right before and right after each capped run and averaged: the disk's speed drifts by 2x
+between minutes on the H200 machine).
 """
 
 from __future__ import annotations
@@ -190,10 +191,16 @@ def main() -> None:
     threads = [int(t) for t in a.io_threads.split(",")]
     runs = [(cap, "", t) for cap in a.caps.split(",") for t in (threads[:1] if cap == "resident" else threads)]
     runs += [("resident", x, threads[0]) for x in a.ablate.split(",") if x]
+    def disk_gbs() -> float:  # the disk at its best for this access: 8 or 16 reads in flight
+        return max(random_read_gbs(paths, fmt.layout.stride, threads=t) for t in (8, 16))
+
     for cap, ablate, io in runs:
+        before = disk_gbs() if cap != "resident" else None  # the disk's speed drifts too: measured beside each run
         r = streamoe_run(a.model, ids, a.tokens, cap, a.experts, a.dtype, ablate, io)
         if r["mib_read_token"]:
-            raw = max(res["raw_random_read_gbs"], res["raw_random_read_gbs_16_threads"])  # the disk at its best here
+            after = disk_gbs()
+            r["raw_random_read_gbs_before_after"] = [round(before, 3), round(after, 3)]
+            raw = (before + after) / 2
             bound_ms = r["mib_read_token"] * 2**20 / (raw * 1e9) * 1000
             r["disk_bound_ms"] = round(bound_ms, 2)
             r["of_disk_bound"] = round(bound_ms / r["ms_token"], 3)
