@@ -120,20 +120,21 @@ class HotTier:
             return None, False
         if self.policy == "lru":
             return self._lru(), False
-        occupied = list(self.recency) if len(self.recency) <= 4 * self.sample else None
         best = None
-        for _ in range(self.sample):
-            s = occupied[self.rng.integers(len(occupied))] if occupied else self._random_occupied()
-            if s is not None and self.usable(s) and (best is None or self.freq[self.key_of[s]] < self.freq[self.key_of[best]]):
+        for s in self._sample_occupied():
+            if self.usable(s) and (best is None or self.freq[self.key_of[s]] < self.freq[self.key_of[best]]):
                 best = s
         return (best if best is not None else self._lru()), False
 
-    def _random_occupied(self) -> int | None:
-        for _ in range(4):
-            s = int(self.rng.integers(self.n_slots))
-            if s in self.recency:
-                return s
-        return None
+    def _sample_occupied(self) -> list[int]:
+        """Up to `sample` random occupied tier slots, drawn in one call (a draw per slot cost more than the rest
+        of a capped CPU decode's tier work): from the occupied ones when they are few, else 4 draws per pick
+        over every slot, keeping the occupied ones."""
+        if len(self.recency) <= 4 * self.sample:
+            occupied = list(self.recency)
+            return [occupied[i] for i in self.rng.integers(len(occupied), size=self.sample).tolist()]
+        draws = self.rng.integers(self.n_slots, size=4 * self.sample).tolist()
+        return [s for s in draws if s in self.recency][: self.sample]
 
     def scratch_slot(self, key: Key) -> int | None:
         """Where a declined miss goes: prefill stages expert e in slot hot + e; decode uses the scratch ring."""
