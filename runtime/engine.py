@@ -51,9 +51,6 @@ def fix_malloc_thresholds() -> None:
         pass
 
 
-RSS_EVERY_S = 0.2  # decode samples the resident set at most this often (each prompt chunk and answer end always)
-
-
 class Engine:
     """open / prefill / decode / generate / close: a converted model inside its plan, experts streamed."""
 
@@ -95,7 +92,6 @@ class Engine:
         self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens
         self.steps: list[StepStats] = []
         self.rss = self.peak_rss = current_rss()  # the last sample, and the peak of every sample
-        self.rss_at = time.perf_counter()
 
     # ---- one forward step over a chunk of tokens
     def forward(self, tokens: list[int], phase: str, positions: mx.array | None = None,
@@ -129,15 +125,12 @@ class Engine:
         mx.eval(logits)
         step.layers[-1].compute_ms += 1000 * (time.perf_counter() - tc)
         step.ms = 1000 * (time.perf_counter() - step.t0)
-        self.note_rss(force=step.phase != "decode")
+        self.note_rss()
 
-    def note_rss(self, force: bool = True) -> None:
-        """Keep the peak of the resident set. Reading it is a /proc read (milliseconds where the process maps a
-        GPU's memory), so a decode token, much shorter than that, samples it at most every RSS_EVERY_S."""
-        now = time.perf_counter()
-        if force or now - self.rss_at >= RSS_EVERY_S:
-            self.rss, self.rss_at = current_rss(), now
-            self.peak_rss = max(self.peak_rss, self.rss)
+    def note_rss(self) -> None:
+        """Sample the resident set (a /proc read: 0.01 ms on the H200 machine) and keep its peak."""
+        self.rss = current_rss()
+        self.peak_rss = max(self.peak_rss, self.rss)
 
     def prefill(self, tokens: list[int]) -> mx.array:
         """A prompt, in chunks, expert-major through the staging slots (taken back from the tier first)."""
@@ -202,7 +195,7 @@ class Engine:
                 if made_by.ms == 0.0:
                     made_by.layers[-1].compute_ms = 1000 * (time.perf_counter() - tw)  # the device's time not hidden
                     made_by.ms = 1000 * (time.perf_counter() - made_by.t0)
-                    self.note_rss(force=False)
+                    self.note_rss()
                 made_by.token_id = tok
                 if tok in self.text.stop_ids:
                     return

@@ -182,7 +182,7 @@ class StreamingExperts:
         if self.resident:
             self._preload()
             # layer i's experts as views of its E slots, made once: expert e is then row e, and each gather_qmm
-            # reads one layer's matrices, as mlx-lm's SwitchGLU does. MLX's CUDA backend counts every input's
+            # reads one layer's matrices, as mlx-lm's SwitchGLU does. MLX 0.32's CUDA backend counts every input's
             # bytes toward a graph's limit (1000 MB on an H200) and launches the graph once it is passed: inputs
             # of the whole model's pools (GBs) would launch one graph per expert matmul, 120 per token.
             E = n_experts

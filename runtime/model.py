@@ -34,9 +34,10 @@ from .cache import GDNCache, KVCache
 GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
 EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
 # The delta rule's form, by backend (`gdn_form()`):
-# - "kernel" on CUDA: one kernel per call (`_delta_rule_cuda`), any number of tokens. Decode is host-bound there
-#   (MLX encodes every kernel into a CUDA graph on the host): the token loop's compiled step was ~8 kernels
-#   and two copies for the grouped heads per layer.
+# - "kernel" on CUDA: one kernel per call (`delta_rule_cuda`), any number of tokens. Decode is host-bound there
+#   (MLX encodes every kernel into a CUDA graph on the host), and the token loop's compiled step was several
+#   kernels plus two copies for the grouped heads per layer: the kernel measured 2.7-3.4 ms faster per
+#   full-size token on the H200 (session 7, bench/gpu_parts.py).
 # - "fast" on the CPU backend and Metal, calls of up to EVAL_EVERY tokens: MLX's fused
 #   `mx.fast.gated_delta_update`; on the CPU the same arithmetic as the token loop below, bit for bit, in fewer
 #   passes, but with every token's temporaries alive at once (146 MiB for 64 full-size tokens against the
