@@ -27,7 +27,7 @@ class ExpertStore:
     """The layer files of one expert format, an I/O thread pool, and the host staging ring."""
 
     def __init__(self, paths: list[Path], lay: RecordLayout, n_experts: int, layouts: dict[str, RecordLayout], fmt: str,
-                 io_threads: int = 4, ring: int = 16):
+                 io_threads: int, ring: int):
         self.lay, self.n_experts, self.paths = lay, n_experts, list(paths)
         self.fds: list[int] = []
         self.direct: list[bool] = []

@@ -219,8 +219,26 @@ COMMON = [
 ]
 
 
+# how the engine streams and what it plans for: `run` and `serve` take the same ones (defaults as runtime.plan.Options)
+ENGINE = [
+    click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy."),
+    click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None,
+                 help="Cross-layer guesses per layer (default: the model's top-k); 0 = off."),
+    click.option("--prefill-chunk", type=click.IntRange(min=1, max=1 << 20), default=256, show_default=True),
+    click.option("--io-threads", type=click.IntRange(min=1, max=256), default=8, show_default=True, help="Expert reads in flight."),
+    click.option("--max-pixels", type=click.IntRange(min=1024, max=1 << 28), default=640 * 640, show_default=True,
+                 help="Largest image after resizing, in pixels (the vision account is planned for it)."),
+]
+
+
 def common(fn):
     for opt in reversed(COMMON):
+        fn = opt(fn)
+    return fn
+
+
+def engine_options(fn):
+    for opt in reversed(ENGINE):
         fn = opt(fn)
     return fn
 
@@ -256,11 +274,10 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @common
+@engine_options
 @click.option("--prompt", "-p", default=None, callback=utf8_text, help="One prompt; answered, then exit.")
 @click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="An image for the prompt (repeatable).")
-@click.option("--max-pixels", type=click.IntRange(min=1024, max=1 << 28), default=640 * 640, show_default=True,
-              help="Largest image after resizing, in pixels (the vision account is planned for it).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
 @click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
@@ -270,11 +287,6 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=None, help="Default: generation_config.json.")
 @click.option("--top-k", type=click.IntRange(min=0, max=1 << 31), default=None, help="Default: generation_config.json.")
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
-@click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy.")
-@click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None, help="Cross-layer guesses per layer (default: the model's top-k); 0 = off.")
-@click.option("--prefill-chunk", type=click.IntRange(min=1, max=1 << 20), default=256, show_default=True)
-@click.option("--io-threads", type=click.IntRange(min=1, max=256), default=8, show_default=True,
-              help="Expert reads in flight.")
 @click.option("--stats", type=click.Path(path_type=Path), default=None, help="Write per-step telemetry as JSON lines.")
 @click.option("--logits-out", type=click.Path(path_type=Path), default=None, help="Save every step's logits (.npz).")
 @click.option("--verify", is_flag=True, help="Check every file's checksum before running.")
@@ -336,23 +348,18 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @common
+@engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback is reachable "
               "from other machines (the API has no authentication).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True)
 @click.option("--model-name", default=None, help="The model id clients see (default: MODEL's directory name).")
 @click.option("--no-images", is_flag=True, help="Refuse image inputs and plan no vision account.")
-@click.option("--max-pixels", type=click.IntRange(min=1024), default=640 * 640, show_default=True,
-              help="Largest image after resizing, in pixels (the vision account is planned for it).")
 @click.option("--no-think", is_flag=True, help="Thinking off when a request does not set chat_template_kwargs.enable_thinking.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None,
               help="Answer length when a request sets none (default: what the planned context holds).")
 @click.option("--temp", type=click.FloatRange(min=0), default=None, help="Default temperature (else generation_config.json).")
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None, help="Default top-p (else generation_config.json).")
 @click.option("--top-k", type=click.IntRange(min=0), default=None, help="Default top-k (else generation_config.json).")
-@click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy.")
-@click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None, help="Cross-layer guesses per layer (default: the model's top-k); 0 = off.")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--io-threads", type=click.IntRange(min=1), default=8, show_default=True, help="Expert reads in flight.")
 @click.option("--verify", is_flag=True, help="Check every file's checksum before serving.")
 @click.option("--prompt-cache-mib", type=click.FloatRange(min=0), default=256, show_default=True,
               help="Plan account for snapshots of repeated conversations (LRU); 0 = no prompt cache.")
