@@ -21,6 +21,12 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 Event = tuple[str, object]  # ("reasoning", str) | ("content", str) | ("tool_call", {"name", "arguments"})
 
 
+def call_prefix(name: str | None) -> str:
+    """The start of a tool call block, written into the prompt to force a call (`tool_choice`): "required"
+    (name None) opens a block, a named tool also fills in its name, so the model writes only the arguments."""
+    return CALL_OPEN + "\n" + ("" if name is None else '{"name": ' + json.dumps(name) + ', "arguments": ')
+
+
 def _partial_suffix(text: str, marks: list[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `marks`."""
     best = 0
@@ -192,6 +198,13 @@ class ChatOutput:
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
         self._split(self.stop.feed(text), out)
+        return out
+
+    def given(self, text: str) -> list[Event]:
+        """Text the answer starts with that the model did not generate (a forced tool call's opening, written
+        into the prompt): content, past the stop strings, which match generated text only."""
+        out: list[Event] = []
+        self._split(text, out)
         return out
 
     def flush(self) -> list[Event]:

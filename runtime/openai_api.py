@@ -14,6 +14,8 @@ import io
 import warnings
 from dataclasses import dataclass, field
 
+from .chat_output import call_prefix
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
@@ -65,6 +67,7 @@ class GenRequest:
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None
     parse_tools: bool = False
+    call_prefix: str | None = None  # tool_choice "required" or a named tool: the answer's forced start
     template_kwargs: dict = field(default_factory=dict)
     images: list[bytes] = field(default_factory=list)
     # completion
@@ -244,13 +247,14 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
     return out
 
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, bool]:
-    """(tools to render, whether to parse tool calls) from `tools` and `tool_choice`."""
+def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
+    """(tools to render, whether to parse tool calls, the start of a forced call) from `tools` and
+    `tool_choice`: "required" opens a call block, a named tool also writes its name (`call_prefix`)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
         if choice not in (None, "none", "auto"):
             raise bad("'tool_choice' names a tool but no 'tools' were given", "tool_choice")
-        return None, False
+        return None, False, None
     if not isinstance(tools, list) or not tools:
         raise bad("'tools' must be a non-empty list", "tools")
     names = []
@@ -260,23 +264,23 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool]:
             raise bad(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", f"tools[{j}]")
         names.append(fn["name"])
     if choice is None or choice in ("auto", "required"):
-        return tools, True
+        return tools, True, call_prefix(None) if choice == "required" else None
     if choice == "none":  # the model is not told about the tools at all
-        return None, False
+        return None, False, None
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if name is None:
         raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}",
                   "tool_choice")
     if name not in names:
         raise bad(f"'tool_choice' names {name!r}, which is not among the tools", "tool_choice")
-    return [t for t in tools if t["function"]["name"] == name], True
+    return [t for t in tools if t["function"]["name"] == name], True, call_prefix(name)
 
 
 def parse_chat(body: dict, limits: Limits) -> GenRequest:
     req = GenRequest(kind="chat", model=None)
     _common(body, req)
     req.messages = parse_messages(body.get("messages"), limits, req.images)
-    req.tools, req.parse_tools = parse_tools(body)
+    req.tools, req.parse_tools, req.call_prefix = parse_tools(body)
     kw = body.get("chat_template_kwargs")
     if kw is not None:
         if not isinstance(kw, dict):

@@ -66,6 +66,7 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
     logits: list | None = None  # kept when a test asks for them
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
 
@@ -116,6 +117,8 @@ class EngineWorker:
         if self.eng.text.template is None:
             raise bad("the model has no chat template; use /v1/completions")
         kw = {"enable_thinking": self.so.think, **req.template_kwargs}
+        if req.call_prefix:  # a forced tool call is the whole answer: no thinking before it
+            kw["enable_thinking"] = False
         try:
             return self.eng.text.template.render(messages=req.messages, tools=req.tools, add_generation_prompt=True,
                                                  bos_token="", eos_token="", **kw)
@@ -131,6 +134,9 @@ class EngineWorker:
             head = self.eng.text.decode(self.header)
             tail = prompt[prompt.rfind(head) + len(head):] if head and head in prompt else ""
             thinking = "<think>" in tail and "</think>" not in tail
+            if req.call_prefix:
+                prefix = ("</think>\n\n" if thinking else "") + req.call_prefix  # a template that ignores the flag
+                prompt, thinking = prompt + prefix, False
             ids = self.eng.text.encode(prompt)
             if ids.count(self.pad) != len(req.images):
                 raise bad("the messages' text may not contain the image placeholder token", "messages")
@@ -151,7 +157,8 @@ class EngineWorker:
         top_p = d["top_p"] if req.top_p is None else req.top_p
         top_k = d["top_k"] if req.top_k is None else req.top_k
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
-        return Job(req, ids, thinking, min(want, room), Sampler(temp=float(temp), top_p=float(top_p), top_k=int(top_k), seed=seed))
+        return Job(req, ids, thinking, min(want, room), Sampler(temp=float(temp), top_p=float(top_p), top_k=int(top_k), seed=seed),
+                   prefix=req.call_prefix or "")
 
     # ---- on the worker thread
     def run(self, job: Job) -> None:
@@ -208,6 +215,9 @@ class EngineWorker:
             self.cache.make_room(need)
             self.cache.add(capture(eng, key[:a]))
         out = ChatOutput(job.thinking, req.parse_tools, req.stop)
+        evs = out.given(job.prefix)  # the forced start of a tool call is part of the answer the client gets
+        if evs:
+            job.emit(("delta", evs))
         detok = Detokenizer(eng.text)
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
         finish = None

@@ -181,6 +181,17 @@ def test_tool_call_round_trip(client, ref):
     r3 = client.chat.completions.create(model="tiny", messages=first, tools=TOOLS, tool_choice="none", temperature=0,
                                         max_tokens=1)
     assert r3.usage.prompt_tokens == len(chat_ids(ref, first))  # "none": the model is not told about the tools
+    for choice, start in (("required", "<tool_call>\n"),
+                          ({"type": "function", "function": {"name": "get_weather"}},
+                           '<tool_call>\n{"name": "get_weather", "arguments": ')):
+        r4 = client.chat.completions.create(model="tiny", messages=first, tools=TOOLS, tool_choice=choice, temperature=0,
+                                            max_tokens=4, extra_body={"return_token_ids": True})
+        rendered = ref.text.template.render(messages=first, tools=TOOLS, add_generation_prompt=True,
+                                            enable_thinking=False, bos_token="", eos_token="")
+        assert r4.model_extra["prompt_token_ids"] == ref.text.encode(rendered + start)  # the call forced, no thinking
+        said = ref.text.decode(r4.choices[0].model_extra["token_ids"])
+        m = r4.choices[0].message
+        assert m.tool_calls or m.content == start + said  # parsed, or (unclosed after 4 tokens) the block verbatim
 
 
 def test_stop_strings_and_seeds(client, ref):

@@ -117,6 +117,23 @@ def test_thinking_then_a_tool_call(text):
     assert got["tool_calls"][0]["name"] == "get_weather"
 
 
+def test_a_forced_call_is_parsed_from_its_given_start_and_the_models_rest():
+    """tool_choice "required" / named: the call's start is written into the prompt (not generated, so stop
+    strings never see it) and the model writes the rest; the answer is parsed as if the model wrote it all."""
+    assert parse_chat(chat(tools=TOOLS, tool_choice="auto"), Limits()).call_prefix is None
+    assert parse_chat(chat(tools=TOOLS, tool_choice="required"), Limits()).call_prefix == "<tool_call>\n"
+    r = parse_chat(chat(tools=TOOLS + [{"type": "function", "function": {"name": "other"}}],
+                        tool_choice={"type": "function", "function": {"name": "get_weather"}}), Limits())
+    assert r.tools == TOOLS and r.call_prefix == '<tool_call>\n{"name": "get_weather", "arguments": '
+    for given, rest, stops in ((r.call_prefix, '{"city": "Paris"}}\n</tool_call>', ["<tool_call>", '"arguments": ']),
+                               ("<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+                                ["<tool_call>"])):
+        out = ChatOutput(False, True, stops)  # stop strings only the given start holds: they must not match it
+        got = collect(out.given(given) + out.feed(rest[:7]) + out.feed(rest[7:]) + out.flush())
+        assert got["tool_calls"] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}], got
+        assert got["content"] is None
+
+
 def test_stop_strings_cut_before_the_match_at_any_split():
     answer = "def f(x):\n    return x\n\n\ndef g():"
     for cut in range(len(answer) + 1):
