@@ -152,9 +152,10 @@ class MemoryPlan:
                                 f"--cap {(self.min_cap + 0.01 * GiB) / GiB:.2f}")
 
 
-def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int) -> int:
+def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool = True) -> int:
     """Working memory of one prefill chunk (the decode step is a chunk of one): a conservative sum of the
-    largest live temporaries — attention scores over the whole context dominate for long contexts."""
+    largest live temporaries — attention scores over the whole context dominate for long contexts. `blas`:
+    the CPU backend's prefill through numpy's BLAS (`QLinear._blas`), which only the CPU backend takes."""
     H, nq, nkv, hd = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim
     inter = max(a.moe_intermediate_size, a.shared_expert_intermediate_size)
     hidden = 8 * chunk * H
@@ -167,8 +168,8 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int) -> int:
     widest_in = max(H, a.value_dim, nq * hd)
     widest_out = max(a.conv_dim + a.value_dim + 2 * a.linear_num_value_heads, 2 * nq * hd + 2 * nkv * hd,
                      a.num_experts + 2 * a.shared_expert_intermediate_size + 1)
-    blas = 4 * (BLAS_BLOCK * widest_in + chunk * (widest_in + 2 * widest_out)) if chunk >= BLAS_TOKENS else 0
-    return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item) + blas
+    dequant = 4 * (BLAS_BLOCK * widest_in + chunk * (widest_in + 2 * widest_out)) if blas and chunk >= BLAS_TOKENS else 0
+    return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item) + dequant
 
 
 def state_bytes(a: ModelArgs, ctx: int, kv_item: int) -> tuple[int, int]:
@@ -188,8 +189,10 @@ def slot_bytes(lay: RecordLayout, dtype: str) -> int:
 
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
-              prefill_chunk: int = 256, ring: int = 0, slot: int = 0) -> MemoryPlan:
+              prefill_chunk: int = 256, ring: int = 0, slot: int = 0, blas: bool | None = None) -> MemoryPlan:
+    """`blas`: whether prefill goes through numpy's BLAS (None: where this process computes, the CPU backend)."""
     item, kv_item = itemsize(dtype), itemsize(kv_dtype)
+    blas = mx.default_device() == mx.cpu if blas is None else blas
     kv, lin = state_bytes(args, ctx, kv_item)
     n_exp = args.num_experts
     plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp,
@@ -201,7 +204,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "non-expert": nonexpert_resident,
         "kv cache": kv,
         "linear state": lin,
-        "activations": activation_bytes(args, ctx, min(prefill_chunk, ctx), item),
+        "activations": activation_bytes(args, ctx, min(prefill_chunk, ctx), item, blas),
         "allocator cache": lin + 32 * MiB,
         "prefill staging": n_exp * plan.slot_bytes,
         "read staging": 2 * ring * stride,

@@ -7,6 +7,7 @@ so each number below follows from the config alone.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from streamoe.formats.config import ModelArgs
@@ -78,7 +79,7 @@ def args() -> ModelArgs:
 def plan(args: ModelArgs, cap: float, **kw) -> MemoryPlan:
     opts = {"ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4, "nonexpert_resident": NONEXPERT,
             "runtime_bytes": RUNTIME, "dtype": "float32", "kv_dtype": "float32", "prefill_chunk": 256, "ring": RING,
-            "slot": SLOT_F32, **kw}
+            "slot": SLOT_F32, "blas": True, **kw}
     return make_plan(args=args, cap=int(cap * GiB), **opts)
 
 
@@ -90,6 +91,16 @@ def test_hand_computed_values_are_the_ones_above():
     assert slot_bytes(RecordLayout.make(2048, 512, 4, 64), "float32") == SLOT_F32 == 1_966_080
     assert slot_bytes(RecordLayout.make(2048, 512, 4, 64), "bfloat16") == STRIDE_Q4  # as stored
     assert ATTN > GDN  # at ctx 4096 the attention scores are the largest temporary
+
+
+def test_only_the_cpu_backend_plans_for_blas_prefill(args):
+    """Prefill through numpy's BLAS is the CPU backend's alone: a GPU's plan gives that block to the hot tier."""
+    p = plan(args, 4, blas=False)
+    assert p.accounts["activations"] == ACTIVATIONS - BLAS
+    assert p.hot_slots == (4 * GiB - (FIXED - BLAS)) // SLOT_F32 == 854  # 23 more than the CPU plan
+    assert make_plan(args=args, cap=4 * GiB, ctx=4096, expert_format="q4", stride=STRIDE_Q4, nonexpert_resident=NONEXPERT,
+                     runtime_bytes=RUNTIME, ring=RING, slot=SLOT_F32).accounts["activations"] == (
+        ACTIVATIONS if mx.default_device() == mx.cpu else ACTIVATIONS - BLAS)  # by default: this process's backend
 
 
 def test_accounts_exact(args):
