@@ -56,11 +56,12 @@ HITS_FIRST = True  # with direct writes, a decode step's hits compute while its 
 _WIDEN = {(mx.bfloat16, mx.float32), (mx.float16, mx.float32)}
 
 
-def _write_segment(dst: np.ndarray, src: np.ndarray, stored: mx.Dtype, held: mx.Dtype) -> None:
-    """Bytes of one stored segment -> bytes of the same values at the pool's dtype (identity or widening)."""
-    if stored == held:
+def _write_segment(dst: np.ndarray, src: np.ndarray, how: str) -> None:
+    """Bytes of one stored segment -> bytes of the same values at the pool's dtype: "copy" (identity) or widening
+    ("bf16" / "f16" to float32), as `SlotPools.plan` decided once per segment."""
+    if how == "copy":
         dst[:] = src
-    elif stored == mx.bfloat16:
+    elif how == "bf16":
         bf16_to_f32(src.view(np.uint16), out=dst.view(np.float32))
     else:
         dst.view(np.float32)[:] = src.view(np.float16)
@@ -97,6 +98,10 @@ class SlotPools:
         self.hosts = [np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(len(a), -1)
                       for a in (self.arrays if self.direct else self.rings)]
         self.host_mapped = not self.direct and keep_on_host(self.hosts)  # CUDA: the ring stays on the host
+        # (start, end, how) of each segment in a record; the ring holds segments as stored
+        self.plan = [(sg.offset, sg.offset + sg.nbytes, "copy" if st == dt or not self.direct else
+                      "bf16" if st == mx.bfloat16 else "f16")
+                     for sg, st, dt in zip(lay.segments, self.stored, self.dtypes, strict=True)]
         self.start = self.next = 0  # ring rows [start, next) are staged, not yet flushed
         self.pending: list[int] = []  # their slots
         self.copier = None if self.direct else ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
@@ -125,8 +130,8 @@ class SlotPools:
 
     def _copy(self, row: int, raw: np.ndarray, done: Callable[[], None]) -> None:
         try:
-            for host, s, st, dt in zip(self.hosts, self.lay.segments, self.stored, self.dtypes, strict=True):
-                _write_segment(host[row], raw[s.offset: s.offset + s.nbytes], st, dt if self.direct else st)
+            for host, (a, b, how) in zip(self.hosts, self.plan, strict=True):
+                _write_segment(host[row], raw[a:b], how)
         finally:
             done()
 
