@@ -274,8 +274,9 @@ def test_gdn_chunked_vs_loop(L):
 
 
 def test_fused_delta_rule_op_is_the_token_loop_on_the_cpu():
-    """`mx.fast.gated_delta_update` (what decode runs) against our token loop, float32, grouped heads: on the CPU
-    backend they are the same arithmetic, bit for bit (on a GPU, tests/test_gpu.py bounds it against mlx-lm)."""
+    """`mx.fast.gated_delta_update` (what decode runs on the CPU and Metal) against our token loop, float32,
+    grouped heads: on the CPU backend they are the same arithmetic, bit for bit (CUDA runs its own kernel,
+    which tests/test_gpu.py checks against the loop and mlx-lm)."""
     rng = np.random.default_rng(7)
     B, L, Hk, Hv, dk, dv = 1, 5, 2, 4, 32, 16
 
