@@ -7,8 +7,8 @@ them: the store and its reads in flight, the hot tier (which expert lives in whi
 cross-layer prefetch, and the per-layer telemetry.
 
 Where every expert fits, every slot is filled at open (slot = layer * E + expert) and each layer's
-kernels read a view of its own E slots: no host round trip at all, the same kernels as a capped run. Otherwise each layer costs one
-small transfer (its top-k) and this sequence:
+kernels read a view of its own E slots: no host round trip at all, the same kernels as a capped run.
+Otherwise each layer costs one small transfer (its top-k) and this sequence:
 
 1. The fence: `mx.synchronize()` on every stream that reads the pools. Every kernel that read a slot
    has then completed and released it, on every backend, so a refill cannot race a reader, and MLX
