@@ -115,6 +115,7 @@ class Engine:
         self.experts.stats = step.layers
         pos = positions if positions is not None else self.offset + self.rope_delta
         logits = self.model.head(self.model.layers_forward(h, self.cache, pos, self.experts)[:, -1:, :])
+        step.host_ms = 1000 * (time.perf_counter() - step.t0)
         self.offset += T
         self.steps.append(step)
         return logits.reshape(-1)

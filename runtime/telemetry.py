@@ -35,6 +35,7 @@ class StepStats:
     n_tokens: int
     token_id: int | None = None
     ms: float = 0.0
+    host_ms: float = 0.0  # the host's time in the step's layer loop: the graph built (and, capped, every layer's sync)
     layers: list[LayerStats] = field(default_factory=list)
 
     def to_json(self) -> dict:

@@ -153,6 +153,7 @@ def test_telemetry_adds_up_and_validates(small_conv, tmp_path):
     stride = eng.lay.stride
     for s in eng.steps:
         jsonschema.validate(s.to_json(), schema("telemetry.schema.json"))
+        assert 0 < s.host_ms <= s.ms  # the host's part of the step: inside its wall time
         for ly in s.layers:
             assert ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.misses == ly.picks
             assert ly.prefetch_wasted <= ly.prefetch_issued
