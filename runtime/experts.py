@@ -306,6 +306,7 @@ class StreamingExperts:
             self.tier.pinned.add(s)
             if key in self.ahead:
                 reads[key] = self.ahead.pop(key)
+                self.store.promote(reads[key])
                 st.hits_prefetch += 1
             else:
                 reads[key] = self.store.read(*key)
@@ -339,7 +340,7 @@ class StreamingExperts:
                 continue
             if (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) < MIN_PRECISION:
                 continue
-            self.ahead[key] = self.store.read(layer, e)
+            self.ahead[key] = self.store.guess(layer, e)
             if st is not None:
                 st.prefetch_issued += 1
 

@@ -8,13 +8,20 @@ one memcpy per record, far below the read itself.
 
 A read waits for a free ring entry inside its I/O thread, so any number of reads can be queued while the
 staging memory stays at `ring` records: the consumer fills a slot from an entry and releases it.
+
+Reads come at two priorities. A demand read (`read`) is a record a layer is waiting for; a guess (`guess`)
+is read ahead for a layer not yet reached, and starts only while no demand read is queued or running, so
+guesses take the disk's spare time (a layer's host work and compute, when the disk would otherwise idle)
+and never share it with the reads a layer waits for. A guess that is then picked is promoted (`promote`):
+if it has not started it goes to the front of the demand queue.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 
 from ..formats.direct import aligned_buffer, drop_cache, open_uncached
@@ -24,7 +31,8 @@ from ..formats.record import RecordLayout
 
 
 class ExpertStore:
-    """The layer files of one expert format, an I/O thread pool, and the host staging ring."""
+    """The layer files of one expert format, I/O threads serving demand reads before guesses, and the host
+    staging ring."""
 
     def __init__(self, paths: list[Path], lay: RecordLayout, n_experts: int, layouts: dict[str, RecordLayout], fmt: str,
                  io_threads: int, ring: int):
@@ -44,9 +52,16 @@ class ExpertStore:
         self.buf = aligned_buffer(self.ring * lay.stride)
         self.view = memoryview(self.buf)
         self.free = list(range(self.ring))
-        self.cond = threading.Condition()
-        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="streamoe-io")
+        self.cond = threading.Condition()  # guards the ring's free list, the queues and the counts below
+        self.demand: deque[tuple[Future, int, int]] = deque()
+        self.guesses: deque[tuple[Future, int, int]] = deque()
+        self.demand_running = 0
+        self.closing = False
         self.bytes_read = 0
+        self.threads = [threading.Thread(target=self._serve, name=f"streamoe-io-{i}", daemon=True)
+                        for i in range(io_threads)]
+        for t in self.threads:
+            t.start()
 
     def record(self, entry: int) -> memoryview:
         """The bytes of the record held in ring entry `entry`."""
@@ -56,7 +71,33 @@ class ExpertStore:
     def release(self, entry: int) -> None:
         with self.cond:
             self.free.append(entry)
-            self.cond.notify()
+            self.cond.notify_all()  # one condition for idle threads and ring waiters: wake both
+
+    def _serve(self) -> None:
+        """One I/O thread: the oldest demand read, else (no demand read queued or running) the oldest guess."""
+        while True:
+            with self.cond:
+                while not self.closing and not self.demand and (not self.guesses or self.demand_running):
+                    self.cond.wait()
+                if self.demand:
+                    job, is_demand = self.demand.popleft(), True
+                    self.demand_running += 1
+                elif self.guesses:
+                    job, is_demand = self.guesses.popleft(), False
+                else:
+                    return
+            fut, layer, expert = job
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(self._read(layer, expert))
+                    except BaseException as e:
+                        fut.set_exception(e)
+            finally:
+                if is_demand:
+                    with self.cond:
+                        self.demand_running -= 1
+                        self.cond.notify_all()
 
     def _read(self, layer: int, expert: int) -> int:
         with self.cond:
@@ -77,9 +118,31 @@ class ExpertStore:
         return entry
 
     def read(self, layer: int, expert: int) -> Future:
-        """Start reading one record; the future's result is the ring entry holding it (release it after use)."""
+        """Queue a demand read of one record; the future's result is the ring entry holding it (release it
+        after use)."""
+        return self._queue(self.demand, layer, expert)
+
+    def guess(self, layer: int, expert: int) -> Future:
+        """Queue a read ahead: it starts only while no demand read is queued or running."""
+        return self._queue(self.guesses, layer, expert)
+
+    def _queue(self, queue: deque, layer: int, expert: int) -> Future:
+        fut: Future = Future()
         self.bytes_read += self.lay.stride
-        return self.pool.submit(self._read, layer, expert)
+        with self.cond:
+            queue.append((fut, layer, expert))
+            self.cond.notify_all()
+        return fut
+
+    def promote(self, fut: Future) -> None:
+        """A guess that is now needed: if it has not started, it is the next demand read."""
+        with self.cond:
+            for job in self.guesses:
+                if job[0] is fut:
+                    self.guesses.remove(job)
+                    self.demand.appendleft(job)
+                    self.cond.notify_all()
+                    return
 
     def cancel(self, fut: Future) -> bool:
         """Withdraw a read that has not started (its bytes are then not counted)."""
@@ -96,7 +159,12 @@ class ExpertStore:
             return f.read(self.lay.raw_size)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        """Finish every queued read, stop the I/O threads, close the files."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        for t in self.threads:
+            t.join()
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()
