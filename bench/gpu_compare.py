@@ -101,10 +101,13 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
                  ablate: str = "", io_threads: int = 8) -> dict:
     """`ablate`: run without one of the speed measures, to measure what it is worth: `cache32` (MLX's buffer
     cache held at 32 MiB, as before the plan had an allocator account), `kvf32` (a float32 KV cache), `gdnkernel`
-    (the delta rule as the token loop of compiled steps, not the backend's form)."""
+    (the delta rule as the token loop of compiled steps, not the backend's form), `guesswait` (guesses read at the
+    demand reads' priority, side by side with them, as before session 8)."""
     from streamoe.runtime import model as model_mod
+    from streamoe.runtime import store as store_mod
 
     model_mod.GDN_FORM = "ops" if ablate == "gdnkernel" else None
+    store_mod.GUESSES_WAIT = ablate != "guesswait"
     if cap.startswith("slots:"):  # a cap that holds exactly N hot-tier slots
         from streamoe.runtime.plan import plan_for
 
@@ -128,10 +131,26 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     from streamoe.runtime.text import Sampler
 
     eng.text.stop_ids = set()  # random weights may pick a stop token early: measure a fixed number of tokens
+    prof = None
+    if ablate == "profile":  # the host's time in decode by function (cProfile: the run itself is slower)
+        import cProfile
+
+        prof = cProfile.Profile()
     t0 = time.perf_counter()
     stamps = []
     for _ in eng.generate(ids, tokens + 1, Sampler()):  # greedy: the pipelined path where everything is resident
         stamps.append(time.perf_counter())
+        if prof is not None and len(stamps) == 1:
+            prof.enable()
+    profile = None
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        st = pstats.Stats(prof)
+        top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:30]  # by own time
+        profile = [{"fn": f"{Path(f).name}:{ln}:{fn}", "calls": v[1], "own_ms": round(v[2] * 1000, 1),
+                    "cum_ms": round(v[3] * 1000, 1)} for (f, ln, fn), v in top]
     prefill = stamps[0] - t0  # time to the first token
     times = list(np.diff(stamps))
     s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
@@ -142,7 +161,8 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     picks = sum(ly.picks for ly in lay)
     eng.close()
     ms = float(np.median(times) * 1000)
-    return {"tag": f"streamoe-{cap}-{experts}" + (f"-no-{ablate}" if ablate else "") + (f"-io{io_threads}" if io_threads != 8 else ""), "io_threads": io_threads, "cap_gib": cap_gib, "resident": eng.experts.resident, "open_s": round(open_s, 1),
+    tag = "" if not ablate else "-profiled" if ablate == "profile" else f"-no-{ablate}"
+    res = {"tag": f"streamoe-{cap}-{experts}" + tag + (f"-io{io_threads}" if io_threads != 8 else ""), "io_threads": io_threads, "cap_gib": cap_gib, "resident": eng.experts.resident, "open_s": round(open_s, 1),
             "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
             "build_ms": round(float(np.median([st.host_ms for st in dec[-tokens:]])), 2), "compute_ms": round(s["compute_ms"], 2), "io_wait_ms": round(s["io_wait_ms"], 2),
             "mib_read_token": round(read / 2**20 / max(1, len(dec)), 2),
@@ -151,6 +171,9 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
             "prefetch_wasted_frac": round(sum(ly.prefetch_wasted for ly in lay) * stride / read, 4) if read else 0.0,
             "hot_slots": eng.plan.hot_slots, "peak_mlx_gib": round(mx.get_peak_memory() / 2**30, 2),
             "plan_total_gib": round((eng.plan.fixed + eng.plan.hot_slots * stride) / 2**30, 2)}
+    if profile:
+        res["profile"] = profile
+    return res
 
 
 def main() -> None:
@@ -163,8 +186,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--mlx-lm-tokenwise", action="store_true", help="feed mlx-lm's prompt one token at a time")
-    ap.add_argument("--ablate", default="", help="also run resident without: cache32,kvf32,gdnkernel (comma-separated)")
+    ap.add_argument("--ablate", default="", help="also run without: cache32,kvf32,gdnkernel (resident), guesswait@CAP "
+                    "(capped); or profile@CAP (a capped run under cProfile, last); comma-separated")
     ap.add_argument("--io-threads", default="8", help="capped runs: reads in flight, comma-separated for several runs")
+    ap.add_argument("--rounds", type=int, default=1, help="capped runs (ablations included) repeated, interleaved")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from streamoe.runtime.text import TextIO
@@ -181,7 +206,12 @@ def main() -> None:
         print(res["runs"][-1], flush=True)
     threads = [int(t) for t in a.io_threads.split(",")]
     runs = [(cap, "", t) for cap in a.caps.split(",") for t in (threads[:1] if cap == "resident" else threads)]
-    runs += [("resident", x, threads[0]) for x in a.ablate.split(",") if x]
+    for x in filter(None, a.ablate.split(",")):
+        name, _, cap = x.partition("@")
+        runs.append((cap or "resident", name, threads[0]))
+    capped = [r for r in runs if r[0] != "resident" and r[1] != "profile"]
+    runs = ([r for r in runs if r[0] == "resident"] + capped * a.rounds  # A, B, A, B: the host and disk drift
+            + [r for r in runs if r[1] == "profile"])
     def disk_gbs() -> float:  # the disk at its best for this access: 8 or 16 reads in flight
         return max(random_read_gbs(paths, fmt.layout.stride, threads=t) for t in (8, 16))
 

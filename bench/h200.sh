@@ -41,9 +41,9 @@ case "$1" in
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-q4.json"
     ;;
   compare)
-    python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 --io-threads 8,16 \
-      --out "$OUT/gpu-compare-q4.json" | grep -v '^ '
-    python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps 4 --experts q3 --skip-mlx-lm --io-threads 8,16 \
-      --out "$OUT/gpu-compare-q3.json" | grep -v '^ '
+    python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 \
+      --ablate guesswait@4 --rounds 2 --out "$OUT/gpu-compare-q4.json" | grep -v '^ '
+    python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps 4 --experts q3 --skip-mlx-lm \
+      --ablate guesswait@4 --rounds 2 --out "$OUT/gpu-compare-q3.json" | grep -v '^ '
     ;;
 esac

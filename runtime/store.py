@@ -29,6 +29,8 @@ from ..formats.errors import fail
 from ..formats.layout import detect_format
 from ..formats.record import RecordLayout
 
+GUESSES_WAIT = True  # guesses yield to demand reads (bench/gpu_compare's `guesswait` ablation turns it off)
+
 
 class ExpertStore:
     """The layer files of one expert format, I/O threads serving demand reads before guesses, and the host
@@ -52,7 +54,9 @@ class ExpertStore:
         self.buf = aligned_buffer(self.ring * lay.stride)
         self.view = memoryview(self.buf)
         self.free = list(range(self.ring))
-        self.cond = threading.Condition()  # guards the ring's free list, the queues and the counts below
+        self.lock = threading.Lock()  # guards the ring's free list, the queues and the counts below
+        self.entry_freed = threading.Condition(self.lock)  # a read waiting for a ring entry
+        self.work = threading.Condition(self.lock)  # an idle I/O thread waiting for a read it may start
         self.demand: deque[tuple[Future, int, int]] = deque()
         self.guesses: deque[tuple[Future, int, int]] = deque()
         self.demand_running = 0
@@ -69,16 +73,16 @@ class ExpertStore:
         return self.view[entry * s: (entry + 1) * s]
 
     def release(self, entry: int) -> None:
-        with self.cond:
+        with self.lock:
             self.free.append(entry)
-            self.cond.notify_all()  # one condition for idle threads and ring waiters: wake both
+            self.entry_freed.notify()
 
     def _serve(self) -> None:
         """One I/O thread: the oldest demand read, else (no demand read queued or running) the oldest guess."""
         while True:
-            with self.cond:
+            with self.lock:
                 while not self.closing and not self.demand and (not self.guesses or self.demand_running):
-                    self.cond.wait()
+                    self.work.wait()
                 if self.demand:
                     job, is_demand = self.demand.popleft(), True
                     self.demand_running += 1
@@ -95,14 +99,15 @@ class ExpertStore:
                         fut.set_exception(e)
             finally:
                 if is_demand:
-                    with self.cond:
+                    with self.lock:
                         self.demand_running -= 1
-                        self.cond.notify_all()
+                        if not self.demand_running and not self.demand and self.guesses:
+                            self.work.notify(len(self.guesses))  # guesses may start now
 
     def _read(self, layer: int, expert: int) -> int:
-        with self.cond:
+        with self.lock:
             while not self.free:
-                self.cond.wait()
+                self.entry_freed.wait()
             entry = self.free.pop()
         try:
             off = expert * self.lay.stride
@@ -124,24 +129,24 @@ class ExpertStore:
 
     def guess(self, layer: int, expert: int) -> Future:
         """Queue a read ahead: it starts only while no demand read is queued or running."""
-        return self._queue(self.guesses, layer, expert)
+        return self._queue(self.guesses if GUESSES_WAIT else self.demand, layer, expert)
 
     def _queue(self, queue: deque, layer: int, expert: int) -> Future:
         fut: Future = Future()
         self.bytes_read += self.lay.stride
-        with self.cond:
+        with self.lock:
             queue.append((fut, layer, expert))
-            self.cond.notify_all()
+            self.work.notify()
         return fut
 
     def promote(self, fut: Future) -> None:
         """A guess that is now needed: if it has not started, it is the next demand read."""
-        with self.cond:
+        with self.lock:
             for job in self.guesses:
                 if job[0] is fut:
                     self.guesses.remove(job)
                     self.demand.appendleft(job)
-                    self.cond.notify_all()
+                    self.work.notify()
                     return
 
     def cancel(self, fut: Future) -> bool:
@@ -160,9 +165,9 @@ class ExpertStore:
 
     def close(self) -> None:
         """Finish every queued read, stop the I/O threads, close the files."""
-        with self.cond:
+        with self.lock:
             self.closing = True
-            self.cond.notify_all()
+            self.work.notify_all()
         for t in self.threads:
             t.join()
         for fd in self.fds:
