@@ -3,7 +3,8 @@
 # the project runs from the repository root: no install needed). Writes results under $OUT. From the repo root:
 #   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3) into /root/bench
 #   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint
-#   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3)
+#   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
+#                                runs twice, interleaved with the pre-session-8 read-ahead schedule (guesswait)
 #   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes)
 #   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
 #   bash bench/h200.sh fill      # a record's copy into its slot against the disk read (upload-ring advice off / on)

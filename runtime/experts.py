@@ -19,7 +19,8 @@ Otherwise each layer costs one small transfer (its top-k) and this sequence:
    the CPU backend, else through an upload ring and one scatter per segment queued on the stream, so it
    lands in device memory in stream order, before the layer's `gather_qmm` reads it.
 4. The next layer's experts are guessed from its router on this layer's input and read ahead into
-   staging (never into a slot: a wrong guess costs a read, never a slot or a copy).
+   staging (never into a slot: a wrong guess costs a read, never a slot or a copy), at a lower priority
+   than demand reads: they take the disk while this layer lands and computes (`ExpertStore.guess`).
 
 Which slot an expert sits in never enters the math (the kernels read slot s as they would read expert
 e), so logits are bit-identical at every cap, tier policy and prefetch width.
@@ -311,7 +312,7 @@ class StreamingExperts:
             else:
                 reads[key] = self.store.read(*key)
                 st.misses += 1
-        if guess is not None:  # queued behind this layer's misses: the disk never waits for the next guess
+        if guess is not None:  # read once no demand read waits: while this layer lands and computes
             self._prefetch(i + 1, np.array(guess.astype(mx.float32)))
         table = np.zeros(self.E, dtype=np.uint32)
         table[experts] = [slot_of[e] for e in experts]
