@@ -7,7 +7,9 @@ For each: prefill time of one prompt and greedy decode tok/s; for streamoe also 
 hit rates (already in memory vs read ahead), bytes wasted by prefetch, and the disk bound (bytes read per
 token / the raw O_DIRECT random-read speed of the layer files with 8 and with 16 reads in flight, the faster of
 the two, measured right before and right after each capped run and averaged: the disk's speed drifts by 2x
-between minutes on the H200 machine).
+between minutes on the H200 machine). `--rounds N` repeats the capped runs (with their ablations) N times,
+interleaved; `--mlx-lm-each-round` runs mlx-lm again before each round, so every ratio is against the run
+right before it; `medians` gives each tag's median ratio over the rounds.
 """
 
 from __future__ import annotations
@@ -108,13 +110,7 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
 
     model_mod.GDN_FORM = "ops" if ablate == "gdnkernel" else None
     store_mod.GUESSES_WAIT = ablate != "guesswait"
-    if cap.startswith("slots:"):  # a cap that holds exactly N hot-tier slots
-        from streamoe.runtime.plan import plan_for
-
-        base = plan_for(model, Options(cap_gib=64, ctx=2048, experts=experts, dtype=dtype, runtime_bytes=600 << 20))
-        cap_gib = (base.fixed + int(cap[6:]) * base.slot_bytes + 1) / 2**30
-    else:
-        cap_gib = 64.0 if cap == "resident" else float(cap)
+    cap_gib = cap_gib_for(model, cap, experts, dtype)
     gc.collect()  # the previous run's engine (its timing wrapper makes a cycle), so its memory is not counted here
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -176,6 +172,48 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     return res
 
 
+def paired_run(ckpt: Path, model: Path, ids: list[int], tokens: int, cap: str, experts: str, dtype: str | None) -> dict:
+    """mlx-lm and streamoe decoding in one process, a token of each in turn (both synced per token): on a
+    machine whose speed drifts by 2x within a minute, each pair of tokens sees the same machine, and the
+    median of the per-pair ratios is the ratio."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(ckpt)
+    if dtype:
+        ref.set_dtype(getattr(mx, dtype))
+    cache = make_prompt_cache(ref)
+    ref_tok = int(mx.argmax(ref(mx.array([ids]), cache=cache)[0, -1]).item())
+    eng = Engine(model, Options(cap_gib=cap_gib_for(model, cap, experts, dtype), ctx=2048, experts=experts, dtype=dtype,
+                                runtime_bytes=600 << 20))
+    tok = int(np.argmax(np.array(eng.prefill(ids).astype(mx.float32))))
+    ref_ms, ours_ms = [], []
+    for _ in range(tokens):
+        t = time.perf_counter()
+        ref_tok = int(mx.argmax(ref(mx.array([[ref_tok]]), cache=cache)[0, -1]).item())
+        t1 = time.perf_counter()
+        tok = int(np.argmax(np.array(eng.decode(tok).astype(mx.float32))))
+        t2 = time.perf_counter()
+        ref_ms.append((t1 - t) * 1000)
+        ours_ms.append((t2 - t1) * 1000)
+    eng.close()
+    ratios = [r / o for r, o in zip(ref_ms[1:], ours_ms[1:], strict=True)]
+    return {"tag": f"paired-mlx-lm-vs-streamoe-{cap}-{experts}", "tokens": tokens,
+            "mlx_lm_ms_token": round(float(np.median(ref_ms[1:])), 2), "ms_token": round(float(np.median(ours_ms[1:])), 2),
+            "decode_vs_mlx_lm_paired": round(float(np.median(ratios)), 3),
+            "ratio_quartiles": [round(float(q), 3) for q in np.percentile(ratios, [25, 75])]}
+
+
+def cap_gib_for(model: Path, cap: str, experts: str, dtype: str | None) -> float:
+    """`slots:N`: a cap that holds exactly N hot-tier slots; `resident`: all of it; else GiB."""
+    if cap.startswith("slots:"):
+        from streamoe.runtime.plan import plan_for
+
+        base = plan_for(model, Options(cap_gib=64, ctx=2048, experts=experts, dtype=dtype, runtime_bytes=600 << 20))
+        return (base.fixed + int(cap[6:]) * base.slot_bytes + 1) / 2**30
+    return 64.0 if cap == "resident" else float(cap)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", type=Path, required=True)
@@ -190,6 +228,10 @@ def main() -> None:
                     "(capped); or profile@CAP (a capped run under cProfile, last); comma-separated")
     ap.add_argument("--io-threads", default="8", help="capped runs: reads in flight, comma-separated for several runs")
     ap.add_argument("--rounds", type=int, default=1, help="capped runs (ablations included) repeated, interleaved")
+    ap.add_argument("--mlx-lm-each-round", action="store_true", help="mlx-lm's run again before each round's capped "
+                    "runs: their ratios are against the run right before them")
+    ap.add_argument("--paired", type=int, default=0, help="then N tokens of mlx-lm and streamoe in turn at the first "
+                    "capped cap (--caps), the median of the per-pair ratios")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from streamoe.runtime.text import TextIO
@@ -201,21 +243,29 @@ def main() -> None:
     res = {"device": str(mx.default_device()), "prompt_tokens": len(ids),
            "raw_random_read_gbs": round(random_read_gbs(paths, fmt.layout.stride), 3),
            "raw_random_read_gbs_16_threads": round(random_read_gbs(paths, fmt.layout.stride, threads=16), 3), "runs": []}
-    if not a.skip_mlx_lm:
-        res["runs"].append(mlx_lm_run(a.ckpt, ids, a.tokens, a.mlx_lm_tokenwise, a.dtype))
-        print(res["runs"][-1], flush=True)
     threads = [int(t) for t in a.io_threads.split(",")]
     runs = [(cap, "", t) for cap in a.caps.split(",") for t in (threads[:1] if cap == "resident" else threads)]
     for x in filter(None, a.ablate.split(",")):
         name, _, cap = x.partition("@")
         runs.append((cap or "resident", name, threads[0]))
+    MLX_LM = ("mlx-lm", "", 0)
     capped = [r for r in runs if r[0] != "resident" and r[1] != "profile"]
-    runs = ([r for r in runs if r[0] == "resident"] + capped * a.rounds  # A, B, A, B: the host and disk drift
-            + [r for r in runs if r[1] == "profile"])
+    plan = [] if a.skip_mlx_lm else [MLX_LM]
+    plan += [r for r in runs if r[0] == "resident"]
+    for k in range(a.rounds):  # A, B, A, B: the host and the disk drift
+        plan += ([MLX_LM] if k and a.mlx_lm_each_round and not a.skip_mlx_lm else []) + capped
+    plan += [r for r in runs if r[1] == "profile"]
+
     def disk_gbs() -> float:  # the disk at its best for this access: 8 or 16 reads in flight
         return max(random_read_gbs(paths, fmt.layout.stride, threads=t) for t in (8, 16))
 
-    for cap, ablate, io in runs:
+    base = None  # the latest mlx-lm run: each streamoe run's ratios are against it
+    for cap, ablate, io in plan:
+        if cap == "mlx-lm":
+            base = mlx_lm_run(a.ckpt, ids, a.tokens, a.mlx_lm_tokenwise, a.dtype)
+            res["runs"].append(base)
+            print(base, flush=True)
+            continue
         before = disk_gbs() if cap != "resident" else None  # the disk's speed drifts too: measured beside each run
         r = streamoe_run(a.model, ids, a.tokens, cap, a.experts, a.dtype, ablate, io)
         if r["mib_read_token"]:
@@ -225,16 +275,26 @@ def main() -> None:
             bound_ms = r["mib_read_token"] * 2**20 / (raw * 1e9) * 1000
             r["disk_bound_ms"] = round(bound_ms, 2)
             r["of_disk_bound"] = round(bound_ms / r["ms_token"], 3)
-        res["runs"].append(r)
-        print(r, flush=True)
-    base = next((r for r in res["runs"] if r["tag"] == "mlx-lm"), None)
-    if base:
-        for r in res["runs"][1:]:
+        if base:
             r["decode_vs_mlx_lm"] = round(base["ms_token"] / r["ms_token"], 3)
             if not base["prefill_tokenwise"]:
                 r["prefill_vs_mlx_lm"] = round(base["prefill_s"] / r["prefill_s"], 3)
             if base.get("stock_generate_tok_s"):
                 r["decode_vs_stock_generate"] = round(r["tok_s"] / base["stock_generate_tok_s"], 3)
+        res["runs"].append(r)
+        print(r, flush=True)
+    if a.paired:
+        cap = next((c for c in a.caps.split(",") if c != "resident"), "resident")
+        res["runs"].append(paired_run(a.ckpt, a.model, ids, a.paired, cap, a.experts, a.dtype))
+        print(res["runs"][-1], flush=True)
+    medians = {}
+    for key in ("decode_vs_mlx_lm", "of_disk_bound", "decode_vs_mlx_lm_paired"):
+        by_tag: dict[str, list[float]] = {}
+        for r in res["runs"]:
+            if key in r:
+                by_tag.setdefault(r["tag"], []).append(r[key])
+        medians[key] = {t: round(float(np.median(v)), 3) for t, v in by_tag.items()}
+    res["medians"] = medians
     import json
 
     text = json.dumps(res, indent=2)
