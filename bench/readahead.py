@@ -21,6 +21,7 @@ import argparse
 import random
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
+from pathlib import Path
 
 from streamoe.formats.config import ModelArgs
 from streamoe.formats.layout import record_layouts
@@ -85,8 +86,6 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=8)
     ap.add_argument("--name", default="readahead")
     a = ap.parse_args()
-    from pathlib import Path
-
     root = Path(a.model)
     m = load_manifest(root)
     fmt = m.expert_formats()[a.experts]
