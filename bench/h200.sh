@@ -9,14 +9,26 @@
 #   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
 #   bash bench/h200.sh fill      # a record's copy into its slot against the disk read (upload-ring advice off / on)
 #   bash bench/h200.sh parts     # a resident decode step part by part (mixers, MoE block, head) against mlx-lm's modules
+#   bash bench/h200.sh save-kernels  # MLX's compiled CUDA kernels and the driver's cache -> $OUT/kernel-cache.tgz
+# A fresh machine spends ~3 minutes compiling kernels on its first runs. `prepare` saves what it compiled to
+# $OUT/kernel-cache.tgz; kept here as .gpu/kernel-cache.tgz (ignored) and carried (carry: [".gpu"]), every
+# command restores it first on a machine that has none, so only kernels whose source changed compile again.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 S=/root/bench
 OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
-export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1
+export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1 CUDA_CACHE_PATH=/root/.nv/ComputeCache
 cd "$REPO"
+KCACHE=(/tmp/mlx /root/.nv/ComputeCache)  # MLX's default MLX_PTX_CACHE_DIR is /tmp/mlx/<version>/ptx
+if [ -f .gpu/kernel-cache.tgz ] && [ ! -d /tmp/mlx ]; then
+  tar -xzf .gpu/kernel-cache.tgz -C / && echo "kernel cache restored: $(du -sh /tmp/mlx | cut -f1)"
+fi
 case "$1" in
+  save-kernels)
+    dirs=(); for d in "${KCACHE[@]}"; do [ -d "$d" ] && dirs+=("${d#/}"); done
+    [ ${#dirs[@]} -eq 0 ] || { tar -czf "$OUT/kernel-cache.tgz" -C / "${dirs[@]}" && ls -la "$OUT/kernel-cache.tgz"; }
+    ;;
   setup)
     [ -f "$S/full-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/full-ckpt" --size full 2>/dev/null
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts q4,q3 2>/dev/null
@@ -28,6 +40,7 @@ case "$1" in
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
     bash "$0" gputest
     wait
+    bash "$0" save-kernels
     ;;
   capped)
     for q in q4 q3; do
