@@ -263,7 +263,9 @@ class StreamingExperts:
         before the fence, and each (token, pick) row is the same kernel's output whichever call computes it,
         so the result is bit for bit the one call's."""
         st = self.stats[i] if self.stats is not None else LayerStats(layer=i)
-        guess = self.guess(i + 1, x) if self.width > 0 and i + 1 < self.L and x.shape[0] == 1 else None
+        guess = None
+        if self.width > 0 and i + 1 < self.L and x.shape[0] == 1:  # cast in the graph: read back with the picks
+            guess = self.guess(i + 1, x).astype(mx.float32)
         t = time.perf_counter()
         mx.eval(inds, *([guess] if guess is not None else []))
         self.fence()
@@ -313,7 +315,7 @@ class StreamingExperts:
                 reads[key] = self.store.read(*key)
                 st.misses += 1
         if guess is not None:  # read once no demand read waits: while this layer lands and computes
-            self._prefetch(i + 1, np.array(guess.astype(mx.float32)))
+            self._prefetch(i + 1, np.array(guess))
         table = np.zeros(self.E, dtype=np.uint32)
         table[experts] = [slot_of[e] for e in experts]
         slots = table[picks]
