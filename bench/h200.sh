@@ -38,9 +38,10 @@ case "$1" in
     ;;
   prepare)
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
-    bash "$0" gputest
+    status=0; bash "$0" gputest || status=$?  # a failing test still leaves the checkpoint and the kernels
     wait
     bash "$0" save-kernels
+    exit $status
     ;;
   capped)
     for q in q4 q3; do
