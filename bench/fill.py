@@ -18,7 +18,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from streamoe.formats.layout import record_layouts
 from streamoe.formats.manifest import load_manifest
 from streamoe.runtime import managed
 from streamoe.runtime.experts import SlotPools
@@ -28,13 +27,18 @@ from streamoe.runtime.weights import mx_dtype
 from .common import write_result
 
 
-def disk_gbs(store: ExpertStore, keys: list[tuple[int, int]]) -> float:
-    t = time.perf_counter()
-    pending = {store.read(*k) for k in keys}
+def drain(store: ExpertStore, futures) -> None:
+    """Wait for reads as they complete (as the engine does) and give their ring entries back."""
+    pending = set(futures)
     while pending:
         done, pending = wait(pending, return_when=FIRST_COMPLETED)
         for f in done:
             store.release(f.result())
+
+
+def disk_gbs(store: ExpertStore, keys: list[tuple[int, int]]) -> float:
+    t = time.perf_counter()
+    drain(store, [store.read(*k) for k in keys])
     return len(keys) * store.lay.stride / (time.perf_counter() - t) / 1e9
 
 
@@ -80,9 +84,8 @@ def main() -> None:
     m = load_manifest(a.model)
     fmt = m.expert_formats()[a.experts]
     lay = fmt.layout
-    layouts = record_layouts(lay.hidden, lay.intermediate, lay.group_size, lay.scale_dtype)
-    n_experts = m.model["num_experts"]
-    store = ExpertStore([a.model / f["path"] for f in fmt.files], lay, n_experts, layouts, a.experts, io_threads=8, ring=16)
+    store = ExpertStore.open(a.model, m, a.experts, io_threads=8, ring=16)
+    n_experts = store.n_experts
     rng = random.Random(0)
     keys = [(rng.randrange(len(fmt.files)), rng.randrange(n_experts)) for _ in range(a.records)]
     disk = disk_gbs(store, keys)

@@ -20,32 +20,18 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
-from streamoe.formats.config import ModelArgs
-from streamoe.formats.layout import record_layouts
 from streamoe.formats.manifest import load_manifest
 from streamoe.runtime import store as store_mod
 from streamoe.runtime.store import ExpertStore
 
 from .common import write_result
+from .fill import disk_gbs, drain
 
 
-def drain(store: ExpertStore, futures) -> None:
-    """Wait for reads as they complete (as the engine does) and give their ring entries back."""
-    pending = set(futures)
-    while pending:
-        done, pending = wait(pending, return_when=FIRST_COMPLETED)
-        for f in done:
-            store.release(f.result())
-
-
-def disk_gbs(store: ExpertStore, rng: random.Random, n: int = 256) -> float:
-    keys = [(rng.randrange(len(store.fds)), rng.randrange(store.n_experts)) for _ in range(n)]
-    t = time.perf_counter()
-    drain(store, [store.read(*k) for k in keys])
-    return n * store.lay.stride / (time.perf_counter() - t) / 1e9
+def keys(store: ExpertStore, rng: random.Random, n: int = 256) -> list[tuple[int, int]]:
+    return [(rng.randrange(len(store.fds)), rng.randrange(store.n_experts)) for _ in range(n)]
 
 
 def replay(store: ExpertStore, rng: random.Random, a) -> float:
@@ -89,21 +75,18 @@ def main() -> None:
     root = Path(a.model)
     m = load_manifest(root)
     fmt = m.expert_formats()[a.experts]
-    lay = fmt.layout
-    layouts = record_layouts(lay.hidden, lay.intermediate, lay.group_size, lay.scale_dtype)
-    n_experts = ModelArgs.from_config(m.config, root / "manifest.json").num_experts
+    lay, n_layers = fmt.layout, len(fmt.files)
     rng = random.Random(0)
     rows = []
     for r in range(a.rounds):
         for wait_ in (True, False):
             store_mod.GUESSES_WAIT = wait_
-            store = ExpertStore([root / f["path"] for f in fmt.files], lay, n_experts, layouts, a.experts, a.io_threads,
-                                ring=2 * a.demand + 2 * a.guesses + a.io_threads)
-            before = disk_gbs(store, rng)
+            store = ExpertStore.open(root, m, a.experts, a.io_threads, ring=2 * a.demand + 2 * a.guesses + a.io_threads)
+            before = disk_gbs(store, keys(store, rng))
             s = replay(store, rng, a)
-            after = disk_gbs(store, rng)
+            after = disk_gbs(store, keys(store, rng))
             store.close()
-            layers = a.tokens * len(fmt.files)
+            layers = a.tokens * n_layers
             need = (a.demand + a.right * a.guesses) * lay.stride  # bytes a layer needs, on average
             bound_ms = need / ((before + after) / 2 * 1e9) * 1000
             ms = s / layers * 1000

@@ -18,7 +18,6 @@ from ..formats.checks import check_open
 from ..formats.config import ModelArgs
 from ..formats.direct import RangeReader, file_checksum
 from ..formats.errors import StreamoeError, fail
-from ..formats.layout import record_layouts
 from ..formats.manifest import load_manifest, safe_path
 from . import model as model_mod
 from .experts import StreamingExperts
@@ -77,12 +76,9 @@ class Engine:
         on_cpu = mx.default_device() == mx.cpu
         model_mod.set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
         self.args = a = ModelArgs.from_config(m.config, self.root / "manifest.json")
-        fmt = m.expert_formats()[o.experts]
-        self.lay = fmt.layout
-        layouts = record_layouts(self.lay.hidden, self.lay.intermediate, self.lay.group_size, self.lay.scale_dtype)
         k = a.num_experts_per_tok
-        store = ExpertStore([safe_path(self.root, f["path"]) for f in fmt.files], self.lay, a.num_experts, layouts,
-                            o.experts, o.io_threads, ring=read_ring(o, k))
+        store = ExpertStore.open(self.root, m, o.experts, o.io_threads, ring=read_ring(o, k))
+        self.lay = store.lay
         file, table = m.blob("nonexpert")
         self.model = Model(a, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,

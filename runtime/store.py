@@ -24,9 +24,11 @@ from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
 
+from ..formats.config import ModelArgs
 from ..formats.direct import aligned_buffer, drop_cache, open_uncached
 from ..formats.errors import fail
-from ..formats.layout import detect_format
+from ..formats.layout import detect_format, record_layouts
+from ..formats.manifest import Manifest, safe_path
 from ..formats.record import RecordLayout
 
 GUESSES_WAIT = True  # guesses yield to demand reads (bench/gpu_compare's `guesswait` ablation turns it off)
@@ -66,6 +68,15 @@ class ExpertStore:
                         for i in range(io_threads)]
         for t in self.threads:
             t.start()
+
+    @classmethod
+    def open(cls, root: Path, m: Manifest, fmt: str, io_threads: int, ring: int) -> ExpertStore:
+        """The layer files of expert format `fmt` of the converted model at `root` (manifest `m`)."""
+        f = m.expert_formats()[fmt]
+        lay = f.layout
+        layouts = record_layouts(lay.hidden, lay.intermediate, lay.group_size, lay.scale_dtype)
+        n_experts = ModelArgs.from_config(m.config, root / "manifest.json").num_experts
+        return cls([safe_path(root, x["path"]) for x in f.files], lay, n_experts, layouts, fmt, io_threads, ring)
 
     def record(self, entry: int) -> memoryview:
         """The bytes of the record held in ring entry `entry`."""

@@ -9,19 +9,12 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 import pytest
 
-from streamoe.formats.config import ModelArgs
-from streamoe.formats.layout import record_layouts
 from streamoe.formats.manifest import load_manifest
 from streamoe.runtime.store import ExpertStore
 
 
 def open_store(conv, io_threads: int, ring: int) -> ExpertStore:
-    m = load_manifest(conv)
-    fmt = m.expert_formats()["q4"]
-    lay = fmt.layout
-    layouts = record_layouts(lay.hidden, lay.intermediate, lay.group_size, lay.scale_dtype)
-    n_experts = ModelArgs.from_config(m.config, conv / "manifest.json").num_experts
-    return ExpertStore([conv / f["path"] for f in fmt.files], lay, n_experts, layouts, "q4", io_threads, ring)
+    return ExpertStore.open(conv, load_manifest(conv), "q4", io_threads, ring)
 
 
 def wait_until(cond, what: str) -> None:
