@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import time
@@ -35,16 +36,19 @@ TEXT = ("Explain, step by step, how a mixture-of-experts language model decides 
         "model is larger than the memory of the machine it runs on. Give a short example in Python code. ")
 
 
-def random_read_gbs(paths: list[Path], stride: int, n: int = 400, threads: int = 8) -> float:
-    """O_DIRECT reads of whole random records with `threads` in flight: the disk's speed for this access."""
+def random_read_gbs(paths: list[Path], stride: int, n: int = 400, threads: int = 8, parts: int = 1) -> float:
+    """O_DIRECT reads of random records with `threads` in flight: the disk's speed for this access. With `parts`
+    > 1, each read is one of a record's `parts` equal pieces (n records' worth of bytes in all)."""
     fds = [open_uncached(p)[0] for p in paths]
     sizes = [os.path.getsize(p) // stride for p in paths]
-    bufs = [aligned_buffer(stride) for _ in range(threads)]
-    jobs = [(random.randrange(len(fds)), j) for j in range(n)]
+    piece = -(-stride // parts // 4096) * 4096  # O_DIRECT: whole 4 KiB blocks
+    bufs = [aligned_buffer(piece) for _ in range(threads)]
+    jobs = [(random.randrange(len(fds)), j) for j in range(n * parts)]
 
     def one(job):
         f, j = job
-        os.preadv(fds[f], [memoryview(bufs[j % threads])], random.randrange(sizes[f]) * stride)
+        at = random.randrange(parts) * piece
+        os.preadv(fds[f], [memoryview(bufs[j % threads])[: min(piece, stride - at)]], random.randrange(sizes[f]) * stride + at)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as ex:
@@ -134,10 +138,14 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
         prof = cProfile.Profile()
     t0 = time.perf_counter()
     stamps = []
+    store = eng.experts.store
     for _ in eng.generate(ids, tokens + 1, Sampler()):  # greedy: the pipelined path where everything is resident
         stamps.append(time.perf_counter())
-        if prof is not None and len(stamps) == 1:
-            prof.enable()
+        if len(stamps) == 1:
+            busy0, read0 = store.busy_s, store.bytes_read
+            if prof is not None:
+                prof.enable()
+    busy, read_decode = store.busy_s - busy0, store.bytes_read - read0
     profile = None
     if prof is not None:
         import pstats
@@ -167,6 +175,9 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
             "prefetch_wasted_frac": round(sum(ly.prefetch_wasted for ly in lay) * stride / read, 4) if read else 0.0,
             "hot_slots": eng.plan.hot_slots, "peak_mlx_gib": round(mx.get_peak_memory() / 2**30, 2),
             "plan_total_gib": round((eng.plan.fixed + eng.plan.hot_slots * stride) / 2**30, 2)}
+    if busy:  # the share of decode the disk had a read in progress, and its speed while it had
+        res["disk_busy_frac"] = round(busy / (stamps[-1] - stamps[0]), 3)
+        res["disk_gbs_while_busy"] = round(read_decode / busy / 1e9, 3)
     if profile:
         res["profile"] = profile
     return res
@@ -232,6 +243,8 @@ def main() -> None:
                     "runs: their ratios are against the run right before them")
     ap.add_argument("--paired", type=int, default=0, help="then N tokens of mlx-lm and streamoe in turn at the first "
                     "capped cap (--caps), the median of the per-pair ratios")
+    ap.add_argument("--disk-grid", action="store_true", help="first, the disk's speed by reads in flight and record "
+                    "pieces per read (does a layer's few reads keep the disk busy?)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from streamoe.runtime.text import TextIO
@@ -243,6 +256,10 @@ def main() -> None:
     res = {"device": str(mx.default_device()), "prompt_tokens": len(ids),
            "raw_random_read_gbs": round(random_read_gbs(paths, fmt.layout.stride), 3),
            "raw_random_read_gbs_16_threads": round(random_read_gbs(paths, fmt.layout.stride, threads=16), 3), "runs": []}
+    if a.disk_grid:
+        res["disk_grid_gbs"] = {f"{t}x{p}": round(random_read_gbs(paths, fmt.layout.stride, n=200, threads=t, parts=p), 3)
+                                for t in (1, 2, 4, 8, 16) for p in (1, 2, 4) if t * p <= 32}
+        print(res["disk_grid_gbs"], flush=True)
     threads = [int(t) for t in a.io_threads.split(",")]
     runs = [(cap, "", t) for cap in a.caps.split(",") for t in (threads[:1] if cap == "resident" else threads)]
     for x in filter(None, a.ablate.split(",")):
@@ -283,6 +300,8 @@ def main() -> None:
                 r["decode_vs_stock_generate"] = round(r["tok_s"] / base["stock_generate_tok_s"], 3)
         res["runs"].append(r)
         print(r, flush=True)
+        if a.out:  # a run cut off by a time limit keeps what it measured
+            a.out.write_text(json.dumps(res, indent=2) + "\n")
     if a.paired:
         cap = next((c for c in a.caps.split(",") if c != "resident"), "resident")
         res["runs"].append(paired_run(a.ckpt, a.model, ids, a.paired, cap, a.experts, a.dtype))
@@ -295,8 +314,6 @@ def main() -> None:
                 by_tag.setdefault(r["tag"], []).append(r[key])
         medians[key] = {t: round(float(np.median(v)), 3) for t, v in by_tag.items()}
     res["medians"] = medians
-    import json
-
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
@@ -64,6 +65,9 @@ class ExpertStore:
         self.demand_running = 0
         self.closing = False
         self.bytes_read = 0
+        # the disk's busy time: seconds with at least one read in progress (bench/gpu_compare: how much of a
+        # token the disk worked, and how fast it read while it did)
+        self.reading, self.busy_s, self.busy_since = 0, 0.0, 0.0
         self.threads = [threading.Thread(target=self._serve, name=f"streamoe-io-{i}", daemon=True)
                         for i in range(io_threads)]
         for t in self.threads:
@@ -120,9 +124,18 @@ class ExpertStore:
             while not self.free:
                 self.entry_freed.wait()
             entry = self.free.pop()
+            if not self.reading:
+                self.busy_since = time.perf_counter()
+            self.reading += 1
         try:
             off = expert * self.lay.stride
-            n = os.preadv(self.fds[layer], [self.record(entry)], off)
+            try:
+                n = os.preadv(self.fds[layer], [self.record(entry)], off)
+            finally:
+                with self.lock:
+                    self.reading -= 1
+                    if not self.reading:
+                        self.busy_s += time.perf_counter() - self.busy_since
             if not self.direct[layer]:
                 drop_cache(self.fds[layer], off, self.lay.stride)
             if n != self.lay.stride:
