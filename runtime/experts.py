@@ -47,7 +47,12 @@ from .tier import HotTier
 from .weights import mx_dtype
 
 Key = tuple[int, int]  # (layer, expert)
-MIN_PRECISION = float(os.environ.get("STREAMOE_PREFETCH_PRECISION", "0.8"))  # see StreamingExperts.rank_seen
+# The share of the records read in decode that wrong guesses may be. A guess's rank is read ahead while it has
+# been right at least `precision` of the time (StreamingExperts.rank_seen); `precision` starts at 0.8 and follows
+# the waste of the last few hundred reads, down while under the budget (more guesses), up while over, within
+# PRECISION_RANGE: the budget goes to the most likely guesses.
+WASTE_BUDGET = float(os.environ.get("STREAMOE_PREFETCH_WASTE", "0.05"))
+PRECISION_RANGE = (0.5, 0.95)
 VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
 DIRECT_ON_CPU = True  # on the CPU backend records are written straight into their slots (tests turn it off)
 HITS_FIRST = True  # with direct writes, a decode step's hits compute while its misses are read (StreamingExperts._streamed)
@@ -179,12 +184,12 @@ class StreamingExperts:
         self.pools = SlotPools(hot_slots + staging, lay, dtype, store.ring)
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
         self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
-        # how often the router's r-th guess for the next layer was then picked, issued or not: a rank is read
-        # ahead only while that has been at least MIN_PRECISION, so guesses mostly wrong stop costing reads
+        # how often the router's r-th guess for the next layer was then picked, issued or not (its precision)
         self.rank_seen, self.rank_right = np.zeros(max(1, prefetch_width)), np.zeros(max(1, prefetch_width))
         self.candidates: dict[int, list[int]] = {}
+        self.precision = 0.8
+        self.reads_recent, self.wrong_recent = 0.0, 0.0  # records read in decode, wrong guesses among them (decaying)
         self.stats: list[LayerStats] | None = None  # the current step's per-layer records (set by the engine)
-        self.reads = 0  # records read, for telemetry
         if self.resident:
             self._preload()
             # layer i's experts as views of its E slots, made once: expert e is then row e, and each gather_qmm
@@ -314,6 +319,8 @@ class StreamingExperts:
             else:
                 reads[key] = self.store.read(*key)
                 st.misses += 1
+        if x.shape[0] == 1:
+            self._follow_waste(st.misses + st.hits_prefetch + st.prefetch_wasted, st.prefetch_wasted)
         if guess is not None:  # read once no demand read waits: while this layer lands and computes
             self._prefetch(i + 1, np.array(guess))
         table = np.zeros(self.E, dtype=np.uint32)
@@ -334,18 +341,28 @@ class StreamingExperts:
         return mx.concatenate([early, late], axis=1)[:, mx.array(back)]
 
     def _prefetch(self, layer: int, logits: np.ndarray) -> None:
-        """Read ahead into staging the `width` experts layer `layer`'s router likes best for this hidden state."""
+        """Read ahead into staging the experts layer `layer`'s router likes best for this hidden state, best
+        first, among its `width` best: each while its rank's precision and the waste budget allow."""
         st = self.stats[layer] if self.stats is not None else None
         self.candidates[layer] = order = np.argsort(-logits.reshape(-1), kind="stable")[: self.width].tolist()
         for r, e in enumerate(order):
             key = (layer, e)
             if key in self.ahead or self.tier.lookup(key) is not None:
                 continue
-            if (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) < MIN_PRECISION:
+            if (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) < self.precision:
                 continue
             self.ahead[key] = self.store.guess(layer, e)
             if st is not None:
                 st.prefetch_issued += 1
+
+    def _follow_waste(self, reads: int, wrong: int) -> None:
+        """One decode layer's reads and wrong guesses into the recent account; the precision a guess needs
+        moves a step toward spending the waste budget."""
+        self.reads_recent = 0.995 * self.reads_recent + reads
+        self.wrong_recent = 0.995 * self.wrong_recent + wrong
+        if self.reads_recent >= 50:
+            step = 0.002 if self.wrong_recent > WASTE_BUDGET * self.reads_recent else -0.002
+            self.precision = min(max(self.precision + step, PRECISION_RANGE[0]), PRECISION_RANGE[1])
 
     # ---- prompts and lifetime
     def begin_prompt(self) -> None:

@@ -110,6 +110,28 @@ def test_logits_bit_identical_across_caps_prefetch_and_tiers(small_conv, experts
         assert data == first, f"logits differ at {key}"
 
 
+def test_guesses_follow_the_waste_budget_and_never_change_the_logits(small_conv, monkeypatch):
+    """The precision a guess needs follows the waste budget: no budget drives it to the ceiling (few guesses), a
+    large one to the floor; at 5 % the recent waste settles near 5 %. Read-ahead hits and waste grow with the
+    budget, and the logits are the same bits whatever was guessed."""
+    from streamoe.runtime import experts as experts_mod
+
+    runs = {}
+    for budget in (0.0, 0.05, 0.3):
+        monkeypatch.setattr(experts_mod, "WASTE_BUDGET", budget)
+        data, eng = run_logits(small_conv, 128, steps=48)
+        lay = [ly for s in eng.steps if s.phase == "decode" for ly in s.layers]
+        x = eng.experts
+        runs[budget] = (data, x.precision, sum(ly.hits_prefetch for ly in lay), sum(ly.prefetch_wasted for ly in lay),
+                        x.wrong_recent / x.reads_recent)
+    lo, mid, hi = runs[0.0], runs[0.05], runs[0.3]
+    assert lo[1] == experts_mod.PRECISION_RANGE[1] and hi[1] == experts_mod.PRECISION_RANGE[0]
+    assert lo[1] > mid[1] > hi[1]
+    assert lo[2] < mid[2] < hi[2] and lo[3] < mid[3] < hi[3]
+    assert 0.03 < mid[4] < 0.08
+    assert lo[0] == mid[0] == hi[0]
+
+
 def test_hits_computed_while_misses_are_read_give_the_same_bits(small_conv, monkeypatch):
     """A decode step's hits start computing before its misses land (two calls, rows put back in rank order):
     the logits equal one call's, and the early path really ran."""
