@@ -29,6 +29,7 @@ import numpy as np
 from streamoe.formats.direct import aligned_buffer, open_uncached
 from streamoe.formats.manifest import load_manifest, safe_path
 from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.experts import PRECISION_RANGE as DEFAULT_PRECISION_RANGE
 from streamoe.runtime.telemetry import summarize
 
 TEXT = ("Explain, step by step, how a mixture-of-experts language model decides which experts to use for a token, "
@@ -108,12 +109,15 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     """`ablate`: run without one of the speed measures, to measure what it is worth: `cache32` (MLX's buffer
     cache held at 32 MiB, as before the plan had an allocator account), `kvf32` (a float32 KV cache), `gdnkernel`
     (the delta rule as the token loop of compiled steps, not the backend's form), `guesswait` (guesses read at the
-    demand reads' priority, side by side with them, as before session 8)."""
+    demand reads' priority, side by side with them, as before session 8), `wastebudget` (a guess rank needs a fixed
+    0.8 precision, as before session 9, instead of following the waste budget)."""
+    from streamoe.runtime import experts as experts_mod
     from streamoe.runtime import model as model_mod
     from streamoe.runtime import store as store_mod
 
     model_mod.GDN_FORM = "ops" if ablate == "gdnkernel" else None
     store_mod.GUESSES_WAIT = ablate != "guesswait"
+    experts_mod.PRECISION_RANGE = (0.8, 0.8) if ablate == "wastebudget" else DEFAULT_PRECISION_RANGE
     cap_gib = cap_gib_for(model, cap, experts, dtype)
     gc.collect()  # the previous run's engine (its timing wrapper makes a cycle), so its memory is not counted here
     mx.clear_cache()
@@ -235,7 +239,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--mlx-lm-tokenwise", action="store_true", help="feed mlx-lm's prompt one token at a time")
-    ap.add_argument("--ablate", default="", help="also run without: cache32,kvf32,gdnkernel (resident), guesswait@CAP "
+    ap.add_argument("--ablate", default="", help="also run without: cache32,kvf32,gdnkernel (resident), guesswait@CAP, wastebudget@CAP "
                     "(capped); or profile@CAP (a capped run under cProfile, last); comma-separated")
     ap.add_argument("--io-threads", default="8", help="capped runs: reads in flight, comma-separated for several runs")
     ap.add_argument("--rounds", type=int, default=1, help="capped runs (ablations included) repeated, interleaved")

@@ -4,8 +4,8 @@
 #   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3) into /root/bench
 #   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
-#                                runs twice, interleaved with the pre-session-8 read-ahead schedule (guesswait); each capped
-#                                run reports the share of decode the disk was busy and its speed while busy
+#                                runs twice, interleaved with the pre-session-9 guess gate (a fixed 0.8 precision, no waste
+#                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
 #   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes)
 #   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
 #   bash bench/h200.sh fill      # a record's copy into its slot against the disk read (upload-ring advice off / on)
@@ -52,8 +52,8 @@ case "$1" in
     ;;
   compare)
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 \
-      --ablate guesswait@4 --rounds 2 --out "$OUT/gpu-compare-q4.json" | grep -v '^ '
+      --ablate wastebudget@4 --rounds 2 --out "$OUT/gpu-compare-q4.json" | grep -v '^ '
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps 4 --experts q3 --skip-mlx-lm \
-      --ablate guesswait@4 --rounds 2 --out "$OUT/gpu-compare-q3.json" | grep -v '^ '
+      --ablate wastebudget@4 --rounds 2 --out "$OUT/gpu-compare-q3.json" | grep -v '^ '
     ;;
 esac

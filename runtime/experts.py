@@ -49,8 +49,9 @@ from .weights import mx_dtype
 Key = tuple[int, int]  # (layer, expert)
 # The share of the records read in decode that wrong guesses may be. A guess's rank is read ahead while it has
 # been right at least `precision` of the time (StreamingExperts.rank_seen); `precision` starts at 0.8 and follows
-# the waste of the last few hundred reads, down while under the budget (more guesses), up while over, within
-# PRECISION_RANGE: the budget goes to the most likely guesses.
+# the waste of the last few hundred reads, down while under 90 % of the budget (more guesses), up while over
+# (it hovers around that, so a run's waste stays under the budget), within PRECISION_RANGE: the budget goes to
+# the most likely guesses.
 WASTE_BUDGET = float(os.environ.get("STREAMOE_PREFETCH_WASTE", "0.05"))
 PRECISION_RANGE = (0.5, 0.95)
 VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
@@ -361,7 +362,7 @@ class StreamingExperts:
         self.reads_recent = 0.995 * self.reads_recent + reads
         self.wrong_recent = 0.995 * self.wrong_recent + wrong
         if self.reads_recent >= 50:
-            step = 0.002 if self.wrong_recent > WASTE_BUDGET * self.reads_recent else -0.002
+            step = 0.002 if self.wrong_recent > 0.9 * WASTE_BUDGET * self.reads_recent else -0.002
             self.precision = min(max(self.precision + step, PRECISION_RANGE[0]), PRECISION_RANGE[1])
 
     # ---- prompts and lifetime
