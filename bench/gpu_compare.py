@@ -142,14 +142,10 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
         prof = cProfile.Profile()
     t0 = time.perf_counter()
     stamps = []
-    store = eng.experts.store
     for _ in eng.generate(ids, tokens + 1, Sampler()):  # greedy: the pipelined path where everything is resident
         stamps.append(time.perf_counter())
-        if len(stamps) == 1:
-            busy0, read0 = store.busy_s, store.bytes_read
-            if prof is not None:
-                prof.enable()
-    busy, read_decode = store.busy_s - busy0, store.bytes_read - read0
+        if prof is not None and len(stamps) == 1:
+            prof.enable()
     profile = None
     if prof is not None:
         import pstats
@@ -179,9 +175,10 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
             "prefetch_wasted_frac": round(sum(ly.prefetch_wasted for ly in lay) * stride / read, 4) if read else 0.0,
             "hot_slots": eng.plan.hot_slots, "peak_mlx_gib": round(mx.get_peak_memory() / 2**30, 2),
             "plan_total_gib": round((eng.plan.fixed + eng.plan.hot_slots * stride) / 2**30, 2)}
-    if busy:  # the share of decode the disk had a read in progress, and its speed while it had
-        res["disk_busy_frac"] = round(busy / (stamps[-1] - stamps[0]), 3)
-        res["disk_gbs_while_busy"] = round(read_decode / busy / 1e9, 3)
+    busy_ms = sum(st.disk_busy_ms for st in dec)
+    if busy_ms:  # the share of decode the disk had a read in progress, and its speed while it had
+        res["disk_busy_frac"] = round(s["disk_busy"], 3)
+        res["disk_gbs_while_busy"] = round(read / (busy_ms / 1000) / 1e9, 3)
     if profile:
         res["profile"] = profile
     return res

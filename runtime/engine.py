@@ -108,6 +108,7 @@ class Engine:
         step = StepStats(step=len(self.steps), phase=phase, n_tokens=T,
                          layers=[LayerStats(layer=i) for i in range(self.args.num_hidden_layers)])
         step.t0 = time.perf_counter()
+        step.busy0 = self.experts.store.busy_time()
         self.experts.stats = step.layers
         pos = positions if positions is not None else self.offset + self.rope_delta
         logits = self.model.head(self.model.layers_forward(h, self.cache, pos, self.experts)[:, -1:, :])
@@ -122,6 +123,7 @@ class Engine:
         mx.eval(logits)
         step.layers[-1].compute_ms += 1000 * (time.perf_counter() - tc)
         step.ms = 1000 * (time.perf_counter() - step.t0)
+        step.disk_busy_ms = 1000 * (self.experts.store.busy_time() - step.busy0)
         self.note_rss()
 
     def note_rss(self) -> None:

@@ -82,6 +82,12 @@ class ExpertStore:
         n_experts = ModelArgs.from_config(m.config, root / "manifest.json").num_experts
         return cls([safe_path(root, x["path"]) for x in f.files], lay, n_experts, layouts, fmt, io_threads, ring)
 
+    def busy_time(self) -> float:
+        """Seconds so far with at least one read in progress (the interval now open included): over a step, the
+        share of its time the disk was working."""
+        with self.lock:
+            return self.busy_s + (time.perf_counter() - self.busy_since if self.reading else 0.0)
+
     def record(self, entry: int) -> memoryview:
         """The bytes of the record held in ring entry `entry`."""
         s = self.lay.stride

@@ -36,6 +36,7 @@ class StepStats:
     token_id: int | None = None
     ms: float = 0.0
     host_ms: float = 0.0  # the host's time in the step's layer loop: the graph built (and, capped, every layer's sync)
+    disk_busy_ms: float = 0.0  # the time in this step with at least one expert read in progress
     layers: list[LayerStats] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -56,11 +57,13 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int) -> dict:
     hits = sum(ly.hits_hot + ly.hits_lent for s in dec for ly in s.layers)  # already in memory when picked
     ahead = sum(ly.hits_prefetch for s in dec for ly in s.layers)  # read for this step by a guess: not a hit
     read = sum(ly.bytes_read for s in dec for ly in s.layers)
+    busy = sum(s.disk_busy_ms for s in dec)
     return {
         "tokens": len(dec), "tok_s": len(dec) / (tot_ms / 1000) if tot_ms else 0.0,
         "ms_token": tot_ms / n, "compute_ms": comp / n, "io_wait_ms": io / n, "other_ms": (tot_ms - comp - io) / n,
         "hit_rate": hits / picks if picks else (1.0 if dec and not read else 0.0),
         "read_ahead_rate": ahead / picks if picks else 0.0, "mib_read_token": read / MiB / n,
+        "disk_busy": busy / tot_ms if tot_ms else 0.0,  # near 1: the disk is what bounds decode
         "peak_gib": peak_bytes / (1 << 30), "cap_gib": cap / (1 << 30),
         "prefill_tokens": sum(s.n_tokens for s in steps if s.phase == "prefill"),
         "prefill_ms": sum(s.ms for s in steps if s.phase == "prefill"),
@@ -71,5 +74,6 @@ def summary_line(s: dict) -> str:
     return (f"[{s['tokens']} tokens, {s['tok_s']:.2f} tok/s, {s['ms_token']:.1f} ms/token = compute {s['compute_ms']:.1f} + "
             f"I/O wait {s['io_wait_ms']:.1f} + other {s['other_ms']:.1f}; hit rate {100 * s['hit_rate']:.1f}% "
             f"(+{100 * s['read_ahead_rate']:.1f}% read ahead), "
-            f"{s['mib_read_token']:.2f} MiB read/token; peak {s['peak_gib']:.2f} of {s['cap_gib']:.2f} GiB; "
+            f"{s['mib_read_token']:.2f} MiB read/token" + (f", disk busy {100 * s['disk_busy']:.0f}%" if s["mib_read_token"] else "")
+            + f"; peak {s['peak_gib']:.2f} of {s['cap_gib']:.2f} GiB; "
             f"prefill {s['prefill_tokens']} tokens in {s['prefill_ms'] / 1000:.2f} s]")

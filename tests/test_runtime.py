@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from streamoe.formats.manifest import schema
 from streamoe.runtime.engine import Engine, Options, plan_for
+from streamoe.runtime.telemetry import summarize, summary_line
 
 from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line, run_capped
 
@@ -176,6 +178,7 @@ def test_telemetry_adds_up_and_validates(small_conv, tmp_path):
     for s in eng.steps:
         jsonschema.validate(s.to_json(), schema("telemetry.schema.json"))
         assert 0 < s.host_ms <= s.ms  # the host's part of the step: inside its wall time
+        assert 0 <= s.disk_busy_ms <= s.ms + 1  # the disk's working time in the step: inside it too
         for ly in s.layers:
             assert ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.misses == ly.picks
             assert ly.prefetch_wasted <= ly.prefetch_issued
@@ -184,11 +187,15 @@ def test_telemetry_adds_up_and_validates(small_conv, tmp_path):
     dec = [s for s in eng.steps if s.phase == "decode"]
     assert all(sum(ly.picks for ly in s.layers) == 8 * 8 for s in dec)  # top-8 x 8 layers
     assert sum(ly.hits_prefetch for s in dec for ly in s.layers) > 0
+    assert sum(s.disk_busy_ms for s in dec) > 0  # misses were read during decode
+    line = summary_line(summarize(eng.steps, eng.peak_rss, eng.plan.cap))
+    assert re.search(r"disk busy \d+%", line)
     stats = tmp_path / "s.jsonl"
     p = cli("run", small_conv, "--cap", "1", "--ctx", "256", "-p", "hello", "-n", "6", "--stats", stats, "--raw", check=True)
     recs = [json.loads(ln) for ln in stats.read_text().splitlines()]
     assert recs[0]["phase"] == "prefill" and sum(r["phase"] == "decode" for r in recs) >= 1
     assert "tok/s" in p.stderr and "hit rate" in p.stderr
+    assert "disk busy" not in p.stderr  # everything resident at this cap: nothing read in decode
 
 
 def test_cli_logits_out_equal_across_caps(small_conv, tmp_path):
