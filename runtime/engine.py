@@ -82,7 +82,8 @@ class Engine:
         file, table = m.blob("nonexpert")
         self.model = Model(a, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
-                                        o.tier, prefetch_width(o, k), self.model.router_logits, self.dtype)
+                                        o.tier, prefetch_width(o, k), self.model.router_logits, self.dtype,
+                                        waste_budget=o.prefetch_waste)
         self.cache = self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)))
         self.offset = 0
         self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens

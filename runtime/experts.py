@@ -47,12 +47,10 @@ from .tier import HotTier
 from .weights import mx_dtype
 
 Key = tuple[int, int]  # (layer, expert)
-# The share of the records read in decode that wrong guesses may be. A guess's rank is read ahead while it has
-# been right at least `precision` of the time (StreamingExperts.rank_seen); `precision` starts at 0.8 and follows
-# the waste of the last few hundred reads, down while under 90 % of the budget (more guesses), up while over
-# (it hovers around that, so a run's waste stays under the budget), within PRECISION_RANGE: the budget goes to
-# the most likely guesses.
-WASTE_BUDGET = float(os.environ.get("STREAMOE_PREFETCH_WASTE", "0.05"))
+# A guess's rank is read ahead while it has been right at least `precision` of the time (StreamingExperts.rank_seen);
+# `precision` starts at 0.8 and follows the waste of the last few hundred reads, down while the wrong guesses are
+# under 90 % of the waste budget (more guesses), up while over (it hovers around that, so a run's waste stays
+# under the budget), within PRECISION_RANGE: the budget goes to the most likely guesses.
 PRECISION_RANGE = (0.5, 0.95)
 VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
 DIRECT_ON_CPU = True  # on the CPU backend records are written straight into their slots (tests turn it off)
@@ -177,8 +175,8 @@ class StreamingExperts:
 
     def __init__(self, store: ExpertStore, lay: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  hot_slots: int, tier: str, prefetch_width: int, guess: Callable[[int, mx.array], mx.array],
-                 dtype: mx.Dtype = mx.float32):
-        self.store, self.lay, self.guess = store, lay, guess
+                 dtype: mx.Dtype = mx.float32, waste_budget: float = 0.05):
+        self.store, self.lay, self.guess, self.waste_budget = store, lay, guess, waste_budget
         self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
         self.resident = hot_slots >= n_layers * n_experts
         staging = 0 if self.resident else n_experts
@@ -362,7 +360,7 @@ class StreamingExperts:
         self.reads_recent = 0.995 * self.reads_recent + reads
         self.wrong_recent = 0.995 * self.wrong_recent + wrong
         if self.reads_recent >= 50:
-            step = 0.002 if self.wrong_recent > 0.9 * WASTE_BUDGET * self.reads_recent else -0.002
+            step = 0.002 if self.wrong_recent > 0.9 * self.waste_budget * self.reads_recent else -0.002
             self.precision = min(max(self.precision + step, PRECISION_RANGE[0]), PRECISION_RANGE[1])
 
     # ---- prompts and lifetime

@@ -30,6 +30,7 @@ class Options:
     experts: str = "q4"
     tier: str = "freq"
     prefetch_width: int | None = None  # cross-layer guesses per layer; None = top-k
+    prefetch_waste: float = 0.05  # the share of the records read in decode that wrong guesses may be
     dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
     kv: str = "auto"  # KV cache dtype; auto = the activation dtype, as mlx-lm keeps it
     prefill_chunk: int = 256

@@ -224,6 +224,9 @@ ENGINE = [
     click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy."),
     click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None,
                  help="Cross-layer guesses per layer (default: the model's top-k); 0 = off."),
+    click.option("--prefetch-waste", type=click.FloatRange(min=0, max=1), default=0.05, show_default=True,
+                 help="Share of the bytes read in decode that wrong guesses may cost: more guesses fill a disk that "
+                      "idles between layers (0 = only guesses that are nearly always right)."),
     click.option("--prefill-chunk", type=click.IntRange(min=1, max=1 << 20), default=256, show_default=True),
     click.option("--io-threads", type=click.IntRange(min=1, max=256), default=8, show_default=True, help="Expert reads in flight."),
     click.option("--max-pixels", type=click.IntRange(min=1024, max=1 << 28), default=640 * 640, show_default=True,
@@ -299,7 +302,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None,
         prompt: str | None, chat: bool,
         images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float | None, top_p: float | None, top_k: int | None, seed: int,
-        tier: str, prefetch_width: int | None, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
+        tier: str, prefetch_width: int | None, prefetch_waste: float, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
     from .runtime.cli_run import run_cli
@@ -314,7 +317,7 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
     temp, top_p, top_k = sampling_for(model, temp, top_p, top_k)
     vision = bool(images) or (chat and not raw)
     run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
-                        prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=vision, max_pixels=max_pixels,
+                        prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=vision, max_pixels=max_pixels,
                         runtime_bytes=runtime_mib and runtime_mib << 20),
             prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
             sampling=dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed), stats=stats, logits_out=logits_out, quiet=quiet,
@@ -372,8 +375,8 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
 @user_errors
 def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, host: str,
           port: int, model_name: str | None, no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
-          temp: float | None, top_p: float | None, top_k: int | None, tier: str, prefetch_width: int | None, prefill_chunk: int,
-          io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
+          temp: float | None, top_p: float | None, top_k: int | None, tier: str, prefetch_width: int | None,
+          prefetch_waste: float, prefill_chunk: int, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
           max_image_mib: float, max_images: int, log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
     from .runtime.engine import Options
@@ -388,7 +391,7 @@ def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str |
                       prompt_cache_bytes=int(prompt_cache_mib * (1 << 20)), max_tokens=max_tokens, sampling=sampling,
                       think=not no_think)
     opts = Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
-                   prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=not no_images,
+                   prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=not no_images,
                    max_pixels=max_pixels, runtime_bytes=runtime_mib and runtime_mib << 20)
     run_server(model, opts, so, host, port, log_level)
 

@@ -112,16 +112,15 @@ def test_logits_bit_identical_across_caps_prefetch_and_tiers(small_conv, experts
         assert data == first, f"logits differ at {key}"
 
 
-def test_guesses_follow_the_waste_budget_and_never_change_the_logits(small_conv, monkeypatch):
-    """The precision a guess needs follows the waste budget: no budget drives it to the ceiling (few guesses), a
-    large one to the floor; at 5 % the recent waste settles near 5 %. Read-ahead hits and waste grow with the
-    budget, and the logits are the same bits whatever was guessed."""
+def test_guesses_follow_the_waste_budget_and_never_change_the_logits(small_conv):
+    """The precision a guess needs follows the waste budget (`--prefetch-waste`): no budget drives it to the
+    ceiling (few guesses), a large one to the floor; at 5 % the recent waste settles near 5 %. Read-ahead hits and
+    waste grow with the budget, and the logits are the same bits whatever was guessed."""
     from streamoe.runtime import experts as experts_mod
 
     runs = {}
     for budget in (0.0, 0.05, 0.3):
-        monkeypatch.setattr(experts_mod, "WASTE_BUDGET", budget)
-        data, eng = run_logits(small_conv, 128, steps=48)
+        data, eng = run_logits(small_conv, 128, steps=48, prefetch_waste=budget)
         lay = [ly for s in eng.steps if s.phase == "decode" for ly in s.layers]
         x = eng.experts
         runs[budget] = (data, x.precision, sum(ly.hits_prefetch for ly in lay), sum(ly.prefetch_wasted for ly in lay),
