@@ -224,7 +224,7 @@ ENGINE = [
     click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy."),
     click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None,
                  help="Cross-layer guesses per layer (default: the model's top-k); 0 = off."),
-    click.option("--prefetch-waste", type=click.FloatRange(min=0, max=1), default=0.05, show_default=True,
+    click.option("--prefetch-waste", type=Finite(min=0, max=1), default=0.05, show_default=True,
                  help="Share of the bytes read in decode that wrong guesses may cost: more guesses fill a disk that "
                       "idles between layers (0 = only guesses that are nearly always right)."),
     click.option("--prefill-chunk", type=click.IntRange(min=1, max=1 << 20), default=256, show_default=True),

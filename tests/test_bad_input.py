@@ -566,6 +566,8 @@ for _name, _opts, _needle in [
     ("temp-nan", ["--temp", "nan"], "--temp"),
     ("top-p-nan", ["--top-p", "nan"], "--top-p"),
     ("ctx-zero", ["--ctx", "0"], "--ctx"),
+    ("prefetch-waste-nan", ["--prefetch-waste", "nan"], "--prefetch-waste"),
+    ("prefetch-waste-over-one", ["--prefetch-waste", "1.5"], "--prefetch-waste"),
     ("prompt-not-utf8", ["--prompt", os.fsdecode(b"caf\xe9")], "--prompt"),
 ]:
     def _build(tmp, ck, conv, o=_opts, n=_needle):
