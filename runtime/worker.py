@@ -264,7 +264,7 @@ class _Running:
     """Decode telemetry summed as it happens (the page shows it while the answer streams)."""
 
     def __init__(self):
-        self.tokens = self.ms = self.picks = self.hits = self.read = 0
+        self.tokens = self.ms = self.picks = self.hits = self.read = self.busy_ms = 0
 
     def add(self, steps: list, seen: int) -> int:
         for st in steps[seen:]:
@@ -272,6 +272,7 @@ class _Running:
                 continue
             self.tokens += 1
             self.ms += st.ms
+            self.busy_ms += st.disk_busy_ms
             for ly in st.layers:
                 self.picks += ly.picks
                 self.hits += ly.hits_hot + ly.hits_lent  # read-ahead experts were read for this step: not hits
@@ -281,7 +282,8 @@ class _Running:
     def stats(self) -> dict:
         n = max(1, self.tokens)
         return {"tok_s": self.tokens / (self.ms / 1000) if self.ms else 0.0,
-                "hit_rate": self.hits / self.picks if self.picks else 0.0, "mib_read_token": self.read / MiB / n}
+                "hit_rate": self.hits / self.picks if self.picks else 0.0, "mib_read_token": self.read / MiB / n,
+                "disk_busy": self.busy_ms / self.ms if self.ms else 0.0}
 
 
 @contextlib.contextmanager

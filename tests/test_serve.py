@@ -420,6 +420,7 @@ def test_cap_holds_with_several_clients_inside_a_cgroup(conv, tmp_path, triangle
     assert got[1] == ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 12))
     assert failcnt == 0 and peak <= cap * 2**30, (failcnt, peak, cap)
     assert stats["last"]["mib_read_token"] > 0 and stats["last"]["hit_rate"] < 1  # experts did stream
+    assert 0 < stats["last"]["disk_busy"] <= 1.01  # and the disk worked for part of decode
 
 
 def test_serve_refuses_a_bad_model_in_one_line(tmp_path):

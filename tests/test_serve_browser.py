@@ -92,6 +92,8 @@ def test_chat_page_answers_streams_and_shows_the_plan(server, browser, conv, tmp
     assert int(answer.get_attribute("data-chunks")) >= 1  # it came as a stream of events
     assert "tokens" in answer.find_element(By.CLASS_NAME, "meta").text
     assert browser.find_element(By.ID, "t-toks").text not in ("", "–")
+    read, busy = browser.find_element(By.ID, "t-read").text, browser.find_element(By.ID, "t-busy").text
+    assert busy == "–" if read == "0.00" else busy.endswith(" %"), (read, busy)  # the disk's share only when it read
     assert " of " in browser.find_element(By.ID, "t-mem").text
 
     browser.find_element(By.ID, "new").click()

@@ -37,6 +37,7 @@ function showStats(s) {
   if (s.tok_s !== undefined) $("t-toks").textContent = s.tok_s.toFixed(2);
   if (s.hit_rate !== undefined) $("t-hit").textContent = (100 * s.hit_rate).toFixed(1) + " %";
   if (s.mib_read_token !== undefined) $("t-read").textContent = s.mib_read_token.toFixed(2);
+  if (s.disk_busy !== undefined) $("t-busy").textContent = s.mib_read_token ? (100 * s.disk_busy).toFixed(0) + " %" : "–";
   if (s.prompt_tokens !== undefined) $("t-prompt").textContent = `${s.prompt_tokens} (${s.cached_tokens || 0})`;
   if (s.rss && s.cap) {
     $("t-mem").textContent = `${mib(s.rss)} of ${mib(s.cap)}`;
