@@ -36,7 +36,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import mlx.core as mx
 import numpy as np
 
-from ..formats.quant import bf16_to_f32
 from ..formats.record import ExpertWeights, RecordLayout
 from . import model as model_mod
 from .managed import keep_on_host
@@ -61,15 +60,16 @@ HITS_FIRST = True  # with direct writes, a decode step's hits compute while its 
 _WIDEN = {(mx.bfloat16, mx.float32), (mx.float16, mx.float32)}
 
 
-def _write_segment(dst: np.ndarray, src: np.ndarray, how: str) -> None:
-    """Bytes of one stored segment -> bytes of the same values at the pool's dtype: "copy" (identity) or widening
-    ("bf16" / "f16" to float32), as `SlotPools.plan` decided once per segment."""
-    if how == "copy":
-        dst[:] = src
-    elif how == "bf16":
-        bf16_to_f32(src.view(np.uint16), out=dst.view(np.float32))
-    else:
-        dst.view(np.float32)[:] = src.view(np.float16)
+def _segment_writer(host: np.ndarray, stored: mx.Dtype, dtype: mx.Dtype, direct: bool) -> tuple[np.ndarray, type]:
+    """(destination, source dtype): `destination[row] = segment.view(source dtype)` lands a stored segment's values
+    at the pool's dtype. As stored: bytes to bytes. bf16 -> float32: a bf16 is the high half of its float32, so
+    only the high halves are written; the low halves are zero from the pool's allocation and nothing else writes
+    a directly written pool. f16 -> float32: numpy's cast, exact as MLX's."""
+    if not direct or stored == dtype:
+        return host, np.uint8
+    if stored == mx.bfloat16:
+        return host.view(np.uint16)[:, 1::2], np.uint16  # little-endian: the high half second
+    return host.view(np.float32), np.float16
 
 
 class SlotPools:
@@ -103,10 +103,9 @@ class SlotPools:
         self.hosts = [np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(len(a), -1)
                       for a in (self.arrays if self.direct else self.rings)]
         self.host_mapped = not self.direct and keep_on_host(self.hosts)  # CUDA: the ring stays on the host
-        # (start, end, how) of each segment in a record; the ring holds segments as stored
-        self.plan = [(sg.offset, sg.offset + sg.nbytes, "copy" if st == dt or not self.direct else
-                      "bf16" if st == mx.bfloat16 else "f16")
-                     for sg, st, dt in zip(lay.segments, self.stored, self.dtypes, strict=True)]
+        # per segment: (start, end) in a record, where its row goes and as what; the ring holds segments as stored
+        self.writes = [(sg.offset, sg.offset + sg.nbytes, *_segment_writer(h, st, dt, self.direct))
+                       for sg, h, st, dt in zip(lay.segments, self.hosts, self.stored, self.dtypes, strict=True)]
         self.start = self.next = 0  # ring rows [start, next) are staged, not yet flushed
         self.pending: list[int] = []  # their slots
         self.copier = None if self.direct else ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
@@ -135,8 +134,8 @@ class SlotPools:
 
     def _copy(self, row: int, raw: np.ndarray, done: Callable[[], None]) -> None:
         try:
-            for host, (a, b, how) in zip(self.hosts, self.plan, strict=True):
-                _write_segment(host[row], raw[a:b], how)
+            for a, b, dst, src_dtype in self.writes:
+                dst[row] = raw[a:b].view(src_dtype)
         finally:
             done()
 
