@@ -183,7 +183,7 @@ class StreamingExperts:
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
         self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
         # how often the router's r-th guess for the next layer was then picked, issued or not (its precision)
-        self.rank_seen, self.rank_right = np.zeros(max(1, prefetch_width)), np.zeros(max(1, prefetch_width))
+        self.rank_seen, self.rank_right = [0] * max(1, prefetch_width), [0] * max(1, prefetch_width)
         self.candidates: dict[int, list[int]] = {}
         self.precision = 0.8
         self.reads_recent, self.wrong_recent = 0.0, 0.0  # records read in decode, wrong guesses among them (decaying)
@@ -274,14 +274,15 @@ class StreamingExperts:
         self.fence()
         st.compute_ms += 1000 * (time.perf_counter() - t)
         picks = np.array(inds).astype(np.int64)
-        experts = np.unique(picks).tolist()
+        picked = set(picks.reshape(-1).tolist())
+        experts = sorted(picked)
         for r, e in enumerate(self.candidates.pop(i, [])):
             self.rank_seen[r] += 1
-            self.rank_right[r] += e in experts
+            self.rank_right[r] += e in picked
         st.picks, st.experts = len(experts), experts
-        self.tier.note_picks(i, picks.reshape(-1))  # this pick counts toward the admission of a miss
+        self.tier.note_picks(i, experts)  # this pick counts toward the admission of a miss
         # withdraw guesses for this layer that were not picked; started ones are waste
-        for key in [key for key in self.ahead if key[0] == i and key[1] not in experts]:
+        for key in [key for key in self.ahead if key[0] == i and key[1] not in picked]:
             f = self.ahead.pop(key)
             if self.store.cancel(f):
                 st.prefetch_issued -= 1

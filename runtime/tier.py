@@ -70,9 +70,10 @@ class HotTier:
     def lookup(self, key: Key) -> int | None:
         return self.slot_of.get(key)
 
-    def note_picks(self, layer: int, experts) -> None:
-        self.freq[layer, np.asarray(experts, dtype=np.int64)] += 1
-        for e in set(int(x) for x in np.asarray(experts).reshape(-1)):
+    def note_picks(self, layer: int, experts: list[int]) -> None:
+        """A step picked these distinct experts of `layer`: one more pick each, and each resident one is used."""
+        self.freq[layer, experts] += 1
+        for e in experts:
             s = self.slot_of.get((layer, e))
             if s is not None and s in self.recency:
                 self.recency.move_to_end(s)
