@@ -18,7 +18,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 S=/root/bench
 OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
-export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1 CUDA_CACHE_PATH=/root/.nv/ComputeCache
+export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1
 cd "$REPO"
 case "$1" in
   setup)

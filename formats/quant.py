@@ -41,14 +41,20 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     raise ValueError(f"unsupported bits {bits}")
 
 
+def f32_high_halves(a: np.ndarray) -> np.ndarray:
+    """The high 16-bit halves of float32 storage `a` (any dtype, last axis contiguous), as a uint16 view: a bf16
+    written there makes the float32 of the same value wherever the low halves are zero (little-endian, as every
+    layout here: the low half first)."""
+    return a.view(np.uint16)[..., 1::2]
+
+
 def bf16_to_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """bf16 (stored as uint16) to float32, exactly. With `out` (float32, x's size, contiguous) the bits are
     written there in place, no temporary: a bf16 is the high half of its float32, the low half zero."""
     if out is None:
         return (np.asarray(x, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    halves = out.view(np.uint16)  # little-endian, as every layout here: the low half first
-    halves[0::2] = 0
-    halves[1::2] = x
+    out.view(np.uint16)[0::2] = 0
+    f32_high_halves(out)[:] = x
     return out
 
 

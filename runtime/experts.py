@@ -36,6 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import mlx.core as mx
 import numpy as np
 
+from ..formats.quant import f32_high_halves
 from ..formats.record import ExpertWeights, RecordLayout
 from . import model as model_mod
 from .managed import keep_on_host
@@ -68,7 +69,7 @@ def _segment_writer(host: np.ndarray, stored: mx.Dtype, dtype: mx.Dtype, direct:
     if not direct or stored == dtype:
         return host, np.uint8
     if stored == mx.bfloat16:
-        return host.view(np.uint16)[:, 1::2], np.uint16  # little-endian: the high half second
+        return f32_high_halves(host), np.uint16
     return host.view(np.float32), np.float16
 
 
