@@ -10,9 +10,10 @@ Where every expert fits, every slot is filled at open (slot = layer * E + expert
 kernels read a view of its own E slots: no host round trip at all, the same kernels as a capped run.
 Otherwise each layer costs one small transfer (its top-k) and this sequence:
 
-1. The fence: `mx.synchronize()` on every stream that reads the pools. Every kernel that read a slot
-   has then completed and released it, on every backend, so a refill cannot race a reader, and MLX
-   updates the pool in place (a pool with no other holder is donated to its own update).
+1. The fence: `mx.eval` of this layer's picks and of the output of every kernel that read the pools
+   since the last fence. Each of those kernels has then completed and released its slots, on every
+   backend and stream, so a refill cannot race a reader, and MLX updates the pool in place (a pool with
+   no other holder is donated to its own update).
 2. Hits are looked up, misses placed by the tier and read from disk into host staging (demand reads
    go first: guesses not yet started are withdrawn).
 3. Each record is written from staging toward its slot (`SlotPools.stage`): straight into the pool on
@@ -38,7 +39,6 @@ import numpy as np
 
 from ..formats.quant import f32_high_halves
 from ..formats.record import ExpertWeights, RecordLayout
-from . import model as model_mod
 from .managed import keep_on_host
 from .model import switch_glu
 from .store import ExpertStore
@@ -189,6 +189,7 @@ class StreamingExperts:
         self.precision = 0.8
         self.reads_recent, self.wrong_recent = 0.0, 0.0  # records read in decode, wrong guesses among them (decaying)
         self.stats: list[LayerStats] | None = None  # the current step's per-layer records (set by the engine)
+        self.readers: list[mx.array] = []  # outputs of kernels that read the pools, not yet waited for (fence)
         if self.resident:
             self._preload()
             # layer i's experts as views of its E slots, made once: expert e is then row e, and each gather_qmm
@@ -239,10 +240,12 @@ class StreamingExperts:
                 raise AssertionError(f"slot {slot} holds wrong bytes for layer {key[0]} expert {key[1]} "
                                      f"(first difference at byte {bad})")
 
-    def fence(self) -> None:
-        """Wait until every kernel queued so far has completed: nothing reads a slot after this returns."""
-        for s in {mx.default_stream(mx.default_device()), *model_mod.STREAMS}:
-            mx.synchronize(s)
+    def fence(self, *also: mx.array) -> None:
+        """Wait until every kernel that read a slot has completed (and `also` is computed): `mx.eval` of their
+        outputs returns once each is, on every backend and stream, so no slot is refilled under a reader. An
+        output already computed costs nothing to wait for, unlike a round trip through every stream."""
+        mx.eval(*also, *self.readers)
+        self.readers.clear()
 
     # ---- the provider
     def __call__(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
@@ -257,7 +260,9 @@ class StreamingExperts:
         return y.reshape(*shape[:-1], k, shape[-1])
 
     def _compute(self, x: mx.array, slots: mx.array) -> mx.array:
-        return switch_glu(x, self.pools.weights(), slots, self.lay.bits, self.lay.group_size)
+        y = switch_glu(x, self.pools.weights(), slots, self.lay.bits, self.lay.group_size)
+        self.readers.append(y)  # computed only by kernels that read the pools: the next fence waits for it
+        return y
 
     def _streamed(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
         """Layer i's routed outputs [T, k, H]: picks looked up or placed, misses read and landed in their slots.
@@ -267,15 +272,16 @@ class StreamingExperts:
         before the fence, and each (token, pick) row is the same kernel's output whichever call computes it,
         so the result is bit for bit the one call's."""
         st = self.stats[i] if self.stats is not None else LayerStats(layer=i)
-        guess = None
-        if self.width > 0 and i + 1 < self.L and x.shape[0] == 1:  # cast in the graph: read back with the picks
-            guess = self.guess(i + 1, x).astype(mx.float32)
+        order = None  # the next layer's experts its router likes best, best first: ordered on the device
+        if self.width > 0 and i + 1 < self.L and x.shape[0] == 1:
+            order = mx.argsort(-self.guess(i + 1, x).reshape(-1).astype(mx.float32))[: self.width]
         t = time.perf_counter()
-        mx.eval(inds, *([guess] if guess is not None else []))
-        self.fence()
+        self.fence(inds, *([order] if order is not None else []))
         st.compute_ms += 1000 * (time.perf_counter() - t)
-        picks = np.array(inds).astype(np.int64)
-        picked = set(picks.reshape(-1).tolist())
+        # From here to the kernels' launch the device waits on this thread: the bookkeeping is plain Python over a
+        # few ints (a numpy call here costs 5-150 us, its code cold after the layer's kernels, a Python step ~0.1 us).
+        rows: list[list[int]] = inds.tolist()
+        picked = {e for row in rows for e in row}
         experts = sorted(picked)
         for r, e in enumerate(self.candidates.pop(i, [])):
             self.rank_seen[r] += 1
@@ -321,30 +327,34 @@ class StreamingExperts:
                 st.misses += 1
         if x.shape[0] == 1:
             self._follow_waste(st.misses + st.hits_prefetch + st.prefetch_wasted, st.prefetch_wasted)
-        if guess is not None:  # read once no demand read waits: while this layer lands and computes
-            self._prefetch(i + 1, np.array(guess))
-        table = np.zeros(self.E, dtype=np.uint32)
-        table[experts] = [slot_of[e] for e in experts]
-        slots = table[picks]
-        early = None
-        if HITS_FIRST and self.pools.direct and 0 < len(land) < len(experts) and picks.shape[0] == 1:
-            hit = np.array([(i, e) not in land for e in picks[0]])
-            early = self._compute(x, mx.array(slots[:, hit]))
-            mx.async_eval(early)
+        if order is not None:  # read once no demand read waits: while this layer lands and computes
+            self._prefetch(i + 1, order.tolist())
+        slots = [[slot_of[e] for e in row] for row in rows]
+        if not (HITS_FIRST and self.pools.direct and 0 < len(land) < len(experts) and len(rows) == 1):
+            st.io_wait_ms += 1000 * self._land(land, reads)
+            self._landed(st, read0)
+            return self._compute(x, mx.array(slots, dtype=mx.uint32))
+        hit = [r for r, e in enumerate(rows[0]) if (i, e) not in land]
+        miss = [r for r, e in enumerate(rows[0]) if (i, e) in land]
+        early = self._compute(x, mx.array([[slots[0][r] for r in hit]], dtype=mx.uint32))
+        mx.async_eval(early)
         st.io_wait_ms += 1000 * self._land(land, reads)
-        self.tier.pinned.clear()
-        st.bytes_read += self.store.bytes_read - read0
-        if early is None:
-            return self._compute(x, mx.array(slots))
-        late = self._compute(x, mx.array(slots[:, ~hit]))
-        back = np.argsort(np.concatenate([np.flatnonzero(hit), np.flatnonzero(~hit)]))  # rank order again
+        self._landed(st, read0)
+        late = self._compute(x, mx.array([[slots[0][r] for r in miss]], dtype=mx.uint32))
+        back = [0] * len(rows[0])  # rank order again: pick r sits at back[r] of [hits..., misses...]
+        for j, r in enumerate(hit + miss):
+            back[r] = j
         return mx.concatenate([early, late], axis=1)[:, mx.array(back)]
 
-    def _prefetch(self, layer: int, logits: np.ndarray) -> None:
-        """Read ahead into staging the experts layer `layer`'s router likes best for this hidden state, best
-        first, among its `width` best: each while its rank's precision and the waste budget allow."""
+    def _landed(self, st: LayerStats, read0: int) -> None:
+        self.tier.pinned.clear()
+        st.bytes_read += self.store.bytes_read - read0
+
+    def _prefetch(self, layer: int, order: list[int]) -> None:
+        """Read ahead into staging the experts layer `layer`'s router likes best for this hidden state (`order`:
+        its `width` best, best first): each while its rank's precision and the waste budget allow."""
         st = self.stats[layer] if self.stats is not None else None
-        self.candidates[layer] = order = np.argsort(-logits.reshape(-1), kind="stable")[: self.width].tolist()
+        self.candidates[layer] = order
         for r, e in enumerate(order):
             key = (layer, e)
             if key in self.ahead or self.tier.lookup(key) is not None:

@@ -31,7 +31,9 @@ class HotTier:
         self.n_slots = hot + staging
         self.key_of: list[Key | None] = [None] * self.n_slots
         self.slot_of: dict[Key, int] = {}
-        self.freq = np.zeros((n_layers, n_experts), np.int64)
+        # picks per (layer, expert) as Python ints: a decode step touches a few of them per layer, where a numpy
+        # fancy update cost ~150 us (its code paths cold after each layer's kernels) against ~1 us for the loop
+        self.freq: list[list[int]] = [[0] * n_experts for _ in range(n_layers)]
         self.recency: OrderedDict[int, None] = OrderedDict()  # occupied tier slots, least recently used first
         self.free: list[int] = list(range(hot - 1, -1, -1))  # unoccupied tier slots (a stack)
         self.pinned: set[int] = set()
@@ -72,8 +74,9 @@ class HotTier:
 
     def note_picks(self, layer: int, experts: list[int]) -> None:
         """A step picked these distinct experts of `layer`: one more pick each, and each resident one is used."""
-        self.freq[layer, experts] += 1
+        row = self.freq[layer]
         for e in experts:
+            row[e] += 1
             s = self.slot_of.get((layer, e))
             if s is not None and s in self.recency:
                 self.recency.move_to_end(s)
@@ -96,6 +99,9 @@ class HotTier:
         if self.in_tier(slot):
             self.recency[slot] = None
             self.recency.move_to_end(slot)
+
+    def picks(self, key: Key) -> int:
+        return self.freq[key[0]][key[1]]
 
     def usable(self, slot: int) -> bool:
         return slot not in self.pinned
@@ -125,7 +131,7 @@ class HotTier:
             return self._lru(), False
         best = None
         for s in self._sample_occupied():
-            if self.usable(s) and (best is None or self.freq[self.key_of[s]] < self.freq[self.key_of[best]]):
+            if self.usable(s) and (best is None or self.picks(self.key_of[s]) < self.picks(self.key_of[best])):
                 best = s
         return (best if best is not None else self._lru()), False
 
@@ -165,7 +171,7 @@ class HotTier:
         `optional` (a prefetch guess) gets None rather than forcing an admission when only the scratch ring
         could take it and the ring is busy."""
         v, free = self.victim()
-        if v is not None and (free or self.policy == "lru" or self.freq[key] >= self.freq[self.key_of[v]]):
+        if v is not None and (free or self.policy == "lru" or self.picks(key) >= self.picks(self.key_of[v])):
             self.assign(v, key)
             return v, True
         s = self.scratch_slot(key)

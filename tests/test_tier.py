@@ -32,7 +32,7 @@ def picked(tier: HotTier, key: tuple[int, int], times: int) -> None:
 
 def entries(tier: HotTier) -> dict[tuple[int, int], int]:
     """key -> slot of everything resident, by asking `lookup` for every key."""
-    keys = [(layer, e) for layer in range(tier.freq.shape[0]) for e in range(tier.freq.shape[1])]
+    keys = [(layer, e) for layer in range(len(tier.freq)) for e in range(len(tier.freq[0]))]
     return {k: tier.lookup(k) for k in keys if tier.lookup(k) is not None}
 
 
