@@ -322,48 +322,43 @@ class StreamingExperts:
                 reads[key] = self.ahead.pop(key)
                 self.store.promote(reads[key])
                 st.hits_prefetch += 1
-            else:
-                reads[key] = self.store.read(*key)
-                st.misses += 1
+        cold = [key for key in land if key not in reads]
+        reads.update(zip(cold, self.store.read_many(cold), strict=True))
+        st.misses += len(cold)
+        slots = [[slot_of[e] for e in row] for row in rows]
+        split = HITS_FIRST and self.pools.direct and 0 < len(land) < len(experts) and len(rows) == 1
+        if split:
+            hit = [r for r, e in enumerate(rows[0]) if (i, e) not in land]
+            miss = [r for r, e in enumerate(rows[0]) if (i, e) in land]
+            early = self._compute(x, mx.array([[slots[0][r] for r in hit]], dtype=mx.uint32))
+            mx.async_eval(early)
+        # what nothing above waits for, while the hits compute and the misses are read
         if x.shape[0] == 1:
             self._follow_waste(st.misses + st.hits_prefetch + st.prefetch_wasted, st.prefetch_wasted)
-        if order is not None:  # read once no demand read waits: while this layer lands and computes
+        if order is not None:  # guesses start once no demand read waits: while this layer lands and computes
             self._prefetch(i + 1, order.tolist())
-        slots = [[slot_of[e] for e in row] for row in rows]
-        if not (HITS_FIRST and self.pools.direct and 0 < len(land) < len(experts) and len(rows) == 1):
-            st.io_wait_ms += 1000 * self._land(land, reads)
-            self._landed(st, read0)
-            return self._compute(x, mx.array(slots, dtype=mx.uint32))
-        hit = [r for r, e in enumerate(rows[0]) if (i, e) not in land]
-        miss = [r for r, e in enumerate(rows[0]) if (i, e) in land]
-        early = self._compute(x, mx.array([[slots[0][r] for r in hit]], dtype=mx.uint32))
-        mx.async_eval(early)
         st.io_wait_ms += 1000 * self._land(land, reads)
-        self._landed(st, read0)
+        self.tier.pinned.clear()
+        st.bytes_read += self.store.bytes_read - read0
+        if not split:
+            return self._compute(x, mx.array(slots, dtype=mx.uint32))
         late = self._compute(x, mx.array([[slots[0][r] for r in miss]], dtype=mx.uint32))
         back = [0] * len(rows[0])  # rank order again: pick r sits at back[r] of [hits..., misses...]
         for j, r in enumerate(hit + miss):
             back[r] = j
         return mx.concatenate([early, late], axis=1)[:, mx.array(back)]
 
-    def _landed(self, st: LayerStats, read0: int) -> None:
-        self.tier.pinned.clear()
-        st.bytes_read += self.store.bytes_read - read0
-
     def _prefetch(self, layer: int, order: list[int]) -> None:
         """Read ahead into staging the experts layer `layer`'s router likes best for this hidden state (`order`:
         its `width` best, best first): each while its rank's precision and the waste budget allow."""
         st = self.stats[layer] if self.stats is not None else None
         self.candidates[layer] = order
-        for r, e in enumerate(order):
-            key = (layer, e)
-            if key in self.ahead or self.tier.lookup(key) is not None:
-                continue
-            if (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) < self.precision:
-                continue
-            self.ahead[key] = self.store.guess(layer, e)
-            if st is not None:
-                st.prefetch_issued += 1
+        keys = [(layer, e) for r, e in enumerate(order)
+                if (layer, e) not in self.ahead and self.tier.lookup((layer, e)) is None
+                and (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) >= self.precision]
+        self.ahead.update(zip(keys, self.store.guess_many(keys), strict=True))
+        if st is not None:
+            st.prefetch_issued += len(keys)
 
     def _follow_waste(self, reads: int, wrong: int) -> None:
         """One decode layer's reads and wrong guesses into the recent account; the precision a guess needs

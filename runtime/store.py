@@ -155,19 +155,26 @@ class ExpertStore:
     def read(self, layer: int, expert: int) -> Future:
         """Queue a demand read of one record; the future's result is the ring entry holding it (release it
         after use)."""
-        return self._queue(self.demand, layer, expert)
+        return self._queue(self.demand, [(layer, expert)])[0]
+
+    def read_many(self, keys: list[tuple[int, int]]) -> list[Future]:
+        """Demand reads of (layer, expert) records, queued with one lock and one wake-up (a layer's misses)."""
+        return self._queue(self.demand, keys)
 
     def guess(self, layer: int, expert: int) -> Future:
         """Queue a read ahead: it starts only while no demand read is queued or running."""
-        return self._queue(self.guesses if GUESSES_WAIT else self.demand, layer, expert)
+        return self.guess_many([(layer, expert)])[0]
 
-    def _queue(self, queue: deque, layer: int, expert: int) -> Future:
-        fut: Future = Future()
-        self.bytes_read += self.lay.stride
+    def guess_many(self, keys: list[tuple[int, int]]) -> list[Future]:
+        return self._queue(self.guesses if GUESSES_WAIT else self.demand, keys)
+
+    def _queue(self, queue: deque, keys: list[tuple[int, int]]) -> list[Future]:
+        futs: list[Future] = [Future() for _ in keys]
+        self.bytes_read += self.lay.stride * len(keys)
         with self.lock:
-            queue.append((fut, layer, expert))
-            self.work.notify()
-        return fut
+            queue.extend((f, layer, e) for f, (layer, e) in zip(futs, keys, strict=True))
+            self.work.notify(len(keys))
+        return futs
 
     def promote(self, fut: Future) -> None:
         """A guess that is now needed: if it has not started, it is the next demand read."""
