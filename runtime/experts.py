@@ -15,13 +15,15 @@ Otherwise each layer costs one small transfer (its top-k) and this sequence:
    backend and stream, so a refill cannot race a reader, and MLX updates the pool in place (a pool with
    no other holder is donated to its own update).
 2. Hits are looked up, misses placed by the tier and read from disk into host staging (demand reads
-   go first: guesses not yet started are withdrawn).
+   go first: guesses not yet started are withdrawn). Until the kernels launch the device waits on this
+   thread, so this is plain Python over a few ints.
 3. Each record is written from staging toward its slot (`SlotPools.stage`): straight into the pool on
-   the CPU backend, else through an upload ring and one scatter per segment queued on the stream, so it
-   lands in device memory in stream order, before the layer's `gather_qmm` reads it.
+   the CPU backend (where the hits' kernels already run meanwhile), else through an upload ring and one
+   scatter per segment queued on the stream, so it lands in device memory in stream order, before the
+   layer's `gather_qmm` reads it.
 4. The next layer's experts are guessed from its router on this layer's input and read ahead into
    staging (never into a slot: a wrong guess costs a read, never a slot or a copy), at a lower priority
-   than demand reads: they take the disk while this layer lands and computes (`ExpertStore.guess`).
+   than demand reads: they take the disk while this layer lands and computes (`ExpertStore.guess_many`).
 
 Which slot an expert sits in never enters the math (the kernels read slot s as they would read expert
 e), so logits are bit-identical at every cap, tier policy and prefetch width.

@@ -40,6 +40,22 @@ def test_reads_land_the_file_bytes(tiny_conv):
         store.close()
 
 
+def test_reads_queued_together_land_each_its_own_record_in_order(tiny_conv):
+    store = open_store(tiny_conv, io_threads=3, ring=3)
+    try:
+        keys = [(1, 2), (0, 0), (1, 3)]
+        for queue in (store.read_many, store.guess_many):
+            futs = queue(keys)
+            assert len(futs) == len(keys)
+            for (layer, expert), f in zip(keys, futs, strict=True):
+                entry = f.result(timeout=10)
+                assert bytes(store.record(entry)[:store.lay.raw_size]) == store.read_bytes(layer, expert)
+                store.release(entry)
+        assert store.read_many([]) == [] and store.bytes_read == 6 * store.lay.stride
+    finally:
+        store.close()
+
+
 def test_a_guess_waits_while_a_demand_read_is_queued_or_running(tiny_conv):
     store = open_store(tiny_conv, io_threads=2, ring=2)
     try:
