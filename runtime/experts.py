@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 import mlx.core as mx
 import numpy as np
@@ -215,19 +215,15 @@ class StreamingExperts:
     def _land(self, slots: dict[Key, int], reads: dict[Key, Future]) -> float:
         """Read every key of `slots` not in `reads` yet, copy each record into its slot as it arrives;
         returns the seconds spent waiting for the disk. The staging ring bounds the bytes in flight."""
-        for key in slots:
-            if key not in reads:
-                reads[key] = self.store.read(*key)
-        pending = {f: key for key, f in reads.items()}
-        waited = 0.0
-        while pending:
-            t = time.perf_counter()
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+        missing = [key for key in slots if key not in reads]
+        reads.update(zip(missing, self.store.read_many(missing), strict=True))
+        key_of = {f: key for key, f in reads.items()}
+        waited, t = 0.0, time.perf_counter()
+        for f in as_completed(key_of):  # one waiter per read (a prefill layer waits for E of them)
             waited += time.perf_counter() - t
-            for f in done:
-                key = pending.pop(f)
-                entry = f.result()
-                self.pools.stage(slots[key], self.store.record(entry), lambda e=entry: self.store.release(e))
+            entry = f.result()
+            self.pools.stage(slots[key_of[f]], self.store.record(entry), lambda e=entry: self.store.release(e))
+            t = time.perf_counter()
         self.pools.flush()
         if VERIFY and slots:
             self._verify(slots)
