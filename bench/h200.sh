@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # streamoe on the H200 machine with MLX's CUDA backend (shared/device/README.md installs MLX into /root/site;
 # the project runs from the repository root: no install needed). Writes results under $OUT. From the repo root:
+#   bash bench/h200.sh stage1    # (carry .whl1, made here by bench/h200_wheels.sh) the first half of the wheels
+#   bash bench/h200.sh install   # (carry .whl2, the next call) the wheels joined and installed into /root/site
 #   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3) into /root/bench
 #   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
@@ -21,6 +23,16 @@ mkdir -p "$S" "$OUT"
 export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1
 cd "$REPO"
 case "$1" in
+  stage1)
+    mkdir -p /root/stage && cp .whl1/* /root/stage/
+    ;;
+  install)
+    cp .whl2/* /root/stage/ && cat /root/stage/mlxcuda.part.aa /root/stage/mlxcuda.part.ab \
+      > /root/stage/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+    sha256sum /root/stage/mlx_cuda_13-*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/stage/*.whl
+    python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mx.default_device())"
+    ;;
   setup)
     [ -f "$S/full-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/full-ckpt" --size full 2>/dev/null
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts q4,q3 2>/dev/null

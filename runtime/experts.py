@@ -11,16 +11,17 @@ kernels read a view of its own E slots: no host round trip at all, the same kern
 Otherwise each layer costs one small transfer (its top-k) and this sequence:
 
 1. The fence: `mx.eval` of this layer's picks and of the output of every kernel that read the pools
-   since the last fence. Each of those kernels has then completed and released its slots, on every
-   backend and stream, so a refill cannot race a reader, and MLX updates the pool in place (a pool with
-   no other holder is donated to its own update).
+   since the last fence. Each of those kernels has then completed, on every backend and stream, so a
+   refill cannot race a reader.
 2. Hits are looked up, misses placed by the tier and read from disk into host staging (demand reads
    go first: guesses not yet started are withdrawn). Until the kernels launch the device waits on this
    thread, so this is plain Python over a few ints.
-3. Each record is written from staging toward its slot (`SlotPools.stage`): straight into the pool on
-   the CPU backend (where the hits' kernels already run meanwhile), else through an upload ring and one
-   scatter per segment queued on the stream, so it lands in device memory in stream order, before the
-   layer's `gather_qmm` reads it.
+3. Each record is written from staging toward its slot (`SlotPools.stage`): straight into the pool where
+   the pools are host memory (the CPU backend, Metal's unified memory; the hits' kernels already run
+   meanwhile), else (CUDA) through an upload ring and one scatter per segment queued on the stream, so it
+   lands in device memory in stream order, before the layer's `gather_qmm` reads it. The scatter must
+   update the pool in place (a copy would be a whole pool's bytes outside the plan), so it is queued only
+   once MLX has let go of every earlier kernel's inputs (`release_pool_readers`).
 4. The next layer's experts are guessed from its router on this layer's input and read ahead into
    staging (never into a slot: a wrong guess costs a read, never a slot or a copy), at a lower priority
    than demand reads: they take the disk while this layer lands and computes (`ExpertStore.guess_many`).
@@ -42,7 +43,7 @@ import numpy as np
 from ..formats.quant import f32_high_halves
 from ..formats.record import ExpertWeights, RecordLayout
 from .managed import keep_on_host
-from .model import switch_glu
+from .model import STREAMS, switch_glu
 from .store import ExpertStore
 from .telemetry import LayerStats
 from .tier import HotTier
@@ -55,12 +56,36 @@ Key = tuple[int, int]  # (layer, expert)
 # under the budget), within PRECISION_RANGE: the budget goes to the most likely guesses.
 PRECISION_RANGE = (0.5, 0.95)
 VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
-DIRECT_ON_CPU = True  # on the CPU backend records are written straight into their slots (tests turn it off)
+DIRECT_WRITES = True  # where the pools are host memory, records are written straight into their slots (tests turn it off)
 HITS_FIRST = True  # with direct writes, a decode step's hits compute while its misses are read (StreamingExperts._streamed)
 
 
 # stored dtype -> compute dtype conversions numpy does exactly as MLX's astype does (widening), for direct writes
 _WIDEN = {(mx.bfloat16, mx.float32), (mx.float16, mx.float32)}
+
+
+def pools_in_host_memory() -> bool:
+    """The CPU backend's arrays are plain host memory, and so are Metal's (unified memory: MLX allocates shared
+    storage, which the host writes in place and the GPU reads coherently in any later command buffer). CUDA's
+    are device memory, reached only through MLX operations."""
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
+
+
+def release_pool_readers() -> None:
+    """Return once MLX holds no earlier kernel's inputs any more, so a pool has no holder but its own array and
+    MLX's scatter into it is done in place (donated), not as a copy of the whole pool.
+
+    A GPU backend keeps every kernel's inputs alive until its completion handler has run on a worker thread
+    (MLX: `CommandEncoder::add_temporary` on CUDA, `addCompletedHandler` on Metal), which can be after `mx.eval`
+    of the kernel's output has returned: the fence proves the readers are done, not that they let go. A scatter
+    encoded before then finds the pool still held and copies it (seen on the H200: a `--cap 4` run peaking at
+    4.3 GiB against a 4.0 GiB plan, two 0.5 GiB weight pools copied). `mx.synchronize` on CUDA queues a handler
+    behind every earlier one and waits for it to run (`CommandEncoder::synchronize`), the CPU backend runs a
+    stream's tasks in order, so after it nothing earlier holds a pool. Only the upload-ring path needs this:
+    direct writes change no MLX array."""
+    mx.synchronize()
+    for s in STREAMS:  # the CPU backend's extra streams (model.set_cpu_streams) may have read the pools too
+        mx.synchronize(s)
 
 
 def _segment_writer(host: np.ndarray, stored: mx.Dtype, dtype: mx.Dtype, direct: bool) -> tuple[np.ndarray, type]:
@@ -83,13 +108,14 @@ class SlotPools:
 
     A record lands in two ways. Every write happens after the layer's fence (no kernel reads a slot any
     more), and before the next evaluation (which queues the kernels that read it):
-    - On the CPU backend the pools are plain host memory: `stage` writes the record's segments straight
-      into the slot (`direct`), no MLX operation at all.
-    - Elsewhere, through an upload ring (the plan's "copies in flight"): one MLX array per segment,
+    - Where the pools are host memory (`pools_in_host_memory`: the CPU backend, Metal): `stage` writes the
+      record's segments straight into the slot (`direct`), no MLX operation at all.
+    - Elsewhere (CUDA), through an upload ring (the plan's "copies in flight"): one MLX array per segment,
       [uploads, segment bytes], allocated once. `stage` copies the segments into the next row; `flush`
       queues, per segment, one scatter of every row staged since the last flush into its slots, in stream
-      order, so a layer's misses land with nine MLX operations. Before the ring wraps, every queued scatter
-      is evaluated, so no row is rewritten while an update that reads it is pending."""
+      order, so a layer's misses land with nine MLX operations, each in place (`release_pool_readers`).
+      Before the ring wraps, every queued scatter is evaluated, so no row is rewritten while an update that
+      reads it is pending."""
 
     def __init__(self, n_slots: int, lay: RecordLayout, dtype: mx.Dtype, uploads: int, direct: bool | None = None):
         self.lay, self.n = lay, n_slots
@@ -97,7 +123,7 @@ class SlotPools:
         self.dtypes = [st if s.part == "weight" else dtype for s, st in zip(lay.segments, self.stored, strict=True)]
         self.arrays = [mx.zeros((n_slots, *s.shape), dtype=dt) for s, dt in zip(lay.segments, self.dtypes, strict=True)]
         if direct is None:
-            direct = DIRECT_ON_CPU and mx.default_device() == mx.cpu
+            direct = DIRECT_WRITES and pools_in_host_memory()
         self.direct = direct and all(st == dt or (st, dt) in _WIDEN for st, dt in zip(self.stored, self.dtypes, strict=True))
         self.uploads = 0 if self.direct else uploads
         self.rings = [mx.zeros((self.uploads, s.nbytes), dtype=mx.uint8) for s in lay.segments]
@@ -152,10 +178,24 @@ class SlotPools:
             return
         idx = mx.array(self.pending, dtype=mx.uint32)  # distinct: the tier gives each landing key its own slot
         m, a, b = len(self.pending), self.start, self.next
+        release_pool_readers()
         for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):
             self.arrays[j][idx] = self.rings[j][a:b].view(st).reshape(m, *s.shape).astype(self.dtypes[j])
+            if VERIFY:
+                self._check_in_place(j)
         self.pending.clear()
         self.start = self.next
+
+    def _check_in_place(self, j: int) -> None:
+        """Evaluate pool j's update and fail if MLX copied the pool (its peak grew by the pool's size) instead of
+        writing it in place: a copy is memory outside the plan."""
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(self.arrays[j])
+        grew = mx.get_peak_memory() - before
+        if grew >= self.arrays[j].nbytes:
+            raise AssertionError(f"pool {j} ({self.arrays[j].nbytes} bytes) was copied, not updated in place "
+                                 f"(peak +{grew} bytes)")
 
     def close(self) -> None:
         if self.copier is not None:
@@ -265,7 +305,7 @@ class StreamingExperts:
     def _streamed(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
         """Layer i's routed outputs [T, k, H]: picks looked up or placed, misses read and landed in their slots.
 
-        Where records are written straight into the pools (the CPU backend), a decode step's hits start
+        Where records are written straight into the pools (host memory), a decode step's hits start
         computing while the misses are read: the hits' kernels read only hit slots, no miss slot is written
         before the fence, and each (token, pick) row is the same kernel's output whichever call computes it,
         so the result is bit for bit the one call's."""

@@ -72,6 +72,30 @@ def test_gpu_hidden_states_match_mlx_lm(small_ckpt, small_conv):
     assert max(errs) < 1e-4, [f"step {j // n} layer {j % n}: {e:.2e}" for j, e in enumerate(errs) if e >= 1e-5]
 
 
+def test_gpu_capped_decode_never_copies_a_pool(small_conv, monkeypatch):
+    """A capped decode's memory stays what the plan counts: every pool update is in place, so the peak over
+    decode grows by less than the smallest weight pool (a copied pool would add at least that). Three runs: the
+    copy it guards against depended on the timing of MLX's completion handlers (runtime/experts.py,
+    release_pool_readers)."""
+    monkeypatch.setattr(experts_mod, "VERIFY", False)  # measure the run as users run it
+    o = dict(ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, dtype="bfloat16")
+    base = plan_for(small_conv, Options(cap_gib=64, **o))
+    for _ in range(3):
+        eng = Engine(small_conv, Options(cap_gib=(base.fixed + 24 * base.slot_bytes + 1) / 2**30, **o))
+        assert not eng.experts.resident and not eng.experts.pools.direct
+        tok = int(np.array(eng.prefill(eng.text.encode(PROMPT)).astype(mx.float32)).argmax())
+        start = mx.get_active_memory()
+        mx.reset_peak_memory()
+        for _ in range(24):
+            tok = int(np.array(eng.decode(tok).astype(mx.float32)).argmax())
+        grew = mx.get_peak_memory() - start
+        pools = eng.experts.pools
+        smallest = min(a.nbytes for a, sg in zip(pools.arrays, pools.lay.segments, strict=True) if sg.part == "weight")
+        misses = sum(ly.misses for s in eng.steps[-24:] for ly in s.layers)
+        eng.close()
+        assert misses > 0 and grew < smallest, (grew, smallest, misses)
+
+
 def tap(layers: list) -> list:
     """Record every layer's output (the residual stream) by wrapping the layers in place."""
     seen: list = []

@@ -158,7 +158,7 @@ def test_every_filled_slot_holds_the_file_bytes(tiny_conv, dtype, direct, monkey
     from streamoe.runtime import experts as experts_mod
 
     monkeypatch.setattr(experts_mod, "VERIFY", True)
-    monkeypatch.setattr(experts_mod, "DIRECT_ON_CPU", direct)
+    monkeypatch.setattr(experts_mod, "DIRECT_WRITES", direct)
     capped, eng = run_logits(tiny_conv, 4, steps=6, dtype=dtype)
     misses = sum(ly.misses for s in eng.steps for ly in s.layers)
     pools = eng.experts.pools
@@ -166,6 +166,33 @@ def test_every_filled_slot_holds_the_file_bytes(tiny_conv, dtype, direct, monkey
     assert direct or misses > 2 * pools.uploads  # the ring wrapped
     resident, _ = run_logits(tiny_conv, None, steps=6, dtype=dtype)
     assert capped == resident
+
+
+def test_ring_updates_are_in_place_and_a_copied_pool_is_caught(tiny_conv, monkeypatch):
+    """The upload ring's scatters update each pool in place (a copy would be a whole pool outside the plan); the
+    verification mode catches a copy: with another holder of a pool, MLX cannot donate it to its update."""
+    from streamoe.formats.manifest import load_manifest
+    from streamoe.runtime import experts as experts_mod
+    from streamoe.runtime.experts import SlotPools
+    from streamoe.runtime.store import ExpertStore
+
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    m = load_manifest(tiny_conv)
+    store = ExpertStore.open(tiny_conv, m, "q4", 2, ring=4)
+    pools = SlotPools(16, store.lay, mx.float32, 4, direct=False)
+    record = memoryview(bytearray(store.read_bytes(1, 3).ljust(store.lay.stride, b"\0")))
+    try:
+        pools.stage(5, record, lambda: None)
+        pools.flush()  # in place: no error
+        assert pools.bytes_at(5) == store.read_bytes(1, 3)
+        held = pools.arrays[0][:1]  # a reader not yet evaluated holds the first pool: its next update must copy it
+        pools.stage(6, record, lambda: None)
+        with pytest.raises(AssertionError, match="pool 0 .* was copied"):
+            pools.flush()
+        del held
+    finally:
+        pools.close()
+        store.close()
 
 
 def test_telemetry_adds_up_and_validates(small_conv, tmp_path):

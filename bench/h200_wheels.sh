@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Here (not on the H200): the wheels bench/h200.sh's `stage1` / `install` take to the GPU machine, in two ignored
+# folders (.whl1, .whl2), each small enough to travel beside the working tree (64 MiB a call): MLX's CUDA build
+# (89.8 MB) split in two, MLX, mlx-lm (the oracle) and the project's dependencies that machine lacks.
+#   bash bench/h200_wheels.sh     # then: device run (carry .whl1) `bash bench/h200.sh stage1`,
+#                                 #       device run (carry .whl2) `bash bench/h200.sh install && ...`
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dl=$(mktemp -d) && trap 'rm -rf "$dl"' EXIT
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dl" \
+  mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 zstandard jsonschema referencing jsonschema-specifications \
+  rpds-py attrs xxhash
+rm -rf .whl1 .whl2 && mkdir -p .whl1 .whl2
+cp "$dl"/mlx-0.32.4-*.whl .whl1/
+split -b 44M "$dl"/mlx_cuda_13-*.whl "$dl/mlxcuda.part."
+mv "$dl/mlxcuda.part.aa" .whl1/ && mv "$dl/mlxcuda.part.ab" .whl2/
+find "$dl" -name '*.whl' ! -name 'mlx-0.32*' ! -name 'mlx_cuda*' -exec cp {} .whl2/ \;
+du -sh .whl1 .whl2
