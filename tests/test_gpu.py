@@ -82,7 +82,7 @@ def test_gpu_capped_decode_never_copies_a_pool(small_conv, monkeypatch):
     base = plan_for(small_conv, Options(cap_gib=64, **o))
     for _ in range(3):
         eng = Engine(small_conv, Options(cap_gib=(base.fixed + 24 * base.slot_bytes + 1) / 2**30, **o))
-        assert not eng.experts.resident and not eng.experts.pools.direct
+        assert not eng.experts.resident  # CUDA: the ring's scatters; Metal: direct writes (no MLX update at all)
         tok = int(np.array(eng.prefill(eng.text.encode(PROMPT)).astype(mx.float32)).argmax())
         start = mx.get_active_memory()
         mx.reset_peak_memory()
