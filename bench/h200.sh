@@ -27,9 +27,8 @@ case "$1" in
     mkdir -p /root/stage && cp .whl1/* /root/stage/
     ;;
   install)
-    cp .whl2/* /root/stage/ && cat /root/stage/mlxcuda.part.aa /root/stage/mlxcuda.part.ab \
-      > /root/stage/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
-    sha256sum /root/stage/mlx_cuda_13-*.whl
+    cp .whl2/* /root/stage/
+    for part in /root/stage/*.whl.part.aa; do cat "${part%aa}"a? > "${part%.part.aa}" && rm "${part%aa}"a?; done
     python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/stage/*.whl
     python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mx.default_device())"
     ;;

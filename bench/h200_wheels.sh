@@ -13,7 +13,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   rpds-py attrs xxhash
 rm -rf .whl1 .whl2 && mkdir -p .whl1 .whl2
 cp "$dl"/mlx-0.32.4-*.whl .whl1/
-split -b 44M "$dl"/mlx_cuda_13-*.whl "$dl/mlxcuda.part."
-mv "$dl/mlxcuda.part.aa" .whl1/ && mv "$dl/mlxcuda.part.ab" .whl2/
+cuda=$(basename "$dl"/mlx_cuda_13-*.whl)  # split as NAME.part.aa/ab: `install` joins them back into NAME
+split -b 44M "$dl/$cuda" "$dl/$cuda.part."
+mv "$dl/$cuda.part.aa" .whl1/ && mv "$dl/$cuda.part.ab" .whl2/
 find "$dl" -name '*.whl' ! -name 'mlx-0.32*' ! -name 'mlx_cuda*' -exec cp {} .whl2/ \;
 du -sh .whl1 .whl2
