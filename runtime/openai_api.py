@@ -59,9 +59,7 @@ class GenRequest:
     return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids in the response
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    sampling: dict = field(default_factory=dict)  # the fields set, keyed as `Sampler` takes them
     seed: int | None = None
     # chat
     messages: list[dict] = field(default_factory=list)
@@ -95,6 +93,12 @@ def _flag(body: dict, key: str) -> bool:
     return v
 
 
+# (field, Sampler's name, range): OpenAI's fields and the ones vLLM and mlx-lm's server add
+SAMPLING_FIELDS = (("temperature", "temp", 0, 2), ("top_p", "top_p", 0, 1), ("min_p", "min_p", 0, 1),
+                   ("presence_penalty", "presence_penalty", -2, 2), ("frequency_penalty", "frequency_penalty", -2, 2),
+                   ("repetition_penalty", "repetition_penalty", 0, 10))
+
+
 def _common(body: dict, req: GenRequest) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -114,12 +118,16 @@ def _common(body: dict, req: GenRequest) -> None:
         v = _number(body, key, 1, 1 << 30, integer=True)
         if v is not None:
             req.max_tokens = v if req.max_tokens is None else min(req.max_tokens, v)
-    req.temperature = _number(body, "temperature", 0, 2)
-    req.top_p = _number(body, "top_p", 0, 1)
-    if req.top_p == 0:
-        raise bad("'top_p' must be greater than 0", "top_p")
+    for key, name, lo, hi in SAMPLING_FIELDS:
+        v = _number(body, key, lo, hi)
+        if v is not None:
+            req.sampling[name] = v
+    for key in ("top_p", "repetition_penalty"):
+        if body.get(key) == 0:
+            raise bad(f"'{key}' must be greater than 0", key)
     top_k = _number(body, "top_k", -1, 1 << 30, integer=True)
-    req.top_k = None if top_k is None else max(top_k, 0)  # -1 (vLLM's "off") is 0 here
+    if top_k is not None:
+        req.sampling["top_k"] = max(top_k, 0)  # -1 (vLLM's "off") is 0 here
     req.seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
     stop = body.get("stop")
     if isinstance(stop, str):

@@ -31,8 +31,9 @@ from .engine import Engine, Options, plan_for
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .plan import MiB, current_rss
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
+from .sampling import Sampler
 from .telemetry import summarize
-from .text import Detokenizer, Sampler, generation_defaults
+from .text import Detokenizer, generation_defaults
 
 
 @dataclass
@@ -42,7 +43,7 @@ class ServeOptions:
     max_queue: int = 8
     prompt_cache_bytes: int = 256 * MiB
     max_tokens: int | None = None  # when a request sets none; None = what the planned context holds
-    sampling: dict = field(default_factory=dict)  # temperature/top_p/top_k overriding generation_config.json
+    sampling: dict = field(default_factory=dict)  # Sampler arguments overriding generation_config.json
     think: bool = True  # enable_thinking when a request does not say
 
     @property
@@ -152,12 +153,8 @@ class EngineWorker:
                       "with one token to answer", "messages" if req.kind == "chat" else "prompt")
         room = ctx - len(ids)
         want = req.max_tokens or self.so.max_tokens or room
-        d = self.defaults
-        temp = d["temperature"] if req.temperature is None else req.temperature
-        top_p = d["top_p"] if req.top_p is None else req.top_p
-        top_k = d["top_k"] if req.top_k is None else req.top_k
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
-        return Job(req, ids, thinking, min(want, room), Sampler(temp=float(temp), top_p=float(top_p), top_k=int(top_k), seed=seed),
+        return Job(req, ids, thinking, min(want, room), Sampler(**{**self.defaults, **req.sampling}, seed=seed),
                    prefix=req.call_prefix or "")
 
     # ---- on the worker thread
@@ -221,7 +218,7 @@ class EngineWorker:
         detok = Detokenizer(eng.text)
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
         finish = None
-        gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None)
+        gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None, context=ids)
         for tok, lg in gen:
             if job.cancel.is_set():
                 print(f"streamoe: {job.id} cancelled after {n} tokens (the client went away)", file=sys.stderr, flush=True)
@@ -268,7 +265,7 @@ class _Running:
 
     def add(self, steps: list, seen: int) -> int:
         for st in steps[seen:]:
-            if st.phase != "decode":
+            if st.phase != "decode" or st.t_token is None:  # counted once its token has reached the client
                 continue
             self.tokens += 1
             self.ms += st.ms

@@ -19,7 +19,7 @@ from PIL import Image, ImageDraw
 
 from streamoe.runtime.engine import Engine, Options, plan_for
 from streamoe.runtime.plan import MiB
-from streamoe.runtime.text import Sampler
+from streamoe.runtime.sampling import Sampler
 
 from .conftest import REPO
 

@@ -17,8 +17,9 @@ from streamoe.formats.manifest import load_manifest
 from streamoe.formats.session import write_session
 from streamoe.runtime.cache import KVCache
 from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.sampling import Sampler
 from streamoe.runtime.session import load_session, save_session
-from streamoe.runtime.text import Sampler, TextIO
+from streamoe.runtime.text import TextIO
 
 from .conftest import RUNTIME, TINY_MODEL, cli, one_error_line
 
