@@ -204,6 +204,31 @@ def test_stop_strings_and_seeds(client, ref):
     assert a.choices[0].text == b.choices[0].text != c.choices[0].text
 
 
+def test_sampling_fields_are_honoured_exactly_as_streamoe_run_samples(client, ref):
+    """min_p, the three penalties and the seed reach the sampler: the server's tokens are the engine's for a
+    Sampler with the same settings (the checkpoint's top_k/top_p where the request sets none), and each field
+    changes the answer."""
+    from streamoe.runtime.sampling import Sampler
+
+    ids = ref.text.encode(CODE[0])
+    fields = dict(temperature=0.8, min_p=0.05, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.2)
+
+    def served(**kw):
+        r = client.completions.create(model="tiny", prompt=CODE[0], max_tokens=12, seed=3, extra_body={
+            k: v for k, v in kw.items() if k in ("min_p", "repetition_penalty")},
+            **{k: v for k, v in kw.items() if k not in ("min_p", "repetition_penalty")})
+        return r.choices[0].text
+
+    ref.reset()
+    s = Sampler(temp=0.8, top_p=0.95, top_k=20, min_p=0.05, presence_penalty=1.5, frequency_penalty=0.5,
+                repetition_penalty=1.2, seed=3)
+    want = ref.text.decode([t for t, _ in ref.generate(ids, 12, s)])
+    assert served(**fields) == want
+    plain = served(temperature=0.8, min_p=0.05)
+    for key, value in (("presence_penalty", -2.0), ("frequency_penalty", -2.0), ("repetition_penalty", 0.3)):
+        assert served(temperature=0.8, min_p=0.05, **{key: value}) != plain, key
+
+
 def test_eight_concurrent_clients_all_answered_right(client, ref, triangle):
     img = {"type": "image_url", "image_url": {"url": data_url(triangle)}}
     asks = [("chat", [{"role": "user", "content": [img, {"type": "text", "text": q}]}], q, True)
