@@ -121,7 +121,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--size", type=click.Choice(["tiny", "small", "full"]), default="tiny", show_default=True)
+@click.option("--size", type=click.Choice(["tiny", "small", "small-vocab", "full"]), default="tiny", show_default=True)
 @click.option("--variant", type=click.Choice(["qwen3.6", "qwen3.5"]), default="qwen3.6", show_default=True,
               help="qwen3.6: 8-bit routers, bf16 A_log; qwen3.5: 4-bit routers, f32 A_log.")
 @click.option("--text-only", is_flag=True, help="Write an mlx-lm style text-only export (no vision tower).")
