@@ -1,6 +1,8 @@
 """Sampled against greedy decode, by wall clock and as the summary line prints it.
 
-Greedy is the peer: both run in one process, interleaved round by round, on the same engine. Sampled uses
+Greedy is the peer: both run in one process, interleaved round by round, on the same engine. At a cap the
+tokens drawn route to other experts than greedy's, so hit rate and bytes read per token are reported beside
+the rates: resident runs show the sampler's own cost. Sampled uses
 the checkpoint's defaults (temperature 1.0, top-p 0.95, top-k 20), and a penalised variant adds Qwen's
 suggested presence penalty (1.5) and a repetition penalty. The vocabulary matters: choosing a token at the
 real model's 248,320 rows is what the `small-vocab` synthetic checkpoint (the small model's layers with that
@@ -41,7 +43,8 @@ def one_answer(eng, sampler, tokens: int) -> dict:
         got.append(time.perf_counter())
     s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
     wall = (len(got) - 1) / (got[-1] - got[0]) if len(got) > 1 else 0.0
-    return {"tokens": len(got), "wall_tok_s": wall, "summary_tok_s": s["tok_s"], "ttft_s": s["ttft_s"]}
+    return {"tokens": len(got), "wall_tok_s": wall, "summary_tok_s": s["tok_s"], "ttft_s": s["ttft_s"],
+            "hit_rate": s["hit_rate"], "mib_read_token": s["mib_read_token"]}
 
 
 def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
@@ -57,8 +60,8 @@ def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
         for r in range(rounds):
             for m, kw in MODES.items():
                 runs[m].append(one_answer(eng, Sampler(seed=r, **kw), tokens))
-        med = {m: {k: statistics.median(x[k] for x in v) for k in ("wall_tok_s", "summary_tok_s", "ttft_s")}
-               for m, v in runs.items()}
+        keys = ("wall_tok_s", "summary_tok_s", "ttft_s", "hit_rate", "mib_read_token")
+        med = {m: {k: statistics.median(x[k] for x in v) for k in keys} for m, v in runs.items()}
         return {"cap": cap, "cap_gib": round(cap_gib, 4), "resident": eng.experts.resident, "vocab": eng.args.vocab_size,
                 "tokens": tokens, "rounds": rounds, "median": med,
                 "sampled_vs_greedy_wall": round(med["sampled"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 3),

@@ -20,6 +20,7 @@ from ..formats.direct import RangeReader, file_checksum
 from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import load_manifest, safe_path
 from . import model as model_mod
+from .constrain import Constraint
 from .experts import StreamingExperts
 from .image import ImageConfig, check_preprocessor, load_image, preprocess
 from .model import Model
@@ -158,7 +159,7 @@ class Engine:
         return logits
 
     def generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, images: list | None = None,
-                 context: list[int] | None = None):
+                 context: list[int] | None = None, constraint: Constraint | None = None):
         """Yield generated token ids (stop token excluded) with their float32 logits (lazy mx arrays [V]).
 
         One loop for every sampler and cap. The token is chosen on the device (`runtime/sampling.py`), so
@@ -169,7 +170,9 @@ class Engine:
         stop token (or that the caller never takes) is taken back (KV offsets rewound, Gated DeltaNet states
         restored, the sampler's draws and penalties too), so the state after an answer, and the tokens drawn,
         are exactly those of a run at any other cap. `context` is the whole prompt the repetition penalty
-        counts (default `prompt`: a continued conversation passes what the cache holds too).
+        counts (default `prompt`: a continued conversation passes what the cache holds too). Under a
+        `constraint` the next token's mask needs this one, so a resident step is still queued ahead but its
+        token is drawn once this one is read and fed to the grammar (the device computes the step meanwhile).
 
         Timing (`StepStats.t_token`, `ms`): a step that gives a token is stamped when the token reaches the
         caller, and a decode step's `ms` is the interval since the previous token did, so the summary's
@@ -178,7 +181,11 @@ class Engine:
         logits = self.prefill_images(prompt, images) if images else self.prefill(prompt)
         pen = sampler.start(prompt if context is None else context, logits.shape[0])
         drawn = sampler.drawn
-        y, pen = sampler(logits, pen, drawn)
+
+        def draw(lg, pen, n):
+            return sampler(lg, pen, n, None if constraint is None else constraint.allowed())
+
+        y, pen = draw(logits, pen, drawn)
         mx.async_eval(y)
         made_by, last = self.steps[-1], t_start  # the step computing y; when the previous token was handed over
         ahead = None  # (snapshot, logits, token, penalties, step) queued before its token is known
@@ -187,8 +194,8 @@ class Engine:
                 if self.experts.resident and self.offset < self.opts.ctx:  # the loop feeds every token it yields
                     snap = self._snapshot()
                     nxt = self._step(self.model.embed(y.reshape(1, 1)), "decode")
-                    y_next, pen_next = sampler(nxt, pen, drawn + 1)
-                    mx.async_eval(y_next)
+                    y_next, pen_next = (None, None) if constraint else draw(nxt, pen, drawn + 1)
+                    mx.async_eval(nxt if y_next is None else y_next)
                     ahead = (snap, nxt, y_next, pen_next, self.steps[-1])
                 tw = time.perf_counter()
                 tok = int(y.item())  # waits for this token only; a resident run's next step is already queued
@@ -203,13 +210,20 @@ class Engine:
                 if tok in self.text.stop_ids:
                     return
                 made_by.t_token, last = now - t_start, now
+                if constraint is not None:
+                    constraint.advance(tok)
                 yield tok, logits.astype(mx.float32)
                 if ahead is not None:
-                    _, logits, y, pen, made_by = ahead
+                    _, logits, y, pen_ahead, made_by = ahead
                     ahead = None
+                    if y is None:
+                        y, pen = draw(logits, pen, drawn)
+                        mx.async_eval(y)
+                    else:
+                        pen = pen_ahead
                 elif self.offset < self.opts.ctx:
                     logits = self.decode(tok)
-                    y, pen = sampler(logits, pen, drawn)
+                    y, pen = draw(logits, pen, drawn)
                     made_by = self.steps[-1]
                 else:
                     return

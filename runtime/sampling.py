@@ -93,10 +93,14 @@ class Sampler:
             pen.seen = mx.array(sorted({t for t in context if 0 <= t < vocab}), mx.uint32)
         return pen
 
-    def __call__(self, logits: mx.array, pen: Penalties, drawn: int) -> tuple[mx.array, Penalties]:
-        """The next token (a lazy uint32 scalar) from logits [V], the `drawn`-th draw of this sampler, and the
-        penalties' state with it added. Nothing here waits for the device."""
+    def __call__(self, logits: mx.array, pen: Penalties, drawn: int,
+                 allowed: mx.array | None = None) -> tuple[mx.array, Penalties]:
+        """The next token (a lazy uint32 scalar) from logits [V], the `drawn`-th draw of this sampler, among the
+        `allowed` tokens ([V] bool, a grammar's; None: all), and the penalties' state with it added. Nothing
+        here waits for the device."""
         x = self._penalise(logits.astype(mx.float32), pen)
+        if allowed is not None:
+            x = mx.where(allowed, x, -math.inf)
         tok = (mx.argmax(x) if self.greedy else self._draw(x, drawn)).astype(mx.uint32)
         nxt = Penalties()
         if pen.counts is not None:
