@@ -61,8 +61,9 @@ def _name(text: str, start: int) -> tuple[str, int] | None:
     end = text.find(">", start)
     if end < 0:
         return None
-    name = text[start:end].strip()
-    if not name or any(c in name for c in "\n<"):
+    raw = text[start:end]
+    name = raw.strip()
+    if not name or "\n" in raw or "<" in raw:
         return None
     return name, end + 1
 

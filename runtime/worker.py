@@ -129,7 +129,7 @@ class EngineWorker:
                 raise bad("this server was started without images (streamoe serve --no-images)", "messages")
             prompt = self.render(req)
             head = self.eng.text.decode(self.header)
-            tail = prompt[prompt.rfind(head) + len(head):] if head and head in prompt else ""
+            tail = prompt[prompt.rfind(head):] if head and head in prompt else ""  # the header may open <think>
             thinking = "<think>" in tail and "</think>" not in tail
             if req.force_call is not None:
                 name = req.force_call or None
