@@ -137,8 +137,9 @@ class EngineWorker:
                 marked = call_prefix(self.tool_format, name and self.eng.text.template.mark_text(name))
                 prompt, thinking = prompt + ("</think>\n\n" if thinking else "") + marked, False  # a template that ignores the flag
             ids = self.eng.text.encode_chat(prompt)
-            if ids.count(self.pad) != len(req.images):
-                raise bad("the messages' text may not contain the image placeholder token", "messages")
+            if ids.count(self.pad) != len(req.images):  # message text never holds one (it is encoded as text)
+                raise bad(f"the chat template wrote {ids.count(self.pad)} image placeholders for {len(req.images)} "
+                          "images", "messages")
         elif isinstance(req.prompt, str):
             ids = self.eng.text.encode(req.prompt)
         else:
