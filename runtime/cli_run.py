@@ -86,7 +86,7 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
                 msg = {"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": user}]
                        if images else user}
                 text = eng.text.chat_prompt([msg] if fed else messages + [msg], think=think)
-                ids = eng.text.encode(eng.text.turn_close() + text if fed else text)
+                ids = eng.text.encode_chat(eng.text.turn_close() + text if fed else text)
                 messages.append(msg)
             n0 = len(eng.steps)
             turn_images, images = list(images), []
