@@ -65,6 +65,8 @@ class GenRequest:
     tools: list[dict] | None = None
     parse_tools: bool = False
     force_call: str | None = None  # tool_choice "required" ("") or a named tool: the answer starts a call
+    json_output: bool = False  # response_format json_object / json_schema: the answer is constrained to JSON
+    json_schema: dict | None = None  # ... valid against this schema (None: any JSON object)
     template_kwargs: dict = field(default_factory=dict)
     images: list[bytes] = field(default_factory=list)
     # completion
@@ -139,9 +141,26 @@ def _common(body: dict, req: GenRequest) -> None:
             raise bad(f"'{key}' is not supported by this server", key)
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' is not supported by this server", "best_of")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise bad("'response_format' other than text is not supported (no constrained decoding)", "response_format")
+    parse_response_format(body.get("response_format"), req)
+
+
+def parse_response_format(rf, req: GenRequest) -> None:
+    """OpenAI's `response_format`: text, json_object, or json_schema {name, schema, strict, description}."""
+    if rf is None:
+        return
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind not in ("text", "json_object", "json_schema") or set(rf) - {"type", "json_schema"}:
+        raise bad("'response_format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}", "response_format")
+    if kind == "text":
+        return
+    req.json_output = True
+    if kind == "json_object":
+        return
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema"), dict) or set(js) - {"name", "schema", "strict", "description"}:
+        raise bad("'response_format.json_schema' must be {'name', 'schema': {...}, 'strict', 'description'}",
+                  "response_format")
+    req.json_schema = js["schema"]
 
 
 def decode_image(url: str, limits: Limits, where: str) -> bytes:

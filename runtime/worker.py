@@ -26,6 +26,7 @@ from pathlib import Path
 from ..formats.errors import StreamoeError
 from .chat_output import ChatOutput
 from .chat_template import TemplateFailure
+from .constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
 from .engine import Engine, Options, plan_for
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .plan import MiB, current_rss
@@ -68,6 +69,7 @@ class Job:
     events: asyncio.Queue | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
+    constraint: Constraint | None = None  # the grammar the answer follows (structured output, forced call)
     logits: list | None = None  # kept when a test asks for them
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
 
@@ -107,6 +109,7 @@ class EngineWorker:
         self.tool_format = eng.text.template.tool_format if eng.text.template is not None else "json"
         self.pad = eng.manifest.config.get("image_token_id")
         self.vocab = eng.args.vocab_size
+        self.guide = None  # llguidance's tokenizer, made on the first constrained request
         self.live: dict = {"state": "idle"}
         self.served = 0
 
@@ -155,7 +158,27 @@ class EngineWorker:
         want = req.max_tokens or self.so.max_tokens or room
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
         return Job(req, ids, thinking, min(want, room), Sampler(**{**self.defaults, **req.sampling}, seed=seed),
-                   prefix=given)
+                   prefix=given, constraint=self.constraint(req, thinking))
+
+    def constraint(self, req: GenRequest, thinking: bool) -> Constraint | None:
+        """The grammar a request asks for: the JSON of `response_format` (after the reasoning closes, with
+        thinking on), or a forced call's arguments, valid against the tool's schema."""
+        if req.json_output and req.force_call is not None:
+            raise bad("'response_format' JSON and a forced tool call ('tool_choice') cannot both shape one answer",
+                      "response_format")
+        if not req.json_output and req.force_call is None:
+            return None
+        if self.guide is None:
+            self.guide = guide_tokenizer(self.eng.text.tokenizer, self.vocab, self.eng.text.stop_ids)
+        where = "response_format" if req.json_output else "tools"
+        try:
+            if req.json_output:
+                after = self.eng.text.tokenizer.token_to_id("</think>") if thinking else None
+                return Constraint(self.guide, json_grammar(req.json_schema), self.vocab, after=after)
+            grammar = tool_call_grammar(self.tool_format, req.tools, req.force_call or None, self.eng.text.tokenizer)
+            return Constraint(self.guide, grammar, self.vocab)
+        except StreamoeError as e:
+            raise bad(str(e), where) from None
 
     # ---- on the worker thread
     def run(self, job: Job) -> None:
@@ -218,7 +241,8 @@ class EngineWorker:
         detok = Detokenizer(eng.text)
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
         finish = None
-        gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None, context=ids)
+        gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None, context=ids,
+                           constraint=job.constraint)
         for tok, lg in gen:
             if job.cancel.is_set():
                 print(f"streamoe: {job.id} cancelled after {n} tokens (the client went away)", file=sys.stderr, flush=True)

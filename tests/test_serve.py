@@ -121,6 +121,51 @@ def test_greedy_chat_equals_streamoe_run_streamed_or_not(client, ref, conv, serv
     assert p.stdout == r.choices[0].message.content + "\n"
 
 
+PERSON = {"type": "object", "additionalProperties": False, "required": ["shape", "sides", "filled"],
+          "properties": {"shape": {"type": "string", "maxLength": 12}, "sides": {"type": "integer", "minimum": 0, "maximum": 9},
+                         "filled": {"type": "boolean"}}}
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_structured_outputs_are_schema_valid_json_in_the_content(client, ref, think):
+    """response_format json_schema (and json_object) through the official client, sampled: the content is JSON
+    valid against the schema; with thinking on the reasoning runs free and the JSON lands in the content."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "shape", "schema": PERSON, "strict": True}}
+    think_close = ref.text.tokenizer.token_to_id("</think>")
+    msgs = [{"role": "user", "content": "Describe the shape as JSON."}]
+    for seed in (1, 2):
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=160, seed=seed, response_format=fmt,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": think},
+                                                       "return_token_ids": True})
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+        assert (think_close in r.choices[0].model_extra["token_ids"]) == think  # the reasoning closed, then JSON
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    text = r.choices[0].message.content  # any object: its keys are unbounded, so this one may be cut short
+    assert text.startswith('{"') and (r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+    with pytest.raises(openai.BadRequestError, match="does not compile"):
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_have_arguments_valid_against_the_schema(client, choice):
+    import jsonschema
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "days"],
+        "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}]
+    for seed in (1, 2):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                           tools=tools, tool_choice=choice, max_tokens=80, seed=seed)
+        call = r.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+
+
 def test_raw_completions_equal_streamoe_run_and_stream_ends_in_done(client, ref, conv, server):
     want = greedy(ref, ref.text.encode(CODE[0]), 20)
     r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20)

@@ -179,7 +179,16 @@ def chat(**kw) -> dict:
     (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     (chat(seed="x"), "seed"),
     (chat(logprobs=True), "logprobs"),
-    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(response_format={"type": "xml"}), "response_format"),
+    (chat(response_format={"type": "json_schema"}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": []}}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}}),
+     "response_format"),
+    (chat(min_p=2), "min_p"),
+    (chat(presence_penalty=-3), "presence_penalty"),
+    (chat(frequency_penalty="lots"), "frequency_penalty"),
+    (chat(repetition_penalty=0), "repetition_penalty"),
+    (chat(temperature=float("nan")), "temperature"),
     (chat(tools=[{"type": "function"}]), "tools[0]"),
     (chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (chat(tools=TOOLS, tool_choice={"type": "function", "function": "get_weather"}), "tool_choice"),
@@ -234,7 +243,7 @@ def test_a_good_request_normalised():
     assert len(r.images) == 1 and r.images[0].startswith(b"\x89PNG")
     assert r.messages[2] == {"role": "assistant", "content": None, "tool_calls": [  # arguments decoded to an object
         {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
-    assert r.max_tokens == 20 and r.stop == ["\n"] and r.top_k == 0 and r.temperature is None
+    assert r.max_tokens == 20 and r.stop == ["\n"] and r.sampling == {"top_k": 0}  # -1 is off; nothing else set
     assert r.tools == TOOLS and r.parse_tools and r.template_kwargs == {"enable_thinking": False}
     assert r.stream and r.include_usage
     assert parse_chat(chat(tools=TOOLS, tool_choice="none"), Limits()).tools is None
