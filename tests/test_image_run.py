@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,30 @@ def test_chat_turns_and_cli_image(tiny_conv, picture):
                        input=f"/image {picture}\nWhat is it?\nAnd now?\n/quit\n", capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stderr.count("tok/s") == 2 and "attached" in p.stderr
+
+
+def test_chat_refuses_a_bad_image_in_one_line_and_goes_on(tiny_conv, picture, tmp_path):
+    """`/image` of a missing, unreadable or non-image file: one line on stderr naming it, nothing attached, and
+    the next turns (one with a good picture) are answered."""
+    text = tmp_path / "notes.png"
+    text.write_text("not a picture")
+    locked = tmp_path / "locked.png"
+    locked.write_bytes(picture.read_bytes())
+    locked.chmod(0)
+    bad = [(tmp_path / "missing.png", "no such file"), (text, "not an image"), (tmp_path, "not a regular file")]
+    if not os.access(locked, os.R_OK):  # root reads any file: there the mode cannot make it unreadable
+        bad.append((locked, "cannot read"))
+    lines = "".join(f"/image {p}\n" for p, _ in bad) + f"What is it?\n/image {picture}\nAnd this?\n/quit\n"
+    p = subprocess.run([sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--chat", "-n", "3"],
+                       input=lines, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("streamoe: error:")]
+    assert len(errors) == len(bad), p.stderr
+    for line, (path, needle) in zip(errors, bad, strict=True):
+        assert str(path) in line and needle in line and "the chat goes on" in line, line
+    assert p.stderr.count("(attached") == 1 and f"(attached {picture}" in p.stderr
+    assert p.stderr.count("tok/s") == 2  # both turns answered
 
 
 def test_image_run_inside_cgroup(small_conv, picture, tmp_path):
