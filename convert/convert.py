@@ -283,11 +283,8 @@ def is_conversion(d: Path) -> bool:
     return isinstance(doc, dict) and doc.get("format") == "streamoe"
 
 
-def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
-    """Whether OUT may be written, before any work: True when it holds a conversion `--force` will replace.
-
-    OUT may be missing or an empty directory; with `--force` it may hold a streamoe conversion. It is never
-    the source, a directory above the source, a file or a special file (those are the user's, not ours)."""
+def check_not_source(ckpt_path: Path, out: Path) -> None:
+    """OUT is never the source checkpoint or a directory above it."""
     src, dst = Path(os.path.abspath(ckpt_path)), Path(os.path.abspath(out))
     try:
         src, dst = src.resolve(), dst.resolve()
@@ -295,6 +292,14 @@ def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
         pass
     if src == dst or src.is_relative_to(dst):
         raise fail(out, f"is the source checkpoint {ckpt_path} or a directory above it; choose another OUT")
+
+
+def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
+    """Whether OUT may be written, before any work: True when it holds a conversion `--force` will replace.
+
+    OUT may be missing or an empty directory; with `--force` it may hold a streamoe conversion. It is never
+    the source, a directory above the source, a file or a special file (those are the user's, not ours)."""
+    check_not_source(ckpt_path, out)
     if not os.path.lexists(out):
         check_writable_dir(out.parent, out)
         return False
@@ -331,6 +336,7 @@ def convert(
     if bad or not formats:
         raise fail(out, f"unknown expert format(s) {bad}: choose from q4, q3")
     out = Path(out)
+    check_not_source(ckpt_path, out)
     unfinished = os.path.lexists(out / JOURNAL)  # a run killed after publishing: finished below, under the lock
     if not unfinished:
         check_out(ckpt_path, out, force)
@@ -341,12 +347,8 @@ def convert(
         raise os_fail(out.parent, e, "cannot create the output directory") from None
     with exclusive_lock(out.parent / f".{out.name}.lock", out, "this OUT"):
         try:
-            finished = unfinished and interrupted_publish(out, fingerprint(ckpt, formats))
-            if unfinished and is_conversion(out):  # complete; only the cleanup after its rename was left
-                remove_old(out)
-                if not finished:
-                    (out / JOURNAL).unlink(missing_ok=True)
-            replacing = False if finished else check_out(ckpt_path, out, force)  # again, now that OUT is ours
+            finished = unfinished and finish_interrupted(out, fingerprint(ckpt, formats))
+            replacing = not finished and check_out(ckpt_path, out, force)  # again, now that no one else can change OUT
             if not finished:
                 _convert_locked(ckpt, out, formats, progress)
         except OSError as e:
@@ -514,11 +516,17 @@ def remove_old(out: Path) -> None:
                 pass  # the new conversion is in place; a leftover we cannot remove is not its failure
 
 
-def interrupted_publish(out: Path, fp: str) -> bool:
-    """Whether OUT is this very conversion, published by a run killed before it removed its journal."""
+def finish_interrupted(out: Path, fp: str) -> bool:
+    """OUT holds a journal. When OUT is a complete conversion (a run killed after its rename), do what that run
+    left undone under the lock (remove the conversions it moved aside; the journal itself when it is another
+    source's, as OUT is then an ordinary conversion) and say whether OUT is this very conversion."""
     if not (out.is_dir() and is_conversion(out)):
         return False
     try:
-        return json.loads((out / JOURNAL).read_text()).get("fingerprint") == fp
+        same = json.loads((out / JOURNAL).read_text()).get("fingerprint") == fp
     except (OSError, ValueError, AttributeError, RecursionError):
-        return False
+        same = False
+    remove_old(out)
+    if not same:
+        (out / JOURNAL).unlink(missing_ok=True)
+    return same

@@ -199,6 +199,19 @@ def test_kill_9_at_each_publish_step_then_the_same_command_recovers(tiny_ckpt, t
         assert [x.name for x in out.parent.iterdir()] == ["out"], (n, sorted(x.name for x in out.parent.iterdir()))
 
 
+def test_killed_after_publishing_then_another_command_sees_an_ordinary_conversion(tiny_ckpt, tmp_path):
+    """Killed before the journal left OUT, then a different command (other formats): OUT is a finished
+    conversion of something else, refused without --force as any is, and replaced with it."""
+    out = tmp_path / "out"
+    total = int(convert_killed_at(0, tiny_ckpt, tmp_path / "probe").stderr.rsplit("steps=", 1)[1])
+    assert convert_killed_at(total, tiny_ckpt, out).returncode == -signal.SIGKILL  # at the journal's removal
+    assert (out / "journal.json").exists() and validate(out)["ok"]
+    one_error_line(cli("convert", tiny_ckpt, out, "--experts", "q4,q3"), str(out), "already exists", "--force")
+    assert not (out / "journal.json").exists()
+    cli("convert", tiny_ckpt, out, "--experts", "q4,q3", "--force", check=True)
+    assert set(load_manifest(out).expert_formats()) == {"q4", "q3"} and validate(out, source=tiny_ckpt)["ok"]
+
+
 def test_a_partial_dir_of_only_a_journal_temporary_is_ours(tiny_ckpt, tmp_path):
     """Killed inside the first journal write: the partial directory holds only `journal.json.tmp`."""
     (tmp_path / ".out.partial").mkdir()
