@@ -128,7 +128,8 @@ def cgroup_dir() -> tuple[str, Path] | None:
     """("v1" or "v2", this process's memory cgroup) where we may create capped children in it, else None.
 
     v1: /sys/fs/cgroup/memory/GROUP with memory.limit_in_bytes. v2 (the unified hierarchy: /sys/fs/cgroup/
-    cgroup.controllers exists): the group where `memory` is (or can be) enabled for children."""
+    cgroup.controllers exists): the group where `memory` is (or can be) enabled for children; as root, or as a
+    user inside a delegated scope (`systemd-run --user --scope -p Delegate=yes make test`)."""
     import os
 
     try:

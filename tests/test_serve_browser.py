@@ -1,6 +1,7 @@
 """The chat page in a real headless Chromium (the system package, driven by Selenium through the system
 chromedriver): a typed question gets the embedded model's streamed answer, the demo picture gets "triangle",
-and the plan and live telemetry are on the page. Set STREAMOE_SCREENSHOT=PATH to keep a screenshot."""
+the plan and live telemetry are on the page, Stop and New chat end the generation on the server, and the page
+works at 360 px. Set STREAMOE_SCREENSHOT=PATH to keep the desktop screenshot (docs/chat-page.png is one)."""
 
 from __future__ import annotations
 
