@@ -252,7 +252,7 @@ class World:
         p = self.scratch / "base.zst"
         meta = {"model": "m", "experts": "q4", "dtype": "F32", "kv": "float32", "tokens": 3, "rope_delta": 0,
                 "extra": {"raw": False, "messages": [{"role": "user", "content": "hi"}], "tokens": [1, 2, 3],
-                          "sampler": {"bit_generator": "PCG64"}}}
+                          "sampler": {"seed": 1, "drawn": 4}}}
         entries = [("layers.0.keys", "F32", (1, 2, 3, 4)), ("layers.1.state", "BF16", (2, 4))]
         write_session(p, meta, entries, [bytes(96), bytes(16)])
         return p.read_bytes()

@@ -11,10 +11,9 @@ import base64
 import binascii
 import hashlib
 import io
+import json
 import warnings
 from dataclasses import dataclass, field
-
-from .chat_output import call_prefix
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
@@ -59,15 +58,13 @@ class GenRequest:
     return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids in the response
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    sampling: dict = field(default_factory=dict)  # the fields set, keyed as `Sampler` takes them
     seed: int | None = None
     # chat
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None
     parse_tools: bool = False
-    call_prefix: str | None = None  # tool_choice "required" or a named tool: the answer's forced start
+    force_call: str | None = None  # tool_choice "required" ("") or a named tool: the answer starts a call
     template_kwargs: dict = field(default_factory=dict)
     images: list[bytes] = field(default_factory=list)
     # completion
@@ -95,6 +92,12 @@ def _flag(body: dict, key: str) -> bool:
     return v
 
 
+# (field, Sampler's name, range): OpenAI's fields and the ones vLLM and mlx-lm's server add
+SAMPLING_FIELDS = (("temperature", "temp", 0, 2), ("top_p", "top_p", 0, 1), ("min_p", "min_p", 0, 1),
+                   ("presence_penalty", "presence_penalty", -2, 2), ("frequency_penalty", "frequency_penalty", -2, 2),
+                   ("repetition_penalty", "repetition_penalty", 0, 10))
+
+
 def _common(body: dict, req: GenRequest) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -114,12 +117,16 @@ def _common(body: dict, req: GenRequest) -> None:
         v = _number(body, key, 1, 1 << 30, integer=True)
         if v is not None:
             req.max_tokens = v if req.max_tokens is None else min(req.max_tokens, v)
-    req.temperature = _number(body, "temperature", 0, 2)
-    req.top_p = _number(body, "top_p", 0, 1)
-    if req.top_p == 0:
-        raise bad("'top_p' must be greater than 0", "top_p")
+    for key, name, lo, hi in SAMPLING_FIELDS:
+        v = _number(body, key, lo, hi)
+        if v is not None:
+            req.sampling[name] = v
+    for key in ("top_p", "repetition_penalty"):
+        if body.get(key) == 0:
+            raise bad(f"'{key}' must be greater than 0", key)
     top_k = _number(body, "top_k", -1, 1 << 30, integer=True)
-    req.top_k = None if top_k is None else max(top_k, 0)  # -1 (vLLM's "off") is 0 here
+    if top_k is not None:
+        req.sampling["top_k"] = max(top_k, 0)  # -1 (vLLM's "off") is 0 here
     req.seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -211,16 +218,37 @@ def _content(content, role: str, where: str, limits: Limits, images: list[bytes]
     return parts
 
 
+def _arguments(args, where: str) -> dict:
+    """A call's arguments as the object templates iterate (`arguments|items`): OpenAI clients send them as a
+    JSON string, which is decoded here (an empty one is no arguments)."""
+    if isinstance(args, dict):
+        return args
+    if args is None or args == "":
+        return {}
+    if isinstance(args, str):
+        try:
+            obj = json.loads(args)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict):
+            return obj
+    raise bad(f"{where} must be a JSON object (or a string holding one)", where)
+
+
 def _tool_calls(calls, where: str) -> list[dict]:
     if not isinstance(calls, list):
-        raise bad(f"{where}.tool_calls must be a list", where)
+        raise bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
     out = []
     for j, c in enumerate(calls):
+        cw = f"{where}.tool_calls[{j}]"
         fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str | dict):
-            raise bad(f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
-        out.append({"id": c.get("id"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": fn.get("arguments") or "{}"}})
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"{cw} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", cw)
+        call = {"type": "function", "function": {"name": fn["name"],
+                                                 "arguments": _arguments(fn.get("arguments"), f"{cw}.function.arguments")}}
+        if isinstance(c.get("id"), str):
+            call = {"id": c["id"], **call}
+        out.append(call)
     return out
 
 
@@ -237,6 +265,11 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
         msg = {"role": "system" if role == "developer" else role,
                "content": _content(m.get("content"), role, where, limits, images)}
+        key = next((k for k in ("reasoning_content", "reasoning") if m.get(k) is not None), None)
+        if role == "assistant" and key:  # templates that keep a tool loop's thinking render it
+            if not isinstance(m[key], str):
+                raise bad(f"{where}.{key} must be a string", f"{where}.{key}")
+            msg["reasoning_content"] = m[key]
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         elif msg["content"] is None and role != "assistant":
@@ -248,8 +281,9 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
 
 
 def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
-    """(tools to render, whether to parse tool calls, the start of a forced call) from `tools` and
-    `tool_choice`: "required" opens a call block, a named tool also writes its name (`call_prefix`)."""
+    """(tools to render, whether to parse tool calls, the call to force) from `tools` and `tool_choice`:
+    "required" forces a call ("", any tool), a named tool forces that one (the worker writes the start of
+    the call, in the template's form, into the prompt)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
         if choice not in (None, "none", "auto"):
@@ -260,27 +294,28 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
     names = []
     for j, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", f"tools[{j}]")
         names.append(fn["name"])
     if choice is None or choice in ("auto", "required"):
-        return tools, True, call_prefix(None) if choice == "required" else None
+        return tools, True, "" if choice == "required" else None
     if choice == "none":  # the model is not told about the tools at all
         return None, False, None
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if name is None:
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
         raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}",
                   "tool_choice")
     if name not in names:
         raise bad(f"'tool_choice' names {name!r}, which is not among the tools", "tool_choice")
-    return [t for t in tools if t["function"]["name"] == name], True, call_prefix(name)
+    return [t for t in tools if t["function"]["name"] == name], True, name
 
 
 def parse_chat(body: dict, limits: Limits) -> GenRequest:
     req = GenRequest(kind="chat", model=None)
     _common(body, req)
     req.messages = parse_messages(body.get("messages"), limits, req.images)
-    req.tools, req.parse_tools, req.call_prefix = parse_tools(body)
+    req.tools, req.parse_tools, req.force_call = parse_tools(body)
     kw = body.get("chat_template_kwargs")
     if kw is not None:
         if not isinstance(kw, dict):

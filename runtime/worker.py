@@ -23,16 +23,17 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jinja2
-
 from ..formats.errors import StreamoeError
 from .chat_output import ChatOutput
+from .chat_template import TemplateFailure
 from .engine import Engine, Options, plan_for
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .plan import MiB, current_rss
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
+from .sampling import Sampler
 from .telemetry import summarize
-from .text import Detokenizer, Sampler, generation_defaults
+from .text import Detokenizer, generation_defaults
+from .tool_calls import call_prefix
 
 
 @dataclass
@@ -42,7 +43,7 @@ class ServeOptions:
     max_queue: int = 8
     prompt_cache_bytes: int = 256 * MiB
     max_tokens: int | None = None  # when a request sets none; None = what the planned context holds
-    sampling: dict = field(default_factory=dict)  # temperature/top_p/top_k overriding generation_config.json
+    sampling: dict = field(default_factory=dict)  # Sampler arguments overriding generation_config.json
     think: bool = True  # enable_thinking when a request does not say
 
     @property
@@ -86,12 +87,8 @@ def assistant_header(text) -> list[int]:
     if text.template is None:
         return []
     user = [{"role": "user", "content": "\u2063"}]
-
-    def render(msgs, gen):
-        return text.template.render(messages=msgs, add_generation_prompt=gen, bos_token="", eos_token="")
-
-    base, gen = render(user, False), render(user, True)
-    past = render(user + [{"role": "assistant", "content": "\u2064"}], False)
+    base, gen = text.chat_text(user, add_generation_prompt=False), text.chat_text(user)
+    past = text.chat_text(user + [{"role": "assistant", "content": "\u2064"}], add_generation_prompt=False)
     shared = os.path.commonprefix([gen, past])
     if not shared.startswith(base) or len(shared) == len(base):
         return []
@@ -107,6 +104,7 @@ class EngineWorker:
         self.cache = PromptCache(so.prompt_cache_bytes)
         self.defaults = {**generation_defaults(eng.root), **so.sampling}
         self.header = assistant_header(eng.text)
+        self.tool_format = eng.text.template.tool_format if eng.text.template is not None else "json"
         self.pad = eng.manifest.config.get("image_token_id")
         self.vocab = eng.args.vocab_size
         self.live: dict = {"state": "idle"}
@@ -114,32 +112,35 @@ class EngineWorker:
 
     # ---- on the event loop: turn a request into a job (or an APIError)
     def render(self, req: GenRequest) -> str:
+        """The prompt as the template renders it, the request's text marked as text (see `chat_template`)."""
         if self.eng.text.template is None:
             raise bad("the model has no chat template; use /v1/completions")
         kw = {"enable_thinking": self.so.think, **req.template_kwargs}
-        if req.call_prefix:  # a forced tool call is the whole answer: no thinking before it
+        if req.force_call is not None:  # a forced tool call is the whole answer: no thinking before it
             kw["enable_thinking"] = False
         try:
-            return self.eng.text.template.render(messages=req.messages, tools=req.tools, add_generation_prompt=True,
-                                                 bos_token="", eos_token="", **kw)
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
-            raise bad(f"the chat template refused the messages: {e}", "messages") from None
+            return self.eng.text.chat_text(req.messages, tools=req.tools, **kw)
+        except TemplateFailure as e:
+            raise bad(f"the chat template ({e.path.name}) refused the messages: {e.reason}", "messages") from None
 
     def prepare(self, req: GenRequest) -> Job:
-        thinking = False
+        thinking, given = False, ""
         if req.kind == "chat":
             if req.images and not self.eng.opts.images:
                 raise bad("this server was started without images (streamoe serve --no-images)", "messages")
             prompt = self.render(req)
             head = self.eng.text.decode(self.header)
-            tail = prompt[prompt.rfind(head) + len(head):] if head and head in prompt else ""
+            tail = prompt[prompt.rfind(head):] if head and head in prompt else ""  # the header may open <think>
             thinking = "<think>" in tail and "</think>" not in tail
-            if req.call_prefix:
-                prefix = ("</think>\n\n" if thinking else "") + req.call_prefix  # a template that ignores the flag
-                prompt, thinking = prompt + prefix, False
-            ids = self.eng.text.encode(prompt)
-            if ids.count(self.pad) != len(req.images):
-                raise bad("the messages' text may not contain the image placeholder token", "messages")
+            if req.force_call is not None:
+                name = req.force_call or None
+                given = call_prefix(self.tool_format, name)
+                marked = call_prefix(self.tool_format, name and self.eng.text.template.mark_text(name))
+                prompt, thinking = prompt + ("</think>\n\n" if thinking else "") + marked, False  # a template that ignores the flag
+            ids = self.eng.text.encode_chat(prompt)
+            if ids.count(self.pad) != len(req.images):  # message text never holds one (it is encoded as text)
+                raise bad(f"the chat template wrote {ids.count(self.pad)} image placeholders for {len(req.images)} "
+                          "images", "messages")
         elif isinstance(req.prompt, str):
             ids = self.eng.text.encode(req.prompt)
         else:
@@ -152,13 +153,9 @@ class EngineWorker:
                       "with one token to answer", "messages" if req.kind == "chat" else "prompt")
         room = ctx - len(ids)
         want = req.max_tokens or self.so.max_tokens or room
-        d = self.defaults
-        temp = d["temperature"] if req.temperature is None else req.temperature
-        top_p = d["top_p"] if req.top_p is None else req.top_p
-        top_k = d["top_k"] if req.top_k is None else req.top_k
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
-        return Job(req, ids, thinking, min(want, room), Sampler(temp=float(temp), top_p=float(top_p), top_k=int(top_k), seed=seed),
-                   prefix=req.call_prefix or "")
+        return Job(req, ids, thinking, min(want, room), Sampler(**{**self.defaults, **req.sampling}, seed=seed),
+                   prefix=given)
 
     # ---- on the worker thread
     def run(self, job: Job) -> None:
@@ -214,14 +211,14 @@ class EngineWorker:
         if cuts and self.cache.wants(need := snapshot_nbytes(eng)) and not self.cache.holds(key[:a]):
             self.cache.make_room(need)
             self.cache.add(capture(eng, key[:a]))
-        out = ChatOutput(job.thinking, req.parse_tools, req.stop)
+        out = ChatOutput(job.thinking, (req.tools or True) if req.parse_tools else None, req.stop, self.tool_format)
         evs = out.given(job.prefix)  # the forced start of a tool call is part of the answer the client gets
         if evs:
             job.emit(("delta", evs))
         detok = Detokenizer(eng.text)
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
         finish = None
-        gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None)
+        gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None, context=ids)
         for tok, lg in gen:
             if job.cancel.is_set():
                 print(f"streamoe: {job.id} cancelled after {n} tokens (the client went away)", file=sys.stderr, flush=True)
@@ -268,7 +265,7 @@ class _Running:
 
     def add(self, steps: list, seen: int) -> int:
         for st in steps[seen:]:
-            if st.phase != "decode":
+            if st.phase != "decode" or st.t_token is None:  # counted once its token has reached the client
                 continue
             self.tokens += 1
             self.ms += st.ms

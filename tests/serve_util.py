@@ -19,7 +19,7 @@ from PIL import Image, ImageDraw
 
 from streamoe.runtime.engine import Engine, Options, plan_for
 from streamoe.runtime.plan import MiB
-from streamoe.runtime.text import Sampler
+from streamoe.runtime.sampling import Sampler
 
 from .conftest import REPO
 
@@ -157,10 +157,7 @@ def greedy(eng: Engine, ids: list[int], n: int, images: list | None = None) -> l
 
 def chat_ids(eng: Engine, messages: list[dict], think: bool = True, tools: list | None = None) -> list[int]:
     """The prompt `streamoe run` renders for these messages (the template, with tools when given)."""
-    if tools is None:
-        return eng.text.encode(eng.text.chat_prompt(messages, think=think))
-    return eng.text.encode(eng.text.template.render(messages=messages, tools=tools, add_generation_prompt=True,
-                                                    enable_thinking=think, bos_token="", eos_token=""))
+    return eng.text.chat_ids(messages, tools=tools, enable_thinking=think)
 
 
 def raw_request(port: int, path: str, body: bytes) -> socket.socket:
