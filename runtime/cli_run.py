@@ -13,7 +13,7 @@ from ..formats.files import os_fail
 from ..formats.manifest import load_manifest
 from . import session
 from .engine import Engine, Options
-from .image import check_preprocessor
+from .image import check_preprocessor, load_image
 from .sampling import Sampler
 from .telemetry import summarize, summary_line
 from .text import Detokenizer
@@ -75,8 +75,16 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
                 if user.strip() in ("/quit", "/exit"):
                     break
                 if user.startswith("/image "):
-                    images.append(Path(user[7:].strip()))
-                    print(f"(attached {images[-1]} to the next turn)", file=sys.stderr)
+                    path = Path(user[7:].strip())
+                    try:  # a file that cannot be the image is said now, in one line, and the chat goes on
+                        if raw:
+                            raise StreamoeError(f"{path}: an image needs the chat template; run the chat without --raw")
+                        load_image(path, max_decode_pixels=eng.opts.max_decode_pixels)
+                    except StreamoeError as e:
+                        print(f"streamoe: error: {e} (not attached; the chat goes on)", file=sys.stderr, flush=True)
+                        continue
+                    images.append(path)
+                    print(f"(attached {path} to the next turn)", file=sys.stderr)
                     continue
             if raw:
                 ids = eng.text.encode(user)
