@@ -74,6 +74,8 @@ class GenRequest:
     images: list[bytes] = field(default_factory=list)
     # completion
     prompt: str | list[int] | None = None
+    # what another API's translation layer keeps for its answer (fields it echoes, tools' strictness)
+    api: dict = field(default_factory=dict)
 
 
 def _number(body: dict, key: str, lo: float, hi: float, integer: bool = False):

@@ -225,15 +225,17 @@ class OpenAIOutput:
         self.evs, self.lps, self.pending, self.n_calls, self.info = [], [], [], 0, {}
         self.offset = 0  # completions' text_offset of the next token
 
-    def _logprobs(self, entries: list[dict]) -> dict | None:
+    def _logprobs(self, entries: list[dict], whole: bool = False) -> dict | None:
         if not self.job.req.logprobs:
             return None
         if self.chat:
             return {"content": entries, "refusal": None}
-        offsets = []
+        offsets, at = [], 0 if whole else self.offset
         for e in entries:
-            offsets.append(self.offset)
-            self.offset += len(e["token"])
+            offsets.append(at)
+            at += len(e["token"])
+        if not whole:
+            self.offset = at
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
                 "text_offset": offsets}
@@ -276,7 +278,7 @@ class OpenAIOutput:
 
     def result(self) -> dict:
         job, info = self.job, self.info
-        lps = self._logprobs(self.lps)
+        lps = self._logprobs(self.lps, whole=True)
         if self.chat:
             msg = {"role": "assistant", **collect(self.evs)}
             if msg["tool_calls"]:
