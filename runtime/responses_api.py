@@ -125,6 +125,8 @@ def _user_content(content, where: str, so, images: list[bytes]):
             parts.append({"type": "image"})
         else:
             raise bad(f"{pw}: unsupported content part type {kind!r} (input_text and input_image are)", pw)
+    if all(p["type"] == "text" for p in parts):  # text only: one string, the form every template renders
+        return "".join(p["text"] for p in parts)
     return parts
 
 
@@ -440,7 +442,8 @@ class Output:
                           self._ev("response.failed", response=self.response())]
         u = v["usage"]
         self.usage = {"input_tokens": u["prompt_tokens"],
-                      "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                      "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                                               "cache_write_tokens": 0},
                       "output_tokens": u["completion_tokens"],
                       "output_tokens_details": {"reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]},
                       "total_tokens": u["total_tokens"]}
