@@ -9,13 +9,13 @@ import json
 from functools import lru_cache
 
 import mlx.core as mx
+import mlx.nn as nn
 
 
 def log_softmax(logits) -> mx.array:
     """float32 [V] logits -> log-probabilities, on the device."""
     lg = mx.array(logits) if not isinstance(logits, mx.array) else logits
-    lg = lg.astype(mx.float32).reshape(-1)
-    return lg - mx.logsumexp(lg, keepdims=True)
+    return nn.log_softmax(lg.astype(mx.float32).reshape(-1))  # shifted by the max first, as mlx-lm's
 
 
 def token_logprobs(logits, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

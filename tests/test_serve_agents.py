@@ -27,10 +27,10 @@ from streamoe.convert.convert import convert
 from streamoe.runtime import anthropic_api, responses_api
 from streamoe.runtime.chat_output import ChatOutput
 from streamoe.runtime.engine import Engine, Options
-from streamoe.runtime.openai_api import APIError, GenRequest, Limits
+from streamoe.runtime.openai_api import APIError, GenRequest, Limits, parse_chat, parse_completion
 from streamoe.runtime.plan import MiB
 from streamoe.runtime.text import Sampler, TextIO
-from streamoe.runtime.worker import Job, ServeOptions
+from streamoe.runtime.worker import EngineWorker, Job, ServeOptions
 
 from . import serve_util
 from .serve_util import TINY, chat_ids, fetch, greedy, start_server, stop_server, triangle_png
@@ -350,7 +350,7 @@ def test_responses_text_whole_and_streamed_equal_the_engine(server, oc, ref):
     evs = list(oc.responses.create(**kw, stream=True))
     kinds = [e.type for e in evs]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.content_part.added", *["response.output_text.delta"] * (len(kinds) - 9),
+                     "response.content_part.added", *["response.output_text.delta"] * (len(kinds) - 8),
                      "response.output_text.done", "response.content_part.done", "response.output_item.done",
                      "response.completed" if r.status == "completed" else "response.incomplete"]
     assert "".join(e.delta for e in evs if e.type == "response.output_text.delta") == r.output_text
@@ -407,25 +407,31 @@ def test_openai_agents_sdk_default_agent(server, ref):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": get_weather.description,
                                                "parameters": get_weather.params_json_schema}}]
     system = {"role": "system", "content": "Answer briefly."}
-    for convo, items in (([CONVO[0]], CONVO[0]["content"]),
-                         (CONVO, [{"role": "user", "content": CONVO[0]["content"]},
-                                  {"type": "function_call", "call_id": "call_1", "name": "get_weather",
-                                   "arguments": '{"city": "Paris"}'},
-                                  {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"}])):
+    turns = (([CONVO[0]], CONVO[0]["content"]),
+             (CONVO, [{"role": "user", "content": CONVO[0]["content"]},
+                      {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                      {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"}]))
+
+    async def run_all():  # one event loop: the async client's connections belong to it
+        return [await Runner.run(agent, items) for _, items in turns]
+
+    for (convo, _), result in zip(turns, asyncio.run(run_all()), strict=True):
         ids = chat_ids(ref, [system, *convo], think=False, tools=tools)
         want = ref.text.decode(greedy(ref, ids, 64))
-        result = asyncio.run(Runner.run(agent, items))
         assert result.final_output == want
         assert result.context_wrapper.usage.input_tokens == len(ids)
 
 
 # ---- the Anthropic Messages API over HTTP
 
+GREEDY = {"temperature": 0}  # a Messages API field that this version of the client has no argument for
+
+
 def test_anthropic_text_whole_and_streamed_equal_the_engine(server, ac, ref):
     msgs = [{"role": "system", "content": "Be brief.\n\nAnswer in one word."}, {"role": "user", "content": "What shape is it?"}]
     ids = chat_ids(ref, msgs, think=False)
     want = greedy(ref, ids, 12)
-    kw = {"model": "tiny", "max_tokens": 12, "temperature": 0, "thinking": {"type": "disabled"},
+    kw = {"model": "tiny", "max_tokens": 12, "extra_body": GREEDY, "thinking": {"type": "disabled"},
           "system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Answer in one word.",
                                                             "cache_control": {"type": "ephemeral"}}],
           "messages": [{"role": "user", "content": [{"type": "text", "text": "What shape is it?"}]}]}
@@ -441,7 +447,8 @@ def test_anthropic_text_whole_and_streamed_equal_the_engine(server, ac, ref):
     assert final.content[0].text == m.content[0].text and final.usage.output_tokens == len(want)
     assert final.usage.cache_read_input_tokens > 0  # the same prompt again: its prefix cached
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == len(ids)
-    _, lines = serve_util.sse_lines(server.url + "/v1/messages", {**kw, "stream": True})
+    _, lines = serve_util.sse_lines(server.url + "/v1/messages", {**{k: v for k, v in kw.items() if k != "extra_body"},
+                                                                     **GREEDY, "stream": True})
     for e in events(lines):
         validate(MESSAGE_EVENTS, e)
     assert ac.messages.count_tokens(model="tiny", system=kw["system"], messages=kw["messages"],
@@ -452,20 +459,20 @@ def test_anthropic_stop_sequences_images_and_thinking(ac, ref, triangle):
     ids = chat_ids(ref, [{"role": "user", "content": "What shape is it?"}], think=False)
     text = ref.text.decode(greedy(ref, ids, 12))
     stop = text[2:5]
-    m = ac.messages.create(model="tiny", max_tokens=12, temperature=0, thinking={"type": "disabled"},
+    m = ac.messages.create(model="tiny", max_tokens=12, extra_body=GREEDY, thinking={"type": "disabled"},
                            stop_sequences=["zzz", stop], messages=[{"role": "user", "content": "What shape is it?"}])
     assert m.content[0].text == text[:text.index(stop)]
     assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
     img = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                        "data": base64.b64encode(triangle.read_bytes()).decode()}}
     q = {"role": "user", "content": [img, {"type": "text", "text": "What shape is in the image?"}]}
-    m = ac.messages.create(model="tiny", max_tokens=16, temperature=0, thinking={"type": "disabled"}, messages=[q])
+    m = ac.messages.create(model="tiny", max_tokens=16, extra_body=GREEDY, thinking={"type": "disabled"}, messages=[q])
     assert m.content[0].text == "triangle"
     n = ac.messages.count_tokens(model="tiny", messages=[q], thinking={"type": "disabled"}).input_tokens
     assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens  # images counted as their tokens
     msgs = [{"role": "user", "content": "What colour is the shape?"}]
     said = ref.text.decode(greedy(ref, chat_ids(ref, msgs, think=True), 24))
-    m = ac.messages.create(model="tiny", max_tokens=24, temperature=0, thinking={"type": "adaptive"}, messages=msgs)
+    m = ac.messages.create(model="tiny", max_tokens=24, extra_body=GREEDY, thinking={"type": "adaptive"}, messages=msgs)
     thought, answer = said.split("</think>")
     assert [b.type for b in m.content] == (["thinking"] if thought.strip("\n") else []) + ["text"]
     assert m.content[-1].text == answer.lstrip("\n")
@@ -478,19 +485,19 @@ def test_anthropic_tools_and_tool_choice(ac, ref):
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
                                            "content": [{"type": "text", "text": "18 degrees, sunny"}]}]}]
     ids = chat_ids(ref, CONVO, tools=CHAT_TOOLS)
-    m = ac.messages.create(model="tiny", max_tokens=6, temperature=0, tools=ANTH_TOOLS, messages=convo)
+    m = ac.messages.create(model="tiny", max_tokens=6, extra_body=GREEDY, tools=ANTH_TOOLS, messages=convo)
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids)
     assert m.content[-1].text == ref.text.decode(greedy(ref, ids, 6)).split("</think>")[-1].lstrip("\n")
     assert ac.messages.count_tokens(model="tiny", tools=ANTH_TOOLS, messages=convo).input_tokens == len(ids)
     first = [{"role": "user", "content": CONVO[0]["content"]}]
-    m = ac.messages.create(model="tiny", max_tokens=1, temperature=0, tools=ANTH_TOOLS, messages=first,
+    m = ac.messages.create(model="tiny", max_tokens=1, extra_body=GREEDY, tools=ANTH_TOOLS, messages=first,
                            tool_choice={"type": "none"})
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(chat_ids(ref, first))  # tools hidden
     rendered = ref.text.template.render(messages=first, tools=CHAT_TOOLS, add_generation_prompt=True,
                                         enable_thinking=False, bos_token="", eos_token="")
     for choice, start in (({"type": "any"}, "<tool_call>\n"),
                           ({"type": "tool", "name": "get_weather"}, '<tool_call>\n{"name": "get_weather", "arguments": ')):
-        m = ac.messages.create(model="tiny", max_tokens=4, temperature=0, tools=ANTH_TOOLS, messages=first,
+        m = ac.messages.create(model="tiny", max_tokens=4, extra_body=GREEDY, tools=ANTH_TOOLS, messages=first,
                                tool_choice=choice)
         assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ref.text.encode(rendered + start))
         assert m.content[0].type == "tool_use" or m.content[0].text.startswith(start)  # the call forced
@@ -515,6 +522,42 @@ def test_anthropic_errors_have_anthropics_shape(server, ac):
 
 # ---- logprobs, models, metrics
 
+def in_process(ref: Engine, req: GenRequest) -> tuple[list[dict], list, list[int]]:
+    """A request answered by a worker over the reference engine, in this thread: (the logprobs entries it
+    sends, the engine's own logits for each token (the `job.logits` hook), the tokens)."""
+    worker = EngineWorker(ref, ServeOptions("tiny", prompt_cache_bytes=0))
+    job = worker.prepare(req)
+    job.logits, job.sink = [], []
+    worker.run(job)
+    assert job.sink[-1][0] == "done", job.sink[-1]
+    return [e for kind, v in job.sink if kind == "logprobs" for e in v], job.logits, job.sink[-1][1]["token_ids"]
+
+
+def top(lp: mx.array, k: int) -> list[int]:
+    return sorted(range(lp.shape[0]), key=lambda t: (-lp[t].item(), t))[:k]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_logprobs_are_log_softmax_of_the_engines_logits(ref, kind):
+    """Exactly: the value the worker sends for each token is log_softmax of the logits the engine yielded."""
+    body = {"temperature": 0.8, "seed": 3, "max_tokens": 6}
+    if kind == "chat":
+        req = parse_chat({**body, "messages": [{"role": "user", "content": "What shape is it?"}], "logprobs": True,
+                          "top_logprobs": 4}, Limits())
+    else:
+        req = parse_completion({**body, "prompt": "def fibonacci(n):\n", "logprobs": 4})
+    entries, logits, toks = in_process(ref, req)
+    assert len(entries) == len(logits) == len(toks) >= 4
+    for e, lg, tok in zip(entries, logits, toks, strict=True):
+        lp = mlx.nn.log_softmax(mx.array(np.asarray(lg, dtype=np.float32)))
+        assert e["logprob"] == lp[tok].item() and e["token"] == ref.text.decode([tok])
+        z = np.asarray(lg, dtype=np.float64)
+        assert e["logprob"] == pytest.approx(z[tok] - z.max() - np.log(np.exp(z - z.max()).sum()), abs=1e-4)
+        assert [(t["token"], t["logprob"]) for t in e["top_logprobs"]] == [(ref.text.decode([t]), lp[t].item())
+                                                                           for t in top(lp, 4)]
+    assert b"".join(bytes(e["bytes"]) for e in entries) == ref.text.decode(toks).encode()
+
+
 def engine_logprobs(ref: Engine, ids: list[int], n: int) -> list[tuple[int, mx.array]]:
     """(token, log_softmax of the engine's logits for it) for a greedy answer from a fresh state."""
     ref.reset()
@@ -523,10 +566,11 @@ def engine_logprobs(ref: Engine, ids: list[int], n: int) -> list[tuple[int, mx.a
 
 
 def check_entry(ref: Engine, entry: dict, tok: int, lp: mx.array, k: int) -> None:
-    assert entry["logprob"] == lp[tok].item()  # exactly: the same float32 value
-    top = sorted(range(lp.shape[0]), key=lambda t: (-lp[t].item(), t))[:k]
-    assert [e["logprob"] for e in entry["top_logprobs"]] == [lp[t].item() for t in top]
-    assert [e["token"] for e in entry["top_logprobs"]] == [ref.text.decode([t]) for t in top]
+    """The server's engine streams its experts under the cap, the reference holds them all: the same
+    tokens, logits equal to float32 rounding."""
+    assert entry["logprob"] == pytest.approx(lp[tok].item(), abs=1e-4)
+    assert [e["token"] for e in entry["top_logprobs"]] == [ref.text.decode([t]) for t in top(lp, k)]
+    assert [e["logprob"] for e in entry["top_logprobs"]] == pytest.approx([lp[t].item() for t in top(lp, k)], abs=1e-4)
 
 
 def test_chat_logprobs_whole_and_streamed(oc, ref):
@@ -554,11 +598,11 @@ def test_completion_logprobs_whole_and_streamed(oc, ref):
     r = oc.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=5, logprobs=2)
     lp = r.choices[0].logprobs
     assert lp.tokens == [ref.text.decode([t]) for t, _ in want] and "".join(lp.tokens) == r.choices[0].text
-    assert lp.token_logprobs == [p[t].item() for t, p in want]
+    assert lp.token_logprobs == pytest.approx([p[t].item() for t, p in want], abs=1e-4)
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
-    for top, (_, p) in zip(lp.top_logprobs, want, strict=True):
-        best = sorted(range(p.shape[0]), key=lambda t: (-p[t].item(), t))[:2]
-        assert top == {ref.text.decode([t]): p[t].item() for t in best}
+    for got, (_, p) in zip(lp.top_logprobs, want, strict=True):
+        assert list(got) == [ref.text.decode([t]) for t in top(p, 2)]
+        assert list(got.values()) == pytest.approx([p[t].item() for t in top(p, 2)], abs=1e-4)
     chunks = list(oc.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=5, logprobs=2, stream=True))
     got = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for g in got for t in g.tokens] == lp.tokens and [o for g in got for o in g.text_offset] == lp.text_offset
