@@ -27,6 +27,15 @@ HONOURED = {"background", "include", "input", "instructions", "max_output_tokens
             "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
             "top_logprobs", "top_p", "truncation", "user"}
 LOGPROBS = "message.output_text.logprobs"
+# the fields of each input item: (defined, honoured); `id` and `status` name an item a client got back
+ITEM_FIELDS = {
+    "message": ({"type", "role", "content", "id", "status", "phase"}, {"type", "role", "content", "id", "status"}),
+    "function_call": ({"type", "call_id", "name", "arguments", "id", "status", "namespace"},
+                      {"type", "call_id", "name", "arguments", "id", "status"}),
+    "function_call_output": ({"type", "call_id", "output", "id", "status"}, {"type", "call_id", "output", "id", "status"}),
+    "reasoning": ({"type", "id", "summary", "content", "encrypted_content", "status"},
+                  {"type", "id", "summary", "content", "status"}),
+}
 
 
 def check_fields(body: dict, fields: set[str], honoured: set[str], where: str = "", api: str = "this API") -> None:
@@ -153,6 +162,8 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
         if not isinstance(item, dict):
             raise bad(f"{where} must be an object", where)
         kind = item.get("type", "message" if "role" in item else None)
+        if kind in ITEM_FIELDS:
+            check_fields(item, *ITEM_FIELDS[kind], f"{where}.", "the Responses API")
         if kind == "message":
             role = item.get("role")
             if role in ("user", "system", "developer"):
@@ -181,11 +192,15 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
                 raise bad(f"{where}.call_id must be a string", f"{where}.call_id")
             out = _text_of(item.get("output"), f"{where}.output", ("input_text", "output_text"))
             msgs.append({"role": "tool", "tool_call_id": call_id, "content": out})
-        elif kind == "reasoning":
-            for j, part in enumerate(item.get("content") or []):
-                reasoning += _text_of([part], f"{where}.content[{j}]", ("reasoning_text",))
-            if item.get("encrypted_content") is not None:
-                raise bad(f"{where}.encrypted_content: this server encrypts no reasoning", f"{where}.encrypted_content")
+        elif kind == "reasoning":  # its text, else its summary's, joins the next assistant turn
+            for key, part_kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+                parts = item.get(key) or []
+                if not isinstance(parts, list):
+                    raise bad(f"{where}.{key} must be a list", f"{where}.{key}")
+                text = _text_of(parts, f"{where}.{key}", (part_kind,)) if parts else ""
+                if text:
+                    reasoning += text
+                    break
         elif kind == "item_reference":
             raise bad(f"{where}: item references need stored items; this server is stateless", where)
         else:

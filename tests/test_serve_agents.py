@@ -280,6 +280,9 @@ def rq(**kw) -> dict:
     (rq(tool_choice={"type": "allowed_tools", "tools": []}), "tool_choice"),
     (rq(input=[]), "input"),
     (rq(input=[{"type": "item_reference", "id": "x"}]), "input[0]"),
+    (rq(input=[{"role": "user", "content": "hi", "name": "bob"}]), "input[0].name"),
+    (rq(input=[{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "x"}, "hi"]),
+     "input[0].encrypted_content"),
     (rq(input=[{"type": "web_search_call", "id": "x"}]), "input[0].type"),
     (rq(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]), "input[0].content[0]"),
     (rq(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]), "input[0].content[0].file_id"),
@@ -385,6 +388,21 @@ def test_responses_image_and_tool_result_items_render_as_chat(oc, ref, triangle)
     assert r.usage.input_tokens == len(ids)
     said = ref.text.decode(greedy(ref, ids, 6))
     assert r.output_text == said.split("</think>")[-1].lstrip("\n")
+
+
+def test_responses_logprobs_are_the_chat_routes_logprobs(oc):
+    """`include: ["message.output_text.logprobs"]`: the same entries the chat route gives (checked against the
+    engine's logits below), on the output text, whole and streamed."""
+    chat = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What shape is it?"}],
+                                      temperature=0, max_tokens=6, logprobs=True, top_logprobs=2,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    want = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    kw = {"model": "tiny", "input": "What shape is it?", "temperature": 0, "max_output_tokens": 6,
+          "reasoning": {"effort": "none"}, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = oc.responses.create(**kw)
+    assert [e.model_dump() for e in r.output[0].content[0].logprobs] == want and len(want) == r.usage.output_tokens
+    evs = list(oc.responses.create(**kw, stream=True))
+    assert [e.model_dump() for ev in evs if ev.type == "response.output_text.delta" for e in ev.logprobs] == want
 
 
 def test_openai_agents_sdk_default_agent(server, ref):
