@@ -431,13 +431,18 @@ def test_openai_agents_sdk_default_agent(server, ref):
                       {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"}]))
 
     async def run_all():  # one event loop: the async client's connections belong to it
-        return [await Runner.run(agent, items) for _, items in turns]
+        done = [await Runner.run(agent, items) for _, items in turns]
+        streamed = Runner.run_streamed(agent, turns[1][1])  # the Responses event stream, read by the SDK
+        kinds = [ev.data.type async for ev in streamed.stream_events() if ev.type == "raw_response_event"]
+        return done, streamed.final_output, kinds
 
-    for (convo, _), result in zip(turns, asyncio.run(run_all()), strict=True):
+    done, streamed, kinds = asyncio.run(run_all())
+    for (convo, _), result in zip(turns, done, strict=True):
         ids = chat_ids(ref, [system, *convo], think=False, tools=tools)
         want = ref.text.decode(greedy(ref, ids, 64))
         assert result.final_output == want
         assert result.context_wrapper.usage.input_tokens == len(ids)
+    assert streamed == want and kinds[0] == "response.created" and kinds[-1] == "response.completed"
 
 
 # ---- the Anthropic Messages API over HTTP
