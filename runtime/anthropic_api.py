@@ -38,9 +38,9 @@ def error_body(err: APIError) -> dict:
 
 def _cache_control(block: dict, where: str) -> None:
     """`cache_control` is honoured by construction: every prompt's prefix is cached (see prompt_cache)."""
-    cc = block.get("cache_control")
+    cc, name = block.get("cache_control"), f"{where}.cache_control" if where else "cache_control"
     if cc is not None and (not isinstance(cc, dict) or cc.get("type") != "ephemeral"):
-        raise bad(f"{where}.cache_control must be {{'type': 'ephemeral'}}", f"{where}.cache_control")
+        raise bad(f"'{name}' must be {{'type': 'ephemeral'}}", name)
 
 
 def _text_block(block: dict, where: str) -> str:
@@ -275,7 +275,7 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
                 raise bad("'metadata.user_id' must be a string", "metadata.user_id")
         if body.get("service_tier") not in (None, "auto", "standard_only"):
             raise bad("'service_tier' must be 'auto' or 'standard_only'", "service_tier")
-    _cache_control(body, "request")
+    _cache_control(body, "")
     thinking = body.get("thinking")
     if thinking is not None:
         if not isinstance(thinking, dict):

@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
+from PIL import Image
 
 from ..formats.errors import StreamoeError
 from .chat_output import ChatOutput
 from .engine import Engine, Options, plan_for
+from .image import ImageConfig, num_image_tokens
 from .logprobs import TokenText
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .plan import MiB, current_rss
@@ -169,10 +171,6 @@ class EngineWorker:
         its image becomes (from the image's size alone, as the preprocessor resizes it)."""
         if not job.req.images:
             return len(job.ids)
-        from PIL import Image
-
-        from .image import ImageConfig, num_image_tokens
-
         eng = self.eng
         cfg = ImageConfig.from_config(eng.manifest.config, eng._preprocessor(), max_pixels=eng.opts.max_pixels)
         n = len(job.ids) - len(job.req.images)
@@ -255,7 +253,8 @@ class EngineWorker:
                 self.live["ttft_s"] = time.perf_counter() - t0
             if req.logprobs:
                 lps.append(self.token_text.entry(lg, tok, req.top_logprobs))
-            reasoning += out.phase == "reasoning"
+            if out.phase == "reasoning":  # the token is fed before it can close the thinking
+                reasoning += 1
             evs = out.feed(detok.add(tok))
             if evs:
                 if lps:  # a token's logprobs go out just before the first text it is part of

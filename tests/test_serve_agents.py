@@ -310,6 +310,7 @@ PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
     (am(container="c"), "container"),
     (am(mcp_servers=[{"type": "url"}]), "mcp_servers"),
     (am(inference_geo="us"), "inference_geo"),
+    (am(cache_control={"type": "persistent"}), "cache_control"),
     (am(speed="fast"), "speed"),
     (am(n=2), "n"),  # not the Messages API's field
     (am(temperature=1.5), "temperature"),
@@ -421,7 +422,7 @@ def test_openai_agents_sdk_default_agent(server, ref):
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     agent = Agent(name="weather", instructions="Answer briefly.", tools=[get_weather],
                   model=OpenAIResponsesModel(model="tiny", openai_client=client),
-                  model_settings=ModelSettings(temperature=0, max_tokens=64, reasoning=Reasoning(effort="none")))
+                  model_settings=ModelSettings(temperature=0, max_tokens=16, reasoning=Reasoning(effort="none")))
     tools = [{"type": "function", "function": {"name": "get_weather", "description": get_weather.description,
                                                "parameters": get_weather.params_json_schema}}]
     system = {"role": "system", "content": "Answer briefly."}
@@ -439,7 +440,7 @@ def test_openai_agents_sdk_default_agent(server, ref):
     done, streamed, kinds = asyncio.run(run_all())
     for (convo, _), result in zip(turns, done, strict=True):
         ids = chat_ids(ref, [system, *convo], think=False, tools=tools)
-        want = ref.text.decode(greedy(ref, ids, 64))
+        want = ref.text.decode(greedy(ref, ids, 16))
         assert result.final_output == want
         assert result.context_wrapper.usage.input_tokens == len(ids)
     assert streamed == want and kinds[0] == "response.created" and kinds[-1] == "response.completed"
