@@ -219,6 +219,23 @@ def test_anthropic_stream_blocks_thinking_text_and_tool_use(text):
     assert msg.usage.input_tokens == 20 and msg.usage.cache_read_input_tokens == 10 and msg.usage.output_tokens == 20
 
 
+def test_an_error_mid_answer_ends_each_stream_in_its_own_shape():
+    so, err = ServeOptions("m"), APIError(500, "internal error: RuntimeError")
+    out = responses_api.Output(job_for(responses_api.parse({"input": "?"}, so)), "m")
+    evs = [json.loads(t.split("data: ", 1)[1]) for t in out.start() + out.feed(("delta", [("content", "Hi")]))
+           + out.feed(("error", err))]
+    for e in evs:
+        validate(RESPONSE_EVENTS, e)
+    assert [e["type"] for e in evs[-5:]] == ["response.output_text.done", "response.content_part.done",
+                                             "response.output_item.done", "error", "response.failed"]
+    assert evs[-1]["response"]["status"] == "failed" and evs[-2]["message"] == err.message
+    out = anthropic_api.Output(job_for(anthropic_api.parse(am(), so)), "m")
+    texts = out.start() + out.feed(("delta", [("content", "Hi")])) + out.feed(("error", err))
+    assert texts[-2:] == ["event: content_block_stop\ndata: {\"type\": \"content_block_stop\", \"index\": 0}\n\n",
+                          'event: error\ndata: {"type": "error", "error": {"type": "api_error", '
+                          '"message": "internal error: RuntimeError"}}\n\n']
+
+
 def test_responses_input_items_become_the_chat_messages():
     so = ServeOptions("m")
     req = responses_api.parse({"instructions": "Be brief.", "input": [
