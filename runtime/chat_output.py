@@ -20,14 +20,16 @@ class StopMatcher:
 
     def __init__(self, stops: list[str]):
         self.stops, self.buf, self.stopped = [s for s in stops if s], "", False
+        self.matched: str | None = None  # the stop string that ended the answer
 
     def feed(self, text: str) -> str:
         if self.stopped:
             return ""
         self.buf += text
-        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.buf, self.stopped = self.buf[:min(hits)], "", True
+            at, self.matched = min(hits)
+            out, self.buf, self.stopped = self.buf[:at], "", True
             return out
         keep = partial_suffix(self.buf, self.stops)
         out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]

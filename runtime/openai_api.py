@@ -60,6 +60,8 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     sampling: dict = field(default_factory=dict)  # the fields set, keyed as `Sampler` takes them
     seed: int | None = None
+    logprobs: bool = False  # each generated token's log-probability, and its `top_logprobs` most likely ones
+    top_logprobs: int = 0
     # chat
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None
@@ -71,6 +73,8 @@ class GenRequest:
     images: list[bytes] = field(default_factory=list)
     # completion
     prompt: str | list[int] | None = None
+    # what another API's translation layer keeps for its answer (fields it echoes, tools' strictness)
+    api: dict = field(default_factory=dict)
 
 
 def _number(body: dict, key: str, lo: float, hi: float, integer: bool = False):
@@ -136,7 +140,7 @@ def _common(body: dict, req: GenRequest) -> None:
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4):
         raise bad("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
     req.stop = stop or []
-    for key in ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias"):
+    for key in ("echo", "suffix", "logit_bias"):
         if body.get(key):
             raise bad(f"'{key}' is not supported by this server", key)
     if body.get("best_of") not in (None, 1):
@@ -330,9 +334,22 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
     return [t for t in tools if t["function"]["name"] == name], True, name
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def _chat_logprobs(body: dict, req: GenRequest) -> None:
+    """Chat's `logprobs` (true/false) and `top_logprobs` (0-20, only with `logprobs`)."""
+    req.logprobs = _flag(body, "logprobs")
+    top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not req.logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    req.top_logprobs = top or 0
+
+
 def parse_chat(body: dict, limits: Limits) -> GenRequest:
     req = GenRequest(kind="chat", model=None)
     _common(body, req)
+    _chat_logprobs(body, req)
     req.messages = parse_messages(body.get("messages"), limits, req.images)
     req.tools, req.parse_tools, req.force_call = parse_tools(body)
     kw = body.get("chat_template_kwargs")
@@ -351,6 +368,8 @@ def parse_chat(body: dict, limits: Limits) -> GenRequest:
 def parse_completion(body: dict) -> GenRequest:
     req = GenRequest(kind="completion", model=None)
     _common(body, req)
+    top = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)  # completions: how many top ones
+    req.logprobs, req.top_logprobs = top is not None, top or 0
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]

@@ -15,8 +15,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,8 +28,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..formats.errors import StreamoeError
+from . import anthropic_api, responses_api
 from .chat_output import collect
-from .openai_api import APIError, Limits, bad, parse_chat, parse_completion
+from .metrics import exposition
+from .openai_api import APIError, GenRequest, Limits, bad, parse_chat, parse_completion
 from .plan import current_rss
 from .worker import Job, Server
 
@@ -86,6 +90,7 @@ class API:
     def __init__(self, server: Server):
         self.server, self.so = server, server.so
         self.worker = server.worker
+        self.requests: Counter = Counter()  # requests queued, by API
 
     # ---- small GET endpoints
     async def health(self, request: Request) -> Response:
@@ -111,13 +116,26 @@ class API:
     async def index(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html")
 
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.so.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.so.model_name!r}",
+                           "model", kind="invalid_request_error", code="model_not_found")
+        return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": "streamoe",
+                             "max_model_len": self.worker.eng.opts.ctx})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(exposition(self.worker, self.server.queue.qsize(), self.requests),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
     # ---- generation
-    async def submit(self, request: Request, kind: str) -> tuple[Job, tuple]:
+    async def submit(self, request: Request, api: str, parse: Callable[[dict], GenRequest]) -> tuple[Job, tuple]:
+        """Parse the body with `parse`, queue the job, and wait for its first event (after the prefill)."""
         body = await read_json(request, self.so.limits)
-        req = parse_chat(body, self.so.limits) if kind == "chat" else parse_completion(body)
-        job = self.worker.prepare(req)
+        job = self.worker.prepare(parse(body))
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self.server.submit(job)
+        self.requests[api] += 1
         ev = await next_event(job, request)
         if ev is None:
             return job, ("done", {"finish_reason": None, "cancelled": True})
@@ -135,85 +153,149 @@ class API:
                 return
             ev = await (next_event(job, request) if request is not None else job.events.get())
 
-    async def chat(self, request: Request) -> Response:
-        job, first = await self.submit(request, "chat")
+    async def answer(self, job: Job, first: tuple, request: Request, out: Output) -> Response:
+        """The job's events through one API's `out`: server-sent events when the request streams, else
+        the whole answer as one JSON object."""
         if job.req.stream:
-            return StreamingResponse(self._stream(job, first, "chat"), media_type="text/event-stream",
+            return StreamingResponse(self._stream(job, first, out), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        evs, info = [], {}
         async for ev in self.events(job, first, request):
-            if ev[0] == "delta":
-                evs += ev[1]
-            elif ev[0] == "error":
+            if ev[0] == "error":
                 raise ev[1]
-            else:
-                info = ev[1]
-        msg = {"role": "assistant", **collect(evs)}
-        if msg["tool_calls"]:
-            msg["tool_calls"] = [tool_call(c, i, job) for i, c in enumerate(msg["tool_calls"])]
-        else:
-            del msg["tool_calls"]
-        if msg["reasoning_content"] is None:
-            del msg["reasoning_content"]
-        finish = "tool_calls" if msg.get("tool_calls") else info.get("finish_reason")
-        choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
-        return JSONResponse({"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created,
-                             "model": self.so.model_name, **token_ids(job, info, choice),
-                             "choices": [choice], "usage": info.get("usage"), "streamoe": info.get("telemetry")})
+            if ev[0] == "done" and ev[1].get("cancelled"):
+                return Response(status_code=204)  # its client went away: nobody reads this
+            out.feed(ev)
+        return JSONResponse(out.result())
 
-    async def completions(self, request: Request) -> Response:
-        job, first = await self.submit(request, "completion")
-        if job.req.stream:
-            return StreamingResponse(self._stream(job, first, "completion"), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, info = "", {}
-        async for ev in self.events(job, first, request):
-            if ev[0] == "delta":
-                text += "".join(str(v) for _, v in ev[1])
-            elif ev[0] == "error":
-                raise ev[1]
-            else:
-                info = ev[1]
-        choice = {"index": 0, "text": text, "finish_reason": info.get("finish_reason"), "logprobs": None}
-        return JSONResponse({"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
-                             "model": self.so.model_name, **token_ids(job, info, choice),
-                             "choices": [choice], "usage": info.get("usage"), "streamoe": info.get("telemetry")})
-
-    async def _stream(self, job: Job, first: tuple, kind: str) -> AsyncIterator[str]:
-        base = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job.id}",
-                "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": job.created, "model": self.so.model_name}
-
-        def chunk(delta: dict | None = None, finish=None, text: str | None = None, **extra) -> str:
-            choice = {"index": 0, "delta": delta or {}} if kind == "chat" else {"index": 0, "text": text or ""}
-            return sse({**base, "choices": [{**choice, "finish_reason": finish, "logprobs": None}], **extra})
-
-        n_calls = 0
+    async def _stream(self, job: Job, first: tuple, out: Output) -> AsyncIterator[str]:
         try:
-            if kind == "chat":
-                yield chunk({"role": "assistant", "content": ""})
+            for text in out.start():
+                yield text
             async for ev in self.events(job, first):
-                if ev[0] == "delta":
-                    for what, v in ev[1]:
-                        if kind == "completion":
-                            yield chunk(text=str(v))
-                        elif what == "tool_call":
-                            yield chunk({"tool_calls": [tool_call(v, n_calls, job)]})
-                            n_calls += 1
-                        else:
-                            yield chunk({"reasoning_content" if what == "reasoning" else "content": v})
-                elif ev[0] == "error":
-                    yield sse(ev[1].body())
-                else:
-                    info = ev[1]
-                    if info.get("cancelled"):
-                        return
-                    yield chunk(finish="tool_calls" if n_calls else info["finish_reason"], streamoe=info.get("telemetry"))
-                    if job.req.include_usage:
-                        yield sse({**base, "choices": [], "usage": info["usage"]})
-            yield "data: [DONE]\n\n"
+                if ev[0] == "done" and ev[1].get("cancelled"):
+                    return
+                for text in out.feed(ev):
+                    yield text
         finally:
             job.cancel.set()  # a client that went away stops the generation at its next token
+
+    async def chat(self, request: Request) -> Response:
+        job, first = await self.submit(request, "chat", lambda body: parse_chat(body, self.so.limits))
+        return await self.answer(job, first, request, OpenAIOutput(job, self.so.model_name))
+
+    async def completions(self, request: Request) -> Response:
+        job, first = await self.submit(request, "completions", parse_completion)
+        return await self.answer(job, first, request, OpenAIOutput(job, self.so.model_name))
+
+    async def responses(self, request: Request) -> Response:
+        job, first = await self.submit(request, "responses", lambda body: responses_api.parse(body, self.so))
+        return await self.answer(job, first, request, responses_api.Output(job, self.so.model_name))
+
+    async def messages(self, request: Request) -> Response:
+        job, first = await self.submit(request, "messages", lambda body: anthropic_api.parse(body, self.so))
+        return await self.answer(job, first, request, anthropic_api.Output(job, self.so.model_name))
+
+    async def count_tokens(self, request: Request) -> Response:
+        req = anthropic_api.parse(await read_json(request, self.so.limits), self.so, counting=True)
+        return JSONResponse({"input_tokens": self.worker.prompt_tokens(self.worker.prepare(req))})
+
+
+class Output(Protocol):
+    """How one API turns a job's events into its answer: `start` and `feed` give the text of its event
+    stream (`feed` takes every event: "logprobs", "delta", then "done" or "error"), `result` the whole
+    answer once every event was fed."""
+
+    def start(self) -> list[str]: ...
+
+    def feed(self, ev: tuple) -> list[str]: ...
+
+    def result(self) -> dict: ...
+
+
+class OpenAIOutput:
+    """Chat and text completions: `chat.completion(.chunk)` / `text_completion` objects, with logprobs in
+    each API's own shape (chat: `content` entries; completions: parallel lists) on the chunk whose text
+    holds their tokens."""
+
+    def __init__(self, job: Job, model: str):
+        self.job, self.chat = job, job.req.kind == "chat"
+        self.base = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{job.id}",
+                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": job.created, "model": model}
+        self.evs, self.lps, self.pending, self.n_calls, self.info = [], [], [], 0, {}
+        self.offset = 0  # completions' text_offset of the next token
+
+    def _logprobs(self, entries: list[dict], whole: bool = False) -> dict | None:
+        if not self.job.req.logprobs:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        offsets, at = [], 0 if whole else self.offset
+        for e in entries:
+            offsets.append(at)
+            at += len(e["token"])
+        if not whole:
+            self.offset = at
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
+
+    def _chunk(self, delta: dict | None = None, finish=None, text: str | None = None, **extra) -> str:
+        choice = {"index": 0, "delta": delta or {}} if self.chat else {"index": 0, "text": text or ""}
+        lps, self.pending = self.pending, []
+        choice["logprobs"] = self._logprobs(lps) if lps else None
+        return sse({**self.base, "choices": [{**choice, "finish_reason": finish}], **extra})
+
+    def start(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})] if self.chat else []
+
+    def feed(self, ev: tuple) -> list[str]:
+        kind, v = ev
+        if kind == "logprobs":
+            self.pending += v
+            self.lps += v
+            return []
+        if kind == "delta":
+            self.evs += v
+            out = []
+            for what, x in v:
+                if not self.chat:
+                    out.append(self._chunk(text=str(x)))
+                elif what == "tool_call":
+                    out.append(self._chunk({"tool_calls": [tool_call(x, self.n_calls, self.job)]}))
+                    self.n_calls += 1
+                else:
+                    out.append(self._chunk({"reasoning_content" if what == "reasoning" else "content": x}))
+            return out
+        if kind == "error":
+            return [sse(v.body()), "data: [DONE]\n\n"]
+        self.info = v
+        finish = "tool_calls" if self.n_calls else v["finish_reason"]
+        out = [self._chunk(finish=finish, streamoe=v.get("telemetry"))]
+        if self.job.req.include_usage:
+            out.append(sse({**self.base, "choices": [], "usage": v["usage"]}))
+        return out + ["data: [DONE]\n\n"]
+
+    def result(self) -> dict:
+        job, info = self.job, self.info
+        lps = self._logprobs(self.lps, whole=True)
+        if self.chat:
+            msg = {"role": "assistant", **collect(self.evs)}
+            if msg["tool_calls"]:
+                msg["tool_calls"] = [tool_call(c, i, job) for i, c in enumerate(msg["tool_calls"])]
+            else:
+                del msg["tool_calls"]
+            if msg["reasoning_content"] is None:
+                del msg["reasoning_content"]
+            finish = "tool_calls" if msg.get("tool_calls") else info.get("finish_reason")
+            choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": lps}
+            kind = "chat.completion"
+        else:
+            text = "".join(str(v) for _, v in self.evs)
+            choice = {"index": 0, "text": text, "finish_reason": info.get("finish_reason"), "logprobs": lps}
+            kind = "text_completion"
+        return {**self.base, "object": kind, **token_ids(job, info, choice), "choices": [choice],
+                "usage": info.get("usage"), "streamoe": info.get("telemetry")}
 
 
 def token_ids(job: Job, info: dict, choice: dict) -> dict:
@@ -225,18 +307,21 @@ def token_ids(job: Job, info: dict, choice: dict) -> dict:
     return {"prompt_token_ids": job.ids}
 
 
-def error_response(err: APIError) -> Response:
+def error_response(err: APIError, request: Request | None = None) -> Response:
+    """The error in the shape of the API the request spoke: Anthropic's under /v1/messages, else OpenAI's."""
     headers = {"Retry-After": "1"} if err.status in (429, 503) else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    anthropic = request is not None and request.url.path.startswith("/v1/messages")
+    return JSONResponse(anthropic_api.error_body(err) if anthropic else err.body(), status_code=err.status,
+                        headers=headers)
 
 
 async def on_api_error(request: Request, exc: Exception) -> Response:
-    return error_response(exc)  # type: ignore[arg-type]
+    return error_response(exc, request)  # type: ignore[arg-type]
 
 
 async def on_http_error(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
-    return error_response(APIError(status, str(getattr(exc, "detail", "error")), kind="invalid_request_error"))
+    return error_response(APIError(status, str(getattr(exc, "detail", "error")), kind="invalid_request_error"), request)
 
 
 def create_app(server: Server) -> Starlette:
@@ -245,10 +330,15 @@ def create_app(server: Server) -> Starlette:
         Route("/", api.index),
         Route("/health", api.health),
         Route("/v1/models", api.models),
+        Route("/v1/models/{model:path}", api.model),
+        Route("/metrics", api.metrics),
         Route("/v1/plan", api.plan),
         Route("/v1/stats", api.stats),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
+        Route("/v1/messages", api.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error})

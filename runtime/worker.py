@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import io
 import os
 import queue
 import secrets
@@ -23,11 +24,15 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from PIL import Image
+
 from ..formats.errors import StreamoeError
 from .chat_output import ChatOutput
 from .chat_template import TemplateFailure
 from .constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
 from .engine import Engine, Options, plan_for
+from .image import ImageConfig, num_image_tokens
+from .logprobs import TokenText
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .plan import MiB, current_rss
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
@@ -112,6 +117,8 @@ class EngineWorker:
         self.guide = None  # llguidance's tokenizer, made on the first constrained request
         self.live: dict = {"state": "idle"}
         self.served = 0
+        self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "bytes_read": 0}  # over the server's lifetime
+        self.token_text = TokenText(eng.text)
 
     # ---- on the event loop: turn a request into a job (or an APIError)
     def render(self, req: GenRequest) -> str:
@@ -180,6 +187,19 @@ class EngineWorker:
         except StreamoeError as e:
             raise bad(str(e), where) from None
 
+    def prompt_tokens(self, job: Job) -> int:
+        """How many tokens the job's prompt prefills: its ids, each image placeholder counted as the tokens
+        its image becomes (from the image's size alone, as the preprocessor resizes it)."""
+        if not job.req.images:
+            return len(job.ids)
+        eng = self.eng
+        cfg = ImageConfig.from_config(eng.manifest.config, eng._preprocessor(), max_pixels=eng.opts.max_pixels)
+        n = len(job.ids) - len(job.req.images)
+        for raw in job.req.images:
+            with Image.open(io.BytesIO(raw)) as im:
+                n += num_image_tokens(im.height, im.width, cfg)
+        return n
+
     # ---- on the worker thread
     def run(self, job: Job) -> None:
         """Answer one job, sending ("delta", events), then ("done", info) or ("error", APIError)."""
@@ -240,7 +260,7 @@ class EngineWorker:
             job.emit(("delta", evs))
         detok = Detokenizer(eng.text)
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
-        finish = None
+        finish, reasoning, lps = None, 0, []  # lps: logprobs entries of tokens whose text is not sent yet
         gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None, context=ids,
                            constraint=job.constraint)
         for tok, lg in gen:
@@ -253,8 +273,15 @@ class EngineWorker:
                 job.logits.append(lg)
             if n == 1:
                 self.live["ttft_s"] = time.perf_counter() - t0
+            if req.logprobs:
+                lps.append(self.token_text.entry(lg, tok, req.top_logprobs))
+            if out.phase == "reasoning":  # the token is fed before it can close the thinking
+                reasoning += 1
             evs = out.feed(detok.add(tok))
             if evs:
+                if lps:  # a token's logprobs go out just before the first text it is part of
+                    job.emit(("logprobs", lps))
+                    lps = []
                 job.emit(("delta", evs))
             seen = dec.add(eng.steps, seen)
             self.live = {**self.live, "state": "decode", "tokens": n, **dec.stats(), "rss": eng.rss}
@@ -263,6 +290,8 @@ class EngineWorker:
                 break
         gen.close()
         evs = out.flush()
+        if lps:
+            job.emit(("logprobs", lps))
         if evs:
             job.emit(("delta", evs))
         if finish is None:
@@ -270,6 +299,9 @@ class EngineWorker:
         prompt_tokens = cached + sum(s.n_tokens for s in eng.steps if s.phase == "prefill")
         s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
         self.served += 1
+        self.totals["prompt_tokens"] += prompt_tokens
+        self.totals["generated_tokens"] += n
+        self.totals["bytes_read"] += sum(ly.bytes_read for st in eng.steps for ly in st.layers)
         tele = {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}
         tele.update(cached_tokens=cached, prefilled_tokens=prompt_tokens - cached, rss=current_rss(), cap=eng.plan.cap)
         self.live = {**self.live, "last": tele}
@@ -277,8 +309,9 @@ class EngineWorker:
               f"{s['tok_s']:.1f} tok/s, hit rate {100 * s['hit_rate']:.0f}%", file=sys.stderr, flush=True)
         return {"finish_reason": finish, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                                                    "total_tokens": prompt_tokens + n,
-                                                   "prompt_tokens_details": {"cached_tokens": cached}},
-                "telemetry": tele, "token_ids": toks}
+                                                   "prompt_tokens_details": {"cached_tokens": cached},
+                                                   "completion_tokens_details": {"reasoning_tokens": reasoning}},
+                "telemetry": tele, "token_ids": toks, "stop_sequence": out.stop.matched}
 
 
 class _Running:
