@@ -11,6 +11,8 @@ import base64
 import binascii
 import hashlib
 import io
+import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -46,6 +48,66 @@ class Limits:
     max_image_bytes: int = 3 << 20
     max_images: int = 4
     max_decode_pixels: int = 1 << 24
+    max_values: int = 1 << 16  # JSON values in one body (objects, arrays, strings, numbers...)
+    max_depth: int = 64  # JSON nesting
+
+    @property
+    def max_kept(self) -> int:
+        """Memory one admitted request may keep once parsed (its objects, their strings and its images):
+        a parsed body that would hold more is refused."""
+        return 2 * self.max_body
+
+    @property
+    def parse_peak(self) -> int:
+        """The transient memory of parsing one body at its limits: the decoded text (up to 4 bytes a character)
+        and the strings copied out of it, plus every value's object (measured at most ~82 bytes each: a
+        one-key object in an array; `PARSED_VALUE_BYTES` leaves room)."""
+        return 8 * self.max_body + PARSED_VALUE_BYTES * self.max_values
+
+
+PARSED_VALUE_BYTES = 128
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]++")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_shape(raw: bytes, limits: Limits) -> None:
+    """Refuse, from the raw bytes and before any object is made, a body that would parse into more values or
+    deeper nesting than the limits: 4 MiB of `[{},{},...]` is 1.4 M dicts, ~100 MiB of Python objects."""
+    import numpy as np
+
+    bare = _STRING.sub(b'""', raw)  # strings' contents hold no structure
+    values = 1 + sum(bare.count(c) for c in (b",", b":", b"[", b"{"))
+    if values > limits.max_values:
+        raise APIError(413, f"the body holds about {values:,} JSON values; at most {limits.max_values:,} are accepted")
+    brackets = _NOT_BRACKET.sub(b"", bare)
+    del bare
+    if len(brackets) > limits.max_depth:
+        step = np.frombuffer(brackets, np.uint8)
+        depth = int(np.cumsum(np.where((step == 0x5B) | (step == 0x7B), 1, -1).astype(np.int32)).max())
+        if depth > limits.max_depth:
+            raise bad(f"the body nests {depth} levels deep; at most {limits.max_depth} are accepted")
+
+
+def kept_bytes(body) -> int:
+    """What a parsed body's objects hold (each container, string and number counted once, with a quarter more
+    for the allocator's rounding); a string holding a lone surrogate (`\\ud800`, which no UTF-8 text can carry)
+    is refused here, naming its place in the body."""
+    total, stack = 0, [(body, "")]
+    while stack:
+        v, where = stack.pop()
+        total += sys.getsizeof(v)
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                raise bad(f"{where or 'the body'}: the text holds a lone UTF-16 surrogate (not a character)",
+                          where.lstrip(".") or None)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, where))
+                stack.append((x, f"{where}.{k}" if isinstance(k, str) and k.isascii() else where))
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+    return total * 5 // 4
 
 
 @dataclass
@@ -166,6 +228,9 @@ def check_image(raw: bytes, limits: Limits, where: str) -> None:
             warnings.simplefilter("ignore")
             img = Image.open(io.BytesIO(raw))
             fmt, (w, h) = img.format, img.size
+    except Image.DecompressionBombError:  # a header claiming more pixels than Pillow's own limit
+        raise bad(f"{where}: the image's header claims more pixels than Pillow decodes; at most "
+                  f"{limits.max_decode_pixels:,} pixels are decoded", where) from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise bad(f"{where}: not an image (no PNG, JPEG or WebP header)", where) from None
     if fmt not in IMAGE_FORMATS:
@@ -280,6 +345,9 @@ def parse_chat(body: dict, limits: Limits) -> GenRequest:
     req = GenRequest(kind="chat", model=None)
     _common(body, req)
     req.messages = parse_messages(body.get("messages"), limits, req.images)
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and not isinstance(choice.get("function"), dict):
+        raise bad("'tool_choice.function' must be an object naming the tool ({'name': ...})", "tool_choice")
     req.tools, req.parse_tools, req.call_prefix = parse_tools(body)
     kw = body.get("chat_template_kwargs")
     if kw is not None:
