@@ -9,17 +9,22 @@ error object with its status; nothing a request sends is ever a path or a URL th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -27,7 +32,8 @@ from starlette.staticfiles import StaticFiles
 
 from ..formats.errors import StreamoeError
 from .chat_output import collect
-from .openai_api import APIError, Limits, bad, parse_chat, parse_completion
+from .door import Admission, Door, RateLimitedLoopErrors, connection_limit, guarded_protocol
+from .openai_api import APIError, Limits, bad, check_shape, kept_bytes, parse_chat, parse_completion
 from .plan import current_rss
 from .worker import Job, Server
 
@@ -35,33 +41,52 @@ STATIC = Path(__file__).resolve().parent / "static"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-async def read_json(request: Request, limits: Limits) -> dict:
-    """The body as a JSON object, read no further than the size limit."""
+async def read_body(request: Request, limits: Limits, timeout_s: float) -> bytearray:
+    """The raw body, read no further than the size limit and no longer than `timeout_s` (a stalled body
+    would hold its admission)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limits.max_body:
         raise APIError(413, f"request body of {int(declared):,} bytes; at most {limits.max_body:,} are accepted")
-    chunks, size = [], 0
+    raw = bytearray()
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body:
-                raise APIError(413, f"request body over {limits.max_body:,} bytes")
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                if len(raw) + len(chunk) > limits.max_body:
+                    raise APIError(413, f"request body over {limits.max_body:,} bytes")
+                raw += chunk
     except ClientDisconnect:
         raise APIError(400, "the client went away while sending the request") from None
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="body_timeout") from None
+    return raw
+
+
+async def read_json(request: Request, limits: Limits, timeout_s: float = 30.0) -> dict:
+    """The body as a JSON object: read within the size limit and the deadline, its shape checked before it is
+    parsed (values, depth), and what it keeps once parsed within `Limits.max_kept`; the raw bytes are
+    dropped as soon as it is parsed."""
+    raw = await read_body(request, limits, timeout_s)
+    check_shape(raw, limits)
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the body is not valid JSON ({e})") from None
     except RecursionError:
         raise bad("the body is not valid JSON (nested too deeply)") from None
+    finally:
+        del raw
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
+    if (kept := kept_bytes(body)) > limits.max_kept:
+        raise APIError(413, f"the body parses into {kept / 2**20:.1f} MiB of objects; at most "
+                            f"{limits.max_kept / 2**20:.1f} MiB are kept per request")
     return body
 
 
-async def next_event(job: Job, request: Request) -> tuple | None:
-    """Wait for the worker's next event, giving up (and cancelling the job) if the client disconnects."""
+async def next_event(job: Job, request: Request, timeout_s: float | None = None) -> tuple | None:
+    """Wait for the worker's next event, giving up (and cancelling the job) if the client disconnects;
+    after `timeout_s` without one, ("keepalive", None)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         try:
             return await asyncio.wait_for(job.events.get(), timeout=0.25)
@@ -69,6 +94,8 @@ async def next_event(job: Job, request: Request) -> tuple | None:
             if await request.is_disconnected():
                 job.cancel.set()
                 return None
+            if deadline is not None and time.monotonic() >= deadline:
+                return ("keepalive", None)
 
 
 def sse(obj) -> str:
@@ -86,6 +113,11 @@ class API:
     def __init__(self, server: Server):
         self.server, self.so = server, server.so
         self.worker = server.worker
+        # prompts are rendered and tokenized here, one at a time, off the event loop
+        self.prep = ThreadPoolExecutor(1, thread_name_prefix="streamoe-prepare")
+
+    async def prepare(self, req) -> Job:
+        return await asyncio.get_running_loop().run_in_executor(self.prep, self.worker.prepare, req)
 
     # ---- small GET endpoints
     async def health(self, request: Request) -> Response:
@@ -112,28 +144,46 @@ class API:
         return FileResponse(STATIC / "index.html")
 
     # ---- generation
-    async def submit(self, request: Request, kind: str) -> tuple[Job, tuple]:
-        body = await read_json(request, self.so.limits)
+    async def submit(self, request: Request, kind: str) -> tuple[Job, tuple | None]:
+        """Read, check, prepare and queue a request; returns its job and first event (None for a stream whose
+        first event is not there within the keep-alive interval: the response then starts without it)."""
+        body = await read_json(request, self.so.limits, self.so.body_timeout_s)
         req = parse_chat(body, self.so.limits) if kind == "chat" else parse_completion(body)
-        job = self.worker.prepare(req)
+        del body  # what the request keeps is in `req`; the rest of the body goes now
+        job = await self.prepare(req)
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self.server.submit(job)
-        ev = await next_event(job, request)
+        ev = await next_event(job, request, self.so.keepalive_s if req.stream else None)
         if ev is None:
+            self.server.withdraw(job)
             return job, ("done", {"finish_reason": None, "cancelled": True})
+        if ev[0] == "keepalive":
+            return job, None
         if ev[0] == "error":
             raise ev[1]
         return job, ev
 
-    async def events(self, job: Job, first: tuple, request: Request | None = None) -> AsyncIterator[tuple]:
+    async def events(self, job: Job, first: tuple | None, request: Request | None = None,
+                     keepalive_s: float | None = None) -> AsyncIterator[tuple]:
         """The job's events from `first` to its end; with `request`, ends early if that client disconnects
-        (a streamed response learns it from the server instead)."""
+        (a streamed response learns it from the server instead); with `keepalive_s`, ("keepalive", None)
+        after each such interval without an event."""
         ev = first
-        while ev is not None:
-            yield ev
-            if ev[0] in ("done", "error"):
-                return
-            ev = await (next_event(job, request) if request is not None else job.events.get())
+        while True:
+            if ev is not None:
+                yield ev
+                if ev[0] in ("done", "error"):
+                    return
+            if request is not None:
+                ev = await next_event(job, request)
+                if ev is None:
+                    self.server.withdraw(job)
+                    return
+            else:
+                try:
+                    ev = await asyncio.wait_for(job.events.get(), keepalive_s)
+                except asyncio.TimeoutError:
+                    ev = ("keepalive", None)
 
     async def chat(self, request: Request) -> Response:
         job, first = await self.submit(request, "chat")
@@ -192,8 +242,10 @@ class API:
         try:
             if kind == "chat":
                 yield chunk({"role": "assistant", "content": ""})
-            async for ev in self.events(job, first):
-                if ev[0] == "delta":
+            async for ev in self.events(job, first, keepalive_s=self.so.keepalive_s):
+                if ev[0] == "keepalive":
+                    yield ": keep-alive\n\n"
+                elif ev[0] == "delta":
                     for what, v in ev[1]:
                         if kind == "completion":
                             yield chunk(text=str(v))
@@ -213,7 +265,7 @@ class API:
                         yield sse({**base, "choices": [], "usage": info["usage"]})
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel.set()  # a client that went away stops the generation at its next token
+            self.server.withdraw(job)  # a client that went away: out of the queue, or stopped at its next token
 
 
 def token_ids(job: Job, info: dict, choice: dict) -> dict:
@@ -239,8 +291,11 @@ async def on_http_error(request: Request, exc: Exception) -> Response:
     return error_response(APIError(status, str(getattr(exc, "detail", "error")), kind="invalid_request_error"))
 
 
-def create_app(server: Server) -> Starlette:
+def create_app(server: Server, host: str = "127.0.0.1") -> Starlette:
+    """The routes behind the door: the Host/Origin guard (`door.Door`), CORS for the origins allowed, and
+    admission of bodies within the `requests` account (`door.Admission`), outermost first."""
     api = API(server)
+    so = server.so
     routes = [
         Route("/", api.index),
         Route("/health", api.health),
@@ -251,7 +306,20 @@ def create_app(server: Server) -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
+    middleware = [Middleware(Door, bound=host, allow_hosts=so.allow_hosts, cors_origins=so.cors_origins)]
+    if so.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(so.cors_origins), allow_methods=["GET", "POST"],
+                                     allow_headers=["*"], max_age=600))
+    middleware.append(Middleware(Admission, slots=so.admitted))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        asyncio.get_running_loop().set_exception_handler(RateLimitedLoopErrors())
+        yield
+        api.prep.shutdown(wait=False, cancel_futures=True)
+
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
 
 
 def exposure(host: str) -> str | None:
@@ -277,7 +345,9 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -> None:
     """Open the engine on this thread (its plan printed to stderr), run the HTTP server on another, and
-    answer queued requests here until interrupted (Ctrl+C or SIGTERM)."""
+    answer queued requests here until SIGINT or SIGTERM: then the running and queued requests end with a
+    `shutting_down` error (streams with that event and `[DONE]`), the HTTP server drains for up to 2 s,
+    and the process exits 0. A second signal exits at once."""
     import uvicorn
 
     sock = listen(host, port)
@@ -285,13 +355,21 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     print(server.worker.eng.plan.render(), file=sys.stderr)
     if (notice := exposure(host)) is not None:
         print(notice, file=sys.stderr)
-    config = uvicorn.Config(create_app(server), log_level=log_level, access_log=log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=2)
+    conns = connection_limit(so.max_connections)
+    config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"),
+                            timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s),
+                            limit_concurrency=conns + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
+                            h11_max_incomplete_event_size=64 << 10)
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="streamoe-http", daemon=True)
 
     def terminate(signum, frame):
-        raise KeyboardInterrupt
+        if server.stopping.is_set():
+            print("streamoe: stopped at once (second signal)", file=sys.stderr, flush=True)
+            os._exit(1)
+        print(f"streamoe: {signal.Signals(signum).name}: stopping (the running request ends with an error)",
+              file=sys.stderr, flush=True)
+        server.stop()
 
     # both, explicitly: a process started in the background by a shell inherits SIGINT as ignored, and Python
     # then installs no Ctrl+C handler of its own (the server would only stop when killed)
@@ -299,17 +377,16 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     signal.signal(signal.SIGINT, terminate)
     thread.start()
     try:
-        while not http.started and thread.is_alive():
+        while not http.started and thread.is_alive() and not server.stopping.is_set():
             time.sleep(0.05)
         if http.started:
             shown = f"[{host}]" if ":" in host else host
             print(f"streamoe: serving {so.model_name} on http://{shown}:{sock.getsockname()[1]}/ (OpenAI API under /v1)",
                   file=sys.stderr, flush=True)
             server.run(alive=thread.is_alive)
-    except KeyboardInterrupt:
-        pass
     finally:
         server.stop()
+        time.sleep(0.2)  # the error events reach their streams before the HTTP server stops taking writes
         http.should_exit = True
         thread.join(timeout=10)
         server.close()
