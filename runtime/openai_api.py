@@ -99,7 +99,7 @@ def kept_bytes(body) -> int:
         total += sys.getsizeof(v)
         if isinstance(v, str):
             if not v.isascii() and _SURROGATE.search(v):
-                raise bad(f"{where or 'the body'}: the text holds a lone UTF-16 surrogate (not a character)",
+                raise bad(f"{where.lstrip('.') or 'the body'}: the text holds a lone UTF-16 surrogate (not a character)",
                           where.lstrip(".") or None)
         elif isinstance(v, dict):
             for k, x in v.items():

@@ -240,6 +240,8 @@ class API:
 
         n_calls = 0
         try:
+            if first is None:  # still queued (or prefilling): say so now, not at the first token
+                yield ": keep-alive\n\n"
             if kind == "chat":
                 yield chunk({"role": "assistant", "content": ""})
             async for ev in self.events(job, first, keepalive_s=self.so.keepalive_s):

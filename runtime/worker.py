@@ -352,7 +352,7 @@ class EngineWorker:
         gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None)
         for tok, lg in gen:
             if job.cancel.is_set():
-                print(f"streamoe: {job.id} cancelled after {n} tokens (the client went away)", file=sys.stderr, flush=True)
+                print(f"streamoe: {job.id} cancelled after {n} tokens (its client went away or the server is stopping)", file=sys.stderr, flush=True)
                 return {"finish_reason": None, "cancelled": True, "tokens": n}
             n += 1
             toks.append(tok)
