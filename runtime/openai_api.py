@@ -77,16 +77,17 @@ def check_shape(raw: bytes, limits: Limits) -> None:
     import numpy as np
 
     bare = _STRING.sub(b'""', raw)  # strings' contents hold no structure
+    brackets = _NOT_BRACKET.sub(b"", bare)
+    depth, deepest = 0, 0
+    for i in range(0, len(brackets) if len(brackets) > limits.max_depth else 0, 1 << 20):  # 4 MiB of int32 at most
+        step = np.frombuffer(brackets, np.uint8, count=min(1 << 20, len(brackets) - i), offset=i)
+        levels = depth + np.cumsum(np.where((step == 0x5B) | (step == 0x7B), 1, -1).astype(np.int32))
+        deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
+    if deepest > limits.max_depth:
+        raise bad(f"the body nests {deepest} levels deep; at most {limits.max_depth} are accepted")
     values = 1 + sum(bare.count(c) for c in (b",", b":", b"[", b"{"))
     if values > limits.max_values:
         raise APIError(413, f"the body holds about {values:,} JSON values; at most {limits.max_values:,} are accepted")
-    brackets = _NOT_BRACKET.sub(b"", bare)
-    del bare
-    if len(brackets) > limits.max_depth:
-        step = np.frombuffer(brackets, np.uint8)
-        depth = int(np.cumsum(np.where((step == 0x5B) | (step == 0x7B), 1, -1).astype(np.int32)).max())
-        if depth > limits.max_depth:
-            raise bad(f"the body nests {depth} levels deep; at most {limits.max_depth} are accepted")
 
 
 def kept_bytes(body) -> int:
