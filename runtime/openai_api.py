@@ -169,6 +169,8 @@ def _common(body: dict, req: GenRequest) -> None:
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad("'stream_options' must be an object", "stream_options")
+        if not isinstance(opts.get("include_usage", False), bool | None):
+            raise bad("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
         req.include_usage = _flag(opts, "include_usage")
     n = body.get("n")
     if n is not None and n != 1:
@@ -308,6 +310,8 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
         elif msg["content"] is None and role != "assistant":
             raise bad(f"{where}.content is missing", f"{where}.content")
         if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out

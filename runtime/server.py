@@ -39,6 +39,9 @@ from .worker import Job, Server
 
 STATIC = Path(__file__).resolve().parent / "static"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# asyncio accepts up to this many connections in one go, so the connection bound leaves room for a few such
+# bursts within the file limit (`door.connection_limit`); the kernel's queue is deepened once serving starts
+BACKLOG = 128
 
 
 async def read_body(request: Request, limits: Limits, timeout_s: float) -> bytearray:
@@ -340,7 +343,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as e:
         raise StreamoeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(128)
+    sock.listen(BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -357,11 +360,11 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     print(server.worker.eng.plan.render(), file=sys.stderr)
     if (notice := exposure(host)) is not None:
         print(notice, file=sys.stderr)
-    conns = connection_limit(so.max_connections)
+    conns = connection_limit(so.max_connections, reserve=64 + 3 * BACKLOG)
     config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s),
                             limit_concurrency=conns + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
-                            h11_max_incomplete_event_size=64 << 10)
+                            h11_max_incomplete_event_size=64 << 10, backlog=BACKLOG)
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="streamoe-http", daemon=True)
 
@@ -382,6 +385,7 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
         while not http.started and thread.is_alive() and not server.stopping.is_set():
             time.sleep(0.05)
         if http.started:
+            sock.listen(socket.SOMAXCONN)  # the kernel's queue deepened now that asyncio's accept batch is set
             shown = f"[{host}]" if ":" in host else host
             print(f"streamoe: serving {so.model_name} on http://{shown}:{sock.getsockname()[1]}/ (OpenAI API under /v1)",
                   file=sys.stderr, flush=True)
