@@ -17,6 +17,7 @@ import json
 import resource
 import sys
 import time
+import traceback
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD = ("0.0.0.0", "::", "")
@@ -201,7 +202,7 @@ def guarded_protocol(max_connections: int, head_timeout_s: float):
 class RateLimitedLoopErrors:
     """The event loop's exception handler: an error the loop reports (an accept failing at the file limit
     would otherwise print a traceback on every retry) is logged as one line, once per interval and kind,
-    with a count of what was left out."""
+    with a count of what was left out; only an exception other than an OSError (a bug) brings its traceback."""
 
     def __init__(self, interval_s: float = 10.0):
         self.interval_s, self.last, self.left = interval_s, {}, {}
@@ -215,5 +216,7 @@ class RateLimitedLoopErrors:
             return
         extra = f" ({self.left.pop(msg)} more in the last {self.interval_s:g} s)" if self.left.get(msg) else ""
         self.last[msg] = now
+        if exc is not None and not isinstance(exc, OSError):  # a bug: its traceback, once per interval
+            traceback.print_exception(exc, file=sys.stderr)
         detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
         print(f"streamoe: {msg}{detail}{extra}", file=sys.stderr, flush=True)

@@ -364,7 +364,7 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s),
                             limit_concurrency=conns + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
-                            h11_max_incomplete_event_size=64 << 10, backlog=BACKLOG)
+                            backlog=BACKLOG)
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="streamoe-http", daemon=True)
 
