@@ -299,3 +299,52 @@ def test_the_cap_holds_under_every_class_and_answers_stay_greedy(conv, tmp_path)
     assert failcnt == 0 and peak <= 2**30, (failcnt, peak)
     assert r.status == 200 and r.json()["choices"][0]["text"] == want
     assert ms < 1000 and "Traceback" not in s.text()
+
+
+# ---- the bounds the plan's `requests` account is derived from hold
+
+def shapes(limits: Limits) -> dict[str, bytes]:
+    """Bodies just inside the limits, each built to inflate one way when parsed."""
+    n = limits.max_values // 2 - 4
+    return {
+        "dicts": b"[" + b",".join([b"{}"] * n) + b"]",
+        "one-key dicts": b"[" + b",".join(b'{"k%d":0}' % i for i in range(n // 2)) + b"]",
+        "ints": b"[" + b",".join(b"%d" % (10**9 + i) for i in range(n)) + b"]",
+        "floats": b"[" + b",".join(b"%d.5" % i for i in range(n)) + b"]",
+        "strings": b"[" + b",".join(b'"s%d"' % i for i in range(n)) + b"]",
+        "wide string": json.dumps(["\U0001F600" + "a" * (limits.max_body // 2)], ensure_ascii=False).encode(),
+        "escaped wide": json.dumps(["\U0001F600" * (limits.max_body // 14)]).encode(),
+        "nested": b"[" * limits.max_depth + b"]" * limits.max_depth,
+    }
+
+
+def test_parsing_stays_inside_what_the_plan_counts():
+    import tracemalloc
+
+    from streamoe.runtime.openai_api import check_shape, kept_bytes
+
+    limits = Limits(max_body=256 << 10, max_values=8192)
+    for name, raw in shapes(limits).items():
+        assert len(raw) <= limits.max_body, name
+        check_shape(raw, limits)  # inside the limits: admitted
+        tracemalloc.start()
+        body = json.loads(raw)
+        held, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak <= limits.parse_peak, (name, peak, limits.parse_peak)
+        assert held <= kept_bytes(body), (name, held, kept_bytes(body))  # what is charged covers what is held
+
+
+@pytest.mark.parametrize("text", [
+    "def main():\n    return 0\n" * 40, " " * 5000, "-" * 3000 + "\n", "日本語のテキスト" * 200, "\U0001F600" * 700,
+    "e\u0301" * 900, "\u1100\u1161\u11a8" * 500, "\u03b1\u0313\u0342\u0345" * 400, "a<|im_start|>b" * 100,
+    "".join(chr(c) for c in range(0x20, 0x3000, 7)),
+])
+def test_the_length_bound_never_exceeds_the_true_token_count(text):
+    from tokenizers import Tokenizer
+
+    from streamoe.runtime.worker import PromptBound
+
+    tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    bound, n = PromptBound(tok), len(tok.encode(text, add_special_tokens=False).ids)
+    assert bound.token_bytes and 0 < bound.at_least(text) <= n and bound.quick(len(text)) <= n
