@@ -16,6 +16,8 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .chat_output import call_prefix
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -66,26 +68,34 @@ class Limits:
 
 
 PARSED_VALUE_BYTES = 128
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
-_NOT_BRACKET = re.compile(rb"[^\[\]{}]++")
+_NON_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_shape(raw: bytes, limits: Limits) -> None:
     """Refuse, from the raw bytes and before any object is made, a body that would parse into more values or
-    deeper nesting than the limits: 4 MiB of `[{},{},...]` is 1.4 M dicts, ~100 MiB of Python objects."""
-    import numpy as np
-
-    bare = _STRING.sub(b'""', raw)  # strings' contents hold no structure
-    brackets = _NOT_BRACKET.sub(b"", bare)
-    depth, deepest = 0, 0
-    for i in range(0, len(brackets) if len(brackets) > limits.max_depth else 0, 1 << 20):  # 4 MiB of int32 at most
-        step = np.frombuffer(brackets, np.uint8, count=min(1 << 20, len(brackets) - i), offset=i)
-        levels = depth + np.cumsum(np.where((step == 0x5B) | (step == 0x7B), 1, -1).astype(np.int32))
+    deeper nesting than the limits: 4 MiB of `[{},{},...]` is 1.4 M dicts, ~100 MiB of Python objects.
+    Each pass is one C scan, whose work is bounded by the limits rather than by the body."""
+    opens = raw.count(b"[") + raw.count(b"{")
+    if opens <= limits.max_depth and 1 + opens + raw.count(b",") + raw.count(b":") <= limits.max_values:
+        return  # counted with the strings' contents, an upper bound: nothing to look closer at
+    # escapes out (an escaped backslash, then an escaped quote): every quote left opens or closes a string
+    plain = bytes(raw).replace(b"\\\\", b"").replace(b'\\"', b"")
+    if plain.count(b'"') // 2 > limits.max_values:
+        raise APIError(413, f"the body holds over {limits.max_values:,} JSON strings; at most "
+                            f"{limits.max_values:,} values are accepted")
+    bare = b'""'.join(plain.split(b'"')[0::2])  # strings' contents hold no structure
+    del plain
+    values = 1 + sum(bare.count(c) for c in (b",", b":", b"[", b"{"))
+    # nesting: over all of it, or (when refused for its size anyway) over a prefix, to name the better reason
+    brackets = (bare if values <= limits.max_values else bare[:2 * limits.max_values]).translate(None, _NON_BRACKET)
+    depth = deepest = 0
+    for i in range(0, len(brackets) if len(brackets) > limits.max_depth else 0, 1 << 20):
+        b = np.frombuffer(brackets, np.uint8, count=min(1 << 20, len(brackets) - i), offset=i)
+        levels = depth + np.cumsum(((b == 0x5B) | (b == 0x7B)).astype(np.int8) * 2 - 1, dtype=np.int32)
         deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
     if deepest > limits.max_depth:
         raise bad(f"the body nests {deepest} levels deep; at most {limits.max_depth} are accepted")
-    values = 1 + sum(bare.count(c) for c in (b",", b":", b"[", b"{"))
     if values > limits.max_values:
         raise APIError(413, f"the body holds about {values:,} JSON values; at most {limits.max_values:,} are accepted")
 

@@ -348,3 +348,40 @@ def test_the_length_bound_never_exceeds_the_true_token_count(text):
     tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
     bound, n = PromptBound(tok), len(tok.encode(text, add_special_tokens=False).ids)
     assert bound.token_bytes and 0 < bound.at_least(text) <= n and bound.quick(len(text)) <= n
+
+
+def real_shape(v, depth: int = 1) -> tuple[int, int]:
+    """(values, depth) of a parsed JSON document, counted by walking it."""
+    if isinstance(v, dict):
+        inner = [real_shape(x, depth + 1) for kv in v.items() for x in kv]
+    elif isinstance(v, list):
+        inner = [real_shape(x, depth + 1) for x in v]
+    else:
+        return 1, depth - 1
+    return 1 + sum(n for n, _ in inner), max([depth, *(d for _, d in inner)])
+
+
+def test_the_shape_check_counts_outside_strings_only():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from streamoe.runtime.openai_api import check_shape
+
+    tricky = st.text(alphabet='[]{},:"\\ab\u00e9\U0001F600', max_size=12)
+    docs = st.recursive(st.none() | st.integers() | tricky, lambda kids: st.lists(kids, max_size=5)
+                        | st.dictionaries(tricky, kids, max_size=4), max_leaves=40)
+    limits = Limits(max_values=24, max_depth=4)
+
+    @settings(max_examples=400, deadline=None)
+    @given(docs, st.booleans())
+    def check(doc, ascii_only):
+        raw = json.dumps(doc, ensure_ascii=ascii_only).encode()
+        values, depth = real_shape(doc)
+        try:
+            check_shape(raw, limits)
+        except APIError:
+            assert depth > limits.max_depth or values > limits.max_values // 2, (raw, values, depth)
+        else:
+            assert depth <= limits.max_depth and values <= limits.max_values, (raw, values, depth)
+
+    check()
