@@ -1,7 +1,9 @@
 """`streamoe serve --cap 1` under hostile clients, one class at a time, each against a fresh server inside a
 memory cgroup equal to the cap (cgroup v1, where this process may make one; else without): peak memory
 against the plan's `requests` account, /health latency throughout, OOM kills and failcnt, tracebacks in the
-log, and whether a greedy answer after the attack equals the one the fresh server gave before it.
+log, and whether a greedy answer after the attack equals the one the fresh server gave before it. The
+servers run without a prompt cache, so the memory an attack adds above the start is the requests'
+(and, in `inflating`, that of the answers it runs).
 
 Classes: `slow_bodies` (hundreds of connections each sending most of a 4 MiB body, then stalling),
 `inflating` (a long answer running while the queue fills with bodies that keep the most a request may:
@@ -229,7 +231,8 @@ def run(a: argparse.Namespace, scratch: Path) -> None:
         model = scratch / "tiny-q4"
         if not (model / "manifest.json").exists():
             convert(ROOT / "models" / "tiny", model, formats=["q4"], progress=False, force=True)
-    args = ["--ctx", str(a.ctx), "--body-timeout", "5", "--head-timeout", "2", "--log-level", "warning"]
+    # no prompt cache: what the attacks add above the start is then the requests account's alone
+    args = ["--ctx", str(a.ctx), "--prompt-cache-mib", "0", "--body-timeout", "5", "--head-timeout", "2", "--log-level", "warning"]
     results = []
     for name in a.classes:
         srv = Capped(model, a.cap, args, scratch / f"hostile-{name}.log", nofile=1024 if name == "idle_sockets" else None)

@@ -148,12 +148,13 @@ def connection_limit(wanted: int, reserve: int = 64) -> int:
 
 def guarded_protocol(max_connections: int, head_timeout_s: float):
     """uvicorn's h11 protocol with what it lacks: a deadline for each request head (from the connection's
-    first byte, or the next request's), and a bound on connections that evicts the oldest one still
-    sending its head when a new one arrives at the bound (idle sockets cannot starve the server)."""
+    first byte, or the next request's), and a bound on connections that closes the oldest idle one (still
+    sending its head, or kept alive between requests) when a new one arrives at the bound: idle sockets
+    cannot starve the server, and its files stay within their limit."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    waiting: dict = {}  # connections whose request head is incomplete, oldest first
+    waiting: dict = {}  # idle connections (a request head incomplete, or between requests), oldest first
 
     class GuardedH11Protocol(H11Protocol):
         head_timer: asyncio.TimerHandle | None = None
@@ -190,7 +191,8 @@ def guarded_protocol(max_connections: int, head_timeout_s: float):
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self.disarm()  # idle until the next request: uvicorn's keep-alive timeout holds it
+            self.disarm()  # idle until the next request: uvicorn's keep-alive timeout closes it,
+            waiting[self] = None  # and a new connection at the bound may close it first
 
         def connection_lost(self, exc) -> None:
             self.disarm()
