@@ -65,10 +65,11 @@ class ServeOptions:
         """The worst case of what admitted requests hold: each admitted request (and one whose client left
         while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; one body
         is parsed at a time (the event loop) and one prompt rendered and tokenized at a time (the prepare
-        thread), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`)."""
+        thread), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`);
+        the running request's images are also files in memory (`image_files`), less than its body."""
         lim = self.limits
         kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx)
-        return kept + lim.parse_peak + PREPARE_BYTES * prompt_bytes
+        return kept + lim.parse_peak + PREPARE_BYTES * prompt_bytes + lim.max_body
 
 
 IDS_BYTES = 40  # a token id in a Python list: its pointer and its int object
