@@ -372,7 +372,7 @@ def test_the_shape_check_counts_outside_strings_only():
                         | st.dictionaries(tricky, kids, max_size=4), max_leaves=40)
     limits = Limits(max_values=24, max_depth=4)
 
-    @settings(max_examples=400, deadline=None)
+    @settings(max_examples=150, deadline=None)
     @given(docs, st.booleans())
     def check(doc, ascii_only):
         raw = json.dumps(doc, ensure_ascii=ascii_only).encode()
