@@ -69,14 +69,12 @@ class ServeOptions:
         the running request's images are also files in memory (`image_files`), less than its body."""
         lim = self.limits
         kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx)
-        return kept + lim.parse_peak + PREPARE_BYTES * prompt_bytes + lim.max_body
+        return kept + lim.parse_peak + PromptBound.render_peak(lim) + TOKENIZE_BYTES * prompt_bytes + lim.max_body
 
 
 IDS_BYTES = 40  # a token id in a Python list: its pointer and its int object
-# rendering and tokenizing one prompt of up to ctx * (bytes a token covers) bytes: the rendered text and its
-# normalised copy (4 bytes a character at worst, admitted at 3x the bound before rendering) and the
-# tokenizer's own working set (measured 210-250 bytes per byte of text, tokenizers 0.2x, byte-level BPE)
-PREPARE_BYTES = 3 * 4 * 2 + 320
+# the tokenizer's working set per byte of text it is given (measured 210-250, tokenizers 0.2x, byte-level BPE)
+TOKENIZE_BYTES = 320
 
 
 class PromptBound:
@@ -109,17 +107,28 @@ class PromptBound:
         if drops or model.get("fuse_unk") or model.get("type") in ("WordPiece", "WordLevel"):
             self.token_bytes = None
 
+    CHUNK = 1 << 16
+
     def at_least(self, text: str) -> int:
-        """Tokens `text` is at least (0 when no bound holds)."""
+        """Tokens `text` is at least (0 when no bound holds). Normalised and measured a chunk at a time (no
+        copy of a long text); a composition split by a chunk's end is allowed for (8 bytes a chunk)."""
         if self.token_bytes is None:
             return 0
-        if not text.isascii():
+        if text.isascii():
+            return -(-len(text) // self.token_bytes)
+        n = 0
+        for i in range(0, len(text), self.CHUNK):
+            part = text[i:i + self.CHUNK]
             for form in self.forms:
-                text = unicodedata.normalize(form, text)
-            n = len(text.encode("utf-8", "surrogatepass"))
-        else:
-            n = len(text)
-        return -(-n // self.token_bytes)
+                part = unicodedata.normalize(form, part)
+            n += len(part.encode("utf-8", "surrogatepass")) - (8 if self.forms and i else 0)
+        return max(0, -(-n // self.token_bytes))
+
+    @staticmethod
+    def render_peak(limits: Limits) -> int:
+        """A rendered prompt holds at most the text a request keeps (a character takes at least a byte there,
+        at most 4 in the prompt) and the template's join doubles it for a moment."""
+        return 2 * 4 * limits.max_kept
 
     def quick(self, chars: int) -> int:
         """Tokens a text of `chars` characters is at least before normalisation (which composes at most 4

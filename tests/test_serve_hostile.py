@@ -339,6 +339,7 @@ def test_parsing_stays_inside_what_the_plan_counts():
     "def main():\n    return 0\n" * 40, " " * 5000, "-" * 3000 + "\n", "日本語のテキスト" * 200, "\U0001F600" * 700,
     "e\u0301" * 900, "\u1100\u1161\u11a8" * 500, "\u03b1\u0313\u0342\u0345" * 400, "a<|im_start|>b" * 100,
     "".join(chr(c) for c in range(0x20, 0x3000, 7)),
+    "e\u0301" * 40_000, "\u1100\u1161\u11a8" * 30_000,  # over one chunk: compositions cut at its end
 ])
 def test_the_length_bound_never_exceeds_the_true_token_count(text):
     from tokenizers import Tokenizer
