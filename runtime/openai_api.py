@@ -12,8 +12,12 @@ import binascii
 import hashlib
 import io
 import json
+import re
+import sys
 import warnings
 from dataclasses import dataclass, field
+
+import numpy as np
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
@@ -45,6 +49,75 @@ class Limits:
     max_image_bytes: int = 3 << 20
     max_images: int = 4
     max_decode_pixels: int = 1 << 24
+    max_values: int = 1 << 16  # JSON values in one body (objects, arrays, strings, numbers...)
+    max_depth: int = 64  # JSON nesting
+
+    @property
+    def max_kept(self) -> int:
+        """Memory one admitted request may keep once parsed (its objects, their strings and its images):
+        a parsed body that would hold more is refused."""
+        return 2 * self.max_body
+
+    @property
+    def parse_peak(self) -> int:
+        """The transient memory of parsing one body at its limits: the decoded text (up to 4 bytes a character)
+        and the strings copied out of it, plus every value's object (measured at most ~82 bytes each: a
+        one-key object in an array; `PARSED_VALUE_BYTES` leaves room)."""
+        return 8 * self.max_body + PARSED_VALUE_BYTES * self.max_values
+
+
+PARSED_VALUE_BYTES = 128
+_NON_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_shape(raw: bytes, limits: Limits) -> None:
+    """Refuse, from the raw bytes and before any object is made, a body that would parse into more values or
+    deeper nesting than the limits: 4 MiB of `[{},{},...]` is 1.4 M dicts, ~100 MiB of Python objects.
+    Each pass is one C scan, whose work is bounded by the limits rather than by the body."""
+    opens = raw.count(b"[") + raw.count(b"{")
+    if opens <= limits.max_depth and 1 + opens + raw.count(b",") + raw.count(b":") <= limits.max_values:
+        return  # counted with the strings' contents, an upper bound: nothing to look closer at
+    # escapes out (an escaped backslash, then an escaped quote): every quote left opens or closes a string
+    plain = bytes(raw).replace(b"\\\\", b"").replace(b'\\"', b"")
+    if plain.count(b'"') // 2 > limits.max_values:
+        raise APIError(413, f"the body holds over {limits.max_values:,} JSON strings; at most "
+                            f"{limits.max_values:,} values are accepted")
+    bare = b'""'.join(plain.split(b'"')[0::2])  # strings' contents hold no structure
+    del plain
+    values = 1 + sum(bare.count(c) for c in (b",", b":", b"[", b"{"))
+    # nesting: over all of it, or (when refused for its size anyway) over a prefix, to name the better reason
+    brackets = (bare if values <= limits.max_values else bare[:2 * limits.max_values]).translate(None, _NON_BRACKET)
+    depth = deepest = 0
+    for i in range(0, len(brackets) if len(brackets) > limits.max_depth else 0, 1 << 20):
+        b = np.frombuffer(brackets, np.uint8, count=min(1 << 20, len(brackets) - i), offset=i)
+        levels = depth + np.cumsum(((b == 0x5B) | (b == 0x7B)).astype(np.int8) * 2 - 1, dtype=np.int32)
+        deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
+    if deepest > limits.max_depth:
+        raise bad(f"the body nests {deepest} levels deep; at most {limits.max_depth} are accepted")
+    if values > limits.max_values:
+        raise APIError(413, f"the body holds about {values:,} JSON values; at most {limits.max_values:,} are accepted")
+
+
+def kept_bytes(body) -> int:
+    """What a parsed body's objects hold (each container, string and number counted once, with a quarter more
+    for the allocator's rounding); a string holding a lone surrogate (`\\ud800`, which no UTF-8 text can carry)
+    is refused here, naming its place in the body."""
+    total, stack = 0, [(body, "")]
+    while stack:
+        v, where = stack.pop()
+        total += sys.getsizeof(v)
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                raise bad(f"{where.lstrip('.') or 'the body'}: the text holds a lone UTF-16 surrogate (not a character)",
+                          where.lstrip(".") or None)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, where))
+                stack.append((x, f"{where}.{k}" if isinstance(k, str) and k.isascii() else where))
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+    return total * 5 // 4
 
 
 @dataclass
@@ -115,6 +188,8 @@ def _common(body: dict, req: GenRequest) -> None:
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad("'stream_options' must be an object", "stream_options")
+        if not isinstance(opts.get("include_usage", False), bool | None):
+            raise bad("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
         req.include_usage = _flag(opts, "include_usage")
     n = body.get("n")
     if n is not None and n != 1:
@@ -196,6 +271,9 @@ def check_image(raw: bytes, limits: Limits, where: str) -> None:
             warnings.simplefilter("ignore")
             img = Image.open(io.BytesIO(raw))
             fmt, (w, h) = img.format, img.size
+    except Image.DecompressionBombError:  # a header claiming more pixels than Pillow's own limit
+        raise bad(f"{where}: the image's header claims more pixels than Pillow decodes; at most "
+                  f"{limits.max_decode_pixels:,} pixels are decoded", where) from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise bad(f"{where}: not an image (no PNG, JPEG or WebP header)", where) from None
     if fmt not in IMAGE_FORMATS:
@@ -298,6 +376,8 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
         elif msg["content"] is None and role != "assistant":
             raise bad(f"{where}.content is missing", f"{where}.content")
         if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out

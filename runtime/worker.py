@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import traceback
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,12 +52,133 @@ class ServeOptions:
     max_tokens: int | None = None  # when a request sets none; None = what the planned context holds
     sampling: dict = field(default_factory=dict)  # Sampler arguments overriding generation_config.json
     think: bool = True  # enable_thinking when a request does not say
+    # the door: Host names accepted besides loopback names and the bound address; origins allowed cross-origin
+    allow_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    # connections: how many at once, how long a request head and body may take, how long one may idle
+    max_connections: int = 512
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 5.0
+    keepalive_s: float = 5.0  # an SSE comment this often while a streamed request waits or prefills
 
     @property
-    def requests_bytes(self) -> int:
-        """Memory of the requests held at once (the running one and a full queue): each body, and the images
-        decoded from it, at most twice the body limit."""
-        return (self.max_queue + 1) * 2 * self.limits.max_body
+    def admitted(self) -> int:
+        """Requests admitted at once (reading their body, queued, or running); one more is answered 503
+        before its body is read."""
+        return self.max_queue + 1
+
+    def requests_bytes(self, ctx: int, prompt_bytes: int) -> int:
+        """The worst case of what admitted requests hold: each admitted request (and one whose client left
+        while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; one body
+        is parsed at a time (the event loop) and one prompt rendered and tokenized at a time (the prepare
+        thread), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`);
+        the running request's images are also files in memory (`image_files`), less than its body."""
+        lim = self.limits
+        kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx)
+        return kept + lim.parse_peak + PromptBound.render_peak(lim) + TOKENIZE_BYTES * prompt_bytes + lim.max_body
+
+
+IDS_BYTES = 40  # a token id in a Python list: its pointer and its int object
+# the tokenizer's working set per byte of text it is given (measured 210-250, tokenizers 0.2x, byte-level BPE)
+TOKENIZE_BYTES = 320
+
+
+class PromptBound:
+    """A lower bound on a text's token count, found without tokenizing it: a token covers at most
+    `token_bytes` bytes of the normalised text (the longest vocabulary entry), so N bytes are at least
+    ceil(N / token_bytes) tokens. `token_bytes` is None for a tokenizer that may drop text (a pre-tokenizer
+    that removes whitespace, unknown runs fused into one token): then no bound holds and none is claimed."""
+
+    def __init__(self, tokenizer):
+        import json
+
+        spec = json.loads(tokenizer.to_str())
+        model = spec.get("model") or {}
+        parts = _parts(spec.get("pre_tokenizer")) + _parts(spec.get("decoder"))
+        byte_level = any(p.get("type") == "ByteLevel" for p in parts)
+        vocab = model.get("vocab") or {}
+        pieces = list(vocab) if isinstance(vocab, dict) else [v[0] for v in vocab if isinstance(v, list) and v]
+        pieces += [a.get("content", "") for a in spec.get("added_tokens") or []]
+        # a byte-level entry spells each byte as one character; any other spells its text (or more)
+        span = max((len(p) if byte_level else len(p.encode("utf-8", "surrogatepass")) for p in pieces), default=1)
+        forms, self.token_bytes = [], max(1, span)
+        for n in _parts(spec.get("normalizer")):
+            if n.get("type") in ("NFC", "NFD", "NFKC", "NFKD"):
+                forms.append(n["type"])
+            elif n.get("type") != "Prepend":
+                self.token_bytes = None  # a normaliser that may remove text
+        self.forms = forms
+        drops = [p for p in _parts(spec.get("pre_tokenizer")) if p.get("type") in ("Whitespace", "WhitespaceSplit",
+                 "BertPreTokenizer") or p.get("behavior") == "Removed"]
+        if drops or model.get("fuse_unk") or model.get("type") in ("WordPiece", "WordLevel"):
+            self.token_bytes = None
+
+    CHUNK = 1 << 16
+
+    def at_least(self, text: str) -> int:
+        """Tokens `text` is at least (0 when no bound holds). Normalised and measured a chunk at a time (no
+        copy of a long text); a composition split by a chunk's end is allowed for (8 bytes a chunk)."""
+        if self.token_bytes is None:
+            return 0
+        if text.isascii():
+            return -(-len(text) // self.token_bytes)
+        n = 0
+        for i in range(0, len(text), self.CHUNK):
+            part = text[i:i + self.CHUNK]
+            for form in self.forms:
+                part = unicodedata.normalize(form, part)
+            n += len(part.encode("utf-8", "surrogatepass")) - (8 if self.forms and i else 0)
+        return max(0, -(-n // self.token_bytes))
+
+    @staticmethod
+    def render_peak(limits: Limits) -> int:
+        """A rendered prompt holds at most the text a request keeps (a character takes at least a byte there,
+        at most 4 in the prompt) and the template's join doubles it for a moment."""
+        return 2 * 4 * limits.max_kept
+
+    def quick(self, chars: int) -> int:
+        """Tokens a text of `chars` characters is at least before normalisation (which composes at most 4
+        characters into one): the gate before a template renders it."""
+        return 0 if self.token_bytes is None else chars // ((4 if self.forms else 1) * self.token_bytes)
+
+    def prompt_bytes(self, ctx: int, limits: Limits) -> int:
+        """The largest prompt (UTF-8 bytes) that reaches the tokenizer: what ctx tokens cover, or without a
+        bound the text an admitted request may keep (4 bytes a character)."""
+        return ctx * self.token_bytes if self.token_bytes else 4 * limits.max_kept
+
+
+def message_chars(messages: list[dict]) -> int:
+    """Characters of the messages' text a template renders verbatim (past answers excepted: templates may
+    drop their reasoning)."""
+    n = 0
+    for m in messages:
+        if m["role"] == "assistant":
+            continue
+        c = m["content"]
+        for part in c if isinstance(c, list) else [{"text": c}]:
+            if isinstance(part.get("text"), str):
+                n += len(part["text"])
+    return n
+
+
+def _parts(node) -> list[dict]:
+    """A tokenizer.json component flattened (a Sequence's members, in order)."""
+    if not isinstance(node, dict):
+        return []
+    inner = node.get("normalizers") or node.get("pretokenizers") or node.get("decoders")
+    return [p for x in inner for p in _parts(x)] if node.get("type") == "Sequence" and inner else [node]
+
+
+def requests_bytes(so: ServeOptions, root: Path, ctx: int) -> int:
+    """The plan's `requests` account for serving the model at ROOT with this context."""
+    from tokenizers import Tokenizer
+
+    try:
+        bound = PromptBound(Tokenizer.from_file(str(Path(root) / "tokenizer.json")))
+    except Exception:  # no readable tokenizer: the engine refuses the model in its own words
+        return so.requests_bytes(ctx, 4 * so.limits.max_kept)
+    return so.requests_bytes(ctx, bound.prompt_bytes(ctx, so.limits))
 
 
 @dataclass
@@ -119,6 +241,7 @@ class EngineWorker:
         self.served = 0
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "bytes_read": 0}  # over the server's lifetime
         self.token_text = TokenText(eng.text)
+        self.bound = PromptBound(eng.text.tokenizer)
 
     # ---- on the event loop: turn a request into a job (or an APIError)
     def render(self, req: GenRequest) -> str:
@@ -133,12 +256,27 @@ class EngineWorker:
         except TemplateFailure as e:
             raise bad(f"the chat template ({e.path.name}) refused the messages: {e.reason}", "messages") from None
 
+    def too_long(self, tokens: int, param: str, how: str = "") -> APIError:
+        ctx = self.eng.opts.ctx
+        return bad(f"the prompt is {how}{tokens} tokens; the planned context (--ctx {ctx}) holds {ctx - 1} "
+                   "with one token to answer", param)
+
+    def check_length(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit the planned context at any token length."""
+        if (least := self.bound.at_least(text)) >= self.eng.opts.ctx:
+            raise self.too_long(least, param, "at least ")
+
     def prepare(self, req: GenRequest) -> Job:
+        """The request rendered, length-checked and tokenized into a job (or an APIError). It runs on the
+        server's prepare thread, one at a time: the plan's `requests` account counts one prompt in work."""
         thinking, given = False, ""
         if req.kind == "chat":
             if req.images and not self.eng.opts.images:
                 raise bad("this server was started without images (streamoe serve --no-images)", "messages")
+            if (least := self.bound.quick(message_chars(req.messages))) >= self.eng.opts.ctx:
+                raise self.too_long(least, "messages", "at least ")  # before the template copies the text
             prompt = self.render(req)
+            self.check_length(prompt, "messages")
             head = self.eng.text.decode(self.header)
             tail = prompt[prompt.rfind(head):] if head and head in prompt else ""  # the header may open <think>
             thinking = "<think>" in tail and "</think>" not in tail
@@ -152,6 +290,7 @@ class EngineWorker:
                 raise bad(f"the chat template wrote {ids.count(self.pad)} image placeholders for {len(req.images)} "
                           "images", "messages")
         elif isinstance(req.prompt, str):
+            self.check_length(req.prompt, "prompt")
             ids = self.eng.text.encode(req.prompt)
         else:
             ids = list(req.prompt or [])
@@ -159,8 +298,7 @@ class EngineWorker:
                 raise bad(f"token ids must be in [0, {self.vocab})", "prompt")
         ctx = self.eng.opts.ctx
         if len(ids) >= ctx:
-            raise bad(f"the prompt is {len(ids)} tokens; the planned context (--ctx {ctx}) holds {ctx - 1} "
-                      "with one token to answer", "messages" if req.kind == "chat" else "prompt")
+            raise self.too_long(len(ids), "messages" if req.kind == "chat" else "prompt")
         room = ctx - len(ids)
         want = req.max_tokens or self.so.max_tokens or room
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
@@ -265,7 +403,7 @@ class EngineWorker:
                            constraint=job.constraint)
         for tok, lg in gen:
             if job.cancel.is_set():
-                print(f"streamoe: {job.id} cancelled after {n} tokens (the client went away)", file=sys.stderr, flush=True)
+                print(f"streamoe: {job.id} cancelled after {n} tokens (its client went away or the server is stopping)", file=sys.stderr, flush=True)
                 return {"finish_reason": None, "cancelled": True, "tokens": n}
             n += 1
             toks.append(tok)
@@ -374,15 +512,16 @@ def open_engine(root: Path, opts: Options, so: ServeOptions) -> Engine:
     if runtime is None:
         measured = plan_for(root, opts)
         runtime, note = measured.accounts["runtime"], measured.notes.get("runtime")
-    extra = {"prompt cache": so.prompt_cache_bytes, "requests": so.requests_bytes}
+    extra = {"prompt cache": so.prompt_cache_bytes, "requests": requests_bytes(so, root, opts.ctx)}
     eng = Engine(root, dataclasses.replace(opts, runtime_bytes=runtime + sum(extra.values())))
     acc = {k: v for k, v in eng.plan.accounts.items() if k != "runtime"}
     eng.plan.accounts = {**acc, **extra, "runtime": runtime}
     if note:
         eng.plan.notes["runtime"] = note
     eng.plan.notes["prompt cache"] = "snapshots of conversation state for repeated prompts, LRU"
-    eng.plan.notes["requests"] = (f"{so.max_queue} queued + 1 running, bodies up to "
-                                  f"{so.limits.max_body / MiB:g} MiB and their images")
+    eng.plan.notes["requests"] = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its "
+                                  f"client, each keeping at most {so.limits.max_kept / MiB:g} MiB; one body parsed "
+                                  "and one prompt tokenized at a time")
     return eng
 
 
@@ -413,6 +552,14 @@ class Server:
             finally:
                 self.current = None
 
+    def withdraw(self, job: Job) -> None:
+        """Take a job whose client went away out of the queue (its memory goes with it)."""
+        job.cancel.set()
+        with self.queue.mutex:
+            if job in self.queue.queue:
+                self.queue.queue.remove(job)
+                self.queue.not_full.notify()
+
     def submit(self, job: Job) -> None:
         if self.stopping.is_set():
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -423,17 +570,19 @@ class Server:
                            code="queue_full") from None
 
     def stop(self) -> None:
-        """Stop taking jobs; the running one stops at its next token, the queued ones end without an answer."""
+        """Stop taking jobs; the running one stops at its next token, and it and the queued ones end with a
+        `shutting_down` error (a stream's last events are that error and `[DONE]`)."""
         self.stopping.set()
-        if self.current is not None:
-            self.current.cancel.set()
+        jobs = [self.current] if self.current is not None else []
         while True:
             try:
-                job = self.queue.get_nowait()
+                jobs.append(self.queue.get_nowait())
             except queue.Empty:
                 break
-            job.cancel.set()
-            job.emit(("done", {"finish_reason": None, "cancelled": True}))
+        for job in jobs:
+            if not job.cancel.is_set():
+                job.cancel.set()
+                job.emit(("error", APIError(503, "the server is shutting down", code="shutting_down")))
 
     def close(self) -> None:
         self.stop()

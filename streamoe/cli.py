@@ -397,13 +397,29 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
 @click.option("--max-body-mib", type=click.FloatRange(min=0.01), default=4, show_default=True, help="Largest request body.")
 @click.option("--max-image-mib", type=click.FloatRange(min=0.01), default=3, show_default=True, help="Largest image (decoded bytes).")
 @click.option("--max-images", type=click.IntRange(min=0), default=4, show_default=True, help="Images per request.")
+@click.option("--allow-host", multiple=True, metavar="NAME", help="Another name clients reach this server by (the Host "
+              "header); loopback names and the bound address always work; '*' allows any. Repeatable.")
+@click.option("--cors-origin", multiple=True, metavar="ORIGIN", help="An origin (https://app.example) whose pages may call "
+              "the API; other cross-origin requests are refused with 403. Repeatable; '*' allows any.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Connections held at once (within the open-file limit); at the bound, the oldest idle one is closed.")
+@click.option("--head-timeout", type=click.FloatRange(min=0.1), default=10, show_default=True,
+              help="Seconds a connection may take to send a request's head.")
+@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=30, show_default=True,
+              help="Seconds a request may take to send its body.")
+@click.option("--idle-timeout", type=click.FloatRange(min=1), default=5, show_default=True,
+              help="Seconds an idle keep-alive connection stays open.")
+@click.option("--sse-keepalive", type=click.FloatRange(min=0.1), default=5, show_default=True,
+              help="Seconds between keep-alive comments while a streamed request waits or prefills.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @user_errors
 def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, host: str,
           port: int, model_name: str | None, no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
           sampling: dict, tier: str, prefetch_width: int | None,
           prefetch_waste: float, prefill_chunk: int, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
-          max_image_mib: float, max_images: int, log_level: str) -> None:
+          max_image_mib: float, max_images: int, allow_host: tuple[str, ...], cors_origin: tuple[str, ...],
+          max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, sse_keepalive: float,
+          log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
     from .runtime.engine import Options
     from .runtime.openai_api import Limits
@@ -414,7 +430,9 @@ def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str |
                     max_images=0 if no_images else max_images)
     so = ServeOptions(model_name=model_name or model.resolve().name, limits=limits, max_queue=max_queue,
                       prompt_cache_bytes=int(prompt_cache_mib * (1 << 20)), max_tokens=max_tokens, sampling=sampling,
-                      think=not no_think)
+                      think=not no_think, allow_hosts=allow_host, cors_origins=cors_origin,
+                      max_connections=max_connections, head_timeout_s=head_timeout, body_timeout_s=body_timeout,
+                      idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
     opts = Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
                    prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=not no_images,
                    max_pixels=max_pixels, runtime_bytes=runtime_mib and runtime_mib << 20)

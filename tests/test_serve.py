@@ -17,7 +17,7 @@ from streamoe.convert.convert import convert
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.openai_api import Limits, parse_chat
 from streamoe.runtime.plan import MiB
-from streamoe.runtime.worker import EngineWorker, ServeOptions, open_engine
+from streamoe.runtime.worker import EngineWorker, ServeOptions, open_engine, requests_bytes
 
 from . import serve_util
 from .conftest import capped_cgroup, cli, one_error_line
@@ -86,7 +86,8 @@ def test_models_health_plan_and_page(server, client):
     assert fetch(server.url + "/health").json()["status"] == "ok"
     plan = fetch(server.url + "/v1/plan").json()
     assert plan["cap"] == int(quarter_cap(server_conv(server)) * 2**30)
-    assert plan["accounts"]["prompt cache"] == 8 * MiB and plan["accounts"]["requests"] == 9 * MiB
+    so = ServeOptions("t", limits=Limits(max_body=MiB // 2), max_queue=8)
+    assert plan["accounts"]["prompt cache"] == 8 * MiB and plan["accounts"]["requests"] == requests_bytes(so, TINY, CTX)
     assert plan["hot_slots"] == plan["n_layers"] * plan["n_experts"] // 4 and plan["fixed"] <= plan["cap"]
     page = fetch(server.url + "/")
     assert page.status == 200 and "/static/app.js" in page.text

@@ -29,7 +29,8 @@ from streamoe.runtime.chat_output import ChatOutput
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.openai_api import APIError, GenRequest, Limits, parse_chat, parse_completion
 from streamoe.runtime.plan import MiB
-from streamoe.runtime.text import Sampler, TextIO
+from streamoe.runtime.sampling import Sampler
+from streamoe.runtime.text import TextIO
 from streamoe.runtime.worker import EngineWorker, Job, ServeOptions
 
 from . import serve_util
