@@ -13,7 +13,9 @@
 #   bash bench/h200.sh fill      # a record's copy into its slot against the disk read (upload-ring advice off / on)
 #   bash bench/h200.sh parts     # a resident decode step part by part (mixers, MoE block, head) against mlx-lm's modules
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds
-#   bash bench/h200.sh sampling  # sampled (checkpoint defaults, and with penalties) against greedy decode, resident and --cap 4
+#   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
+#                                resident and --cap 4
+#   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`.
 # (Saving the compiled kernels for the next lease does not work: 55 MB compressed, more than a lease sends back.)
 set -euo pipefail
@@ -62,6 +64,12 @@ case "$1" in
   sampling)
     python3 -m bench.sampling --model "$S/full-conv" --caps resident,4 --tokens 64 --rounds 3 --ctx 1024 \
       --name "$OUT/sampling-h200" | grep -v '^ '
+    ;;
+  sampling-small)
+    [ -f "$S/sv-conv/manifest.json" ] || { python3 -m streamoe.cli synth "$S/sv-ckpt" --size small-vocab 2>/dev/null &&
+      python3 -m streamoe.cli convert "$S/sv-ckpt" "$S/sv-conv" --experts q4 2>/dev/null; }
+    python3 -m bench.sampling --model "$S/sv-conv" --caps resident --tokens 64 --rounds 5 \
+      --name "$OUT/sampling-small-vocab-h200" | grep -v '^ '
     ;;
   parts)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-q4.json"

@@ -2,7 +2,8 @@
 
 Greedy is the peer: both run in one process, interleaved round by round, on the same engine. At a cap the
 tokens drawn route to other experts than greedy's, so hit rate and bytes read per token are reported beside
-the rates: resident runs show the sampler's own cost. Sampled uses
+the rates: resident runs show the sampler's own cost. `json` samples inside a JSON schema (constrained
+decoding: llguidance's mask computed on the host and applied on the device every token). Sampled uses
 the checkpoint's defaults (temperature 1.0, top-p 0.95, top-k 20), and a penalised variant adds Qwen's
 suggested presence penalty (1.5) and a repetition penalty. The vocabulary matters: choosing a token at the
 real model's 248,320 rows is what the `small-vocab` synthetic checkpoint (the small model's layers with that
@@ -23,7 +24,11 @@ from bench.common import scratch_dir, write_result
 
 PROMPT = "import csv\nimport sys\n\n\ndef mean_of_columns(path):\n    "
 MODES = {"greedy": {}, "sampled": dict(temp=1.0, top_p=0.95, top_k=20),
-         "penalised": dict(temp=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, repetition_penalty=1.05)}
+         "penalised": dict(temp=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, repetition_penalty=1.05),
+         "json": dict(temp=1.0, top_p=0.95, top_k=20)}  # sampled, inside a JSON schema (llguidance's mask per token)
+# a string long enough that every timed token is drawn under the grammar's mask
+JSON_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 4000}}, "required": ["text"],
+               "additionalProperties": False}
 
 
 def quarter_cap(model: Path, ctx: int) -> float:
@@ -33,13 +38,13 @@ def quarter_cap(model: Path, ctx: int) -> float:
     return (p.fixed + p.n_layers * p.n_experts // 4 * p.slot_bytes + p.slot_bytes // 2) / 2**30
 
 
-def one_answer(eng, sampler, tokens: int) -> dict:
+def one_answer(eng, sampler, tokens: int, constraint=None) -> dict:
     from streamoe.runtime.telemetry import summarize
 
     del eng.steps[:]
     eng.reset()
     got = []
-    for _ in eng.generate(eng.text.encode(PROMPT), tokens, sampler):
+    for _ in eng.generate(eng.text.encode(PROMPT), tokens, sampler, constraint=constraint):
         got.append(time.perf_counter())
     s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
     wall = (len(got) - 1) / (got[-1] - got[0]) if len(got) > 1 else 0.0
@@ -48,24 +53,29 @@ def one_answer(eng, sampler, tokens: int) -> dict:
 
 
 def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
+    from streamoe.runtime.constrain import Constraint, guide_tokenizer, json_grammar
     from streamoe.runtime.engine import Engine, Options
     from streamoe.runtime.sampling import Sampler
 
     cap_gib = 1 << 10 if cap == "resident" else (quarter_cap(model, ctx) if cap == "quarter" else float(cap))
     eng = Engine(model, Options(cap_gib=cap_gib, ctx=ctx, runtime_bytes=64 << 20))
+    guide = guide_tokenizer(eng.text.tokenizer, eng.args.vocab_size, eng.text.stop_ids)
     eng.text.stop_ids = set()  # every answer runs its full length: rates over the same number of tokens
     try:
         one_answer(eng, Sampler(), 4)  # first-call compiles out of the timed rounds
+        grammar = json_grammar(JSON_SCHEMA)
         runs = {m: [] for m in MODES}
         for r in range(rounds):
             for m, kw in MODES.items():
-                runs[m].append(one_answer(eng, Sampler(seed=r, **kw), tokens))
+                c = Constraint(guide, grammar, eng.args.vocab_size) if m == "json" else None
+                runs[m].append(one_answer(eng, Sampler(seed=r, **kw), tokens, c))
         keys = ("wall_tok_s", "summary_tok_s", "ttft_s", "hit_rate", "mib_read_token")
         med = {m: {k: statistics.median(x[k] for x in v) for k in keys} for m, v in runs.items()}
         return {"cap": cap, "cap_gib": round(cap_gib, 4), "resident": eng.experts.resident, "vocab": eng.args.vocab_size,
                 "tokens": tokens, "rounds": rounds, "median": med,
                 "sampled_vs_greedy_wall": round(med["sampled"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 3),
                 "penalised_vs_greedy_wall": round(med["penalised"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 3),
+                "json_vs_sampled_wall": round(med["json"]["wall_tok_s"] / med["sampled"]["wall_tok_s"], 3),
                 "summary_vs_wall": {m: round(med[m]["summary_tok_s"] / med[m]["wall_tok_s"], 3) for m in MODES},
                 "runs": runs}
     finally:
@@ -97,6 +107,7 @@ def main() -> None:
             results.append(run_cap(model, cap, a.tokens, a.rounds, a.ctx))
             r = results[-1]
             print(f"{cap}: sampled/greedy {r['sampled_vs_greedy_wall']}, penalised/greedy {r['penalised_vs_greedy_wall']}, "
+                  f"json/sampled {r['json_vs_sampled_wall']}, "
                   f"summary/wall {r['summary_vs_wall']}", flush=True)
         print(write_result(a.name, "sampling", results))
 

@@ -284,7 +284,8 @@ def rq(**kw) -> dict:
     (rq(prompt_cache_retention="24h"), "prompt_cache_retention"),
     (rq(include=["reasoning.encrypted_content"]), "include[0]"),
     (rq(top_logprobs=2), "top_logprobs"),
-    (rq(text={"format": {"type": "json_object"}}), "text.format"),
+    (rq(text={"format": {"type": "xml"}}), "text.format"),
+    (rq(text={"format": {"type": "json_schema", "name": "x"}}), "text.format"),
     (rq(text={"verbosity": "low"}), "text.verbosity"),
     (rq(reasoning={"summary": "auto"}), "reasoning.summary"),
     (rq(reasoning={"effort": "huge"}), "reasoning.effort"),
@@ -311,6 +312,17 @@ def test_responses_fields_refused_with_400_naming_them(body, param):
     with pytest.raises(APIError) as e:
         responses_api.parse(body, ServeOptions("m", limits=Limits()))
     assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_responses_text_format_is_a_response_format():
+    """The Responses API's flat `text.format` json_schema becomes the chat request's constrained JSON."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    so = ServeOptions("m", limits=Limits())
+    r = responses_api.parse(rq(text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}), so)
+    assert r.json_output and r.json_schema == schema
+    r = responses_api.parse(rq(text={"format": {"type": "json_object"}}), so)
+    assert r.json_output and r.json_schema is None
+    assert not responses_api.parse(rq(text={"format": {"type": "text"}}), so).json_output
 
 
 def am(**kw) -> dict:
