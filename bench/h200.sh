@@ -6,7 +6,7 @@
 #   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3) into /root/bench
 #   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
-#                                runs twice, interleaved with the pre-session-9 guess gate (a fixed 0.8 precision, no waste
+#                                runs twice, interleaved with a fixed guess gate (a 0.8 precision, no waste
 #                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
 #   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes)
 #   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
@@ -40,7 +40,7 @@ case "$1" in
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts q4,q3 2>/dev/null
     ;;
   gputest)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gputest.log"
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gputest-h200.log"
     ;;
   prepare)
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
@@ -51,7 +51,7 @@ case "$1" in
   capped)
     for q in q4 q3; do
       python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps 4 --experts $q --skip-mlx-lm \
-        --out "$OUT/gpu-capped-$q.json" | grep -v '^ '
+        --out "$OUT/gpu-capped-h200-$q.json" | grep -v '^ '
     done
     ;;
   fill)
@@ -59,7 +59,7 @@ case "$1" in
     ;;
   rounds)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --skip-parts --variants "" \
-      --rounds 7 --out "$OUT/gpu-rounds-q4.json" | grep -v '^ '
+      --rounds 7 --out "$OUT/gpu-rounds-h200.json" | grep -v '^ '
     ;;
   sampling)
     python3 -m bench.sampling --model "$S/full-conv" --caps resident,4 --tokens 64 --rounds 3 --ctx 1024 \
@@ -72,12 +72,12 @@ case "$1" in
       --name "$OUT/sampling-small-vocab-h200" | grep -v '^ '
     ;;
   parts)
-    python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-q4.json"
+    python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-h200-q4.json"
     ;;
   compare)
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 \
-      --ablate wastebudget@4 --rounds 2 --out "$OUT/gpu-compare-q4.json" | grep -v '^ '
+      --ablate wastebudget@4 --rounds 2 --out "$OUT/gpu-compare-h200-q4.json" | grep -v '^ '
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps 4 --experts q3 --skip-mlx-lm \
-      --ablate wastebudget@4 --rounds 2 --out "$OUT/gpu-compare-q3.json" | grep -v '^ '
+      --ablate wastebudget@4 --rounds 2 --out "$OUT/gpu-compare-h200-q3.json" | grep -v '^ '
     ;;
 esac
