@@ -561,7 +561,7 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
     for a in range(0, L, rows):
         b = min(L, a + rows)
         qb = q[:, :, :, a:b].reshape(B, nkv, rep * (b - a), D)
-        if outs:  # one block's scores at a time: this block starts when the one before it is done
+        if outs:  # left lazy, MLX would schedule every block's scores at once (measured: all of them live)
             mx.eval(outs[-1])
         s = mx.quantized_matmul(qb, *keys, transpose=True, group_size=KV_GROUP, bits=bits)
         if L > 1:  # query position a+i sits at key position N - L + a + i
