@@ -182,14 +182,11 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool =
     """Working memory of one prefill chunk (the decode step is a chunk of one): a conservative sum of the
     largest live temporaries — attention scores over the whole context dominate for long contexts. `blas`:
     the CPU backend's prefill through numpy's BLAS (`QLinear._blas`), which only the CPU backend takes.
-    `kv_bits`: a quantized KV cache, whose attention (`model.quantized_attention`) scores a block of
-    `score_rows` query positions at a time; its scores, their masked copy and their softmax are what it
-    materializes (measured with mx.get_peak_memory: tests/test_kv_quant.py)."""
+    `kv_bits`: a quantized KV cache (see `attention_elements`)."""
     H, nq, nkv, hd = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim
     inter = max(a.moe_intermediate_size, a.shared_expert_intermediate_size)
     hidden = 8 * chunk * H
-    rows = chunk if kv_bits is None else min(chunk, score_rows(nq, ctx, item))
-    attn = chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * rows * ctx
+    attn = attention_elements(a, ctx, chunk, item, kv_bits)
     # the recurrence is evaluated every 8 tokens: up to 8 steps x ~6 state-sized temporaries alive at once
     gdn = 3 * chunk * (a.conv_dim + a.value_dim) + 48 * a.value_dim * a.linear_key_head_dim
     moe = 3 * chunk * a.num_experts_per_tok * H + 4 * chunk * inter
@@ -200,6 +197,17 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool =
                      a.num_experts + 2 * a.shared_expert_intermediate_size + 1)
     dequant = 4 * (BLAS_BLOCK * widest_in + chunk * (widest_in + 2 * widest_out)) if blas and chunk >= BLAS_TOKENS else 0
     return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item) + dequant
+
+
+def attention_elements(a: ModelArgs, ctx: int, chunk: int, item: int, kv_bits: int | None = None) -> int:
+    """Values of `item` bytes one chunk's attention holds at once, before `activation_bytes`' 1.5 margin: the
+    chunk's q/k/v rows, and its scores against the whole context, twice (scores and softmax). A quantized KV
+    cache's attention (`model.quantized_attention`) scores a block of `score_rows` query positions at a time,
+    so only one block's scores, their masked copy and their softmax exist at once (measured with
+    mx.get_peak_memory at 1K-8K contexts: tests/test_kv_quant.py holds this as an upper bound)."""
+    nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    rows = chunk if kv_bits is None else min(chunk, score_rows(nq, max(ctx, 1), item))
+    return chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * rows * ctx
 
 
 def state_bytes(a: ModelArgs, ctx: int, kv_item: int, kv_bits: int | None = None) -> tuple[int, int]:
