@@ -164,10 +164,12 @@ class MemoryPlan:
         return "\n".join(rows)
 
     def to_json(self) -> dict:
-        return {"cap": self.cap, "ctx": self.ctx, "expert_format": self.expert_format, "stride": self.stride, "slot": self.slot_bytes,
-                "accounts": dict(self.accounts), "fixed": self.fixed, "hot_slots": self.hot_slots,
-                "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits,
-                "kv_formats": {f: dict(k) for f, k in self.kv_formats.items()}, "native_ctx": self.native_ctx}
+        out = {"cap": self.cap, "ctx": self.ctx, "expert_format": self.expert_format, "stride": self.stride, "slot": self.slot_bytes,
+               "accounts": dict(self.accounts), "fixed": self.fixed, "hot_slots": self.hot_slots,
+               "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits}
+        if self.kv_formats:  # planned with `plan_with_limits`
+            out.update(kv_formats={f: dict(k) for f, k in self.kv_formats.items()}, native_ctx=self.native_ctx)
+        return out
 
     def require_fit(self) -> None:
         """The fixed accounts fit the cap, and what the plan allocates fits the machine (see `require_machine`)."""
