@@ -223,3 +223,21 @@ def test_cli_run_with_quantized_kv(tiny_conv):
         assert p.returncode == 0, p.stderr
     p = cli("run", tiny_conv, "--kv", "q2", "--raw", "-p", "x")
     assert p.returncode == 2 and "--kv" in p.stderr
+
+
+def test_long_context_bench_runs_each_format(tiny_conv, tmp_path):
+    """bench/long_context.py (the H200 `--ctx 131072` comparison) on a tiny checkpoint and a small context."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    out = tmp_path / "lc.json"
+    p = subprocess.run([sys.executable, "-m", "bench.long_context", str(tiny_conv), "--cap", "0.3", "--ctx", "300",
+                        "--kv", "float32,q8,q4", "--tokens", "3", "--out", str(out)], capture_output=True, text=True,
+                       cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rows = {r["kv"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["float32", "q8", "q4"] and all("error" not in r for r in rows.values())
+    assert rows["float32"]["kv_bytes"] > rows["q8"]["kv_bytes"] > rows["q4"]["kv_bytes"]
+    assert all(r["filled"] == 296 and r["decode_tokens"] == 3 and r["decode_tok_s"] > 0 for r in rows.values())
