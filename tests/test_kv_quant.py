@@ -22,7 +22,7 @@ from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.plan import attention_elements, make_plan, plan_for, plan_with_limits, state_bytes
 from streamoe.runtime.session import load_session, save_session
 
-from .conftest import RUNTIME, cli
+from .conftest import RUNTIME, TINY_MODEL, cli
 
 PROMPT = [5, 17, 300, 41, 9, 77, 120, 3, 64, 250, 11, 40, 41, 42, 500, 7, 99, 12, 13]
 
@@ -241,3 +241,41 @@ def test_long_context_bench_runs_each_format(tiny_conv, tmp_path):
     assert list(rows) == ["float32", "q8", "q4"] and all("error" not in r for r in rows.values())
     assert rows["float32"]["kv_bytes"] > rows["q8"]["kv_bytes"] > rows["q4"]["kv_bytes"]
     assert all(r["filled"] == 296 and r["decode_tokens"] == 3 and r["decode_tok_s"] > 0 for r in rows.values())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from streamoe.convert.convert import convert
+
+    out = tmp_path_factory.mktemp("trained") / "conv"
+    convert(TINY_MODEL, out, formats=["q4"], progress=False)
+    return out
+
+
+@pytest.mark.parametrize("kv", ["q8"])
+def test_served_chat_with_a_quantized_cache_is_the_same_with_or_without_the_prompt_cache(trained, kv):
+    """`serve --kv q8`: turns answered from prompt-cache snapshots (codes, scales and biases restored) give
+    every logit a fresh prefill gives."""
+    from streamoe.runtime.openai_api import Limits, parse_chat
+    from streamoe.runtime.plan import MiB
+    from streamoe.runtime.worker import EngineWorker, ServeOptions, open_engine
+
+    def chat(cache_bytes: int) -> tuple[list[bytes], list[int]]:
+        opts = Options(cap_gib=8, ctx=256, kv=kv, runtime_bytes=RUNTIME)
+        worker = EngineWorker(open_engine(trained, opts, so := ServeOptions("t", prompt_cache_bytes=cache_bytes)), so)
+        msgs, logits, cached = [], [], []
+        for q in ("hello there", "and then?", "why"):
+            msgs.append({"role": "user", "content": q})
+            job = worker.prepare(parse_chat({"messages": msgs, "temperature": 0, "max_tokens": 5}, Limits()))
+            job.logits, job.sink = [], []
+            worker.run(job)
+            done = [e for e in job.sink if e[0] == "done"]
+            msgs.append({"role": "assistant", "content": "".join(v for e in job.sink if e[0] == "delta"
+                                                                 for k, v in e[1] if k == "content")})
+            logits.append(np.stack(job.logits).tobytes())
+            cached.append(done[0][1]["usage"]["prompt_tokens_details"]["cached_tokens"])
+        worker.eng.close()
+        return logits, cached
+
+    (with_cache, hits), (without, misses) = chat(4 * MiB), chat(0)
+    assert with_cache == without and misses == [0, 0, 0] and hits[0] == 0 and all(h > 0 for h in hits[1:])
