@@ -271,7 +271,8 @@ def plan_with_limits(native_ctx: int | None = None, **kw) -> MemoryPlan:
     plan = make_plan(**kw)
     kw["runtime_bytes"] = plan.accounts["runtime"]
     dtype = kw.get("dtype", "float32")
-    formats = dict.fromkeys([dtype, kw.get("kv_dtype", "float32"), *KV_BITS])
+    asked = kw.get("kv_dtype", "float32")
+    formats = dict.fromkeys([dtype, dtype if asked in KV_BITS else asked, *KV_BITS])
     limit = native_ctx or 1 << 31
     for fmt in formats:
         def fits(n: int, fmt: str = fmt) -> bool:
