@@ -20,13 +20,13 @@ from .q3_quality import heldout_text
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def logits_of(conv: Path, kv: str, ids: list[int], chunk: int) -> np.ndarray:
+def logits_of(conv: Path, kv: str, ids: list[int], chunk: int, dtype: str | None = None) -> np.ndarray:
     """Logits after every token of ids[:-1]: the first `chunk` tokens as a prefill, then one token a step."""
     import mlx.core as mx
 
     from streamoe.runtime.engine import Engine, Options
 
-    eng = Engine(conv, Options(cap_gib=1.0, ctx=len(ids) + 8, experts="q4", kv=kv, prefill_chunk=chunk))
+    eng = Engine(conv, Options(cap_gib=1.0, ctx=len(ids) + 8, experts="q4", kv=kv, prefill_chunk=chunk, dtype=dtype))
     out = []
     for i in range(1, chunk + 1):  # the prefix one prefill at a time, so every position's logits are seen
         eng.reset()
@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--prefill", type=int, default=16, help="leading tokens fed as prefills (the L>1 attention path)")
+    ap.add_argument("--dtype", default=None, help="compute dtype (default: float32 on the CPU, bfloat16 on GPUs)")
     ap.add_argument("--scratch", type=Path, default=None, help="work directory, kept (default: a fresh temporary directory)")
     a = ap.parse_args()
     with scratch_dir(a.scratch) as scratch:
@@ -70,17 +71,17 @@ def main() -> None:
 
         text = TextIO(conv, load_manifest(conv).config)
         ids = text.encode(heldout_text(a.tokens * 8))[: a.tokens + 1]
-        base = kv_format(Options())
-        ref = logits_of(conv, base, ids, a.prefill)
+        base = kv_format(Options(dtype=a.dtype))
+        ref = logits_of(conv, base, ids, a.prefill, a.dtype)
         target = np.array(ids[1:len(ref) + 1])
         results = []
         for kv in ("q8", "q4"):
             row = {"model": str(a.model.relative_to(ROOT)) if a.model.is_relative_to(ROOT) else str(a.model),
                    "kv": kv, "reference_kv": base, "tokens": len(ref), "nll_reference": float(
                        -log_softmax(ref)[np.arange(len(target)), target].mean())}
-            row.update(compare(ref, logits_of(conv, kv, ids, a.prefill), target))
+            row.update(compare(ref, logits_of(conv, kv, ids, a.prefill, a.dtype), target))
             results.append({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()})
-        write_result("kv-quality", "quality", results)
+        write_result("kv-quality" if a.dtype in (None, "float32") else f"kv-quality-{a.dtype}", "quality", results)
 
 
 if __name__ == "__main__":
