@@ -81,7 +81,7 @@ def main() -> None:
                        -log_softmax(ref)[np.arange(len(target)), target].mean())}
             row.update(compare(ref, logits_of(conv, kv, ids, a.prefill, a.dtype), target))
             results.append({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()})
-        write_result("kv-quality" if a.dtype in (None, "float32") else f"kv-quality-{a.dtype}", "quality", results)
+        write_result("kv-quality" if base == "float32" else f"kv-quality-{base}", "quality", results)
 
 
 if __name__ == "__main__":
