@@ -5,8 +5,10 @@ inputs are *almost* valid and reach deep code), plus raw random bytes:
 
 - safetensors: header bytes (mutated JSON, bit flips, random) through `parse_header`, and files through `read_header`
 - index: `model.safetensors.index.json` documents through `open_checkpoint`
-- config: `config.json` documents through `open_checkpoint` + the record layout + the blob plan, and `plan`'s bare-config path
-- manifest: manifest documents through `load_manifest` and the open checks `run` makes
+- config: `config.json` documents through `open_checkpoint` + the record layout + the blob plan, and `plan`'s bare-config
+  path; half of them retype only the quantization block (every JSON type in every value and override)
+- manifest: manifest documents through `load_manifest`, the open checks `run` makes and `validate`'s file checks;
+  half of them retype only the blobs' file records, or add to them keys used elsewhere in the manifest
 - blob_table: the manifest's blob tables (offsets, sizes, shapes, dtypes, bits) through the same
 - session: session files (mutated container, mutated metadata, damaged frames, random bytes) through `SessionReader`
 
@@ -50,7 +52,10 @@ _LEAVES = (st.none() | st.booleans() | st.sampled_from(SPECIAL_INTS) | st.intege
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
 JSON_VALUES = st.recursive(_LEAVES, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
                            max_leaves=8)
-ACTIONS = st.sampled_from(["replace", "replace", "near", "delete", "wrap", "dup"])
+# one JSON type drawn uniformly, then a value of it: a null or an object is as likely as a number
+EACH_TYPE = st.one_of(st.none(), st.booleans(), st.sampled_from(SPECIAL_INTS), st.floats(allow_nan=True, allow_infinity=True),
+                      st.text(max_size=8), st.lists(_LEAVES, max_size=3), st.dictionaries(st.text(max_size=6), _LEAVES, max_size=3))
+ACTIONS = st.sampled_from(["replace", "replace", "near", "delete", "wrap", "dup", "add"])
 BYTE_ACTIONS = st.sampled_from(["flip", "truncate", "insert", "zero"])
 
 
@@ -76,14 +81,31 @@ def paths(doc: object, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
+def key_names(doc: object) -> list[str]:
+    """Every object key used anywhere in `doc`: the names an added key is drawn from (a key that is valid in one
+    place, such as an expert file's `layer`, is the likeliest to be mistaken for valid in another)."""
+    return sorted({k for p in paths(doc) for k in p if isinstance(k, str)})
+
+
 @st.composite
 def mutated(draw, base: object, focus: Callable[[tuple], bool] = lambda p: True, max_mutations: int = 3) -> object:
-    """`base` with 1..max_mutations nodes replaced by another value, a near value, or deleted, or grown."""
+    """`base` with 1..max_mutations nodes replaced by another value, a near value, or deleted, or grown, or an
+    object given a key it does not have (a name from elsewhere in `base`, or any text)."""
     doc = copy.deepcopy(base)
+    names = key_names(base)
     for _ in range(draw(st.integers(1, max_mutations))):
         candidates = [p for p in paths(doc) if focus(p)] or [()]
         path = pick(draw, candidates)
         action = draw(ACTIONS)
+        if action == "add":
+            node = doc
+            for k in path:
+                node = node[k]
+            if isinstance(node, dict):
+                key = pick(draw, names) if names and draw(st.booleans()) else draw(st.text(max_size=6))
+                node[key] = draw(json_values())
+                continue
+            action = "replace"
         if not path:
             if action == "replace":
                 doc = draw(json_values())
@@ -110,6 +132,48 @@ def mutated(draw, base: object, focus: Callable[[tuple], bool] = lambda p: True,
             parent[key] = [old] if draw(st.booleans()) else {"x": old}
         elif action == "dup" and isinstance(parent, list):
             parent.append(copy.deepcopy(old))
+    return doc
+
+
+def kin_keys(doc: object, node: dict) -> dict[str, object]:
+    """Keys (with a value each has there) that objects of the same kind as `node` (sharing most of its keys) have
+    elsewhere in `doc` and `node` lacks: an expert file's `layer` for a blob's file record."""
+    out: dict[str, object] = {}
+    stack = [doc]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            if len(node.keys() & x.keys()) * 2 > len(node):
+                out.update({k: v for k, v in x.items() if k not in node})
+            stack += x.values()
+        elif isinstance(x, list):
+            stack += x
+    return out
+
+
+@st.composite
+def retyped(draw, base: object, focus: Callable[[tuple], bool], max_mutations: int = 2) -> object:
+    """`base` with 1..max_mutations nodes under `focus` set to a value of a uniformly drawn JSON type, or (an
+    object) given a key named elsewhere in `base`: the directed form of `mutated` for a few fields that matter."""
+    doc = copy.deepcopy(base)
+    names = key_names(base)
+    for _ in range(draw(st.integers(1, max_mutations))):
+        path = pick(draw, [p for p in paths(doc) if p and focus(p)] or [()])
+        if not path:
+            break
+        parent = doc
+        for k in path[:-1]:
+            parent = parent[k]
+        node = parent[path[-1]]
+        if isinstance(node, dict) and draw(st.booleans()):
+            kin = kin_keys(base, node)
+            if kin and draw(st.booleans()):  # the key with the value it has there, or any value
+                key = pick(draw, sorted(kin))
+                node[key] = copy.deepcopy(kin[key]) if draw(st.booleans()) else draw(EACH_TYPE)
+            else:
+                node[pick(draw, names)] = draw(EACH_TYPE)
+        else:
+            parent[path[-1]] = draw(EACH_TYPE)
     return doc
 
 
@@ -188,7 +252,7 @@ class World:
         p = self.scratch / "base.zst"
         meta = {"model": "m", "experts": "q4", "dtype": "F32", "kv": "float32", "tokens": 3, "rope_delta": 0,
                 "extra": {"raw": False, "messages": [{"role": "user", "content": "hi"}], "tokens": [1, 2, 3],
-                          "sampler": {"bit_generator": "PCG64"}}}
+                          "sampler": {"seed": 1, "drawn": 4}}}
         entries = [("layers.0.keys", "F32", (1, 2, 3, 4)), ("layers.1.state", "BF16", (2, 4))]
         write_session(p, meta, entries, [bytes(96), bytes(16)])
         return p.read_bytes()
@@ -258,13 +322,19 @@ def target_config(world: World, raw: bytes) -> None:
 
     d = world.case_dir("config")
     (d / "config.json").write_bytes(raw)
-    try:
-        open_and_plan(d)
-    finally:
-        plan_from_config(d / "config.json", 4.0, 4096, "q4", "float32", "float32", runtime_mib=100)
+    refusals = []
+    for step in (lambda: open_and_plan(d),
+                 lambda: plan_from_config(d / "config.json", 4.0, 4096, "q4", "float32", "float32", runtime_mib=100)):
+        try:  # both paths see every input; any other exception leaves at once (a refusal never masks it)
+            step()
+        except StreamoeError as e:
+            refusals.append(e)
+    if refusals:
+        raise refusals[0]
 
 
 def target_manifest(world: World, raw: bytes, name: str) -> None:
+    from streamoe.convert.validate import validate
     from streamoe.formats.checks import open_problems
     from streamoe.formats.manifest import load_manifest
 
@@ -275,6 +345,7 @@ def target_manifest(world: World, raw: bytes, name: str) -> None:
     m.expert_formats()
     for kind in m.doc["blobs"]:
         m.blob(kind)
+    validate(d)  # what `streamoe validate` does with the files the manifest names
 
 
 def target_session(world: World, raw: bytes) -> None:
@@ -336,7 +407,14 @@ def session_inputs(world: World) -> st.SearchStrategy:
 def manifest_focus(kind: str) -> Callable[[tuple], bool]:
     if kind == "blob_table":
         return lambda p: len(p) >= 4 and p[0] == "blobs" and p[2] == "tensors"
+    if kind == "blob_file":  # each blob's file record and its keys (an expert file's `layer` on a blob's file...)
+        return lambda p: len(p) >= 3 and p[0] == "blobs" and p[2] == "file"
     return lambda p: not (len(p) >= 4 and p[0] == "blobs" and p[2] == "tensors")
+
+
+def in_quantization(p: tuple) -> bool:
+    """The config's quantization block: its values, and each per-module override's, of every JSON type."""
+    return len(p) >= 1 and p[0] in ("quantization", "quantization_config")
 
 
 def strategies(world: World) -> dict[str, tuple[st.SearchStrategy, Callable]]:
@@ -344,10 +422,11 @@ def strategies(world: World) -> dict[str, tuple[st.SearchStrategy, Callable]]:
         "safetensors": (header_inputs(world), lambda x: target_safetensors(world, x[0], x[1])),
         "index": (st.one_of(mutated(world.index).map(encode), damaged_bytes(encode(world.index))),
                   lambda x: target_index(world, x)),
-        "config": (st.one_of(mutated(world.config).map(encode), damaged_bytes(encode(world.config)),
-                             st.just(b"[" * 100_000)),
+        "config": (st.one_of(mutated(world.config).map(encode), retyped(world.config, in_quantization).map(encode),
+                             damaged_bytes(encode(world.config)), st.just(b"[" * 100_000)),
                    lambda x: target_config(world, x)),
-        "manifest": (mutated(world.manifest, manifest_focus("manifest")).map(encode),
+        "manifest": (st.one_of(mutated(world.manifest, manifest_focus("manifest")),
+                               retyped(world.manifest, manifest_focus("blob_file"))).map(encode),
                      lambda x: target_manifest(world, x, "manifest")),
         "blob_table": (mutated(world.manifest, manifest_focus("blob_table")).map(encode),
                        lambda x: target_manifest(world, x, "blob_table")),

@@ -132,7 +132,7 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
         eng.reset()
     if ablate == "cache32":
         mx.set_cache_limit(32 << 20)
-    from streamoe.runtime.text import Sampler
+    from streamoe.runtime.sampling import Sampler
 
     eng.text.stop_ids = set()  # random weights may pick a stop token early: measure a fixed number of tokens
     prof = None

@@ -190,7 +190,7 @@ def loops(eng: Engine, ref, tk, ids: list[int], n: int, variants: list[str], rou
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from streamoe.runtime.text import Sampler
+    from streamoe.runtime.sampling import Sampler
 
     out = {}
 

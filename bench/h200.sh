@@ -13,6 +13,7 @@
 #   bash bench/h200.sh fill      # a record's copy into its slot against the disk read (upload-ring advice off / on)
 #   bash bench/h200.sh parts     # a resident decode step part by part (mixers, MoE block, head) against mlx-lm's modules
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds
+#   bash bench/h200.sh sampling  # sampled (checkpoint defaults, and with penalties) against greedy decode, resident and --cap 4
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`.
 # (Saving the compiled kernels for the next lease does not work: 55 MB compressed, more than a lease sends back.)
 set -euo pipefail
@@ -57,6 +58,10 @@ case "$1" in
   rounds)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --skip-parts --variants "" \
       --rounds 7 --out "$OUT/gpu-rounds-q4.json" | grep -v '^ '
+    ;;
+  sampling)
+    python3 -m bench.sampling --model "$S/full-conv" --caps resident,4 --tokens 64 --rounds 3 --ctx 1024 \
+      --name "$OUT/sampling-h200" | grep -v '^ '
     ;;
   parts)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-q4.json"

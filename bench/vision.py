@@ -53,7 +53,7 @@ def encode_sizes(model: Path, scratch: Path) -> list[dict]:
 
 def turn_speeds(scratch: Path) -> list[dict]:
     from streamoe.runtime.engine import Engine, Options
-    from streamoe.runtime.text import Sampler
+    from streamoe.runtime.sampling import Sampler
 
     conv = scratch / "tiny-q4q3"
     if not (conv / "manifest.json").exists():

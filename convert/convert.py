@@ -5,11 +5,17 @@ tensor to give one expert), keeps the page cache clean, and is crash-safe: every
 a hidden `.NAME.partial` sibling with a journal of finished files, the manifest is written last, and
 the directory is renamed into place only when complete. A rerun resumes from the journal when the
 source is unchanged, else starts clean.
+
+The journal is the mark of an unfinished run and is removed last, after the rename and the lock: wherever a kill -9
+lands, the partial directory (or OUT itself, killed just after the rename) still carries it or a streamoe
+manifest, so the same command run again resumes or finishes the publication; nothing needs a person.
+Directories are removed marker last (`remove_ours`), so a kill during a removal leaves one still marked.
 """
 
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -212,13 +218,33 @@ def free_space_check(parent: Path, need: int) -> None:
 
 
 def is_ours(tmp: Path) -> bool:
-    """A partial directory this converter made: empty (killed right after mkdir), or holding its journal or a
-    streamoe manifest. Anything else under that name is the user's and is never removed."""
+    """A partial directory this converter made: empty (killed right after mkdir), holding only the first
+    journal's temporary (killed before its rename), or holding its journal or a streamoe manifest. Anything
+    else under that name is the user's and is never removed."""
     try:
         names = set(os.listdir(tmp))
     except OSError:
         return False
-    return not names or JOURNAL in names or (MANIFEST in names and is_conversion(tmp))
+    return names <= {JOURNAL + ".tmp"} or JOURNAL in names or (MANIFEST in names and is_conversion(tmp))
+
+
+def remove_ours(d: Path) -> None:
+    """Remove a directory of ours with its markers (journal, manifest) last, so that a kill during the removal
+    leaves a directory `is_ours` still recognises (or an empty one) rather than unmarked leftovers."""
+    markers = (JOURNAL, MANIFEST)
+    for root, dirs, names in os.walk(d, topdown=False):
+        for n in names:
+            if root != str(d) or n not in markers:
+                os.unlink(os.path.join(root, n))
+        for n in dirs:
+            p = os.path.join(root, n)
+            os.unlink(p) if os.path.islink(p) else os.rmdir(p)
+    for n in markers:
+        try:
+            os.unlink(d / n)
+        except FileNotFoundError:
+            pass
+    os.rmdir(d)
 
 
 def load_journal(tmp: Path, fp: str) -> dict:
@@ -238,7 +264,7 @@ def load_journal(tmp: Path, fp: str) -> dict:
     if os.path.lexists(tmp):
         if not tmp.is_dir() or tmp.is_symlink() or not is_ours(tmp):
             raise fail(tmp, "exists and was not made by streamoe convert; remove it or choose another OUT")
-        shutil.rmtree(tmp)
+        remove_ours(tmp)
     return {}
 
 
@@ -257,11 +283,8 @@ def is_conversion(d: Path) -> bool:
     return isinstance(doc, dict) and doc.get("format") == "streamoe"
 
 
-def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
-    """Whether OUT may be written, before any work: True when it holds a conversion `--force` will replace.
-
-    OUT may be missing or an empty directory; with `--force` it may hold a streamoe conversion. It is never
-    the source, a directory above the source, a file or a special file (those are the user's, not ours)."""
+def check_not_source(ckpt_path: Path, out: Path) -> None:
+    """OUT is never the source checkpoint or a directory above it."""
     src, dst = Path(os.path.abspath(ckpt_path)), Path(os.path.abspath(out))
     try:
         src, dst = src.resolve(), dst.resolve()
@@ -269,6 +292,14 @@ def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
         pass
     if src == dst or src.is_relative_to(dst):
         raise fail(out, f"is the source checkpoint {ckpt_path} or a directory above it; choose another OUT")
+
+
+def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
+    """Whether OUT may be written, before any work: True when it holds a conversion `--force` will replace.
+
+    OUT may be missing or an empty directory; with `--force` it may hold a streamoe conversion. It is never
+    the source, a directory above the source, a file or a special file (those are the user's, not ours)."""
+    check_not_source(ckpt_path, out)
     if not os.path.lexists(out):
         check_writable_dir(out.parent, out)
         return False
@@ -305,16 +336,21 @@ def convert(
     if bad or not formats:
         raise fail(out, f"unknown expert format(s) {bad}: choose from q4, q3")
     out = Path(out)
-    check_out(ckpt_path, out, force)
+    check_not_source(ckpt_path, out)
+    unfinished = os.path.lexists(out / JOURNAL)  # a run killed after publishing: finished below, under the lock
+    if not unfinished:
+        check_out(ckpt_path, out, force)
     ckpt = open_checkpoint(ckpt_path)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise os_fail(out.parent, e, "cannot create the output directory") from None
     with exclusive_lock(out.parent / f".{out.name}.lock", out, "this OUT"):
-        replacing = check_out(ckpt_path, out, force)  # again, now that no one else can change OUT
         try:
-            _convert_locked(ckpt, out, formats, progress)
+            finished = unfinished and finish_interrupted(out, fingerprint(ckpt, formats))
+            replacing = not finished and check_out(ckpt_path, out, force)  # again, now that no one else can change OUT
+            if not finished:
+                _convert_locked(ckpt, out, formats, progress)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 try:
@@ -324,6 +360,12 @@ def convert(
                 raise fail(e.filename or out, f"no space left on device while converting ({free} free now on "
                                               f"{out.parent}; free some and rerun to resume)") from None
             raise os_fail(out, e, "conversion failed (rerun to resume)") from None
+    try:  # the last step, after the lock: a kill at any earlier one leaves the journal, and a rerun finishes
+        (out / JOURNAL).unlink(missing_ok=True)
+    except OSError as e:
+        raise os_fail(out / JOURNAL, e, "cannot remove the finished conversion's journal") from None
+    if finished:
+        sys.stderr.write(f"finished publishing the conversion in {out} (an earlier run was interrupted)\n")
     if replacing:
         sys.stderr.write(f"replaced the earlier streamoe conversion in {out}\n")
     return out
@@ -445,21 +487,46 @@ def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: b
         "files": files,
         "skipped": groups["skip"],
     }
-    (tmp / JOURNAL).unlink(missing_ok=True)
-    write_manifest(tmp, doc)
+    write_manifest(tmp, doc)  # the journal stays: a kill from here on resumes, or finishes, the publication
     publish(tmp, out)
 
 
 def publish(tmp: Path, out: Path) -> None:
     """Rename the finished `tmp` to `out`; an existing `out` (checked: empty or a conversion) is moved aside
-    under a name only this process uses, then removed."""
-    if not os.path.lexists(out):
-        os.replace(tmp, out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.replace(out, old)
+    under a name only this process uses, then removed. The journal leaves OUT after the lock (`convert`)."""
+    if os.path.lexists(out):
+        os.replace(out, out.parent / f".{out.name}.old-{os.getpid()}")
     os.replace(tmp, out)
-    if old.is_symlink():  # OUT was a link to a conversion: the link is replaced, its target left alone
-        old.unlink()
-    else:
-        shutil.rmtree(old, ignore_errors=True)
+    remove_old(out)
+
+
+def remove_old(out: Path) -> None:
+    """Remove the earlier conversions of OUT moved aside by `publish` (`.OUT.old-PID`), also those of a run
+    killed before it could: ours only (a link to one, or a directory `is_ours` recognises). Called under OUT's
+    lock, so no other run owns them."""
+    for old in out.parent.glob(f".{glob.escape(out.name)}.old-*"):
+        if not old.name.removeprefix(f".{out.name}.old-").isdigit():
+            continue
+        if old.is_symlink():  # OUT was a link to a conversion: the link is replaced, its target left alone
+            old.unlink()
+        elif old.is_dir() and is_ours(old):
+            try:
+                remove_ours(old)
+            except OSError:
+                pass  # the new conversion is in place; a leftover we cannot remove is not its failure
+
+
+def finish_interrupted(out: Path, fp: str) -> bool:
+    """OUT holds a journal. When OUT is a complete conversion (a run killed after its rename), do what that run
+    left undone under the lock (remove the conversions it moved aside; the journal itself when it is another
+    source's, as OUT is then an ordinary conversion) and say whether OUT is this very conversion."""
+    if not (out.is_dir() and is_conversion(out)):
+        return False
+    try:
+        same = json.loads((out / JOURNAL).read_text()).get("fingerprint") == fp
+    except (OSError, ValueError, AttributeError, RecursionError):
+        same = False
+    remove_old(out)
+    if not same:
+        (out / JOURNAL).unlink(missing_ok=True)
+    return same

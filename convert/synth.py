@@ -47,7 +47,7 @@ from .synth_tokenizer import REAL_BASE, TRAINED_VOCAB, token_id, write_tokenizer
 GROUP_SIZE = 64
 DEFAULT_SHARD_BYTES = 5 << 30  # mlx-vlm / mlx-lm MAX_FILE_SIZE_GB = 5
 TRANSFORMERS_VERSION = "4.57.0.dev0"
-SIZES = ("tiny", "small", "full")
+SIZES = ("tiny", "small", "small-vocab", "full")
 VARIANTS = ("qwen3.6", "qwen3.5")
 CHUNK_ELEMS = 1 << 22  # elements generated at a time on the streaming path
 FREE_SPACE_MARGIN = 64 << 20
@@ -89,6 +89,11 @@ DIMS: dict[str, Dims] = {
                   lin_k_dim=64, lin_v_dim=64, experts=64, top_k=8, moe_inter=256, shared_inter=256, vocab=576,
                   token_base=TRAINED_VOCAB, mrope=(3, 3, 2), v_depth=2, v_hidden=128, v_inter=256, v_heads=2,
                   v_npos=64),
+    # small, with the real model's 248,320-row (padded) vocabulary: what choosing a token costs at full size
+    "small-vocab": Dims(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, lin_k_heads=4, lin_v_heads=8,
+                        lin_k_dim=64, lin_v_dim=64, experts=64, top_k=8, moe_inter=256, shared_inter=256, vocab=248320,
+                        token_base=TRAINED_VOCAB, mrope=(3, 3, 2), v_depth=2, v_hidden=128, v_inter=256, v_heads=2,
+                        v_npos=64),
     # the real Qwen3.6-35B-A3B (its config.json)
     "full": Dims(hidden=2048, layers=40, heads=16, kv_heads=2, head_dim=256, lin_k_heads=16, lin_v_heads=32,
                  lin_k_dim=128, lin_v_dim=128, experts=256, top_k=8, moe_inter=512, shared_inter=512,

@@ -104,7 +104,9 @@ def validate(root: Path, source: Path | None = None, samples: int = 16) -> dict:
                        "detail": f"{m.root / 'manifest.json'}: {problem}" if problem
                        else f"the {blob_kind} blob holds every tensor the config needs, in bounds"})
     n_exp = m.model["num_experts"]
-    layouts = {name: ef.layout for name, ef in m.expert_formats().items()}
+    formats = m.expert_formats()
+    layouts = {name: ef.layout for name, ef in formats.items()}
+    fmt_of = {id(f): name for name, ef in formats.items() for f in ef.files}  # expert layer files only
     for f in m.all_files():
         path = safe_path(m.root, f["path"])
         if not path.is_file():
@@ -115,9 +117,9 @@ def validate(root: Path, source: Path | None = None, samples: int = 16) -> dict:
         if size != f["size"]:
             checks.append({"name": f"file:{f['path']}", "ok": False, "detail": f"{path}: size {size} bytes, manifest says {f['size']}"})
             continue
-        if "layer" in f:
+        if id(f) in fmt_of:
             try:
-                want = f["path"].split("/")[1]
+                want = fmt_of[id(f)]
                 fmt = detect_format(path, size, n_exp, layouts, claimed=want)
                 if fmt != want:
                     raise StreamoeError(f"{path}: size says {fmt}, manifest says {want}")

@@ -8,6 +8,8 @@ machine could hold, and the sizes that must agree with each other are checked ag
 
 from __future__ import annotations
 
+import json
+
 from .errors import fail
 
 MAX_DIM = 1 << 40  # one tensor dimension, in elements
@@ -55,18 +57,30 @@ def is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def json_type(v: object) -> str:
+    """What a parsed JSON value is, in JSON's words (a message about config.json says null, not NoneType)."""
+    for t, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+                    (dict, "object")):
+        if isinstance(v, t):
+            return name
+    return "null" if v is None else type(v).__name__
+
+
 def check_int(v: object, lo: int, hi: int, what: str, path: object) -> int:
     """`v` as an int in [lo, hi], else one error naming `path` and `what`."""
     if not is_int(v):
-        raise fail(path, f"{what} must be an integer, got {type(v).__name__} {str(v)[:40]}")
+        shown = "" if v is None else " " + json.dumps(v, default=str)[:40]
+        raise fail(path, f"{what} must be an integer, got {json_type(v)}{shown}")
     if not lo <= v <= hi:
         raise fail(path, f"{what} = {v} is out of range [{lo}, {hi}]")
     return v
 
 
-def _check_block(block: dict, bounds: dict[str, tuple[int, int]], where: str, path: object) -> None:
+def _check_block(block: dict, bounds: dict[str, tuple[int, int]], where: str, path: object,
+                 null_ok: bool = True) -> None:
+    """Each bounded key present is an int in range; `null_ok`: null stands for "absent" (a config's head_dim)."""
     for key, (lo, hi) in bounds.items():
-        if key in block and block[key] is not None:
+        if key in block and (block[key] is not None or not null_ok):
             check_int(block[key], lo, hi, f"{where}{key}", path)
 
 
@@ -100,10 +114,10 @@ def check_config_sizes(config: object, path: object) -> None:
             continue
         if not isinstance(q, dict):
             raise fail(path, f"{key} is not a JSON object")
-        _check_block(q, QUANT_INTS, f"{key}.", path)
+        _check_block(q, QUANT_INTS, f"{key}.", path, null_ok=False)  # a null bits or group_size means nothing
         for module, o in q.items():
             if isinstance(o, dict):
-                _check_block(o, QUANT_INTS, f"{key}.{module}.", path)
+                _check_block(o, QUANT_INTS, f"{key}.{module}.", path, null_ok=False)
             elif module not in QUANT_INTS and not isinstance(o, bool | str | int | float | type(None)):
                 raise fail(path, f"{key}.{module} must be an object or a boolean")
 

@@ -107,6 +107,10 @@ def check_doc(doc: object, where: Path) -> None:
     check_config_sizes(doc["config"], where)
     for f in [f for e in doc["experts"].values() for f in e["files"]] + [b["file"] for b in doc["blobs"].values()]:
         check_int(f["size"], 0, MAX_FILE_BYTES, f"size of {f['path']}", where)
+    unlayered = [(f"blobs.{name}.file", b["file"]) for name, b in doc["blobs"].items()]
+    for at, f in unlayered + [(f"files[{i}]", f) for i, f in enumerate(doc["files"])]:
+        if "layer" in f:
+            raise fail(where, f"{at} ({f['path']}) has a layer: only expert layer files have one")
     for name, b in doc["blobs"].items():
         for t in b["tensors"]:
             check_shape(t["shape"], where, t["name"])

@@ -13,16 +13,17 @@ from ..formats.files import os_fail
 from ..formats.manifest import load_manifest
 from . import session
 from .engine import Engine, Options
-from .image import check_preprocessor
-from .telemetry import summarize, summary_line, validate_record
-from .text import Detokenizer, Sampler
+from .image import check_preprocessor, load_image
+from .sampling import Sampler
+from .telemetry import summarize, summary_line
+from .text import Detokenizer
 
 
 def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler, logits: list | None,
-           images: list | None = None) -> list[int]:
+           images: list | None = None, context: list[int] | None = None) -> list[int]:
     detok = Detokenizer(eng.text)
     out = []
-    for tok, lg in eng.generate(prompt_ids, max_tokens, sampler, images=images):
+    for tok, lg in eng.generate(prompt_ids, max_tokens, sampler, images=images, context=context):
         if logits is not None:
             logits.append(lg)
         out.append(tok)
@@ -53,7 +54,7 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
         messages, fed = saved.get("messages", []), saved.get("tokens", [])
         if "sampler" in saved:  # a sampled conversation goes on drawing where it stopped
             try:
-                session.restore_sampler(sampler.rng, saved["sampler"], load_session)
+                session.restore_sampler(sampler, saved["sampler"], load_session)
             except BaseException:
                 eng.close()
                 raise
@@ -74,8 +75,16 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
                 if user.strip() in ("/quit", "/exit"):
                     break
                 if user.startswith("/image "):
-                    images.append(Path(user[7:].strip()))
-                    print(f"(attached {images[-1]} to the next turn)", file=sys.stderr)
+                    path = Path(user[7:].strip())
+                    try:  # a file that cannot be the image is said now, in one line, and the chat goes on
+                        if raw:
+                            raise StreamoeError(f"{path}: an image needs the chat template; run the chat without --raw")
+                        load_image(path, max_decode_pixels=eng.opts.max_decode_pixels)
+                    except StreamoeError as e:
+                        print(f"streamoe: error: {e} (not attached; the chat goes on)", file=sys.stderr, flush=True)
+                        continue
+                    images.append(path)
+                    print(f"(attached {path} to the next turn)", file=sys.stderr)
                     continue
             if raw:
                 ids = eng.text.encode(user)
@@ -85,11 +94,11 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
                 msg = {"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": user}]
                        if images else user}
                 text = eng.text.chat_prompt([msg] if fed else messages + [msg], think=think)
-                ids = eng.text.encode(eng.text.turn_close() + text if fed else text)
+                ids = eng.text.encode_chat(eng.text.turn_close() + text if fed else text)
                 messages.append(msg)
             n0 = len(eng.steps)
             turn_images, images = list(images), []
-            out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images)
+            out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids)
             fed += ids + out  # as rendered (one pad per image); the cache holds the expanded run, same history
             if not raw:
                 messages.append({"role": "assistant", "content": eng.text.decode(out)})
@@ -101,7 +110,7 @@ def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: 
             if not chat:
                 break
         if save_session:
-            extra = {"raw": raw, "messages": messages, "tokens": fed, "sampler": sampler.rng.bit_generator.state}
+            extra = {"raw": raw, "messages": messages, "tokens": fed, "sampler": sampler.state()}
             size = session.save_session(eng, save_session, extra)
             print(f"(saved {eng.offset} tokens of conversation to {save_session}, {size / 2**20:.2f} MiB)", file=sys.stderr)
     finally:
@@ -115,13 +124,11 @@ def write_outputs(eng: Engine, stats: Path | None, logits_out: Path | None, logi
         if stats:
             with open(stats, "w") as f:
                 for st in eng.steps:
-                    rec = st.to_json()
-                    validate_record(rec)
-                    f.write(json.dumps(rec) + "\n")
+                    f.write(json.dumps(st.to_json()) + "\n")
     except OSError as e:
         raise os_fail(stats, e, "cannot write the telemetry") from None
     try:
         if logits_out is not None and logits:
-            np.savez(logits_out, logits=np.stack(logits))
+            np.savez(logits_out, logits=np.stack([np.array(lg) for lg in logits]))
     except OSError as e:
         raise os_fail(logits_out, e, "cannot write the logits") from None

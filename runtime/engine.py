@@ -20,11 +20,13 @@ from ..formats.direct import RangeReader, file_checksum
 from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import load_manifest, safe_path
 from . import model as model_mod
+from .constrain import Constraint
 from .experts import StreamingExperts
 from .image import ImageConfig, check_preprocessor, load_image, preprocess
 from .model import Model
 from .mrope import expand_image_tokens, image_positions
 from .plan import Options, current_rss, default_dtype, kv_bits, kv_dtype, plan_for, prefetch_width, read_ring
+from .sampling import Sampler
 from .store import ExpertStore
 from .telemetry import LayerStats, StepStats
 from .text import TextIO
@@ -156,59 +158,82 @@ class Engine:
         self.experts.end_prompt()
         return logits
 
-    def generate(self, prompt: list[int], max_tokens: int, sampler, images: list | None = None):
-        """Yield generated token ids (stop token excluded) with their float32 logits."""
-        logits = self.prefill_images(prompt, images) if images else self.prefill(prompt)
-        if self.experts.resident and sampler.temp == 0:
-            yield from self._generate_pipelined(logits, max_tokens)
-            return
-        for _ in range(max_tokens):
-            lg = np.array(logits.astype(mx.float32))
-            tok = sampler(lg)
-            self.steps[-1].token_id = tok
-            if tok in self.text.stop_ids:
-                return
-            yield tok, lg
-            if self.offset >= self.opts.ctx:
-                return
-            logits = self.decode(tok)
+    def generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, images: list | None = None,
+                 context: list[int] | None = None, constraint: Constraint | None = None):
+        """Yield generated token ids (stop token excluded) with their float32 logits (lazy mx arrays [V]).
 
-    def _generate_pipelined(self, logits: mx.array, max_tokens: int):
-        """Greedy decode with everything resident, as stock mlx-lm does it: the next step's graph is built
-        from the token still being computed and queued before that token is read, so the host never waits
-        with the device idle. A step built for a token that turns out to be a stop token (or that the
-        caller never takes) is taken back (KV offsets rewound, Gated DeltaNet states restored), so the
-        state after the answer is exactly what the plain loop leaves."""
-        y, made_by = mx.argmax(logits), self.steps[-1]  # the token being computed, and the step computing it
+        One loop for every sampler and cap. The token is chosen on the device (`runtime/sampling.py`), so
+        where every expert is resident the next step's graph is built from the token still being computed
+        and queued before that token is read, as stock mlx-lm does, and the host never waits with the device
+        idle; at a cap each layer syncs for its picks anyway, so the token is read first (one int) and no
+        step is computed for a token that ends the answer. A step queued for a token that turns out to be a
+        stop token (or that the caller never takes) is taken back (KV offsets rewound, Gated DeltaNet states
+        restored, the sampler's draws and penalties too), so the state after an answer, and the tokens drawn,
+        are exactly those of a run at any other cap. `context` is the whole prompt the repetition penalty
+        counts (default `prompt`: a continued conversation passes what the cache holds too). Under a
+        `constraint` the next token's mask needs this one, so a resident step is still queued ahead but its
+        token is drawn once this one is read and fed to the grammar (the device computes the step meanwhile).
+
+        Timing (`StepStats.t_token`, `ms`): a step that gives a token is stamped when the token reaches the
+        caller, and a decode step's `ms` is the interval since the previous token did, so the summary's
+        tok/s is the rate the caller sees, whatever was overlapped."""
+        t_start = time.perf_counter()
+        logits = self.prefill_images(prompt, images) if images else self.prefill(prompt)
+        pen = sampler.start(prompt if context is None else context, logits.shape[0])
+        drawn = sampler.drawn
+
+        def draw(lg, pen, n):
+            return sampler(lg, pen, n, None if constraint is None else constraint.allowed())
+
+        y, pen = draw(logits, pen, drawn)
         mx.async_eval(y)
-        ahead = None  # (snapshot, next logits, next token, next step) queued before its token is known
+        made_by, last = self.steps[-1], t_start  # the step computing y; when the previous token was handed over
+        ahead = None  # (snapshot, logits, token, penalties, step) queued before its token is known
         try:
             for _ in range(max_tokens):
-                if self.offset < self.opts.ctx:  # the plain loop feeds every token it yields
+                if self.experts.resident and self.offset < self.opts.ctx:  # the loop feeds every token it yields
                     snap = self._snapshot()
-                    nxt = self._step(self.model.embed(y.reshape(1, 1).astype(mx.uint32)), "decode")
-                    y_next = mx.argmax(nxt)
-                    mx.async_eval(y_next)
-                    ahead = (snap, nxt, y_next, self.steps[-1])
+                    nxt = self._step(self.model.embed(y.reshape(1, 1)), "decode")
+                    y_next, pen_next = (None, None) if constraint else draw(nxt, pen, drawn + 1)
+                    mx.async_eval(nxt if y_next is None else y_next)
+                    ahead = (snap, nxt, y_next, pen_next, self.steps[-1])
                 tw = time.perf_counter()
-                tok = int(y.item())  # waits for this token only; the next step is already queued
-                if made_by.ms == 0.0:
-                    made_by.layers[-1].compute_ms = 1000 * (time.perf_counter() - tw)  # the device's time not hidden
-                    made_by.ms = 1000 * (time.perf_counter() - made_by.t0)
-                    self.note_rss()
+                tok = int(y.item())  # waits for this token only; a resident run's next step is already queued
+                now = time.perf_counter()
+                drawn += 1
+                if made_by.phase == "decode":
+                    if made_by.ms == 0.0:  # a step queued ahead: the device's time the host did not hide
+                        made_by.layers[-1].compute_ms += 1000 * (now - tw)
+                    made_by.ms = 1000 * (now - last)
                 made_by.token_id = tok
+                self.note_rss()
                 if tok in self.text.stop_ids:
                     return
+                made_by.t_token, last = now - t_start, now
+                if constraint is not None:
+                    constraint.advance(tok)
                 yield tok, logits.astype(mx.float32)
-                if ahead is None:
+                if ahead is not None:
+                    _, logits, y, pen_ahead, made_by = ahead
+                    ahead = None
+                    if y is None:
+                        y, pen = draw(logits, pen, drawn)
+                        mx.async_eval(y)
+                    else:
+                        pen = pen_ahead
+                elif self.offset < self.opts.ctx:
+                    logits = self.decode(tok)
+                    y, pen = draw(logits, pen, drawn)
+                    made_by = self.steps[-1]
+                else:
                     return
-                _, logits, y, made_by = ahead
-                ahead = None
             mx.eval(logits)  # the last token's step, kept: the cache holds the whole answer
-            made_by.ms = 1000 * (time.perf_counter() - made_by.t0)
+            if made_by.ms == 0.0:
+                made_by.ms = 1000 * (time.perf_counter() - made_by.t0)
         finally:
             if ahead is not None:
                 self._restore(ahead[0])
+            sampler.drawn = drawn
             self.note_rss()
 
     def _snapshot(self) -> tuple:

@@ -109,7 +109,11 @@ def load_image(path, max_decode_pixels: int = MAX_DECODE_PIXELS) -> Image.Image:
         raise fail(path, "empty file (0 bytes), not an image")
 
     try:
-        with open(path, "rb") as f, warnings.catch_warnings():
+        f = open(path, "rb")
+    except OSError as e:  # permission denied, or gone since the stat
+        raise fail(path, f"cannot read ({e.strerror or e})") from None
+    try:
+        with f, warnings.catch_warnings():
             # Our own pixel limit is below Pillow's; its bomb warning must not leak to stderr.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             try:

@@ -11,10 +11,13 @@ import base64
 import binascii
 import hashlib
 import io
+import json
+import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 
-from .chat_output import call_prefix
+import numpy as np
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
@@ -46,6 +49,75 @@ class Limits:
     max_image_bytes: int = 3 << 20
     max_images: int = 4
     max_decode_pixels: int = 1 << 24
+    max_values: int = 1 << 16  # JSON values in one body (objects, arrays, strings, numbers...)
+    max_depth: int = 64  # JSON nesting
+
+    @property
+    def max_kept(self) -> int:
+        """Memory one admitted request may keep once parsed (its objects, their strings and its images):
+        a parsed body that would hold more is refused."""
+        return 2 * self.max_body
+
+    @property
+    def parse_peak(self) -> int:
+        """The transient memory of parsing one body at its limits: the decoded text (up to 4 bytes a character)
+        and the strings copied out of it, plus every value's object (measured at most ~82 bytes each: a
+        one-key object in an array; `PARSED_VALUE_BYTES` leaves room)."""
+        return 8 * self.max_body + PARSED_VALUE_BYTES * self.max_values
+
+
+PARSED_VALUE_BYTES = 128
+_NON_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_shape(raw: bytes, limits: Limits) -> None:
+    """Refuse, from the raw bytes and before any object is made, a body that would parse into more values or
+    deeper nesting than the limits: 4 MiB of `[{},{},...]` is 1.4 M dicts, ~100 MiB of Python objects.
+    Each pass is one C scan, whose work is bounded by the limits rather than by the body."""
+    opens = raw.count(b"[") + raw.count(b"{")
+    if opens <= limits.max_depth and 1 + opens + raw.count(b",") + raw.count(b":") <= limits.max_values:
+        return  # counted with the strings' contents, an upper bound: nothing to look closer at
+    # escapes out (an escaped backslash, then an escaped quote): every quote left opens or closes a string
+    plain = bytes(raw).replace(b"\\\\", b"").replace(b'\\"', b"")
+    if plain.count(b'"') // 2 > limits.max_values:
+        raise APIError(413, f"the body holds over {limits.max_values:,} JSON strings; at most "
+                            f"{limits.max_values:,} values are accepted")
+    bare = b'""'.join(plain.split(b'"')[0::2])  # strings' contents hold no structure
+    del plain
+    values = 1 + sum(bare.count(c) for c in (b",", b":", b"[", b"{"))
+    # nesting: over all of it, or (when refused for its size anyway) over a prefix, to name the better reason
+    brackets = (bare if values <= limits.max_values else bare[:2 * limits.max_values]).translate(None, _NON_BRACKET)
+    depth = deepest = 0
+    for i in range(0, len(brackets) if len(brackets) > limits.max_depth else 0, 1 << 20):
+        b = np.frombuffer(brackets, np.uint8, count=min(1 << 20, len(brackets) - i), offset=i)
+        levels = depth + np.cumsum(((b == 0x5B) | (b == 0x7B)).astype(np.int8) * 2 - 1, dtype=np.int32)
+        deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
+    if deepest > limits.max_depth:
+        raise bad(f"the body nests {deepest} levels deep; at most {limits.max_depth} are accepted")
+    if values > limits.max_values:
+        raise APIError(413, f"the body holds about {values:,} JSON values; at most {limits.max_values:,} are accepted")
+
+
+def kept_bytes(body) -> int:
+    """What a parsed body's objects hold (each container, string and number counted once, with a quarter more
+    for the allocator's rounding); a string holding a lone surrogate (`\\ud800`, which no UTF-8 text can carry)
+    is refused here, naming its place in the body."""
+    total, stack = 0, [(body, "")]
+    while stack:
+        v, where = stack.pop()
+        total += sys.getsizeof(v)
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                raise bad(f"{where.lstrip('.') or 'the body'}: the text holds a lone UTF-16 surrogate (not a character)",
+                          where.lstrip(".") or None)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, where))
+                stack.append((x, f"{where}.{k}" if isinstance(k, str) and k.isascii() else where))
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+    return total * 5 // 4
 
 
 @dataclass
@@ -59,19 +131,23 @@ class GenRequest:
     return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids in the response
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    sampling: dict = field(default_factory=dict)  # the fields set, keyed as `Sampler` takes them
     seed: int | None = None
+    logprobs: bool = False  # each generated token's log-probability, and its `top_logprobs` most likely ones
+    top_logprobs: int = 0
     # chat
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None
     parse_tools: bool = False
-    call_prefix: str | None = None  # tool_choice "required" or a named tool: the answer's forced start
+    force_call: str | None = None  # tool_choice "required" ("") or a named tool: the answer starts a call
+    json_output: bool = False  # response_format json_object / json_schema: the answer is constrained to JSON
+    json_schema: dict | None = None  # ... valid against this schema (None: any JSON object)
     template_kwargs: dict = field(default_factory=dict)
     images: list[bytes] = field(default_factory=list)
     # completion
     prompt: str | list[int] | None = None
+    # what another API's translation layer keeps for its answer (fields it echoes, tools' strictness)
+    api: dict = field(default_factory=dict)
 
 
 def _number(body: dict, key: str, lo: float, hi: float, integer: bool = False):
@@ -95,6 +171,12 @@ def _flag(body: dict, key: str) -> bool:
     return v
 
 
+# (field, Sampler's name, range): OpenAI's fields and the ones vLLM and mlx-lm's server add
+SAMPLING_FIELDS = (("temperature", "temp", 0, 2), ("top_p", "top_p", 0, 1), ("min_p", "min_p", 0, 1),
+                   ("presence_penalty", "presence_penalty", -2, 2), ("frequency_penalty", "frequency_penalty", -2, 2),
+                   ("repetition_penalty", "repetition_penalty", 0, 10))
+
+
 def _common(body: dict, req: GenRequest) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -106,6 +188,8 @@ def _common(body: dict, req: GenRequest) -> None:
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad("'stream_options' must be an object", "stream_options")
+        if not isinstance(opts.get("include_usage", False), bool | None):
+            raise bad("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
         req.include_usage = _flag(opts, "include_usage")
     n = body.get("n")
     if n is not None and n != 1:
@@ -114,12 +198,16 @@ def _common(body: dict, req: GenRequest) -> None:
         v = _number(body, key, 1, 1 << 30, integer=True)
         if v is not None:
             req.max_tokens = v if req.max_tokens is None else min(req.max_tokens, v)
-    req.temperature = _number(body, "temperature", 0, 2)
-    req.top_p = _number(body, "top_p", 0, 1)
-    if req.top_p == 0:
-        raise bad("'top_p' must be greater than 0", "top_p")
+    for key, name, lo, hi in SAMPLING_FIELDS:
+        v = _number(body, key, lo, hi)
+        if v is not None:
+            req.sampling[name] = v
+    for key in ("top_p", "repetition_penalty"):
+        if body.get(key) == 0:
+            raise bad(f"'{key}' must be greater than 0", key)
     top_k = _number(body, "top_k", -1, 1 << 30, integer=True)
-    req.top_k = None if top_k is None else max(top_k, 0)  # -1 (vLLM's "off") is 0 here
+    if top_k is not None:
+        req.sampling["top_k"] = max(top_k, 0)  # -1 (vLLM's "off") is 0 here
     req.seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -127,14 +215,31 @@ def _common(body: dict, req: GenRequest) -> None:
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4):
         raise bad("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
     req.stop = stop or []
-    for key in ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias"):
+    for key in ("echo", "suffix", "logit_bias"):
         if body.get(key):
             raise bad(f"'{key}' is not supported by this server", key)
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' is not supported by this server", "best_of")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise bad("'response_format' other than text is not supported (no constrained decoding)", "response_format")
+    parse_response_format(body.get("response_format"), req)
+
+
+def parse_response_format(rf, req: GenRequest) -> None:
+    """OpenAI's `response_format`: text, json_object, or json_schema {name, schema, strict, description}."""
+    if rf is None:
+        return
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind not in ("text", "json_object", "json_schema") or set(rf) - {"type", "json_schema"}:
+        raise bad("'response_format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}", "response_format")
+    if kind == "text":
+        return
+    req.json_output = True
+    if kind == "json_object":
+        return
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema"), dict) or set(js) - {"name", "schema", "strict", "description"}:
+        raise bad("'response_format.json_schema' must be {'name', 'schema': {...}, 'strict', 'description'}",
+                  "response_format")
+    req.json_schema = js["schema"]
 
 
 def decode_image(url: str, limits: Limits, where: str) -> bytes:
@@ -166,6 +271,9 @@ def check_image(raw: bytes, limits: Limits, where: str) -> None:
             warnings.simplefilter("ignore")
             img = Image.open(io.BytesIO(raw))
             fmt, (w, h) = img.format, img.size
+    except Image.DecompressionBombError:  # a header claiming more pixels than Pillow's own limit
+        raise bad(f"{where}: the image's header claims more pixels than Pillow decodes; at most "
+                  f"{limits.max_decode_pixels:,} pixels are decoded", where) from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise bad(f"{where}: not an image (no PNG, JPEG or WebP header)", where) from None
     if fmt not in IMAGE_FORMATS:
@@ -211,16 +319,37 @@ def _content(content, role: str, where: str, limits: Limits, images: list[bytes]
     return parts
 
 
+def _arguments(args, where: str) -> dict:
+    """A call's arguments as the object templates iterate (`arguments|items`): OpenAI clients send them as a
+    JSON string, which is decoded here (an empty one is no arguments)."""
+    if isinstance(args, dict):
+        return args
+    if args is None or args == "":
+        return {}
+    if isinstance(args, str):
+        try:
+            obj = json.loads(args)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict):
+            return obj
+    raise bad(f"{where} must be a JSON object (or a string holding one)", where)
+
+
 def _tool_calls(calls, where: str) -> list[dict]:
     if not isinstance(calls, list):
-        raise bad(f"{where}.tool_calls must be a list", where)
+        raise bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
     out = []
     for j, c in enumerate(calls):
+        cw = f"{where}.tool_calls[{j}]"
         fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str | dict):
-            raise bad(f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
-        out.append({"id": c.get("id"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": fn.get("arguments") or "{}"}})
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"{cw} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", cw)
+        call = {"type": "function", "function": {"name": fn["name"],
+                                                 "arguments": _arguments(fn.get("arguments"), f"{cw}.function.arguments")}}
+        if isinstance(c.get("id"), str):
+            call = {"id": c["id"], **call}
+        out.append(call)
     return out
 
 
@@ -237,19 +366,27 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
         msg = {"role": "system" if role == "developer" else role,
                "content": _content(m.get("content"), role, where, limits, images)}
+        key = next((k for k in ("reasoning_content", "reasoning") if m.get(k) is not None), None)
+        if role == "assistant" and key:  # templates that keep a tool loop's thinking render it
+            if not isinstance(m[key], str):
+                raise bad(f"{where}.{key} must be a string", f"{where}.{key}")
+            msg["reasoning_content"] = m[key]
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         elif msg["content"] is None and role != "assistant":
             raise bad(f"{where}.content is missing", f"{where}.content")
         if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
 
 
 def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
-    """(tools to render, whether to parse tool calls, the start of a forced call) from `tools` and
-    `tool_choice`: "required" opens a call block, a named tool also writes its name (`call_prefix`)."""
+    """(tools to render, whether to parse tool calls, the call to force) from `tools` and `tool_choice`:
+    "required" forces a call ("", any tool), a named tool forces that one (the worker writes the start of
+    the call, in the template's form, into the prompt)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
         if choice not in (None, "none", "auto"):
@@ -260,27 +397,41 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
     names = []
     for j, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", f"tools[{j}]")
         names.append(fn["name"])
     if choice is None or choice in ("auto", "required"):
-        return tools, True, call_prefix(None) if choice == "required" else None
+        return tools, True, "" if choice == "required" else None
     if choice == "none":  # the model is not told about the tools at all
         return None, False, None
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if name is None:
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
         raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}",
                   "tool_choice")
     if name not in names:
         raise bad(f"'tool_choice' names {name!r}, which is not among the tools", "tool_choice")
-    return [t for t in tools if t["function"]["name"] == name], True, call_prefix(name)
+    return [t for t in tools if t["function"]["name"] == name], True, name
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def _chat_logprobs(body: dict, req: GenRequest) -> None:
+    """Chat's `logprobs` (true/false) and `top_logprobs` (0-20, only with `logprobs`)."""
+    req.logprobs = _flag(body, "logprobs")
+    top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not req.logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    req.top_logprobs = top or 0
 
 
 def parse_chat(body: dict, limits: Limits) -> GenRequest:
     req = GenRequest(kind="chat", model=None)
     _common(body, req)
+    _chat_logprobs(body, req)
     req.messages = parse_messages(body.get("messages"), limits, req.images)
-    req.tools, req.parse_tools, req.call_prefix = parse_tools(body)
+    req.tools, req.parse_tools, req.force_call = parse_tools(body)
     kw = body.get("chat_template_kwargs")
     if kw is not None:
         if not isinstance(kw, dict):
@@ -297,6 +448,8 @@ def parse_chat(body: dict, limits: Limits) -> GenRequest:
 def parse_completion(body: dict) -> GenRequest:
     req = GenRequest(kind="completion", model=None)
     _common(body, req)
+    top = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)  # completions: how many top ones
+    req.logprobs, req.top_logprobs = top is not None, top or 0
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]

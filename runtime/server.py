@@ -9,59 +9,100 @@ error object with its status; nothing a request sends is ever a path or a URL th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..formats.errors import StreamoeError
+from . import anthropic_api, responses_api
 from .chat_output import collect
-from .openai_api import APIError, Limits, bad, parse_chat, parse_completion
+from .door import Admission, Door, RateLimitedLoopErrors, connection_limit, guarded_protocol
+from .metrics import exposition
+from .openai_api import (
+    APIError,
+    GenRequest,
+    Limits,
+    bad,
+    check_shape,
+    kept_bytes,
+    parse_chat,
+    parse_completion,
+)
 from .plan import current_rss
 from .worker import Job, Server
 
 STATIC = Path(__file__).resolve().parent / "static"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# asyncio accepts up to this many connections in one go, so the connection bound leaves room for a few such
+# bursts within the file limit (`door.connection_limit`); the kernel's queue is deepened once serving starts
+BACKLOG = 128
 
 
-async def read_json(request: Request, limits: Limits) -> dict:
-    """The body as a JSON object, read no further than the size limit."""
+async def read_body(request: Request, limits: Limits, timeout_s: float) -> bytearray:
+    """The raw body, read no further than the size limit and no longer than `timeout_s` (a stalled body
+    would hold its admission)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limits.max_body:
         raise APIError(413, f"request body of {int(declared):,} bytes; at most {limits.max_body:,} are accepted")
-    chunks, size = [], 0
+    raw = bytearray()
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body:
-                raise APIError(413, f"request body over {limits.max_body:,} bytes")
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                if len(raw) + len(chunk) > limits.max_body:
+                    raise APIError(413, f"request body over {limits.max_body:,} bytes")
+                raw += chunk
     except ClientDisconnect:
         raise APIError(400, "the client went away while sending the request") from None
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="body_timeout") from None
+    return raw
+
+
+async def read_json(request: Request, limits: Limits, timeout_s: float = 30.0) -> dict:
+    """The body as a JSON object: read within the size limit and the deadline, its shape checked before it is
+    parsed (values, depth), and what it keeps once parsed within `Limits.max_kept`; the raw bytes are
+    dropped as soon as it is parsed."""
+    raw = await read_body(request, limits, timeout_s)
+    check_shape(raw, limits)
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the body is not valid JSON ({e})") from None
     except RecursionError:
         raise bad("the body is not valid JSON (nested too deeply)") from None
+    finally:
+        del raw
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
+    if (kept := kept_bytes(body)) > limits.max_kept:
+        raise APIError(413, f"the body parses into {kept / 2**20:.1f} MiB of objects; at most "
+                            f"{limits.max_kept / 2**20:.1f} MiB are kept per request")
     return body
 
 
-async def next_event(job: Job, request: Request) -> tuple | None:
-    """Wait for the worker's next event, giving up (and cancelling the job) if the client disconnects."""
+async def next_event(job: Job, request: Request, timeout_s: float | None = None) -> tuple | None:
+    """Wait for the worker's next event, giving up (and cancelling the job) if the client disconnects;
+    after `timeout_s` without one, ("keepalive", None)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         try:
             return await asyncio.wait_for(job.events.get(), timeout=0.25)
@@ -69,6 +110,8 @@ async def next_event(job: Job, request: Request) -> tuple | None:
             if await request.is_disconnected():
                 job.cancel.set()
                 return None
+            if deadline is not None and time.monotonic() >= deadline:
+                return ("keepalive", None)
 
 
 def sse(obj) -> str:
@@ -86,6 +129,12 @@ class API:
     def __init__(self, server: Server):
         self.server, self.so = server, server.so
         self.worker = server.worker
+        self.requests: Counter = Counter()  # requests queued, by API
+        # prompts are rendered and tokenized here, one at a time, off the event loop
+        self.prep = ThreadPoolExecutor(1, thread_name_prefix="streamoe-prepare")
+
+    async def prepare(self, req) -> Job:
+        return await asyncio.get_running_loop().run_in_executor(self.prep, self.worker.prepare, req)
 
     # ---- small GET endpoints
     async def health(self, request: Request) -> Response:
@@ -111,109 +160,214 @@ class API:
     async def index(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html")
 
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.so.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.so.model_name!r}",
+                           "model", kind="invalid_request_error", code="model_not_found")
+        return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": "streamoe",
+                             "max_model_len": self.worker.eng.opts.ctx})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(exposition(self.worker, self.server.queue.qsize(), self.requests),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
     # ---- generation
-    async def submit(self, request: Request, kind: str) -> tuple[Job, tuple]:
-        body = await read_json(request, self.so.limits)
-        req = parse_chat(body, self.so.limits) if kind == "chat" else parse_completion(body)
-        job = self.worker.prepare(req)
+    async def submit(self, request: Request, api: str, parse: Callable[[dict], GenRequest]) -> tuple[Job, tuple | None]:
+        """Read and check the body, parse it with `parse`, prepare and queue the job; returns the job and its
+        first event (None for a stream whose first event is not there within the keep-alive interval: the
+        response then starts without it)."""
+        body = await read_json(request, self.so.limits, self.so.body_timeout_s)
+        req = parse(body)
+        del body  # what the request keeps is in `req`; the rest of the body goes now
+        job = await self.prepare(req)
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self.server.submit(job)
-        ev = await next_event(job, request)
+        self.requests[api] += 1
+        ev = await next_event(job, request, self.so.keepalive_s if req.stream else None)
         if ev is None:
+            self.server.withdraw(job)
             return job, ("done", {"finish_reason": None, "cancelled": True})
+        if ev[0] == "keepalive":
+            return job, None
         if ev[0] == "error":
             raise ev[1]
         return job, ev
 
-    async def events(self, job: Job, first: tuple, request: Request | None = None) -> AsyncIterator[tuple]:
+    async def events(self, job: Job, first: tuple | None, request: Request | None = None,
+                     keepalive_s: float | None = None) -> AsyncIterator[tuple]:
         """The job's events from `first` to its end; with `request`, ends early if that client disconnects
-        (a streamed response learns it from the server instead)."""
+        (a streamed response learns it from the server instead); with `keepalive_s`, ("keepalive", None)
+        after each such interval without an event."""
         ev = first
-        while ev is not None:
-            yield ev
-            if ev[0] in ("done", "error"):
-                return
-            ev = await (next_event(job, request) if request is not None else job.events.get())
+        while True:
+            if ev is not None:
+                yield ev
+                if ev[0] in ("done", "error"):
+                    return
+            if request is not None:
+                ev = await next_event(job, request)
+                if ev is None:
+                    self.server.withdraw(job)
+                    return
+            else:
+                try:
+                    ev = await asyncio.wait_for(job.events.get(), keepalive_s)
+                except asyncio.TimeoutError:
+                    ev = ("keepalive", None)
+
+    async def answer(self, job: Job, first: tuple | None, request: Request, out: Output) -> Response:
+        """The job's events through one API's `out`: server-sent events when the request streams, else
+        the whole answer as one JSON object."""
+        if job.req.stream:
+            return StreamingResponse(self._stream(job, first, out), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        done = False
+        async for ev in self.events(job, first, request):
+            if ev[0] == "error":
+                raise ev[1]
+            if ev[0] == "done" and ev[1].get("cancelled"):
+                break
+            done = done or ev[0] == "done"
+            out.feed(ev)
+        if not done:
+            return Response(status_code=204)  # its client went away: nobody reads this
+        return JSONResponse(out.result())
+
+    async def _stream(self, job: Job, first: tuple | None, out: Output) -> AsyncIterator[str]:
+        try:
+            if first is None:  # still queued (or prefilling): say so now, not at the first token
+                yield ": keep-alive\n\n"
+            for text in out.start():
+                yield text
+            async for ev in self.events(job, first, keepalive_s=self.so.keepalive_s):
+                if ev[0] == "keepalive":
+                    yield ": keep-alive\n\n"
+                    continue
+                if ev[0] == "done" and ev[1].get("cancelled"):
+                    return
+                for text in out.feed(ev):
+                    yield text
+        finally:
+            self.server.withdraw(job)  # a client that went away: out of the queue, or stopped at its next token
 
     async def chat(self, request: Request) -> Response:
-        job, first = await self.submit(request, "chat")
-        if job.req.stream:
-            return StreamingResponse(self._stream(job, first, "chat"), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        evs, info = [], {}
-        async for ev in self.events(job, first, request):
-            if ev[0] == "delta":
-                evs += ev[1]
-            elif ev[0] == "error":
-                raise ev[1]
-            else:
-                info = ev[1]
-        msg = {"role": "assistant", **collect(evs)}
-        if msg["tool_calls"]:
-            msg["tool_calls"] = [tool_call(c, i, job) for i, c in enumerate(msg["tool_calls"])]
-        else:
-            del msg["tool_calls"]
-        if msg["reasoning_content"] is None:
-            del msg["reasoning_content"]
-        finish = "tool_calls" if msg.get("tool_calls") else info.get("finish_reason")
-        choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
-        return JSONResponse({"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created,
-                             "model": self.so.model_name, **token_ids(job, info, choice),
-                             "choices": [choice], "usage": info.get("usage"), "streamoe": info.get("telemetry")})
+        job, first = await self.submit(request, "chat", lambda body: parse_chat(body, self.so.limits))
+        return await self.answer(job, first, request, OpenAIOutput(job, self.so.model_name))
 
     async def completions(self, request: Request) -> Response:
-        job, first = await self.submit(request, "completion")
-        if job.req.stream:
-            return StreamingResponse(self._stream(job, first, "completion"), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, info = "", {}
-        async for ev in self.events(job, first, request):
-            if ev[0] == "delta":
-                text += "".join(str(v) for _, v in ev[1])
-            elif ev[0] == "error":
-                raise ev[1]
-            else:
-                info = ev[1]
-        choice = {"index": 0, "text": text, "finish_reason": info.get("finish_reason"), "logprobs": None}
-        return JSONResponse({"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
-                             "model": self.so.model_name, **token_ids(job, info, choice),
-                             "choices": [choice], "usage": info.get("usage"), "streamoe": info.get("telemetry")})
+        job, first = await self.submit(request, "completions", parse_completion)
+        return await self.answer(job, first, request, OpenAIOutput(job, self.so.model_name))
 
-    async def _stream(self, job: Job, first: tuple, kind: str) -> AsyncIterator[str]:
-        base = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job.id}",
-                "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": job.created, "model": self.so.model_name}
+    async def responses(self, request: Request) -> Response:
+        job, first = await self.submit(request, "responses", lambda body: responses_api.parse(body, self.so))
+        return await self.answer(job, first, request, responses_api.Output(job, self.so.model_name))
 
-        def chunk(delta: dict | None = None, finish=None, text: str | None = None, **extra) -> str:
-            choice = {"index": 0, "delta": delta or {}} if kind == "chat" else {"index": 0, "text": text or ""}
-            return sse({**base, "choices": [{**choice, "finish_reason": finish, "logprobs": None}], **extra})
+    async def messages(self, request: Request) -> Response:
+        job, first = await self.submit(request, "messages", lambda body: anthropic_api.parse(body, self.so))
+        return await self.answer(job, first, request, anthropic_api.Output(job, self.so.model_name))
 
-        n_calls = 0
-        try:
-            if kind == "chat":
-                yield chunk({"role": "assistant", "content": ""})
-            async for ev in self.events(job, first):
-                if ev[0] == "delta":
-                    for what, v in ev[1]:
-                        if kind == "completion":
-                            yield chunk(text=str(v))
-                        elif what == "tool_call":
-                            yield chunk({"tool_calls": [tool_call(v, n_calls, job)]})
-                            n_calls += 1
-                        else:
-                            yield chunk({"reasoning_content" if what == "reasoning" else "content": v})
-                elif ev[0] == "error":
-                    yield sse(ev[1].body())
+    async def count_tokens(self, request: Request) -> Response:
+        req = anthropic_api.parse(await read_json(request, self.so.limits, self.so.body_timeout_s), self.so, counting=True)
+        return JSONResponse({"input_tokens": self.worker.prompt_tokens(await self.prepare(req))})
+
+
+class Output(Protocol):
+    """How one API turns a job's events into its answer: `start` and `feed` give the text of its event
+    stream (`feed` takes every event: "logprobs", "delta", then "done" or "error"), `result` the whole
+    answer once every event was fed."""
+
+    def start(self) -> list[str]: ...
+
+    def feed(self, ev: tuple) -> list[str]: ...
+
+    def result(self) -> dict: ...
+
+
+class OpenAIOutput:
+    """Chat and text completions: `chat.completion(.chunk)` / `text_completion` objects, with logprobs in
+    each API's own shape (chat: `content` entries; completions: parallel lists) on the chunk whose text
+    holds their tokens."""
+
+    def __init__(self, job: Job, model: str):
+        self.job, self.chat = job, job.req.kind == "chat"
+        self.base = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{job.id}",
+                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": job.created, "model": model}
+        self.evs, self.lps, self.pending, self.n_calls, self.info = [], [], [], 0, {}
+        self.offset = 0  # completions' text_offset of the next token
+
+    def _logprobs(self, entries: list[dict], whole: bool = False) -> dict | None:
+        if not self.job.req.logprobs:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        offsets, at = [], 0 if whole else self.offset
+        for e in entries:
+            offsets.append(at)
+            at += len(e["token"])
+        if not whole:
+            self.offset = at
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
+
+    def _chunk(self, delta: dict | None = None, finish=None, text: str | None = None, **extra) -> str:
+        choice = {"index": 0, "delta": delta or {}} if self.chat else {"index": 0, "text": text or ""}
+        lps, self.pending = self.pending, []
+        choice["logprobs"] = self._logprobs(lps) if lps else None
+        return sse({**self.base, "choices": [{**choice, "finish_reason": finish}], **extra})
+
+    def start(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})] if self.chat else []
+
+    def feed(self, ev: tuple) -> list[str]:
+        kind, v = ev
+        if kind == "logprobs":
+            self.pending += v
+            self.lps += v
+            return []
+        if kind == "delta":
+            self.evs += v
+            out = []
+            for what, x in v:
+                if not self.chat:
+                    out.append(self._chunk(text=str(x)))
+                elif what == "tool_call":
+                    out.append(self._chunk({"tool_calls": [tool_call(x, self.n_calls, self.job)]}))
+                    self.n_calls += 1
                 else:
-                    info = ev[1]
-                    if info.get("cancelled"):
-                        return
-                    yield chunk(finish="tool_calls" if n_calls else info["finish_reason"], streamoe=info.get("telemetry"))
-                    if job.req.include_usage:
-                        yield sse({**base, "choices": [], "usage": info["usage"]})
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancel.set()  # a client that went away stops the generation at its next token
+                    out.append(self._chunk({"reasoning_content" if what == "reasoning" else "content": x}))
+            return out
+        if kind == "error":
+            return [sse(v.body()), "data: [DONE]\n\n"]
+        self.info = v
+        finish = "tool_calls" if self.n_calls else v["finish_reason"]
+        out = [self._chunk(finish=finish, streamoe=v.get("telemetry"))]
+        if self.job.req.include_usage:
+            out.append(sse({**self.base, "choices": [], "usage": v["usage"]}))
+        return out + ["data: [DONE]\n\n"]
+
+    def result(self) -> dict:
+        job, info = self.job, self.info
+        lps = self._logprobs(self.lps, whole=True)
+        if self.chat:
+            msg = {"role": "assistant", **collect(self.evs)}
+            if msg["tool_calls"]:
+                msg["tool_calls"] = [tool_call(c, i, job) for i, c in enumerate(msg["tool_calls"])]
+            else:
+                del msg["tool_calls"]
+            if msg["reasoning_content"] is None:
+                del msg["reasoning_content"]
+            finish = "tool_calls" if msg.get("tool_calls") else info.get("finish_reason")
+            choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": lps}
+            kind = "chat.completion"
+        else:
+            text = "".join(str(v) for _, v in self.evs)
+            choice = {"index": 0, "text": text, "finish_reason": info.get("finish_reason"), "logprobs": lps}
+            kind = "text_completion"
+        return {**self.base, "object": kind, **token_ids(job, info, choice), "choices": [choice],
+                "usage": info.get("usage"), "streamoe": info.get("telemetry")}
 
 
 def token_ids(job: Job, info: dict, choice: dict) -> dict:
@@ -225,33 +379,57 @@ def token_ids(job: Job, info: dict, choice: dict) -> dict:
     return {"prompt_token_ids": job.ids}
 
 
-def error_response(err: APIError) -> Response:
+def error_response(err: APIError, request: Request | None = None) -> Response:
+    """The error in the shape of the API the request spoke: Anthropic's under /v1/messages, else OpenAI's."""
     headers = {"Retry-After": "1"} if err.status in (429, 503) else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    anthropic = request is not None and request.url.path.startswith("/v1/messages")
+    return JSONResponse(anthropic_api.error_body(err) if anthropic else err.body(), status_code=err.status,
+                        headers=headers)
 
 
 async def on_api_error(request: Request, exc: Exception) -> Response:
-    return error_response(exc)  # type: ignore[arg-type]
+    return error_response(exc, request)  # type: ignore[arg-type]
 
 
 async def on_http_error(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
-    return error_response(APIError(status, str(getattr(exc, "detail", "error")), kind="invalid_request_error"))
+    return error_response(APIError(status, str(getattr(exc, "detail", "error")), kind="invalid_request_error"), request)
 
 
-def create_app(server: Server) -> Starlette:
+def create_app(server: Server, host: str = "127.0.0.1") -> Starlette:
+    """The routes behind the door: the Host/Origin guard (`door.Door`), CORS for the origins allowed, and
+    admission of bodies within the `requests` account (`door.Admission`), outermost first."""
     api = API(server)
+    so = server.so
     routes = [
         Route("/", api.index),
         Route("/health", api.health),
         Route("/v1/models", api.models),
+        Route("/v1/models/{model:path}", api.model),
+        Route("/metrics", api.metrics),
         Route("/v1/plan", api.plan),
         Route("/v1/stats", api.stats),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
+        Route("/v1/messages", api.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
+    middleware = [Middleware(Door, bound=host, allow_hosts=so.allow_hosts, cors_origins=so.cors_origins)]
+    if so.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(so.cors_origins), allow_methods=["GET", "POST"],
+                                     allow_headers=["*"], max_age=600))
+    middleware.append(Middleware(Admission, slots=so.admitted))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        asyncio.get_running_loop().set_exception_handler(RateLimitedLoopErrors())
+        yield
+        api.prep.shutdown(wait=False, cancel_futures=True)
+
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
 
 
 def exposure(host: str) -> str | None:
@@ -270,14 +448,16 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as e:
         raise StreamoeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(128)
+    sock.listen(BACKLOG)
     sock.setblocking(False)
     return sock
 
 
 def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -> None:
     """Open the engine on this thread (its plan printed to stderr), run the HTTP server on another, and
-    answer queued requests here until interrupted (Ctrl+C or SIGTERM)."""
+    answer queued requests here until SIGINT or SIGTERM: then the running and queued requests end with a
+    `shutting_down` error (streams with that event and `[DONE]`), the HTTP server drains for up to 2 s,
+    and the process exits 0. A second signal exits at once."""
     import uvicorn
 
     sock = listen(host, port)
@@ -285,13 +465,23 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     print(server.worker.eng.plan.render(), file=sys.stderr)
     if (notice := exposure(host)) is not None:
         print(notice, file=sys.stderr)
-    config = uvicorn.Config(create_app(server), log_level=log_level, access_log=log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=2)
+    # uvicorn's own concurrency limit (503 to a request beyond it) stays above what the guarded protocol holds,
+    # evicted connections included until they are gone: only runaway tasks meet it
+    conns = connection_limit(so.max_connections, reserve=64 + 3 * BACKLOG)
+    config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"),
+                            timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s),
+                            limit_concurrency=conns + BACKLOG + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
+                            backlog=BACKLOG)
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="streamoe-http", daemon=True)
 
     def terminate(signum, frame):
-        raise KeyboardInterrupt
+        if server.stopping.is_set():
+            print("streamoe: stopped at once (second signal)", file=sys.stderr, flush=True)
+            os._exit(1)
+        print(f"streamoe: {signal.Signals(signum).name}: stopping (the running request ends with an error)",
+              file=sys.stderr, flush=True)
+        server.stop()
 
     # both, explicitly: a process started in the background by a shell inherits SIGINT as ignored, and Python
     # then installs no Ctrl+C handler of its own (the server would only stop when killed)
@@ -299,17 +489,17 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     signal.signal(signal.SIGINT, terminate)
     thread.start()
     try:
-        while not http.started and thread.is_alive():
+        while not http.started and thread.is_alive() and not server.stopping.is_set():
             time.sleep(0.05)
         if http.started:
+            sock.listen(socket.SOMAXCONN)  # the kernel's queue deepened now that asyncio's accept batch is set
             shown = f"[{host}]" if ":" in host else host
             print(f"streamoe: serving {so.model_name} on http://{shown}:{sock.getsockname()[1]}/ (OpenAI API under /v1)",
                   file=sys.stderr, flush=True)
             server.run(alive=thread.is_alive)
-    except KeyboardInterrupt:
-        pass
     finally:
         server.stop()
+        time.sleep(0.2)  # the error events reach their streams before the HTTP server stops taking writes
         http.should_exit = True
         thread.join(timeout=10)
         server.close()

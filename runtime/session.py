@@ -22,6 +22,7 @@ from ..formats.errors import fail
 from ..formats.session import SessionReader, header_limit, write_session
 from .cache import KVCache
 from .plan import kv_format
+from .sampling import Sampler
 from .weights import code_of
 
 
@@ -125,16 +126,18 @@ def check_extra(path: Path, extra: dict, ctx: int) -> dict:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in toks):
         raise fail(path, f"session 'tokens' must be a list of at most {ctx} token ids")
     if "sampler" in extra and not isinstance(extra["sampler"], dict):
-        raise fail(path, "session 'sampler' must be a generator state object")
+        raise fail(path, "session 'sampler' must be an object {seed, drawn}")
     return extra
 
 
-def restore_sampler(rng: np.random.Generator, state: dict, path: Path) -> None:
-    """Continue a sampled conversation where it stopped; a state numpy rejects is the file's fault."""
-    try:
-        rng.bit_generator.state = state
-    except (TypeError, ValueError, KeyError, OverflowError):
-        raise fail(path, "session 'sampler' is not a valid random generator state") from None
+def restore_sampler(sampler: Sampler, state: dict, path: Path) -> None:
+    """Continue a sampled conversation where it stopped: the seed and the number of tokens drawn."""
+    ok = set(state) == {"seed", "drawn"} and all(
+        isinstance(state[k], int) and not isinstance(state[k], bool) and 0 <= state[k] < 1 << 64 for k in state)
+    if not ok:
+        raise fail(path, "session 'sampler' must be {seed, drawn} (two non-negative integers); "
+                         "a session saved by an older streamoe cannot continue its draws")
+    sampler.restore(state)
 
 
 def _fill(cache, field: str, r: SessionReader, dtype: str, shape: tuple[int, ...], n: int) -> None:

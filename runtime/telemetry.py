@@ -34,7 +34,8 @@ class StepStats:
     phase: str  # prefill | decode
     n_tokens: int
     token_id: int | None = None
-    ms: float = 0.0
+    ms: float = 0.0  # a step that gave a token: since the previous token reached the caller; else the step's own time
+    t_token: float | None = None  # seconds from the start of the answer to when this step's token reached the caller
     host_ms: float = 0.0  # the host's time in the step's layer loop: the graph built (and, capped, every layer's sync)
     disk_busy_ms: float = 0.0  # the time in this step with at least one expert read in progress
     layers: list[LayerStats] = field(default_factory=list)
@@ -44,29 +45,36 @@ class StepStats:
 
 
 def validate_record(rec: dict) -> None:
+    """Checked by the tests, not per step at run time (a 40-layer record takes ~30 ms to validate)."""
     jsonschema.validate(rec, schema("telemetry.schema.json"))
 
 
 def summarize(steps: list[StepStats], peak_bytes: int, cap: int) -> dict:
-    dec = [s for s in steps if s.phase == "decode"]
-    n = max(1, len(dec))
-    tot_ms = sum(s.ms for s in dec)
-    io = sum(ly.io_wait_ms for s in dec for ly in s.layers)
-    comp = sum(ly.compute_ms for s in dec for ly in s.layers)
-    picks = sum(ly.picks for s in dec for ly in s.layers)
-    hits = sum(ly.hits_hot + ly.hits_lent for s in dec for ly in s.layers)  # already in memory when picked
-    ahead = sum(ly.hits_prefetch for s in dec for ly in s.layers)  # read for this step by a guess: not a hit
-    read = sum(ly.bytes_read for s in dec for ly in s.layers)
-    busy = sum(s.disk_busy_ms for s in dec)
+    """One answer's figures. tok/s is the rate tokens reached the caller (the decode steps that gave one, each
+    timed from the previous token to its own); hit rate and bytes read count every decode step's work."""
+    work = [s for s in steps if s.phase == "decode"]
+    timed = [s for s in work if s.t_token is not None]
+    pre = [s for s in steps if s.phase == "prefill"]
+    first = next((s.t_token for s in pre if s.t_token is not None), None)
+    n = max(1, len(timed))
+    tot_ms = sum(s.ms for s in timed)
+    io = sum(ly.io_wait_ms for s in timed for ly in s.layers)
+    comp = sum(ly.compute_ms for s in timed for ly in s.layers)
+    picks = sum(ly.picks for s in work for ly in s.layers)
+    hits = sum(ly.hits_hot + ly.hits_lent for s in work for ly in s.layers)  # already in memory when picked
+    ahead = sum(ly.hits_prefetch for s in work for ly in s.layers)  # read for this step by a guess: not a hit
+    read = sum(ly.bytes_read for s in work for ly in s.layers)
+    busy, work_ms = sum(s.disk_busy_ms for s in work), sum(s.ms for s in work)
+    pre_tokens, pre_ms = sum(s.n_tokens for s in pre), sum(s.ms for s in pre)
     return {
-        "tokens": len(dec), "tok_s": len(dec) / (tot_ms / 1000) if tot_ms else 0.0,
+        "tokens": len(timed) + (first is not None), "tok_s": len(timed) / (tot_ms / 1000) if tot_ms else 0.0,
         "ms_token": tot_ms / n, "compute_ms": comp / n, "io_wait_ms": io / n, "other_ms": (tot_ms - comp - io) / n,
-        "hit_rate": hits / picks if picks else (1.0 if dec and not read else 0.0),
-        "read_ahead_rate": ahead / picks if picks else 0.0, "mib_read_token": read / MiB / n,
-        "disk_busy": busy / tot_ms if tot_ms else 0.0,  # near 1: the disk is what bounds decode
+        "hit_rate": hits / picks if picks else (1.0 if work and not read else 0.0),
+        "read_ahead_rate": ahead / picks if picks else 0.0, "mib_read_token": read / MiB / max(1, len(work)),
+        "disk_busy": busy / work_ms if work_ms else 0.0,  # near 1: the disk is what bounds decode
         "peak_gib": peak_bytes / (1 << 30), "cap_gib": cap / (1 << 30),
-        "prefill_tokens": sum(s.n_tokens for s in steps if s.phase == "prefill"),
-        "prefill_ms": sum(s.ms for s in steps if s.phase == "prefill"),
+        "prefill_tokens": pre_tokens, "prefill_ms": pre_ms,
+        "prefill_tok_s": pre_tokens / (pre_ms / 1000) if pre_ms else 0.0, "ttft_s": first or 0.0,
     }
 
 
@@ -76,4 +84,5 @@ def summary_line(s: dict) -> str:
             f"(+{100 * s['read_ahead_rate']:.1f}% read ahead), "
             f"{s['mib_read_token']:.2f} MiB read/token" + (f", disk busy {100 * s['disk_busy']:.0f}%" if s["mib_read_token"] else "")
             + f"; peak {s['peak_gib']:.2f} of {s['cap_gib']:.2f} GiB; "
-            f"prefill {s['prefill_tokens']} tokens in {s['prefill_ms'] / 1000:.2f} s]")
+            f"prefill {s['prefill_tokens']} tokens in {s['prefill_ms'] / 1000:.2f} s ({s['prefill_tok_s']:.1f} tok/s), "
+            f"first token {s['ttft_s']:.2f} s]")

@@ -1,18 +1,18 @@
-"""Text in and out: tokenizer.json through `tokenizers`, the checkpoint's chat template through jinja2,
-stop tokens from generation_config, sampling, and incremental detokenization for streaming output."""
+"""Text in and out: tokenizer.json through `tokenizers`, the checkpoint's chat template (see `chat_template`),
+stop tokens and sampling defaults from generation_config, and incremental detokenization for streaming output."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import jinja2
-import numpy as np
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from ..formats import files
 from ..formats.config import eos_ids
-from ..formats.errors import StreamoeError, fail
+from ..formats.errors import fail
+from .chat_template import ChatTemplate
 
 
 class TextIO:
@@ -27,54 +27,83 @@ class TextIO:
             self.tokenizer = Tokenizer.from_file(str(tok))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise fail(tok, f"does not load ({str(e).splitlines()[0]})") from None
+        self.tokenizer_path = tok
         self.template_path, text = chat_template_text(root)
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
-        env.globals["raise_exception"] = _raise
-        try:
-            self.template = env.from_string(text) if text else None
-        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
-            raise fail(self.template_path, f"chat template does not parse ({_first_line(e)})") from None
+        added = [(t.content, t.special) for _, t in sorted(self.tokenizer.get_added_tokens_decoder().items())]
+        self.template = ChatTemplate(text, self.template_path, added, named_tokens(root)) if text else None
+        self.newline = self.encode("\n")
         self.stop_ids = stop_tokens(root, config)
 
     def encode(self, text: str) -> list[int]:
+        """Text whose special-token strings are control tokens (a raw prompt, the template's own markup)."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Text in which no added token is matched: `<|im_end|>` is the characters it is made of."""
+        t = self.tokenizer
+        if t.normalizer is not None:
+            text = t.normalizer.normalize_str(text)
+        splits = [s for s, _ in t.pre_tokenizer.pre_tokenize_str(text)] if t.pre_tokenizer is not None else [text]
+        return [tok.id for s in splits for tok in t.model.tokenize(s)]
+
+    def encode_chat(self, rendered: str) -> list[int]:
+        """A rendering from `chat_text`: the template's markup as control tokens, the request's text as text.
+        Each piece after the first is encoded after a newline that is then taken off, as transformers does
+        (a SentencePiece tokenizer would otherwise give it the prefix space of a string's start)."""
+        pieces = self._template().pieces(rendered)
+        ids = self.encode(pieces[0][0])
+        for piece, as_text in pieces[1:]:
+            enc = self.encode_plain if as_text else self.encode
+            got = enc("\n" + piece)
+            got = got[len(self.newline):] if got[:len(self.newline)] == self.newline else enc(piece)
+            if as_text and self.tokenizer.token_to_id(piece) in got:
+                raise fail(self.tokenizer_path, f"encodes {piece!r} as its control token even as plain text")
+            ids += got
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def chat_prompt(self, messages: list[dict], think: bool = True) -> str:
+    def _template(self) -> ChatTemplate:
         if self.template is None:
             raise fail("chat_template.jinja", "the model has no chat template; use --raw")
-        return self._render(messages=messages, add_generation_prompt=True, enable_thinking=think)
+        return self.template
 
-    def _render(self, **kw) -> str:
-        """The template rendered; its own errors (raise_exception, bad expressions) name the template file."""
-        try:
-            return self.template.render(bos_token="", eos_token="", **kw)
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError,
-                ZeroDivisionError, RecursionError) as e:
-            raise fail(self.template_path, f"chat template fails to render ({_first_line(e)})") from None
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                  **kw) -> str:
+        """The template's rendering, with the messages' control-token strings marked as text: encode it with
+        `encode_chat` (its failures name the template file)."""
+        return self._template().render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kw)
+
+    def chat_prompt(self, messages: list[dict], think: bool = True) -> str:
+        return self.chat_text(messages, enable_thinking=think)
+
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None, **kw) -> list[int]:
+        return self.encode_chat(self.chat_text(messages, tools=tools, **kw))
 
     def turn_close(self) -> str:
         """What the template writes after an assistant message's content (`<|im_end|>\n` for ChatML): fed
         after a generated answer, before the next turn, so a chat only ever appends to what the cache holds."""
-        if self.template is None:
-            raise fail("chat_template.jinja", "the model has no chat template; use --raw")
         mark = "\u2063"
         msgs = [{"role": "user", "content": "."}, {"role": "assistant", "content": mark}]
-        s = self._render(messages=msgs, add_generation_prompt=False, enable_thinking=False)
+        s = self.chat_text(msgs, add_generation_prompt=False, enable_thinking=False)
         if mark not in s:
             raise fail(self.template_path, "chat template drops the assistant's message; cannot continue a chat")
         return s[s.rindex(mark) + len(mark):]
 
 
-def _raise(msg: str):
-    raise jinja2.TemplateError(msg)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+def named_tokens(root: Path) -> dict[str, str]:
+    """tokenizer_config.json's named tokens (`eos_token`, `pad_token`, `image_token`...), which transformers
+    gives every template rendering; those set to null are left out."""
+    cfg = root / "tokenizer_config.json"
+    if not os.path.lexists(cfg):
+        return {}
+    out = {}
+    for k, v in files.read_json(cfg, "tokenizer config").items():
+        v = v.get("content") if isinstance(v, dict) else v
+        if k.endswith("_token") and isinstance(v, str):
+            out[k] = v
+    return out
 
 
 def chat_template_text(root: Path) -> tuple[Path, str | None]:
@@ -91,18 +120,23 @@ def chat_template_text(root: Path) -> tuple[Path, str | None]:
     return tpl, None
 
 
+GREEDY = {"temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def generation_defaults(root: Path) -> dict:
-    """temperature, top_p, top_k from the checkpoint's generation_config.json, used where a request or `run`
-    sets none: greedy when the file is absent or says do_sample false."""
+    """The sampling a checkpoint asks for in generation_config.json (temperature, top_p, top_k, min_p,
+    repetition_penalty), keyed as `Sampler` takes them, used where a request or `run` sets none: greedy when the
+    file is absent or says do_sample false."""
     p = root / "generation_config.json"
     gen = files.read_json(p, "generation config") if p.is_file() else {}
     if not gen or gen.get("do_sample") is False:
-        return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+        return dict(GREEDY)
     try:
-        return {"temperature": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),
-                "top_k": int(gen.get("top_k", 0) or 0)}
+        return {"temp": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),
+                "top_k": int(gen.get("top_k", 0) or 0), "min_p": float(gen.get("min_p", 0.0) or 0.0),
+                "repetition_penalty": float(gen.get("repetition_penalty", 1.0) or 1.0)}
     except (TypeError, ValueError):
-        raise fail(p, "temperature/top_p/top_k are not numbers") from None
+        raise fail(p, "temperature/top_p/top_k/min_p/repetition_penalty are not numbers") from None
 
 
 def stop_tokens(root: Path, config: dict) -> set[int]:
@@ -111,44 +145,12 @@ def stop_tokens(root: Path, config: dict) -> set[int]:
 
 
 class Detokenizer:
-    """Emits text as tokens arrive, holding back an incomplete UTF-8 sequence until it completes."""
+    """Emits text as tokens arrive, through the `tokenizers` streaming decoder: each token costs the same
+    however long the answer (re-decoding the answer every token made 4,000 tokens cost 1.5 s), and an
+    incomplete UTF-8 sequence is held back until it completes. The pieces join to `TextIO.decode` of all ids."""
 
     def __init__(self, text: TextIO):
-        self.text, self.ids, self.emitted = text, [], 0
+        self.tokenizer, self.stream = text.tokenizer, DecodeStream(skip_special_tokens=False)
 
     def add(self, tok: int) -> str:
-        self.ids.append(tok)
-        s = self.text.decode(self.ids)
-        if s.endswith("\ufffd"):
-            return ""
-        new, self.emitted = s[self.emitted:], len(s)
-        return new
-
-
-class Sampler:
-    """Greedy when temp == 0; else temperature, top-k, top-p on float32 logits with a seeded generator."""
-
-    def __init__(self, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0):
-        if temp < 0:
-            raise StreamoeError("--temp must be >= 0")
-        if not 0 < top_p <= 1:
-            raise StreamoeError("--top-p must be in (0, 1]")
-        if top_k < 0:
-            raise StreamoeError("--top-k must be >= 0")
-        self.temp, self.top_p, self.top_k = temp, top_p, top_k
-        self.rng = np.random.default_rng(seed)
-
-    def __call__(self, logits: np.ndarray) -> int:
-        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
-        if self.temp == 0:
-            return int(np.argmax(logits))
-        z = logits / self.temp
-        order = np.argsort(-z, kind="stable")
-        if self.top_k:
-            order = order[: self.top_k]
-        p = np.exp(z[order] - z[order[0]])
-        p /= p.sum()
-        if self.top_p < 1:
-            keep = np.searchsorted(np.cumsum(p), self.top_p) + 1
-            order, p = order[:keep], p[:keep] / p[:keep].sum()
-        return int(order[self.rng.choice(len(order), p=p)])
+        return self.stream.step(self.tokenizer, tok) or ""

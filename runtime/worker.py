@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import io
 import os
 import queue
 import secrets
@@ -20,19 +21,26 @@ import tempfile
 import threading
 import time
 import traceback
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jinja2
+from PIL import Image
 
 from ..formats.errors import StreamoeError
 from .chat_output import ChatOutput
+from .chat_template import TemplateFailure
+from .constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
 from .engine import Engine, Options, plan_for
+from .image import ImageConfig, num_image_tokens
+from .logprobs import TokenText
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .plan import MiB, current_rss
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
+from .sampling import Sampler
 from .telemetry import summarize
-from .text import Detokenizer, Sampler, generation_defaults
+from .text import Detokenizer, generation_defaults
+from .tool_calls import call_prefix
 
 
 @dataclass
@@ -42,14 +50,135 @@ class ServeOptions:
     max_queue: int = 8
     prompt_cache_bytes: int = 256 * MiB
     max_tokens: int | None = None  # when a request sets none; None = what the planned context holds
-    sampling: dict = field(default_factory=dict)  # temperature/top_p/top_k overriding generation_config.json
+    sampling: dict = field(default_factory=dict)  # Sampler arguments overriding generation_config.json
     think: bool = True  # enable_thinking when a request does not say
+    # the door: Host names accepted besides loopback names and the bound address; origins allowed cross-origin
+    allow_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    # connections: how many at once, how long a request head and body may take, how long one may idle
+    max_connections: int = 512
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 5.0
+    keepalive_s: float = 5.0  # an SSE comment this often while a streamed request waits or prefills
 
     @property
-    def requests_bytes(self) -> int:
-        """Memory of the requests held at once (the running one and a full queue): each body, and the images
-        decoded from it, at most twice the body limit."""
-        return (self.max_queue + 1) * 2 * self.limits.max_body
+    def admitted(self) -> int:
+        """Requests admitted at once (reading their body, queued, or running); one more is answered 503
+        before its body is read."""
+        return self.max_queue + 1
+
+    def requests_bytes(self, ctx: int, prompt_bytes: int) -> int:
+        """The worst case of what admitted requests hold: each admitted request (and one whose client left
+        while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; one body
+        is parsed at a time (the event loop) and one prompt rendered and tokenized at a time (the prepare
+        thread), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`);
+        the running request's images are also files in memory (`image_files`), less than its body."""
+        lim = self.limits
+        kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx)
+        return kept + lim.parse_peak + PromptBound.render_peak(lim) + TOKENIZE_BYTES * prompt_bytes + lim.max_body
+
+
+IDS_BYTES = 40  # a token id in a Python list: its pointer and its int object
+# the tokenizer's working set per byte of text it is given (measured 210-250, tokenizers 0.2x, byte-level BPE)
+TOKENIZE_BYTES = 320
+
+
+class PromptBound:
+    """A lower bound on a text's token count, found without tokenizing it: a token covers at most
+    `token_bytes` bytes of the normalised text (the longest vocabulary entry), so N bytes are at least
+    ceil(N / token_bytes) tokens. `token_bytes` is None for a tokenizer that may drop text (a pre-tokenizer
+    that removes whitespace, unknown runs fused into one token): then no bound holds and none is claimed."""
+
+    def __init__(self, tokenizer):
+        import json
+
+        spec = json.loads(tokenizer.to_str())
+        model = spec.get("model") or {}
+        parts = _parts(spec.get("pre_tokenizer")) + _parts(spec.get("decoder"))
+        byte_level = any(p.get("type") == "ByteLevel" for p in parts)
+        vocab = model.get("vocab") or {}
+        pieces = list(vocab) if isinstance(vocab, dict) else [v[0] for v in vocab if isinstance(v, list) and v]
+        pieces += [a.get("content", "") for a in spec.get("added_tokens") or []]
+        # a byte-level entry spells each byte as one character; any other spells its text (or more)
+        span = max((len(p) if byte_level else len(p.encode("utf-8", "surrogatepass")) for p in pieces), default=1)
+        forms, self.token_bytes = [], max(1, span)
+        for n in _parts(spec.get("normalizer")):
+            if n.get("type") in ("NFC", "NFD", "NFKC", "NFKD"):
+                forms.append(n["type"])
+            elif n.get("type") != "Prepend":
+                self.token_bytes = None  # a normaliser that may remove text
+        self.forms = forms
+        drops = [p for p in _parts(spec.get("pre_tokenizer")) if p.get("type") in ("Whitespace", "WhitespaceSplit",
+                 "BertPreTokenizer") or p.get("behavior") == "Removed"]
+        if drops or model.get("fuse_unk") or model.get("type") in ("WordPiece", "WordLevel"):
+            self.token_bytes = None
+
+    CHUNK = 1 << 16
+
+    def at_least(self, text: str) -> int:
+        """Tokens `text` is at least (0 when no bound holds). Normalised and measured a chunk at a time (no
+        copy of a long text); a composition split by a chunk's end is allowed for (8 bytes a chunk)."""
+        if self.token_bytes is None:
+            return 0
+        if text.isascii():
+            return -(-len(text) // self.token_bytes)
+        n = 0
+        for i in range(0, len(text), self.CHUNK):
+            part = text[i:i + self.CHUNK]
+            for form in self.forms:
+                part = unicodedata.normalize(form, part)
+            n += len(part.encode("utf-8", "surrogatepass")) - (8 if self.forms and i else 0)
+        return max(0, -(-n // self.token_bytes))
+
+    @staticmethod
+    def render_peak(limits: Limits) -> int:
+        """A rendered prompt holds at most the text a request keeps (a character takes at least a byte there,
+        at most 4 in the prompt) and the template's join doubles it for a moment."""
+        return 2 * 4 * limits.max_kept
+
+    def quick(self, chars: int) -> int:
+        """Tokens a text of `chars` characters is at least before normalisation (which composes at most 4
+        characters into one): the gate before a template renders it."""
+        return 0 if self.token_bytes is None else chars // ((4 if self.forms else 1) * self.token_bytes)
+
+    def prompt_bytes(self, ctx: int, limits: Limits) -> int:
+        """The largest prompt (UTF-8 bytes) that reaches the tokenizer: what ctx tokens cover, or without a
+        bound the text an admitted request may keep (4 bytes a character)."""
+        return ctx * self.token_bytes if self.token_bytes else 4 * limits.max_kept
+
+
+def message_chars(messages: list[dict]) -> int:
+    """Characters of the messages' text a template renders verbatim (past answers excepted: templates may
+    drop their reasoning)."""
+    n = 0
+    for m in messages:
+        if m["role"] == "assistant":
+            continue
+        c = m["content"]
+        for part in c if isinstance(c, list) else [{"text": c}]:
+            if isinstance(part.get("text"), str):
+                n += len(part["text"])
+    return n
+
+
+def _parts(node) -> list[dict]:
+    """A tokenizer.json component flattened (a Sequence's members, in order)."""
+    if not isinstance(node, dict):
+        return []
+    inner = node.get("normalizers") or node.get("pretokenizers") or node.get("decoders")
+    return [p for x in inner for p in _parts(x)] if node.get("type") == "Sequence" and inner else [node]
+
+
+def requests_bytes(so: ServeOptions, root: Path, ctx: int) -> int:
+    """The plan's `requests` account for serving the model at ROOT with this context."""
+    from tokenizers import Tokenizer
+
+    try:
+        bound = PromptBound(Tokenizer.from_file(str(Path(root) / "tokenizer.json")))
+    except Exception:  # no readable tokenizer: the engine refuses the model in its own words
+        return so.requests_bytes(ctx, 4 * so.limits.max_kept)
+    return so.requests_bytes(ctx, bound.prompt_bytes(ctx, so.limits))
 
 
 @dataclass
@@ -67,6 +196,7 @@ class Job:
     events: asyncio.Queue | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
+    constraint: Constraint | None = None  # the grammar the answer follows (structured output, forced call)
     logits: list | None = None  # kept when a test asks for them
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
 
@@ -86,12 +216,8 @@ def assistant_header(text) -> list[int]:
     if text.template is None:
         return []
     user = [{"role": "user", "content": "\u2063"}]
-
-    def render(msgs, gen):
-        return text.template.render(messages=msgs, add_generation_prompt=gen, bos_token="", eos_token="")
-
-    base, gen = render(user, False), render(user, True)
-    past = render(user + [{"role": "assistant", "content": "\u2064"}], False)
+    base, gen = text.chat_text(user, add_generation_prompt=False), text.chat_text(user)
+    past = text.chat_text(user + [{"role": "assistant", "content": "\u2064"}], add_generation_prompt=False)
     shared = os.path.commonprefix([gen, past])
     if not shared.startswith(base) or len(shared) == len(base):
         return []
@@ -107,40 +233,64 @@ class EngineWorker:
         self.cache = PromptCache(so.prompt_cache_bytes)
         self.defaults = {**generation_defaults(eng.root), **so.sampling}
         self.header = assistant_header(eng.text)
+        self.tool_format = eng.text.template.tool_format if eng.text.template is not None else "json"
         self.pad = eng.manifest.config.get("image_token_id")
         self.vocab = eng.args.vocab_size
+        self.guide = None  # llguidance's tokenizer, made on the first constrained request
         self.live: dict = {"state": "idle"}
         self.served = 0
+        self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "bytes_read": 0}  # over the server's lifetime
+        self.token_text = TokenText(eng.text)
+        self.bound = PromptBound(eng.text.tokenizer)
 
     # ---- on the event loop: turn a request into a job (or an APIError)
     def render(self, req: GenRequest) -> str:
+        """The prompt as the template renders it, the request's text marked as text (see `chat_template`)."""
         if self.eng.text.template is None:
             raise bad("the model has no chat template; use /v1/completions")
         kw = {"enable_thinking": self.so.think, **req.template_kwargs}
-        if req.call_prefix:  # a forced tool call is the whole answer: no thinking before it
+        if req.force_call is not None:  # a forced tool call is the whole answer: no thinking before it
             kw["enable_thinking"] = False
         try:
-            return self.eng.text.template.render(messages=req.messages, tools=req.tools, add_generation_prompt=True,
-                                                 bos_token="", eos_token="", **kw)
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
-            raise bad(f"the chat template refused the messages: {e}", "messages") from None
+            return self.eng.text.chat_text(req.messages, tools=req.tools, **kw)
+        except TemplateFailure as e:
+            raise bad(f"the chat template ({e.path.name}) refused the messages: {e.reason}", "messages") from None
+
+    def too_long(self, tokens: int, param: str, how: str = "") -> APIError:
+        ctx = self.eng.opts.ctx
+        return bad(f"the prompt is {how}{tokens} tokens; the planned context (--ctx {ctx}) holds {ctx - 1} "
+                   "with one token to answer", param)
+
+    def check_length(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit the planned context at any token length."""
+        if (least := self.bound.at_least(text)) >= self.eng.opts.ctx:
+            raise self.too_long(least, param, "at least ")
 
     def prepare(self, req: GenRequest) -> Job:
-        thinking = False
+        """The request rendered, length-checked and tokenized into a job (or an APIError). It runs on the
+        server's prepare thread, one at a time: the plan's `requests` account counts one prompt in work."""
+        thinking, given = False, ""
         if req.kind == "chat":
             if req.images and not self.eng.opts.images:
                 raise bad("this server was started without images (streamoe serve --no-images)", "messages")
+            if (least := self.bound.quick(message_chars(req.messages))) >= self.eng.opts.ctx:
+                raise self.too_long(least, "messages", "at least ")  # before the template copies the text
             prompt = self.render(req)
+            self.check_length(prompt, "messages")
             head = self.eng.text.decode(self.header)
-            tail = prompt[prompt.rfind(head) + len(head):] if head and head in prompt else ""
+            tail = prompt[prompt.rfind(head):] if head and head in prompt else ""  # the header may open <think>
             thinking = "<think>" in tail and "</think>" not in tail
-            if req.call_prefix:
-                prefix = ("</think>\n\n" if thinking else "") + req.call_prefix  # a template that ignores the flag
-                prompt, thinking = prompt + prefix, False
-            ids = self.eng.text.encode(prompt)
-            if ids.count(self.pad) != len(req.images):
-                raise bad("the messages' text may not contain the image placeholder token", "messages")
+            if req.force_call is not None:
+                name = req.force_call or None
+                given = call_prefix(self.tool_format, name)
+                marked = call_prefix(self.tool_format, name and self.eng.text.template.mark_text(name))
+                prompt, thinking = prompt + ("</think>\n\n" if thinking else "") + marked, False  # a template that ignores the flag
+            ids = self.eng.text.encode_chat(prompt)
+            if ids.count(self.pad) != len(req.images):  # message text never holds one (it is encoded as text)
+                raise bad(f"the chat template wrote {ids.count(self.pad)} image placeholders for {len(req.images)} "
+                          "images", "messages")
         elif isinstance(req.prompt, str):
+            self.check_length(req.prompt, "prompt")
             ids = self.eng.text.encode(req.prompt)
         else:
             ids = list(req.prompt or [])
@@ -148,17 +298,45 @@ class EngineWorker:
                 raise bad(f"token ids must be in [0, {self.vocab})", "prompt")
         ctx = self.eng.opts.ctx
         if len(ids) >= ctx:
-            raise bad(f"the prompt is {len(ids)} tokens; the planned context (--ctx {ctx}) holds {ctx - 1} "
-                      "with one token to answer", "messages" if req.kind == "chat" else "prompt")
+            raise self.too_long(len(ids), "messages" if req.kind == "chat" else "prompt")
         room = ctx - len(ids)
         want = req.max_tokens or self.so.max_tokens or room
-        d = self.defaults
-        temp = d["temperature"] if req.temperature is None else req.temperature
-        top_p = d["top_p"] if req.top_p is None else req.top_p
-        top_k = d["top_k"] if req.top_k is None else req.top_k
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
-        return Job(req, ids, thinking, min(want, room), Sampler(temp=float(temp), top_p=float(top_p), top_k=int(top_k), seed=seed),
-                   prefix=req.call_prefix or "")
+        return Job(req, ids, thinking, min(want, room), Sampler(**{**self.defaults, **req.sampling}, seed=seed),
+                   prefix=given, constraint=self.constraint(req, thinking))
+
+    def constraint(self, req: GenRequest, thinking: bool) -> Constraint | None:
+        """The grammar a request asks for: the JSON of `response_format` (after the reasoning closes, with
+        thinking on), or a forced call's arguments, valid against the tool's schema."""
+        if req.json_output and req.force_call is not None:
+            raise bad("'response_format' JSON and a forced tool call ('tool_choice') cannot both shape one answer",
+                      "response_format")
+        if not req.json_output and req.force_call is None:
+            return None
+        if self.guide is None:
+            self.guide = guide_tokenizer(self.eng.text.tokenizer, self.vocab, self.eng.text.stop_ids)
+        where = "response_format" if req.json_output else "tools"
+        try:
+            if req.json_output:
+                after = self.eng.text.tokenizer.token_to_id("</think>") if thinking else None
+                return Constraint(self.guide, json_grammar(req.json_schema), self.vocab, after=after)
+            grammar = tool_call_grammar(self.tool_format, req.tools, req.force_call or None, self.eng.text.tokenizer)
+            return Constraint(self.guide, grammar, self.vocab)
+        except StreamoeError as e:
+            raise bad(str(e), where) from None
+
+    def prompt_tokens(self, job: Job) -> int:
+        """How many tokens the job's prompt prefills: its ids, each image placeholder counted as the tokens
+        its image becomes (from the image's size alone, as the preprocessor resizes it)."""
+        if not job.req.images:
+            return len(job.ids)
+        eng = self.eng
+        cfg = ImageConfig.from_config(eng.manifest.config, eng._preprocessor(), max_pixels=eng.opts.max_pixels)
+        n = len(job.ids) - len(job.req.images)
+        for raw in job.req.images:
+            with Image.open(io.BytesIO(raw)) as im:
+                n += num_image_tokens(im.height, im.width, cfg)
+        return n
 
     # ---- on the worker thread
     def run(self, job: Job) -> None:
@@ -214,17 +392,18 @@ class EngineWorker:
         if cuts and self.cache.wants(need := snapshot_nbytes(eng)) and not self.cache.holds(key[:a]):
             self.cache.make_room(need)
             self.cache.add(capture(eng, key[:a]))
-        out = ChatOutput(job.thinking, req.parse_tools, req.stop)
+        out = ChatOutput(job.thinking, (req.tools or True) if req.parse_tools else None, req.stop, self.tool_format)
         evs = out.given(job.prefix)  # the forced start of a tool call is part of the answer the client gets
         if evs:
             job.emit(("delta", evs))
         detok = Detokenizer(eng.text)
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
-        finish = None
-        gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None)
+        finish, reasoning, lps = None, 0, []  # lps: logprobs entries of tokens whose text is not sent yet
+        gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None, context=ids,
+                           constraint=job.constraint)
         for tok, lg in gen:
             if job.cancel.is_set():
-                print(f"streamoe: {job.id} cancelled after {n} tokens (the client went away)", file=sys.stderr, flush=True)
+                print(f"streamoe: {job.id} cancelled after {n} tokens (its client went away or the server is stopping)", file=sys.stderr, flush=True)
                 return {"finish_reason": None, "cancelled": True, "tokens": n}
             n += 1
             toks.append(tok)
@@ -232,8 +411,15 @@ class EngineWorker:
                 job.logits.append(lg)
             if n == 1:
                 self.live["ttft_s"] = time.perf_counter() - t0
+            if req.logprobs:
+                lps.append(self.token_text.entry(lg, tok, req.top_logprobs))
+            if out.phase == "reasoning":  # the token is fed before it can close the thinking
+                reasoning += 1
             evs = out.feed(detok.add(tok))
             if evs:
+                if lps:  # a token's logprobs go out just before the first text it is part of
+                    job.emit(("logprobs", lps))
+                    lps = []
                 job.emit(("delta", evs))
             seen = dec.add(eng.steps, seen)
             self.live = {**self.live, "state": "decode", "tokens": n, **dec.stats(), "rss": eng.rss}
@@ -242,6 +428,8 @@ class EngineWorker:
                 break
         gen.close()
         evs = out.flush()
+        if lps:
+            job.emit(("logprobs", lps))
         if evs:
             job.emit(("delta", evs))
         if finish is None:
@@ -249,6 +437,9 @@ class EngineWorker:
         prompt_tokens = cached + sum(s.n_tokens for s in eng.steps if s.phase == "prefill")
         s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
         self.served += 1
+        self.totals["prompt_tokens"] += prompt_tokens
+        self.totals["generated_tokens"] += n
+        self.totals["bytes_read"] += sum(ly.bytes_read for st in eng.steps for ly in st.layers)
         tele = {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}
         tele.update(cached_tokens=cached, prefilled_tokens=prompt_tokens - cached, rss=current_rss(), cap=eng.plan.cap)
         self.live = {**self.live, "last": tele}
@@ -256,8 +447,9 @@ class EngineWorker:
               f"{s['tok_s']:.1f} tok/s, hit rate {100 * s['hit_rate']:.0f}%", file=sys.stderr, flush=True)
         return {"finish_reason": finish, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                                                    "total_tokens": prompt_tokens + n,
-                                                   "prompt_tokens_details": {"cached_tokens": cached}},
-                "telemetry": tele, "token_ids": toks}
+                                                   "prompt_tokens_details": {"cached_tokens": cached},
+                                                   "completion_tokens_details": {"reasoning_tokens": reasoning}},
+                "telemetry": tele, "token_ids": toks, "stop_sequence": out.stop.matched}
 
 
 class _Running:
@@ -268,7 +460,7 @@ class _Running:
 
     def add(self, steps: list, seen: int) -> int:
         for st in steps[seen:]:
-            if st.phase != "decode":
+            if st.phase != "decode" or st.t_token is None:  # counted once its token has reached the client
                 continue
             self.tokens += 1
             self.ms += st.ms
@@ -320,15 +512,16 @@ def open_engine(root: Path, opts: Options, so: ServeOptions) -> Engine:
     if runtime is None:
         measured = plan_for(root, opts)
         runtime, note = measured.accounts["runtime"], measured.notes.get("runtime")
-    extra = {"prompt cache": so.prompt_cache_bytes, "requests": so.requests_bytes}
+    extra = {"prompt cache": so.prompt_cache_bytes, "requests": requests_bytes(so, root, opts.ctx)}
     eng = Engine(root, dataclasses.replace(opts, runtime_bytes=runtime + sum(extra.values())))
     acc = {k: v for k, v in eng.plan.accounts.items() if k != "runtime"}
     eng.plan.accounts = {**acc, **extra, "runtime": runtime}
     if note:
         eng.plan.notes["runtime"] = note
     eng.plan.notes["prompt cache"] = "snapshots of conversation state for repeated prompts, LRU"
-    eng.plan.notes["requests"] = (f"{so.max_queue} queued + 1 running, bodies up to "
-                                  f"{so.limits.max_body / MiB:g} MiB and their images")
+    eng.plan.notes["requests"] = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its "
+                                  f"client, each keeping at most {so.limits.max_kept / MiB:g} MiB; one body parsed "
+                                  "and one prompt tokenized at a time")
     return eng
 
 
@@ -359,6 +552,14 @@ class Server:
             finally:
                 self.current = None
 
+    def withdraw(self, job: Job) -> None:
+        """Take a job whose client went away out of the queue (its memory goes with it)."""
+        job.cancel.set()
+        with self.queue.mutex:
+            if job in self.queue.queue:
+                self.queue.queue.remove(job)
+                self.queue.not_full.notify()
+
     def submit(self, job: Job) -> None:
         if self.stopping.is_set():
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -369,17 +570,19 @@ class Server:
                            code="queue_full") from None
 
     def stop(self) -> None:
-        """Stop taking jobs; the running one stops at its next token, the queued ones end without an answer."""
+        """Stop taking jobs; the running one stops at its next token, and it and the queued ones end with a
+        `shutting_down` error (a stream's last events are that error and `[DONE]`)."""
         self.stopping.set()
-        if self.current is not None:
-            self.current.cancel.set()
+        jobs = [self.current] if self.current is not None else []
         while True:
             try:
-                job = self.queue.get_nowait()
+                jobs.append(self.queue.get_nowait())
             except queue.Empty:
                 break
-            job.cancel.set()
-            job.emit(("done", {"finish_reason": None, "cancelled": True}))
+        for job in jobs:
+            if not job.cancel.is_set():
+                job.cancel.set()
+                job.emit(("error", APIError(503, "the server is shutting down", code="shutting_down")))
 
     def close(self) -> None:
         self.stop()

@@ -121,7 +121,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--size", type=click.Choice(["tiny", "small", "full"]), default="tiny", show_default=True)
+@click.option("--size", type=click.Choice(["tiny", "small", "small-vocab", "full"]), default="tiny", show_default=True)
 @click.option("--variant", type=click.Choice(["qwen3.6", "qwen3.5"]), default="qwen3.6", show_default=True,
               help="qwen3.6: 8-bit routers, bf16 A_log; qwen3.5: 4-bit routers, f32 A_log.")
 @click.option("--text-only", is_flag=True, help="Write an mlx-lm style text-only export (no vision tower).")
@@ -236,6 +236,39 @@ ENGINE = [
 ]
 
 
+# how tokens are chosen: `run` samples its answer with them, `serve` uses them for requests that set none; each
+# one left unset comes from the checkpoint's generation_config.json (runtime.text.generation_defaults)
+SAMPLING = [
+    click.option("--temp", type=Finite(min=0, max=1e6), default=None,
+                 help="Sampling temperature; 0 = greedy. Default: the checkpoint's generation_config.json (greedy without one)."),
+    click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=None, help="Nucleus mass (default: generation_config.json)."),
+    click.option("--top-k", type=click.IntRange(min=0, max=1 << 31), default=None, help="0 = off (default: generation_config.json)."),
+    click.option("--min-p", type=Finite(min=0, max=1), default=None,
+                 help="Drop tokens less likely than this times the likeliest (default: generation_config.json, else 0)."),
+    click.option("--presence-penalty", type=Finite(min=-2, max=2), default=None,
+                 help="Taken off the logit of every token already in the answer (OpenAI's; Qwen suggests 0-2)."),
+    click.option("--frequency-penalty", type=Finite(min=-2, max=2), default=None,
+                 help="Taken off a token's logit once per time it is already in the answer (OpenAI's)."),
+    click.option("--repetition-penalty", type=Finite(min=0, max=10, min_open=True), default=None,
+                 help="Divides a positive logit (multiplies a negative one) of every token in the prompt or answer "
+                      "(transformers'; 1 = off)."),
+]
+SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def sampling_options(fn):
+    """The SAMPLING options, handed to the command as one `sampling` dict of the ones given."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        given = {k: kw.pop(k) for k in SAMPLING_KEYS}
+        return fn(*args, sampling={k: v for k, v in given.items() if v is not None}, **kw)
+
+    for opt in reversed(SAMPLING):
+        wrapper = opt(wrapper)
+    return wrapper
+
+
 def common(fn):
     for opt in reversed(COMMON):
         fn = opt(fn)
@@ -287,10 +320,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
 @click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1, max=1 << 31), default=256, show_default=True)
-@click.option("--temp", type=Finite(min=0, max=1e6), default=None,
-              help="Sampling temperature; 0 = greedy. Default: the checkpoint's generation_config.json (greedy without one).")
-@click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=None, help="Default: generation_config.json.")
-@click.option("--top-k", type=click.IntRange(min=0, max=1 << 31), default=None, help="Default: generation_config.json.")
+@sampling_options
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
 @click.option("--stats", type=click.Path(path_type=Path), default=None, help="Write per-step telemetry as JSON lines.")
 @click.option("--logits-out", type=click.Path(path_type=Path), default=None, help="Save every step's logits (.npz).")
@@ -303,7 +333,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @user_errors
 def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None,
         prompt: str | None, chat: bool,
-        images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, temp: float | None, top_p: float | None, top_k: int | None, seed: int,
+        images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, sampling: dict, seed: int,
         tier: str, prefetch_width: int | None, prefetch_waste: float, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
@@ -316,24 +346,22 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
     if load_session and system is not None:
         raise StreamoeError("a loaded session keeps its own system message; drop --system")
     check_run_paths(stats, logits_out, save_session, load_session)
-    temp, top_p, top_k = sampling_for(model, temp, top_p, top_k)
+    sampling = {**(generation_defaults_of(model)), **sampling, "seed": seed}
     vision = bool(images) or (chat and not raw)
     run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
                         prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=vision, max_pixels=max_pixels,
                         runtime_bytes=runtime_mib and runtime_mib << 20),
             prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
-            sampling=dict(temp=temp, top_p=top_p, top_k=top_k, seed=seed), stats=stats, logits_out=logits_out, quiet=quiet,
+            sampling=sampling, stats=stats, logits_out=logits_out, quiet=quiet,
             save_session=save_session, load_session=load_session)
 
 
-def sampling_for(model: Path, temp: float | None, top_p: float | None, top_k: int | None) -> tuple[float, float, int]:
+def generation_defaults_of(model: Path) -> dict:
     """What the command line leaves unset comes from the checkpoint's generation_config.json, as a server
     request's does; --temp 0 is greedy whatever the checkpoint says."""
-    from .runtime.text import generation_defaults
+    from .runtime.text import GREEDY, generation_defaults
 
-    gen = generation_defaults(model) if model.is_dir() else {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
-    temp = gen["temperature"] if temp is None else temp
-    return temp, gen["top_p"] if top_p is None else top_p, gen["top_k"] if top_k is None else top_k
+    return generation_defaults(model) if model.is_dir() else dict(GREEDY)
 
 
 def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: Path | None,
@@ -362,9 +390,7 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
 @click.option("--no-think", is_flag=True, help="Thinking off when a request does not set chat_template_kwargs.enable_thinking.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None,
               help="Answer length when a request sets none (default: what the planned context holds).")
-@click.option("--temp", type=click.FloatRange(min=0), default=None, help="Default temperature (else generation_config.json).")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None, help="Default top-p (else generation_config.json).")
-@click.option("--top-k", type=click.IntRange(min=0), default=None, help="Default top-k (else generation_config.json).")
+@sampling_options
 @click.option("--verify", is_flag=True, help="Check every file's checksum before serving.")
 @click.option("--prompt-cache-mib", type=click.FloatRange(min=0), default=256, show_default=True,
               help="Plan account for snapshots of repeated conversations (LRU); 0 = no prompt cache.")
@@ -373,25 +399,42 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
 @click.option("--max-body-mib", type=click.FloatRange(min=0.01), default=4, show_default=True, help="Largest request body.")
 @click.option("--max-image-mib", type=click.FloatRange(min=0.01), default=3, show_default=True, help="Largest image (decoded bytes).")
 @click.option("--max-images", type=click.IntRange(min=0), default=4, show_default=True, help="Images per request.")
+@click.option("--allow-host", multiple=True, metavar="NAME", help="Another name clients reach this server by (the Host "
+              "header); loopback names and the bound address always work; '*' allows any. Repeatable.")
+@click.option("--cors-origin", multiple=True, metavar="ORIGIN", help="An origin (https://app.example) whose pages may call "
+              "the API; other cross-origin requests are refused with 403. Repeatable; '*' allows any.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Connections held at once (within the open-file limit); at the bound, the oldest idle one is closed.")
+@click.option("--head-timeout", type=click.FloatRange(min=0.1), default=10, show_default=True,
+              help="Seconds a connection may take to send a request's head.")
+@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=30, show_default=True,
+              help="Seconds a request may take to send its body.")
+@click.option("--idle-timeout", type=click.FloatRange(min=1), default=5, show_default=True,
+              help="Seconds an idle keep-alive connection stays open.")
+@click.option("--sse-keepalive", type=click.FloatRange(min=0.1), default=5, show_default=True,
+              help="Seconds between keep-alive comments while a streamed request waits or prefills.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @user_errors
 def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, host: str,
           port: int, model_name: str | None, no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
-          temp: float | None, top_p: float | None, top_k: int | None, tier: str, prefetch_width: int | None,
+          sampling: dict, tier: str, prefetch_width: int | None,
           prefetch_waste: float, prefill_chunk: int, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
-          max_image_mib: float, max_images: int, log_level: str) -> None:
+          max_image_mib: float, max_images: int, allow_host: tuple[str, ...], cors_origin: tuple[str, ...],
+          max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, sse_keepalive: float,
+          log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
     from .runtime.engine import Options
     from .runtime.openai_api import Limits
     from .runtime.server import serve as run_server
     from .runtime.worker import ServeOptions
 
-    sampling = {k: v for k, v in (("temperature", temp), ("top_p", top_p), ("top_k", top_k)) if v is not None}
     limits = Limits(max_body=int(max_body_mib * (1 << 20)), max_image_bytes=int(max_image_mib * (1 << 20)),
                     max_images=0 if no_images else max_images)
     so = ServeOptions(model_name=model_name or model.resolve().name, limits=limits, max_queue=max_queue,
                       prompt_cache_bytes=int(prompt_cache_mib * (1 << 20)), max_tokens=max_tokens, sampling=sampling,
-                      think=not no_think)
+                      think=not no_think, allow_hosts=allow_host, cors_origins=cors_origin,
+                      max_connections=max_connections, head_timeout_s=head_timeout, body_timeout_s=body_timeout,
+                      idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
     opts = Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
                    prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=not no_images,
                    max_pixels=max_pixels, runtime_bytes=runtime_mib and runtime_mib << 20)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -50,42 +51,172 @@ def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> str:
     return lines[0]
 
 
-def cgroup_dir() -> Path | None:
-    """This process's own cgroup-v1 memory group, if we may create children in it."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def own_cgroup(proc_self_cgroup: str, controller: str = "memory") -> str | None:
+    """This process's group path from /proc/self/cgroup text: the v1 line naming `controller`
+    (`4:memory:/a/b`), else the unified v2 line (`0::/a/b`)."""
+    v2 = None
+    for ln in proc_self_cgroup.splitlines():
+        parts = ln.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if controller in parts[1].split(","):
+            return parts[2].strip()
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2].strip()
+    return v2
+
+
+def memory_events(text: str) -> dict[str, int]:
+    """A v2 `memory.events` file (`low 0`, `high 0`, `max 12`, `oom 0`, `oom_kill 0`, ...) as counts."""
+    out = {}
+    for ln in text.splitlines():
+        key, _, value = ln.partition(" ")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
+def v2_read(cg: Path) -> tuple[int, int | None]:
+    """(limit hits, peak bytes or None) of a v2 group: the hits are memory.events' `max` (usage reached
+    memory.max and was reclaimed or refused: v1's failcnt) plus `oom` and `oom_kill`; the peak is memory.peak
+    (kernel >= 5.19; None where it is absent)."""
+    events = memory_events((cg / "memory.events").read_text())
+    hits = sum(events.get(k, 0) for k in ("max", "oom", "oom_kill"))
+    peak = cg / "memory.peak"
+    return hits, int(peak.read_text().split()[0]) if peak.exists() else None
+
+
+def v2_memory_enabled(base: Path) -> bool:
+    """Whether children of `base` get the memory controller (`memory` listed in its cgroup.subtree_control)."""
+    try:
+        return "memory" in (base / "cgroup.subtree_control").read_text().split()
+    except OSError:
+        return False
+
+
+def v2_prepare(base: Path) -> bool:
+    """Make `base` able to hold a capped child: enable `memory` for its children. The no-internal-process rule
+    forbids that while `base` holds processes, so this process first moves into a leaf child of its own
+    (`base/streamoe_leaf_PID`, kept for the process's lifetime). False where this cgroup does not allow it."""
+    if v2_memory_enabled(base):
+        return True
+    try:
+        if "memory" not in (base / "cgroup.controllers").read_text().split():
+            return False  # not delegated to this group: nothing to enable
+        v2_enable_memory(base)
+    except OSError:
+        return False  # other processes share the group, or no permission
+    return v2_memory_enabled(base)
+
+
+def v2_enable_memory(base: Path) -> None:
+    """The writes of `v2_prepare`: this process into a leaf when `base` holds processes, then `+memory`."""
+    import os
+
+    if (base / "cgroup.procs").read_text().split():
+        leaf = base / f"streamoe_leaf_{os.getpid()}"
+        leaf.mkdir(exist_ok=True)
+        (leaf / "cgroup.procs").write_text(str(os.getpid()))
+    (base / "cgroup.subtree_control").write_text("+memory")
+
+
+@functools.cache  # once per process: preparing v2 moves this process into a leaf, which must happen once
+def cgroup_dir() -> tuple[str, Path] | None:
+    """("v1" or "v2", this process's memory cgroup) where we may create capped children in it, else None.
+
+    v1: /sys/fs/cgroup/memory/GROUP with memory.limit_in_bytes. v2 (the unified hierarchy: /sys/fs/cgroup/
+    cgroup.controllers exists): the group where `memory` is (or can be) enabled for children; as root, or as a
+    user inside a delegated scope (`systemd-run --user --scope -p Delegate=yes make test`)."""
     import os
 
     try:
-        own = next(ln.split(":")[2].strip() for ln in open("/proc/self/cgroup") if ln.split(":")[1] == "memory")
-    except (OSError, StopIteration):
+        text = open("/proc/self/cgroup").read()
+    except OSError:
         return None
-    base = Path("/sys/fs/cgroup/memory") / own.lstrip("/")
-    return base if (base / "memory.limit_in_bytes").exists() and os.access(base, os.W_OK) else None
+    own = own_cgroup(text)
+    if own is None:
+        return None
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        base = CGROUP_ROOT / own.lstrip("/")
+        if os.access(base, os.W_OK) and v2_prepare(base):
+            return "v2", base
+        return None
+    base = CGROUP_ROOT / "memory" / own.lstrip("/")
+    return ("v1", base) if (base / "memory.limit_in_bytes").exists() and os.access(base, os.W_OK) else None
+
+
+class CurrentSampler:
+    """The peak of memory.current sampled every 5 ms on a thread: the stand-in for memory.peak on kernels
+    before 5.19, which misses spikes shorter than the interval (the warning says so)."""
+
+    def __init__(self, cg: Path):
+        import threading
+
+        self.cg, self.peak, self.stop = cg, 0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.005):
+            try:
+                self.peak = max(self.peak, int((self.cg / "memory.current").read_text()))
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 @contextlib.contextmanager
 def capped_cgroup(cap_gib: float, name: str = "test"):
-    """A fresh child cgroup whose memory limit is the cap (page cache included), removed afterwards; yields
-    (path, read) where read() gives (failcnt, max_usage_in_bytes). Skips where cgroups are unavailable."""
+    """A fresh child cgroup whose memory limit is the cap (page cache included; no swap on v2), removed
+    afterwards; yields (path, read) where read() gives (limit hits, peak bytes): v1's memory.failcnt and
+    memory.max_usage_in_bytes, v2's memory.events `max`+`oom`+`oom_kill` and memory.peak. Skips where no
+    writable memory cgroup is available (needs root or a delegated group)."""
     import os
+    import warnings
 
-    base = cgroup_dir()
-    if base is None:
-        pytest.skip("no writable cgroup-v1 memory controller here (needs /sys/fs/cgroup/memory and root)")
+    found = cgroup_dir()
+    if found is None:
+        pytest.skip("no writable memory cgroup here (v1 /sys/fs/cgroup/memory, or v2 with memory delegated)")
+    version, base = found
     cg = base / f"streamoe_{name}_{os.getpid()}"
     cg.mkdir()
+    sampler = None
     try:
-        (cg / "memory.limit_in_bytes").write_text(str(int(cap_gib * 2**30)))
-        yield cg, lambda: (int((cg / "memory.failcnt").read_text()), int((cg / "memory.max_usage_in_bytes").read_text()))
+        if version == "v1":
+            (cg / "memory.limit_in_bytes").write_text(str(int(cap_gib * 2**30)))
+            read = lambda: (int((cg / "memory.failcnt").read_text()), int((cg / "memory.max_usage_in_bytes").read_text()))  # noqa: E731
+        else:
+            (cg / "memory.max").write_text(str(int(cap_gib * 2**30)))
+            if (cg / "memory.swap.max").exists():
+                (cg / "memory.swap.max").write_text("0")  # a cap that swap could absorb is no cap
+            if not (cg / "memory.peak").exists():
+                warnings.warn(f"{cg}/memory.peak is absent (kernel < 5.19): the peak is memory.current sampled "
+                              "every 5 ms, which can miss a shorter spike", stacklevel=3)
+                sampler = CurrentSampler(cg)
+
+            def read() -> tuple[int, int]:
+                hits, peak = v2_read(cg)
+                return hits, peak if peak is not None else sampler.peak
+        yield cg, read
     finally:
-        try:
-            (cg / "memory.force_empty").write_text("1")
-        except OSError:
-            pass
+        if sampler is not None:
+            sampler.close()
+        if version == "v1":
+            try:
+                (cg / "memory.force_empty").write_text("1")
+            except OSError:
+                pass
         cg.rmdir()
 
 
 def run_capped(args: list[str], cap_gib: float) -> tuple[subprocess.CompletedProcess, int, int]:
-    """`streamoe ARGS` inside a cgroup capped at `cap_gib`; returns (process, failcnt, max_usage_in_bytes)."""
+    """`streamoe ARGS` inside a cgroup capped at `cap_gib`; returns (process, limit hits, peak bytes)."""
     import shlex
 
     with capped_cgroup(cap_gib) as (cg, read):

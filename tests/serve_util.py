@@ -18,8 +18,10 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from streamoe.runtime.engine import Engine, Options, plan_for
+from streamoe.runtime.openai_api import Limits
 from streamoe.runtime.plan import MiB
-from streamoe.runtime.text import Sampler
+from streamoe.runtime.sampling import Sampler
+from streamoe.runtime.worker import ServeOptions, requests_bytes
 
 from .conftest import REPO
 
@@ -28,7 +30,8 @@ TINY = REPO / "models" / "tiny"
 
 def quarter_cap(conv: Path, ctx: int, runtime_mib: int, cache_mib: float, body_mib: float = 4, queue: int = 8) -> float:
     """A cap (GiB) whose hot tier holds a quarter of the experts, with the server's accounts in the plan."""
-    extra = int(cache_mib * MiB) + (queue + 1) * 2 * int(body_mib * MiB)
+    so = ServeOptions("t", limits=Limits(max_body=int(body_mib * MiB)), max_queue=queue)
+    extra = int(cache_mib * MiB) + requests_bytes(so, conv, ctx)
     p = plan_for(conv, Options(cap_gib=64, ctx=ctx, images=True, runtime_bytes=runtime_mib * MiB + extra))
     return (p.fixed + p.n_layers * p.n_experts // 4 * p.slot_bytes + p.slot_bytes // 2) / 2**30
 
@@ -157,10 +160,7 @@ def greedy(eng: Engine, ids: list[int], n: int, images: list | None = None) -> l
 
 def chat_ids(eng: Engine, messages: list[dict], think: bool = True, tools: list | None = None) -> list[int]:
     """The prompt `streamoe run` renders for these messages (the template, with tools when given)."""
-    if tools is None:
-        return eng.text.encode(eng.text.chat_prompt(messages, think=think))
-    return eng.text.encode(eng.text.template.render(messages=messages, tools=tools, add_generation_prompt=True,
-                                                    enable_thinking=think, bos_token="", eos_token=""))
+    return eng.text.chat_ids(messages, tools=tools, enable_thinking=think)
 
 
 def raw_request(port: int, path: str, body: bytes) -> socket.socket:

@@ -215,6 +215,15 @@ for _name, _mutate, _needle in [
     ("config-bad-model-type", lambda d: d.update(model_type="llama"), "model_type"),
     ("config-no-quantization", lambda d: d.pop("quantization"), "quantization"),
     ("config-heads-not-multiple", lambda d: d["text_config"].update(num_key_value_heads=3), "not a multiple"),
+    ("config-group-size-null", lambda d: d["quantization"].update(group_size=None), "quantization.group_size"),
+    ("config-bits-null", lambda d: d["quantization"].update(bits=None), "quantization.bits"),
+    ("config-group-size-float", lambda d: d["quantization"].update(group_size=64.0), "quantization.group_size"),
+    ("config-group-size-list", lambda d: d["quantization"].update(group_size=[64]), "quantization.group_size"),
+    ("config-group-size-object", lambda d: d["quantization"].update(group_size={}), "quantization.group_size"),
+    ("config-group-size-bool", lambda d: d["quantization"].update(group_size=True), "quantization.group_size"),
+    ("config-override-group-size-null",
+     lambda d: d["quantization"]["language_model.model.layers.0.mlp.gate"].update(group_size=None),
+     "quantization.language_model.model.layers.0.mlp.gate.group_size"),
 ]:
     def _build(tmp, ck, conv, m=_mutate, n=_needle):
         args, needles = config_case(m)(tmp, ck, conv)
@@ -493,6 +502,9 @@ for _name, _mutate, _needle in [
     ("manifest-blob-duplicate", lambda d: nonexpert(d).append(dict(nonexpert(d)[0])), "twice"),
     ("manifest-file-size-huge", lambda d: d["blobs"]["nonexpert"]["file"].update(size=2**62), "out of range"),
     ("manifest-bad-group", lambda d: d["experts"]["q4"].update(group_size=128), "does not pack"),
+    ("manifest-vision-file-layer", lambda d: d["blobs"]["vision"]["file"].update(layer=1), "blobs.vision.file"),
+    ("manifest-vision-file-extra-key", lambda d: d["blobs"]["vision"]["file"].update(x=1), "blobs/vision/file"),
+    ("manifest-side-file-layer", lambda d: d["files"][0].update(layer=0), "files[0]"),
 ]:
     def _build(tmp, ck, conv, m=_mutate, n=_needle):
         args, needles = manifest_case(m)(tmp, ck, conv)
@@ -565,6 +577,9 @@ for _name, _opts, _needle in [
     ("cap-negative", ["--cap", "-1"], "--cap"),
     ("temp-nan", ["--temp", "nan"], "--temp"),
     ("top-p-nan", ["--top-p", "nan"], "--top-p"),
+    ("min-p-over-one", ["--min-p", "1.5"], "--min-p"),
+    ("presence-penalty-out-of-range", ["--presence-penalty", "3"], "--presence-penalty"),
+    ("repetition-penalty-zero", ["--repetition-penalty", "0"], "--repetition-penalty"),
     ("ctx-zero", ["--ctx", "0"], "--ctx"),
     ("prefetch-waste-nan", ["--prefetch-waste", "nan"], "--prefetch-waste"),
     ("prefetch-waste-over-one", ["--prefetch-waste", "1.5"], "--prefetch-waste"),
@@ -703,6 +718,7 @@ for _name, _mutate, _needle in [
     ("plan-bare-billion-layers", lambda d: d["text_config"].update(num_hidden_layers=10**9), "out of range"),
     ("plan-bare-zero-experts", lambda d: d["text_config"].update(num_experts=0), "out of range"),
     ("plan-bare-string-hidden", lambda d: d["text_config"].update(hidden_size="big"), "must be an integer"),
+    ("plan-bare-null-group-size", lambda d: d["quantization"].update(group_size=None), "quantization.group_size"),
 ]:
     def _build(tmp, ck, conv, m=_mutate, n=_needle):
         args, needles = _bare_config(m)(tmp, ck, conv)

@@ -135,6 +135,91 @@ def test_kill_9_mid_conversion_then_rerun_validates(small_ckpt, tmp_path):
     assert not tmp.exists()
 
 
+# Runs `streamoe convert` with a SIGKILL at the KILL_AT-th rename/unlink/rmdir from the manifest's writing on
+# (KILL_AT=0: never; the count of such steps is printed on stderr at exit).
+KILL_DRIVER = """
+import atexit, os, signal, sys
+from streamoe import cli
+from streamoe.convert import convert as c
+at, steps, armed = int(os.environ["KILL_AT"]), [0], [False]
+def counted(f):
+    def step(*a, **k):
+        if armed[0]:
+            steps[0] += 1
+            if steps[0] == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return f(*a, **k)
+    return step
+for name in ("replace", "rename", "unlink", "rmdir"):
+    setattr(os, name, counted(getattr(os, name)))
+write_manifest = c.write_manifest
+def arm(*a, **k):
+    armed[0] = True
+    return write_manifest(*a, **k)
+c.write_manifest = arm
+atexit.register(lambda: sys.stderr.write(f"steps={steps[0]}\\n"))
+sys.argv[0] = "streamoe"
+cli.main()
+"""
+
+
+def convert_killed_at(step: int, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", KILL_DRIVER, "convert", *map(str, args)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "KILL_AT": str(step)})
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["new-out", "force-replace"])
+def test_kill_9_at_each_publish_step_then_the_same_command_recovers(tiny_ckpt, tiny_conv, tmp_path, force):
+    """Steps from the manifest's write to the end (the manifest's rename, OUT moved aside, the rename into place,
+    the old conversion's removal file by file, the lock's removal, the journal's): a kill there, then the same
+    command succeeds, OUT validates against the source and nothing is left beside it."""
+    def prepare(n: int) -> tuple[Path, list]:
+        out = tmp_path / f"run{n}" / "out"
+        out.parent.mkdir()
+        if force:
+            shutil.copytree(tiny_conv, out)  # q4 and q3: replaced by a q4-only conversion
+        return out, [tiny_ckpt, out, *(["--force"] if force else [])]
+
+    out, args = prepare(0)
+    whole = convert_killed_at(0, *args)
+    assert whole.returncode == 0, whole.stderr
+    total = int(whole.stderr.rsplit("steps=", 1)[1])
+    assert total >= (20 if force else 4)  # the old conversion goes file by file
+    # every step up to the old conversion's removal, then its first, middle and last file, the lock, the journal
+    for n in sorted({*range(1, min(6, total)), total // 2, total - 2, total - 1, total}):
+        out, args = prepare(n)
+        p = convert_killed_at(n, *args)
+        assert p.returncode == -signal.SIGKILL, (n, p.stderr)
+        again = cli("convert", *args)
+        assert again.returncode == 0, (n, again.stderr)
+        assert "Traceback" not in again.stderr
+        assert validate(out, source=tiny_ckpt, samples=2)["ok"], n
+        assert set(load_manifest(out).expert_formats()) == {"q4"}, n
+        assert not (out / "journal.json").exists(), n
+        assert [x.name for x in out.parent.iterdir()] == ["out"], (n, sorted(x.name for x in out.parent.iterdir()))
+
+
+def test_killed_after_publishing_then_another_command_sees_an_ordinary_conversion(tiny_ckpt, tmp_path):
+    """Killed before the journal left OUT, then a different command (other formats): OUT is a finished
+    conversion of something else, refused without --force as any is, and replaced with it."""
+    out = tmp_path / "out"
+    total = int(convert_killed_at(0, tiny_ckpt, tmp_path / "probe").stderr.rsplit("steps=", 1)[1])
+    assert convert_killed_at(total, tiny_ckpt, out).returncode == -signal.SIGKILL  # at the journal's removal
+    assert (out / "journal.json").exists() and validate(out)["ok"]
+    one_error_line(cli("convert", tiny_ckpt, out, "--experts", "q4,q3"), str(out), "already exists", "--force")
+    assert not (out / "journal.json").exists()
+    cli("convert", tiny_ckpt, out, "--experts", "q4,q3", "--force", check=True)
+    assert set(load_manifest(out).expert_formats()) == {"q4", "q3"} and validate(out, source=tiny_ckpt)["ok"]
+
+
+def test_a_partial_dir_of_only_a_journal_temporary_is_ours(tiny_ckpt, tmp_path):
+    """Killed inside the first journal write: the partial directory holds only `journal.json.tmp`."""
+    (tmp_path / ".out.partial").mkdir()
+    (tmp_path / ".out.partial" / "journal.json.tmp").write_text('{"fingerp')
+    cli("convert", tiny_ckpt, tmp_path / "out", check=True)
+    assert validate(tmp_path / "out")["ok"] and sorted(x.name for x in tmp_path.iterdir()) == ["out"]
+
+
 # ---- bad input → one line naming the file, non-zero exit, no traceback, nothing half-written
 
 def broken_copy(src: Path, dst: Path) -> Path:

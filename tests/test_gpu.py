@@ -49,6 +49,28 @@ def test_gpu_logits_bit_identical_across_caps_prefetch_tiers_and_runs(small_conv
             assert data == first, f"logits differ at {key}"
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_sampled_decode_identical_across_caps_and_loops(small_conv, dtype, monkeypatch):
+    """The checkpoint's sampling defaults with penalties, chosen on the device: resident (each step queued from
+    the token still being drawn) and capped at two caps give the same tokens and the same logits' bits."""
+    from streamoe.runtime.sampling import Sampler
+
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    outs = []
+    for slots in (None, 24, 200):
+        o = dict(ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, dtype=dtype)
+        base = plan_for(small_conv, Options(cap_gib=64, **o))
+        cap = 64.0 if slots is None else (base.fixed + slots * base.slot_bytes + 1) / 2**30
+        eng = Engine(small_conv, Options(cap_gib=cap, **o))
+        eng.text.stop_ids = set()
+        s = Sampler(temp=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, repetition_penalty=1.05, seed=2)
+        outs.append([(t, np.array(lg).tobytes()) for t, lg in eng.generate(eng.text.encode(PROMPT), 16, s)])
+        assert eng.experts.resident == (slots is None)
+        eng.close()
+    assert outs[0] == outs[1] == outs[2]
+    assert len({t for t, _ in outs[0]}) > 4
+
+
 def test_gpu_hidden_states_match_mlx_lm(small_ckpt, small_conv):
     """float32: the residual stream after every layer within 1e-4 relative of mlx-lm's, prompt and decode."""
     from mlx_lm.models.cache import make_prompt_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,13 +76,42 @@ def test_image_question_matches_mlx_vlm_and_is_identical_across_caps(tiny_ckpt, 
     assert runs[0] == runs[1] == runs[2]
 
 
+def summaries(stderr: str) -> int:
+    """How many answers `run` summarised (one `[N tokens, ... tok/s ...]` line each)."""
+    return sum(ln.startswith("[") and "tok/s" in ln for ln in stderr.splitlines())
+
+
 def test_chat_turns_and_cli_image(tiny_conv, picture):
     p = cli("run", tiny_conv, "--cap", "1", "--image", picture, "-p", "What is it?", "-n", "4", check=True)
     assert "tok/s" in p.stderr
     p = subprocess.run([sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--chat", "-n", "3"],
                        input=f"/image {picture}\nWhat is it?\nAnd now?\n/quit\n", capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert p.stderr.count("tok/s") == 2 and "attached" in p.stderr
+    assert summaries(p.stderr) == 2 and "attached" in p.stderr
+
+
+def test_chat_refuses_a_bad_image_in_one_line_and_goes_on(tiny_conv, picture, tmp_path):
+    """`/image` of a missing, unreadable or non-image file: one line on stderr naming it, nothing attached, and
+    the next turns (one with a good picture) are answered."""
+    text = tmp_path / "notes.png"
+    text.write_text("not a picture")
+    locked = tmp_path / "locked.png"
+    locked.write_bytes(picture.read_bytes())
+    locked.chmod(0)
+    bad = [(tmp_path / "missing.png", "no such file"), (text, "not an image"), (tmp_path, "not a regular file")]
+    if not os.access(locked, os.R_OK):  # root reads any file: there the mode cannot make it unreadable
+        bad.append((locked, "cannot read"))
+    lines = "".join(f"/image {p}\n" for p, _ in bad) + f"What is it?\n/image {picture}\nAnd this?\n/quit\n"
+    p = subprocess.run([sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--chat", "-n", "3"],
+                       input=lines, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("streamoe: error:")]
+    assert len(errors) == len(bad), p.stderr
+    for line, (path, needle) in zip(errors, bad, strict=True):
+        assert str(path) in line and needle in line and "the chat goes on" in line, line
+    assert p.stderr.count("(attached") == 1 and f"(attached {picture}" in p.stderr
+    assert summaries(p.stderr) == 2  # both turns answered
 
 
 def test_image_run_inside_cgroup(small_conv, picture, tmp_path):

@@ -318,7 +318,7 @@ def test_pipelined_resident_generate_equals_the_plain_loop(small_conv, max_token
     """Everything resident, greedy: each step is queued before the previous token is read. The tokens, their
     logits, and the state left for the next turn (a step queued for a token that ended the answer is taken
     back) equal a capped run's, which decodes one token at a time."""
-    from streamoe.runtime.text import Sampler
+    from streamoe.runtime.sampling import Sampler
 
     results = []
     for slots in (None, 24):

@@ -11,10 +11,11 @@ import json
 import pytest
 from PIL import Image
 
-from streamoe.runtime.chat_output import ChatOutput, StopMatcher, collect, parse_call
+from streamoe.runtime.chat_output import ChatOutput, StopMatcher, collect
 from streamoe.runtime.openai_api import APIError, Limits, parse_chat, parse_completion
 from streamoe.runtime.prompt_cache import PromptCache, Snapshot, boundaries, key_items
 from streamoe.runtime.text import TextIO, generation_defaults
+from streamoe.runtime.tool_calls import call_prefix, parse_call
 from streamoe.runtime.worker import assistant_header
 
 from .conftest import REPO
@@ -34,7 +35,7 @@ def text() -> TextIO:
 def rendered_answer(text: TextIO, content: str, calls: list[dict]) -> str:
     """What the shipped template writes for an assistant message: the text between its header and <|im_end|>."""
     msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": content, "tool_calls": calls}]
-    s = text.template.render(messages=msgs, tools=TOOLS, add_generation_prompt=False, bos_token="", eos_token="")
+    s = text.chat_text(msgs, tools=TOOLS, add_generation_prompt=False)
     body = s[s.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n"):]
     assert body.endswith("<|im_end|>\n")
     return body[: -len("<|im_end|>\n")]
@@ -120,12 +121,14 @@ def test_thinking_then_a_tool_call(text):
 def test_a_forced_call_is_parsed_from_its_given_start_and_the_models_rest():
     """tool_choice "required" / named: the call's start is written into the prompt (not generated, so stop
     strings never see it) and the model writes the rest; the answer is parsed as if the model wrote it all."""
-    assert parse_chat(chat(tools=TOOLS, tool_choice="auto"), Limits()).call_prefix is None
-    assert parse_chat(chat(tools=TOOLS, tool_choice="required"), Limits()).call_prefix == "<tool_call>\n"
+    assert parse_chat(chat(tools=TOOLS, tool_choice="auto"), Limits()).force_call is None
+    assert parse_chat(chat(tools=TOOLS, tool_choice="required"), Limits()).force_call == ""
+    assert call_prefix("json", None) == call_prefix("xml", None) == "<tool_call>\n"
     r = parse_chat(chat(tools=TOOLS + [{"type": "function", "function": {"name": "other"}}],
                         tool_choice={"type": "function", "function": {"name": "get_weather"}}), Limits())
-    assert r.tools == TOOLS and r.call_prefix == '<tool_call>\n{"name": "get_weather", "arguments": '
-    for given, rest, stops in ((r.call_prefix, '{"city": "Paris"}}\n</tool_call>', ["<tool_call>", '"arguments": ']),
+    assert r.tools == TOOLS and r.force_call == "get_weather"
+    assert call_prefix("json", r.force_call) == '<tool_call>\n{"name": "get_weather", "arguments": '
+    for given, rest, stops in ((call_prefix("json", r.force_call), '{"city": "Paris"}}\n</tool_call>', ["<tool_call>", '"arguments": ']),
                                ("<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
                                 ["<tool_call>"])):
         out = ChatOutput(False, True, stops)  # stop strings only the given start holds: they must not match it
@@ -175,10 +178,31 @@ def chat(**kw) -> dict:
     (chat(stream="yes"), "stream"),
     (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     (chat(seed="x"), "seed"),
-    (chat(logprobs=True), "logprobs"),
-    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(logprobs="yes"), "logprobs"),
+    (chat(top_logprobs=3), "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (chat(response_format={"type": "xml"}), "response_format"),
+    (chat(response_format={"type": "json_schema"}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": []}}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}}),
+     "response_format"),
+    (chat(min_p=2), "min_p"),
+    (chat(presence_penalty=-3), "presence_penalty"),
+    (chat(frequency_penalty="lots"), "frequency_penalty"),
+    (chat(repetition_penalty=0), "repetition_penalty"),
+    (chat(temperature=float("nan")), "temperature"),
     (chat(tools=[{"type": "function"}]), "tools[0]"),
     (chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (chat(tools=TOOLS, tool_choice={"type": "function", "function": "get_weather"}), "tool_choice"),
+    (chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{'a': 1}"}}]}]),
+     "messages[1].tool_calls[0].function.arguments"),
+    (chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}]),
+     "messages[1].tool_calls[0].function.arguments"),
+    (chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": "f"}]}]),
+     "messages[1].tool_calls[0]"),
+    (chat(messages=[{"role": "assistant", "content": "a", "reasoning_content": 3}]), "messages[0].reasoning_content"),
     (chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
     (chat(chat_template_kwargs={"enable_thinking": "no"}), "chat_template_kwargs"),
 ])
@@ -219,7 +243,9 @@ def test_a_good_request_normalised():
     assert r.messages[0] == {"role": "system", "content": "be brief"}
     assert r.messages[1]["content"] == [{"type": "image"}, {"type": "text", "text": "shape?"}]
     assert len(r.images) == 1 and r.images[0].startswith(b"\x89PNG")
-    assert r.max_tokens == 20 and r.stop == ["\n"] and r.top_k == 0 and r.temperature is None
+    assert r.messages[2] == {"role": "assistant", "content": None, "tool_calls": [  # arguments decoded to an object
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert r.max_tokens == 20 and r.stop == ["\n"] and r.sampling == {"top_k": 0}  # -1 is off; nothing else set
     assert r.tools == TOOLS and r.parse_tools and r.template_kwargs == {"enable_thinking": False}
     assert r.stream and r.include_usage
     assert parse_chat(chat(tools=TOOLS, tool_choice="none"), Limits()).tools is None

@@ -1,6 +1,7 @@
 """The chat page in a real headless Chromium (the system package, driven by Selenium through the system
 chromedriver): a typed question gets the embedded model's streamed answer, the demo picture gets "triangle",
-and the plan and live telemetry are on the page. Set STREAMOE_SCREENSHOT=PATH to keep a screenshot."""
+the plan and live telemetry are on the page, Stop and New chat end the generation on the server, and the page
+works at 360 px. Set STREAMOE_SCREENSHOT=PATH to keep the desktop screenshot (docs/chat-page.png is one)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,17 @@ def server(conv, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def endless(tiny_conv, tmp_path_factory):
+    """A server of a random-weight checkpoint: its answers run to max_tokens (the trained model stops within a
+    few tokens), so there is always something to stop."""
+    cap = quarter_cap(tiny_conv, 1024, 256, cache_mib=8)
+    s = start_server(tiny_conv, tmp_path_factory.mktemp("log") / "endless.log", "--cap", cap, "--ctx", 1024,
+                     "--runtime-mib", 256, "--prompt-cache-mib", 8)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
 def browser():
     pytest.importorskip("selenium", reason="selenium is a [dev] dependency (pip install -e '.[dev]')")
     from selenium import webdriver
@@ -69,6 +81,59 @@ def ask(browser, text: str, n: int) -> object:
     answer = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")[n - 1]
     assert answer.get_attribute("data-state") == "done", answer.text
     return answer
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def screenshot(browser, path: Path) -> Path:
+    """A screenshot of the page as headless Chromium renders it: a real PNG, not an empty one."""
+    assert browser.save_screenshot(str(path))
+    data = path.read_bytes()
+    assert data.startswith(PNG) and len(data) > 10_000, len(data)
+    return path
+
+
+def open_page(browser, server) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server.url + "/")
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "status").text == "ready")
+
+
+def start_long_answer(browser, text: str, n: int) -> object:
+    """Ask for a 700-token answer and wait until the n-th answer is streaming; returns its element."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    for field, value in (("max-tokens", "700"), ("temperature", "0")):
+        box = browser.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    box = browser.find_element(By.ID, "prompt")
+    box.send_keys(text)
+    box.send_keys(Keys.ENTER)
+
+    def streaming(d):
+        answers = d.find_elements(By.CSS_SELECTOR, ".msg.assistant")
+        return len(answers) >= n and answers[n - 1].get_attribute("data-state") == "streaming" \
+            and int(answers[n - 1].get_attribute("data-chunks") or 0) >= 2 and answers[n - 1]
+    return WebDriverWait(browser, 60, poll_frequency=0.02).until(streaming)
+
+
+def cancelled_in_log(server, count: int, timeout: float = 10) -> list[int]:
+    """Wait until the server log says `count` generations were cancelled; their token counts."""
+    import re
+    import time
+
+    end = time.time() + timeout
+    while True:
+        got = [int(n) for n in re.findall(r"cancelled after (\d+) tokens", server.text())]
+        if len(got) >= count or time.time() > end:
+            return got
+        time.sleep(0.05)
 
 
 def test_chat_page_answers_streams_and_shows_the_plan(server, browser, conv, tmp_path):
@@ -105,6 +170,73 @@ def test_chat_page_answers_streams_and_shows_the_plan(server, browser, conv, tmp
     assert answer.find_element(By.CLASS_NAME, "content").text == "triangle"
     assert answer.find_element(By.TAG_NAME, "details").get_attribute("open") is None  # thinking stays collapsed
     assert browser.find_elements(By.CSS_SELECTOR, ".msg.user img")  # the attached picture is shown
-    shot = os.environ.get("STREAMOE_SCREENSHOT")
-    browser.save_screenshot(shot or str(tmp_path / "chat-page.png"))
-    assert Path(shot or tmp_path / "chat-page.png").stat().st_size > 10_000
+    screenshot(browser, Path(os.environ.get("STREAMOE_SCREENSHOT") or tmp_path / "chat-page.png"))
+
+
+def test_stop_cancels_the_generation_on_the_server(endless, browser):
+    """Stop aborts the stream; the server stops generating at its next token (its log says so, /v1/stats is
+    idle again) and the page can ask again at once."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from .serve_util import fetch
+
+    open_page(browser, endless)
+    before = len(cancelled_in_log(endless, 0, 0))
+    assert browser.find_element(By.ID, "stop").get_attribute("disabled")  # nothing to stop yet
+    answer = start_long_answer(browser, "Write a long story about a shape.", 1)
+    assert browser.find_element(By.ID, "send").get_attribute("disabled")
+    browser.find_element(By.ID, "stop").click()
+    WebDriverWait(browser, 10).until(lambda d: answer.get_attribute("data-state") == "stopped")
+    assert answer.find_element(By.CLASS_NAME, "meta").text == "stopped"
+    stopped = cancelled_in_log(endless, before + 1)[before:]
+    assert len(stopped) == 1 and stopped[0] < 700, stopped  # cut short on the server, not run to max_tokens
+    WebDriverWait(browser, 10).until(lambda d: fetch(endless.url + "/v1/stats").json()["state"] == "idle")
+    assert browser.find_element(By.ID, "send").get_attribute("disabled") is None
+    assert browser.find_element(By.ID, "stop").get_attribute("disabled")
+
+
+def test_new_chat_cancels_what_runs_and_the_next_question_answers(endless, browser):
+    """New chat stops the running answer on the server, frees Send, and the next question is a new chat's."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    open_page(browser, endless)
+    before = len(cancelled_in_log(endless, 0, 0))
+    start_long_answer(browser, "Write a long story about a shape.", 1)
+    browser.find_element(By.ID, "new").click()
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg") == []
+    WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "send").get_attribute("disabled") is None)
+    assert len(cancelled_in_log(endless, before + 1)) == before + 1, endless.text()[-3000:]
+    for field, value in (("max-tokens", "8"), ("temperature", "0")):
+        browser.find_element(By.ID, field).clear()
+        browser.find_element(By.ID, field).send_keys(value)
+    ask(browser, "What colour is the shape?", 1)  # the new chat answers, and shows only its own question
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".msg.user")) == 1
+
+
+def test_the_page_is_usable_at_phone_width(server, browser, tmp_path):
+    """At 360 px: no horizontal scroll, every input and button inside the screen, Send and Stop visible, and a
+    question typed there is answered."""
+    from selenium.webdriver.common.by import By
+
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                            {"width": 360, "height": 780, "deviceScaleFactor": 1, "mobile": True})
+    try:
+        open_page(browser, server)
+        assert browser.execute_script("return window.innerWidth") == 360
+        assert browser.execute_script("return document.scrollingElement.scrollWidth") <= 360
+        for el in browser.find_elements(By.CSS_SELECTOR, "textarea, input, button"):
+            left, right = browser.execute_script("const r = arguments[0].getBoundingClientRect(); "
+                                                 "return [r.left, r.right]", el)
+            assert 0 <= left and right <= 360, (el.get_attribute("id"), left, right)
+        for b in ("send", "stop"):
+            assert browser.find_element(By.ID, b).is_displayed()
+        for field, value in (("max-tokens", "8"), ("temperature", "0")):
+            browser.find_element(By.ID, field).clear()
+            browser.find_element(By.ID, field).send_keys(value)
+        ask(browser, "What colour is the shape?", 1)
+        assert browser.execute_script("return document.scrollingElement.scrollWidth") <= 360
+        screenshot(browser, tmp_path / "chat-page-360.png")
+    finally:
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})

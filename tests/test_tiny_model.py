@@ -15,7 +15,7 @@ from streamoe.convert.convert import convert
 from streamoe.runtime.engine import Engine, Options, plan_for
 from streamoe.runtime.image import ImageConfig, load_image, preprocess
 from streamoe.runtime.mrope import expand_image_tokens
-from streamoe.runtime.text import Sampler
+from streamoe.runtime.sampling import Sampler
 
 from .conftest import RUNTIME, TINY_MODEL
 

@@ -6,6 +6,8 @@ const $ = (id) => document.getElementById(id);
 const MiB = 1 << 20;
 const history = [];  // the conversation as OpenAI messages (answers without their thinking)
 let model = null, imageURL = null, busy = false;
+let running = null;  // the AbortController of the answer streaming now: Stop and New chat abort its fetch
+let chatId = 0;      // bumped by New chat: an answer of an earlier chat never writes into this one's history
 
 function mib(n) { return n >= 1 << 30 ? (n / (1 << 30)).toFixed(2) + " GiB" : (n / MiB).toFixed(1) + " MiB"; }
 
@@ -83,10 +85,14 @@ async function send(text) {
                chat_template_kwargs: {enable_thinking: $("think").checked}};
   if ($("temperature").value !== "") req.temperature = Number($("temperature").value);
   const timer = setInterval(poll, 300);
+  const mine = chatId, abort = new AbortController();
+  running = abort;
+  $("stop").disabled = false;
   let answer = "", reasoning = "", calls = [], usage = null, tele = null, chunks = 0;
   try {
+    // aborting closes the connection, and the server stops generating at its next token
     const r = await fetch("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
-                                                  body: JSON.stringify(req)});
+                                                  body: JSON.stringify(req), signal: abort.signal});
     if (!r.ok) throw new Error((await r.json()).error.message);
     out.dataset.state = "streaming";
     const reader = r.body.getReader(), dec = new TextDecoder();
@@ -128,12 +134,19 @@ async function send(text) {
       `(${usage.prompt_tokens_details.cached_tokens} cached)` + (tele ? ` · ${tele.tok_s.toFixed(2)} tok/s` : "");
     out.dataset.state = "done";
   } catch (e) {
-    out.classList.add("error");
-    content.textContent = "Error: " + e.message;
-    history.pop();
-    out.dataset.state = "error";
+    if (abort.signal.aborted) {  // Stop (the answer so far stays, in the page and the conversation) or New chat
+      if (mine === chatId) history.push({role: "assistant", content: answer});
+      meta.textContent = "stopped";
+      out.dataset.state = "stopped";
+    } else {
+      out.classList.add("error");
+      content.textContent = "Error: " + e.message;
+      if (mine === chatId) history.pop();
+      out.dataset.state = "error";
+    }
   } finally {
     clearInterval(timer);
+    if (running === abort) { running = null; $("stop").disabled = true; }
     await poll();
   }
 }
@@ -158,7 +171,14 @@ $("image").addEventListener("change", () => {
   rd.readAsDataURL(f);
 });
 
-$("new").addEventListener("click", () => { history.length = 0; $("log").replaceChildren(); });
+$("stop").addEventListener("click", () => { if (running) running.abort(); });
+
+$("new").addEventListener("click", () => {
+  chatId++;
+  if (running) running.abort();  // the answer of the old chat stops; its send() ends and frees Send
+  history.length = 0;
+  $("log").replaceChildren();
+});
 
 loadPlan().catch((e) => { $("status").textContent = "error: " + e.message; });
 poll();

@@ -1,0 +1,105 @@
+"""Sampled against greedy decode, by wall clock and as the summary line prints it.
+
+Greedy is the peer: both run in one process, interleaved round by round, on the same engine. At a cap the
+tokens drawn route to other experts than greedy's, so hit rate and bytes read per token are reported beside
+the rates: resident runs show the sampler's own cost. Sampled uses
+the checkpoint's defaults (temperature 1.0, top-p 0.95, top-k 20), and a penalised variant adds Qwen's
+suggested presence penalty (1.5) and a repetition penalty. The vocabulary matters: choosing a token at the
+real model's 248,320 rows is what the `small-vocab` synthetic checkpoint (the small model's layers with that
+vocabulary) shows on the CPU; `--model` takes any converted directory (full size on a GPU).
+
+    python -m bench.sampling                                    # synthesizes small-vocab in --scratch
+    python -m bench.sampling --model /root/bench/full-conv --caps resident,4 --tokens 64 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from bench.common import scratch_dir, write_result
+
+PROMPT = "import csv\nimport sys\n\n\ndef mean_of_columns(path):\n    "
+MODES = {"greedy": {}, "sampled": dict(temp=1.0, top_p=0.95, top_k=20),
+         "penalised": dict(temp=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, repetition_penalty=1.05)}
+
+
+def quarter_cap(model: Path, ctx: int) -> float:
+    from streamoe.runtime.plan import Options, plan_for
+
+    p = plan_for(model, Options(cap_gib=1 << 10, ctx=ctx, runtime_bytes=64 << 20))
+    return (p.fixed + p.n_layers * p.n_experts // 4 * p.slot_bytes + p.slot_bytes // 2) / 2**30
+
+
+def one_answer(eng, sampler, tokens: int) -> dict:
+    from streamoe.runtime.telemetry import summarize
+
+    del eng.steps[:]
+    eng.reset()
+    got = []
+    for _ in eng.generate(eng.text.encode(PROMPT), tokens, sampler):
+        got.append(time.perf_counter())
+    s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
+    wall = (len(got) - 1) / (got[-1] - got[0]) if len(got) > 1 else 0.0
+    return {"tokens": len(got), "wall_tok_s": wall, "summary_tok_s": s["tok_s"], "ttft_s": s["ttft_s"],
+            "hit_rate": s["hit_rate"], "mib_read_token": s["mib_read_token"]}
+
+
+def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
+    from streamoe.runtime.engine import Engine, Options
+    from streamoe.runtime.sampling import Sampler
+
+    cap_gib = 1 << 10 if cap == "resident" else (quarter_cap(model, ctx) if cap == "quarter" else float(cap))
+    eng = Engine(model, Options(cap_gib=cap_gib, ctx=ctx, runtime_bytes=64 << 20))
+    eng.text.stop_ids = set()  # every answer runs its full length: rates over the same number of tokens
+    try:
+        one_answer(eng, Sampler(), 4)  # first-call compiles out of the timed rounds
+        runs = {m: [] for m in MODES}
+        for r in range(rounds):
+            for m, kw in MODES.items():
+                runs[m].append(one_answer(eng, Sampler(seed=r, **kw), tokens))
+        keys = ("wall_tok_s", "summary_tok_s", "ttft_s", "hit_rate", "mib_read_token")
+        med = {m: {k: statistics.median(x[k] for x in v) for k in keys} for m, v in runs.items()}
+        return {"cap": cap, "cap_gib": round(cap_gib, 4), "resident": eng.experts.resident, "vocab": eng.args.vocab_size,
+                "tokens": tokens, "rounds": rounds, "median": med,
+                "sampled_vs_greedy_wall": round(med["sampled"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 3),
+                "penalised_vs_greedy_wall": round(med["penalised"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 3),
+                "summary_vs_wall": {m: round(med[m]["summary_tok_s"] / med[m]["wall_tok_s"], 3) for m in MODES},
+                "runs": runs}
+    finally:
+        eng.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="a converted directory (default: synthesize small-vocab)")
+    ap.add_argument("--scratch", type=Path, default=None)
+    ap.add_argument("--caps", default="quarter,resident", help="comma list: quarter, resident or GiB")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--name", default="sampling")
+    a = ap.parse_args()
+    with scratch_dir(a.scratch) as scratch:
+        model = a.model
+        if model is None:
+            from streamoe.convert.convert import convert
+            from streamoe.convert.synth import synth
+
+            ck, model = scratch / "small-vocab", scratch / "small-vocab-conv"
+            if not model.exists():
+                synth(ck, size="small-vocab", variant="qwen3.6", text_only=True, seed=3, shard_bytes=None, dry_run=False)
+                convert(ck, model, formats=["q4"], progress=False)
+        results = []
+        for cap in a.caps.split(","):
+            results.append(run_cap(model, cap, a.tokens, a.rounds, a.ctx))
+            r = results[-1]
+            print(f"{cap}: sampled/greedy {r['sampled_vs_greedy_wall']}, penalised/greedy {r['penalised_vs_greedy_wall']}, "
+                  f"summary/wall {r['summary_vs_wall']}", flush=True)
+        print(write_result(a.name, "sampling", results))
+
+
+if __name__ == "__main__":
+    main()

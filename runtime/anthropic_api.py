@@ -1,0 +1,390 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) as a translation layer:
+a request becomes the chat `GenRequest` (blocks -> chat messages, tool_use/tool_result -> tool calls and
+tool messages, `input_schema` tools -> function tools), the job's events become a `message` or its event
+stream (message_start, content_block_start/delta/stop, message_delta, message_stop), and every error on these
+routes is Anthropic's error object. Fields the API defines that this server does not implement, and fields
+it does not define, are refused with a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+
+from .openai_api import APIError, GenRequest, _number, bad, check_image, parse_tools
+from .responses_api import call_text, check_fields, valid_arguments
+
+FIELDS = {"max_tokens", "messages", "model", "cache_control", "container", "context_management", "diagnostics",
+          "inference_geo", "mcp_servers", "metadata", "output_config", "service_tier", "speed", "stop_sequences",
+          "stream", "system", "temperature", "thinking", "tool_choice", "tools", "top_k", "top_p", "user_profile_id",
+          "workspace_id"}
+HONOURED = {"max_tokens", "messages", "model", "cache_control", "metadata", "service_tier", "stop_sequences", "stream",
+            "system", "temperature", "thinking", "tool_choice", "tools", "top_k", "top_p"}
+COUNT_FIELDS = {"messages", "model", "cache_control", "context_management", "mcp_servers", "output_config", "speed",
+                "system", "thinking", "tool_choice", "tools", "user_profile_id", "workspace_id"}
+API = "the Anthropic Messages API"
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+               529: "overloaded_error"}
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
+
+
+def error_body(err: APIError) -> dict:
+    """Anthropic's error object: `{"type": "error", "error": {"type", "message"}}`."""
+    kind = ERROR_TYPES.get(err.status, "invalid_request_error" if 400 <= err.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def _cache_control(block: dict, where: str) -> None:
+    """`cache_control` is honoured by construction: every prompt's prefix is cached (see prompt_cache)."""
+    cc, name = block.get("cache_control"), f"{where}.cache_control" if where else "cache_control"
+    if cc is not None and (not isinstance(cc, dict) or cc.get("type") != "ephemeral"):
+        raise bad(f"'{name}' must be {{'type': 'ephemeral'}}", name)
+
+
+def _text_block(block: dict, where: str) -> str:
+    check_fields(block, {"type", "text", "cache_control", "citations"}, {"type", "text", "cache_control"}, f"{where}.", API)
+    _cache_control(block, where)
+    if not isinstance(block.get("text"), str):
+        raise bad(f"{where}.text must be a string", f"{where}.text")
+    return block["text"]
+
+
+def _image(block: dict, where: str, so, images: list[bytes]) -> dict:
+    check_fields(block, {"type", "source", "cache_control"}, {"type", "source", "cache_control"}, f"{where}.", API)
+    _cache_control(block, where)
+    src = block.get("source")
+    if not isinstance(src, dict) or src.get("type") != "base64":
+        raise bad(f"{where}.source: only base64 image sources are accepted (the server fetches no URL and keeps "
+                  "no files)", f"{where}.source")
+    if src.get("media_type") not in IMAGE_TYPES:
+        raise bad(f"{where}.source.media_type must be one of {', '.join(IMAGE_TYPES)}", f"{where}.source.media_type")
+    data = src.get("data")
+    if not isinstance(data, str):
+        raise bad(f"{where}.source.data must be a base64 string", f"{where}.source.data")
+    if len(data) * 3 // 4 > so.limits.max_image_bytes + 3:
+        raise APIError(413, f"{where}: the image is {len(data) * 3 / 4 / 2**20:.1f} MiB; at most "
+                            f"{so.limits.max_image_bytes / 2**20:.1f} MiB per image", where)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(f"{where}.source.data is not valid base64", f"{where}.source.data") from None
+    check_image(raw, so.limits, where)
+    if len(images) >= so.limits.max_images:
+        raise bad(f"at most {so.limits.max_images} images per request", where)
+    images.append(raw)
+    return {"type": "image"}
+
+
+def _blocks(content, where: str) -> list:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not content:
+        raise bad(f"{where} must be a string or a non-empty list of content blocks", where)
+    for j, b in enumerate(content):
+        if not isinstance(b, dict):
+            raise bad(f"{where}[{j}] must be an object", f"{where}[{j}]")
+    return content
+
+
+def _tool_result(block: dict, where: str) -> dict:
+    check_fields(block, {"type", "tool_use_id", "content", "is_error", "cache_control"},
+                 {"type", "tool_use_id", "content", "is_error", "cache_control"}, f"{where}.", API)
+    _cache_control(block, where)
+    if not isinstance(block.get("tool_use_id"), str):
+        raise bad(f"{where}.tool_use_id must be a string", f"{where}.tool_use_id")
+    content = block.get("content", "")
+    if isinstance(content, list):
+        texts = []
+        for k, b in enumerate(content):
+            if not isinstance(b, dict) or b.get("type") != "text":
+                raise bad(f"{where}.content[{k}]: only text blocks are accepted in a tool result",
+                          f"{where}.content[{k}]")
+            texts.append(_text_block(b, f"{where}.content[{k}]"))
+        content = "".join(texts)
+    elif not isinstance(content, str):
+        raise bad(f"{where}.content must be a string or a list of text blocks", f"{where}.content")
+    if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
+        raise bad(f"{where}.is_error must be true or false", f"{where}.is_error")
+    if block.get("is_error"):
+        content = "Error: " + content  # the template has no error flag: the model reads it in the result
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
+
+
+def parse_messages(messages, so, images: list[bytes]) -> list[dict]:
+    """Anthropic turns -> chat messages: a user turn's tool_result blocks become tool messages (first, as
+    the API orders them), its text and images one user message; an assistant turn's text, tool_use and
+    thinking blocks one assistant message."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object", where)
+        check_fields(m, {"role", "content"}, {"role", "content"}, f"{where}.", API)
+        role = m.get("role")
+        blocks = _blocks(m.get("content"), f"{where}.content")
+        if role == "user":
+            parts: list[dict] = []
+            for j, b in enumerate(blocks):
+                bw = f"{where}.content[{j}]"
+                kind = b.get("type")
+                if kind == "text":
+                    parts.append({"type": "text", "text": _text_block(b, bw)})
+                elif kind == "image":
+                    parts.append(_image(b, bw, so, images))
+                elif kind == "tool_result":
+                    out.append(_tool_result(b, bw))
+                else:
+                    raise bad(f"{bw}.type {kind!r} is not supported in a user turn (text, image and tool_result "
+                              "are)", f"{bw}.type")
+            if parts:
+                simple = all(p["type"] == "text" for p in parts)
+                out.append({"role": "user", "content": "".join(p["text"] for p in parts) if simple else parts})
+        elif role == "assistant":
+            if i == len(messages) - 1:
+                raise bad(f"{where}: a final assistant turn (prefilling the answer) is not supported",
+                          f"{where}.role")
+            msg: dict = {"role": "assistant", "content": ""}
+            for j, b in enumerate(blocks):
+                bw = f"{where}.content[{j}]"
+                kind = b.get("type")
+                if kind == "text":
+                    msg["content"] += _text_block(b, bw)
+                elif kind == "tool_use":
+                    check_fields(b, {"type", "id", "name", "input", "cache_control", "caller"},
+                                 {"type", "id", "name", "input", "cache_control"}, f"{bw}.", API)
+                    if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) or not b["name"]:
+                        raise bad(f"{bw} must have a string 'id' and 'name'", bw)
+                    if not isinstance(b.get("input", {}), dict):
+                        raise bad(f"{bw}.input must be an object", f"{bw}.input")
+                    msg.setdefault("tool_calls", []).append(
+                        {"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": b.get("input", {})}})
+                elif kind == "thinking":
+                    check_fields(b, {"type", "thinking", "signature"}, {"type", "thinking", "signature"}, f"{bw}.", API)
+                    if not isinstance(b.get("thinking"), str):
+                        raise bad(f"{bw}.thinking must be a string", f"{bw}.thinking")
+                    msg["reasoning_content"] = msg.get("reasoning_content", "") + b["thinking"]
+                else:
+                    raise bad(f"{bw}.type {kind!r} is not supported in an assistant turn (text, tool_use and "
+                              "thinking are)", f"{bw}.type")
+            out.append(msg)
+        else:
+            raise bad(f"{where}.role must be 'user' or 'assistant', got {role!r}", f"{where}.role")
+    return out
+
+
+def _system(system) -> list[dict]:
+    if system is None:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}] if system else []
+    if not isinstance(system, list):
+        raise bad("'system' must be a string or a list of text blocks", "system")
+    texts = []
+    for j, b in enumerate(system):
+        if not isinstance(b, dict) or b.get("type") != "text":
+            raise bad(f"system[{j}] must be a text block", f"system[{j}]")
+        texts.append(_text_block(b, f"system[{j}]"))
+    return [{"role": "system", "content": "\n\n".join(texts)}] if texts else []
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, bool, str | None, dict, bool]:
+    """`tools` and `tool_choice` -> chat (tools, parse, call prefix), strict tools' schemas, and whether
+    more than one call may be returned (`disable_parallel_tool_use`)."""
+    tools, strict, chat_tools = body.get("tools"), {}, None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("'tools' must be a list", "tools")
+        chat_tools = []
+        for j, t in enumerate(tools):
+            where = f"tools[{j}]"
+            if not isinstance(t, dict) or t.get("type", "custom") != "custom":
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise bad(f"{where}.type {kind!r}: only custom tools (name, input_schema) are supported",
+                          f"{where}.type")
+            check_fields(t, {"type", "name", "description", "input_schema", "cache_control", "strict", "defer_loading",
+                             "allowed_callers", "input_examples", "eager_input_streaming"},
+                         {"type", "name", "description", "input_schema", "cache_control", "strict"}, f"{where}.", API)
+            _cache_control(t, where)
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
+            schema = t.get("input_schema")
+            if not isinstance(schema, dict):
+                raise bad(f"{where}.input_schema must be a JSON schema object", f"{where}.input_schema")
+            fn = {"name": t["name"], **({"description": t["description"]} if t.get("description") is not None else {}),
+                  "parameters": schema}
+            chat_tools.append({"type": "function", "function": fn})
+            if t.get("strict"):
+                strict[t["name"]] = schema
+        chat_tools = chat_tools or None
+    tc, parallel = body.get("tool_choice"), True
+    choice = None
+    if tc is not None:
+        if not isinstance(tc, dict):
+            raise bad("'tool_choice' must be an object ({'type': 'auto' | 'any' | 'tool' | 'none'})", "tool_choice")
+        check_fields(tc, {"type", "name", "disable_parallel_tool_use"}, {"type", "name", "disable_parallel_tool_use"},
+                     "tool_choice.", API)
+        kind = tc.get("type")
+        if kind == "tool":
+            if not isinstance(tc.get("name"), str):
+                raise bad("'tool_choice.name' must name a tool", "tool_choice.name")
+            choice = {"type": "function", "function": {"name": tc["name"]}}
+        elif kind in ("auto", "any", "none"):
+            choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        else:
+            raise bad("'tool_choice.type' must be 'auto', 'any', 'tool' or 'none'", "tool_choice.type")
+        parallel = not tc.get("disable_parallel_tool_use")
+    try:
+        got = parse_tools({"tools": chat_tools, "tool_choice": choice})
+    except APIError as e:
+        raise bad(e.message, "tools" if e.param and e.param.startswith("tools") else e.param) from None
+    return (*got, strict, parallel)
+
+
+def parse(body: dict, so, counting: bool = False) -> GenRequest:
+    """A Messages (or count_tokens) request -> the chat `GenRequest` that answers it, or a 400 naming the field."""
+    check_fields(body, COUNT_FIELDS if counting else FIELDS, HONOURED, api=API)
+    req = GenRequest(kind="chat", model=body.get("model"))
+    if not isinstance(req.model, str) or not req.model:
+        raise bad("'model' is required (a string)", "model")
+    if not counting:
+        if body.get("max_tokens") is None:
+            raise bad("'max_tokens' is required", "max_tokens")
+        req.max_tokens = _number(body, "max_tokens", 1, 1 << 30, integer=True)
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):
+            raise bad("'stream' must be true or false", "stream")
+        req.stream = bool(body.get("stream"))
+        for key, name, hi, integer in (("temperature", "temp", 1, False), ("top_p", "top_p", 1, False),
+                                       ("top_k", "top_k", 1 << 30, True)):
+            v = _number(body, key, 0, hi, integer=integer)
+            if v is not None:
+                req.sampling[name] = v
+        if body.get("top_p") == 0:
+            raise bad("'top_p' must be greater than 0", "top_p")
+        stops = body.get("stop_sequences")
+        if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)):
+            raise bad("'stop_sequences' must be a list of non-empty strings", "stop_sequences")
+        req.stop = list(stops or [])
+        md = body.get("metadata")
+        if md is not None:
+            if not isinstance(md, dict):
+                raise bad("'metadata' must be an object", "metadata")
+            check_fields(md, {"user_id"}, {"user_id"}, "metadata.", API)
+            if md.get("user_id") is not None and not isinstance(md["user_id"], str):
+                raise bad("'metadata.user_id' must be a string", "metadata.user_id")
+        if body.get("service_tier") not in (None, "auto", "standard_only"):
+            raise bad("'service_tier' must be 'auto' or 'standard_only'", "service_tier")
+    _cache_control(body, "")
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, dict):
+            raise bad("'thinking' must be an object", "thinking")
+        check_fields(thinking, {"type", "budget_tokens", "display"}, {"type", "budget_tokens"}, "thinking.", API)
+        kind = thinking.get("type")
+        if kind == "enabled":
+            raise bad("'thinking.budget_tokens': a thinking budget is not enforced by this server; send "
+                      "{'type': 'adaptive'} (thinking on, the model decides its length) or {'type': 'disabled'}",
+                      "thinking.budget_tokens")
+        if kind not in ("adaptive", "disabled"):
+            raise bad("'thinking.type' must be 'adaptive' or 'disabled'", "thinking.type")
+        req.template_kwargs["enable_thinking"] = kind == "adaptive"
+    req.messages = _system(body.get("system")) + parse_messages(body.get("messages"), so, req.images)
+    req.tools, req.parse_tools, req.force_call, strict, parallel = _tools(body)
+    req.api = {"strict": strict, "parallel": parallel}
+    return req
+
+
+class Output:
+    """The job's events -> Anthropic's event stream, block by block, and the final `message` (the same
+    state either way)."""
+
+    def __init__(self, job, model: str):
+        self.job, self.model, self.api = job, model, job.req.api
+        self.blocks: list[dict] = []
+        self.open: dict | None = None  # the text or thinking block text is flowing into
+        self.stop_reason = self.stop_sequence = None
+        self.usage = {"input_tokens": len(job.ids), "output_tokens": 0, "cache_read_input_tokens": 0,
+                      "cache_creation_input_tokens": 0}
+
+    @staticmethod
+    def _ev(kind: str, **fields) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+    def message(self) -> dict:
+        return {"id": f"msg_{self.job.id}", "type": "message", "role": "assistant", "model": self.model,
+                "content": [dict(b) for b in self.blocks], "stop_reason": self.stop_reason,
+                "stop_sequence": self.stop_sequence, "usage": dict(self.usage)}
+
+    def start(self) -> list[str]:
+        return [self._ev("message_start", message=self.message())]
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [self._ev("content_block_stop", index=len(self.blocks) - 1)]
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        block = "thinking" if kind == "reasoning" else "text"
+        out = []
+        if self.open is None or self.open["type"] != block:
+            out = self._close()
+            self.open = {"type": "thinking", "thinking": "", "signature": ""} if block == "thinking" else \
+                {"type": "text", "text": ""}
+            self.blocks.append(self.open)
+            out.append(self._ev("content_block_start", index=len(self.blocks) - 1, content_block=dict(self.open)))
+        self.open[block] += text
+        delta = {"type": "thinking_delta", "thinking": text} if block == "thinking" else {"type": "text_delta", "text": text}
+        return out + [self._ev("content_block_delta", index=len(self.blocks) - 1, delta=delta)]
+
+    def _call(self, call: dict) -> list[str]:
+        schema = self.api["strict"].get(call["name"])
+        calls = sum(b["type"] == "tool_use" for b in self.blocks)
+        if schema is not None and not valid_arguments(call, schema):
+            return self._text("content", call_text(call))
+        if calls and not self.api["parallel"]:
+            return []  # disable_parallel_tool_use: the first call only
+        out = self._close()
+        block = {"type": "tool_use", "id": f"toolu_{self.job.id[:12]}{calls}", "name": call["name"], "input": {}}
+        self.blocks.append(block)
+        i = len(self.blocks) - 1
+        out.append(self._ev("content_block_start", index=i, content_block=dict(block)))
+        out.append(self._ev("content_block_delta", index=i, delta={"type": "input_json_delta",
+                                                                 "partial_json": call["arguments"]}))
+        block["input"] = json.loads(call["arguments"])
+        out.append(self._ev("content_block_stop", index=i))
+        return out
+
+    def feed(self, ev: tuple) -> list[str]:
+        kind, v = ev
+        if kind == "logprobs":
+            return []  # not requested by this API: the parser never asks for them
+        if kind == "delta":
+            out = []
+            for what, x in v:
+                out += self._call(x) if what == "tool_call" else self._text(what, x)
+            return out
+        out = self._close()
+        if kind == "error":
+            return out + [self._ev("error", error=error_body(v)["error"])]
+        u = v["usage"]
+        cached = u["prompt_tokens_details"]["cached_tokens"]
+        self.usage = {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
+                      "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+        if any(b["type"] == "tool_use" for b in self.blocks):
+            self.stop_reason = "tool_use"
+        elif v["finish_reason"] == "length":
+            self.stop_reason = "max_tokens"
+        elif v.get("stop_sequence") is not None:
+            self.stop_reason, self.stop_sequence = "stop_sequence", v["stop_sequence"]
+        else:
+            self.stop_reason = "end_turn"
+        return out + [self._ev("message_delta", delta={"stop_reason": self.stop_reason,
+                                                       "stop_sequence": self.stop_sequence}, usage=dict(self.usage)),
+                      self._ev("message_stop")]
+
+    def result(self) -> dict:
+        return self.message()

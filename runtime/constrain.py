@@ -1,0 +1,128 @@
+"""Constrained decoding: an answer that must follow a grammar (a JSON schema, any JSON object, a tool call's
+arguments), by llguidance.
+
+llguidance (a Rust library with no Python dependencies) keeps the grammar's state on the host and gives, for
+each next token, a bitmask of the tokens the grammar allows, in well under a millisecond; the mask goes to
+the device and the sampler draws among the allowed tokens (`Sampler(..., allowed=...)`). The grammar can wait
+for the reasoning to close: with thinking on, the answer runs free until the template's `</think>` token and
+the constraint starts after it, so the JSON lands in the content, as vLLM's reasoning parsers arrange. A
+forced tool call is constrained from its prefix to the block's close.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+
+from ..formats.errors import StreamoeError
+from .tool_calls import CALL_CLOSE, FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN
+
+BITS = mx.array(np.arange(32, dtype=np.uint32))
+# JSON as json.dumps writes it: no whitespace beyond ", " and ": ", so an answer's length is the value's (a
+# model cannot pad it with whitespace forever)
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def guide_tokenizer(tokenizer, vocab: int, stop_ids: set[int]):
+    """llguidance's view of the model's tokenizer (`tokenizers.Tokenizer`), made once per model: ~0.1 s at a
+    4K vocabulary, ~1 s at the real one."""
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab, eos_token=sorted(stop_ids))
+
+
+def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer) -> str:
+    """The grammar (Lark, llguidance's dialect) of what the model writes after a forced call's prefix
+    (`tool_calls.call_prefix`) up to the end of the block: the arguments of tool `name` (JSON: an object valid
+    against its parameters; XML: its `<parameter=KEY>` blocks, the required ones in the schema's order, the
+    others optional), or with name None one call of any of the tools, its name included; then the block's
+    close. After it only a stop token is allowed: a forced answer is one call."""
+    fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+
+    def params(fn: dict) -> dict:
+        p = fn.get("parameters")
+        return p if isinstance(p, dict) and p else {"type": "object"}
+
+    def js(schema: dict) -> str:
+        return "%json" + json.dumps({**schema, "x-guidance": COMPACT}, ensure_ascii=False)
+
+    close = _literal(tokenizer, "\n") + " " + _literal(tokenizer, CALL_CLOSE)
+    if fmt == "json":
+        if name is not None:
+            return f"start: {js(params(fns[0]))} {_literal(tokenizer, '}')} {close}\n"
+        calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params(fn)},
+                            "required": ["name", "arguments"], "additionalProperties": False} for fn in fns]}
+        return f"start: {js(calls)} {close}\n"
+    end_param = json.dumps(f"\n{PARAM_CLOSE}\n")
+    end_re = r"\n" + PARAM_CLOSE.replace("/", r"\/") + r"\n"  # the same, inside a /regex/
+    rules, calls = [f"text[lazy]: /(?s:.*){end_re}/"], []  # a raw string value, up to its close
+    for i, fn in enumerate(fns):
+        props, required, parts = params(fn).get("properties") or {}, set(params(fn).get("required") or []), []
+        for j, (key, sub) in enumerate(props.items()):
+            head, sub = json.dumps(f"{PARAM_OPEN}{key}>\n", ensure_ascii=False), sub if isinstance(sub, dict) else {}
+            if isinstance(sub.get("enum"), list) and sub["enum"] and all(isinstance(v, str) for v in sub["enum"]):
+                body = f"{head} (" + " | ".join(json.dumps(v, ensure_ascii=False) for v in sub["enum"]) + f") {end_param}"
+            elif sub.get("type") == "string" and isinstance(sub.get("maxLength"), int):
+                body = f"{head} /(?s:.{{0,{sub['maxLength']}}}){end_re}/"
+            elif sub.get("type") == "string":  # written raw, as the template writes it
+                body = f"{head} text"
+            else:
+                body = f"{head} {js(sub)} {end_param}"
+            rules.append(f"p{i}_{j}: {body}")
+            parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
+        opening = "" if name is not None else json.dumps(f"{FUNCTION_OPEN}{fn['name']}>\n", ensure_ascii=False) + " "
+        rules.append(f"call{i}: {opening}{' '.join(parts)} {json.dumps(FUNCTION_CLOSE)} {close}")
+        calls.append(f"call{i}")
+    return "start: " + " | ".join(calls) + "\n" + "\n".join(rules) + "\n"
+
+
+def _literal(tokenizer, text: str) -> str:
+    """`text` in a Lark grammar: an added token (special or not: llguidance keeps every added token apart from
+    the bytes it spells) by its id, else a string."""
+    tid = tokenizer.token_to_id(text)
+    return f"<[{tid}]>" if tid is not None and tid in tokenizer.get_added_tokens_decoder() else json.dumps(text)
+
+
+def json_grammar(schema: dict | None) -> str:
+    """The grammar of a JSON value following `schema` (None: any JSON object). A schema llguidance cannot
+    compile is the request's fault: StreamoeError with its message."""
+    import llguidance
+
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"},
+                                                             overrides=COMPACT)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise StreamoeError(f"the JSON schema does not compile ({str(e).splitlines()[0][:200]})") from None
+
+
+class Constraint:
+    """The grammar an answer follows, from the token after `after` (None: from the first token)."""
+
+    def __init__(self, tokens, grammar: str, vocab: int, after: int | None = None):
+        import llguidance
+
+        err = llguidance.LLMatcher.validate_grammar(grammar, tokens)
+        if err and not err.startswith("WARNING"):
+            raise StreamoeError(f"the grammar does not compile ({err.splitlines()[0][:200]})")
+        self.matcher = llguidance.LLMatcher(tokens, grammar, log_level=0)
+        self.vocab, self.after, self.active = vocab, after, after is None
+
+    def allowed(self) -> mx.array | None:
+        """[V] bool of the tokens the grammar allows next; None while the answer runs free."""
+        if not self.active:
+            return None
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
+        bits = (mx.array(words)[:, None] >> BITS) & 1
+        return bits.reshape(-1)[: self.vocab].astype(mx.bool_)
+
+    def advance(self, tok: int) -> None:
+        """Feed the token drawn. A token the grammar refuses cannot be drawn from its mask; it would leave the
+        matcher in its error state, which ends the constraint rather than the answer."""
+        if not self.active:
+            self.active = tok == self.after
+            return
+        self.matcher.consume_token(tok)
+        if self.matcher.is_error():
+            self.active = False

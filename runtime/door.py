@@ -1,0 +1,224 @@
+"""What stands between the network and `streamoe serve`'s handlers: the Host and Origin guard, admission of
+request bodies within the plan's `requests` account, and the connections uvicorn may hold.
+
+The API has no authentication, so a web page the user visits must not be able to use it: a `Host` other
+than the names this server answers to (loopback names, the bound address, `--allow-host`) is a DNS-rebinding
+attempt and is refused with 421; a request carrying an `Origin` other than the page's own is refused with 403
+before anything runs (a `text/plain` POST needs no preflight, so omitting CORS headers is not enough), unless
+`--cors-origin` allows it, in which case Starlette's CORSMiddleware answers its preflight and tags its
+responses. Every refusal is OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import resource
+import sys
+import time
+import traceback
+
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+WILDCARD = ("0.0.0.0", "::", "")
+
+
+def error_body(status: int, message: str, code: str | None = None, kind: str = "invalid_request_error") -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
+async def refuse(send, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
+                 headers: tuple = ()) -> None:
+    """An error response sent straight from ASGI, the request's body left unread."""
+    body = error_body(status, message, code, kind)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def host_name(header: str) -> str | None:
+    """The name in a Host header without its port (`[::1]:8080` -> `::1`), lowercased; None if malformed."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        end, rest = h.find("]"), h[h.find("]") + 1:]
+        if end < 0 or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
+            return None
+        return h[1:end] or None
+    name, sep, port = h.partition(":")
+    if sep and not port.isdigit():
+        return None
+    return name or None
+
+
+def is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+class Door:
+    """ASGI middleware: the Host check, then the Origin check (see the module's docstring)."""
+
+    def __init__(self, app, bound: str, allow_hosts=(), cors_origins=()):
+        self.app = app
+        self.any_host = "*" in allow_hosts
+        self.hosts = {h.lower().strip("[]") for h in (*LOCAL_NAMES, bound, *allow_hosts)}
+        self.wildcard = bound in WILDCARD  # every address of this machine is bound: any IP literal names it
+        self.any_origin = "*" in cors_origins
+        self.origins = {o.rstrip("/").lower() for o in cors_origins}
+
+    def host_ok(self, name: str) -> bool:
+        return self.any_host or name in self.hosts or (self.wildcard and is_ip(name))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k: v for k, v in scope["headers"] if k in (b"host", b"origin")}
+        raw_host = headers.get(b"host", b"").decode("latin-1")
+        name = host_name(raw_host) if raw_host else None
+        if name is None:
+            return await refuse(send, 400, "the request has no valid Host header", "bad_host")
+        if not self.host_ok(name):
+            return await refuse(send, 421, f"this server does not answer to the host {name!r} (start it with "
+                                f"--allow-host {name} to allow that name)", "misdirected_host")
+        origin = headers.get(b"origin")
+        if origin is not None:
+            o = origin.decode("latin-1").rstrip("/").lower()
+            same = o in (f"{scope.get('scheme', 'http')}://{raw_host.lower()}",)
+            if not same and not self.any_origin and o not in self.origins:
+                return await refuse(send, 403, f"cross-origin requests from {o} are refused (start the server "
+                                    "with --cors-origin ORIGIN to allow one)", "cross_origin", "permission_error")
+        await self.app(scope, receive, send)
+
+
+class Admission:
+    """ASGI middleware: at most `slots` requests with a body admitted at once (reading it, queued or
+    running); one more is answered 503 with Retry-After before a byte of its body is read. The plan's
+    `requests` account is sized for exactly these (`ServeOptions.requests_bytes`)."""
+
+    METHODS = ("POST", "PUT", "PATCH")
+
+    def __init__(self, app, slots: int):
+        self.app, self.slots, self.inside = app, slots, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in self.METHODS:
+            return await self.app(scope, receive, send)
+        if self.inside >= self.slots:
+            return await refuse(send, 503, f"the server is busy: {self.slots} requests are already admitted "
+                                "(queued or running); retry later", "queue_full", "server_overloaded",
+                                ((b"retry-after", b"1"),))
+        self.inside += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.inside -= 1
+
+
+def raise_file_limit() -> int:
+    """The soft limit on open files raised to the hard one (each connection is a file); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def open_files() -> int:
+    import os
+
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 64
+
+
+def connection_limit(wanted: int, reserve: int = 64) -> int:
+    """Connections the server may hold: what was asked, within the file limit less the files already open
+    (model, tokenizer) and a reserve for image files and the engine's reads."""
+    return max(1, min(wanted, raise_file_limit() - open_files() - reserve))
+
+
+def guarded_protocol(max_connections: int, head_timeout_s: float):
+    """uvicorn's h11 protocol with what it lacks: a deadline for each request head (from the connection's
+    first byte, or the next request's), and a bound on connections that closes the oldest idle one (still
+    sending its head, or kept alive between requests) when a new one arrives at the bound: idle sockets
+    cannot starve the server, and its files stay within their limit."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    waiting: dict = {}  # idle connections (a request head incomplete, or between requests), oldest first
+
+    class GuardedH11Protocol(H11Protocol):
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.arm()
+            if len(self.connections) > max_connections:
+                oldest = next(iter(waiting))
+                oldest.drop()
+
+        def arm(self) -> None:
+            if self.head_timer is None:
+                self.head_timer = self.loop.call_later(head_timeout_s, self.drop)
+                waiting[self] = None
+
+        def disarm(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+            waiting.pop(self, None)
+
+        def drop(self) -> None:
+            """Close a connection whose head is late (or evicted): nothing was asked, nothing is answered."""
+            self.disarm()
+            self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.arm()
+            else:
+                self.disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.disarm()  # idle until the next request: uvicorn's keep-alive timeout closes it,
+            waiting[self] = None  # and a new connection at the bound may close it first
+
+        def connection_lost(self, exc) -> None:
+            self.disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+class RateLimitedLoopErrors:
+    """The event loop's exception handler: an error the loop reports (an accept failing at the file limit
+    would otherwise print a traceback on every retry) is logged as one line, once per interval and kind,
+    with a count of what was left out; only an exception other than an OSError (a bug) brings its traceback."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s, self.last, self.left = interval_s, {}, {}
+
+    def __call__(self, loop, context: dict) -> None:
+        msg = context.get("message", "event loop error")
+        exc = context.get("exception")
+        now = time.monotonic()
+        if now - self.last.get(msg, -1e9) < self.interval_s:
+            self.left[msg] = self.left.get(msg, 0) + 1
+            return
+        extra = f" ({self.left.pop(msg)} more in the last {self.interval_s:g} s)" if self.left.get(msg) else ""
+        self.last[msg] = now
+        if exc is not None and not isinstance(exc, OSError):  # a bug: its traceback, once per interval
+            traceback.print_exception(exc, file=sys.stderr)
+        detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        print(f"streamoe: {msg}{detail}{extra}", file=sys.stderr, flush=True)

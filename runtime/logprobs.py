@@ -1,0 +1,77 @@
+"""Log-probabilities of the generated tokens, for `logprobs`/`top_logprobs`: computed on the device with MLX
+from the float32 logits the engine yields for each token (the same logits the sampler saw, before any
+temperature), and only when a request asks for them. One entry per token, in OpenAI's chat shape
+(`{"token", "logprob", "bytes", "top_logprobs": [...]}`); the other APIs reshape it."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def log_softmax(logits) -> mx.array:
+    """float32 [V] logits -> log-probabilities, on the device."""
+    lg = mx.array(logits) if not isinstance(logits, mx.array) else logits
+    return nn.log_softmax(lg.astype(mx.float32).reshape(-1))  # shifted by the max first, as mlx-lm's
+
+
+def token_logprobs(logits, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """(the token's log-probability, the `k` most likely tokens as (id, log-probability), most likely first,
+    ties broken by the lower id). Only k + 1 numbers leave the device."""
+    lp = log_softmax(logits)
+    if k:
+        top = mx.argpartition(-lp, k - 1)[:k]
+        vals = lp[top]
+        mx.eval(lp, top, vals)
+        pairs = sorted(zip(top.tolist(), vals.tolist(), strict=True), key=lambda p: (-p[1], p[0]))
+    else:
+        pairs = []
+    return lp[token].item(), pairs
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable character that stands for each byte in a
+    byte-level BPE vocabulary -> that byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+class TokenText:
+    """A token id -> (its text, its bytes). Byte-level BPE pieces map back to their raw bytes (a token may
+    hold part of a UTF-8 character); special tokens and other vocabularies give their decoded text's bytes."""
+
+    def __init__(self, text):
+        self.text = text
+        decoder = json.loads(text.tokenizer.to_str()).get("decoder") or {}
+        self.byte_level = decoder.get("type") == "ByteLevel"
+        self.added = set(text.tokenizer.get_added_tokens_decoder())
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, tok: int) -> tuple[str, list[int]]:
+        got = self.cache.get(tok)
+        if got is None:
+            piece = self.text.tokenizer.id_to_token(tok) or ""
+            table = _byte_decoder()
+            if self.byte_level and piece and tok not in self.added and all(c in table for c in piece):
+                raw = bytes(table[c] for c in piece)
+            else:
+                raw = self.text.decode([tok]).encode()
+            got = self.cache[tok] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return got
+
+    def entry(self, logits, token: int, k: int) -> dict:
+        """The OpenAI chat logprobs entry of one generated token."""
+        lp, top = token_logprobs(logits, token, k)
+        text, raw = self(token)
+        return {"token": text, "logprob": lp, "bytes": raw,
+                "top_logprobs": [{"token": self(t)[0], "logprob": v, "bytes": self(t)[1]} for t, v in top]}

@@ -1,0 +1,480 @@
+"""OpenAI's Responses API (`POST /v1/responses`), stateless, as a translation layer: a request becomes the
+same `GenRequest` a chat completion does (input items -> chat messages, function tools -> chat tools), and
+the job's events become a `response` object or its event stream (`response.created` ... `response.completed`).
+
+Nothing is stored: `store: true`, `previous_response_id`, `conversation`, `background` and the other fields
+this server does not implement are refused with a 400 naming them, as is any field the API does not define.
+Reasoning (the template's thinking) comes back as a `reasoning` item with `reasoning_text` content.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+
+from .openai_api import APIError, GenRequest, _number, bad, decode_image, parse_response_format, parse_tools
+
+# every field of the API's request body; those not in HONOURED are refused whenever they are set (not null)
+FIELDS = {"access_programs", "background", "background_options", "context_management", "conversation", "image",
+          "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model",
+          "moderation", "parallel_tool_calls", "previous_response_id", "prompt", "prompt_cache_key",
+          "prompt_cache_options", "prompt_cache_retention", "reasoning", "safety_identifier", "service_tier", "store",
+          "stream", "stream_options", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p",
+          "truncation", "user"}
+HONOURED = {"background", "include", "input", "instructions", "max_output_tokens", "metadata", "model",
+            "parallel_tool_calls", "previous_response_id", "prompt_cache_key", "reasoning", "safety_identifier",
+            "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
+            "top_logprobs", "top_p", "truncation", "user"}
+LOGPROBS = "message.output_text.logprobs"
+# the fields of each input item: (defined, honoured); `id` and `status` name an item a client got back
+ITEM_FIELDS = {
+    "message": ({"type", "role", "content", "id", "status", "phase"}, {"type", "role", "content", "id", "status"}),
+    "function_call": ({"type", "call_id", "name", "arguments", "id", "status", "namespace"},
+                      {"type", "call_id", "name", "arguments", "id", "status"}),
+    "function_call_output": ({"type", "call_id", "output", "id", "status"}, {"type", "call_id", "output", "id", "status"}),
+    "reasoning": ({"type", "id", "summary", "content", "encrypted_content", "status"},
+                  {"type", "id", "summary", "content", "status"}),
+}
+
+
+def check_fields(body: dict, fields: set[str], honoured: set[str], where: str = "", api: str = "this API") -> None:
+    """Refuse (400 naming it) a field the API does not define, or one it defines that is not implemented
+    here; null counts as not set."""
+    for key, value in body.items():
+        name = f"{where}{key}"
+        if key not in fields:
+            raise bad(f"unknown field '{name}' ({api} defines no such field)", name)
+        if key not in honoured and value is not None:
+            raise bad(f"'{name}' is not supported by this server", name)
+
+
+def _choice(body: dict, key: str, allowed: tuple, where: str | None = None):
+    v = body.get(key)
+    if v is not None and v not in allowed:
+        name = where or key
+        raise bad(f"'{name}' must be one of {', '.join(map(repr, allowed))}; this server implements no other", name)
+    return v
+
+
+def _string(body: dict, key: str, where: str | None = None) -> str | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, str):
+        raise bad(f"'{where or key}' must be a string", where or key)
+    return v
+
+
+def arguments(args, where: str):
+    """A call's arguments as the object templates iterate (`arguments|items`); a string that is not a JSON
+    object is kept as written (the template renders it verbatim)."""
+    if isinstance(args, dict):
+        return args
+    if not isinstance(args, str):
+        raise bad(f"{where} must be a JSON string", where)
+    try:
+        obj = json.loads(args)
+    except ValueError:
+        return args
+    return obj if isinstance(obj, dict) else args
+
+
+def valid_arguments(call: dict, schema) -> bool:
+    """Whether a parsed call's arguments satisfy its tool's parameter schema (strict tools)."""
+    try:
+        jsonschema.validate(json.loads(call["arguments"]), schema)
+    except (jsonschema.ValidationError, jsonschema.SchemaError, ValueError):
+        return False
+    return True
+
+
+def _text_of(parts, where: str, kinds: tuple[str, ...]) -> str:
+    """Text parts (of the given types) -> one string; any other part is refused."""
+    if isinstance(parts, str):
+        return parts
+    if not isinstance(parts, list):
+        raise bad(f"{where} must be a string or a list of parts", where)
+    out = []
+    for j, part in enumerate(parts):
+        pw = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            raise bad(f"{pw}: unsupported part type {kind!r} here ({', '.join(kinds)} are)", pw)
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise bad(f"{pw}.text must be a string", pw)
+        out.append(text)
+    return "".join(out)
+
+
+def _user_content(content, where: str, so, images: list[bytes]):
+    """A user or system message's content: a string, or input_text/input_image parts in the chat template's
+    form (images decoded from their data: URLs, appended to `images`)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise bad(f"{where} must be a string or a non-empty list of parts", where)
+    parts = []
+    for j, part in enumerate(content):
+        pw = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_text":
+            if not isinstance(part.get("text"), str):
+                raise bad(f"{pw}.text must be a string", pw)
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image":
+            if part.get("file_id") is not None:
+                raise bad(f"{pw}.file_id: this server keeps no files; send the image as a data: URL", f"{pw}.file_id")
+            _choice(part, "detail", ("auto", "low", "high", "original"), f"{pw}.detail")
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise bad(f"{pw}.image_url must be a data: URL string", f"{pw}.image_url")
+            if len(images) >= so.limits.max_images:
+                raise bad(f"at most {so.limits.max_images} images per request", pw)
+            images.append(decode_image(url, so.limits, f"{pw}.image_url"))
+            parts.append({"type": "image"})
+        else:
+            raise bad(f"{pw}: unsupported content part type {kind!r} (input_text and input_image are)", pw)
+    if all(p["type"] == "text" for p in parts):  # text only: one string, the form every template renders
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def parse_input(items, so, images: list[bytes]) -> list[dict]:
+    """`input` (a string, or message / function_call / function_call_output / reasoning items) -> chat
+    messages. Calls join the assistant message before them; reasoning joins the assistant turn after it."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad("'input' must be a string or a non-empty list of items", "input")
+    msgs: list[dict] = []
+    reasoning = ""
+
+    def assistant() -> dict:
+        nonlocal reasoning
+        if not msgs or msgs[-1]["role"] != "assistant":
+            msgs.append({"role": "assistant", "content": ""})
+        if reasoning:
+            msgs[-1]["reasoning_content"], reasoning = reasoning, ""
+        return msgs[-1]
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad(f"{where} must be an object", where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind in ITEM_FIELDS:
+            check_fields(item, *ITEM_FIELDS[kind], f"{where}.", "the Responses API")
+        if kind == "message":
+            role = item.get("role")
+            if role in ("user", "system", "developer"):
+                msgs.append({"role": "user" if role == "user" else "system",
+                             "content": _user_content(item.get("content"), f"{where}.content", so, images)})
+            elif role == "assistant":
+                text = _text_of(item.get("content"), f"{where}.content", ("output_text", "input_text", "refusal"))
+                if msgs and msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
+                    msgs[-1]["content"] += text
+                else:
+                    msgs.append({"role": "assistant", "content": text})
+                assistant()
+            else:
+                raise bad(f"{where}.role must be user, assistant, system or developer, got {role!r}", f"{where}.role")
+        elif kind == "function_call":
+            name, call_id = item.get("name"), item.get("call_id")
+            if not isinstance(name, str) or not name or not isinstance(call_id, str):
+                raise bad(f"{where} must have a string 'name' and 'call_id'", where)
+            msg = assistant()
+            msg.setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function",
+                 "function": {"name": name, "arguments": arguments(item.get("arguments", "{}"), f"{where}.arguments")}})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise bad(f"{where}.call_id must be a string", f"{where}.call_id")
+            out = _text_of(item.get("output"), f"{where}.output", ("input_text", "output_text"))
+            msgs.append({"role": "tool", "tool_call_id": call_id, "content": out})
+        elif kind == "reasoning":  # its text, else its summary's, joins the next assistant turn
+            for key, part_kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+                parts = item.get(key) or []
+                if not isinstance(parts, list):
+                    raise bad(f"{where}.{key} must be a list", f"{where}.{key}")
+                text = _text_of(parts, f"{where}.{key}", (part_kind,)) if parts else ""
+                if text:
+                    reasoning += text
+                    break
+        elif kind == "item_reference":
+            raise bad(f"{where}: item references need stored items; this server is stateless", where)
+        else:
+            raise bad(f"{where}.type {kind!r} is not supported (message, function_call, function_call_output and "
+                      "reasoning items are)", f"{where}.type")
+    if not any(m["role"] != "system" for m in msgs):
+        raise bad("'input' holds no user, assistant or tool item", "input")
+    return msgs
+
+
+def parse_tools_choice(body: dict) -> tuple[list[dict] | None, bool, str | None, dict]:
+    """Function tools and `tool_choice` -> the chat form's (tools, parse, call prefix), and the strict
+    tools' parameter schemas (their calls are checked against them)."""
+    tools, strict = body.get("tools"), {}
+    chat_tools = None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("'tools' must be a list", "tools")
+        chat_tools = []
+        for j, t in enumerate(tools):
+            where = f"tools[{j}]"
+            if not isinstance(t, dict) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise bad(f"{where}.type {kind!r}: only function tools are supported", f"{where}.type")
+            check_fields(t, {"type", "name", "description", "parameters", "strict", "defer_loading"},
+                         {"type", "name", "description", "parameters", "strict"}, f"{where}.", "the Responses API")
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
+            params = t.get("parameters") or {"type": "object", "properties": {}}
+            fn = {"name": t["name"], **({"description": t["description"]} if t.get("description") is not None else {}),
+                  "parameters": params}
+            chat_tools.append({"type": "function", "function": fn})
+            if t.get("strict"):
+                strict[t["name"]] = params
+        chat_tools = chat_tools or None
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+                      "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice not in (None, "none", "auto", "required"):
+        raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}", "tool_choice")
+    try:
+        got = parse_tools({"tools": chat_tools, "tool_choice": choice})
+    except APIError as e:
+        raise bad(e.message, "tools" if e.param and e.param.startswith("tools") else e.param) from None
+    return (*got, strict)
+
+
+def parse(body: dict, so) -> GenRequest:
+    """A Responses request -> the chat `GenRequest` that answers it (or a 400 naming the field)."""
+    check_fields(body, FIELDS, HONOURED, api="the Responses API")
+    if body.get("store"):
+        raise bad("'store': this server is stateless and keeps no responses; send store: false", "store")
+    if body.get("previous_response_id") is not None:
+        raise bad("'previous_response_id': this server is stateless; send the whole conversation in 'input'",
+                  "previous_response_id")
+    if body.get("background"):
+        raise bad("'background': responses are answered in the foreground only", "background")
+    _choice(body, "truncation", ("disabled",))
+    _choice(body, "service_tier", ("auto", "default"))
+    req = GenRequest(kind="chat", model=_string(body, "model"))
+    for key in ("stream", "parallel_tool_calls"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise bad(f"'{key}' must be true or false", key)
+    req.stream = bool(body.get("stream"))
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("'stream_options' must be an object", "stream_options")
+        check_fields(opts, {"include_obfuscation"}, {"include_obfuscation"}, "stream_options.", "the Responses API")
+        if opts.get("include_obfuscation"):
+            raise bad("'stream_options.include_obfuscation': this server adds no obfuscation",
+                      "stream_options.include_obfuscation")
+    req.max_tokens = _number(body, "max_output_tokens", 1, 1 << 30, integer=True)
+    for key, name, hi in (("temperature", "temp", 2), ("top_p", "top_p", 1)):
+        v = _number(body, key, 0, hi)
+        if v is not None:
+            req.sampling[name] = v
+    if body.get("top_p") == 0:
+        raise bad("'top_p' must be greater than 0", "top_p")
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise bad("'include' must be a list", "include")
+    for j, inc in enumerate(include):
+        if inc != LOGPROBS:
+            raise bad(f"'include' value {inc!r} is not supported ({LOGPROBS!r} is)", f"include[{j}]")
+    req.logprobs = LOGPROBS in include
+    top = _number(body, "top_logprobs", 0, 20, integer=True)
+    if top and not req.logprobs:
+        raise bad(f"'top_logprobs' needs 'include': [{LOGPROBS!r}]", "top_logprobs")
+    req.top_logprobs = top or 0
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict):
+            raise bad("'text' must be an object", "text")
+        check_fields(text, {"format", "verbosity"}, {"format"}, "text.", "the Responses API")
+        fmt = text.get("format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # Responses puts the schema's fields flat
+            fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        try:
+            parse_response_format(fmt, req)
+        except APIError as e:
+            raise bad(str(e.message).replace("'response_format", "'text.format"), "text.format") from None
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise bad("'reasoning' must be an object", "reasoning")
+        check_fields(reasoning, {"effort", "summary", "generate_summary", "context"}, {"effort"}, "reasoning.",
+                     "the Responses API")
+        effort = _choice(reasoning, "effort", ("none", "minimal", "low", "medium", "high", "xhigh"), "reasoning.effort")
+        if effort is not None:
+            req.template_kwargs["enable_thinking"] = effort not in ("none", "minimal")
+    instructions = _string(body, "instructions")
+    if "input" not in body:
+        raise bad("'input' is required", "input")
+    msgs = parse_input(body["input"], so, req.images)
+    req.messages = ([{"role": "system", "content": instructions}] if instructions else []) + msgs
+    req.tools, req.parse_tools, req.force_call, strict = parse_tools_choice(body)
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
+                                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise bad("'metadata' must be an object of at most 16 string values", "metadata")
+    for key in ("user", "safety_identifier", "prompt_cache_key"):
+        _string(body, key)
+    req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False,
+               "echo": {"instructions": instructions, "max_output_tokens": req.max_tokens, "metadata": metadata or {},
+                        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+                        "temperature": req.sampling.get("temp"), "top_p": req.sampling.get("top_p"),
+                        "top_logprobs": req.top_logprobs,
+                        "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+                        "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": None},
+                        "user": body.get("user"), "safety_identifier": body.get("safety_identifier"),
+                        "prompt_cache_key": body.get("prompt_cache_key")}}
+    return req
+
+
+def call_text(call: dict) -> str:
+    """A call refused as a call (its arguments break a strict schema), given back as the text it was."""
+    return '<tool_call>\n{"name": ' + json.dumps(call["name"]) + ', "arguments": ' + call["arguments"] + "}\n</tool_call>"
+
+
+class Output:
+    """The job's events -> the Responses event stream, item by item, and the final `response` object (the
+    same state either way: a whole answer is the stream's last `response`)."""
+
+    def __init__(self, job, model: str):
+        self.job, self.model, self.api = job, model, job.req.api
+        self.items: list[dict] = []
+        self.open: dict | None = None  # the reasoning or message item text is flowing into
+        self.seq, self.lps, self.usage, self.status, self.incomplete, self.error = 0, [], None, "in_progress", None, None
+
+    def _ev(self, kind: str, **fields) -> str:
+        obj = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def response(self) -> dict:
+        e = self.api["echo"]
+        return {"id": f"resp_{self.job.id}", "object": "response", "created_at": self.job.created,
+                "status": self.status, "model": self.model, "output": [dict(i) for i in self.items],
+                "error": self.error, "incomplete_details": self.incomplete, "instructions": e["instructions"],
+                "max_output_tokens": e["max_output_tokens"], "metadata": e["metadata"],
+                "parallel_tool_calls": e["parallel_tool_calls"], "previous_response_id": None,
+                "reasoning": e["reasoning"], "store": False, "background": False, "temperature": e["temperature"],
+                "top_p": e["top_p"], "top_logprobs": e["top_logprobs"], "text": {"format": {"type": "text"}},
+                "tool_choice": e["tool_choice"], "tools": e["tools"], "truncation": "disabled", "user": e["user"],
+                "safety_identifier": e["safety_identifier"], "prompt_cache_key": e["prompt_cache_key"],
+                "usage": self.usage}
+
+    def start(self) -> list[str]:
+        return [self._ev("response.created", response=self.response()),
+                self._ev("response.in_progress", response=self.response())]
+
+    def _where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
+
+    def _open(self, kind: str) -> list[str]:
+        out = self._close()
+        n = len(self.items)
+        if kind == "reasoning":
+            item = {"id": f"rs_{self.job.id}{n}", "type": "reasoning", "summary": [], "content": [],
+                    "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"id": f"msg_{self.job.id}{n}", "type": "message", "status": "in_progress", "role": "assistant",
+                    "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.items.append(item)
+        self.open = item
+        out.append(self._ev("response.output_item.added", output_index=n, item=dict(item)))
+        item["content"] = [part]
+        out.append(self._ev("response.content_part.added", **self._where(), part=dict(part)))
+        return out
+
+    def _close(self) -> list[str]:
+        item, out = self.open, []
+        if item is None:
+            return out
+        part = item["content"][0]
+        if item["type"] == "reasoning":
+            out.append(self._ev("response.reasoning_text.done", **self._where(), text=part["text"]))
+        else:
+            out.append(self._ev("response.output_text.done", **self._where(), text=part["text"],
+                                logprobs=part["logprobs"]))
+        out.append(self._ev("response.content_part.done", **self._where(), part=part))
+        item["status"] = "completed"
+        out.append(self._ev("response.output_item.done", output_index=len(self.items) - 1, item=item))
+        self.open = None
+        return out
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        out = self._open(kind) if self.open is None or self.open["type"] != ("reasoning" if kind == "reasoning"
+                                                                              else "message") else []
+        part = self.open["content"][0]
+        part["text"] += text
+        if kind == "reasoning":
+            self.lps = []  # reasoning has no logprobs in this API
+            return out + [self._ev("response.reasoning_text.delta", **self._where(), delta=text)]
+        lps, self.lps = self.lps, []
+        part["logprobs"] += lps
+        return out + [self._ev("response.output_text.delta", **self._where(), delta=text, logprobs=lps)]
+
+    def _call(self, call: dict) -> list[str]:
+        schema = self.api["strict"].get(call["name"])
+        calls = sum(i["type"] == "function_call" for i in self.items)
+        if schema is not None and not valid_arguments(call, schema):
+            return self._text("content", call_text(call))
+        if calls and not self.api["parallel"]:
+            return []  # parallel_tool_calls false: the first call only
+        out = self._close()
+        n = len(self.items)
+        item = {"id": f"fc_{self.job.id}{n}", "type": "function_call", "call_id": f"call_{self.job.id[:8]}{calls}",
+                "name": call["name"], "arguments": "", "status": "in_progress"}
+        self.items.append(item)
+        out.append(self._ev("response.output_item.added", output_index=n, item=dict(item)))
+        out.append(self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=n,
+                            delta=call["arguments"]))
+        item.update(arguments=call["arguments"], status="completed")
+        out.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=n,
+                            name=call["name"], arguments=call["arguments"]))
+        out.append(self._ev("response.output_item.done", output_index=n, item=item))
+        return out
+
+    def feed(self, ev: tuple) -> list[str]:
+        kind, v = ev
+        if kind == "logprobs":
+            self.lps += v
+            return []
+        if kind == "delta":
+            out = []
+            for what, x in v:
+                out += self._call(x) if what == "tool_call" else self._text(what, x)
+            return out
+        out = self._close()
+        if kind == "error":
+            err: APIError = v
+            self.status, self.error = "failed", {"code": err.code or err.kind, "message": err.message}
+            return out + [self._ev("error", code=err.code or err.kind, message=err.message, param=err.param),
+                          self._ev("response.failed", response=self.response())]
+        u = v["usage"]
+        self.usage = {"input_tokens": u["prompt_tokens"],
+                      "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                                               "cache_write_tokens": 0},
+                      "output_tokens": u["completion_tokens"],
+                      "output_tokens_details": {"reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]},
+                      "total_tokens": u["total_tokens"]}
+        if v["finish_reason"] == "length" and not any(i["type"] == "function_call" for i in self.items):
+            self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
+            return out + [self._ev("response.incomplete", response=self.response())]
+        self.status = "completed"
+        return out + [self._ev("response.completed", response=self.response())]
+
+    def result(self) -> dict:
+        return self.response()
+

@@ -1,0 +1,161 @@
+"""Choosing the next token on the device: penalties, temperature, top-k, top-p, min-p, a seeded draw.
+
+Everything runs as MLX operations on the logits where the model left them, so a decode step can be queued
+from a sampled token before the host has seen it, exactly as from a greedy one, and the only transfer per
+token is the chosen id. Top-k needs no sort of the vocabulary: the k largest logits lie in the k blocks with
+the largest maxima (a logit outside those blocks has k blocks' maxima above it), so the vocabulary is cut in
+blocks of `BLOCK`, the k best blocks are kept, and only their `k * BLOCK` logits are partitioned. Only top-p
+without top-k sorts the whole vocabulary.
+
+Each draw's key comes from the seed and the number of tokens drawn before it (`Sampler.drawn`), so a seed
+gives the same tokens at every cap, prefetch width and tier policy (the logits are the same bits), in a
+pipelined or a step-by-step loop, and a saved conversation goes on drawing where it stopped.
+
+Order, as vLLM and transformers apply them: repetition, presence and frequency penalties on the raw logits;
+then temperature, top-k, top-p (on the top-k renormalised), min-p (against the most likely token); then the
+draw. The repetition penalty (transformers' form: a positive logit divided by it, a negative one multiplied)
+counts the prompt and the answer; the presence and frequency penalties (OpenAI's form) count the answer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..formats.errors import StreamoeError
+
+BLOCK = 256
+SMALLEST_TEMP = 1 / float.fromhex("0x1.fffffep+127")  # below it 1/temp overflows float32: such a temperature is greedy
+MASK = 2**64 - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: neighbouring (seed, draw) pairs give unrelated keys."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+@dataclass
+class Penalties:
+    """What a penalised draw carries on the device from token to token; None where no penalty asks for it."""
+
+    counts: mx.array | None = None  # [V] float32: times each token occurs in the answer so far
+    debt: mx.array | None = None  # [V] float32: what presence and frequency take off each logit
+    seen: mx.array | None = None  # uint32 ids of the prompt's distinct tokens, then the answer's (repeats allowed)
+
+
+class Sampler:
+    """Greedy when temp == 0 (or below `SMALLEST_TEMP`); else a seeded draw from the filtered distribution."""
+
+    def __init__(self, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 seed: int = 0):
+        checks = [(temp >= 0, "--temp must be >= 0"), (0 < top_p <= 1, "--top-p must be in (0, 1]"),
+                  (top_k >= 0, "--top-k must be >= 0"), (0 <= min_p <= 1, "--min-p must be in [0, 1]"),
+                  (-2 <= presence_penalty <= 2, "--presence-penalty must be in [-2, 2]"),
+                  (-2 <= frequency_penalty <= 2, "--frequency-penalty must be in [-2, 2]"),
+                  (0 < repetition_penalty <= 10, "--repetition-penalty must be in (0, 10]")]
+        for ok, msg in checks:
+            if not (ok and all(math.isfinite(v) for v in (temp, top_p, min_p, presence_penalty, frequency_penalty,
+                                                          repetition_penalty))):
+                raise StreamoeError(msg)
+        self.temp, self.top_p, self.top_k, self.min_p = float(temp), float(top_p), int(top_k), float(min_p)
+        self.presence, self.frequency = float(presence_penalty), float(frequency_penalty)
+        self.repetition = float(repetition_penalty)
+        self.seed, self.drawn = int(seed) & MASK, 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp < SMALLEST_TEMP
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0)
+
+    # ---- state a conversation keeps
+    def state(self) -> dict:
+        return {"seed": self.seed, "drawn": self.drawn}
+
+    def restore(self, state: dict) -> None:
+        self.seed, self.drawn = int(state["seed"]) & MASK, int(state["drawn"])
+
+    # ---- one answer
+    def start(self, context: list[int], vocab: int) -> Penalties:
+        """The penalties' state at the start of an answer whose prompt (all of it, cached or not) is `context`."""
+        pen = Penalties()
+        if self.presence or self.frequency:
+            pen.counts, pen.debt = mx.zeros((vocab,), mx.float32), mx.zeros((vocab,), mx.float32)
+        if self.repetition != 1.0:
+            pen.seen = mx.array(sorted({t for t in context if 0 <= t < vocab}), mx.uint32)
+        return pen
+
+    def __call__(self, logits: mx.array, pen: Penalties, drawn: int,
+                 allowed: mx.array | None = None) -> tuple[mx.array, Penalties]:
+        """The next token (a lazy uint32 scalar) from logits [V], the `drawn`-th draw of this sampler, among the
+        `allowed` tokens ([V] bool, a grammar's; None: all), and the penalties' state with it added. Nothing
+        here waits for the device."""
+        x = self._penalise(logits.astype(mx.float32), pen)
+        if allowed is not None:
+            x = mx.where(allowed, x, -math.inf)
+        tok = (mx.argmax(x) if self.greedy else self._draw(x, drawn)).astype(mx.uint32)
+        nxt = Penalties()
+        if pen.counts is not None:
+            first = (pen.counts[tok] == 0).astype(mx.float32)
+            nxt.debt = pen.debt.at[tok].add(self.frequency + self.presence * first)
+            nxt.counts = pen.counts.at[tok].add(1.0)
+        if pen.seen is not None:
+            nxt.seen = mx.concatenate([pen.seen, tok.reshape(1)])
+        return tok, nxt
+
+    def _penalise(self, x: mx.array, pen: Penalties) -> mx.array:
+        """Repetition on the ids seen (gathered and scattered back: a repeated id gets the same value), then the
+        presence and frequency debt; a few kernels over the vocabulary at most."""
+        if pen.seen is not None and pen.seen.size:
+            g, r = x[pen.seen], self.repetition
+            x = (x.at[pen.seen].minimum(mx.minimum(g / r, g * r)) if r > 1
+                 else x.at[pen.seen].maximum(mx.maximum(g / r, g * r)))
+        if pen.debt is not None:
+            x = x - pen.debt
+        return x
+
+    def _draw(self, x: mx.array, drawn: int) -> mx.array:
+        ids, z = top_k(x, self.top_k) if self.top_k else (None, x)
+        z = (z - z.max()) * (1.0 / self.temp)  # max first: a tiny temperature sends the rest to -inf, never nan
+        keep = None
+        if self.min_p > 0:
+            keep = z >= math.log(self.min_p)
+        if self.top_p < 1:
+            if ids is None:  # no top-k: the one case that sorts the vocabulary
+                order = mx.argsort(-z)
+                ids, z = order, z[order]
+                keep = None if keep is None else keep[order]
+            p = mx.softmax(z)
+            nucleus = (mx.cumsum(p) - p) < self.top_p  # the smallest prefix whose mass reaches top_p
+            keep = nucleus if keep is None else keep & nucleus
+        if keep is not None:
+            z = mx.where(keep, z, -math.inf)
+        key = mx.random.key(_mix(self.seed ^ _mix(drawn)))
+        choice = mx.random.categorical(z, key=key)
+        return choice if ids is None else ids[choice]
+
+
+def top_k(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """(ids, logits) of the k largest of x [V], largest first, partitioning `k * BLOCK` of them at most."""
+    V = x.shape[0]
+    k = min(k, V)
+    if k * BLOCK * 2 > V:
+        ids = mx.argpartition(-x, k - 1)[:k]
+    else:
+        pad = -V % BLOCK
+        xb = (mx.concatenate([x, mx.full((pad,), -math.inf, x.dtype)]) if pad else x).reshape(-1, BLOCK)
+        best = mx.argpartition(-xb.max(axis=1), k - 1)[:k]
+        cand = (best[:, None] * BLOCK + mx.arange(BLOCK)).reshape(-1)
+        ids = cand[mx.argpartition(-xb[best].reshape(-1), k - 1)[:k]]
+        x = xb.reshape(-1)  # a pad's id is never drawn: its logit is -inf
+    v = x[ids]
+    order = mx.argsort(-v)
+    return ids[order], v[order]

@@ -1,0 +1,219 @@
+"""Tool calls in the form the checkpoint's chat template writes them, parsed from generated text whole or as it
+streams.
+
+Two forms, told apart from the template as mlx-lm chooses its parser (`ChatTemplate.tool_format`):
+- "json" (Qwen3): `<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`;
+- "xml" (Qwen3.5/3.6, Qwen3-Coder): `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n
+  </function>\\n</tool_call>`, whose values are text: each is typed from the tool's JSON schema (integer,
+  number, boolean, object, array, null parsed; strings, and keys the schema does not type, kept as written),
+  as vLLM's and mlx-lm's qwen3_coder parsers do.
+
+Blocks are separated from the content and from each other by newlines, which are the template's and are
+dropped. A block that does not parse (bad JSON, no name, never closed) stays in the content as it was
+written: the client sees what the model said rather than losing it.
+"""
+
+from __future__ import annotations
+
+import json
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
+PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
+FORMATS = ("json", "xml")
+
+
+def call_prefix(fmt: str, name: str | None) -> str:
+    """The start of a tool call block, written into the prompt to force a call (`tool_choice`): "required"
+    (name None) opens a block, a named tool also fills in its name, so the model writes only the arguments."""
+    if name is None:
+        return CALL_OPEN + "\n"
+    if fmt == "xml":
+        return f"{CALL_OPEN}\n{FUNCTION_OPEN}{name}>\n"
+    return CALL_OPEN + "\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+
+
+def parse_call(body: str, fmt: str = "json", tools: list[dict] | None = None) -> dict | None:
+    """The text between `<tool_call>` and `</tool_call>` -> {"name", "arguments" (a JSON string)}, or None if
+    it is not a call of the form `fmt`."""
+    if fmt == "xml":
+        return _parse_xml(body, tools or [])
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # arguments double-encoded as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+
+
+def _name(text: str, start: int) -> tuple[str, int] | None:
+    """The NAME of `<function=NAME>` / `<parameter=NAME>` starting at `start` (just after the `=`), and the
+    position after its `>`; None when the name is empty or runs over a line."""
+    end = text.find(">", start)
+    if end < 0:
+        return None
+    raw = text[start:end]
+    name = raw.strip()
+    if not name or "\n" in raw or "<" in raw:
+        return None
+    return name, end + 1
+
+
+def _parse_xml(body: str, tools: list[dict]) -> dict | None:
+    text = body.strip()
+    if not text.startswith(FUNCTION_OPEN) or not text.endswith(FUNCTION_CLOSE):
+        return None
+    got = _name(text, len(FUNCTION_OPEN))
+    if got is None:
+        return None
+    name, pos = got
+    end = len(text) - len(FUNCTION_CLOSE)
+    props = _properties(tools, name)
+    args = {}
+    while True:
+        while pos < end and text[pos].isspace():
+            pos += 1
+        if pos == end:
+            break
+        if not text.startswith(PARAM_OPEN, pos):
+            return None  # text between the parameters: not a call
+        got = _name(text, pos + len(PARAM_OPEN))
+        if got is None:
+            return None
+        key, pos = got
+        close = text.find(PARAM_CLOSE, pos)
+        if close < 0 or close > end:
+            return None
+        value = text[pos:close]
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        args[key] = typed(value, props.get(key))
+        pos = close + len(PARAM_CLOSE)
+    return {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
+
+
+def _properties(tools: list[dict], name: str) -> dict:
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == name:
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
+            return props if isinstance(props, dict) else {}
+    return {}
+
+
+_KINDS = {"boolean": bool, "object": dict, "array": list, "integer": int, "number": int | float}
+
+
+def _matches(v, kind: str) -> bool:
+    if kind == "null":
+        return v is None
+    if isinstance(v, bool) and kind != "boolean":  # a bool is an int to Python, not to JSON Schema
+        return False
+    return kind in _KINDS and isinstance(v, _KINDS[kind])
+
+
+def typed(value: str, schema) -> object:
+    """An XML parameter's text as the value its schema's `type` says (a list of types: the first that fits):
+    JSON for numbers, objects, arrays and null; `true`/`false` in any case for booleans (templates render
+    Python's `True`); `None` or `null` as null. Strings, untyped keys and text that fits no type stay text."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if not kinds or "string" in kinds:
+        return value
+    s = value.strip()
+    if s in ("null", "None", "NULL"):
+        return None
+    try:
+        v = json.loads(s)
+    except ValueError:
+        v = {"true": True, "false": False}.get(s.lower(), value)
+    for kind in kinds:
+        if kind == "integer" and isinstance(v, float) and v.is_integer():
+            return int(v)
+        if _matches(v, kind):
+            return v
+    return value
+
+
+def hold_newlines(owner, s: str, kind: str, out: list) -> None:
+    """Emit `s` after the newlines held back from before, holding back its own trailing newlines: text that
+    ends a block (before a tool call or the end of thinking) must not end in the newlines the template adds."""
+    s = owner.newlines + s
+    body = s.rstrip("\n")
+    owner.newlines = s[len(body):]
+    if body:
+        out.append((kind, body))
+
+
+def partial_suffix(text: str, marks: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `marks`."""
+    best = 0
+    for m in marks:
+        for n in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+class ToolCallStream:
+    """Content text in, content text and parsed tool calls out, for the tools of one request (their schemas
+    type the XML form's values)."""
+
+    def __init__(self, fmt: str = "json", tools: list[dict] | None = None):
+        self.fmt, self.tools = fmt, tools or []
+        self.buf, self.newlines, self.in_call, self.after_call = "", "", False, False
+
+    def _text(self, s: str, out: list) -> None:
+        if self.after_call:
+            s = s.lstrip("\n")
+            if not s:
+                return
+            self.after_call = False
+        hold_newlines(self, s, "content", out)
+
+    def feed(self, text: str) -> list:
+        out: list = []
+        self.buf += text
+        while True:
+            if not self.in_call:
+                i = self.buf.find(CALL_OPEN)
+                if i < 0:
+                    keep = partial_suffix(self.buf, [CALL_OPEN])
+                    self._text(self.buf[:len(self.buf) - keep], out)
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    return out
+                self._text(self.buf[:i], out)
+                self.buf, self.in_call = self.buf[i + len(CALL_OPEN):], True
+            else:
+                j = self.buf.find(CALL_CLOSE)
+                if j < 0:
+                    return out
+                body, self.buf, self.in_call = self.buf[:j], self.buf[j + len(CALL_CLOSE):], False
+                call = parse_call(body.strip(), self.fmt, self.tools)
+                if call is None:
+                    self._text(CALL_OPEN + body + CALL_CLOSE, out)
+                else:
+                    self.newlines, self.after_call = "", True
+                    out.append(("tool_call", call))
+
+    def flush(self) -> list:
+        out: list = []
+        rest = (CALL_OPEN if self.in_call else "") + self.buf  # an unclosed block is content
+        self.buf, self.in_call = "", False
+        if rest:
+            self._text(rest, out)
+        if self.newlines and not self.after_call:
+            out.append(("content", self.newlines))
+        self.newlines = ""
+        return out

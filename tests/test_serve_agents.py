@@ -1,0 +1,699 @@
+"""The surface agents speak, against a live `streamoe serve` on the trained tiny model: OpenAI's Responses API
+(the `openai` client and the default openai-agents SDK agent), Anthropic's Messages API (the `anthropic`
+client), logprobs, `/v1/models/{id}` and `/metrics`. Answers are checked token for token against the
+engine on the same conversion, logprobs against log_softmax of the engine's own logits, and every payload
+against the official SDKs' strict types. The translation layers' handling of tool calls and reasoning is
+checked on the template's own rendering (the tiny model never writes a valid call by itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import typing
+from pathlib import Path
+
+import anthropic
+import mlx.core as mx
+import mlx.nn
+import numpy as np
+import openai
+import pytest
+from anthropic.types import Message, RawMessageStreamEvent
+from openai.types.responses import Response, ResponseStreamEvent
+from prometheus_client.parser import text_string_to_metric_families
+
+from streamoe.convert.convert import convert
+from streamoe.runtime import anthropic_api, responses_api
+from streamoe.runtime.chat_output import ChatOutput
+from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.openai_api import APIError, GenRequest, Limits, parse_chat, parse_completion
+from streamoe.runtime.plan import MiB
+from streamoe.runtime.sampling import Sampler
+from streamoe.runtime.text import TextIO
+from streamoe.runtime.worker import EngineWorker, Job, ServeOptions
+
+from . import serve_util
+from .serve_util import TINY, chat_ids, fetch, greedy, start_server, stop_server, triangle_png
+
+CTX = 1024
+RUNTIME_MIB = 256
+SERVE = ["--ctx", CTX, "--runtime-mib", RUNTIME_MIB, "--prompt-cache-mib", 8, "--max-body-mib", 0.5, "--max-image-mib", 0.1]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                "parameters": WEATHER}}]
+RESP_TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}]
+ANTH_TOOLS = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER}]
+CONVO = [{"role": "user", "content": "What is the weather in Paris?"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+
+
+def by_type(union) -> dict[str, type]:
+    """An SDK's stream event union -> {event type: its strict pydantic model}."""
+    classes = typing.get_args(typing.get_args(union)[0]) if typing.get_origin(union) is typing.Annotated else \
+        typing.get_args(union)
+    return {typing.get_args(c.model_fields["type"].annotation)[0]: c for c in classes}
+
+
+RESPONSE_EVENTS, MESSAGE_EVENTS = by_type(ResponseStreamEvent), by_type(RawMessageStreamEvent)
+
+
+def validate(kinds: dict[str, type], ev: dict) -> None:
+    kinds[ev["type"]].model_validate(ev)
+
+
+@pytest.fixture(scope="module")
+def conv(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("agents") / "tiny"
+    convert(TINY, out, formats=["q4"], progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(conv, tmp_path_factory):
+    cap = serve_util.quarter_cap(conv, CTX, RUNTIME_MIB, cache_mib=8, body_mib=0.5)
+    s = start_server(conv, tmp_path_factory.mktemp("log") / "serve.log", "--cap", cap, *SERVE)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def oc(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ac(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ref(conv):
+    eng = Engine(conv, Options(cap_gib=8, ctx=CTX, images=True, runtime_bytes=RUNTIME_MIB * MiB))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def triangle(tmp_path_factory) -> Path:
+    return triangle_png(tmp_path_factory.mktemp("img") / "triangle.png")
+
+
+def events(lines: list[str]) -> list[dict]:
+    """The JSON payloads of an event stream's data lines, each after its `event:` line of the same type."""
+    out, named = [], None
+    for ln in lines:
+        if ln.startswith("event: "):
+            named = ln[7:]
+        elif ln.startswith("data: "):
+            obj = json.loads(ln[6:])
+            assert obj["type"] == named
+            out.append(obj)
+    return out
+
+
+# ---- the translation layers, on the template's own rendering of a call (no server)
+
+@pytest.fixture(scope="module")
+def text() -> TextIO:
+    return TextIO(TINY, json.loads((TINY / "config.json").read_text()))
+
+
+def answer_events(text: TextIO, answer: str) -> list[tuple]:
+    """An answer fed token by token through the real ChatOutput, as the worker does, as job events."""
+    out, evs = ChatOutput(thinking=True, tools=True, stops=[]), []
+    for t in text.encode(answer):
+        if got := out.feed(text.decode([t])):
+            evs.append(("delta", got))
+    if got := out.flush():
+        evs.append(("delta", got))
+    usage = {"prompt_tokens": 30, "completion_tokens": 20, "total_tokens": 50,
+             "prompt_tokens_details": {"cached_tokens": 10}, "completion_tokens_details": {"reasoning_tokens": 5}}
+    return evs + [("done", {"finish_reason": "stop", "usage": usage, "stop_sequence": None})]
+
+
+def rendered(text: TextIO, thought: str, content: str, n_calls: int) -> str:
+    """What the shipped template writes for an assistant turn with these calls, after a thought."""
+    calls = [{"id": str(i), "type": "function", "function": {"name": "get_weather", "arguments": {"city": c}}}
+             for i, c in enumerate(["Paris", "Oslo"][:n_calls])]
+    msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": content, "tool_calls": calls}]
+    s = text.template.render(messages=msgs, tools=CHAT_TOOLS, add_generation_prompt=False, bos_token="", eos_token="")
+    body = s[s.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n"):-len("<|im_end|>\n")]
+    return thought + "\n</think>\n\n" + body
+
+
+def job_for(req: GenRequest) -> Job:
+    return Job(req, [1, 2, 3], thinking=True, max_tokens=64, sampler=Sampler())
+
+
+def test_responses_stream_items_reasoning_text_and_calls(text):
+    so = ServeOptions("m")
+    req = responses_api.parse({"input": "?", "tools": RESP_TOOLS, "stream": True}, so)
+    out = responses_api.Output(job_for(req), "m")
+    evs = [json.loads(s.split("data: ", 1)[1]) for s in out.start()]
+    for ev in answer_events(text, rendered(text, "Paris is in France.", "Let me look.", 2)):
+        evs += [json.loads(s.split("data: ", 1)[1]) for s in out.feed(ev)]
+    for e in evs:
+        validate(RESPONSE_EVENTS, e)
+    assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+    kinds = [e["type"] for e in evs]
+    n_reason = kinds.count("response.reasoning_text.delta")
+    n_text = kinds.count("response.output_text.delta")
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added",
+                     *["response.reasoning_text.delta"] * n_reason, "response.reasoning_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.content_part.added",
+                     *["response.output_text.delta"] * n_text, "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     *["response.output_item.added", "response.function_call_arguments.delta",
+                       "response.function_call_arguments.done", "response.output_item.done"] * 2,
+                     "response.completed"]
+    final = Response.model_validate(evs[-1]["response"])
+    assert Response.model_validate(out.result()) == final
+    reasoning, msg, c1, c2 = final.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Paris is in France."
+    assert msg.type == "message" and msg.content[0].text == "Let me look." == final.output_text
+    assert [(c.name, json.loads(c.arguments)) for c in (c1, c2)] == [("get_weather", {"city": "Paris"}),
+                                                                   ("get_weather", {"city": "Oslo"})]
+    assert c1.call_id != c2.call_id
+    assert final.usage.input_tokens == 30 and final.usage.input_tokens_details.cached_tokens == 10
+    assert final.usage.output_tokens == 20 and final.usage.output_tokens_details.reasoning_tokens == 5
+
+
+def test_responses_parallel_calls_off_and_strict_schemas(text):
+    so = ServeOptions("m")
+    strict = [{**RESP_TOOLS[0], "strict": True, "parameters": {**WEATHER, "properties": {"city": {"type": "integer"}}}}]
+    for body, want in (({"parallel_tool_calls": False, "tools": RESP_TOOLS}, ["function_call"]),
+                       ({"tools": strict}, ["message"])):  # "Paris" is no integer: the call stays text
+        out = responses_api.Output(job_for(responses_api.parse({"input": "?", **body}, so)), "m")
+        for ev in answer_events(text, rendered(text, "", "", 2)):
+            out.feed(ev)
+        got = Response.model_validate(out.result())
+        assert [i.type for i in got.output] == want
+    assert '"name": "get_weather"' in got.output_text
+
+
+def test_anthropic_stream_blocks_thinking_text_and_tool_use(text):
+    so = ServeOptions("m")
+    req = anthropic_api.parse({"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "?"}],
+                               "tools": ANTH_TOOLS, "stream": True}, so)
+    out = anthropic_api.Output(job_for(req), "m")
+    evs = [json.loads(s.split("data: ", 1)[1]) for s in out.start()]
+    for ev in answer_events(text, rendered(text, "Paris is in France.", "Let me look.", 1)):
+        evs += [json.loads(s.split("data: ", 1)[1]) for s in out.feed(ev)]
+    for e in evs:
+        validate(MESSAGE_EVENTS, e)
+    kinds = [(e["type"], e.get("delta", e.get("content_block", {})).get("type")) for e in evs]
+    deltas = [k for k in kinds if k[0] == "content_block_delta"]
+    assert kinds[0] == ("message_start", None) and kinds[-2:] == [("message_delta", None), ("message_stop", None)]
+    assert [k for k in kinds if k[0] == "content_block_start"] == [
+        ("content_block_start", "thinking"), ("content_block_start", "text"), ("content_block_start", "tool_use")]
+    assert {d[1] for d in deltas} == {"thinking_delta", "text_delta", "input_json_delta"}
+    msg = Message.model_validate(out.result())
+    thinking, said, use = msg.content
+    assert thinking.thinking == "Paris is in France." and said.text == "Let me look."
+    assert (use.name, use.input) == ("get_weather", {"city": "Paris"}) and use.id.startswith("toolu_")
+    assert msg.stop_reason == "tool_use" == evs[-2]["delta"]["stop_reason"]
+    assert msg.usage.input_tokens == 20 and msg.usage.cache_read_input_tokens == 10 and msg.usage.output_tokens == 20
+
+
+def test_an_error_mid_answer_ends_each_stream_in_its_own_shape():
+    so, err = ServeOptions("m"), APIError(500, "internal error: RuntimeError")
+    out = responses_api.Output(job_for(responses_api.parse({"input": "?"}, so)), "m")
+    evs = [json.loads(t.split("data: ", 1)[1]) for t in out.start() + out.feed(("delta", [("content", "Hi")]))
+           + out.feed(("error", err))]
+    for e in evs:
+        validate(RESPONSE_EVENTS, e)
+    assert [e["type"] for e in evs[-5:]] == ["response.output_text.done", "response.content_part.done",
+                                             "response.output_item.done", "error", "response.failed"]
+    assert evs[-1]["response"]["status"] == "failed" and evs[-2]["message"] == err.message
+    out = anthropic_api.Output(job_for(anthropic_api.parse(am(), so)), "m")
+    texts = out.start() + out.feed(("delta", [("content", "Hi")])) + out.feed(("error", err))
+    assert texts[-2:] == ["event: content_block_stop\ndata: {\"type\": \"content_block_stop\", \"index\": 0}\n\n",
+                          'event: error\ndata: {"type": "error", "error": {"type": "api_error", '
+                          '"message": "internal error: RuntimeError"}}\n\n']
+
+
+def test_responses_input_items_become_the_chat_messages():
+    so = ServeOptions("m")
+    req = responses_api.parse({"instructions": "Be brief.", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is the weather in Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Use the tool."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"}]}, so)
+    assert req.messages == [{"role": "system", "content": "Be brief."}, CONVO[0],
+                            {**CONVO[1], "reasoning_content": "Use the tool.",
+                             "tool_calls": [{**CONVO[1]["tool_calls"][0],
+                                             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                            CONVO[2]]
+
+
+def test_anthropic_blocks_become_the_chat_messages():
+    so = ServeOptions("m")
+    req = anthropic_api.parse({"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "Be brief."}],
+                               "messages": [
+                                   {"role": "user", "content": "What is the weather in Paris?"},
+                                   {"role": "assistant", "content": [
+                                       {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                                   {"role": "user", "content": [
+                                       {"type": "tool_result", "tool_use_id": "call_1", "content": "18 degrees, sunny"},
+                                       {"type": "text", "text": "Thanks"}]}]}, so)
+    assert req.messages == [{"role": "system", "content": "Be brief."}, CONVO[0],
+                            {**CONVO[1], "tool_calls": [{**CONVO[1]["tool_calls"][0],
+                                                         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                            CONVO[2], {"role": "user", "content": "Thanks"}]
+
+
+def rq(**kw) -> dict:
+    return {"model": "m", "input": "hi", **kw}
+
+
+@pytest.mark.parametrize("body, param", [
+    (rq(store=True), "store"),
+    (rq(previous_response_id="resp_1"), "previous_response_id"),
+    (rq(conversation="conv_1"), "conversation"),
+    (rq(background=True), "background"),
+    (rq(prompt={"id": "p"}), "prompt"),
+    (rq(max_tool_calls=2), "max_tool_calls"),
+    (rq(truncation="auto"), "truncation"),
+    (rq(service_tier="flex"), "service_tier"),
+    (rq(context_management=[{"type": "compaction"}]), "context_management"),
+    (rq(prompt_cache_retention="24h"), "prompt_cache_retention"),
+    (rq(include=["reasoning.encrypted_content"]), "include[0]"),
+    (rq(top_logprobs=2), "top_logprobs"),
+    (rq(text={"format": {"type": "json_object"}}), "text.format"),
+    (rq(text={"verbosity": "low"}), "text.verbosity"),
+    (rq(reasoning={"summary": "auto"}), "reasoning.summary"),
+    (rq(reasoning={"effort": "huge"}), "reasoning.effort"),
+    (rq(stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
+    (rq(max_output_tokens=0), "max_output_tokens"),
+    (rq(temperature=2.5), "temperature"),
+    (rq(frequency_penalty=1), "frequency_penalty"),  # a chat field, not the Responses API's
+    (rq(tools=[{"type": "web_search"}]), "tools[0].type"),
+    (rq(tools=[{**RESP_TOOLS[0], "defer_loading": True}]), "tools[0].defer_loading"),
+    (rq(tools=RESP_TOOLS, tool_choice={"type": "function", "name": "nope"}), "tool_choice"),
+    (rq(tool_choice={"type": "allowed_tools", "tools": []}), "tool_choice"),
+    (rq(input=[]), "input"),
+    (rq(input=[{"type": "item_reference", "id": "x"}]), "input[0]"),
+    (rq(input=[{"role": "user", "content": "hi", "name": "bob"}]), "input[0].name"),
+    (rq(input=[{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "x"}, "hi"]),
+     "input[0].encrypted_content"),
+    (rq(input=[{"type": "web_search_call", "id": "x"}]), "input[0].type"),
+    (rq(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]), "input[0].content[0]"),
+    (rq(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]), "input[0].content[0].file_id"),
+    (rq(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]),
+     "input[0].content[0].image_url"),
+])
+def test_responses_fields_refused_with_400_naming_them(body, param):
+    with pytest.raises(APIError) as e:
+        responses_api.parse(body, ServeOptions("m", limits=Limits()))
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def am(**kw) -> dict:
+    return {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    (am(thinking={"type": "enabled", "budget_tokens": 2048}), "thinking.budget_tokens"),
+    (am(output_config={"effort": "low"}), "output_config"),
+    (am(container="c"), "container"),
+    (am(mcp_servers=[{"type": "url"}]), "mcp_servers"),
+    (am(inference_geo="us"), "inference_geo"),
+    (am(cache_control={"type": "persistent"}), "cache_control"),
+    (am(speed="fast"), "speed"),
+    (am(n=2), "n"),  # not the Messages API's field
+    (am(temperature=1.5), "temperature"),
+    (am(stop_sequences="x"), "stop_sequences"),
+    (am(metadata={"user_id": "u", "tag": "t"}), "metadata.tag"),
+    (am(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
+    (am(tools=[{"name": "t"}]), "tools[0].input_schema"),
+    (am(tool_choice={"type": "tool", "name": "nope"}, tools=ANTH_TOOLS), "tool_choice"),
+    (am(tool_choice={"type": "sometimes"}), "tool_choice.type"),
+    (am(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]), "messages[1].role"),
+    (am(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), "messages[0].content[0].type"),
+    (am(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}]),
+     "messages[0].content[0].source"),
+    (am(messages=[{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/gif", "data": PNG}}]}]), "messages[0].content[0].source.media_type"),
+    (am(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {"type": "x"}}]}]),
+     "messages[0].content[0].cache_control"),
+])
+def test_anthropic_fields_refused_with_400_naming_them(body, param):
+    with pytest.raises(APIError) as e:
+        anthropic_api.parse(body, ServeOptions("m", limits=Limits()))
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+    assert anthropic_api.error_body(e.value) == {"type": "error", "error": {"type": "invalid_request_error",
+                                                                            "message": e.value.message}}
+
+
+# ---- the Responses API over HTTP
+
+def test_responses_text_whole_and_streamed_equal_the_engine(server, oc, ref):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What shape is it?"}]
+    ids = chat_ids(ref, msgs, think=False)
+    want = greedy(ref, ids, 12)
+    kw = {"model": "tiny", "instructions": "Be brief.", "input": "What shape is it?", "temperature": 0,
+          "max_output_tokens": 12, "reasoning": {"effort": "none"}}
+    raw = oc.responses.with_raw_response.create(**kw).http_response.json()
+    r = Response.model_validate(raw)  # every field the official type requires, of its type
+    assert r.output_text == ref.text.decode(want) and [i.type for i in r.output] == ["message"]
+    assert r.usage.input_tokens == len(ids) and r.usage.output_tokens == len(want)
+    assert r.status == ("incomplete" if len(want) == 12 else "completed") and r.store is False
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    evs = list(oc.responses.create(**kw, stream=True))
+    kinds = [e.type for e in evs]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * (len(kinds) - 8),
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed" if r.status == "completed" else "response.incomplete"]
+    assert "".join(e.delta for e in evs if e.type == "response.output_text.delta") == r.output_text
+    assert evs[-1].response.output_text == r.output_text and evs[-1].response.usage.input_tokens == len(ids)
+    assert evs[-1].response.usage.input_tokens_details.cached_tokens > 0  # the same prompt again: its prefix cached
+    _, lines = serve_util.sse_lines(server.url + "/v1/responses", {**kw, "stream": True})
+    for e in events(lines):
+        validate(RESPONSE_EVENTS, e)
+
+
+def test_responses_thinking_counts_reasoning_tokens(oc, ref):
+    msgs = [{"role": "user", "content": "What colour is the shape?"}]
+    said = ref.text.decode(greedy(ref, chat_ids(ref, msgs, think=True), 24))
+    r = oc.responses.create(model="tiny", input=msgs, temperature=0, max_output_tokens=24,
+                            reasoning={"effort": "high"})
+    thought, answer = said.split("</think>")
+    assert r.output_text == answer.lstrip("\n")
+    assert [i.type for i in r.output] == (["reasoning"] if thought.strip("\n") else []) + ["message"]
+    assert r.usage.output_tokens_details.reasoning_tokens == len(ref.text.encode(thought + "</think>"))
+
+
+def test_responses_image_and_tool_result_items_render_as_chat(oc, ref, triangle):
+    img = {"type": "input_image", "image_url": serve_util.data_url(triangle), "detail": "auto"}
+    r = oc.responses.create(model="tiny", temperature=0, max_output_tokens=16, reasoning={"effort": "none"},
+                            input=[{"role": "user", "content": [img, {"type": "input_text", "text": "What shape is in the image?"}]}])
+    assert r.output_text == "triangle"
+    items = [{"role": "user", "content": CONVO[0]["content"]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"}]
+    ids = chat_ids(ref, CONVO, tools=CHAT_TOOLS)
+    r = oc.responses.create(model="tiny", input=items, tools=RESP_TOOLS, temperature=0, max_output_tokens=6)
+    assert r.usage.input_tokens == len(ids)
+    said = ref.text.decode(greedy(ref, ids, 6))
+    assert r.output_text == said.split("</think>")[-1].lstrip("\n")
+
+
+def test_responses_logprobs_are_the_chat_routes_logprobs(oc):
+    """`include: ["message.output_text.logprobs"]`: the same entries the chat route gives (checked against the
+    engine's logits below), on the output text, whole and streamed."""
+    chat = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What shape is it?"}],
+                                      temperature=0, max_tokens=6, logprobs=True, top_logprobs=2,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    want = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    kw = {"model": "tiny", "input": "What shape is it?", "temperature": 0, "max_output_tokens": 6,
+          "reasoning": {"effort": "none"}, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = oc.responses.create(**kw)
+    assert [e.model_dump() for e in r.output[0].content[0].logprobs] == want and len(want) == r.usage.output_tokens
+    evs = list(oc.responses.create(**kw, stream=True))
+    assert [e.model_dump() for ev in evs if ev.type == "response.output_text.delta" for e in ev.logprobs] == want
+
+
+def test_openai_agents_sdk_default_agent(server, ref):
+    """The default openai-agents agent (Responses model, a function tool) runs against the server: its first
+    turn, and the turn after its tool ran (the loop's function_call and its output sent back as items)."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from openai.types.shared import Reasoning
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "18 degrees, sunny"
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    agent = Agent(name="weather", instructions="Answer briefly.", tools=[get_weather],
+                  model=OpenAIResponsesModel(model="tiny", openai_client=client),
+                  model_settings=ModelSettings(temperature=0, max_tokens=16, reasoning=Reasoning(effort="none")))
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": get_weather.description,
+                                               "parameters": get_weather.params_json_schema}}]
+    system = {"role": "system", "content": "Answer briefly."}
+    turns = (([CONVO[0]], CONVO[0]["content"]),
+             (CONVO, [{"role": "user", "content": CONVO[0]["content"]},
+                      {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                      {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"}]))
+
+    async def run_all():  # one event loop: the async client's connections belong to it
+        done = [await Runner.run(agent, items) for _, items in turns]
+        streamed = Runner.run_streamed(agent, turns[1][1])  # the Responses event stream, read by the SDK
+        kinds = [ev.data.type async for ev in streamed.stream_events() if ev.type == "raw_response_event"]
+        return done, streamed.final_output, kinds
+
+    done, streamed, kinds = asyncio.run(run_all())
+    for (convo, _), result in zip(turns, done, strict=True):
+        ids = chat_ids(ref, [system, *convo], think=False, tools=tools)
+        want = ref.text.decode(greedy(ref, ids, 16))
+        assert result.final_output == want
+        assert result.context_wrapper.usage.input_tokens == len(ids)
+    assert streamed == want and kinds[0] == "response.created" and kinds[-1] == "response.completed"
+
+
+# ---- the Anthropic Messages API over HTTP
+
+GREEDY = {"temperature": 0}  # a Messages API field that this version of the client has no argument for
+
+
+def test_anthropic_text_whole_and_streamed_equal_the_engine(server, ac, ref):
+    msgs = [{"role": "system", "content": "Be brief.\n\nAnswer in one word."}, {"role": "user", "content": "What shape is it?"}]
+    ids = chat_ids(ref, msgs, think=False)
+    want = greedy(ref, ids, 12)
+    kw = {"model": "tiny", "max_tokens": 12, "extra_body": GREEDY, "thinking": {"type": "disabled"},
+          "system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Answer in one word.",
+                                                            "cache_control": {"type": "ephemeral"}}],
+          "messages": [{"role": "user", "content": [{"type": "text", "text": "What shape is it?"}]}]}
+    raw = ac.messages.with_raw_response.create(**kw).http_response.json()
+    m = Message.model_validate(raw)
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == ref.text.decode(want)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids) and m.usage.output_tokens == len(want)
+    assert m.stop_reason == ("max_tokens" if len(want) == 12 else "end_turn")
+    with ac.messages.stream(**kw) as s:
+        kinds = [e.type for e in s if e.type not in ("text",)]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert final.content[0].text == m.content[0].text and final.usage.output_tokens == len(want)
+    assert final.usage.cache_read_input_tokens > 0  # the same prompt again: its prefix cached
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == len(ids)
+    _, lines = serve_util.sse_lines(server.url + "/v1/messages", {**{k: v for k, v in kw.items() if k != "extra_body"},
+                                                                     **GREEDY, "stream": True})
+    for e in events(lines):
+        validate(MESSAGE_EVENTS, e)
+    assert ac.messages.count_tokens(model="tiny", system=kw["system"], messages=kw["messages"],
+                                    thinking={"type": "disabled"}).input_tokens == len(ids)
+
+
+def test_anthropic_stop_sequences_images_and_thinking(ac, ref, triangle):
+    ids = chat_ids(ref, [{"role": "user", "content": "What shape is it?"}], think=False)
+    text = ref.text.decode(greedy(ref, ids, 12))
+    stop = text[2:5]
+    m = ac.messages.create(model="tiny", max_tokens=12, extra_body=GREEDY, thinking={"type": "disabled"},
+                           stop_sequences=["zzz", stop], messages=[{"role": "user", "content": "What shape is it?"}])
+    assert m.content[0].text == text[:text.index(stop)]
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    img = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                       "data": base64.b64encode(triangle.read_bytes()).decode()}}
+    q = {"role": "user", "content": [img, {"type": "text", "text": "What shape is in the image?"}]}
+    m = ac.messages.create(model="tiny", max_tokens=16, extra_body=GREEDY, thinking={"type": "disabled"}, messages=[q])
+    assert m.content[0].text == "triangle"
+    n = ac.messages.count_tokens(model="tiny", messages=[q], thinking={"type": "disabled"}).input_tokens
+    assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens  # images counted as their tokens
+    msgs = [{"role": "user", "content": "What colour is the shape?"}]
+    said = ref.text.decode(greedy(ref, chat_ids(ref, msgs, think=True), 24))
+    m = ac.messages.create(model="tiny", max_tokens=24, extra_body=GREEDY, thinking={"type": "adaptive"}, messages=msgs)
+    thought, answer = said.split("</think>")
+    assert [b.type for b in m.content] == (["thinking"] if thought.strip("\n") else []) + ["text"]
+    assert m.content[-1].text == answer.lstrip("\n")
+
+
+def test_anthropic_tools_and_tool_choice(ac, ref):
+    convo = [{"role": "user", "content": CONVO[0]["content"]},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                                "input": {"city": "Paris"}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                           "content": [{"type": "text", "text": "18 degrees, sunny"}]}]}]
+    ids = chat_ids(ref, CONVO, tools=CHAT_TOOLS)
+    m = ac.messages.create(model="tiny", max_tokens=6, extra_body=GREEDY, tools=ANTH_TOOLS, messages=convo)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids)
+    assert m.content[-1].text == ref.text.decode(greedy(ref, ids, 6)).split("</think>")[-1].lstrip("\n")
+    assert ac.messages.count_tokens(model="tiny", tools=ANTH_TOOLS, messages=convo).input_tokens == len(ids)
+    first = [{"role": "user", "content": CONVO[0]["content"]}]
+    m = ac.messages.create(model="tiny", max_tokens=1, extra_body=GREEDY, tools=ANTH_TOOLS, messages=first,
+                           tool_choice={"type": "none"})
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(chat_ids(ref, first))  # tools hidden
+    rendered = ref.text.template.render(messages=first, tools=CHAT_TOOLS, add_generation_prompt=True,
+                                        enable_thinking=False, bos_token="", eos_token="")
+    for choice, start in (({"type": "any"}, "<tool_call>\n"),
+                          ({"type": "tool", "name": "get_weather"}, '<tool_call>\n{"name": "get_weather", "arguments": ')):
+        m = ac.messages.create(model="tiny", max_tokens=4, extra_body=GREEDY, tools=ANTH_TOOLS, messages=first,
+                               tool_choice=choice)
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ref.text.encode(rendered + start))
+        assert m.content[0].type == "tool_use" or m.content[0].text.startswith(start)  # the call forced
+
+
+def test_anthropic_errors_have_anthropics_shape(server, ac):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                           thinking={"type": "enabled", "budget_tokens": 2048})
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "thinking.budget_tokens" in e.value.body["error"]["message"]
+    for method, path, body, status in (("POST", "/v1/messages", b"{not json", 400),
+                                       ("POST", "/v1/messages", {"model": "tiny", "messages": []}, 400),
+                                       ("GET", "/v1/messages", None, 405),
+                                       ("POST", "/v1/messages/nope", {}, 404)):
+        r = fetch(server.url + path, method, body)
+        assert r.status == status and set(r.json()) == {"type", "error"}, r.text
+        assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}
+    assert fetch(server.url + "/v1/responses", "POST", {"model": "tiny", "input": "x", "store": True}).json()[
+        "error"]["param"] == "store"  # OpenAI's shape on the OpenAI routes
+
+
+# ---- logprobs, models, metrics
+
+def in_process(ref: Engine, req: GenRequest) -> tuple[list[dict], list, list[int]]:
+    """A request answered by a worker over the reference engine, in this thread: (the logprobs entries it
+    sends, the engine's own logits for each token (the `job.logits` hook), the tokens)."""
+    worker = EngineWorker(ref, ServeOptions("tiny", prompt_cache_bytes=0))
+    job = worker.prepare(req)
+    job.logits, job.sink = [], []
+    worker.run(job)
+    assert job.sink[-1][0] == "done", job.sink[-1]
+    return [e for kind, v in job.sink if kind == "logprobs" for e in v], job.logits, job.sink[-1][1]["token_ids"]
+
+
+def top(lp: mx.array, k: int) -> list[int]:
+    return sorted(range(lp.shape[0]), key=lambda t: (-lp[t].item(), t))[:k]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_logprobs_are_log_softmax_of_the_engines_logits(ref, kind):
+    """Exactly: the value the worker sends for each token is log_softmax of the logits the engine yielded."""
+    body = {"temperature": 0.8, "seed": 3, "max_tokens": 6}
+    if kind == "chat":
+        req = parse_chat({**body, "messages": [{"role": "user", "content": "What shape is it?"}], "logprobs": True,
+                          "top_logprobs": 4}, Limits())
+    else:
+        req = parse_completion({**body, "prompt": "def fibonacci(n):\n", "logprobs": 4})
+    entries, logits, toks = in_process(ref, req)
+    assert len(entries) == len(logits) == len(toks) >= 4
+    for e, lg, tok in zip(entries, logits, toks, strict=True):
+        lp = mlx.nn.log_softmax(mx.array(np.asarray(lg, dtype=np.float32)))
+        assert e["logprob"] == lp[tok].item() and e["token"] == ref.text.decode([tok])
+        z = np.asarray(lg, dtype=np.float64)
+        assert e["logprob"] == pytest.approx(z[tok] - z.max() - np.log(np.exp(z - z.max()).sum()), abs=1e-4)
+        assert [(t["token"], t["logprob"]) for t in e["top_logprobs"]] == [(ref.text.decode([t]), lp[t].item())
+                                                                           for t in top(lp, 4)]
+    assert b"".join(bytes(e["bytes"]) for e in entries) == ref.text.decode(toks).encode()
+
+
+def engine_logprobs(ref: Engine, ids: list[int], n: int) -> list[tuple[int, mx.array]]:
+    """(token, log_softmax of the engine's logits for it) for a greedy answer from a fresh state."""
+    ref.reset()
+    return [(t, mlx.nn.log_softmax(mx.array(np.asarray(lg, dtype=np.float32)))) for t, lg in
+            ref.generate(ids, n, Sampler())]
+
+
+def check_entry(ref: Engine, entry: dict, tok: int, lp: mx.array, k: int) -> None:
+    """The server's engine streams its experts under the cap, the reference holds them all: the same
+    tokens, logits equal to float32 rounding."""
+    assert entry["logprob"] == pytest.approx(lp[tok].item(), abs=1e-4)
+    assert [e["token"] for e in entry["top_logprobs"]] == [ref.text.decode([t]) for t in top(lp, k)]
+    assert [e["logprob"] for e in entry["top_logprobs"]] == pytest.approx([lp[t].item() for t in top(lp, k)], abs=1e-4)
+
+
+def test_chat_logprobs_whole_and_streamed(oc, ref):
+    msgs = [{"role": "user", "content": "What shape is it?"}]
+    ids = chat_ids(ref, msgs, think=False)
+    want = engine_logprobs(ref, ids, 6)
+    kw = {"model": "tiny", "messages": msgs, "temperature": 0, "max_tokens": 6, "logprobs": True, "top_logprobs": 3,
+          "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    r = oc.chat.completions.create(**kw)
+    got = [e.model_dump() for e in r.choices[0].logprobs.content]
+    assert len(got) == len(want) == r.usage.completion_tokens
+    for entry, (tok, lp) in zip(got, want, strict=True):
+        check_entry(ref, entry, tok, lp, 3)
+    assert b"".join(bytes(e["bytes"]) for e in got) == ref.text.decode([t for t, _ in want]).encode()
+    chunks = list(oc.chat.completions.create(**kw, stream=True))
+    streamed = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == got
+    plain = oc.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
+
+
+def test_completion_logprobs_whole_and_streamed(oc, ref):
+    prompt = "def fibonacci(n):\n"
+    want = engine_logprobs(ref, ref.text.encode(prompt), 5)
+    r = oc.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=5, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [ref.text.decode([t]) for t, _ in want] and "".join(lp.tokens) == r.choices[0].text
+    assert lp.token_logprobs == pytest.approx([p[t].item() for t, p in want], abs=1e-4)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for got, (_, p) in zip(lp.top_logprobs, want, strict=True):
+        assert list(got) == [ref.text.decode([t]) for t in top(p, 2)]
+        assert list(got.values()) == pytest.approx([p[t].item() for t in top(p, 2)], abs=1e-4)
+    chunks = list(oc.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=5, logprobs=2, stream=True))
+    got = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for g in got for t in g.tokens] == lp.tokens and [o for g in got for o in g.text_offset] == lp.text_offset
+    assert [v for g in got for v in g.token_logprobs] == lp.token_logprobs
+
+
+def test_models_by_id(oc):
+    assert oc.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        oc.models.retrieve("gpt-5")
+    assert e.value.body["code"] == "model_not_found" and "gpt-5" in e.value.body["message"]
+
+
+def metrics(server) -> dict:
+    r = fetch(server.url + "/metrics")
+    assert r.status == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    for ln in r.text.splitlines():
+        assert ln.startswith(("# HELP streamoe_", "# TYPE streamoe_", "streamoe_")), ln
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        assert fam.name.startswith("streamoe_") and fam.documentation and fam.type in ("counter", "gauge")
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_count_what_was_served(server, oc):
+    before = metrics(server)
+    r = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is it red?"}], temperature=0,
+                                   max_tokens=8, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    after = metrics(server)
+
+    def grew(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0)
+
+    assert grew("streamoe_requests_total", (("api", "chat"),)) == 1
+    assert grew("streamoe_answers_total") == 1
+    assert grew("streamoe_prompt_tokens_total") == r.usage.prompt_tokens
+    assert grew("streamoe_generated_tokens_total") == r.usage.completion_tokens
+    tele = r.model_extra["streamoe"]
+    assert after[("streamoe_last_tokens_per_second", ())] == tele["tok_s"] > 0
+    assert after[("streamoe_last_hit_rate", ())] == tele["hit_rate"]
+    decode_read = tele["mib_read_token"] * MiB * tele["tokens"]  # prefill reads come on top
+    assert grew("streamoe_expert_bytes_read_total") >= decode_read * (1 - 1e-3) and decode_read > 0  # capped: read
+    assert after[("streamoe_memory_cap_bytes", ())] == fetch(server.url + "/v1/plan").json()["cap"]
+    assert 0 < after[("streamoe_memory_bytes", ())] <= after[("streamoe_memory_cap_bytes", ())]
+    assert after[("streamoe_queue_depth", ())] == 0
+
+
+def test_no_traceback_in_the_server_log(server):
+    log = server.text()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]

@@ -1,0 +1,388 @@
+"""`streamoe serve` under hostile clients: every field of /v1/chat/completions and /v1/completions swept with
+wrong types and out-of-range values (400 naming the field, never a 500), lone surrogates, a decompression
+bomb's header, bodies admitted before they are read (503 before the body when full, 408 for a stalled
+one), bodies that would inflate when parsed, prompts refused by length before tokenizing, idle sockets
+at a 1,024 file limit, and the cap held in a cgroup through all of it with greedy answers unchanged."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from streamoe.convert.convert import convert
+from streamoe.formats.errors import StreamoeError
+from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.image import load_image
+from streamoe.runtime.openai_api import APIError, Limits, parse_chat
+from streamoe.runtime.plan import MiB
+
+from .conftest import capped_cgroup
+from .serve_util import TINY, fetch, greedy, start_server, stop_server
+
+CTX = 1024
+LIMITS = ["--max-body-mib", 0.5, "--max-queue", 2, "--body-timeout", 2, "--head-timeout", 1, "--prompt-cache-mib", 0]
+SERVE = ["--cap", 2, "--ctx", CTX, "--runtime-mib", 256, *LIMITS]
+MSGS = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CODE = "def fibonacci(n):\n"
+
+
+@pytest.fixture(scope="module")
+def conv(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hostile") / "tiny"
+    convert(TINY, out, formats=["q4"], progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(conv, tmp_path_factory):
+    s = start_server(conv, tmp_path_factory.mktemp("log") / "hostile.log", *SERVE)
+    yield s
+    stop_server(s)
+
+
+def bomb_png(width: int = 30000, height: int = 30000) -> bytes:
+    """A PNG whose header claims width x height pixels (more than Pillow's bomb limit), with one tiny row."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 4)) + chunk(b"IEND", b"")
+
+
+def image(raw: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(raw).decode()}}
+
+
+# (field, bad value) per endpoint; temperature and the penalty fields are swept where they are parsed
+COMMON = [
+    ("model", 5), ("model", ["tiny"]), ("stream", "yes"), ("stream", 1), ("stream_options", "usage"),
+    ("stream_options", {"include_usage": "yes"}), ("n", 2), ("n", "1"), ("n", 0),
+    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", "10"), ("max_tokens", True),
+    ("max_tokens", 1 << 40), ("max_completion_tokens", 0), ("max_completion_tokens", "x"),
+    ("top_p", 0), ("top_p", 1.5), ("top_p", "x"), ("top_p", -1), ("top_k", -2), ("top_k", 1.5), ("top_k", "x"),
+    ("seed", "x"), ("seed", 1.5), ("seed", 1 << 64), ("seed", True),
+    ("stop", 5), ("stop", [5]), ("stop", [""]), ("stop", ["a"] * 5), ("stop", {"a": 1}), ("stop", "\ud800"),
+    ("logprobs", "yes"), ("top_logprobs", "x"), ("top_logprobs", -1), ("echo", "x"), ("suffix", 5),
+    ("logit_bias", "x"), ("best_of", 2), ("response_format", 5), ("response_format", "json"),
+    ("response_format", {"type": "nope"}), ("return_token_ids", "x"),
+]
+CHAT = [
+    ("messages", None), ("messages", "hi"), ("messages", []), ("messages", [5]),
+    ("messages", [{"role": "robot", "content": "a"}]), ("messages", [{"role": "user"}]),
+    ("messages", [{"role": "user", "content": 5}]), ("messages", [{"role": "user", "content": [5]}]),
+    ("messages", [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+    ("messages", [{"role": "user", "content": [{"type": "video", "video": "x"}]}]),
+    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 5}}]}]),
+    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}]}]),
+    ("messages", [{"role": "user", "content": [image(b"not a png at all")]}]),
+    ("messages", [{"role": "user", "content": [image(bomb_png())]}]),
+    ("messages", [{"role": "user", "content": "\ud800 lone"}]),
+    ("messages", [{"role": "user", "content": [{"type": "text", "text": "x\udfff"}]}]),
+    ("messages", [{"role": "system", "content": [image(bomb_png())]}]),
+    ("messages", [{"role": "assistant", "tool_calls": "x"}]), ("messages", [{"role": "assistant", "tool_calls": [5]}]),
+    ("messages", [{"role": "assistant", "tool_calls": [{"function": "x"}]}]),
+    ("messages", [{"role": "user", "content": "a"}, {"role": "tool", "content": "b", "tool_call_id": 5}]),
+    ("tools", "x"), ("tools", []), ("tools", [5]), ("tools", [{"type": "function"}]),
+    ("tools", [{"type": "function", "function": {"name": 5}}]),
+    ("tool_choice", 5), ("tool_choice", "always"), ("tool_choice", {"type": "function"}),
+    ("tool_choice", {"type": "function", "function": "get_weather"}),
+    ("tool_choice", {"type": "function", "function": {"name": 5}}),
+    ("tool_choice", {"type": "function", "function": {"name": "nope"}}),
+    ("chat_template_kwargs", "x"), ("chat_template_kwargs", {"messages": 1}),
+    ("chat_template_kwargs", {"enable_thinking": "yes"}),
+]
+COMPLETION = [
+    ("prompt", None), ("prompt", ""), ("prompt", []), ("prompt", 5), ("prompt", [1.5]), ("prompt", ["a", "b"]),
+    ("prompt", [True]), ("prompt", [-1]), ("prompt", [1 << 40]), ("prompt", {"a": 1}), ("prompt", "x\ud800"),
+]
+SWEEP = ([("/v1/chat/completions", f, v) for f, v in COMMON + CHAT]
+         + [("/v1/completions", f, v) for f, v in COMMON + COMPLETION])
+
+
+def post(server, path: str, body, timeout: float = 30):
+    return fetch(server.url + path, "POST", json.dumps(body).encode() if not isinstance(body, bytes) else body,
+                 timeout=timeout)
+
+
+def test_every_field_swept_is_a_400_naming_it(server):
+    wrong = []
+    for path, field, value in SWEEP:
+        base = {"messages": MSGS, "tools": TOOLS} if "chat" in path else {"prompt": "hi"}
+        if field == "tools":
+            base.pop("tools")
+        body = {**base, "max_tokens": 2, field: value}
+        if value is None:
+            del body[field]
+        r = post(server, path, body)
+        err = r.json().get("error") if r.text.startswith("{") else None
+        if r.status != 400 or not err or not err["message"] or not (err["param"] or "").startswith(field):
+            wrong.append((path, field, repr(value)[:60], r.status, r.text[:200]))
+    assert not wrong, "\n".join(map(str, wrong))
+    assert fetch(server.url + "/health").status == 200
+    assert "Traceback" not in server.text() and "internal error" not in server.text()
+
+
+def test_a_bomb_header_is_one_line_everywhere(tmp_path):
+    with pytest.raises(APIError) as e:
+        parse_chat({"messages": [{"role": "user", "content": [image(bomb_png())]}]}, Limits())
+    assert e.value.status == 400 and e.value.param == "messages[0].content[0]" and "pixels" in e.value.message
+    p = tmp_path / "bomb.png"
+    p.write_bytes(bomb_png())
+    with pytest.raises(StreamoeError, match="too large"):
+        load_image(p)
+
+
+def raw_head(port: int, length: int, path: str = "/v1/completions", body: bytes = b"") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {length}\r\n\r\n".encode() + body)
+    return s
+
+
+def answer(s: socket.socket, timeout: float = 10) -> tuple[int, dict, bytes]:
+    s.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+            dict((k.lower(), v) for k, _, v in (ln.partition(b": ") for ln in data.split(b"\r\n")[1:]))
+            .get(b"content-length", b"0")):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    top, _, body = data.partition(b"\r\n\r\n")
+    lines = top.split(b"\r\n")
+    return int(lines[0].split()[1]), {k.lower().decode(): v.decode() for k, _, v in (ln.partition(b": ") for ln in lines[1:])}, body
+
+
+def health_ms(server) -> float:
+    t0 = time.perf_counter()
+    assert fetch(server.url + "/health", timeout=10).status == 200
+    return (time.perf_counter() - t0) * 1000
+
+
+def test_bodies_are_admitted_before_they_are_read(server):
+    """3 admitted (2 queued + 1 running) stall mid-body; the next 100 are refused before sending a byte of
+    theirs; the stalled ones end in 408 at the body deadline, and the server answers again."""
+    stalled = [raw_head(server.port, 400_000, body=b'{"prompt": "') for _ in range(3)]
+    time.sleep(0.3)
+    refused = [raw_head(server.port, 400_000) for _ in range(100)]  # their bodies are never sent
+    ms = [health_ms(server)]
+    for s in refused:
+        status, headers, body = answer(s)
+        assert status == 503 and headers["retry-after"] == "1", (status, body)
+        assert json.loads(body)["error"]["code"] == "queue_full"
+        s.close()
+    ms.append(health_ms(server))
+    for s in stalled:
+        status, _, body = answer(s, timeout=10)
+        assert status == 408 and json.loads(body)["error"]["code"] == "body_timeout"
+        s.close()
+    r = post(server, "/v1/completions", {"prompt": CODE, "max_tokens": 2, "temperature": 0})
+    assert r.status == 200, r.text
+    assert max(ms) < 1000, ms
+
+
+def test_bodies_that_would_inflate_are_refused_before_parsing(server):
+    flat = b'{"prompt": "hi", "x": [' + b",".join([b"{}"] * 100_000) + b"]}"  # 0.3 MiB -> ~7 MiB of dicts
+    r = post(server, "/v1/completions", flat)
+    assert r.status == 413 and "JSON values" in r.json()["error"]["message"]
+    deep = b'{"prompt": "hi", "x": ' + b"[" * 70 + b"]" * 70 + b"}"
+    r = post(server, "/v1/completions", deep)
+    assert r.status == 400 and "nests 71 levels" in r.json()["error"]["message"]
+    wide = json.dumps({"prompt": "a" * 300_000 + "\U0001F600"}, ensure_ascii=False).encode()  # 4 bytes a character
+    r = post(server, "/v1/completions", wide)
+    assert r.status == 413 and "MiB of objects" in r.json()["error"]["message"], r.text
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(server):
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "def " * 120_000}]}),
+                       ("/v1/completions", {"prompt": "def " * 120_000})):
+        t0 = time.perf_counter()
+        r = post(server, path, body)
+        assert r.status == 400 and "is at least" in r.json()["error"]["message"], r.text
+        assert time.perf_counter() - t0 < 2
+    # within the bound, tokenized and then refused by its true length
+    from tokenizers import Tokenizer
+
+    n = len(Tokenizer.from_file(str(TINY / "tokenizer.json")).encode("def " * 1100, add_special_tokens=False).ids)
+    r = post(server, "/v1/completions", {"prompt": "def " * 1100})
+    assert r.status == 400 and f"the prompt is {n} tokens;" in r.json()["error"]["message"], r.text
+
+
+def launch(conv: Path, log: Path, *args, nofile: int | None = None, cgroup: Path | None = None):
+    """start_server with an open-file limit (as a shell's `ulimit -n` sets it) and/or inside a cgroup."""
+    import shlex
+
+    from . import serve_util
+
+    port = serve_util.free_port()
+    cmd = [sys.executable, "-m", "streamoe.cli", "serve", str(conv), "--port", str(port), *map(str, args)]
+    pre = (f"echo $$ > {cgroup}/cgroup.procs && " if cgroup else "") + (f"ulimit -n {nofile} && " if nofile else "")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["sh", "-c", pre + "exec " + shlex.join(cmd)], stdout=out, stderr=subprocess.STDOUT)
+    served = serve_util.Served(proc, port, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, served.text()
+        try:
+            if fetch(served.url + "/health", timeout=1).status == 200:
+                return served
+        except OSError:
+            time.sleep(0.2)
+    stop_server(served)
+    raise AssertionError(served.text())
+
+
+def idle_sockets(port: int, n: int) -> list[socket.socket]:
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        out.append(s)
+    return out
+
+
+def test_idle_sockets_at_a_1024_file_limit_do_not_stop_it(conv, tmp_path):
+    s = launch(conv, tmp_path / "idle.log", *SERVE, nofile=1024)
+    try:
+        socks = idle_sockets(s.port, 2000)
+        first = health_ms(s)  # behind the burst in the kernel's accept queue (bench/hostile.py measures it)
+        ms = [health_ms(s) for _ in range(10)]
+        time.sleep(1.5)  # past the head timeout: the idle ones are closed
+        ms += [health_ms(s) for _ in range(5)]
+        r = post(s, "/v1/completions", {"prompt": CODE, "max_tokens": 2, "temperature": 0})
+        for sock in socks:
+            sock.close()
+    finally:
+        assert stop_server(s) == 0, s.text()[-3000:]
+    assert r.status == 200 and first < 5000 and max(ms) < 1000, (first, ms)
+    log = s.text()
+    assert "Traceback" not in log and len(log.splitlines()) < 200, log[-3000:]
+
+
+def hostile_round(server) -> None:
+    """One of each class, bounded: stalled bodies, queued inflating bodies, oversized prompts, idle sockets."""
+    stalled = [raw_head(server.port, 500_000, body=b'{"prompt": "') for _ in range(200)]
+    idle = idle_sockets(server.port, 300)
+    for _ in range(4):
+        post(server, "/v1/completions", b'{"prompt": "hi", "x": [' + b",".join([b"{}"] * 60_000) + b"]}")
+        post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "def " * 120_000}]})
+    for sock in stalled + idle:
+        sock.close()
+
+
+def test_the_cap_holds_under_every_class_and_answers_stay_greedy(conv, tmp_path):
+    ref = Engine(conv, Options(cap_gib=8, ctx=CTX, runtime_bytes=256 * MiB))
+    want = ref.text.decode(greedy(ref, ref.text.encode(CODE), 8))
+    ref.close()
+    with capped_cgroup(1.0, "hostile") as (cg, read):
+        s = launch(conv, tmp_path / "capped.log", "--cap", 1, "--ctx", CTX, "--max-body-mib", 0.5, "--body-timeout", 2,
+                   "--head-timeout", 1, cgroup=cg)
+        try:
+            hostile_round(s)
+            ms = health_ms(s)
+            r = post(s, "/v1/completions", {"prompt": CODE, "max_tokens": 8, "temperature": 0})
+        finally:
+            assert stop_server(s) == 0, s.text()[-3000:]
+        failcnt, peak = read()
+    assert failcnt == 0 and peak <= 2**30, (failcnt, peak)
+    assert r.status == 200 and r.json()["choices"][0]["text"] == want
+    assert ms < 1000 and "Traceback" not in s.text()
+
+
+# ---- the bounds the plan's `requests` account is derived from hold
+
+def shapes(limits: Limits) -> dict[str, bytes]:
+    """Bodies just inside the limits, each built to inflate one way when parsed."""
+    n = limits.max_values // 2 - 4
+    return {
+        "dicts": b"[" + b",".join([b"{}"] * n) + b"]",
+        "one-key dicts": b"[" + b",".join(b'{"k%d":0}' % i for i in range(n // 2)) + b"]",
+        "ints": b"[" + b",".join(b"%d" % (10**9 + i) for i in range(n)) + b"]",
+        "floats": b"[" + b",".join(b"%d.5" % i for i in range(n)) + b"]",
+        "strings": b"[" + b",".join(b'"s%d"' % i for i in range(n)) + b"]",
+        "wide string": json.dumps(["\U0001F600" + "a" * (limits.max_body // 2)], ensure_ascii=False).encode(),
+        "escaped wide": json.dumps(["\U0001F600" * (limits.max_body // 14)]).encode(),
+        "nested": b"[" * limits.max_depth + b"]" * limits.max_depth,
+    }
+
+
+def test_parsing_stays_inside_what_the_plan_counts():
+    import tracemalloc
+
+    from streamoe.runtime.openai_api import check_shape, kept_bytes
+
+    limits = Limits(max_body=256 << 10, max_values=8192)
+    for name, raw in shapes(limits).items():
+        assert len(raw) <= limits.max_body, name
+        check_shape(raw, limits)  # inside the limits: admitted
+        tracemalloc.start()
+        body = json.loads(raw)
+        held, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak <= limits.parse_peak, (name, peak, limits.parse_peak)
+        assert held <= kept_bytes(body), (name, held, kept_bytes(body))  # what is charged covers what is held
+
+
+@pytest.mark.parametrize("text", [
+    "def main():\n    return 0\n" * 40, " " * 5000, "-" * 3000 + "\n", "日本語のテキスト" * 200, "\U0001F600" * 700,
+    "e\u0301" * 900, "\u1100\u1161\u11a8" * 500, "\u03b1\u0313\u0342\u0345" * 400, "a<|im_start|>b" * 100,
+    "".join(chr(c) for c in range(0x20, 0x3000, 7)),
+    "e\u0301" * 40_000, "\u1100\u1161\u11a8" * 30_000,  # over one chunk: compositions cut at its end
+])
+def test_the_length_bound_never_exceeds_the_true_token_count(text):
+    from tokenizers import Tokenizer
+
+    from streamoe.runtime.worker import PromptBound
+
+    tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    bound, n = PromptBound(tok), len(tok.encode(text, add_special_tokens=False).ids)
+    assert bound.token_bytes and 0 < bound.at_least(text) <= n and bound.quick(len(text)) <= n
+
+
+def real_shape(v, depth: int = 1) -> tuple[int, int]:
+    """(values, depth) of a parsed JSON document, counted by walking it."""
+    if isinstance(v, dict):
+        inner = [real_shape(x, depth + 1) for kv in v.items() for x in kv]
+    elif isinstance(v, list):
+        inner = [real_shape(x, depth + 1) for x in v]
+    else:
+        return 1, depth - 1
+    return 1 + sum(n for n, _ in inner), max([depth, *(d for _, d in inner)])
+
+
+def test_the_shape_check_counts_outside_strings_only():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from streamoe.runtime.openai_api import check_shape
+
+    tricky = st.text(alphabet='[]{},:"\\ab\u00e9\U0001F600', max_size=12)
+    docs = st.recursive(st.none() | st.integers() | tricky, lambda kids: st.lists(kids, max_size=5)
+                        | st.dictionaries(tricky, kids, max_size=4), max_leaves=40)
+    limits = Limits(max_values=24, max_depth=4)
+
+    @settings(max_examples=150, deadline=None)
+    @given(docs, st.booleans())
+    def check(doc, ascii_only):
+        raw = json.dumps(doc, ensure_ascii=ascii_only).encode()
+        values, depth = real_shape(doc)
+        try:
+            check_shape(raw, limits)
+        except APIError:
+            assert depth > limits.max_depth or values > limits.max_values // 2, (raw, values, depth)
+        else:
+            assert depth <= limits.max_depth and values <= limits.max_values, (raw, values, depth)
+
+    check()
