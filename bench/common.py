@@ -110,12 +110,14 @@ def machine() -> dict:
             "device": device}
 
 
-def write_result(name: str, bench: str, results: list[dict]) -> Path:
+def write_result(name: str, bench: str, results: list[dict], out: Path | None = None) -> Path:
+    """bench/results/NAME.json (or `out`), checked against schemas/bench.schema.json."""
     doc = {"bench": bench, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": machine(), "command": " ".join([Path(sys.executable).name, *sys.argv]), "results": results}
     jsonschema.validate(doc, schema("bench.schema.json"))
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"{name}.json"
+    if out is None:
+        RESULTS.mkdir(exist_ok=True)
+        out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc, indent=2))
     return out

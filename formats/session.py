@@ -1,7 +1,7 @@
 """Saved conversations (`--save-session`, docs/FORMAT.md): one zstandard frame holding one safetensors container.
 
 Inside are the language model's per-layer state tensors, cut to the tokens the session holds (KV caches
-in their own dtype), and under `__metadata__["streamoe_session"]` a JSON document: the format version,
+as stored: floats, or a quantized cache's uint32 codes with their scales and biases), and under `__metadata__["streamoe_session"]` a JSON document: the format version,
 what the state is only valid for (model, expert format, dtypes), the token count and whatever the
 caller keeps with it (token history, chat messages, sampler state). A session is safetensors inside
 zstd, so `zstd -d` and any safetensors reader open it. The frame carries zstd's checksum: a damaged

@@ -4,6 +4,11 @@ Full-attention layers keep a key/value cache that is allocated once, at its fina
 can be planned before anything runs; Gated DeltaNet layers keep the last K-1 convolution inputs and the
 recurrent state, whose sizes do not depend on the context length. Both count the tokens they have seen in
 `offset`.
+
+A KV cache is a set of position-major arrays `[B, n_kv_heads, max_tokens, d]` named by `fields`: keys and
+values as floats (`KVCache`), or, quantized (`QuantizedKVCache`, `--kv q8`/`q4`), their affine codes packed
+in uint32 words with one scale and one bias per group of 64 values, as `mx.quantize` lays them out and
+`mx.quantized_matmul` reads them. Saving, snapshots and restores go through `fields`, so they handle both.
 """
 
 from __future__ import annotations
@@ -12,12 +17,17 @@ import mlx.core as mx
 
 from ..formats.errors import StreamoeError
 
+KV_GROUP = 64  # values per scale/bias pair of a quantized KV cache (mlx-lm's QuantizedKVCache default)
+
 
 class KVCache:
     """Keys and values of one full-attention layer, preallocated to `max_tokens` positions.
 
     keys/values: [B, n_kv_heads, max_tokens, head_dim] in `dtype` (float32, or float16 to halve it).
     """
+
+    fields = ("keys", "values")
+    bits: int | None = None
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_tokens: int, dtype=mx.float32):
         shape = (batch, n_kv_heads, max_tokens, head_dim)
@@ -30,15 +40,58 @@ class KVCache:
     def max_tokens(self) -> int:
         return self.keys.shape[2]
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store [B, n_kv, L, hd] new keys/values after the cached ones; return all of them so far."""
-        start, end = self.offset, self.offset + keys.shape[2]
+    def arrays(self) -> list[tuple[str, mx.array]]:
+        """(field, array) of every position-major array, in `fields` order."""
+        return [(f, getattr(self, f)) for f in self.fields]
+
+    def _reserve(self, n: int) -> tuple[int, int]:
+        start, end = self.offset, self.offset + n
         if end > self.max_tokens:
             raise StreamoeError(f"KV cache holds {self.max_tokens} tokens; {end} were asked for")
+        self.offset = end
+        return start, end
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store [B, n_kv, L, hd] new keys/values after the cached ones; return all of them so far."""
+        start, end = self._reserve(keys.shape[2])
         self.keys[:, :, start:end, :] = keys.astype(self.keys.dtype)
         self.values[:, :, start:end, :] = values.astype(self.values.dtype)
-        self.offset = end
         return self.keys[:, :, :end, :], self.values[:, :, :end, :]
+
+
+class QuantizedKVCache(KVCache):
+    """Keys and values of one full-attention layer as `bits`-bit affine codes (groups of KV_GROUP along
+    head_dim), preallocated to `max_tokens` positions. Attention is scored on the codes
+    (`model.quantized_attention`), so no dequantized copy of the context exists.
+
+    keys/values:              [B, n_kv_heads, max_tokens, head_dim * bits / 32] uint32 codes
+    key_scales/key_biases,
+    value_scales/value_biases: [B, n_kv_heads, max_tokens, head_dim / KV_GROUP] in `dtype` (the compute dtype)
+    """
+
+    fields = ("keys", "key_scales", "key_biases", "values", "value_scales", "value_biases")
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_tokens: int, bits: int, dtype=mx.float32):
+        if head_dim % KV_GROUP:
+            raise StreamoeError(f"a quantized KV cache needs head_dim divisible by {KV_GROUP} (this model's is "
+                                f"{head_dim}); use a float --kv")
+        self.bits, self.dtype = bits, dtype
+        codes = (batch, n_kv_heads, max_tokens, head_dim * bits // 32)
+        groups = (batch, n_kv_heads, max_tokens, head_dim // KV_GROUP)
+        for f in self.fields:
+            setattr(self, f, mx.zeros(groups, dtype=dtype) if f.endswith(("scales", "biases")) else mx.zeros(codes, dtype=mx.uint32))
+        mx.eval([a for _, a in self.arrays()])
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
+        """Quantize and store [B, n_kv, L, hd] new keys/values; return (codes, scales, biases) of each so far."""
+        start, end = self._reserve(keys.shape[2])
+        for name, x in (("key", keys), ("value", values)):
+            parts = mx.quantize(x.astype(self.dtype), group_size=KV_GROUP, bits=self.bits)
+            for f, p in zip((f"{name}s", f"{name}_scales", f"{name}_biases"), parts, strict=True):
+                getattr(self, f)[:, :, start:end, :] = p
+        return tuple(tuple(getattr(self, f)[:, :, :end, :] for f in group)
+                     for group in (self.fields[:3], self.fields[3:]))
 
 
 class GDNCache:

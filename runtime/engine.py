@@ -25,7 +25,7 @@ from .experts import StreamingExperts
 from .image import ImageConfig, check_preprocessor, load_image, preprocess
 from .model import Model
 from .mrope import expand_image_tokens, image_positions
-from .plan import Options, current_rss, default_dtype, kv_dtype, plan_for, prefetch_width, read_ring
+from .plan import Options, current_rss, default_dtype, kv_bits, kv_dtype, plan_for, prefetch_width, read_ring
 from .sampling import Sampler
 from .store import ExpertStore
 from .telemetry import LayerStats, StepStats
@@ -86,7 +86,7 @@ class Engine:
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), self.model.router_logits, self.dtype,
                                         waste_budget=o.prefetch_waste)
-        self.cache = self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)))
+        self.cache = self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)), kv_bits=kv_bits(o))
         self.offset = 0
         self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens
         self.steps: list[StepStats] = []
@@ -249,7 +249,7 @@ class Engine:
                 c.conv, c.state = conv, state
 
     def reset(self) -> None:
-        self.cache = self.model.make_cache(self.opts.ctx, mx_dtype(kv_dtype(self.opts)))
+        self.cache = self.model.make_cache(self.opts.ctx, mx_dtype(kv_dtype(self.opts)), kv_bits=kv_bits(self.opts))
         self.offset = 0
         self.rope_delta = 0
 

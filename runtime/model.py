@@ -29,7 +29,7 @@ import numpy as np
 from ..formats.config import PREFIX, ModelArgs
 from ..formats.errors import StreamoeError
 from ..formats.record import ExpertWeights
-from .cache import GDNCache, KVCache
+from .cache import KV_GROUP, GDNCache, KVCache, QuantizedKVCache
 
 GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
 EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
@@ -535,6 +535,45 @@ class GatedDeltaNet:
         return gated_delta_loop(q, k, v, log_g, beta, state)
 
 
+ATTN_SCORES_BYTES = 32 << 20  # the scores of one block of query rows against the whole context (quantized KV)
+
+
+def score_rows(n_heads: int, n_keys: int, itemsize: int) -> int:
+    """Query positions per block of `quantized_attention`: as many as keep one block's scores within
+    ATTN_SCORES_BYTES (at least one). A function of the context alone, never of the cap, so the blocks and
+    the logits are the same at every cap."""
+    return max(1, ATTN_SCORES_BYTES // (n_heads * n_keys * itemsize))
+
+
+def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, bits: int) -> mx.array:
+    """Causal attention of q [B, nq, L, hd] over quantized keys/values ((codes, scales, biases), each
+    [B, nkv, N, ...]), scored on the codes with `mx.quantized_matmul` as mlx-lm's quantized SDPA does.
+
+    The query heads that share a KV head are stacked as rows of one matmul ([B, nkv, rep * L, hd]) rather than
+    broadcast against the codes, and the L query positions go a block at a time (`score_rows`), so what is
+    materialized is one block's scores (and their softmax), not L x N x nq of them for a long prompt."""
+    B, nq, L, D = q.shape
+    nkv, N = keys[0].shape[1], keys[0].shape[2]
+    rep = nq // nkv
+    q = (q * scale).reshape(B, nkv, rep, L, D)
+    rows = score_rows(nq, N, q.dtype.size)
+    outs = []
+    for a in range(0, L, rows):
+        b = min(L, a + rows)
+        qb = q[:, :, :, a:b].reshape(B, nkv, rep * (b - a), D)
+        if outs:  # left lazy, MLX would schedule every block's scores at once (measured: all of them live)
+            mx.eval(outs[-1])
+        s = mx.quantized_matmul(qb, *keys, transpose=True, group_size=KV_GROUP, bits=bits)
+        if L > 1:  # query position a+i sits at key position N - L + a + i
+            mask = mx.arange(N - L + a, N - L + b)[:, None] >= mx.arange(N)[None]
+            s = mx.where(mask, s.reshape(B, nkv, rep, b - a, N), mx.finfo(s.dtype).min).reshape(s.shape)
+        p = mx.softmax(s, axis=-1, precise=True)
+        outs.append(mx.quantized_matmul(p, *values, transpose=False, group_size=KV_GROUP, bits=bits)
+                    .reshape(B, nkv, rep, b - a, D))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(B, nq, L, D)
+
+
 class Attention:
     def __init__(self, args: ModelArgs, ld: _Loader, p: str):
         H = args.hidden_size
@@ -559,10 +598,12 @@ class Attention:
         q, k = rope(q, rot), rope(k, rot)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        # causal: query i sits at key position (n_keys - L + i); GQA is handled by the kernel
-        out = mx.fast.scaled_dot_product_attention(
-            q, k, v, scale=self.scale, mask="causal" if L > 1 else None
-        )
+        if cache is not None and cache.bits:
+            out = quantized_attention(q, k, v, self.scale, cache.bits)
+        else:  # causal: query i sits at key position (n_keys - L + i); GQA is handled by the kernel
+            out = mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=self.scale, mask="causal" if L > 1 else None
+            )
         out = out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(_sigmoid_gate(out, gate.reshape(B, L, -1)))
 
@@ -653,15 +694,22 @@ class Model:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def make_cache(self, max_tokens: int, kv_dtype=mx.float32, batch: int = 1) -> list:
-        """One entry per layer: a KVCache preallocated to `max_tokens` for full attention, a GDNCache
-        (conv window + float32 recurrent state) for Gated DeltaNet."""
+    def make_cache(self, max_tokens: int, kv_dtype=mx.float32, batch: int = 1, kv_bits: int | None = None) -> list:
+        """One entry per layer: a KV cache preallocated to `max_tokens` for full attention (floats in
+        `kv_dtype`, or `kv_bits`-bit codes with `kv_dtype` scales and biases), a GDNCache (conv window +
+        float32 recurrent state) for Gated DeltaNet."""
         a = self.args
+
+        def kv():
+            if kv_bits:
+                return QuantizedKVCache(batch, a.num_key_value_heads, a.head_dim, max_tokens, kv_bits, dtype=kv_dtype)
+            return KVCache(batch, a.num_key_value_heads, a.head_dim, max_tokens, dtype=kv_dtype)
+
         return [
             GDNCache(batch, a.linear_conv_kernel_dim, a.conv_dim, a.linear_num_value_heads,
                      a.linear_value_head_dim, a.linear_key_head_dim, dtype=self.dtype)
             if layer.is_linear
-            else KVCache(batch, a.num_key_value_heads, a.head_dim, max_tokens, dtype=kv_dtype)
+            else kv()
             for layer in self.layers
         ]  # fmt: skip
 

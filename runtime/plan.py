@@ -12,12 +12,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..formats.config import ModelArgs
+from ..formats.config import ModelArgs, text_config
 from ..formats.dtypes import itemsize
 from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import Manifest, load_manifest
 from ..formats.record import RecordLayout
-from .model import BLAS_BLOCK, BLAS_TOKENS
+from .cache import KV_GROUP
+from .model import BLAS_BLOCK, BLAS_TOKENS, score_rows
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -32,7 +33,7 @@ class Options:
     prefetch_width: int | None = None  # cross-layer guesses per layer; None = top-k
     prefetch_waste: float = 0.05  # the share of the records read in decode that wrong guesses may be
     dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
-    kv: str = "auto"  # KV cache dtype; auto = the activation dtype, as mlx-lm keeps it
+    kv: str = "auto"  # KV cache format: a float dtype, q8 or q4 (KV_BITS); auto = the activation dtype, as mlx-lm keeps it
     prefill_chunk: int = 256
     io_threads: int = 8  # reads in flight: a fast SSD reaches its random-read speed only with several
     cpu_streams: int | None = None  # CPU streams for expert and large matmul work; None = one per core (CPU backend)
@@ -52,10 +53,25 @@ def prefetch_width(opts: Options, top_k: int) -> int:
     return top_k if opts.prefetch_width is None else opts.prefetch_width
 
 
-def kv_dtype(opts: Options) -> str:
-    """The KV cache's dtype: `auto` stores keys and values in the activation dtype, so attention runs in one
+KV_BITS = {"q8": 8, "q4": 4}  # quantized KV formats: affine codes in groups of KV_GROUP (runtime/cache.py)
+
+
+def kv_format(opts: Options) -> str:
+    """The KV cache's format: `auto` stores keys and values in the activation dtype, so attention runs in one
     dtype (a float32 cache under bfloat16 activations would make every step upcast queries and keys)."""
     return (opts.dtype or default_dtype()) if opts.kv == "auto" else opts.kv
+
+
+def kv_dtype(opts: Options) -> str:
+    """The float dtype of the KV cache: its keys and values, or a quantized cache's scales and biases (the
+    compute dtype, which `mx.quantized_matmul` takes with activations of that dtype)."""
+    f = kv_format(opts)
+    return (opts.dtype or default_dtype()) if f in KV_BITS else f
+
+
+def kv_bits(opts: Options) -> int | None:
+    """Bits per code of a quantized KV cache; None for a float one."""
+    return KV_BITS.get(kv_format(opts))
 
 
 def default_dtype() -> str:
@@ -89,6 +105,9 @@ class MemoryPlan:
     slot: int = 0  # bytes one slot of the pools holds (scales and biases at the compute dtype); 0 = stride
     accounts: dict[str, int] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    # per KV format: {"token_bytes": KV bytes a token adds, "longest_ctx": the longest context that fits this cap}
+    kv_formats: dict[str, dict[str, int]] = field(default_factory=dict)
+    native_ctx: int | None = None  # the model's own context length (max_position_embeddings), if known
 
     @property
     def fixed(self) -> int:
@@ -137,12 +156,20 @@ class MemoryPlan:
         rows.append(f"  {'hot tier':<16} {size(self.hot_slots * self.slot_bytes)}  ({self.hot_slots} expert slots of "
                     f"{self.n_layers * self.n_experts}; +{self.staging_slots} lent staging slots during decode)")
         rows.append(f"  {'total':<16} {size(self.fixed + self.hot_slots * self.slot_bytes)} of {self.cap / GiB:.2f} GiB")
+        if self.kv_formats:
+            native = f", the model's own {self.native_ctx:,}" if self.native_ctx else ""
+            rows.append(f"  longest context at this cap, by --kv (the hot tier empty{native}):")
+            rows += [f"    {fmt:<9} {k['token_bytes']:>9,} B/token  {k['longest_ctx']:>11,} tokens"
+                     for fmt, k in self.kv_formats.items()]
         return "\n".join(rows)
 
     def to_json(self) -> dict:
-        return {"cap": self.cap, "ctx": self.ctx, "expert_format": self.expert_format, "stride": self.stride, "slot": self.slot_bytes,
-                "accounts": dict(self.accounts), "fixed": self.fixed, "hot_slots": self.hot_slots,
-                "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits}
+        out = {"cap": self.cap, "ctx": self.ctx, "expert_format": self.expert_format, "stride": self.stride, "slot": self.slot_bytes,
+               "accounts": dict(self.accounts), "fixed": self.fixed, "hot_slots": self.hot_slots,
+               "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits}
+        if self.kv_formats:  # planned with `plan_with_limits`
+            out.update(kv_formats={f: dict(k) for f, k in self.kv_formats.items()}, native_ctx=self.native_ctx)
+        return out
 
     def require_fit(self) -> None:
         """The fixed accounts fit the cap, and what the plan allocates fits the machine (see `require_machine`)."""
@@ -153,14 +180,15 @@ class MemoryPlan:
                                 f"--cap {(self.min_cap + 0.01 * GiB) / GiB:.2f}")
 
 
-def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool = True) -> int:
+def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool = True, kv_bits: int | None = None) -> int:
     """Working memory of one prefill chunk (the decode step is a chunk of one): a conservative sum of the
     largest live temporaries — attention scores over the whole context dominate for long contexts. `blas`:
-    the CPU backend's prefill through numpy's BLAS (`QLinear._blas`), which only the CPU backend takes."""
+    the CPU backend's prefill through numpy's BLAS (`QLinear._blas`), which only the CPU backend takes.
+    `kv_bits`: a quantized KV cache (see `attention_elements`)."""
     H, nq, nkv, hd = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim
     inter = max(a.moe_intermediate_size, a.shared_expert_intermediate_size)
     hidden = 8 * chunk * H
-    attn = chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * chunk * ctx
+    attn = attention_elements(a, ctx, chunk, item, kv_bits)
     # the recurrence is evaluated every 8 tokens: up to 8 steps x ~6 state-sized temporaries alive at once
     gdn = 3 * chunk * (a.conv_dim + a.value_dim) + 48 * a.value_dim * a.linear_key_head_dim
     moe = 3 * chunk * a.num_experts_per_tok * H + 4 * chunk * inter
@@ -173,10 +201,24 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool =
     return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item) + dequant
 
 
-def state_bytes(a: ModelArgs, ctx: int, kv_item: int) -> tuple[int, int]:
-    """(KV cache for ctx tokens, linear-attention state), both preallocated at open."""
-    n_full = a.n_full_attention
-    kv = n_full * 2 * a.num_key_value_heads * a.head_dim * ctx * kv_item
+def attention_elements(a: ModelArgs, ctx: int, chunk: int, item: int, kv_bits: int | None = None) -> int:
+    """Values of `item` bytes one chunk's attention holds at once, before `activation_bytes`' 1.5 margin: the
+    chunk's q/k/v rows, and its scores against the whole context, twice (scores and softmax). A quantized KV
+    cache's attention (`model.quantized_attention`) scores a block of `score_rows` query positions at a time,
+    so only one block's scores, their masked copy and their softmax exist at once (measured with
+    mx.get_peak_memory at 1K-8K contexts: tests/test_kv_quant.py holds this as an upper bound)."""
+    nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    rows = chunk if kv_bits is None else min(chunk, score_rows(nq, max(ctx, 1), item))
+    return chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * rows * ctx
+
+
+def state_bytes(a: ModelArgs, ctx: int, kv_item: int, kv_bits: int | None = None) -> tuple[int, int]:
+    """(KV cache for ctx tokens, linear-attention state), both preallocated at open. `kv_item`: bytes per
+    float of the cache (a quantized one's scales and biases); `kv_bits`: bits per code of a quantized cache,
+    which keeps per head and position head_dim codes plus a scale and a bias per KV_GROUP of them."""
+    n_full, hd = a.n_full_attention, a.head_dim
+    row = hd * kv_item if kv_bits is None else hd * kv_bits // 8 + 2 * (hd // KV_GROUP) * kv_item
+    kv = n_full * 2 * a.num_key_value_heads * row * ctx
     rec = a.value_dim * a.linear_key_head_dim
     lin = (a.num_hidden_layers - n_full) * ((a.linear_conv_kernel_dim - 1) * a.conv_dim + rec) * 4
     return kv, lin
@@ -191,10 +233,12 @@ def slot_bytes(lay: RecordLayout, dtype: str) -> int:
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
               prefill_chunk: int = 256, ring: int = 0, slot: int = 0, blas: bool | None = None) -> MemoryPlan:
-    """`blas`: whether prefill goes through numpy's BLAS (None: where this process computes, the CPU backend)."""
-    item, kv_item = itemsize(dtype), itemsize(kv_dtype)
+    """`kv_dtype`: the KV format (a float dtype, or q8/q4 with scales and biases in `dtype`). `blas`: whether
+    prefill goes through numpy's BLAS (None: where this process computes, the CPU backend)."""
+    bits = KV_BITS.get(kv_dtype)
+    item, kv_item = itemsize(dtype), itemsize(dtype if bits else kv_dtype)
     blas = mx.default_device() == mx.cpu if blas is None else blas
-    kv, lin = state_bytes(args, ctx, kv_item)
+    kv, lin = state_bytes(args, ctx, kv_item, bits)
     n_exp = args.num_experts
     plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp,
                       n_layers=args.num_hidden_layers, slot=slot)
@@ -205,7 +249,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "non-expert": nonexpert_resident,
         "kv cache": kv,
         "linear state": lin,
-        "activations": activation_bytes(args, ctx, min(prefill_chunk, ctx), item, blas),
+        "activations": activation_bytes(args, ctx, min(prefill_chunk, ctx), item, blas, bits),
         "allocator cache": lin + 32 * MiB,
         "prefill staging": n_exp * plan.slot_bytes,
         "read staging": 2 * ring * stride,
@@ -213,11 +257,44 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "runtime": runtime_bytes,
     }
     plan.notes["non-expert"] = f"weights as computed ({dtype} floats, packed codes)"
-    plan.notes["kv cache"] = f"{ctx} tokens, {kv_dtype}"
+    plan.notes["kv cache"] = f"{ctx} tokens, {kv_dtype}" + (f" codes, {dtype} scales and biases per {KV_GROUP}" if bits else "")
     plan.notes["allocator cache"] = "freed buffers MLX keeps for reuse: a decode step's new linear state + 32 MiB"
     plan.notes["prefill staging"] = f"{n_exp} slots, one per expert of a layer"
     plan.notes["read staging"] = f"{ring} records of host staging + their copies in flight"
     return plan
+
+
+def plan_with_limits(native_ctx: int | None = None, **kw) -> MemoryPlan:
+    """`make_plan(**kw)`, with every KV format's bytes per token and the longest context it fits at this cap
+    (every account planned for that context, the runtime allowance as measured for this one): the compute
+    dtype, the asked-for format if another float, q8 and q4. Searched up to the model's own context."""
+    plan = make_plan(**kw)
+    kw["runtime_bytes"] = plan.accounts["runtime"]
+    dtype = kw.get("dtype", "float32")
+    asked = kw.get("kv_dtype", "float32")
+    formats = dict.fromkeys([dtype, dtype if asked in KV_BITS else asked, *KV_BITS])
+    limit = native_ctx or 1 << 31
+    for fmt in formats:
+        def fits(n: int, fmt: str = fmt) -> bool:
+            return make_plan(**{**kw, "ctx": n, "kv_dtype": fmt}).fits
+
+        lo, hi = 0, limit  # fits(lo) (0: nothing fits), not fits(hi + 1); accounts grow with the context
+        if fits(hi):
+            lo = hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        bits = KV_BITS.get(fmt)
+        plan.kv_formats[fmt] = {"token_bytes": state_bytes(kw["args"], 1, itemsize(dtype if bits else fmt), bits)[0],
+                                "longest_ctx": lo}
+    plan.native_ctx = native_ctx
+    return plan
+
+
+def native_context(config: dict) -> int | None:
+    """The model's own context length, from its config (max_position_embeddings)."""
+    n = text_config(config).get("max_position_embeddings")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> MemoryPlan:
@@ -240,11 +317,12 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
         if m.blob("vision") is None:
             raise fail(m.root / "manifest.json", "the model has no vision tower (text-only export); images are not supported")
         vision = vision_account(m.config, opts.max_pixels, opts.max_decode_pixels)
-    plan = make_plan(args=ModelArgs.from_config(m.config, m.root / "manifest.json"), cap=int(opts.cap_gib * GiB),
+    plan = plan_with_limits(native_context(m.config), args=ModelArgs.from_config(m.config, m.root / "manifest.json"),
+                            cap=int(opts.cap_gib * GiB),
                      ctx=opts.ctx, expert_format=opts.experts, stride=fmts[opts.experts].layout.stride,
                      slot=slot_bytes(fmts[opts.experts].layout, dtype),
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
-                     dtype=dtype, kv_dtype=kv_dtype(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
+                     dtype=dtype, kv_dtype=kv_format(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
                      vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])))
     if opts.images:
         plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "

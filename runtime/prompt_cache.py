@@ -9,8 +9,9 @@ prompt in segments that end at every assistant header and keeps a snapshot at th
 a function of the prompt alone, so an answer computed from a restored snapshot is bit-identical to one
 computed from scratch.
 
-A snapshot is `runtime.session`'s state (KV caches cut to the tokens held, linear-attention conv and recurrent
-state, offset, M-RoPE delta) as host copies; its bytes are an account of the memory plan, evicted LRU.
+A snapshot is `runtime.session`'s state (KV caches cut to the tokens held, as stored: floats, or a quantized
+cache's codes, scales and biases; linear-attention conv and recurrent state, offset, M-RoPE delta) as host
+copies; its bytes are an account of the memory plan, evicted LRU.
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ def capture(eng, key: tuple[Item, ...]) -> Snapshot:
 
 def snapshot_nbytes(eng) -> int:
     """What `capture` would copy now, known before copying, so room is made first."""
-    item = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}
-    return sum(int(np.prod(shape)) * item[a.dtype] for _, a, shape in _entries(eng, eng.offset))
+    return sum(int(np.prod(shape)) * a.dtype.size for _, a, shape in _entries(eng, eng.offset))
 
 
 def _device(host: np.ndarray, dtype) -> mx.array:

@@ -21,7 +21,7 @@ from ..formats.dtypes import DTYPES
 from ..formats.errors import fail
 from ..formats.session import SessionReader, header_limit, write_session
 from .cache import KVCache
-from .plan import kv_dtype
+from .plan import kv_format
 from .sampling import Sampler
 from .weights import code_of
 
@@ -33,16 +33,16 @@ def fingerprint(eng) -> dict:
     weights = [m.blob("nonexpert")[0]["checksum"]] + [f["checksum"] for f in m.expert_formats()[eng.opts.experts].files]
     ident = json.dumps([m.config, weights], sort_keys=True).encode()
     return {"model": hashlib.sha256(ident).hexdigest()[:16], "experts": eng.opts.experts,
-            "dtype": code_of(eng.dtype), "kv": kv_dtype(eng.opts)}
+            "dtype": code_of(eng.dtype), "kv": kv_format(eng.opts)}
 
 
 def _entries(eng, n: int) -> list[tuple[str, mx.array, tuple[int, ...]]]:
-    """(name, array, saved shape) of every state tensor when the session holds n tokens; KV caches cut to n."""
+    """(name, array, saved shape) of every state tensor when the session holds n tokens; KV caches (every
+    position-major array: float keys/values, or a quantized cache's codes, scales and biases) cut to n."""
     out = []
     for i, c in enumerate(eng.cache):
         if isinstance(c, KVCache):
-            b, h, _, d = c.keys.shape
-            out += [(f"layers.{i}.keys", c.keys, (b, h, n, d)), (f"layers.{i}.values", c.values, (b, h, n, d))]
+            out += [(f"layers.{i}.{f}", a, (a.shape[0], a.shape[1], n, a.shape[3])) for f, a in c.arrays()]
         else:
             out += [(f"layers.{i}.conv", c.conv, tuple(c.conv.shape)), (f"layers.{i}.state", c.state, tuple(c.state.shape))]
     return out
@@ -83,7 +83,7 @@ def load_session(eng, path: str | Path) -> dict:
         meta = r.meta
         mine = fingerprint(eng)
         for key, what in (("experts", "expert format (--experts)"), ("dtype", "compute dtype (--dtype)"),
-                          ("kv", "KV cache dtype (--kv)"), ("model", "model or weights")):
+                          ("kv", "KV cache format (--kv)"), ("model", "model or weights")):
             if meta.get(key) != mine[key]:
                 raise fail(path, f"saved with a different {what}: {meta.get(key)} here {mine[key]}")
         n = int(meta["tokens"])

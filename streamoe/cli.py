@@ -186,7 +186,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
     from .formats.limits import check_config_sizes
     from .formats.record import RecordLayout
     from .formats.safetensors import tensor_nbytes
-    from .runtime.plan import GiB, Options, kv_dtype, make_plan, slot_bytes
+    from .runtime.plan import GiB, Options, kv_format, native_context, plan_with_limits, slot_bytes
     from .runtime.weights import resident_bytes
 
     config = read_json(path)
@@ -197,8 +197,9 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
         lay = RecordLayout.make(args.hidden_size, args.moe_intermediate_size, FORMAT_BITS[experts], args.expert_quant(0)[1])
         nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
                                     if ".switch_mlp." not in name and not name.startswith("vision_tower.")), itemsize(dtype))
-        return make_plan(args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts, stride=lay.stride, slot=slot_bytes(lay, dtype),
-                         nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_dtype(Options(kv=kv, dtype=dtype)),
+        return plan_with_limits(native_context(config), args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts,
+                         stride=lay.stride, slot=slot_bytes(lay, dtype),
+                         nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(Options(kv=kv, dtype=dtype)),
                          runtime_bytes=runtime_mib and runtime_mib << 20)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
@@ -210,8 +211,9 @@ COMMON = [
     click.option("--cap", type=Finite(min=0, min_open=True, max=1 << 20), default=4.0, show_default=True, help="Memory cap in GiB."),
     click.option("--ctx", type=click.IntRange(min=1, max=1 << 31), default=4096, show_default=True, help="Context length to plan for."),
     click.option("--experts", type=click.Choice(["q4", "q3"]), default="q4", show_default=True),
-    click.option("--kv", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
-                 help="KV cache dtype (auto: the compute dtype)."),
+    click.option("--kv", type=click.Choice(["auto", "float32", "bfloat16", "float16", "q8", "q4"]), default="auto",
+                 show_default=True, help="KV cache format: a float dtype (auto: the compute dtype), or 8-/4-bit affine codes "
+                                         "in groups of 64 (q8, q4), attention scored on the codes."),
     click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                  help="Compute dtype (default float32 on the CPU backend, bfloat16 on GPUs)."),
     click.option("--runtime-mib", type=click.IntRange(min=1, max=1 << 30), default=None,

@@ -314,15 +314,17 @@ def test_lru_eviction_keeps_the_budget():
 
 
 def test_sampling_defaults_come_from_generation_config(tmp_path):
-    assert generation_defaults(TINY) == {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    greedy = {"temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    assert generation_defaults(TINY) == {**greedy, "temp": 1.0, "top_p": 0.95, "top_k": 20}
     (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
-    assert generation_defaults(tmp_path)["temperature"] == 0.0
-    assert generation_defaults(tmp_path / "none") == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}  # no file: greedy
+    assert generation_defaults(tmp_path)["temp"] == 0.0
+    assert generation_defaults(tmp_path / "none") == greedy  # no file: greedy
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.7, "min_p": 0.1, "repetition_penalty": 1.1}')
+    assert generation_defaults(tmp_path) == {**greedy, "temp": 0.7, "min_p": 0.1, "repetition_penalty": 1.1}
 
 
 def test_run_takes_unset_sampling_from_generation_config():
-    from streamoe.cli import sampling_for
+    from streamoe.cli import generation_defaults_of
 
-    assert sampling_for(TINY, None, None, None) == (1.0, 0.95, 20)
-    assert sampling_for(TINY, 0.0, None, 5) == (0.0, 0.95, 5)  # what the command line sets wins; --temp 0 is greedy
-    assert sampling_for(TINY / "config.json", None, None, None) == (0.0, 1.0, 0)
+    assert generation_defaults_of(TINY) == generation_defaults(TINY)
+    assert generation_defaults_of(TINY / "config.json")["temp"] == 0.0  # a bare config: greedy
