@@ -426,6 +426,9 @@ class StreamingExperts:
             order, counts = (a.tolist() for a in likely)
             keys = [(i + 1, e) for e, n in zip(order, counts, strict=True)
                     if n > 0 and (i + 1, e) not in self.ahead and self.tier.lookup((i + 1, e)) is None]
+            # A read ahead holds its staging entry until its layer lands: at most the ring less one entry per I/O
+            # thread, so this layer's own reads always find entries (more would fill the ring and wait forever).
+            keys = keys[: max(0, self.store.ring - len(self.store.threads))]
             self.ahead.update(zip(keys, self.store.guess_many(keys), strict=True))
             if self.stats is not None:
                 self.stats[i + 1].prefetch_issued += len(keys)
