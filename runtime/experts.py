@@ -296,8 +296,11 @@ class StreamingExperts:
         if self.resident:  # on the device: no round trip
             y = switch_glu(xf, self.layer_weights[i], inds, self.lay.bits, self.lay.group_size)
         elif self.prepared is not None and self.prepared[0] == i:  # a prefill block: its experts already landed
-            y = self._compute(xf, mx.take(self.prepared[1], inds))
-            mx.async_eval(y)
+            y = switch_glu(xf, self.pools.weights(), mx.take(self.prepared[1], inds), self.lay.bits, self.lay.group_size)
+            # the fence waits for one value computed from y, not for y itself: a chunk's blocks' outputs (top-k rows
+            # per token) are freed as each block is combined, not held to the next layer
+            self.readers.append(y[-1:, -1, :1] * 1)
+            mx.async_eval(y, self.readers[-1])
         else:
             y = self._streamed(i, xf, inds)
             mx.async_eval(y)  # the device copies and computes while the host builds the next layer
@@ -450,6 +453,7 @@ class StreamingExperts:
             top = mx.argpartition(g, kth=-self.k, axis=-1)[:, -self.k:].reshape(-1)
             ones = ones if ones is not None and ones.size == top.size else mx.ones(top.shape, dtype=mx.int32)
             counts = counts.at[top].add(ones)
+            mx.async_eval(counts)  # block by block: each block's router logits are freed once counted
         order = mx.argsort(-counts)
         return order, counts[order]
 

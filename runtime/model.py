@@ -707,7 +707,10 @@ class Model:
                 blocks.append((hj, xj, *layer.mlp.route(xj)))
             if prepare is not None:
                 prepare(i, [b[2] for b in blocks], [b[1] for b in blocks])
-            hs = [layer.mlp.finish(i, xj, experts, hj, *rest) for hj, xj, *rest in blocks]
+            hs = []
+            for hj, xj, *rest in blocks:  # each block combined right after its experts, before the next block's
+                hs.append(layer.mlp.finish(i, xj, experts, hj, *rest))  # run: their outputs (k rows a token) freed
+                mx.async_eval(hs[-1])
         return mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0]
 
     def router_logits(self, i: int, x: mx.array) -> mx.array:

@@ -300,6 +300,21 @@ def test_run_inside_cgroup_limit_equal_to_cap(small_conv, tmp_path):
     assert sum(ly["misses"] for r in decode for ly in r["layers"]) > 0, "the cap must hold only a fraction of the experts"
 
 
+def test_long_prompt_at_a_quarter_cap_stays_inside_the_cgroup(small_conv, tmp_path):
+    """A prompt longer than a step at a quarter cap, in one auto chunk (its layers run block by block): the cgroup
+    whose limit is the cap is never reached. (16K tokens: `python -m bench.prefill --prompts 16384 --cgroup`.)"""
+    plan = plan_for(small_conv, Options(cap_gib=8, ctx=1024, runtime_bytes=160 << 20, prefill_chunk=256))
+    cap_gib = round((plan.fixed + 128 * plan.slot_bytes) / 2**30, 3)  # a quarter of the 512 experts at one step
+    stats = tmp_path / "stats.jsonl"
+    p, failcnt, peak = run_capped(["run", small_conv, "--cap", cap_gib, "--ctx", 1024, "-p", PROMPTS[2] * 7, "-n", 2,
+                                   "--raw", "--stats", stats], cap_gib)
+    assert p.returncode == 0, p.stderr
+    assert failcnt == 0 and peak <= cap_gib * 2**30
+    pre = [json.loads(ln) for ln in stats.read_text().splitlines() if '"prefill"' in ln]
+    assert len(pre) == 1 and pre[0]["n_tokens"] > 512 and pre[0]["bytes_read"] > 0
+    assert re.search(r"prefill \d+ tokens in [\d.]+ s, [\d.]+ MiB read/token", p.stderr)
+
+
 # ---- bad input to the runtime: one line naming the file, non-zero exit, no traceback
 
 def test_missing_and_corrupt_manifest(tiny_conv, tmp_path):
