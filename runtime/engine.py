@@ -153,11 +153,13 @@ class Engine:
         changes what is read, never the logits."""
         self.experts.begin_prompt()
         c = self.plan.prefill_chunk
-        for a in range(0, len(ids), c):
-            b = min(len(ids), a + c)
-            logits = self.forward(ids[a:b], "prefill", positions=None if positions is None else positions[:, :, a:b],
-                                  embeddings=None if emb is None else emb[:, a:b])
-        self.experts.end_prompt()
+        try:
+            for a in range(0, len(ids), c):
+                b = min(len(ids), a + c)
+                logits = self.forward(ids[a:b], "prefill", positions=None if positions is None else positions[:, :, a:b],
+                                      embeddings=None if emb is None else emb[:, a:b])
+        finally:
+            self.experts.end_prompt()
         return logits
 
     def generate(self, prompt: list[int], max_tokens: int, sampler, images: list | None = None):

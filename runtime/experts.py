@@ -481,6 +481,7 @@ class StreamingExperts:
     # ---- prompts and lifetime
     def begin_prompt(self) -> None:
         """A prompt takes the staging slots back from the tier (prefill streams each expert through them)."""
+        self.prepared = None
         self.drop_guesses()
         self.tier.reclaim_staging()
 

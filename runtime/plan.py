@@ -246,8 +246,6 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
     plan.notes["read staging"] = f"{ring} records of host staging + their copies in flight"
     if prefill_chunk == "auto":
         choose_chunk(plan, chunk_token_bytes(args, item))
-    elif plan.prefill_chunk > step:
-        plan.accounts["activations"] += (plan.prefill_chunk - step) * chunk_token_bytes(args, item)
     plan.notes["activations"] = (f"a prefill step of {step} tokens at ctx {ctx}"
                                  + (f", + {plan.prefill_chunk} tokens of chunk" if plan.prefill_chunk > step else ""))
     return plan
