@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--experts", default="q4", help="q4, q3 or q4,q3")
     ap.add_argument("--prompts", default="2048", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--chunks", default="auto", help="--prefill-chunk values, comma-separated (auto, or tokens)")
-    ap.add_argument("--ctx", type=int, default=None, help="planned context (default: the longest prompt + 64)")
+    ap.add_argument("--ctx", type=int, default=None, help="planned context (default: each prompt's length + 64)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--io-threads", type=int, default=8)
     ap.add_argument("--cgroup", action="store_true", help="also each case as `streamoe run` in a capped cgroup")
@@ -115,7 +115,6 @@ def main() -> None:
     ap.add_argument("--out", default="prefill", help="result name: bench/results/NAME.json")
     a = ap.parse_args()
     lengths = [int(n) for n in a.prompts.split(",")]
-    ctx = a.ctx or max(lengths) + 64
     results = []
     with scratch_dir(a.work) as work:
         for model in map(Path, a.model.split(",")):
@@ -128,8 +127,9 @@ def main() -> None:
                     return max(random_read_gbs(paths, stride, threads=t) for t in (8, 16))
 
                 for cap in a.caps.split(","):
-                    gib = cap_gib(model, cap, ctx, experts, a.dtype)
                     for n in lengths:
+                        ctx = a.ctx or n + 64
+                        gib = cap_gib(model, cap, ctx, experts, a.dtype)
                         ids = prompt_ids(model, n)
                         for chunk in a.chunks.split(","):
                             before = disk_gbs()
