@@ -362,11 +362,20 @@ def test_prompt_longer_than_ctx(tiny_conv):
 
 
 @pytest.mark.parametrize("args,needle", [(["--top-p", "0"], "--top-p"), (["--temp", "-1"], "--temp"),
-                                         (["--top-k", "-2"], "--top-k"), (["--experts", "q2"], "--experts")])
+                                         (["--top-k", "-2"], "--top-k"), (["--experts", "q2"], "--experts"),
+                                         (["--prefill-chunk", "big"], "--prefill-chunk"),
+                                         (["--prefill-chunk", "0"], "--prefill-chunk")])
 def test_bad_sampling_options(tiny_conv, args, needle):
     p = cli("run", tiny_conv, "-p", "hi", *args)
     assert p.returncode == 2
     one_error_line(p, needle)
+
+
+def test_plan_prints_the_prefill_chunk(tiny_conv):
+    p = cli("plan", tiny_conv, "--cap", "1", "--runtime-mib", "64", "--json", "--prefill-chunk", "96", check=True)
+    assert (json.loads(p.stdout)["prefill_chunk"], json.loads(p.stdout)["prefill_step"]) == (96, 96)
+    p = cli("plan", tiny_conv, "--cap", "1", "--runtime-mib", "64", check=True)
+    assert re.search(r"prefill chunk +\d+ tokens", p.stdout)
 
 
 def test_plan_from_bare_config_of_the_real_model(tmp_path):
