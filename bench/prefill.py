@@ -27,6 +27,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from streamoe.formats.errors import StreamoeError
 from streamoe.formats.manifest import load_manifest, safe_path
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.plan import PREFILL_STEP, plan_for
@@ -133,7 +134,13 @@ def main() -> None:
                         ids = prompt_ids(model, n)
                         for chunk in a.chunks.split(","):
                             before = disk_gbs()
-                            r = one(model, ids, gib, ctx, experts, a.dtype, chunk, a.io_threads)
+                            try:
+                                r = one(model, ids, gib, ctx, experts, a.dtype, chunk, a.io_threads)
+                            except StreamoeError as e:  # e.g. the plan does not fit this cap at this context
+                                results.append({"model": model.name, "experts": experts, "cap": cap, "ctx": ctx,
+                                                "prompt_tokens": n, "chunk": chunk, "error": str(e)})
+                                print(json.dumps(results[-1]), flush=True)
+                                continue
                             after = disk_gbs()
                             gbs = (before + after) / 2
                             r.update(model=model.name, experts=experts, cap=cap, ctx=ctx, device=str(mx.default_device()),
