@@ -87,13 +87,21 @@ def one(model: Path, ids: list[int], cap: float, ctx: int, experts: str, dtype: 
 
 def cgroup_run(model: Path, ids: list[int], cap: float, ctx: int, experts: str, chunk: str, work: Path) -> dict:
     """The same prompt through `streamoe run` (raw, 2 tokens) inside a memory cgroup whose limit is the cap."""
+    import shlex
+    import subprocess
+    import sys
+
     from streamoe.runtime.text import TextIO
-    from tests.conftest import run_capped
+    from tests.conftest import capped_cgroup
 
     text = TextIO(model, load_manifest(model).config).decode(ids)
     stats = work / "stats.jsonl"
-    p, failcnt, peak = run_capped(["run", model, "--cap", f"{cap:.4f}", "--ctx", ctx, "--experts", experts, "--raw",
-                                   "-p", text, "-n", 2, "--prefill-chunk", chunk, "--stats", stats], cap)
+    args = ["run", model, "--cap", f"{cap:.4f}", "--ctx", ctx, "--experts", experts, "--raw", "-p", text, "-n", 2,
+            "--prefill-chunk", chunk, "--stats", stats]
+    with capped_cgroup(cap, "prefill") as (cg, read):  # no time limit: a long prompt on a small CPU takes minutes
+        cmd = f"echo $$ > {cg}/cgroup.procs && exec {sys.executable} -m streamoe.cli {shlex.join(map(str, args))}"
+        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True)
+        failcnt, peak = read()
     recs = [json.loads(ln) for ln in stats.read_text().splitlines()] if p.returncode == 0 else []
     return {"cgroup_rc": p.returncode, "cgroup_failcnt": failcnt, "cgroup_peak_gib": round(peak / 2**30, 4),
             "cgroup_within_cap": failcnt == 0 and peak <= cap * 2**30,
@@ -112,6 +120,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--io-threads", type=int, default=8)
     ap.add_argument("--cgroup", action="store_true", help="also each case as `streamoe run` in a capped cgroup")
+    ap.add_argument("--cgroup-only", action="store_true", help="only the cgroup runs (no in-process prefill)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--out", default="prefill", help="result name: bench/results/NAME.json")
     a = ap.parse_args()
@@ -133,6 +142,13 @@ def main() -> None:
                         gib = cap_gib(model, cap, ctx, experts, a.dtype)
                         ids = prompt_ids(model, n)
                         for chunk in a.chunks.split(","):
+                            if a.cgroup_only:
+                                r = {"model": model.name, "experts": experts, "cap": cap, "cap_gib": round(gib, 4),
+                                     "ctx": ctx, "prompt_tokens": n, "chunk": chunk,
+                                     **cgroup_run(model, ids, gib, ctx, experts, chunk, work)}
+                                print(json.dumps(r), flush=True)
+                                results.append(r)
+                                continue
                             before = disk_gbs()
                             try:
                                 r = one(model, ids, gib, ctx, experts, a.dtype, chunk, a.io_threads)
@@ -147,9 +163,10 @@ def main() -> None:
                                      raw_random_read_gbs_before_after=[round(before, 3), round(after, 3)],
                                      disk_bound_s=round(r["bytes_read"] / (gbs * 1e9), 3))
                             r["of_disk_bound"] = round(r["disk_bound_s"] / r["prefill_s"], 3)
+                            print(json.dumps(r), flush=True)
                             if a.cgroup:
                                 r.update(cgroup_run(model, ids, gib, ctx, experts, chunk, work))
-                            print(json.dumps(r), flush=True)
+                                print(json.dumps(r), flush=True)
                             results.append(r)
     write_result(a.out, "prefill", results)
 
