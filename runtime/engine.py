@@ -114,7 +114,8 @@ class Engine:
         step.busy0 = self.experts.store.busy_time()
         self.experts.stats = step.layers
         pos = positions if positions is not None else self.offset + self.rope_delta
-        logits = self.model.head(self.model.layers_forward(h, self.cache, pos, self.experts)[:, -1:, :])
+        block = self.plan.prefill_step if phase == "prefill" else None  # prefill: layer by layer, in steps
+        logits = self.model.head(self.model.layers_forward(h, self.cache, pos, self.experts, block)[:, -1:, :])
         step.host_ms = 1000 * (time.perf_counter() - step.t0)
         self.offset += T
         self.steps.append(step)
@@ -148,14 +149,19 @@ class Engine:
         return self.forward([token], "decode")
 
     def _prefill_chunks(self, ids: list[int], positions: mx.array | None = None, emb: mx.array | None = None) -> mx.array:
-        """Take the staging slots back from the tier, run the prompt chunk by chunk, lend them again."""
+        """Take the staging slots back from the tier, run the prompt chunk by chunk, lend them again. A chunk is
+        the plan's (`--prefill-chunk auto`: as many tokens as fit beside the fixed accounts): each of its layers
+        reads its experts once, and its kernels run over `plan.prefill_step` tokens at a time, so the chunk
+        changes what is read, never the logits."""
         self.experts.begin_prompt()
-        c = self.opts.prefill_chunk
-        for a in range(0, len(ids), c):
-            b = min(len(ids), a + c)
-            logits = self.forward(ids[a:b], "prefill", positions=None if positions is None else positions[:, :, a:b],
-                                  embeddings=None if emb is None else emb[:, a:b])
-        self.experts.end_prompt()
+        c = self.plan.prefill_chunk
+        try:
+            for a in range(0, len(ids), c):
+                b = min(len(ids), a + c)
+                logits = self.forward(ids[a:b], "prefill", positions=None if positions is None else positions[:, :, a:b],
+                                      embeddings=None if emb is None else emb[:, a:b])
+        finally:
+            self.experts.end_prompt()
         return logits
 
     def generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, images: list | None = None,

@@ -58,6 +58,7 @@ PRECISION_RANGE = (0.5, 0.95)
 VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
 DIRECT_WRITES = True  # where the pools are host memory, records are written straight into their slots (tests turn it off)
 HITS_FIRST = True  # with direct writes, a decode step's hits compute while its misses are read (StreamingExperts._streamed)
+PREFILL_AHEAD = True  # prefill reads the next layer's likely experts while this one computes (StreamingExperts.prepare)
 
 
 # stored dtype -> compute dtype conversions numpy does exactly as MLX's astype does (widening), for direct writes
@@ -233,6 +234,7 @@ class StreamingExperts:
         self.reads_recent, self.wrong_recent = 0.0, 0.0  # records read in decode, wrong guesses among them (decaying)
         self.stats: list[LayerStats] | None = None  # the current step's per-layer records (set by the engine)
         self.readers: list[mx.array] = []  # outputs of kernels that read the pools, not yet waited for (fence)
+        self.prepared: tuple[int, mx.array] | None = None  # prefill: (layer, its expert -> slot table), see prepare
         if self.resident:
             self._preload()
             # layer i's experts as views of its E slots, made once: expert e is then row e, and each gather_qmm
@@ -293,6 +295,12 @@ class StreamingExperts:
         xf, inds = x.reshape(-1, shape[-1]), inds.reshape(-1, k)
         if self.resident:  # on the device: no round trip
             y = switch_glu(xf, self.layer_weights[i], inds, self.lay.bits, self.lay.group_size)
+        elif self.prepared is not None and self.prepared[0] == i:  # a prefill block: its experts already landed
+            y = switch_glu(xf, self.pools.weights(), mx.take(self.prepared[1], inds), self.lay.bits, self.lay.group_size)
+            # the fence waits for one value computed from y, not for y itself: a chunk's blocks' outputs (top-k rows
+            # per token) are freed as each block is combined, not held to the next layer
+            self.readers.append(y[-1:, -1, :1] * 1)
+            mx.async_eval(y, self.readers[-1])
         else:
             y = self._streamed(i, xf, inds)
             mx.async_eval(y)  # the device copies and computes while the host builds the next layer
@@ -325,6 +333,35 @@ class StreamingExperts:
         for r, e in enumerate(self.candidates.pop(i, [])):
             self.rank_seen[r] += 1
             self.rank_right[r] += e in picked
+        self._withdraw(i, experts, picked, st)
+        read0 = self.store.bytes_read
+        slot_of, land, reads = self._gather(i, experts, st)
+        slots = [[slot_of[e] for e in row] for row in rows]
+        split = HITS_FIRST and self.pools.direct and 0 < len(land) < len(experts) and len(rows) == 1
+        if split:
+            hit = [r for r, e in enumerate(rows[0]) if (i, e) not in land]
+            miss = [r for r, e in enumerate(rows[0]) if (i, e) in land]
+            early = self._compute(x, mx.array([[slots[0][r] for r in hit]], dtype=mx.uint32))
+            mx.async_eval(early)
+        # what nothing above waits for, while the hits compute and the misses are read
+        if x.shape[0] == 1:
+            self._follow_waste(st.misses + st.hits_prefetch + st.prefetch_wasted, st.prefetch_wasted)
+        if order is not None:  # guesses start once no demand read waits: while this layer lands and computes
+            self._prefetch(i + 1, order.tolist())
+        st.io_wait_ms += 1000 * self._land(land, reads)
+        self.tier.pinned.clear()
+        st.bytes_read += self.store.bytes_read - read0
+        if not split:
+            return self._compute(x, mx.array(slots, dtype=mx.uint32))
+        late = self._compute(x, mx.array([[slots[0][r] for r in miss]], dtype=mx.uint32))
+        back = [0] * len(rows[0])  # rank order again: pick r sits at back[r] of [hits..., misses...]
+        for j, r in enumerate(hit + miss):
+            back[r] = j
+        return mx.concatenate([early, late], axis=1)[:, mx.array(back)]
+
+    def _withdraw(self, i: int, experts: list[int], picked: set[int], st: LayerStats) -> None:
+        """Layer i picked `experts` (sorted; `picked` as a set): count the picks, withdraw the layer's guesses
+        that were not picked."""
         st.picks, st.experts = len(experts), experts
         self.tier.note_picks(i, experts)  # this pick counts toward the admission of a miss
         # withdraw guesses for this layer that were not picked; started ones are waste
@@ -337,7 +374,10 @@ class StreamingExperts:
             else:
                 st.prefetch_wasted += 1
                 f.add_done_callback(lambda f: f.exception() is None and self.store.release(f.result()))
-        read0 = self.store.bytes_read
+
+    def _gather(self, i: int, experts: list[int], st: LayerStats) -> tuple[dict[int, int], dict[Key, int], dict[Key, Future]]:
+        """Slots for layer i's distinct picks: hits pinned, misses placed and their reads queued (guessed ones
+        promoted). Returns (expert -> slot, the slots to land, the reads to land them from)."""
         slot_of: dict[int, int] = {}
         for e in experts:  # pin every hit first, so placing a miss cannot evict one
             s = self.tier.lookup((i, e))
@@ -364,28 +404,58 @@ class StreamingExperts:
         cold = [key for key in land if key not in reads]
         reads.update(zip(cold, self.store.read_many(cold), strict=True))
         st.misses += len(cold)
-        slots = [[slot_of[e] for e in row] for row in rows]
-        split = HITS_FIRST and self.pools.direct and 0 < len(land) < len(experts) and len(rows) == 1
-        if split:
-            hit = [r for r, e in enumerate(rows[0]) if (i, e) not in land]
-            miss = [r for r, e in enumerate(rows[0]) if (i, e) in land]
-            early = self._compute(x, mx.array([[slots[0][r] for r in hit]], dtype=mx.uint32))
-            mx.async_eval(early)
-        # what nothing above waits for, while the hits compute and the misses are read
-        if x.shape[0] == 1:
-            self._follow_waste(st.misses + st.hits_prefetch + st.prefetch_wasted, st.prefetch_wasted)
-        if order is not None:  # guesses start once no demand read waits: while this layer lands and computes
-            self._prefetch(i + 1, order.tolist())
+        return slot_of, land, reads
+
+    def prepare(self, i: int, inds: list[mx.array], xs: list[mx.array]) -> None:
+        """Prefill: layer i's picks for every block of a chunk (`inds`, the blocks' MoE inputs `xs`), before any
+        block's experts run. One fence, and each distinct expert lands in a slot once for all the blocks (the
+        blocks' calls then only map experts to slots, on the device). Right after this layer's reads are queued,
+        the next layer's likely experts are queued as guesses, most likely first (its router on this layer's
+        input: how many of the chunk's tokens would pick each), so the disk reads them while this layer lands
+        and computes; those the next layer does not pick are withdrawn if not started (`_gather`)."""
+        if self.resident:
+            return
+        st = self.stats[i] if self.stats is not None else LayerStats(layer=i)
+        likely = self._likely(i + 1, xs) if PREFILL_AHEAD and self.width > 0 and i + 1 < self.L else ()
+        t = time.perf_counter()
+        self.fence(*inds, *likely)
+        st.compute_ms += 1000 * (time.perf_counter() - t)
+        picked = {e for a in inds for row in a.reshape(-1, a.shape[-1]).tolist() for e in row}
+        experts = sorted(picked)
+        self._withdraw(i, experts, picked, st)
+        read0 = self.store.bytes_read
+        slot_of, land, reads = self._gather(i, experts, st)
+        if likely:
+            order, counts = (a.tolist() for a in likely)
+            keys = [(i + 1, e) for e, n in zip(order, counts, strict=True)
+                    if n > 0 and (i + 1, e) not in self.ahead and self.tier.lookup((i + 1, e)) is None]
+            # A read ahead holds its staging entry until its layer lands: at most the ring less one entry per I/O
+            # thread, so this layer's own reads always find entries (more would fill the ring and wait forever).
+            keys = keys[: max(0, self.store.ring - len(self.store.threads))]
+            self.ahead.update(zip(keys, self.store.guess_many(keys), strict=True))
+            if self.stats is not None:
+                self.stats[i + 1].prefetch_issued += len(keys)
         st.io_wait_ms += 1000 * self._land(land, reads)
         self.tier.pinned.clear()
         st.bytes_read += self.store.bytes_read - read0
-        if not split:
-            return self._compute(x, mx.array(slots, dtype=mx.uint32))
-        late = self._compute(x, mx.array([[slots[0][r] for r in miss]], dtype=mx.uint32))
-        back = [0] * len(rows[0])  # rank order again: pick r sits at back[r] of [hits..., misses...]
-        for j, r in enumerate(hit + miss):
-            back[r] = j
-        return mx.concatenate([early, late], axis=1)[:, mx.array(back)]
+        table = [0] * self.E
+        for e, s in slot_of.items():
+            table[e] = s
+        self.prepared = (i, mx.array(table, dtype=mx.uint32))
+
+    def _likely(self, layer: int, xs: list[mx.array]) -> tuple[mx.array, mx.array]:
+        """(experts of `layer` by how many tokens of xs its router would send to each, most first; those counts),
+        queued on the device."""
+        counts = mx.zeros((self.E,), dtype=mx.int32)
+        ones = None
+        for x in xs:
+            g = self.guess(layer, x.reshape(-1, x.shape[-1])).astype(mx.float32)
+            top = mx.argpartition(g, kth=-self.k, axis=-1)[:, -self.k:].reshape(-1)
+            ones = ones if ones is not None and ones.size == top.size else mx.ones(top.shape, dtype=mx.int32)
+            counts = counts.at[top].add(ones)
+            mx.async_eval(counts)  # block by block: each block's router logits are freed once counted
+        order = mx.argsort(-counts)
+        return order, counts[order]
 
     def _prefetch(self, layer: int, order: list[int]) -> None:
         """Read ahead into staging the experts layer `layer`'s router likes best for this hidden state (`order`:
@@ -411,11 +481,14 @@ class StreamingExperts:
     # ---- prompts and lifetime
     def begin_prompt(self) -> None:
         """A prompt takes the staging slots back from the tier (prefill streams each expert through them)."""
+        self.prepared = None
         self.drop_guesses()
         self.tier.reclaim_staging()
 
     def end_prompt(self) -> None:
         """Decode begins: the idle staging slots are lent to the tier."""
+        self.prepared = None
+        self.drop_guesses()
         self.tier.lend_staging()
 
     def drop_guesses(self) -> None:

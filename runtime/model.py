@@ -626,9 +626,16 @@ class SparseMoe:
 
     def __call__(self, i: int, x: mx.array, experts, residual: mx.array) -> mx.array:
         """residual + (routed + shared): the block's output already added to the residual stream."""
+        return self.finish(i, x, experts, residual, *self.route(x))
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Everything before the routed experts: (inds, scores, the shared expert's output, its gate)."""
         logits, gate, up, out_gate = self.in_proj(x)
         inds, scores = route(logits, self.k, self.norm_topk)
-        down = self.shared_down_proj(swiglu(gate, up))
+        return inds, scores, self.shared_down_proj(swiglu(gate, up)), out_gate
+
+    def finish(self, i: int, x: mx.array, experts, residual: mx.array, inds: mx.array, scores: mx.array,
+               down: mx.array, out_gate: mx.array) -> mx.array:
         return _moe_out(residual, experts(i, x, inds), scores, down, out_gate)
 
 
@@ -718,14 +725,41 @@ class Model:
         w, s, b, bits, group = self.embed_tokens
         return mx.dequantize(w[tokens], s[tokens], b[tokens], group_size=group, bits=bits).astype(self.dtype)
 
-    def layers_forward(self, h: mx.array, cache: list, positions: int | mx.array, experts) -> mx.array:
+    def layers_forward(self, h: mx.array, cache: list, positions: int | mx.array, experts,
+                       step: int | None = None) -> mx.array:
         """The one layer loop: every decoder layer over h [B, L, H] with its cache entry. positions: the int
         position of h's first token for plain text, or [3, B, L] int32 (t, h, w) M-RoPE positions.
-        `experts(i, x, inds)` gives layer i's picks' outputs [..., k, H]."""
-        rot = self.rope.prepare(positions) if self.args.n_full_attention else None
+        `experts(i, x, inds)` gives layer i's picks' outputs [..., k, H].
+
+        `step` (prefill): each layer runs over h in blocks of `step` tokens, one after another, before the next
+        layer starts. Block j of layer i then sees exactly what it would in a call of its own (its input, the
+        cache after blocks 0..j-1), with the same shapes, so the result is bit for bit that of calls of `step`
+        tokens, whatever L is; and a layer's routed experts are needed once for all its blocks: the provider's
+        `prepare(i, inds, xs)`, where it has one, gets every block's picks before any block's experts run."""
+        if step is None:
+            rot = self.rope.prepare(positions) if self.args.n_full_attention else None
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cache[i], self.rope, rot, experts)
+            return h
+        spans = [(a, min(a + step, h.shape[1])) for a in range(0, h.shape[1], step)]
+        rots = [(positions + a if isinstance(positions, int) else positions[..., a:b]) for a, b in spans]
+        rots = [self.rope.prepare(r) if self.args.n_full_attention else None for r in rots]
+        hs = [h[:, a:b] for a, b in spans] if len(spans) > 1 else [h]
+        prepare = getattr(experts, "prepare", None)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cache[i], self.rope, rot, experts)
-        return h
+            blocks = []
+            for j, hj in enumerate(hs):
+                hj, xj = layer.mix(hj, cache[i], self.rope, rots[j])
+                if not layer.is_linear and j + 1 < len(hs):
+                    _settle(hj)  # the next block's KV write must find no reader of the cache: written in place
+                blocks.append((hj, xj, *layer.mlp.route(xj)))
+            if prepare is not None:
+                prepare(i, [b[2] for b in blocks], [b[1] for b in blocks])
+            hs = []
+            for hj, xj, *rest in blocks:  # each block combined right after its experts, before the next block's
+                hs.append(layer.mlp.finish(i, xj, experts, hj, *rest))  # run: their outputs (k rows a token) freed
+                mx.async_eval(hs[-1])
+        return mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0]
 
     def router_logits(self, i: int, x: mx.array) -> mx.array:
         return self.layers[i].mlp.gate(x)
@@ -735,6 +769,14 @@ class Model:
 
     def head(self, h: mx.array) -> mx.array:
         return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps))
+
+
+def _settle(x: mx.array) -> None:
+    """Compute x and wait until no kernel before it holds its inputs (a backend keeps a kernel's inputs until its
+    completion handler has run, which can be after x is ready): an update of a buffer one of them read is then
+    done in place, not as a copy."""
+    mx.eval(x)
+    mx.synchronize()
 
 
 def _arrays(obj) -> list[mx.array]:

@@ -22,6 +22,12 @@ from .model import BLAS_BLOCK, BLAS_TOKENS, score_rows
 
 GiB = 1 << 30
 MiB = 1 << 20
+# Prefill's kernels run over PREFILL_STEP tokens at a time whatever the chunk (`--prefill-chunk auto`): the chunk
+# decides how often a layer's experts are read, never the call shapes, so logits do not depend on the cap.
+PREFILL_STEP = 256
+# An auto chunk may take at most half of the hot tier the smallest chunk leaves: decode keeps half of its tier
+# at worst, while each doubling of the chunk halves the expert reads of a long prompt.
+HOT_FLOOR = 0.5
 
 
 @dataclass
@@ -34,7 +40,7 @@ class Options:
     prefetch_waste: float = 0.05  # the share of the records read in decode that wrong guesses may be
     dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
     kv: str = "auto"  # KV cache format: a float dtype, q8 or q4 (KV_BITS); auto = the activation dtype, as mlx-lm keeps it
-    prefill_chunk: int = 256
+    prefill_chunk: int | str = "auto"  # tokens per prefill chunk, or "auto": the largest the plan allows
     io_threads: int = 8  # reads in flight: a fast SSD reaches its random-read speed only with several
     cpu_streams: int | None = None  # CPU streams for expert and large matmul work; None = one per core (CPU backend)
     verify: bool = False
@@ -47,6 +53,11 @@ class Options:
 def read_ring(opts: Options, top_k: int) -> int:
     """Records of host staging the reads land in: a layer's misses and guesses, plus one per I/O thread."""
     return 2 * top_k + prefetch_width(opts, top_k) + opts.io_threads
+
+
+def prefill_step(chunk: int | str) -> int:
+    """Tokens per prefill kernel call: PREFILL_STEP under an auto chunk, else the chunk asked for (as before)."""
+    return PREFILL_STEP if chunk == "auto" else int(chunk)
 
 
 def prefetch_width(opts: Options, top_k: int) -> int:
@@ -103,6 +114,8 @@ class MemoryPlan:
     n_experts: int
     n_layers: int = 1
     slot: int = 0  # bytes one slot of the pools holds (scales and biases at the compute dtype); 0 = stride
+    prefill_chunk: int = 0  # tokens per prefill chunk: its layers' experts are read once for all of them
+    prefill_step: int = 0  # tokens per prefill kernel call (the chunk runs in steps of this many, layer by layer)
     accounts: dict[str, int] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     # per KV format: {"token_bytes": KV bytes a token adds, "longest_ctx": the longest context that fits this cap}
@@ -155,6 +168,8 @@ class MemoryPlan:
             rows.append(f"  {name:<16} {size(n)}{note}")
         rows.append(f"  {'hot tier':<16} {size(self.hot_slots * self.slot_bytes)}  ({self.hot_slots} expert slots of "
                     f"{self.n_layers * self.n_experts}; +{self.staging_slots} lent staging slots during decode)")
+        rows.append(f"  {'prefill chunk':<16} {self.prefill_chunk:>8} tokens  (experts read once per chunk; "
+                    f"kernels over {self.prefill_step} tokens at a time)")
         rows.append(f"  {'total':<16} {size(self.fixed + self.hot_slots * self.slot_bytes)} of {self.cap / GiB:.2f} GiB")
         if self.kv_formats:
             native = f", the model's own {self.native_ctx:,}" if self.native_ctx else ""
@@ -166,7 +181,8 @@ class MemoryPlan:
     def to_json(self) -> dict:
         out = {"cap": self.cap, "ctx": self.ctx, "expert_format": self.expert_format, "stride": self.stride, "slot": self.slot_bytes,
                "accounts": dict(self.accounts), "fixed": self.fixed, "hot_slots": self.hot_slots,
-               "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits}
+               "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits,
+               "prefill_chunk": self.prefill_chunk, "prefill_step": self.prefill_step}
         if self.kv_formats:  # planned with `plan_with_limits`
             out.update(kv_formats={f: dict(k) for f, k in self.kv_formats.items()}, native_ctx=self.native_ctx)
         return out
@@ -212,6 +228,14 @@ def attention_elements(a: ModelArgs, ctx: int, chunk: int, item: int, kv_bits: i
     return chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * rows * ctx
 
 
+def chunk_token_bytes(a: ModelArgs, item: int) -> int:
+    """What each token of a prefill chunk keeps alive while its layers run block by block (beyond one step's
+    working memory): the residual stream in and out, the mixer's output, the MoE block's input, its fused input
+    projection (router, shared expert gate and up, output gate), the shared expert's output and the picks."""
+    H, k = a.hidden_size, a.num_experts_per_tok
+    return int(1.5 * ((5 * H + a.num_experts + 2 * a.shared_expert_intermediate_size + 1 + k) * item + 4 * k))
+
+
 def state_bytes(a: ModelArgs, ctx: int, kv_item: int, kv_bits: int | None = None) -> tuple[int, int]:
     """(KV cache for ctx tokens, linear-attention state), both preallocated at open. `kv_item`: bytes per
     float of the cache (a quantized one's scales and biases); `kv_bits`: bits per code of a quantized cache,
@@ -232,16 +256,19 @@ def slot_bytes(lay: RecordLayout, dtype: str) -> int:
 
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
-              prefill_chunk: int = 256, ring: int = 0, slot: int = 0, blas: bool | None = None) -> MemoryPlan:
+              prefill_chunk: int | str = "auto", ring: int = 0, slot: int = 0, blas: bool | None = None) -> MemoryPlan:
     """`kv_dtype`: the KV format (a float dtype, or q8/q4 with scales and biases in `dtype`). `blas`: whether
-    prefill goes through numpy's BLAS (None: where this process computes, the CPU backend)."""
+    prefill goes through numpy's BLAS (None: where this process computes, the CPU backend). `prefill_chunk`: tokens,
+    or "auto" (`choose_chunk`)."""
     bits = KV_BITS.get(kv_dtype)
     item, kv_item = itemsize(dtype), itemsize(dtype if bits else kv_dtype)
     blas = mx.default_device() == mx.cpu if blas is None else blas
     kv, lin = state_bytes(args, ctx, kv_item, bits)
     n_exp = args.num_experts
+    step = min(prefill_step(prefill_chunk), ctx)
     plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp,
-                      n_layers=args.num_hidden_layers, slot=slot)
+                      n_layers=args.num_hidden_layers, slot=slot, prefill_step=step,
+                      prefill_chunk=step if prefill_chunk == "auto" else min(int(prefill_chunk), ctx))
     if runtime_bytes is None:
         runtime_bytes = current_rss() + 64 * MiB
         plan.notes["runtime"] = "measured RSS at open + 64 MiB for allocator cache and Python heap"
@@ -249,7 +276,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "non-expert": nonexpert_resident,
         "kv cache": kv,
         "linear state": lin,
-        "activations": activation_bytes(args, ctx, min(prefill_chunk, ctx), item, blas, bits),
+        "activations": activation_bytes(args, ctx, step, item, blas, bits),
         "allocator cache": lin + 32 * MiB,
         "prefill staging": n_exp * plan.slot_bytes,
         "read staging": 2 * ring * stride,
@@ -261,6 +288,10 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
     plan.notes["allocator cache"] = "freed buffers MLX keeps for reuse: a decode step's new linear state + 32 MiB"
     plan.notes["prefill staging"] = f"{n_exp} slots, one per expert of a layer"
     plan.notes["read staging"] = f"{ring} records of host staging + their copies in flight"
+    if prefill_chunk == "auto":
+        choose_chunk(plan, chunk_token_bytes(args, item))
+    plan.notes["activations"] = (f"a prefill step of {step} tokens at ctx {ctx}"
+                                 + (f", + {plan.prefill_chunk} tokens of chunk" if plan.prefill_chunk > step else ""))
     return plan
 
 
@@ -295,6 +326,18 @@ def native_context(config: dict) -> int | None:
     """The model's own context length, from its config (max_position_embeddings)."""
     n = text_config(config).get("max_position_embeddings")
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def choose_chunk(plan: MemoryPlan, per_token: int) -> None:
+    """The largest prefill chunk (whole steps, at most the context) whose tokens fit beside the fixed accounts
+    while the hot tier keeps HOT_FLOOR of what it has at one step; one step where every expert is resident
+    (nothing is read, so a longer chunk would buy nothing). The chunk's tokens join the activation account."""
+    step, hot = plan.prefill_step, plan.hot_bytes
+    if plan.hot_slots >= plan.n_layers * plan.n_experts:
+        return
+    steps = 1 + int((1 - HOT_FLOOR) * hot // max(1, per_token * step))
+    plan.prefill_chunk = min(plan.ctx, steps * step)
+    plan.accounts["activations"] += (plan.prefill_chunk - step) * per_token
 
 
 def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> MemoryPlan:

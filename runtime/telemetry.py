@@ -40,8 +40,13 @@ class StepStats:
     disk_busy_ms: float = 0.0  # the time in this step with at least one expert read in progress
     layers: list[LayerStats] = field(default_factory=list)
 
+    @property
+    def bytes_read(self) -> int:
+        """Expert bytes the step read (its layers' reads and the guesses they issued)."""
+        return sum(ly.bytes_read for ly in self.layers)
+
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "bytes_read": self.bytes_read}
 
 
 def validate_record(rec: dict) -> None:
@@ -75,7 +80,15 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int) -> dict:
         "peak_gib": peak_bytes / (1 << 30), "cap_gib": cap / (1 << 30),
         "prefill_tokens": pre_tokens, "prefill_ms": pre_ms,
         "prefill_tok_s": pre_tokens / (pre_ms / 1000) if pre_ms else 0.0, "ttft_s": first or 0.0,
+        "prefill_mib_token": prefill_mib_token(steps),
     }
+
+
+def prefill_mib_token(steps: list[StepStats]) -> float:
+    """Expert MiB read per prompt token: about one read of each needed expert per chunk, over the chunk's tokens."""
+    pre = [s for s in steps if s.phase == "prefill"]
+    n = sum(s.n_tokens for s in pre)
+    return sum(s.bytes_read for s in pre) / MiB / n if n else 0.0
 
 
 def summary_line(s: dict) -> str:
@@ -84,5 +97,6 @@ def summary_line(s: dict) -> str:
             f"(+{100 * s['read_ahead_rate']:.1f}% read ahead), "
             f"{s['mib_read_token']:.2f} MiB read/token" + (f", disk busy {100 * s['disk_busy']:.0f}%" if s["mib_read_token"] else "")
             + f"; peak {s['peak_gib']:.2f} of {s['cap_gib']:.2f} GiB; "
-            f"prefill {s['prefill_tokens']} tokens in {s['prefill_ms'] / 1000:.2f} s ({s['prefill_tok_s']:.1f} tok/s), "
-            f"first token {s['ttft_s']:.2f} s]")
+            f"prefill {s['prefill_tokens']} tokens in {s['prefill_ms'] / 1000:.2f} s ({s['prefill_tok_s']:.1f} tok/s"
+            + (f", {s['prefill_mib_token']:.3f} MiB read/token" if s.get("prefill_mib_token") else "")
+            + f"), first token {s['ttft_s']:.2f} s]")

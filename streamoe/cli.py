@@ -79,6 +79,30 @@ class Finite(click.FloatRange):
         return v
 
 
+class PrefillChunk(click.ParamType):
+    """--prefill-chunk: `auto` (the plan's: as many tokens as fit beside the fixed accounts) or a token count."""
+
+    name = "auto|tokens"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or str(value).strip().lower() == "auto":
+            return value if isinstance(value, int) else "auto"
+        try:
+            n = int(str(value).strip())
+        except ValueError:
+            self.fail(f"{value!r}: give auto or a number of tokens", param, ctx)
+        if not 1 <= n <= 1 << 20:
+            self.fail(f"{value!r} is not in the range 1 to {1 << 20}.", param, ctx)
+        return n
+
+
+PREFILL_CHUNK = click.option("--prefill-chunk", type=PrefillChunk(), default="auto", show_default=True,
+                             help="Prompt tokens per chunk: each chunk reads a layer's experts once. auto: the largest "
+                                  "that fits beside the fixed accounts with the hot tier keeping half its size; the "
+                                  "logits are the same at every cap (kernels run over 256 tokens at a time). A number: "
+                                  "chunks and kernel calls of that many tokens.")
+
+
 def expert_list(ctx, param, value: str) -> list[str]:
     """--experts for convert: a comma list of q4/q3, not empty, no unknown names."""
     names = [f.strip() for f in value.split(",")]
@@ -176,7 +200,8 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
         raise StreamoeError(f"{bad['detail']}")
 
 
-def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str, runtime_mib: int | None = None):
+def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str, runtime_mib: int | None = None,
+                     prefill_chunk: int | str = "auto"):
     """A plan from a bare config.json, before any download or conversion."""
     from .convert.source import read_json
     from .formats.config import ModelArgs
@@ -200,7 +225,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
         return plan_with_limits(native_context(config), args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts,
                          stride=lay.stride, slot=slot_bytes(lay, dtype),
                          nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(Options(kv=kv, dtype=dtype)),
-                         runtime_bytes=runtime_mib and runtime_mib << 20)
+                         runtime_bytes=runtime_mib and runtime_mib << 20, prefill_chunk=prefill_chunk)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
     except StreamoeError as e:
@@ -229,7 +254,7 @@ ENGINE = [
     click.option("--prefetch-waste", type=Finite(min=0, max=1), default=0.05, show_default=True,
                  help="Share of the bytes read in decode that wrong guesses may cost: more guesses fill a disk that "
                       "idles between layers (0 = only guesses that are nearly always right)."),
-    click.option("--prefill-chunk", type=click.IntRange(min=1, max=1 << 20), default=256, show_default=True),
+    PREFILL_CHUNK,
     click.option("--io-threads", type=click.IntRange(min=1, max=256), default=8, show_default=True, help="Expert reads in flight."),
     click.option("--max-pixels", type=click.IntRange(min=1024, max=1 << 28), default=640 * 640, show_default=True,
                  help="Largest image after resizing, in pixels (the vision account is planned for it)."),
@@ -286,9 +311,10 @@ def engine_options(fn):
 @common
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes per account).")
 @click.option("--images", is_flag=True, help="Include the vision account (runs with --image or --chat).")
+@PREFILL_CHUNK
 @user_errors
 def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, as_json: bool,
-         images: bool) -> None:
+         images: bool, prefill_chunk: int | str) -> None:
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
 
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
@@ -296,10 +322,10 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 
     dtype = dtype or default_dtype()
     if model.is_file() and model.suffix == ".json":
-        p = plan_from_config(model, cap, ctx, experts, kv, dtype, runtime_mib)
+        p = plan_from_config(model, cap, ctx, experts, kv, dtype, runtime_mib, prefill_chunk)
     else:
         p = plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, images=images,
-                                    runtime_bytes=runtime_mib and runtime_mib << 20))
+                                    runtime_bytes=runtime_mib and runtime_mib << 20, prefill_chunk=prefill_chunk))
     if as_json:
         import json
 
@@ -334,7 +360,7 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None,
         prompt: str | None, chat: bool,
         images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, sampling: dict, seed: int,
-        tier: str, prefetch_width: int | None, prefetch_waste: float, prefill_chunk: int, io_threads: int, stats: Path | None, logits_out: Path | None,
+        tier: str, prefetch_width: int | None, prefetch_waste: float, prefill_chunk: int | str, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
     from .runtime.cli_run import run_cli
@@ -418,7 +444,7 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
 def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, host: str,
           port: int, model_name: str | None, no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
           sampling: dict, tier: str, prefetch_width: int | None,
-          prefetch_waste: float, prefill_chunk: int, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
+          prefetch_waste: float, prefill_chunk: int | str, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
           max_image_mib: float, max_images: int, allow_host: tuple[str, ...], cors_origin: tuple[str, ...],
           max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, sse_keepalive: float,
           log_level: str) -> None:

@@ -81,6 +81,24 @@ def summaries(stderr: str) -> int:
     return sum(ln.startswith("[") and "tok/s" in ln for ln in stderr.splitlines())
 
 
+def test_image_prompt_in_auto_chunks_equals_steps(tiny_conv, picture, monkeypatch):
+    """An image prompt in the plan's chunks runs its layers in steps, each with its slice of the M-RoPE positions:
+    the same bits as chunks of one step."""
+    from streamoe.runtime import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "PREFILL_STEP", 16)
+    out = []
+    for chunk in (16, "auto"):
+        base = plan_for(tiny_conv, Options(cap_gib=64, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME, images=True))
+        cap = (base.fixed + 12 * base.slot_bytes + 1) / 2**30
+        eng = Engine(tiny_conv, Options(cap_gib=cap, ctx=512, prefill_chunk=chunk, runtime_bytes=RUNTIME, images=True))
+        out.append((np.array(eng.prefill_images(question(eng), [picture])).tobytes(), eng.plan.prefill_chunk,
+                    eng.steps[0].n_tokens))
+        eng.close()
+    assert out[1][1] > 16 and out[1][2] > 16  # a chunk of several steps
+    assert out[0][0] == out[1][0]
+
+
 def test_chat_turns_and_cli_image(tiny_conv, picture):
     p = cli("run", tiny_conv, "--cap", "1", "--image", picture, "-p", "What is it?", "-n", "4", check=True)
     assert "tok/s" in p.stderr

@@ -19,6 +19,7 @@ from streamoe.runtime.plan import (
     MiB,
     Options,
     activation_bytes,
+    chunk_token_bytes,
     make_plan,
     read_ring,
     slot_bytes,
@@ -99,7 +100,7 @@ def test_only_the_cpu_backend_plans_for_blas_prefill(args):
     assert p.accounts["activations"] == ACTIVATIONS - BLAS
     assert p.hot_slots == (4 * GiB - (FIXED - BLAS)) // SLOT_F32 == 854  # 23 more than the CPU plan
     assert make_plan(args=args, cap=4 * GiB, ctx=4096, expert_format="q4", stride=STRIDE_Q4, nonexpert_resident=NONEXPERT,
-                     runtime_bytes=RUNTIME, ring=RING, slot=SLOT_F32).accounts["activations"] == (
+                     runtime_bytes=RUNTIME, ring=RING, slot=SLOT_F32, prefill_chunk=256).accounts["activations"] == (
         ACTIVATIONS if mx.default_device() == mx.cpu else ACTIVATIONS - BLAS)  # by default: this process's backend
 
 
@@ -164,15 +165,41 @@ def test_render_and_json(args):
     names = [ln.split("  ")[1].strip() for ln in text[1:]]
     assert names == ["non-expert", "kv cache", "linear state", "activations", "allocator cache", "prefill staging",
                      "read staging", "vision",
-                     "runtime", "hot tier", "total"]
+                     "runtime", "hot tier", "prefill chunk", "total"]
     assert "   1.000 GiB" in text[1] and "(4096 tokens, float32)" in text[2]
     assert "(256 slots, one per expert of a layer)" in text[6]
     assert "(32 records of host staging + their copies in flight)" in text[7]
     assert f"(831 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[10]
-    assert text[11].endswith(f"{(FIXED + 831 * SLOT_F32) / GiB:8.3f} GiB of 4.00 GiB")
+    assert text[11] == "  prefill chunk         256 tokens  (experts read once per chunk; kernels over 256 tokens at a time)"
+    assert text[12].endswith(f"{(FIXED + 831 * SLOT_F32) / GiB:8.3f} GiB of 4.00 GiB")
     assert p.to_json() == {"cap": 4 * GiB, "ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4, "slot": SLOT_F32,
                            "accounts": p.accounts, "fixed": FIXED, "hot_slots": 831, "staging_slots": 256,
-                           "n_layers": 40, "n_experts": 256, "fits": True}
+                           "n_layers": 40, "n_experts": 256, "fits": True, "prefill_chunk": 256, "prefill_step": 256}
+
+
+# What each token of a longer chunk keeps alive while its layers run in steps: 5 x H of residual stream, mixer
+# output and MoE input, the MoE block's fused input projection (256 router + 2 x 512 shared + 1 gate), the top-8
+# picks (scores at 4 bytes, indices at 4), x 1.5, at float32
+PER_TOKEN = 3 * ((5 * 2048 + 256 + 2 * 512 + 1 + 8) * 4 + 4 * 8) // 2
+
+
+def test_auto_chunk_takes_half_the_hot_tier_at_most(args):
+    """`auto`: the largest chunk of whole 256-token steps (at most ctx) whose tokens fit while the hot tier keeps
+    half of what it has at one step; one step where everything is resident or nothing fits."""
+    assert chunk_token_bytes(args, 4) == PER_TOKEN == 69_222
+    cap = int(2.8 * GiB)
+    hot_at_one_step = cap - FIXED  # 346,143,539 B
+    p = plan(args, 2.8, prefill_chunk="auto")
+    assert (p.prefill_chunk, p.prefill_step) == (2560, 256)  # 9 more steps: 9 x 256 x PER_TOKEN <= half the tier
+    assert p.accounts["activations"] == ACTIVATIONS + (2560 - 256) * PER_TOKEN == 528_027_136
+    assert p.hot_bytes >= hot_at_one_step // 2 > p.hot_bytes - 256 * PER_TOKEN  # one more step would pass the floor
+    assert plan(args, 4, prefill_chunk="auto").prefill_chunk == 4096  # room for the whole context
+    assert plan(args, 4, prefill_chunk="auto", ctx=1000).prefill_chunk == 1000
+    assert plan(args, 64, prefill_chunk="auto").prefill_chunk == 256  # resident: nothing to read, no chunk to grow
+    assert plan(args, 2, prefill_chunk="auto").prefill_chunk == 256  # does not fit: nothing to give
+    fixed = plan(args, 4, prefill_chunk=1024)  # a number: chunks and kernel calls of that many tokens
+    assert (fixed.prefill_chunk, fixed.prefill_step) == (1024, 1024)
+    assert fixed.accounts["activations"] == activation_bytes(args, 4096, 1024, 4)
 
 
 def test_runtime_allowance_is_measured_when_not_given(args):

@@ -87,10 +87,12 @@ def test_qwen35_variant_matches_mlx_lm(tmp_path):
     assert ours == ref and worst < LOGIT_ATOL
 
 
-def run_logits(conv: Path, cap_slots: int | None, steps: int = 24, **opts) -> tuple[bytes, Engine]:
+def run_logits(conv: Path, cap_slots: int | None, steps: int = 24, chunk: int | str = 16, **opts) -> tuple[bytes, Engine]:
+    """Logits of PROMPTS[2]'s prefill and `steps` greedy decode steps, at a cap whose hot tier holds `cap_slots`
+    experts at the smallest prefill chunk (None: every expert)."""
     base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
     cap = 64.0 if cap_slots is None else (base.fixed + cap_slots * base.slot_bytes + 1) / 2**30
-    eng = Engine(conv, Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
+    eng = Engine(conv, Options(cap_gib=cap, ctx=256, prefill_chunk=chunk, runtime_bytes=RUNTIME, **opts))
     out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])).astype(mx.float32))]
     for _ in range(steps):
         out.append(np.array(eng.forward([int(out[-1].argmax())], "decode").astype(mx.float32)))
@@ -147,6 +149,56 @@ def test_hits_computed_while_misses_are_read_give_the_same_bits(small_conv, monk
     calls.clear()
     whole, _ = run_logits(small_conv, 24, steps=8)
     assert all(shape[-1] == 8 for shape in calls) and split == whole
+
+
+def prefill_bytes(eng: Engine) -> int:
+    return sum(s.bytes_read for s in eng.steps if s.phase == "prefill")
+
+
+def test_prefill_chunk_changes_what_is_read_never_the_logits(small_conv, monkeypatch):
+    """`--prefill-chunk auto`: the plan's chunk (larger where the cap leaves room) reads each layer's experts once
+    for all its tokens, and its kernels run over PREFILL_STEP tokens at a time whatever the chunk; so the logits
+    equal chunks of PREFILL_STEP tokens bit for bit at every cap, with or without the next layer's reads in
+    flight while a layer computes, and the larger chunks read less."""
+    from streamoe.runtime import experts as experts_mod
+    from streamoe.runtime import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "PREFILL_STEP", 16)
+    want, eng16 = run_logits(small_conv, 24, steps=3, chunk=16)
+    n = len(eng16.text.encode(PROMPTS[2]))
+    runs = {slots: run_logits(small_conv, slots, steps=3, chunk="auto") for slots in (0, 8, 200, None)}
+    monkeypatch.setattr(experts_mod, "PREFILL_AHEAD", False)
+    runs["not ahead"] = run_logits(small_conv, 8, steps=3, chunk="auto")
+    chunks = {key: eng.plan.prefill_chunk for key, (_, eng) in runs.items()}
+    assert chunks[0] == 16 and chunks[None] == 16  # no room beside the fixed accounts; nothing to read
+    assert 16 < chunks[8] < n <= chunks[200] and chunks[8] % 16 == 0  # several chunks; one
+    for key, (data, _) in runs.items():
+        assert data == want, f"logits differ at {key}"
+    assert prefill_bytes(runs[8][1]) < prefill_bytes(eng16) and prefill_bytes(runs[200][1]) < prefill_bytes(runs[8][1])
+    ahead = {key: sum(ly.hits_prefetch for s in eng.steps if s.phase == "prefill" for ly in s.layers)
+             for key, (_, eng) in runs.items()}
+    assert ahead[8] > 0 and ahead["not ahead"] == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_prefill_reads_each_distinct_pick_once_per_chunk(small_conv, monkeypatch, ahead):
+    """With a hot tier that holds nothing, a prefill chunk reads exactly its layers' distinct picks' records, less
+    those still in a staging slot from the chunk before (a lent hit); read ahead, plus the guesses it wasted."""
+    from streamoe.runtime import experts as experts_mod
+
+    monkeypatch.setattr(experts_mod, "PREFILL_AHEAD", ahead)
+    _, eng = run_logits(small_conv, 0, steps=1, chunk=16)
+    assert eng.plan.hot_slots == 0
+    stride, pre = eng.lay.stride, [s for s in eng.steps if s.phase == "prefill"]
+    assert len(pre) > 2
+    for s in pre:
+        lay = s.layers
+        assert all(ly.hits_hot == 0 and ly.hits_lent + ly.hits_prefetch + ly.misses == ly.picks for ly in lay)
+        assert all(ly.prefetch_issued == ly.hits_prefetch + ly.prefetch_wasted for ly in lay)
+        wasted = sum(ly.prefetch_wasted for ly in lay)
+        assert s.bytes_read == stride * (sum(ly.picks - ly.hits_lent for ly in lay) + wasted)
+        assert ahead or wasted == 0
+    assert ahead == (sum(ly.hits_prefetch for s in pre for ly in s.layers) > 0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -248,6 +300,21 @@ def test_run_inside_cgroup_limit_equal_to_cap(small_conv, tmp_path):
     assert sum(ly["misses"] for r in decode for ly in r["layers"]) > 0, "the cap must hold only a fraction of the experts"
 
 
+def test_long_prompt_at_a_quarter_cap_stays_inside_the_cgroup(small_conv, tmp_path):
+    """A prompt longer than a step at a quarter cap, in one auto chunk (its layers run block by block): the cgroup
+    whose limit is the cap is never reached. (16K tokens: `python -m bench.prefill --prompts 16384 --cgroup`.)"""
+    plan = plan_for(small_conv, Options(cap_gib=8, ctx=1024, runtime_bytes=160 << 20, prefill_chunk=256))
+    cap_gib = round((plan.fixed + 128 * plan.slot_bytes) / 2**30, 3)  # a quarter of the 512 experts at one step
+    stats = tmp_path / "stats.jsonl"
+    p, failcnt, peak = run_capped(["run", small_conv, "--cap", cap_gib, "--ctx", 1024, "-p", PROMPTS[2] * 7, "-n", 2,
+                                   "--raw", "--stats", stats], cap_gib)
+    assert p.returncode == 0, p.stderr
+    assert failcnt == 0 and peak <= cap_gib * 2**30
+    pre = [json.loads(ln) for ln in stats.read_text().splitlines() if '"prefill"' in ln]
+    assert len(pre) == 1 and pre[0]["n_tokens"] > 512 and pre[0]["bytes_read"] > 0
+    assert re.search(r"prefill \d+ tokens in [\d.]+ s, [\d.]+ MiB read/token", p.stderr)
+
+
 # ---- bad input to the runtime: one line naming the file, non-zero exit, no traceback
 
 def test_missing_and_corrupt_manifest(tiny_conv, tmp_path):
@@ -295,11 +362,20 @@ def test_prompt_longer_than_ctx(tiny_conv):
 
 
 @pytest.mark.parametrize("args,needle", [(["--top-p", "0"], "--top-p"), (["--temp", "-1"], "--temp"),
-                                         (["--top-k", "-2"], "--top-k"), (["--experts", "q2"], "--experts")])
+                                         (["--top-k", "-2"], "--top-k"), (["--experts", "q2"], "--experts"),
+                                         (["--prefill-chunk", "big"], "--prefill-chunk"),
+                                         (["--prefill-chunk", "0"], "--prefill-chunk")])
 def test_bad_sampling_options(tiny_conv, args, needle):
     p = cli("run", tiny_conv, "-p", "hi", *args)
     assert p.returncode == 2
     one_error_line(p, needle)
+
+
+def test_plan_prints_the_prefill_chunk(tiny_conv):
+    p = cli("plan", tiny_conv, "--cap", "1", "--runtime-mib", "64", "--json", "--prefill-chunk", "96", check=True)
+    assert (json.loads(p.stdout)["prefill_chunk"], json.loads(p.stdout)["prefill_step"]) == (96, 96)
+    p = cli("plan", tiny_conv, "--cap", "1", "--runtime-mib", "64", check=True)
+    assert re.search(r"prefill chunk +\d+ tokens", p.stdout)
 
 
 def test_plan_from_bare_config_of_the_real_model(tmp_path):
