@@ -312,7 +312,7 @@ def test_long_prompt_at_a_quarter_cap_stays_inside_the_cgroup(small_conv, tmp_pa
     assert failcnt == 0 and peak <= cap_gib * 2**30
     pre = [json.loads(ln) for ln in stats.read_text().splitlines() if '"prefill"' in ln]
     assert len(pre) == 1 and pre[0]["n_tokens"] > 512 and pre[0]["bytes_read"] > 0
-    assert re.search(r"prefill \d+ tokens in [\d.]+ s, [\d.]+ MiB read/token", p.stderr)
+    assert re.search(r"prefill \d+ tokens in [\d.]+ s \([\d.]+ tok/s, [\d.]+ MiB read/token\)", p.stderr)
 
 
 # ---- bad input to the runtime: one line naming the file, non-zero exit, no traceback
