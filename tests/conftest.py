@@ -226,6 +226,14 @@ def run_capped(args: list[str], cap_gib: float) -> tuple[subprocess.CompletedPro
 
 
 @pytest.fixture(scope="session")
+def trained_conv(tmp_path_factory) -> Path:
+    """The trained default model (models/tiny) converted once (q4), for every module that serves it."""
+    out = tmp_path_factory.mktemp("trained") / "tiny"
+    convert(TINY_MODEL, out, formats=["q4"], progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
     synth(out, size="tiny", variant="qwen3.6", text_only=False, seed=0, shard_bytes=300_000, dry_run=False)

@@ -13,7 +13,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from streamoe.convert.convert import convert
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.openai_api import Limits, parse_chat
 from streamoe.runtime.plan import MiB
@@ -47,10 +46,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def conv(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("serve") / "tiny"
-    convert(TINY, out, formats=["q4"], progress=False)
-    return out
+def conv(trained_conv) -> Path:
+    return trained_conv
 
 
 def quarter_cap(conv: Path) -> float:

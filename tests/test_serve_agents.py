@@ -23,7 +23,6 @@ from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 from prometheus_client.parser import text_string_to_metric_families
 
-from streamoe.convert.convert import convert
 from streamoe.runtime import anthropic_api, responses_api
 from streamoe.runtime.chat_output import ChatOutput
 from streamoe.runtime.engine import Engine, Options
@@ -65,10 +64,8 @@ def validate(kinds: dict[str, type], ev: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def conv(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("agents") / "tiny"
-    convert(TINY, out, formats=["q4"], progress=False)
-    return out
+def conv(trained_conv) -> Path:
+    return trained_conv
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from streamoe.convert.convert import convert
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.plan import MiB
 
-from .serve_util import TINY, chat_ids, greedy, quarter_cap, start_server, stop_server, triangle_png
+from .serve_util import chat_ids, greedy, quarter_cap, start_server, stop_server, triangle_png
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -25,10 +24,8 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
 
 
 @pytest.fixture(scope="module")
-def conv(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("browser") / "tiny"
-    convert(TINY, out, formats=["q4"], progress=False)
-    return out
+def conv(trained_conv) -> Path:
+    return trained_conv
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from streamoe.convert.convert import convert
-
-from .serve_util import TINY, fetch, start_server, stop_server
+from .serve_util import fetch, start_server, stop_server
 
 SERVE = ["--cap", 2, "--ctx", 1024, "--runtime-mib", 256, "--prompt-cache-mib", 0, "--max-queue", 2,
          "--allow-host", "example.test", "--cors-origin", "http://app.test", "--sse-keepalive", 0.3]
 
 
 @pytest.fixture(scope="module")
-def conv(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("door") / "tiny"
-    convert(TINY, out, formats=["q4"], progress=False)
-    return out
+def conv(trained_conv) -> Path:
+    return trained_conv
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from streamoe.convert.convert import convert
 from streamoe.formats.errors import StreamoeError
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.image import load_image
@@ -37,10 +36,8 @@ CODE = "def fibonacci(n):\n"
 
 
 @pytest.fixture(scope="module")
-def conv(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hostile") / "tiny"
-    convert(TINY, out, formats=["q4"], progress=False)
-    return out
+def conv(trained_conv) -> Path:
+    return trained_conv
 
 
 @pytest.fixture(scope="module")
