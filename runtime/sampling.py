@@ -54,14 +54,13 @@ class Sampler:
     def __init__(self, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                  seed: int = 0):
-        checks = [(temp >= 0, "--temp must be >= 0"), (0 < top_p <= 1, "--top-p must be in (0, 1]"),
-                  (top_k >= 0, "--top-k must be >= 0"), (0 <= min_p <= 1, "--min-p must be in [0, 1]"),
-                  (-2 <= presence_penalty <= 2, "--presence-penalty must be in [-2, 2]"),
-                  (-2 <= frequency_penalty <= 2, "--frequency-penalty must be in [-2, 2]"),
-                  (0 < repetition_penalty <= 10, "--repetition-penalty must be in (0, 10]")]
-        for ok, msg in checks:
-            if not (ok and all(math.isfinite(v) for v in (temp, top_p, min_p, presence_penalty, frequency_penalty,
-                                                          repetition_penalty))):
+        checks = [(temp, temp >= 0, "--temp must be >= 0"), (top_p, 0 < top_p <= 1, "--top-p must be in (0, 1]"),
+                  (top_k, top_k >= 0, "--top-k must be >= 0"), (min_p, 0 <= min_p <= 1, "--min-p must be in [0, 1]"),
+                  (presence_penalty, -2 <= presence_penalty <= 2, "--presence-penalty must be in [-2, 2]"),
+                  (frequency_penalty, -2 <= frequency_penalty <= 2, "--frequency-penalty must be in [-2, 2]"),
+                  (repetition_penalty, 0 < repetition_penalty <= 10, "--repetition-penalty must be in (0, 10]")]
+        for value, ok, msg in checks:  # nan fails every comparison, so it is refused by its own flag's check
+            if not ok or not math.isfinite(value):
                 raise StreamoeError(msg)
         self.temp, self.top_p, self.top_k, self.min_p = float(temp), float(top_p), int(top_k), float(min_p)
         self.presence, self.frequency = float(presence_penalty), float(frequency_penalty)

@@ -100,11 +100,13 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
 
 
 @pytest.mark.parametrize("bad", [dict(temp=-1), dict(top_p=0), dict(min_p=1.5), dict(presence_penalty=3),
-                                 dict(repetition_penalty=0), dict(temp=float("nan"))])
-def test_bad_sampler_settings_are_refused(bad):
+                                 dict(repetition_penalty=0), dict(temp=float("nan")), dict(min_p=float("nan")),
+                                 dict(frequency_penalty=float("inf"))])
+def test_bad_sampler_settings_are_refused_naming_the_setting(bad):
     from streamoe.formats.errors import StreamoeError
 
-    with pytest.raises(StreamoeError):
+    (key,) = bad
+    with pytest.raises(StreamoeError, match="--" + key.replace("_", "-")):
         Sampler(**bad)
 
 
