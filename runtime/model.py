@@ -545,13 +545,23 @@ def score_rows(n_heads: int, n_keys: int, itemsize: int) -> int:
     return max(1, ATTN_SCORES_BYTES // (n_heads * n_keys * itemsize))
 
 
+def per_head(x: mx.array, codes: tuple, matmul) -> mx.array:
+    """matmul(x[b, h], codes[.][b, h]) for every sequence b and KV head h, stacked back to [B, nkv, ...]."""
+    B, nkv = x.shape[:2]
+    rows = [mx.stack([matmul(x[b, h], tuple(c[b, h] for c in codes)) for h in range(nkv)]) for b in range(B)]
+    return mx.stack(rows)
+
+
 def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, bits: int) -> mx.array:
     """Causal attention of q [B, nq, L, hd] over quantized keys/values ((codes, scales, biases), each
     [B, nkv, N, ...]), scored on the codes with `mx.quantized_matmul` as mlx-lm's quantized SDPA does.
 
-    The query heads that share a KV head are stacked as rows of one matmul ([B, nkv, rep * L, hd]) rather than
+    The query heads that share a KV head are stacked as rows of one matmul ([rep * L, hd]) rather than
     broadcast against the codes, and the L query positions go a block at a time (`score_rows`), so what is
-    materialized is one block's scores (and their softmax), not L x N x nq of them for a long prompt."""
+    materialized is one block's scores (and their softmax), not L x N x nq of them for a long prompt.
+    Each (sequence, KV head) is its own matmul: its live codes `[N, ...]` are a contiguous prefix of the
+    cache's rows, where the batched `[B, nkv, N, ...]` view is strided past the unused positions, and MLX's
+    CUDA kernels take only contiguous codes."""
     B, nq, L, D = q.shape
     nkv, N = keys[0].shape[1], keys[0].shape[2]
     rep = nq // nkv
@@ -563,13 +573,15 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
         qb = q[:, :, :, a:b].reshape(B, nkv, rep * (b - a), D)
         if outs:  # left lazy, MLX would schedule every block's scores at once (measured: all of them live)
             mx.eval(outs[-1])
-        s = mx.quantized_matmul(qb, *keys, transpose=True, group_size=KV_GROUP, bits=bits)
+        s = per_head(qb, keys, lambda x, c: mx.quantized_matmul(x, *c, transpose=True, group_size=KV_GROUP,
+                                                                   bits=bits))
         if L > 1:  # query position a+i sits at key position N - L + a + i
             mask = mx.arange(N - L + a, N - L + b)[:, None] >= mx.arange(N)[None]
             s = mx.where(mask, s.reshape(B, nkv, rep, b - a, N), mx.finfo(s.dtype).min).reshape(s.shape)
         p = mx.softmax(s, axis=-1, precise=True)
-        outs.append(mx.quantized_matmul(p, *values, transpose=False, group_size=KV_GROUP, bits=bits)
-                    .reshape(B, nkv, rep, b - a, D))
+        o = per_head(p, values, lambda x, c: mx.quantized_matmul(x, *c, transpose=False, group_size=KV_GROUP,
+                                                                  bits=bits))
+        outs.append(o.reshape(B, nkv, rep, b - a, D))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(B, nq, L, D)
 
