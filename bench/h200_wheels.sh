@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dl=$(mktemp -d) && trap 'rm -rf "$dl"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dl" \
+  --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dl" \
   mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 zstandard jsonschema referencing jsonschema-specifications \
   rpds-py attrs xxhash llguidance
 rm -rf .whl1 .whl2 .whl3 && mkdir -p .whl1 .whl2 .whl3
