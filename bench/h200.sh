@@ -73,9 +73,9 @@ case "$1" in
       --name "$OUT/sampling-resident-h200" | grep -v '^ '
     ;;
   prefill)
-    python3 -m bench.prefill --model "$S/full-conv" --caps 4 --experts q4 --prompts 2048,8192,32768 \
+    python3 -m bench.prefill --model "$S/full-conv" --caps 4 --experts q4 --prompts 2048,8192,32768 --warmup 512 \
       --out "$OUT/prefill-h200-q4" | grep -v '^ '
-    python3 -m bench.prefill --model "$S/full-conv" --caps 4 --experts q3 --prompts 2048,8192 \
+    python3 -m bench.prefill --model "$S/full-conv" --caps 4 --experts q3 --prompts 2048,8192 --warmup 512 \
       --out "$OUT/prefill-h200-q3" | grep -v '^ '
     ;;
   longctx)
