@@ -24,7 +24,7 @@ from .constrain import Constraint
 from .experts import StreamingExperts
 from .image import ImageConfig, check_preprocessor, load_image, preprocess
 from .models import family
-from .models.kernels import set_cpu_streams
+from .models.kernels import cpu_streams
 from .mrope import expand_image_tokens, image_positions
 from .plan import Options, current_rss, default_dtype, kv_bits, kv_dtype, plan_for, prefetch_width, read_ring
 from .sampling import Sampler
@@ -77,17 +77,18 @@ class Engine:
         mx.set_cache_limit(self.plan.cache_limit)  # a smaller cache frees and reallocates every step
         self.dtype = mx_dtype(o.dtype or default_dtype())
         on_cpu = mx.default_device() == mx.cpu
-        set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
         self.args = a = ModelArgs.from_config(m.config, self.root / "manifest.json")
         model_family = family(a.model_type)
         k = a.num_experts_per_tok
         store = ExpertStore.open(self.root, m, o.experts, o.io_threads, ring=read_ring(o, k))
         self.lay = store.lay
         file, table = m.blob("nonexpert")
-        self.model = model_family.Model(a, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
+        streams = cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
+        weights = load_tensors(safe_path(self.root, file["path"]), table, self.dtype)
+        self.model = model_family.Model(a, weights, self.dtype, streams=streams)
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), self.model.router_logits, self.dtype,
-                                        waste_budget=o.prefetch_waste)
+                                        waste_budget=o.prefetch_waste, streams=self.model.streams)
         self.cache = self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)), kv_bits=kv_bits(o))
         self.offset = 0
         self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens

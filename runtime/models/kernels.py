@@ -29,11 +29,7 @@ from .cache import KV_GROUP, KVCache
 # weights
 
 
-# CPU streams for large matrix-vector products: MLX runs each CPU stream on its own thread, so splitting a
-# big layer's output rows across streams uses every core. Each output row is computed by the same kernel
-# whatever the split, so results do not change with the number of streams.
-STREAMS: list = []
-SPLIT_ROWS = 1024
+SPLIT_ROWS = 1024  # CPU streams split a matrix only from this many output rows per stream
 BLAS_TOKENS = 16  # CPU: from this many tokens a quantized linear layer runs through numpy's BLAS (QLinear._blas)
 BLAS_BLOCK = 1024  # rows dequantized at a time there (the plan's activation account holds one block)
 
@@ -50,32 +46,41 @@ def gpu_compiled(fn):
     return functools.wraps(fn)(call)
 
 
-def set_cpu_streams(n: int) -> None:
-    """Use n CPU streams (n <= 1: the default stream only)."""
-    STREAMS[:] = [mx.new_stream(mx.cpu) for _ in range(n)] if n > 1 else []
+Streams = tuple[mx.Stream, ...]
+
+
+def cpu_streams(n: int) -> Streams:
+    """n CPU streams for large matrix-vector products (n <= 1: none, the default stream only). MLX runs each CPU
+    stream on its own thread, so splitting a big layer's output rows (`QLinear`) or a layer's expert picks
+    (`switch_glu`) across streams uses every core. Each output row is computed by the same kernel whatever the
+    split, so results do not change with the number of streams. The model holds them (`Model.streams`, given to
+    every projection it loads) and hands them to the experts provider."""
+    return tuple(mx.new_stream(mx.cpu) for _ in range(n)) if n > 1 else ()
 
 
 class QLinear(NamedTuple):
-    """An affine-quantized linear layer without bias: y = x @ dequantize(weight).T"""
+    """An affine-quantized linear layer without bias: y = x @ dequantize(weight).T, its output rows split over
+    `streams` (`cpu_streams`) where it is large."""
 
     weight: mx.array
     scales: mx.array
     biases: mx.array
     bits: int
     group_size: int
+    streams: Streams = ()
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = self.weight.shape[0]
         if x.size >= BLAS_TOKENS * x.shape[-1] and mx.default_device() == mx.cpu:
             return self._blas(x)
-        if not STREAMS or rows < SPLIT_ROWS * len(STREAMS):
+        if not self.streams or rows < SPLIT_ROWS * len(self.streams):
             return mx.quantized_matmul(
                 x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
             )
-        n = len(STREAMS)
+        n = len(self.streams)
         step = -(-rows // n)
         parts = []
-        for j, st in enumerate(STREAMS):
+        for j, st in enumerate(self.streams):
             a, b = j * step, min(rows, (j + 1) * step)
             with mx.stream(st):
                 parts.append(mx.quantized_matmul(x, self.weight[a:b], self.scales[a:b], self.biases[a:b],
@@ -113,7 +118,7 @@ class Projections:
             parts = [ld.quantized(modules[j][0], modules[j][1], in_dims) for j in members]
             w, s, b = (mx.concatenate([q[n] for q in parts]) if len(parts) > 1 else parts[0][n] for n in range(3))
             mx.eval(w, s, b)  # now, so the parts are freed as the load goes on
-            self.linears.append(QLinear(w, s, b, *parts[0][3:]))
+            self.linears.append(QLinear(w, s, b, *parts[0][3:], ld.streams))
             for n, j in enumerate(members):
                 self.where[j] = (g, n)
         self.cuts = [np.cumsum([modules[j][1] for j in members])[:-1].tolist() for members in groups.values()]
@@ -134,10 +139,12 @@ class Projections:
 
 class Loader:
     """Gets tensors from the weight dict, checking presence, dtype and shape, casting floats once. With
-    `consume`, each is taken out of the dict, so fused copies are not held twice while a model loads."""
+    `consume`, each is taken out of the dict, so fused copies are not held twice while a model loads. The
+    projections it makes run over `streams`."""
 
-    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype, consume: bool = False):
-        self.args, self.weights, self.dtype, self.consume = args, weights, dtype, consume
+    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype, consume: bool = False,
+                 streams: Streams = ()):
+        self.args, self.weights, self.dtype, self.consume, self.streams = args, weights, dtype, consume, streams
 
     def _get(self, name: str) -> mx.array:
         if name not in self.weights:
@@ -186,7 +193,7 @@ class Loader:
         return w, s.astype(self.dtype), b.astype(self.dtype), bits, group
 
     def linear(self, module: str, out_dims: int, in_dims: int) -> QLinear:
-        return QLinear(*self.quantized(module, out_dims, in_dims))
+        return QLinear(*self.quantized(module, out_dims, in_dims), self.streams)
 
     def embedding(self, module: str, vocab: int, dims: int) -> QEmbedding:
         return QEmbedding(*self.quantized(module, vocab, dims))
@@ -205,9 +212,9 @@ class QEmbedding(NamedTuple):
         w, s, b = self.weight[tokens], self.scales[tokens], self.biases[tokens]
         return mx.dequantize(w, s, b, group_size=self.group_size, bits=self.bits).astype(dtype)
 
-    def as_linear(self) -> QLinear:
+    def as_linear(self, streams: Streams = ()) -> QLinear:
         """The table as the output head of tied word embeddings."""
-        return QLinear(*self)
+        return QLinear(*self, streams)
 
 
 
@@ -377,18 +384,19 @@ def route(logits: mx.array, k: int, norm_topk: bool) -> tuple[mx.array, mx.array
     return inds.astype(mx.uint32), scores
 
 
-def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, bits: int, group_size: int) -> mx.array:
+def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, bits: int, group_size: int,
+               streams: Streams = ()) -> mx.array:
     """Routed experts for tokens x [N, H] picked as `slots` [N, k] into stacked weights (each of w's nine
     arrays is [S, ...]): down(silu(gate(x)) * up(x)) per (token, pick) -> [N, k, H], three `gather_qmm`
-    calls in all. On the CPU backend the picks are split over the CPU streams (one core each); every
+    calls in all. On the CPU backend the picks are split over `streams` (`cpu_streams`, one core each); every
     (token, pick) row is computed by the same kernel whatever the split, so results do not depend on it. Small
     experts stay on one stream: below SPLIT_ROWS x 512 weights per matrix a stream hop costs more than it saves."""
-    if not STREAMS or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
+    if not streams or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
         return _switch_glu(x, w, slots, bits, group_size)
-    k, n = slots.shape[-1], min(len(STREAMS), slots.shape[-1])
+    k, n = slots.shape[-1], min(len(streams), slots.shape[-1])
     parts = []
     for j in range(n):
-        with mx.stream(STREAMS[j]):
+        with mx.stream(streams[j]):
             parts.append(_switch_glu(x, w, slots[:, j * k // n:(j + 1) * k // n], bits, group_size))
     return mx.concatenate(parts, axis=1)
 
@@ -417,10 +425,10 @@ class ResidentExperts:
     """Reference expert provider: every layer's stacked expert tensors in memory.
 
     `expert_tensors`: "language_model.model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}",
-    stacked [E, ...] as stored; scales and biases are cast to `dtype` once."""
+    stacked [E, ...] as stored; scales and biases are cast to `dtype` once. The picks run over `streams`."""
 
-    def __init__(self, args: ModelArgs, expert_tensors: dict[str, mx.array], dtype=mx.float32):
-        self.args, self.dtype = args, dtype
+    def __init__(self, args: ModelArgs, expert_tensors: dict[str, mx.array], dtype=mx.float32, streams: Streams = ()):
+        self.args, self.dtype, self.streams = args, dtype, streams
         ld = Loader(args, expert_tensors, dtype)
         H, inter, E = args.hidden_size, args.moe_intermediate_size, args.num_experts
         self.layers = []
@@ -446,7 +454,7 @@ class ResidentExperts:
         """Layer i's picks' outputs [..., k, H] (router-rank order) for x [..., H] and inds [..., k] from `route`."""
         parts, bits, group = self.layers[i]
         shape, k = x.shape, inds.shape[-1]
-        y = switch_glu(x.reshape(-1, shape[-1]), ExpertWeights(*parts), inds.reshape(-1, k), bits, group)
+        y = switch_glu(x.reshape(-1, shape[-1]), ExpertWeights(*parts), inds.reshape(-1, k), bits, group, self.streams)
         return y.reshape(*shape[:-1], k, shape[-1])
 
 
