@@ -21,6 +21,7 @@ from ..formats.direct import RangeReader, file_checksum
 from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import load_manifest, safe_path
 from .constrain import Constraint
+from .conversation import Conversation
 from .experts import StreamingExperts
 from .image import ImageConfig, check_preprocessor, load_image, preprocess
 from .models import family
@@ -89,11 +90,18 @@ class Engine:
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), self.model.router_logits, self.dtype,
                                         waste_budget=o.prefetch_waste, streams=self.model.streams)
-        self.cache = self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)), kv_bits=kv_bits(o))
-        self.offset = 0
-        self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens
+        self.conversation = self._new_conversation()
         self.steps: list[StepStats] = []
         self.rss = self.peak_rss = current_rss()  # the last sample, and the peak of every sample
+
+    @property
+    def offset(self) -> int:
+        """Tokens in the conversation."""
+        return self.conversation.offset
+
+    def _new_conversation(self) -> Conversation:
+        o = self.opts
+        return Conversation(self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)), kv_bits=kv_bits(o)))
 
     # ---- one forward step over a chunk of tokens
     def forward(self, tokens: list[int], phase: str, positions: mx.array | None = None,
@@ -116,11 +124,12 @@ class Engine:
         step.t0 = time.perf_counter()
         step.busy0 = self.experts.store.busy_time()
         self.experts.stats = step.layers
-        pos = positions if positions is not None else self.offset + self.rope_delta
+        conv = self.conversation
+        pos = positions if positions is not None else conv.offset + conv.rope_delta
         block = self.plan.prefill_step if phase == "prefill" else None  # prefill: layer by layer, in steps
-        logits = self.model.head(self.model.layers_forward(h, self.cache, pos, self.experts, block)[:, -1:, :])
+        logits = self.model.head(self.model.layers_forward(h, conv.caches, pos, self.experts, block)[:, -1:, :])
         step.host_ms = 1000 * (time.perf_counter() - step.t0)
-        self.offset += T
+        conv.offset += T
         self.steps.append(step)
         return logits.reshape(-1)
 
@@ -246,21 +255,16 @@ class Engine:
             self.note_rss()
 
     def _snapshot(self) -> tuple:
-        return (self.offset, len(self.steps), [(c.offset, getattr(c, "conv", None), getattr(c, "state", None))
-                                                for c in self.cache])
+        return self.conversation.mark(), len(self.steps)
 
     def _restore(self, snap: tuple) -> None:
-        self.offset, n_steps, caches = snap
+        mark, n_steps = snap
         del self.steps[n_steps:]
-        for c, (offset, conv, state) in zip(self.cache, caches, strict=True):
-            c.offset = offset
-            if conv is not None:
-                c.conv, c.state = conv, state
+        self.conversation.rewind(mark)
 
     def reset(self) -> None:
-        self.cache = self.model.make_cache(self.opts.ctx, mx_dtype(kv_dtype(self.opts)), kv_bits=kv_bits(self.opts))
-        self.offset = 0
-        self.rope_delta = 0
+        """An empty conversation in new caches."""
+        self.conversation = self._new_conversation()
 
     # ---- images
     def encode_image(self, path) -> tuple[mx.array, tuple[int, int, int]]:
@@ -304,14 +308,14 @@ class Engine:
             raise StreamoeError(f"prompt of {len(ids)} tokens with its images (+{self.offset} in context) is longer than "
                                 f"the planned context --ctx {self.opts.ctx}")
         pos, nxt = image_positions(ids, grids, pad, start, merge)
-        base = self.offset + self.rope_delta
+        base = self.offset + self.conversation.rope_delta
         pos = mx.array(pos + base)[:, None, :]
         emb = self.model.embed(mx.array([ids]))
         where = mx.array(np.nonzero(np.array(ids) == pad)[0])
         emb[0, where] = mx.concatenate([f for f, _ in feats], axis=0).astype(emb.dtype)
         mx.eval(emb)
         logits = self._prefill_chunks(ids, pos, emb)
-        self.rope_delta = base + nxt - self.offset
+        self.conversation.rope_delta = base + nxt - self.offset
         return logits
 
     def close(self) -> None:
