@@ -198,6 +198,7 @@ class Loader:
     def embedding(self, module: str, vocab: int, dims: int) -> QEmbedding:
         return QEmbedding(*self.quantized(module, vocab, dims))
 
+
 class QEmbedding(NamedTuple):
     """An affine-quantized embedding table: a token's row is dequantized when it is looked up."""
 
@@ -215,7 +216,6 @@ class QEmbedding(NamedTuple):
     def as_linear(self, streams: Streams = ()) -> QLinear:
         """The table as the output head of tied word embeddings."""
         return QLinear(*self, streams)
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -521,6 +521,6 @@ def weight_arrays(obj) -> list[mx.array]:
         return [a for lin in obj.linears for a in lin[:3]]
     if isinstance(obj, list | tuple):
         return [a for v in obj for a in weight_arrays(v)]
-    if hasattr(obj, "__dict__") and not isinstance(obj, ModelArgs):
+    if hasattr(obj, "__dict__"):
         return [a for v in vars(obj).values() for a in weight_arrays(v)]
     return []
