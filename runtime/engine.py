@@ -1,8 +1,9 @@
 """The engine: opens a converted model inside a memory cap and runs it, streaming routed experts.
 
 open (plan, non-expert weights, caches, the streaming-experts provider) / prefill (chunks through the
-staging slots) / decode (one token) / generate / close. The layer loop is the model's own
-(`Model.layers_forward`); where experts live, and how they get there, is `runtime/experts.py`.
+staging slots) / decode (one token) / generate / close. The layer loop is the model's own (`Model.layers_forward`
+of the checkpoint's family, `runtime/models/`); where experts live, and how they get there, is
+`runtime/experts.py`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from ..formats.config import ModelArgs
 from ..formats.direct import RangeReader, file_checksum
 from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import load_manifest, safe_path
-from . import model as model_mod
 from .constrain import Constraint
+from .conversation import Conversation
 from .experts import StreamingExperts
 from .image import ImageConfig, check_preprocessor, load_image, preprocess
-from .model import Model
+from .models import family
+from .models.kernels import cpu_streams
 from .mrope import expand_image_tokens, image_positions
 from .plan import Options, current_rss, default_dtype, kv_bits, kv_dtype, plan_for, prefetch_width, read_ring
 from .sampling import Sampler
@@ -76,21 +78,30 @@ class Engine:
         mx.set_cache_limit(self.plan.cache_limit)  # a smaller cache frees and reallocates every step
         self.dtype = mx_dtype(o.dtype or default_dtype())
         on_cpu = mx.default_device() == mx.cpu
-        model_mod.set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
         self.args = a = ModelArgs.from_config(m.config, self.root / "manifest.json")
+        model_family = family(a.model_type)
         k = a.num_experts_per_tok
         store = ExpertStore.open(self.root, m, o.experts, o.io_threads, ring=read_ring(o, k))
         self.lay = store.lay
         file, table = m.blob("nonexpert")
-        self.model = Model(a, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
+        streams = cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
+        weights = load_tensors(safe_path(self.root, file["path"]), table, self.dtype)
+        self.model = model_family.Model(a, weights, self.dtype, streams=streams)
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), self.model.router_logits, self.dtype,
-                                        waste_budget=o.prefetch_waste)
-        self.cache = self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)), kv_bits=kv_bits(o))
-        self.offset = 0
-        self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens
+                                        waste_budget=o.prefetch_waste, streams=self.model.streams)
+        self.conversation = self._new_conversation()
         self.steps: list[StepStats] = []
         self.rss = self.peak_rss = current_rss()  # the last sample, and the peak of every sample
+
+    @property
+    def offset(self) -> int:
+        """Tokens in the conversation."""
+        return self.conversation.offset
+
+    def _new_conversation(self) -> Conversation:
+        o = self.opts
+        return Conversation(self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)), kv_bits=kv_bits(o)))
 
     # ---- one forward step over a chunk of tokens
     def forward(self, tokens: list[int], phase: str, positions: mx.array | None = None,
@@ -113,11 +124,12 @@ class Engine:
         step.t0 = time.perf_counter()
         step.busy0 = self.experts.store.busy_time()
         self.experts.stats = step.layers
-        pos = positions if positions is not None else self.offset + self.rope_delta
+        conv = self.conversation
+        pos = positions if positions is not None else conv.offset + conv.rope_delta
         block = self.plan.prefill_step if phase == "prefill" else None  # prefill: layer by layer, in steps
-        logits = self.model.head(self.model.layers_forward(h, self.cache, pos, self.experts, block)[:, -1:, :])
+        logits = self.model.head(self.model.layers_forward(h, conv.caches, pos, self.experts, block)[:, -1:, :])
         step.host_ms = 1000 * (time.perf_counter() - step.t0)
-        self.offset += T
+        conv.offset += T
         self.steps.append(step)
         return logits.reshape(-1)
 
@@ -243,21 +255,16 @@ class Engine:
             self.note_rss()
 
     def _snapshot(self) -> tuple:
-        return (self.offset, len(self.steps), [(c.offset, getattr(c, "conv", None), getattr(c, "state", None))
-                                                for c in self.cache])
+        return self.conversation.mark(), len(self.steps)
 
     def _restore(self, snap: tuple) -> None:
-        self.offset, n_steps, caches = snap
+        mark, n_steps = snap
         del self.steps[n_steps:]
-        for c, (offset, conv, state) in zip(self.cache, caches, strict=True):
-            c.offset = offset
-            if conv is not None:
-                c.conv, c.state = conv, state
+        self.conversation.rewind(mark)
 
     def reset(self) -> None:
-        self.cache = self.model.make_cache(self.opts.ctx, mx_dtype(kv_dtype(self.opts)), kv_bits=kv_bits(self.opts))
-        self.offset = 0
-        self.rope_delta = 0
+        """An empty conversation in new caches."""
+        self.conversation = self._new_conversation()
 
     # ---- images
     def encode_image(self, path) -> tuple[mx.array, tuple[int, int, int]]:
@@ -301,14 +308,14 @@ class Engine:
             raise StreamoeError(f"prompt of {len(ids)} tokens with its images (+{self.offset} in context) is longer than "
                                 f"the planned context --ctx {self.opts.ctx}")
         pos, nxt = image_positions(ids, grids, pad, start, merge)
-        base = self.offset + self.rope_delta
+        base = self.offset + self.conversation.rope_delta
         pos = mx.array(pos + base)[:, None, :]
         emb = self.model.embed(mx.array([ids]))
         where = mx.array(np.nonzero(np.array(ids) == pad)[0])
         emb[0, where] = mx.concatenate([f for f, _ in feats], axis=0).astype(emb.dtype)
         mx.eval(emb)
         logits = self._prefill_chunks(ids, pos, emb)
-        self.rope_delta = base + nxt - self.offset
+        self.conversation.rope_delta = base + nxt - self.offset
         return logits
 
     def close(self) -> None:

@@ -15,8 +15,8 @@ from streamoe.convert.convert import convert
 from streamoe.convert.synth import synth
 from streamoe.formats.manifest import load_manifest
 from streamoe.formats.session import write_session
-from streamoe.runtime.cache import KVCache
 from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.models.cache import KVCache
 from streamoe.runtime.sampling import Sampler
 from streamoe.runtime.session import load_session, save_session
 from streamoe.runtime.text import TextIO
@@ -73,7 +73,7 @@ def test_session_file_is_safetensors_in_zstd(tiny_conv, tmp_path):
     tensors = load(raw)  # the safetensors library reads the decompressed file as is
     n = eng.offset
     assert n == len(FIRST) + 3
-    for i, c in enumerate(eng.cache):
+    for i, c in enumerate(eng.conversation.caches):
         if isinstance(c, KVCache):
             for field in ("keys", "values"):
                 saved = tensors[f"layers.{i}.{field}"]
@@ -83,7 +83,7 @@ def test_session_file_is_safetensors_in_zstd(tiny_conv, tmp_path):
             assert tensors[f"layers.{i}.state"].tobytes() == np.array(c.state).tobytes()
             assert tensors[f"layers.{i}.conv"].tobytes() == np.array(c.conv).tobytes()
     eng.close()
-    assert len(tensors) == 2 * len(eng.cache)
+    assert len(tensors) == 2 * len(eng.conversation.caches)
 
 
 @pytest.fixture(scope="module")
