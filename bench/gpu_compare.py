@@ -112,10 +112,10 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     demand reads' priority, side by side with them, as before session 8), `wastebudget` (a guess rank needs a fixed
     0.8 precision, as before session 9, instead of following the waste budget)."""
     from streamoe.runtime import experts as experts_mod
-    from streamoe.runtime import model as model_mod
     from streamoe.runtime import store as store_mod
+    from streamoe.runtime.models import delta_rule
 
-    model_mod.GDN_FORM = "ops" if ablate == "gdnkernel" else None
+    delta_rule.GDN_FORM = "ops" if ablate == "gdnkernel" else None
     store_mod.GUESSES_WAIT = ablate != "guesswait"
     experts_mod.PRECISION_RANGE = (0.8, 0.8) if ablate == "wastebudget" else DEFAULT_PRECISION_RANGE
     cap_gib = cap_gib_for(model, cap, experts, dtype)

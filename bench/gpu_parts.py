@@ -32,8 +32,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from streamoe.runtime import model as model_mod
 from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.models import delta_rule, kernels
 
 
 def timed(f, x: mx.array, n: int) -> dict:
@@ -81,16 +81,16 @@ def parts(eng: Engine, ref, ref_cache: list) -> dict:
 
     def ours_gdn_form(form):  # decode's delta rule in another form than the backend's
         def mixer(x):
-            model_mod.GDN_FORM = form
+            delta_rule.GDN_FORM = form
             try:
                 return ours_l[g].mix(x, c[g], m.rope, None)[0]
             finally:
-                model_mod.GDN_FORM = None
+                delta_rule.GDN_FORM = None
         return mixer
 
     def routed(i, x):
         inds, scores = m.route(ours_l[i].mlp.gate(x))
-        return model_mod.combine(ex(i, x, inds), scores)
+        return kernels.combine(ex(i, x, inds), scores)
 
     return {
         "gdn_mixer": (lambda x: ours_l[g].mix(x, c[g], m.rope, None)[0], lambda x: ref_mix(g, x)),
@@ -152,7 +152,7 @@ def variant(name: str, eng: Engine):
                 eng.experts = ex
             return
         if name in ("gdn_ops", "gdn_fast"):  # the token loop's compiled step (session 6's CUDA form), MLX's op
-            model_mod.GDN_FORM = name[4:]
+            delta_rule.GDN_FORM = name[4:]
         elif name == "cache_account_only":  # the allocator cache as before plan.cache_limit
             mx.set_cache_limit(eng.plan.accounts["allocator cache"])
         elif name == "cache_unlimited":
@@ -161,7 +161,7 @@ def variant(name: str, eng: Engine):
             raise SystemExit(f"unknown variant {name}")
         yield
     finally:
-        model_mod.GDN_FORM = None
+        delta_rule.GDN_FORM = None
         mx.set_cache_limit(limit)
 
 
@@ -176,7 +176,7 @@ class WholePool:
 
     def __call__(self, i, x, inds):
         shape, k = x.shape, inds.shape[-1]
-        y = model_mod.switch_glu(x.reshape(-1, shape[-1]), self.ex.pools.weights(), inds.reshape(-1, k) + self.base[i],
+        y = kernels.switch_glu(x.reshape(-1, shape[-1]), self.ex.pools.weights(), inds.reshape(-1, k) + self.base[i],
                                  self.ex.lay.bits, self.ex.lay.group_size)
         return y.reshape(*shape[:-1], k, shape[-1])
 

@@ -33,7 +33,7 @@ def measure(fn) -> tuple[int, float]:
 def main() -> None:
     import mlx.core as mx
 
-    from streamoe.runtime.cache import KVCache, QuantizedKVCache
+    from streamoe.runtime.models.cache import KVCache, QuantizedKVCache
     from streamoe.runtime.plan import KV_BITS, attention_elements, default_dtype
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +82,7 @@ def attend(cache, q, new: list, bits: int | None, peer: bool = False):
     import mlx.core as mx
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-    from streamoe.runtime import model as model_mod
+    from streamoe.runtime.models import kernels
 
     L, hd = q.shape[2], q.shape[3]
     cache.offset = cache.max_tokens - L
@@ -91,7 +91,7 @@ def attend(cache, q, new: list, bits: int | None, peer: bool = False):
     if peer:
         return quantized_scaled_dot_product_attention(q * 1, k, v, scale=hd**-0.5, mask=mask, bits=bits)  # scales q in place
     if bits:
-        return model_mod.quantized_attention(q, k, v, hd**-0.5, bits)
+        return kernels.quantized_attention(q, k, v, hd**-0.5, bits)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=hd**-0.5, mask=mask)
 
 

@@ -28,7 +28,7 @@ def fill_caches(eng, n: int, block: int = 4096, seed: int = 0) -> None:
     the caches' own writes (a quantized cache quantizes them); every layer's offset set to n."""
     import mlx.core as mx
 
-    from streamoe.runtime.cache import KVCache
+    from streamoe.runtime.models.cache import KVCache
 
     mx.random.seed(seed)
     for c in eng.cache:

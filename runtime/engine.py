@@ -1,8 +1,9 @@
 """The engine: opens a converted model inside a memory cap and runs it, streaming routed experts.
 
 open (plan, non-expert weights, caches, the streaming-experts provider) / prefill (chunks through the
-staging slots) / decode (one token) / generate / close. The layer loop is the model's own
-(`Model.layers_forward`); where experts live, and how they get there, is `runtime/experts.py`.
+staging slots) / decode (one token) / generate / close. The layer loop is the model's own (`Model.layers_forward`
+of the checkpoint's family, `runtime/models/`); where experts live, and how they get there, is
+`runtime/experts.py`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from ..formats.config import ModelArgs
 from ..formats.direct import RangeReader, file_checksum
 from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import load_manifest, safe_path
-from . import model as model_mod
 from .constrain import Constraint
 from .experts import StreamingExperts
 from .image import ImageConfig, check_preprocessor, load_image, preprocess
-from .model import Model
+from .models import family
+from .models.kernels import set_cpu_streams
 from .mrope import expand_image_tokens, image_positions
 from .plan import Options, current_rss, default_dtype, kv_bits, kv_dtype, plan_for, prefetch_width, read_ring
 from .sampling import Sampler
@@ -76,13 +77,14 @@ class Engine:
         mx.set_cache_limit(self.plan.cache_limit)  # a smaller cache frees and reallocates every step
         self.dtype = mx_dtype(o.dtype or default_dtype())
         on_cpu = mx.default_device() == mx.cpu
-        model_mod.set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
+        set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
         self.args = a = ModelArgs.from_config(m.config, self.root / "manifest.json")
+        model_family = family(a.model_type)
         k = a.num_experts_per_tok
         store = ExpertStore.open(self.root, m, o.experts, o.io_threads, ring=read_ring(o, k))
         self.lay = store.lay
         file, table = m.blob("nonexpert")
-        self.model = Model(a, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
+        self.model = model_family.Model(a, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), self.model.router_logits, self.dtype,
                                         waste_budget=o.prefetch_waste)

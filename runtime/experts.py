@@ -43,7 +43,7 @@ import numpy as np
 from ..formats.quant import f32_high_halves
 from ..formats.record import ExpertWeights, RecordLayout
 from .managed import keep_on_host
-from .model import STREAMS, switch_glu
+from .models.kernels import STREAMS, switch_glu
 from .store import ExpertStore
 from .telemetry import LayerStats
 from .tier import HotTier
@@ -85,7 +85,7 @@ def release_pool_readers() -> None:
     stream's tasks in order, so after it nothing earlier holds a pool. Only the upload-ring path needs this:
     direct writes change no MLX array."""
     mx.synchronize()
-    for s in STREAMS:  # the CPU backend's extra streams (model.set_cpu_streams) may have read the pools too
+    for s in STREAMS:  # the CPU backend's extra streams (kernels.set_cpu_streams) may have read the pools too
         mx.synchronize(s)
 
 

@@ -17,8 +17,8 @@ from ..formats.dtypes import itemsize
 from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import Manifest, load_manifest
 from ..formats.record import RecordLayout
-from .cache import KV_GROUP
-from .model import BLAS_BLOCK, BLAS_TOKENS, score_rows
+from .models.cache import KV_GROUP
+from .models.kernels import BLAS_BLOCK, BLAS_TOKENS, score_rows
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -64,7 +64,7 @@ def prefetch_width(opts: Options, top_k: int) -> int:
     return top_k if opts.prefetch_width is None else opts.prefetch_width
 
 
-KV_BITS = {"q8": 8, "q4": 4}  # quantized KV formats: affine codes in groups of KV_GROUP (runtime/cache.py)
+KV_BITS = {"q8": 8, "q4": 4}  # quantized KV formats: affine codes in groups of KV_GROUP (runtime/models/cache.py)
 
 
 def kv_format(opts: Options) -> str:
@@ -220,7 +220,7 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool =
 def attention_elements(a: ModelArgs, ctx: int, chunk: int, item: int, kv_bits: int | None = None) -> int:
     """Values of `item` bytes one chunk's attention holds at once, before `activation_bytes`' 1.5 margin: the
     chunk's q/k/v rows, and its scores against the whole context, twice (scores and softmax). A quantized KV
-    cache's attention (`model.quantized_attention`) scores a block of `score_rows` query positions at a time,
+    cache's attention (`kernels.quantized_attention`) scores a block of `score_rows` query positions at a time,
     so only one block's scores, their masked copy and their softmax exist at once (measured with
     mx.get_peak_memory at 1K-8K contexts: tests/test_kv_quant.py holds this as an upper bound)."""
     nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCache
+from .models.cache import KVCache
 from .session import _entries, _host
 
 # an item of a cache key: a token id, or ("image", sha256) where an image placeholder stands, because every

@@ -20,7 +20,7 @@ import numpy as np
 from ..formats.dtypes import DTYPES
 from ..formats.errors import fail
 from ..formats.session import SessionReader, header_limit, write_session
-from .cache import KVCache
+from .models.cache import KVCache
 from .plan import kv_format
 from .sampling import Sampler
 from .weights import code_of

@@ -170,12 +170,12 @@ def test_gpu_upload_ring_is_advised_to_stay_on_the_host(small_conv):
     assert pools.host_mapped == mx.cuda.is_available()
 
 
-@pytest.mark.skipif(not mx.cuda.is_available(), reason="the delta-rule kernel is CUDA's form (model.gdn_form)")
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the delta-rule kernel is CUDA's form (delta_rule.gdn_form)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_delta_rule_kernel_is_the_token_loop(dtype):
-    """CUDA runs the delta rule as one kernel (model.delta_rule_cuda): grouped heads, one token and a prompt's
+    """CUDA runs the delta rule as one kernel (delta_rule.delta_rule_cuda): grouped heads, one token and a prompt's
     worth, against the token loop (float32 state; the kernel sums over dk in another order: 1e-5 relative)."""
-    from streamoe.runtime.model import delta_rule_cuda, gated_delta_loop
+    from streamoe.runtime.models.delta_rule import delta_rule_cuda, gated_delta_loop
 
     rng = np.random.default_rng(3)
     B, Hk, Hv, dk, dv, extra = 2, 2, 4, 32, 16, 24  # conv holds q, k, then v: extra columns before v test VOFF

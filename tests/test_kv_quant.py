@@ -15,10 +15,10 @@ from mlx_lm.models.cache import QuantizedKVCache as PeerCache
 from streamoe.formats.config import ModelArgs
 from streamoe.formats.errors import StreamoeError
 from streamoe.formats.manifest import load_manifest
-from streamoe.runtime import model as model_mod
 from streamoe.runtime import prompt_cache
-from streamoe.runtime.cache import QuantizedKVCache
 from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.models import kernels
+from streamoe.runtime.models.cache import QuantizedKVCache
 from streamoe.runtime.plan import attention_elements, make_plan, plan_for, plan_with_limits, state_bytes
 from streamoe.runtime.session import load_session, save_session
 
@@ -48,13 +48,13 @@ def test_scores_on_the_codes_match_mlx_lm_quantized_sdpa(monkeypatch, bits, dtyp
     over them, bit for bit on the CPU: decode, a prompt chunk in one block, and one split into blocks of rows."""
     for new, block_rows in ((1, None), (37, None), (37, 5)):
         if block_rows:
-            monkeypatch.setattr(model_mod, "ATTN_SCORES_BYTES", 4 * 300 * dtype.size * block_rows)
+            monkeypatch.setattr(kernels, "ATTN_SCORES_BYTES", 4 * 300 * dtype.size * block_rows)
         (k, v), (pk, pv), q = filled(bits, 300, new, dtype)
-        rows = model_mod.score_rows(4, 300, dtype.size)
+        rows = kernels.score_rows(4, 300, dtype.size)
         assert rows == block_rows if block_rows else rows >= new  # split into blocks, or one
         for a, b in zip(k + v, pk + pv, strict=True):
             assert a.dtype == b.dtype and mx.array_equal(a, b).item()
-        ours = model_mod.quantized_attention(q, k, v, 0.125, bits)
+        ours = kernels.quantized_attention(q, k, v, 0.125, bits)
         # and it is attention: the float attention over the dequantized keys and values, up to rounding
         deq = [mx.dequantize(*t, group_size=64, bits=bits) for t in (k, v)]
         exact = mx.fast.scaled_dot_product_attention(q, *deq, scale=0.125, mask="causal" if new > 1 else None)
@@ -97,7 +97,7 @@ def test_kv_bytes_per_token_are_codes_scales_and_biases(tiny_conv):
 def test_plan_bounds_what_quantized_attention_allocates(tiny_conv, monkeypatch, n, block_bytes):
     """A 256-token prefill chunk against a context of n, its peak memory measured with mx.get_peak_memory:
     never more than the plan's attention term (scores of a block of rows, their masked copy and softmax)."""
-    monkeypatch.setattr(model_mod, "ATTN_SCORES_BYTES", block_bytes)
+    monkeypatch.setattr(kernels, "ATTN_SCORES_BYTES", block_bytes)
     a, L = tiny_args(tiny_conv), 256
     nq, hd = a.num_attention_heads, a.head_dim
     (k, v), _, q = filled(8, n, L, nq=nq, nkv=a.num_key_value_heads, hd=hd)
@@ -106,10 +106,10 @@ def test_plan_bounds_what_quantized_attention_allocates(tiny_conv, monkeypatch, 
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    out = model_mod.quantized_attention(q, k, v, 0.125, 8)
+    out = kernels.quantized_attention(q, k, v, 0.125, 8)
     mx.eval(out)
     peak = mx.get_peak_memory() - base
-    rows = min(L, model_mod.score_rows(nq, n, 4))
+    rows = min(L, kernels.score_rows(nq, n, 4))
     planned = int(1.5 * attention_elements(a, n, L, 4, kv_bits=8) * 4)  # as activation_bytes counts it
     assert rows * nq * n * 4 < peak <= planned, (peak, planned)  # at least one block's scores, within the plan
 

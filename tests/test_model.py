@@ -1,4 +1,5 @@
-"""runtime/model.py against mlx-lm's qwen3_5_moe on a tiny faithful checkpoint (real MLX, no mocks).
+"""runtime/models/qwen3_5_moe.py and the kernels it is built from against mlx-lm's qwen3_5_moe on a tiny faithful
+checkpoint (real MLX, no mocks).
 
 The checkpoint has the tiny faithful config (`streamoe synth --size tiny`, text part): 6 Gated DeltaNet + 2 gated attention
 layers, 8 experts top-2, 4-bit group 64 with 8-bit router and shared-expert gate, bf16 scales/biases/norms,
@@ -26,17 +27,10 @@ from mlx_lm.utils import quantize_model
 from streamoe.formats.config import PREFIX, ModelArgs
 from streamoe.formats.errors import StreamoeError
 from streamoe.formats.record import ExpertWeights
-from streamoe.runtime.model import (
-    Model,
-    MRoPE,
-    ResidentExperts,
-    combine,
-    forward,
-    gated_delta_chunked,
-    gated_delta_loop,
-    switch_glu,
-    text_positions,
-)
+from streamoe.runtime.models import family, forward
+from streamoe.runtime.models.delta_rule import gated_delta_chunked, gated_delta_loop
+from streamoe.runtime.models.kernels import MRoPE, ResidentExperts, combine, switch_glu, text_positions
+from streamoe.runtime.models.qwen3_5_moe import Model
 
 TOL_REF = 1e-5  # vs mlx-lm, relative to max |logit| (measured 0.0)
 TOL_CHUNKING = 1e-5  # one call vs chunks of 7 vs token by token (measured 0.0)
@@ -298,13 +292,13 @@ def test_fused_delta_rule_op_is_the_token_loop_on_the_cpu():
 def test_fused_projections_equal_separate_ones(tiny):
     """Projections that read the same input run as one matmul per quantization: every output equals its own
     layer's, bit for bit (the 8-bit router and output gate, the 4-bit shared gate/up: two matmuls)."""
-    from streamoe.runtime.model import Projections, QLinear, _Loader
+    from streamoe.runtime.models.kernels import Loader, Projections, QLinear
 
     p = f"{PREFIX}model.layers.2.mlp."
     a = tiny.args
     modules = [(f"{p}gate", a.num_experts), (f"{p}shared_expert.gate_proj", a.shared_expert_intermediate_size),
                (f"{p}shared_expert.up_proj", a.shared_expert_intermediate_size), (f"{p}shared_expert_gate", 1)]
-    ld = _Loader(a, tiny.nonexpert, mx.float32)
+    ld = Loader(a, tiny.nonexpert, mx.float32)
     fused = Projections(ld, modules, a.hidden_size)
     assert len(fused.linears) == 2  # 8-bit and 4-bit
     x = mx.random.normal((1, 3, a.hidden_size), key=mx.random.key(9))
@@ -438,3 +432,11 @@ def test_wrong_shape_or_bits_is_named(tiny):
     cfg.pop("quantization_config", None)
     with pytest.raises(StreamoeError, match=rf"{PREFIX}model\.layers\.4\.mlp\.gate\.weight.*8 bits"):
         Model(ModelArgs.from_config(cfg), dict(tiny.nonexpert))
+
+
+def test_family_is_chosen_by_model_type():
+    from streamoe.runtime.models import qwen3_5_moe as family_module
+
+    assert family("qwen3_5_moe") is family_module and family_module.Model is Model
+    with pytest.raises(StreamoeError, match="model_type 'llama' is not a family streamoe runs"):
+        family("llama")

@@ -15,8 +15,8 @@ from streamoe.convert.convert import convert
 from streamoe.convert.synth import synth
 from streamoe.formats.manifest import load_manifest
 from streamoe.formats.session import write_session
-from streamoe.runtime.cache import KVCache
 from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.models.cache import KVCache
 from streamoe.runtime.sampling import Sampler
 from streamoe.runtime.session import load_session, save_session
 from streamoe.runtime.text import TextIO

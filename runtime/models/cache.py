@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..formats.errors import StreamoeError
+from ...formats.errors import StreamoeError
 
 KV_GROUP = 64  # values per scale/bias pair of a quantized KV cache (mlx-lm's QuantizedKVCache default)
 
@@ -62,7 +62,7 @@ class KVCache:
 class QuantizedKVCache(KVCache):
     """Keys and values of one full-attention layer as `bits`-bit affine codes (groups of KV_GROUP along
     head_dim), preallocated to `max_tokens` positions. Attention is scored on the codes
-    (`model.quantized_attention`), so no dequantized copy of the context exists.
+    (`kernels.quantized_attention`), so no dequantized copy of the context exists.
 
     keys/values:              [B, n_kv_heads, max_tokens, head_dim * bits / 32] uint32 codes
     key_scales/key_biases,

@@ -1,0 +1,218 @@
+"""Gated DeltaNet's kernels: the causal depthwise convolution in front of it and the gated delta rule in its
+three forms (token loop, chunked WY form, one CUDA kernel), chosen per backend by `gated_delta`.
+
+The recurrence, per value head and token: S <- g S;  S <- S + beta (v - S k) k^T;  y = S q, with the state S
+[dv, dk] in float32. Every form computes it for a whole call; they agree up to float32 rounding (the loop, MLX's
+fused op on the CPU and the CUDA kernel take the same sums in the same order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .kernels import gpu_compiled
+
+GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
+EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
+# The delta rule's form, by backend (`gdn_form()`):
+# - "kernel" on CUDA: one kernel per call (`delta_rule_cuda`), any number of tokens. Decode is host-bound there
+#   (MLX encodes every kernel into a CUDA graph on the host), and the token loop's compiled step was several
+#   kernels plus two copies for the grouped heads per layer: the kernel measured 2.7-3.4 ms faster per
+#   full-size token on the H200 (bench/gpu_parts.py).
+# - "fast" on the CPU backend and Metal, calls of up to EVAL_EVERY tokens: MLX's fused
+#   `mx.fast.gated_delta_update`; on the CPU the same arithmetic as the token loop below, bit for bit, in fewer
+#   passes, but with every token's temporaries alive at once (146 MiB for 64 full-size tokens against the
+#   loop's 35), hence the bound.
+# - "ops" otherwise: the token loop (evaluated every EVAL_EVERY tokens) or, on a GPU beyond GDN_CHUNK tokens,
+#   the chunked form.
+GDN_FORM: str | None = None  # None: by backend, as above
+
+
+def gdn_form() -> str:
+    """"kernel", "fast" or "ops" (GDN_FORM, else by backend)."""
+    if GDN_FORM is not None:
+        return GDN_FORM
+    return "kernel" if mx.default_device() == mx.gpu and mx.cuda.is_available() else "fast"
+
+
+
+@gpu_compiled
+def conv_silu(seq: mx.array, w: mx.array) -> mx.array:
+    """Causal depthwise convolution of seq [B, K-1+L, C] with w [C, K] (taps summed left to right), SiLU."""
+    K = w.shape[1]
+    L = seq.shape[1] - (K - 1)
+    conv = seq[:, 0:L, :] * w[:, 0]
+    for j in range(1, K):
+        conv = conv + seq[:, j : j + L, :] * w[:, j]
+    return nn.silu(conv)
+
+
+def gated_delta(qk: mx.array, conv: mx.array, log_g: mx.array, beta: mx.array, state: mx.array,
+                hk: int, hv: int, dk: int, dv: int, chunked: bool | None) -> tuple[mx.array, mx.array]:
+    """y [B, L, Hv, dv] and the new state, in the backend's form (`gdn_form()`). qk [B, L, 2*Hk, dk] (q, then k:
+    normalised, q scaled), conv [B, L, C] (v is its last Hv*dv columns), log_g and beta [B, L, Hv], state
+    [B, Hv, dv, dk] float32. `chunked`: whether calls of more than GDN_CHUNK tokens take the chunked form
+    (None: on a GPU)."""
+    B, L, _ = conv.shape
+    form = gdn_form()
+    if form == "kernel":
+        return delta_rule_cuda(qk, conv, log_g, beta, state, hk, hv, dk, dv)
+    q, k = qk[:, :, :hk], qk[:, :, hk:]
+    v = conv[..., 2 * hk * dk :].reshape(B, L, hv, dv)
+    if L <= EVAL_EVERY and form == "fast":  # MLX's fused op (GQA built in)
+        return mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, state)
+    if hv != hk:  # value head j reads key head j // (Hv/Hk)
+        q = mx.repeat(q, hv // hk, axis=2)
+        k = mx.repeat(k, hv // hk, axis=2)
+    if (chunked if chunked is not None else mx.default_device() == mx.gpu) and L > GDN_CHUNK:
+        return gated_delta_chunked(q, k, v, log_g, beta, state)
+    return gated_delta_loop(q, k, v, log_g, beta, state)
+
+
+@gpu_compiled
+def _delta_step(state, q, k, v, log_g, beta):
+    """One token. state [B, H, dv, dk] f32; q, k [B, H, dk]; v [B, H, dv]; log_g, beta [B, H].
+    Returns y [B, H, dv] in v's dtype and the new state."""
+    state = state * mx.exp(log_g)[..., None, None]
+    kv = (state * k[..., None, :]).sum(axis=-1)  # what the state currently recalls for k
+    delta = (v - kv) * beta[..., None]
+    state = state + k[..., None, :] * delta[..., None]
+    y = (state * q[..., None, :]).sum(axis=-1)
+    return y.astype(v.dtype), state
+
+
+def gated_delta_loop(q, k, v, log_g, beta, state):
+    """The recurrence token by token. q, k [B, L, H, dk] (already repeated to H = Hv); v [B, L, H, dv];
+    log_g, beta [B, L, H]; state [B, H, dv, dk] float32. Returns y [B, L, H, dv] (v's dtype), state."""
+    ys = []
+    for t in range(q.shape[1]):
+        y, state = _delta_step(state, q[:, t], k[:, t], v[:, t], log_g[:, t], beta[:, t])
+        ys.append(y)
+        if t % EVAL_EVERY == EVAL_EVERY - 1:  # bound the live graph: a long prompt would hold every step's state
+            mx.eval(state, ys)
+    return (mx.stack(ys, axis=1) if len(ys) > 1 else ys[0][:, None]), state
+
+
+_DELTA_RULE_SOURCE = """
+    // one thread per row j of one value head's state [DV, DK], carried through the call's tokens
+    const int nb = conv_shape[0], len = conv_shape[1];
+    const unsigned int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (unsigned int)(nb * HV * DV)) return;
+    const int j = idx % DV, h = (idx / DV) % HV, b = idx / (DV * HV);
+    const int kh = h / (HV / HK);  // the key head this value head reads
+    const size_t row = ((size_t)(b * HV + h) * DV + j) * DK;
+    float s[DK];
+    #pragma unroll
+    for (int i = 0; i < DK; ++i) s[i] = state[row + i];
+    for (int t = 0; t < len; ++t) {
+        const size_t bt = (size_t)b * len + t;
+        const float g = expf(log_g[bt * HV + h]);
+        const float w = static_cast<float>(beta[bt * HV + h]);
+        const auto* q = qk + (bt * 2 * HK + kh) * DK;
+        const auto* k = qk + (bt * 2 * HK + HK + kh) * DK;
+        float recall = 0.f;
+        #pragma unroll
+        for (int i = 0; i < DK; ++i) { s[i] *= g; recall += s[i] * static_cast<float>(k[i]); }
+        const float delta = (static_cast<float>(conv[bt * CONV + VOFF + h * DV + j]) - recall) * w;
+        float acc = 0.f;
+        #pragma unroll
+        for (int i = 0; i < DK; ++i) { s[i] += static_cast<float>(k[i]) * delta; acc += s[i] * static_cast<float>(q[i]); }
+        y[bt * HV * DV + h * DV + j] = static_cast<T>(acc);
+    }
+    #pragma unroll
+    for (int i = 0; i < DK; ++i) state_out[row + i] = s[i];
+"""
+
+
+@functools.cache
+def _delta_rule_kernel():
+    return mx.fast.cuda_kernel("streamoe_delta_rule", ["qk", "conv", "log_g", "beta", "state"], ["y", "state_out"],
+                               _DELTA_RULE_SOURCE)
+
+
+def delta_rule_cuda(qk, conv, log_g, beta, state, hk: int, hv: int, dk: int, dv: int):
+    """The recurrence of a whole call as one CUDA kernel: qk [B, L, 2*Hk, dk] (q, then k: normalised, q scaled),
+    conv [B, L, C] (v is its last Hv*dv columns), log_g [B, L, Hv] float32, beta [B, L, Hv] (conv's dtype),
+    state [B, Hv, dv, dk] float32. The token loop's arithmetic in float32, one thread per state row, its sums
+    over dk taken left to right: y [B, L, Hv, dv] in conv's dtype, and the new state. Shapes other than the
+    model's head sizes are read at run time, so every prompt length runs the one compiled kernel."""
+    B, L, C = conv.shape
+    n = B * hv * dv
+    return _delta_rule_kernel()(
+        inputs=[qk, conv, log_g, beta, state],
+        template=[("T", conv.dtype), ("HK", hk), ("HV", hv), ("DK", dk), ("DV", dv), ("CONV", C), ("VOFF", C - hv * dv)],
+        grid=(n, 1, 1), threadgroup=(min(128, n), 1, 1),
+        output_shapes=[(B, L, hv, dv), state.shape], output_dtypes=[conv.dtype, mx.float32])
+
+
+def _unit_lower_inverse(a: mx.array) -> mx.array:
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C] (C a power of two), by recursive 2x2 block
+    inversion done level by level on all diagonal blocks at once: inv([[X, 0], [Y, Z]]) =
+    [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]]."""
+    C = a.shape[-1]
+    lead = a.shape[:-2]
+    inv = mx.ones((*lead, C, 1, 1), dtype=a.dtype)  # inverses of the 1x1 diagonal blocks
+    b = 1
+    while b < C:
+        P = C // (2 * b)
+        p = np.arange(P)[:, None, None]
+        rows = (2 * p + 1) * b + np.arange(b)[None, :, None]
+        cols = 2 * p * b + np.arange(b)[None, None, :]
+        y = a[..., mx.array(rows), mx.array(cols)]  # [..., P, b, b] the block below each diagonal pair
+        x_inv, z_inv = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        low = -(z_inv @ y @ x_inv)
+        top = mx.concatenate([x_inv, mx.zeros_like(x_inv)], axis=-1)
+        bottom = mx.concatenate([low, z_inv], axis=-1)
+        inv = mx.concatenate([top, bottom], axis=-2)  # [..., P, 2b, 2b]
+        b *= 2
+    return inv.reshape(*lead, C, C)
+
+
+def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = GDN_CHUNK):
+    """The same recurrence in chunks of `chunk` tokens (WY form): inside a chunk the delta-rule updates
+    are solved as one unit-lower-triangular system, across chunks the state is carried. Same arguments and
+    results as `gated_delta_loop`, equal up to float32 rounding."""
+    B, L, H, _ = q.shape
+    out_dtype = v.dtype
+    pad = (-L) % chunk
+    if pad:  # padded tokens have beta = 0 and no decay, so they leave the state untouched
+        padding = [(0, 0), (0, pad)]
+        q, k, v = (mx.pad(t, [*padding, (0, 0), (0, 0)]) for t in (q, k, v))
+        log_g, beta = (mx.pad(t, [*padding, (0, 0)]) for t in (log_g, beta))
+    N = (L + pad) // chunk
+
+    def heads_first(t):  # [B, N*C, H, ...] -> [B, H, N, C, ...] float32
+        t = t.astype(mx.float32).reshape(B, N, chunk, H, *t.shape[3:])
+        return t.transpose(0, 3, 1, 2, *range(4, t.ndim))
+
+    q, k, v, log_g, beta = map(heads_first, (q, k, v, log_g, beta))
+    gam = mx.cumsum(log_g, axis=-1)  # log of the decay from the chunk start through token t
+    idx = mx.arange(chunk)
+    incl = idx[:, None] >= idx[None, :]
+    strict = idx[:, None] > idx[None, :]
+    diff = gam[..., :, None] - gam[..., None, :]
+    decay = mx.exp(mx.where(incl, diff, -mx.inf))  # exp(gam_t - gam_s) for s <= t, else 0
+
+    kb = k * beta[..., None]
+    a = mx.where(strict, (kb @ k.swapaxes(-1, -2)) * decay, 0.0)
+    t_inv = _unit_lower_inverse(a)
+    u = t_inv @ (v * beta[..., None])  # [B, H, N, C, dv]
+    w = t_inv @ (kb * mx.exp(gam)[..., None])  # [B, H, N, C, dk]
+    qk = mx.where(incl, (q @ k.swapaxes(-1, -2)) * decay, 0.0)
+    qg = q * mx.exp(gam)[..., None]
+    k_tail = k * mx.exp(gam[..., -1:] - gam)[..., None]
+    g_last = mx.exp(gam[..., -1])  # [B, H, N]
+
+    ys = []
+    for n in range(N):
+        s_t = state.swapaxes(-1, -2)  # [B, H, dk, dv]
+        delta = u[:, :, n] - w[:, :, n] @ s_t  # [B, H, C, dv]
+        ys.append(qg[:, :, n] @ s_t + qk[:, :, n] @ delta)
+        state = state * g_last[:, :, n, None, None] + delta.swapaxes(-1, -2) @ k_tail[:, :, n]
+    y = mx.concatenate(ys, axis=2)[:, :, :L]  # [B, H, L, dv]
+    return y.transpose(0, 2, 1, 3).astype(out_dtype), state
+

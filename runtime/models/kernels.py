@@ -1,0 +1,518 @@
+"""The kernel library every model family is built from, in MLX primitives.
+
+Weights by name (`Loader`: presence, dtype and shape checked, floats cast once), quantized projections
+(`QLinear`, and `Projections`: several that read one input as one matmul per quantization), the quantized
+embedding, rotary embeddings (`MRoPE`, plain `RoPE`), causal attention over a float or quantized KV cache
+(`attention`), the elementwise chains compiled on GPUs (`gpu_compiled`), the routed experts over slots
+(`route`, `switch_glu`, `combine`, `ResidentExperts`) and the one layer loop (`run_layers`). Gated DeltaNet's
+kernels are `delta_rule.py`.
+
+Every kernel is deterministic and depends on the shapes of its call only, never on where an expert's weights
+live, so a family built from them gives bit-identical results at every cap.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ...formats.config import PREFIX, ModelArgs
+from ...formats.errors import StreamoeError
+from ...formats.record import ExpertWeights
+from .cache import KV_GROUP, KVCache
+
+# --------------------------------------------------------------------------------------------------
+# weights
+
+
+# CPU streams for large matrix-vector products: MLX runs each CPU stream on its own thread, so splitting a
+# big layer's output rows across streams uses every core. Each output row is computed by the same kernel
+# whatever the split, so results do not change with the number of streams.
+STREAMS: list = []
+SPLIT_ROWS = 1024
+BLAS_TOKENS = 16  # CPU: from this many tokens a quantized linear layer runs through numpy's BLAS (QLinear._blas)
+BLAS_BLOCK = 1024  # rows dequantized at a time there (the plan's activation account holds one block)
+
+
+def gpu_compiled(fn):
+    """`mx.compile(fn)` on a GPU, where fusing a chain of elementwise ops saves kernel launches (decode is
+    launch-bound there); `fn` itself on the CPU backend. Either way every run of a backend computes the
+    same ops, so results stay identical across caps and runs."""
+    compiled = mx.compile(fn)
+
+    def call(*args):
+        return compiled(*args) if mx.default_device() == mx.gpu else fn(*args)
+
+    return functools.wraps(fn)(call)
+
+
+def set_cpu_streams(n: int) -> None:
+    """Use n CPU streams (n <= 1: the default stream only)."""
+    STREAMS[:] = [mx.new_stream(mx.cpu) for _ in range(n)] if n > 1 else []
+
+
+class QLinear(NamedTuple):
+    """An affine-quantized linear layer without bias: y = x @ dequantize(weight).T"""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = self.weight.shape[0]
+        if x.size >= BLAS_TOKENS * x.shape[-1] and mx.default_device() == mx.cpu:
+            return self._blas(x)
+        if not STREAMS or rows < SPLIT_ROWS * len(STREAMS):
+            return mx.quantized_matmul(
+                x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
+            )
+        n = len(STREAMS)
+        step = -(-rows // n)
+        parts = []
+        for j, st in enumerate(STREAMS):
+            a, b = j * step, min(rows, (j + 1) * step)
+            with mx.stream(st):
+                parts.append(mx.quantized_matmul(x, self.weight[a:b], self.scales[a:b], self.biases[a:b],
+                                                 transpose=True, group_size=self.group_size, bits=self.bits))
+        return mx.concatenate(parts, axis=-1)
+
+    def _blas(self, x: mx.array) -> mx.array:
+        """Many tokens on the CPU backend (prefill): the weights dequantized BLAS_BLOCK rows at a time and
+        multiplied by numpy's BLAS. MLX's CPU quantized matmul does not reuse a weight across tokens (0.8 GMAC/s
+        per core: 2.8 s for 97 tokens through a Gated DeltaNet in_proj, 0.34 s this way). The rounding differs
+        from the quantized kernel's, but the path depends only on the number of tokens, never on the cap."""
+        rows, xs = self.weight.shape[0], np.asarray(x.reshape(-1, x.shape[-1]).astype(mx.float32))
+        out = np.empty((xs.shape[0], rows), dtype=np.float32)
+        for a in range(0, rows, BLAS_BLOCK):
+            b = min(rows, a + BLAS_BLOCK)
+            w = mx.dequantize(self.weight[a:b], self.scales[a:b], self.biases[a:b], group_size=self.group_size,
+                              bits=self.bits).astype(mx.float32)
+            np.matmul(xs, np.asarray(w).T, out=out[:, a:b])
+        return mx.array(out).astype(x.dtype).reshape(*x.shape[:-1], rows)
+
+
+
+class Projections:
+    """Quantized linear layers that read the same input, run as one matmul per quantization (bits, group
+    size): their rows are concatenated at load and the output split again. Each output row is the same dot
+    product whichever matrix holds it, so results do not change; decode is launch-bound on GPUs, and every
+    projection fused is a kernel and a graph node fewer per layer."""
+
+    def __init__(self, ld: Loader, modules: list[tuple[str, int]], in_dims: int):
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, (module, _) in enumerate(modules):
+            groups.setdefault(ld.args.quant_params(module), []).append(j)
+        self.linears, self.where = [], [None] * len(modules)
+        for g, members in enumerate(groups.values()):
+            parts = [ld.quantized(modules[j][0], modules[j][1], in_dims) for j in members]
+            w, s, b = (mx.concatenate([q[n] for q in parts]) if len(parts) > 1 else parts[0][n] for n in range(3))
+            mx.eval(w, s, b)  # now, so the parts are freed as the load goes on
+            self.linears.append(QLinear(w, s, b, *parts[0][3:]))
+            for n, j in enumerate(members):
+                self.where[j] = (g, n)
+        self.cuts = [np.cumsum([modules[j][1] for j in members])[:-1].tolist() for members in groups.values()]
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        outs = [self._group(x, g) for g in range(len(self.linears))]
+        return [outs[g][n] for g, n in self.where]
+
+    def one(self, x: mx.array, j: int) -> mx.array:
+        """Output j alone: only the matmul of its quantization group."""
+        g, n = self.where[j]
+        return self._group(x, g)[n]
+
+    def _group(self, x: mx.array, g: int) -> list[mx.array]:
+        y = self.linears[g](x)
+        return mx.split(y, self.cuts[g], axis=-1) if self.cuts[g] else [y]
+
+
+class Loader:
+    """Gets tensors from the weight dict, checking presence, dtype and shape, casting floats once. With
+    `consume`, each is taken out of the dict, so fused copies are not held twice while a model loads."""
+
+    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype, consume: bool = False):
+        self.args, self.weights, self.dtype, self.consume = args, weights, dtype, consume
+
+    def _get(self, name: str) -> mx.array:
+        if name not in self.weights:
+            raise StreamoeError(f"missing tensor {name}")
+        return self.weights.pop(name) if self.consume else self.weights[name]
+
+    def float(self, name: str, shape: tuple[int, ...], dtype=None) -> mx.array:
+        w = self._get(name)
+        if not mx.issubdtype(w.dtype, mx.floating):
+            raise StreamoeError(f"{name}: dtype {w.dtype} is not floating point")
+        if tuple(w.shape) != tuple(shape):
+            raise StreamoeError(f"{name}: shape {tuple(w.shape)}, expected {tuple(shape)}")
+        return w.astype(dtype or self.dtype)
+
+    def quantized(
+        self, module: str, out_dims: int, in_dims: int
+    ) -> tuple[mx.array, mx.array, mx.array, int, int]:
+        """(weight, scales, biases, bits, group) of `module`; shapes may carry leading (expert) dims."""
+        bits, group = self.args.quant_params(module)
+        w = self._get(f"{module}.weight")
+        s = self._get(f"{module}.scales")
+        b = self._get(f"{module}.biases")
+        if w.dtype != mx.uint32:
+            raise StreamoeError(f"{module}.weight: dtype {w.dtype}, expected uint32 (quantized)")
+        lead = tuple(w.shape[:-2])
+        if in_dims % group or (in_dims * bits) % 32:
+            raise StreamoeError(f"{module}: input dim {in_dims} does not pack at {bits} bits, group {group}")
+        if s.ndim == w.ndim and s.shape[-1] and 32 * w.shape[-1] != bits * s.shape[-1] * group:
+            found = 32 * w.shape[-1] / (s.shape[-1] * group)
+            raise StreamoeError(
+                f"{module}.weight: shape {tuple(w.shape)} with scales {tuple(s.shape)} means {found:g} bits, "
+                f"config says {bits}"
+            )
+        for name, arr, shape in (
+            (f"{module}.weight", w, (*lead, out_dims, in_dims * bits // 32)),
+            (f"{module}.scales", s, (*lead, out_dims, in_dims // group)),
+            (f"{module}.biases", b, (*lead, out_dims, in_dims // group)),
+        ):
+            if tuple(arr.shape) != shape:
+                raise StreamoeError(
+                    f"{name}: shape {tuple(arr.shape)}, expected {shape} ({bits}-bit, group {group})"
+                )
+        for name, arr in ((f"{module}.scales", s), (f"{module}.biases", b)):
+            if not mx.issubdtype(arr.dtype, mx.floating):
+                raise StreamoeError(f"{name}: dtype {arr.dtype} is not floating point")
+        return w, s.astype(self.dtype), b.astype(self.dtype), bits, group
+
+    def linear(self, module: str, out_dims: int, in_dims: int) -> QLinear:
+        return QLinear(*self.quantized(module, out_dims, in_dims))
+
+    def embedding(self, module: str, vocab: int, dims: int) -> QEmbedding:
+        return QEmbedding(*self.quantized(module, vocab, dims))
+
+class QEmbedding(NamedTuple):
+    """An affine-quantized embedding table: a token's row is dequantized when it is looked up."""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    def __call__(self, tokens: mx.array, dtype: mx.Dtype) -> mx.array:
+        """[B, L] token ids -> [B, L, H] in `dtype`."""
+        w, s, b = self.weight[tokens], self.scales[tokens], self.biases[tokens]
+        return mx.dequantize(w, s, b, group_size=self.group_size, bits=self.bits).astype(dtype)
+
+    def as_linear(self) -> QLinear:
+        """The table as the output head of tied word embeddings."""
+        return QLinear(*self)
+
+
+
+# --------------------------------------------------------------------------------------------------
+# rotary embedding
+
+
+class MRoPE:
+    """Partial rotary embedding (rotate-half pairing) with interleaved 3-axis M-RoPE positions.
+
+    The first `rotary_dim` dims of every head rotate; frequency f (of rotary_dim/2) takes its position
+    from axis t, h or w: f % 3 == 1 -> h (for f < 3*section[1]), f % 3 == 2 -> w (for f < 3*section[2]),
+    else t. With all three position rows equal this is exactly `mx.fast.rope(traditional=False)`: the
+    inverse frequencies and angles are computed with the same float32 operations. So plain text (every
+    axis the token index) takes `mx.fast.rope` itself, one kernel per call, as mlx-lm does; only calls
+    with image positions build the cos/sin tables.
+    """
+
+    def __init__(self, rotary_dim: int, base: float, section: tuple[int, ...]):
+        self.dims, self.base = rotary_dim, base
+        half = rotary_dim // 2
+        step = np.log(np.float32(base)) / np.float32(half)  # float32 arithmetic, as mx.fast.rope does it
+        self.inv_freq = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(step, dtype=mx.float32))
+        axis = [0] * half
+        for f in range(half):
+            if f % 3 == 1 and f < 3 * section[1]:
+                axis[f] = 1
+            elif f % 3 == 2 and f < 3 * section[2]:
+                axis[f] = 2
+        self.axis = mx.array(axis, dtype=mx.int32)
+        mx.eval(self.inv_freq, self.axis)
+
+    def prepare(self, positions: int | mx.array):
+        """What the attention layers of one call rotate by: an int (plain text from that position) stays an
+        int; positions [3, B, L] become their (cos, sin) tables."""
+        return positions if isinstance(positions, int) else self.cos_sin(positions)
+
+    def cos_sin(self, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """positions [3, B, L] (or [B, L] for plain text) -> cos, sin [B, 1, L, rotary_dim/2] float32."""
+        if positions.ndim == 2:
+            positions = mx.broadcast_to(positions[None], (3, *positions.shape))
+        pos = mx.take(positions, self.axis, axis=0).transpose(1, 2, 0).astype(mx.float32)  # [B, L, half]
+        theta = pos * self.inv_freq
+        return mx.cos(theta)[:, None], mx.sin(theta)[:, None]
+
+    def __call__(self, x: mx.array, rot) -> mx.array:
+        """x [B, heads, L, head_dim]; rot from `prepare`."""
+        if isinstance(rot, int):
+            return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=rot)
+        cos, sin = rot
+        half, d = self.dims // 2, self.dims
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:d]
+        parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+        if d < x.shape[-1]:
+            parts.append(x[..., d:])
+        return mx.concatenate(parts, axis=-1)
+
+
+def text_positions(offset: int, length: int, batch: int = 1) -> mx.array:
+    """M-RoPE position ids [3, B, L] of plain text: every axis is the token index."""
+    pos = mx.arange(offset, offset + length, dtype=mx.int32)
+    return mx.broadcast_to(pos[None, None], (3, batch, length))
+
+
+class RoPE:
+    """Rotary embedding of the first `dims` dims of every head (rotate-half pairing), as `mx.fast.rope` computes
+    it; the same `prepare`/call interface as `MRoPE`, for families whose positions are plain token indices."""
+
+    def __init__(self, dims: int, base: float, scale: float = 1.0):
+        self.dims, self.base, self.scale = dims, base, scale
+
+    def prepare(self, positions: int) -> int:
+        return positions
+
+    def __call__(self, x: mx.array, rot: int) -> mx.array:
+        """x [B, heads, L, head_dim], its first token at position `rot`."""
+        return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=self.scale, offset=rot)
+
+
+# --------------------------------------------------------------------------------------------------
+# elementwise chains
+
+
+@gpu_compiled
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+@gpu_compiled
+def sigmoid_gate(y: mx.array, gate: mx.array) -> mx.array:
+    return y * mx.sigmoid(gate)
+
+
+# --------------------------------------------------------------------------------------------------
+# attention
+
+
+ATTN_SCORES_BYTES = 32 << 20  # the scores of one block of query rows against the whole context (quantized KV)
+
+
+def score_rows(n_heads: int, n_keys: int, itemsize: int) -> int:
+    """Query positions per block of `quantized_attention`: as many as keep one block's scores within
+    ATTN_SCORES_BYTES (at least one). A function of the context alone, never of the cap, so the blocks and
+    the logits are the same at every cap."""
+    return max(1, ATTN_SCORES_BYTES // (n_heads * n_keys * itemsize))
+
+
+def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, bits: int) -> mx.array:
+    """Causal attention of q [B, nq, L, hd] over quantized keys/values ((codes, scales, biases), each
+    [B, nkv, N, ...]), scored on the codes with `mx.quantized_matmul` as mlx-lm's quantized SDPA does.
+
+    The query heads that share a KV head are stacked as rows of one matmul ([B, nkv, rep * L, hd]) rather than
+    broadcast against the codes, and the L query positions go a block at a time (`score_rows`), so what is
+    materialized is one block's scores (and their softmax), not L x N x nq of them for a long prompt."""
+    B, nq, L, D = q.shape
+    nkv, N = keys[0].shape[1], keys[0].shape[2]
+    rep = nq // nkv
+    q = (q * scale).reshape(B, nkv, rep, L, D)
+    rows = score_rows(nq, N, q.dtype.size)
+    outs = []
+    for a in range(0, L, rows):
+        b = min(L, a + rows)
+        qb = q[:, :, :, a:b].reshape(B, nkv, rep * (b - a), D)
+        if outs:  # left lazy, MLX would schedule every block's scores at once (measured: all of them live)
+            mx.eval(outs[-1])
+        s = mx.quantized_matmul(qb, *keys, transpose=True, group_size=KV_GROUP, bits=bits)
+        if L > 1:  # query position a+i sits at key position N - L + a + i
+            mask = mx.arange(N - L + a, N - L + b)[:, None] >= mx.arange(N)[None]
+            s = mx.where(mask, s.reshape(B, nkv, rep, b - a, N), mx.finfo(s.dtype).min).reshape(s.shape)
+        p = mx.softmax(s, axis=-1, precise=True)
+        outs.append(mx.quantized_matmul(p, *values, transpose=False, group_size=KV_GROUP, bits=bits)
+                    .reshape(B, nkv, rep, b - a, D))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(B, nq, L, D)
+
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None, scale: float) -> mx.array:
+    """Causal attention of q [B, nq, L, hd] over the cache's keys and values once this call's k, v
+    [B, nkv, L, hd] are stored: on the codes where the cache is quantized (`quantized_attention`), else MLX's
+    fused kernel, GQA handled by it. Returns [B, nq, L, hd]."""
+    L = q.shape[2]
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    if cache is not None and cache.bits:
+        return quantized_attention(q, k, v, scale, cache.bits)
+    # causal: query i sits at key position (n_keys - L + i)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if L > 1 else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# routed experts
+
+
+def route(logits: mx.array, k: int, norm_topk: bool) -> tuple[mx.array, mx.array]:
+    """Top-k experts: (inds [..., k] uint32, scores [..., k] in the logits' dtype), in router-rank order.
+
+    Exactly mlx-lm's arithmetic: the softmax accumulates in float32 (precise) and returns the logits' dtype;
+    the k largest picked by argpartition (kth=-k, last k, in the order argpartition leaves them: that order
+    is the one experts are combined in); scores renormalised to sum to 1 (norm_topk_prob)."""
+    gates = mx.softmax(logits, axis=-1, precise=True)
+    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if norm_topk:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return inds.astype(mx.uint32), scores
+
+
+def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, bits: int, group_size: int) -> mx.array:
+    """Routed experts for tokens x [N, H] picked as `slots` [N, k] into stacked weights (each of w's nine
+    arrays is [S, ...]): down(silu(gate(x)) * up(x)) per (token, pick) -> [N, k, H], three `gather_qmm`
+    calls in all. On the CPU backend the picks are split over the CPU streams (one core each); every
+    (token, pick) row is computed by the same kernel whatever the split, so results do not depend on it. Small
+    experts stay on one stream: below SPLIT_ROWS x 512 weights per matrix a stream hop costs more than it saves."""
+    if not STREAMS or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
+        return _switch_glu(x, w, slots, bits, group_size)
+    k, n = slots.shape[-1], min(len(STREAMS), slots.shape[-1])
+    parts = []
+    for j in range(n):
+        with mx.stream(STREAMS[j]):
+            parts.append(_switch_glu(x, w, slots[:, j * k // n:(j + 1) * k // n], bits, group_size))
+    return mx.concatenate(parts, axis=1)
+
+
+def _switch_glu(x, w, slots, bits, group_size):
+    def qmm(a, wq, s, b):
+        # scales/biases at x's dtype (the pools hold them so): mixed dtypes would cast the whole stacked array
+        return mx.gather_qmm(a, wq, s, b, rhs_indices=slots, transpose=True, group_size=group_size, bits=bits)
+
+    xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, H]: each token meets its k picks
+    h = swiglu(qmm(xe, w.gate_w, w.gate_s, w.gate_b), qmm(xe, w.up_w, w.up_s, w.up_b))
+    return qmm(h, w.down_w, w.down_s, w.down_b).squeeze(-2)
+
+
+def combine(outs: mx.array, scores: mx.array) -> mx.array:
+    """outs [..., k, H] in router-rank order, scores [..., k] -> sum_j outs[..., j, :] * scores[..., j],
+    accumulated left to right in rank order with elementwise ops (no reduction kernel), so the result
+    depends only on the values, not on shapes or batching."""
+    acc = outs[..., 0, :] * scores[..., 0:1]
+    for j in range(1, outs.shape[-2]):
+        acc = acc + outs[..., j, :] * scores[..., j : j + 1]
+    return acc
+
+
+class ResidentExperts:
+    """Reference expert provider: every layer's stacked expert tensors in memory.
+
+    `expert_tensors`: "language_model.model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}",
+    stacked [E, ...] as stored; scales and biases are cast to `dtype` once."""
+
+    def __init__(self, args: ModelArgs, expert_tensors: dict[str, mx.array], dtype=mx.float32):
+        self.args, self.dtype = args, dtype
+        ld = Loader(args, expert_tensors, dtype)
+        H, inter, E = args.hidden_size, args.moe_intermediate_size, args.num_experts
+        self.layers = []
+        for i in range(args.num_hidden_layers):
+            p = f"{PREFIX}model.layers.{i}.mlp.switch_mlp."
+            parts, quant = [], set()
+            for proj, (out_dims, in_dims) in (
+                ("gate_proj", (inter, H)),
+                ("up_proj", (inter, H)),
+                ("down_proj", (H, inter)),
+            ):
+                w, s, b, bits, group = ld.quantized(p + proj, out_dims, in_dims)
+                if w.shape[0] != E:
+                    raise StreamoeError(f"{p}{proj}.weight: {w.shape[0]} experts, config says {E}")
+                parts += [w, s, b]
+                quant.add((bits, group))
+            if len(quant) != 1:
+                raise StreamoeError(f"{p}: gate/up/down quantized differently: {sorted(quant)}")
+            mx.eval(parts)
+            self.layers.append((parts, *quant.pop()))
+
+    def __call__(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
+        """Layer i's picks' outputs [..., k, H] (router-rank order) for x [..., H] and inds [..., k] from `route`."""
+        parts, bits, group = self.layers[i]
+        shape, k = x.shape, inds.shape[-1]
+        y = switch_glu(x.reshape(-1, shape[-1]), ExpertWeights(*parts), inds.reshape(-1, k), bits, group)
+        return y.reshape(*shape[:-1], k, shape[-1])
+
+
+# --------------------------------------------------------------------------------------------------
+# the layer loop
+
+
+def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array, rope, experts,
+               step: int | None = None) -> mx.array:
+    """Every decoder layer over h [B, L, H] with its cache entry. A layer has `mix(h, cache, rope, rot) -> (h, x)`
+    (the residual stream after its mixer, the MoE block's input) and `mlp` with `route(x) -> routed` and
+    `finish(i, x, experts, h, *routed)` (the block's output added to h); `__call__` does both. positions: the
+    int position of h's first token, or positions as the family's `rope.prepare` takes them (None: no layer
+    rotates). `experts(i, x, inds)` gives layer i's picks' outputs [..., k, H].
+
+    `step` (prefill): each layer runs over h in blocks of `step` tokens, one after another, before the next
+    layer starts. Block j of layer i then sees exactly what it would in a call of its own (its input, the
+    cache after blocks 0..j-1), with the same shapes, so the result is bit for bit that of calls of `step`
+    tokens, whatever L is; and a layer's routed experts are needed once for all its blocks: the provider's
+    `prepare(i, inds, xs)`, where it has one, gets every block's picks before any block's experts run."""
+    if step is None:
+        rot = rope.prepare(positions) if rope is not None else None
+        for i, layer in enumerate(layers):
+            h = layer(h, cache[i], rope, rot, experts)
+        return h
+    spans = [(a, min(a + step, h.shape[1])) for a in range(0, h.shape[1], step)]
+    rots = [(positions + a if isinstance(positions, int) else positions[..., a:b]) for a, b in spans]
+    rots = [rope.prepare(r) if rope is not None else None for r in rots]
+    hs = [h[:, a:b] for a, b in spans] if len(spans) > 1 else [h]
+    prepare = getattr(experts, "prepare", None)
+    for i, layer in enumerate(layers):
+        blocks = []
+        for j, hj in enumerate(hs):
+            hj, xj = layer.mix(hj, cache[i], rope, rots[j])
+            if isinstance(cache[i], KVCache) and j + 1 < len(hs):
+                settle(hj)  # the next block's KV write must find no reader of the cache: written in place
+            blocks.append((hj, xj, *layer.mlp.route(xj)))
+        if prepare is not None:
+            prepare(i, [b[2] for b in blocks], [b[1] for b in blocks])
+        hs = []
+        for hj, xj, *rest in blocks:  # each block combined right after its experts, before the next block's
+            hs.append(layer.mlp.finish(i, xj, experts, hj, *rest))  # run: their outputs (k rows a token) freed
+            mx.async_eval(hs[-1])
+    return mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0]
+
+
+def settle(x: mx.array) -> None:
+    """Compute x and wait until no kernel before it holds its inputs (a backend keeps a kernel's inputs until its
+    completion handler has run, which can be after x is ready): an update of a buffer one of them read is then
+    done in place, not as a copy."""
+    mx.eval(x)
+    mx.synchronize()
+
+
+
+def weight_arrays(obj) -> list[mx.array]:
+    """Every array a layer (or list of layers) holds, through its projections and sub-blocks: what a family
+    evaluates once at load."""
+    if isinstance(obj, mx.array):
+        return [obj]
+    if isinstance(obj, QLinear | QEmbedding):
+        return list(obj[:3])
+    if isinstance(obj, Projections):
+        return [a for lin in obj.linears for a in lin[:3]]
+    if isinstance(obj, list | tuple):
+        return [a for v in obj for a in weight_arrays(v)]
+    if hasattr(obj, "__dict__") and not isinstance(obj, ModelArgs):
+        return [a for v in vars(obj).values() for a in weight_arrays(v)]
+    return []
