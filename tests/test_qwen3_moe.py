@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from streamoe.convert.convert import convert
@@ -16,7 +18,8 @@ from streamoe.formats.config import ModelArgs
 from streamoe.formats.export import tensor_table
 from streamoe.formats.manifest import load_manifest
 
-from .conftest import cli, one_error_line
+from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line
+from .test_runtime import PROMPTS, run_logits, teacher_forced
 
 FULL_TOTAL = 17_174_622_208  # the real export's tensors: 48 layers of 128 experts, vocab 151,936, every module 4-bit
 FULL_TENSORS = 1351
@@ -138,6 +141,62 @@ def test_convert_and_validate(ckpt, conv):
     report = validate(conv, source=ckpt, samples=4)
     assert report["ok"], [c for c in report["checks"] if not c["ok"]]
     assert {c["name"] for c in report["checks"]} >= {"source-experts-q4", "source-experts-q3", "source-nonexpert"}
+
+
+# ------------------------------------------------------------------------------------ runtime
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_equal_mlx_lm(ckpt, conv, prompt):
+    """Teacher-forced greedy decode against mlx-lm's qwen3_moe in float32, every expert resident."""
+    ref, ours, worst = teacher_forced(ckpt, conv, prompt, 24)
+    assert ours == ref and worst < LOGIT_ATOL
+
+
+def test_greedy_tokens_equal_mlx_lm_with_8_bit_routers_at_a_cap(tmp_path):
+    """The export as today's mlx-lm converter writes it (8-bit `mlp.gate`), streamed through 4 hot slots."""
+    from streamoe.runtime.engine import Options, plan_for
+
+    ck = make(tmp_path / "ckpt", variant="qwen3-gate8", seed=3)
+    out = tmp_path / "conv"
+    convert(ck, out, progress=False)
+    base = plan_for(out, Options(cap_gib=8, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME))
+    ref, ours, worst = teacher_forced(ck, out, PROMPTS[2], 24, cap_gib=(base.fixed + 4 * base.slot_bytes) / 2**30)
+    assert ours == ref and worst < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("kv", ["auto", "q8"])
+def test_logits_bit_identical_across_caps(conv, kv):
+    """Prefill and decode logits are the same bits with every expert resident and with 0 or 3 hot slots (of 32),
+    whatever the tier and the guesses: the caps stream differently, the math never changes."""
+    runs = {}
+    for slots, width, tier in [(None, 2, "freq"), (0, 2, "freq"), (3, 0, "lru"), (3, 2, "freq")]:
+        data, eng = run_logits(conv, slots, steps=12, kv=kv, prefetch_width=width, tier=tier)
+        runs[(slots, width, tier)] = (data, eng.plan.hot_slots, sum(ly.misses for st in eng.steps for ly in st.layers))
+    assert runs[(None, 2, "freq")][1] == 32 and runs[(0, 2, "freq")][1] == 0
+    assert runs[(0, 2, "freq")][2] >= runs[(3, 2, "freq")][2] > 0 == runs[(None, 2, "freq")][2]  # filled at open
+    first = runs[(None, 2, "freq")][0]
+    for key, (data, _, _) in runs.items():
+        assert data == first, f"logits differ at {key}"
+
+
+def test_resident_pipelined_generate_equals_a_capped_run(conv):
+    """A resident run queues each step before its token is read and takes back one queued past a stop token; its
+    tokens, logits and the KV state left for the next turn equal a capped run's."""
+    from streamoe.runtime.engine import Engine, Options, plan_for
+    from streamoe.runtime.sampling import Sampler
+
+    results = []
+    for slots in (None, 3):
+        base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME))
+        cap = 64.0 if slots is None else (base.fixed + slots * base.slot_bytes + 1) / 2**30
+        eng = Engine(conv, Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME))
+        assert eng.experts.resident == (slots is None)
+        out = [(t, np.array(lg).tobytes()) for t, lg in eng.generate(eng.text.encode(PROMPTS[0]), 12, Sampler())]
+        after = np.array(eng.prefill(eng.text.encode(PROMPTS[1])).astype(mx.float32)).tobytes()
+        results.append((out, eng.offset, after))
+        eng.close()
+    assert results[0] == results[1] and len(results[0][0]) >= 1
 
 
 # ------------------------------------------------------------------------------------ bad input
