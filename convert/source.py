@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..formats import files as fsio
-from ..formats.config import quant_for, text_config
+from ..formats.config import FAMILIES, quant_for, text_config
 from ..formats.errors import StreamoeError, fail
 from ..formats.limits import MAX_FILE_BYTES, MAX_TENSORS, check_config_sizes, check_int
 from ..formats.record import PARTS, PROJS, RecordLayout
 from ..formats.safetensors import Header, TensorInfo, read_header
 
-SUPPORTED_MODEL_TYPES = {"qwen3_5_moe"}
+SUPPORTED_MODEL_TYPES = set(FAMILIES)
 EXPERT_RE = re.compile(r"^(?P<prefix>(?:language_model\.)?model\.layers\.)(?P<layer>\d+)\.mlp\.switch_mlp\."
                        r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|scales|biases)$")
 

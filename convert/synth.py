@@ -1,4 +1,5 @@
-"""`streamoe synth`: write a checkpoint shaped exactly like mlx-community/Qwen3.6-35B-A3B-4bit, random weights.
+"""`streamoe synth`: write a checkpoint shaped exactly like mlx-community/Qwen3.6-35B-A3B-4bit (or, with
+`--family qwen3_moe`, mlx-community/Qwen3-30B-A3B-4bit), random weights.
 
 Structure follows the real export: the mlx-vlm 0.4.4 `config.json` (top-level keys sorted,
 `quantization` == `quantization_config`, 8-bit router/shared-gate overrides), tensors in module order
@@ -20,6 +21,13 @@ generator seeded by (seed, crc32(name)), so a tensor's bytes do not depend on wh
   log U(1, 16), `dt_bias` and `conv1d` small normals, the vision tower bf16 and unquantized
   (LayerNorm weights ≈ 1, biases ≈ 0).
 
+Qwen3-MoE (`--family qwen3_moe`) is mlx-lm's export: a flat `config.json` (Hugging Face's Qwen3-30B-A3B config
+with the `quantization` block, keys sorted), tensors in mlx-lm's module order under `model.`/`lm_head`, shards
+by `make_shards` (5 GiB, no empty first shard), an index with `total_parameters`, the Qwen2 tokenizer with
+its chat template in tokenizer_config.json. Variant `qwen3` is the export as mlx-community ships it (every
+module 4-bit); `qwen3-gate8` is what today's mlx-lm converter writes (its `quant_predicate` keeps each
+`mlp.gate` at 8 bits). `--size full` is the real table: 1,351 tensors, 17,174,622,208 B, 4 shards.
+
 Writing streams: the tensor table fixes every header before any data exists, so each shard is written
 as header, then tensor after tensor; large tensors are generated in row chunks, so memory stays at
 one module (tiny, small) or one chunk (full). Output goes to a temporary sibling directory that is
@@ -39,16 +47,21 @@ from pathlib import Path
 
 import numpy as np
 
+from ..formats.config import text_config
 from ..formats.errors import StreamoeError, fail
 from ..formats.export import Spec, specs
 from ..formats.safetensors import build_header, tensor_nbytes
-from .synth_tokenizer import REAL_BASE, TRAINED_VOCAB, token_id, write_tokenizer_files
+from .synth_tokenizer import QWEN3_BASE, REAL_BASE, TRAINED_VOCAB, token_id, write_tokenizer_files
 
 GROUP_SIZE = 64
 DEFAULT_SHARD_BYTES = 5 << 30  # mlx-vlm / mlx-lm MAX_FILE_SIZE_GB = 5
 TRANSFORMERS_VERSION = "4.57.0.dev0"
 SIZES = ("tiny", "small", "small-vocab", "full")
-VARIANTS = ("qwen3.6", "qwen3.5")
+FAMILIES = ("qwen3_5_moe", "qwen3_moe")
+# per family, its variants (the first is the default)
+VARIANTS_OF = {"qwen3_5_moe": ("qwen3.6", "qwen3.5"), "qwen3_moe": ("qwen3", "qwen3-gate8")}
+VARIANTS = VARIANTS_OF["qwen3_5_moe"]
+QWEN3_TRANSFORMERS_VERSION = "4.51.0"
 CHUNK_ELEMS = 1 << 22  # elements generated at a time on the streaming path
 FREE_SPACE_MARGIN = 64 << 20
 
@@ -102,15 +115,52 @@ DIMS: dict[str, Dims] = {
 }
 
 
+@dataclass(frozen=True)
+class Qwen3Dims:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    moe_inter: int
+    inter: int  # the dense MLP's width (a config fact; no layer of these models has one)
+    vocab: int
+    token_base: int
+
+
+QWEN3_DIMS: dict[str, Qwen3Dims] = {
+    # every quantized input dim a multiple of 64: mlx-lm loads it and quantizes every module
+    "tiny": Qwen3Dims(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=64, experts=8, top_k=2, moe_inter=64,
+                      inter=128, vocab=576, token_base=TRAINED_VOCAB),
+    "small": Qwen3Dims(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, experts=64, top_k=8, moe_inter=256,
+                       inter=512, vocab=576, token_base=TRAINED_VOCAB),
+    "small-vocab": Qwen3Dims(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, experts=64, top_k=8,
+                             moe_inter=256, inter=512, vocab=151936, token_base=TRAINED_VOCAB),
+    # the real Qwen3-30B-A3B (its config.json)
+    "full": Qwen3Dims(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, moe_inter=768,
+                      inter=6144, vocab=151936, token_base=QWEN3_BASE),
+}
+
+
 # --------------------------------------------------------------------------------------------- config
 
 
-def make_config(size: str, variant: str = "qwen3.6", text_only: bool = False) -> dict:
+def make_config(size: str, variant: str | None = None, text_only: bool = False, family: str = "qwen3_5_moe") -> dict:
     """The `config.json` dict exactly as the export writes it (top-level keys sorted, nested order kept).
 
     Vision exports are mlx-vlm 0.4.4's; `text_only` gives mlx-lm's text-only export (no `vision_config`,
-    `rope_parameters` with `type` instead of `rope_type`, model_type and token ids kept).
+    `rope_parameters` with `type` instead of `rope_type`, model_type and token ids kept). `family` qwen3_moe
+    is always text-only (`qwen3_moe_config`). `variant` None: the family's first.
     """
+    if family not in FAMILIES:
+        raise StreamoeError(f"unknown family {family!r} (expected one of {', '.join(FAMILIES)})")
+    variant = variant or VARIANTS_OF[family][0]
+    if variant not in VARIANTS_OF[family]:
+        raise StreamoeError(f"unknown variant {variant!r} for {family} (expected one of {', '.join(VARIANTS_OF[family])})")
+    if family == "qwen3_moe":
+        return qwen3_moe_config(size, variant)
     if size not in DIMS:
         raise StreamoeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
     if variant not in VARIANTS:
@@ -205,6 +255,63 @@ def make_config(size: str, variant: str = "qwen3.6", text_only: bool = False) ->
     if text_only:
         del config["vision_config"]
     return dict(sorted(config.items()))
+
+
+def qwen3_moe_config(size: str, variant: str = "qwen3") -> dict:
+    """Qwen3-30B-A3B's config.json as mlx-lm saves it: Hugging Face's config plus the quantization block (and
+    its copy), keys sorted. `qwen3-gate8` adds today's converter's 8-bit override for every layer's router."""
+    if size not in QWEN3_DIMS:
+        raise StreamoeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
+    d = QWEN3_DIMS[size]
+    quant: dict[str, object] = {"group_size": GROUP_SIZE, "bits": 4}
+    if variant == "qwen3-gate8":
+        quant["mode"] = "affine"
+        for i in range(d.layers):
+            quant[f"model.layers.{i}.mlp.gate"] = {"group_size": GROUP_SIZE, "bits": 8}
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": token_id("<|endoftext|>", d.token_base),
+        "decoder_sparse_step": 1,
+        "eos_token_id": token_id("<|im_end|>", d.token_base),
+        "head_dim": d.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": d.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": d.inter,
+        "max_position_embeddings": 40960,
+        "max_window_layers": d.layers,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": d.moe_inter,
+        "norm_topk_prob": True,
+        "num_attention_heads": d.heads,
+        "num_experts": d.experts,
+        "num_experts_per_tok": d.top_k,
+        "num_hidden_layers": d.layers,
+        "num_key_value_heads": d.kv_heads,
+        "output_router_logits": False,
+        "quantization": quant,
+        "quantization_config": quant,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": QWEN3_TRANSFORMERS_VERSION,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": d.vocab,
+    }
+    return dict(sorted(config.items()))
+
+
+def token_base(size: str, family: str = "qwen3_5_moe") -> int:
+    """The id of `<|endoftext|>` (the base BPE vocabulary's size) of a family's size."""
+    return (QWEN3_DIMS if family == "qwen3_moe" else DIMS)[size].token_base
 
 
 # --------------------------------------------------------------------------------------------- tensors
@@ -414,11 +521,11 @@ def _write_json(path: Path, obj: object, indent: int = 4) -> None:
         json.dump(obj, f, indent=indent)
 
 
-def synth(out: Path, *, size: str, variant: str, text_only: bool, seed: int, shard_bytes: int | None,
-          dry_run: bool) -> None:
-    """Write (or with `dry_run`, print the table of) a synthetic checkpoint at `out`."""
+def synth(out: Path, *, size: str, variant: str | None, text_only: bool, seed: int, shard_bytes: int | None,
+          dry_run: bool, family: str = "qwen3_5_moe") -> None:
+    """Write (or with `dry_run`, print the table of) a synthetic checkpoint of `family` at `out`."""
     out = Path(out)
-    config = make_config(size, variant, text_only)
+    config = make_config(size, variant, text_only, family)
     spec_list = specs(config)
     shards = assign_shards(spec_list, shard_bytes, leading_empty="vision_config" in config)
     total = sum(s.nbytes for s in spec_list)
@@ -455,7 +562,7 @@ def synth(out: Path, *, size: str, variant: str, text_only: bool, seed: int, sha
         raise fail(out, f"cannot create output directory ({e.strerror})") from None
     try:
         write_checkpoint(tmp, config, seed=seed, shard_bytes=shard_bytes, exact=size != "full",
-                         token_base=DIMS[size].token_base)
+                         token_base=token_base(size, family))
         if target.is_dir():
             target.rmdir()  # empty (checked above); rename cannot replace a directory everywhere
         os.rename(tmp, target)
@@ -473,7 +580,7 @@ def write_checkpoint(directory: Path, config: dict, *, seed: int = 0, shard_byte
 
     `exact` quantizes real float weights with `mx.quantize` (tiny, small); otherwise quantized tensors take
     the streaming random-code path used for `full`. `token_base` is the id of `<|endoftext|>`
-    (default: taken from the config's `text_config.bos_token_id`).
+    (default: taken from the text config's `bos_token_id`).
     """
     from tqdm import tqdm
 
@@ -509,6 +616,6 @@ def write_checkpoint(directory: Path, config: dict, *, seed: int = 0, shard_byte
     _write_json(directory / "model.safetensors.index.json",
                 {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
     _write_json(directory / "config.json", config)
-    base = config["text_config"]["bos_token_id"] if token_base is None else token_base
+    base = text_config(config)["bos_token_id"] if token_base is None else token_base
     write_tokenizer_files(directory, base=base, vision_config=config.get("vision_config"),
-                          transformers_version=config["transformers_version"])
+                          transformers_version=config["transformers_version"], family=config["model_type"])

@@ -11,6 +11,11 @@ so synth ships a functionally equivalent set, with the real files' structure and
   ids 248044…248076. Smaller sizes put them at `base + (real_id - 248044)`.
 - `tokenizer_config.json`, `chat_template.jinja` (ChatML with images, tools and thinking on/off),
   `generation_config.json` (Qwen's sampling defaults), `preprocessor_config.json` (vision exports only).
+
+Qwen3-MoE (`qwen3_moe`) has the older Qwen2 tokenizer: 151,643 base tokens, the first 26 of the added tokens
+(through `</think>`, ids 151643…151668), Qwen2's split regex, and its chat template inside
+tokenizer_config.json (as transformers 4.51 saved it) in Qwen3's form: the generation prompt leaves
+`<think>` for the model to write, and `enable_thinking=False` gives it an empty think block instead.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 REAL_BASE = 248044  # id of <|endoftext|> in the real tokenizer = size of its base BPE vocabulary
+QWEN3_BASE = 151643  # the same for Qwen3 (Qwen2's tokenizer)
 TRAINED_VOCAB = 512  # 256 byte tokens + 256 merges
 MODEL_MAX_LENGTH = 262144
 
@@ -67,6 +74,11 @@ SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's (and Qwen3's) split: letters without combining marks (transformers models/qwen2/tokenization_qwen2.py).
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Training text: a few stable, pure-Python stdlib modules (only their statistics matter).
 CORPUS_FILES = ("textwrap.py", "string.py", "argparse.py", "json/decoder.py")
 
@@ -89,8 +101,9 @@ def _corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(base: int):
-    """A byte-level BPE `tokenizers.Tokenizer` with `base` vocabulary entries followed by the 33 added tokens."""
+def build_tokenizer(base: int, n_added: int = len(ADDED_TOKENS), split_pattern: str = SPLIT_PATTERN):
+    """A byte-level BPE `tokenizers.Tokenizer` with `base` vocabulary entries followed by the first `n_added`
+    added tokens (33 for Qwen3.5/3.6, 26 for Qwen3)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tokenizers import (
         AddedToken,
@@ -110,7 +123,7 @@ def build_tokenizer(base: int):
     def pipeline(tok):
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(split_pattern), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ])
         tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
@@ -133,13 +146,13 @@ def build_tokenizer(base: int):
         i += 1
     tok = pipeline(Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
                                         fuse_unk=False, byte_fallback=False)))
-    for content, special in ADDED_TOKENS:  # one at a time so ids follow the real order
+    for content, special in ADDED_TOKENS[:n_added]:  # one at a time so ids follow the real order
         added = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
         if special:
             tok.add_special_tokens([added])
         else:
             tok.add_tokens([added])
-    for content, _ in ADDED_TOKENS:
+    for content, _ in ADDED_TOKENS[:n_added]:
         assert tok.token_to_id(content) == token_id(content, base), content
     return tok
 
@@ -243,13 +256,124 @@ CHAT_TEMPLATE = r"""{#- ChatML for the streamoe synthetic checkpoints: images, v
 """
 
 
+QWEN3_CHAT_TEMPLATE = r"""{#- ChatML for the streamoe synthetic Qwen3-MoE checkpoints: text, tools, Qwen3's thinking. -#}
+{%- macro render_content(content) -%}
+    {%- if content is none -%}
+    {%- elif content is string -%}
+        {{- content -}}
+    {%- else -%}
+        {%- for item in content -%}
+            {%- if item is string -%}
+                {{- item -}}
+            {%- elif 'text' in item -%}
+                {{- item.text -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set first_is_system = messages | length > 0 and messages[0].role == 'system' -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if first_is_system -%}
+        {{- render_content(messages[0].content) + '\n\n' -}}
+    {%- endif -%}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+    {%- for tool in tools -%}
+        {{- '\n' + (tool | tojson) -}}
+    {%- endfor -%}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+        '\n</tool_call><|im_end|>\n' -}}
+{%- elif first_is_system -%}
+    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+    {%- if message.role == 'user' -%}
+        {%- set ns.last_user = loop.index0 -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+    {%- if message.role == 'system' and loop.first -%}
+    {%- elif message.role == 'user' or message.role == 'system' -%}
+        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>\n' -}}
+    {%- elif message.role == 'assistant' -%}
+        {%- set content = render_content(message.content) -%}
+        {%- set reasoning = '' -%}
+        {%- if message.reasoning_content is string -%}
+            {%- set reasoning = message.reasoning_content -%}
+        {%- elif '</think>' in content -%}
+            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
+            {%- set content = content.split('</think>')[-1] -%}
+        {%- endif -%}
+        {%- set reasoning = reasoning.strip('\n') -%}
+        {%- set content = content.lstrip('\n') -%}
+        {{- '<|im_start|>assistant\n' -}}
+        {%- if loop.index0 > ns.last_user and (loop.last or reasoning) -%}
+            {{- '<think>\n' + reasoning + '\n</think>\n\n' -}}
+        {%- endif -%}
+        {{- content -}}
+        {%- if message.tool_calls -%}
+            {%- for call in message.tool_calls -%}
+                {%- set fn = call.function if call.function is defined else call -%}
+                {%- if content or not loop.first -%}
+                    {{- '\n' -}}
+                {%- endif -%}
+                {{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' -}}
+                {%- if fn.arguments is string -%}
+                    {{- fn.arguments -}}
+                {%- else -%}
+                    {{- fn.arguments | tojson -}}
+                {%- endif -%}
+                {{- '}\n</tool_call>' -}}
+            {%- endfor -%}
+        {%- endif -%}
+        {{- '<|im_end|>\n' -}}
+    {%- elif message.role == 'tool' -%}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
+            {{- '<|im_start|>user' -}}
+        {%- endif -%}
+        {{- '\n<tool_response>\n' + render_content(message.content) + '\n</tool_response>' -}}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}
+            {{- '<|im_end|>\n' -}}
+        {%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\n\n</think>\n\n' -}}
+    {%- endif -%}
+{%- endif -%}
+"""
+
+
+@dataclass(frozen=True)
+class TokenizerStyle:
+    """What a family's tokenizer files look like (the real files' structure and special-token ids)."""
+
+    n_added: int  # how many of ADDED_TOKENS follow the base vocabulary
+    split_pattern: str
+    chat_template: str
+    template_in_config: bool  # the template inside tokenizer_config.json (transformers 4.x) instead of chat_template.jinja
+    model_max_length: int
+    temperature: float  # generation_config.json's default
+
+
+STYLES = {
+    "qwen3_5_moe": TokenizerStyle(len(ADDED_TOKENS), SPLIT_PATTERN, CHAT_TEMPLATE, False, MODEL_MAX_LENGTH, 1.0),
+    "qwen3_moe": TokenizerStyle(ADDED_TOKENS.index(("</think>", False)) + 1, QWEN2_SPLIT_PATTERN, QWEN3_CHAT_TEMPLATE,
+                                True, 131072, 0.6),
+}
+
 def _dump(path: Path, obj: object, indent: int = 2) -> None:
     path.write_text(json.dumps(obj, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def tokenizer_config(base: int, vision: bool) -> dict:
+def tokenizer_config(base: int, vision: bool, style: TokenizerStyle = STYLES["qwen3_5_moe"]) -> dict:
     decoder = {}
-    for content, special in ADDED_TOKENS:
+    for content, special in ADDED_TOKENS[:style.n_added]:
         decoder[str(token_id(content, base))] = {
             "content": content, "lstrip": False, "normalized": False, "rstrip": False,
             "single_word": False, "special": special,
@@ -261,7 +385,7 @@ def tokenizer_config(base: int, vision: bool) -> dict:
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
-        "model_max_length": MODEL_MAX_LENGTH,
+        "model_max_length": style.model_max_length,
         "pad_token": "<|endoftext|>",
         "split_special_tokens": False,
         "tokenizer_class": "Qwen2Tokenizer",
@@ -269,17 +393,19 @@ def tokenizer_config(base: int, vision: bool) -> dict:
     }
     if vision:
         cfg["processor_class"] = "Qwen3VLProcessor"
+    if style.template_in_config:
+        cfg["chat_template"] = style.chat_template
     return cfg
 
 
-def generation_config(base: int, transformers_version: str) -> dict:
+def generation_config(base: int, transformers_version: str, temperature: float = 1.0) -> dict:
     eot = token_id("<|endoftext|>", base)
     return {
         "bos_token_id": eot,
         "do_sample": True,
         "eos_token_id": [token_id("<|im_end|>", base), eot],
         "pad_token_id": eot,
-        "temperature": 1.0,
+        "temperature": temperature,
         "top_k": 20,
         "top_p": 0.95,
         "transformers_version": transformers_version,
@@ -305,14 +431,19 @@ def preprocessor_config(vision_config: dict) -> dict:
     }
 
 
-def write_tokenizer_files(out: Path, *, base: int, vision_config: dict | None, transformers_version: str) -> list[str]:
-    """Write the tokenizer and its companions into `out`; returns the file names written."""
-    tok = build_tokenizer(base)
+def write_tokenizer_files(out: Path, *, base: int, vision_config: dict | None, transformers_version: str,
+                          family: str = "qwen3_5_moe") -> list[str]:
+    """Write the tokenizer and its companions (in `family`'s style) into `out`; returns the file names written."""
+    style = STYLES[family]
+    tok = build_tokenizer(base, style.n_added, style.split_pattern)
     tok.save(str(out / "tokenizer.json"), pretty=True)
-    _dump(out / "tokenizer_config.json", tokenizer_config(base, vision_config is not None))
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
-    _dump(out / "generation_config.json", generation_config(base, transformers_version))
-    names = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
+    _dump(out / "tokenizer_config.json", tokenizer_config(base, vision_config is not None, style))
+    names = ["tokenizer.json", "tokenizer_config.json"]
+    if not style.template_in_config:
+        (out / "chat_template.jinja").write_text(style.chat_template, encoding="utf-8")
+        names.append("chat_template.jinja")
+    _dump(out / "generation_config.json", generation_config(base, transformers_version, style.temperature))
+    names.append("generation_config.json")
     if vision_config is not None:
         _dump(out / "preprocessor_config.json", preprocessor_config(vision_config))
         names.append("preprocessor_config.json")

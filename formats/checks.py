@@ -28,6 +28,8 @@ def expected_tensors(config: dict, vision: bool) -> list:
 
     q = config.get("quantization") or {}
     cfg = {"text_config": text_config(config), "quantization": q}
+    if "model_type" in config:
+        cfg["model_type"] = config["model_type"]
     if vision and config.get("vision_config") is not None:
         cfg["vision_config"] = config["vision_config"]
     try:

@@ -87,6 +87,15 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
         plain("vision_tower.merger.linear_fc2.weight", (v["out_hidden_size"], merged), "normal")
         plain("vision_tower.merger.linear_fc2.bias", (v["out_hidden_size"],), "zero")
 
+    if a.model_type == "qwen3_moe":
+        _qwen3_moe_tensors(a, plain, linear)
+    else:
+        _qwen3_5_moe_tensors(a, plain, linear, a_log_dtype)
+    return out
+
+
+def _qwen3_5_moe_tensors(a: ModelArgs, plain, linear, a_log_dtype: str) -> None:
+    """Gated DeltaNet / gated attention layers, routed experts and a gated shared expert, under `language_model.`."""
     h, vocab = a.hidden_size, a.vocab_size
     nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
     hv, dvv, value_dim, conv_dim = a.linear_num_value_heads, a.linear_value_head_dim, a.value_dim, a.conv_dim
@@ -127,7 +136,34 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
         linear(f"{m}.shared_expert_gate", 1, h)
     plain(f"{lm}.norm.weight", (h,), "one")
     linear("language_model.lm_head", vocab, h)
-    return out
+
+
+def _qwen3_moe_tensors(a: ModelArgs, plain, linear) -> None:
+    """mlx-lm's qwen3_moe module order: attention (q, k, v, o, per-head q/k norms), the two norms, the router
+    and the routed experts in every layer; `lm_head` unless the embedding is tied (mlx-lm then has none)."""
+    h, vocab = a.hidden_size, a.vocab_size
+    nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    e, inter = a.num_experts, a.moe_intermediate_size
+    linear("model.embed_tokens", vocab, h)
+    for i in range(a.num_hidden_layers):
+        L = f"model.layers.{i}"
+        p = f"{L}.self_attn"
+        linear(f"{p}.q_proj", nq * hd, h)
+        linear(f"{p}.k_proj", nkv * hd, h)
+        linear(f"{p}.v_proj", nkv * hd, h)
+        linear(f"{p}.o_proj", h, nq * hd)
+        plain(f"{p}.q_norm.weight", (hd,), "one")
+        plain(f"{p}.k_norm.weight", (hd,), "one")
+        plain(f"{L}.input_layernorm.weight", (h,), "one")
+        plain(f"{L}.post_attention_layernorm.weight", (h,), "one")
+        m = f"{L}.mlp"
+        linear(f"{m}.gate", e, h)
+        linear(f"{m}.switch_mlp.gate_proj", inter, h, (e,))
+        linear(f"{m}.switch_mlp.up_proj", inter, h, (e,))
+        linear(f"{m}.switch_mlp.down_proj", h, inter, (e,))
+    plain("model.norm.weight", (h,), "one")
+    if not a.tie_word_embeddings:
+        linear("lm_head", vocab, h)
 
 
 def tensor_table(config: dict, *, a_log_dtype: str | None = None) -> list[tuple[str, str, tuple[int, ...]]]:

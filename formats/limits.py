@@ -24,6 +24,7 @@ CONFIG_INTS: dict[str, tuple[int, int]] = {
     "num_experts": (1, 1 << 14),
     "num_experts_per_tok": (1, 1 << 14),
     "moe_intermediate_size": (1, 1 << 18),
+    "intermediate_size": (1, 1 << 20),
     "shared_expert_intermediate_size": (0, 1 << 18),
     "num_attention_heads": (1, 1024),
     "num_key_value_heads": (1, 1024),

@@ -145,19 +145,25 @@ def main() -> None:
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
+@click.option("--family", type=click.Choice(["qwen3_5_moe", "qwen3_moe"]), default="qwen3_5_moe", show_default=True,
+              help="qwen3_5_moe: Qwen3.6-35B-A3B's export; qwen3_moe: Qwen3-30B-A3B's (text only).")
 @click.option("--size", type=click.Choice(["tiny", "small", "small-vocab", "full"]), default="tiny", show_default=True)
-@click.option("--variant", type=click.Choice(["qwen3.6", "qwen3.5"]), default="qwen3.6", show_default=True,
-              help="qwen3.6: 8-bit routers, bf16 A_log; qwen3.5: 4-bit routers, f32 A_log.")
+@click.option("--variant", type=click.Choice(["qwen3.6", "qwen3.5", "qwen3", "qwen3-gate8"]), default=None,
+              help="qwen3_5_moe: qwen3.6 (default; 8-bit routers, bf16 A_log) or qwen3.5 (4-bit routers, f32 A_log); "
+                   "qwen3_moe: qwen3 (default; every module 4-bit, as mlx-community ships it) or qwen3-gate8 "
+                   "(8-bit routers, as today's mlx-lm converts it).")
 @click.option("--text-only", is_flag=True, help="Write an mlx-lm style text-only export (no vision tower).")
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
 @click.option("--shard-mb", type=Finite(min=0.001, max=1 << 30), default=None, help="Shard cap in MiB (default: 5 GiB, as mlx-vlm).")
 @click.option("--dry-run", is_flag=True, help="Print the tensor table and total; write nothing.")
 @user_errors
-def synth(out: Path, size: str, variant: str, text_only: bool, seed: int, shard_mb: float | None, dry_run: bool) -> None:
-    """Write a synthetic checkpoint shaped exactly like the mlx-community Qwen3.6-35B-A3B-4bit export."""
+def synth(out: Path, family: str, size: str, variant: str | None, text_only: bool, seed: int, shard_mb: float | None,
+          dry_run: bool) -> None:
+    """Write a synthetic checkpoint shaped exactly like an mlx-community export (Qwen3.6-35B-A3B-4bit, or
+    Qwen3-30B-A3B-4bit with --family qwen3_moe)."""
     from .convert.synth import synth as run_synth
 
-    run_synth(out, size=size, variant=variant, text_only=text_only, seed=seed,
+    run_synth(out, size=size, variant=variant, text_only=text_only, seed=seed, family=family,
               shard_bytes=None if shard_mb is None else int(shard_mb * (1 << 20)), dry_run=dry_run)
 
 

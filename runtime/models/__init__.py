@@ -29,10 +29,10 @@ from types import ModuleType
 import mlx.core as mx
 
 from ...formats.errors import StreamoeError
-from . import qwen3_5_moe
+from . import qwen3_5_moe, qwen3_moe
 from .cache import KVCache
 
-FAMILIES: dict[str, ModuleType] = {"qwen3_5_moe": qwen3_5_moe}
+FAMILIES: dict[str, ModuleType] = {"qwen3_5_moe": qwen3_5_moe, "qwen3_moe": qwen3_moe}
 
 
 def family(model_type: str) -> ModuleType:

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...formats.config import PREFIX, ModelArgs
+from ...formats.config import ModelArgs
 from ...formats.errors import StreamoeError
 from ...formats.record import ExpertWeights
 from .cache import KV_GROUP, KVCache
@@ -435,8 +435,9 @@ def combine(outs: mx.array, scores: mx.array) -> mx.array:
 class ResidentExperts:
     """Reference expert provider: every layer's stacked expert tensors in memory.
 
-    `expert_tensors`: "language_model.model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}",
-    stacked [E, ...] as stored; scales and biases are cast to `dtype` once. The picks run over `streams`."""
+    `expert_tensors`: "{prefix}model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}" (the
+    family's `ModelArgs.prefix`: "language_model." for qwen3_5_moe), stacked [E, ...] as stored; scales and
+    biases are cast to `dtype` once. The picks run over `streams`."""
 
     def __init__(self, args: ModelArgs, expert_tensors: dict[str, mx.array], dtype=mx.float32, streams: Streams = ()):
         self.args, self.dtype, self.streams = args, dtype, streams
@@ -444,7 +445,7 @@ class ResidentExperts:
         H, inter, E = args.hidden_size, args.moe_intermediate_size, args.num_experts
         self.layers = []
         for i in range(args.num_hidden_layers):
-            p = f"{PREFIX}model.layers.{i}.mlp.switch_mlp."
+            p = f"{args.prefix}model.layers.{i}.mlp.switch_mlp."
             parts, quant = [], set()
             for proj, (out_dims, in_dims) in (
                 ("gate_proj", (inter, H)),
