@@ -17,8 +17,8 @@ import numpy as np
 
 from ..formats.checks import check_open
 from ..formats.config import ModelArgs
-from ..formats.direct import RangeReader, file_checksum
-from ..formats.errors import StreamoeError, fail
+from ..formats.direct import RangeReader
+from ..formats.errors import StreamoeError
 from ..formats.manifest import load_manifest, safe_path
 from .constrain import Constraint
 from .conversation import Conversation
@@ -62,16 +62,9 @@ class Engine:
         o = self.opts
         fix_malloc_thresholds()
         self.manifest = m = load_manifest(self.root)
-        check_open(self.root, o.experts, m)  # sizes and blob tables as `validate` checks them, before anything loads
+        check_open(self.root, o.experts, m, checksums=o.verify)  # as `validate` checks, before anything loads
         if o.images:
             check_preprocessor(self.root, m.config)  # read on the first image: a bad one must not fail mid-answer
-        if o.verify:
-            for f in m.all_files():
-                p = safe_path(self.root, f["path"])
-                if not p.is_file() or p.stat().st_size != f["size"]:
-                    raise fail(p, f"missing or size differs from the manifest ({f['size']} bytes expected)")
-                if file_checksum(p) != f["checksum"]:
-                    raise fail(p, "checksum mismatch against the manifest")
         self.text = TextIO(self.root, m.config)
         self.plan = plan_for(self.root, o, m)
         self.plan.require_fit()
