@@ -13,27 +13,24 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from ..formats.checks import check_open
 from ..formats.config import ModelArgs
-from ..formats.direct import RangeReader
 from ..formats.errors import StreamoeError
 from ..formats.manifest import load_manifest, safe_path
 from .constrain import Constraint
 from .conversation import Conversation
 from .experts import StreamingExperts
-from .image import ImageConfig, check_preprocessor, load_image, preprocess
+from .image import check_preprocessor
+from .image_prompt import prefill_images
 from .models import family
 from .models.kernels import cpu_streams
-from .mrope import expand_image_tokens, image_positions
 from .plan import Options, current_rss, default_dtype, kv_bits, kv_dtype, plan_for, prefetch_width, read_ring
 from .sampling import Sampler
 from .store import ExpertStore
 from .telemetry import LayerStats, StepStats
 from .text import TextIO
-from .vision import VisionArgs, VisionEncoder
-from .weights import load_tensors, mx_dtype, read_tensor
+from .weights import load_tensors, mx_dtype
 
 
 def fix_malloc_thresholds() -> None:
@@ -189,7 +186,7 @@ class Engine:
         caller, and a decode step's `ms` is the interval since the previous token did, so the summary's
         tok/s is the rate the caller sees, whatever was overlapped."""
         t_start = time.perf_counter()
-        logits = self.prefill_images(prompt, images) if images else self.prefill(prompt)
+        logits = prefill_images(self, prompt, images) if images else self.prefill(prompt)
         pen = sampler.start(prompt if context is None else context, logits.shape[0])
         drawn = sampler.drawn
 
@@ -259,56 +256,12 @@ class Engine:
         """An empty conversation in new caches."""
         self.conversation = self._new_conversation()
 
-    # ---- images
-    def encode_image(self, path) -> tuple[mx.array, tuple[int, int, int]]:
-        """One image file -> (features [n_tokens, H], grid (t, h, w)); vision weights are read from vision.bin
-        stage by stage and dropped after, so nothing of the encoder stays resident."""
-        if not self.opts.images:
-            raise StreamoeError("images were not planned for: open the engine with images enabled (--image/--chat)")
-        m = self.manifest
-        cfg = ImageConfig.from_config(m.config, self._preprocessor(), max_pixels=self.opts.max_pixels)
-        img = load_image(path, max_decode_pixels=self.opts.max_decode_pixels)
-        patches, grid = preprocess(img, cfg)
-        del img
-        file, table = m.blob("vision")
-        by_name = {t.name: t for t in table}
-        with RangeReader(safe_path(self.root, file["path"]), 16 << 20) as reader:
-            enc = VisionEncoder(VisionArgs.from_config(m.config), lambda name: read_tensor(reader, by_name[name]), self.dtype)
-            feats = enc.encode(patches, grid)
-            mx.eval(feats)
-        self.note_rss()
-        return feats, grid
-
-    def _preprocessor(self) -> dict | None:
-        import json
-
-        for name in ("preprocessor_config.json", "processor_config.json"):
-            p = self.root / name
-            if p.is_file():
-                return json.loads(p.read_text())
-        return None
-
-    def prefill_images(self, tokens: list[int], images: list) -> mx.array:
-        """A prompt whose `<|image_pad|>` placeholders take the given images: pads expanded to each image's
-        token count, features substituted at their positions, 3-axis M-RoPE positions, then chunked prefill."""
-        cfg = self.manifest.config
-        pad, start = cfg["image_token_id"], cfg["vision_start_token_id"]
-        merge = cfg["vision_config"]["spatial_merge_size"]
-        feats = [self.encode_image(p) for p in images]
-        grids = [g for _, g in feats]
-        ids = expand_image_tokens(tokens, grids, pad, merge)
-        if self.offset + len(ids) > self.opts.ctx:
-            raise StreamoeError(f"prompt of {len(ids)} tokens with its images (+{self.offset} in context) is longer than "
-                                f"the planned context --ctx {self.opts.ctx}")
-        pos, nxt = image_positions(ids, grids, pad, start, merge)
-        base = self.offset + self.conversation.rope_delta
-        pos = mx.array(pos + base)[:, None, :]
-        emb = self.model.embed(mx.array([ids]))
-        where = mx.array(np.nonzero(np.array(ids) == pad)[0])
-        emb[0, where] = mx.concatenate([f for f, _ in feats], axis=0).astype(emb.dtype)
-        mx.eval(emb)
-        logits = self._prefill_chunks(ids, pos, emb)
-        self.conversation.rope_delta = base + nxt - self.offset
+    def prefill_embedded(self, ids: list[int], positions: mx.array, emb: mx.array, rope_next: int) -> mx.array:
+        """A prompt given as embeddings [1, L, H] with its 3-axis positions [3, 1, L] (what `image_prompt` makes of
+        a prompt with images); `rope_next`: the position the next token takes, kept as the conversation's
+        M-RoPE delta."""
+        logits = self._prefill_chunks(ids, positions, emb)
+        self.conversation.rope_delta = rope_next - self.offset
         return logits
 
     def close(self) -> None:
