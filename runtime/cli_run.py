@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import numpy as np
 from ..formats.errors import StreamoeError, fail
 from ..formats.files import os_fail
 from ..formats.manifest import load_manifest
-from . import session
+from . import ranks, session
 from .engine import Engine, Options
 from .image import check_preprocessor, load_image
 from .sampling import Sampler
@@ -38,7 +39,28 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
             save_session: Path | None = None, load_session: Path | None = None) -> None:
     sampler = Sampler(**sampling)
     check_preprocessor(Path(model), load_manifest(model).config)
-    eng = Engine(model, opts)
+    group = ranks.find_group()
+    if group is not None:
+        if chat or load_session:
+            raise StreamoeError("across ranks (mlx.launch), run takes --prompt only: --chat and --load-session need one host")
+        if group.rank() != 0:  # rank 0 alone prints and writes files
+            sys.stdout = open(os.devnull, "w")
+            save_session = None
+    try:
+        eng = Engine(model, opts, group)
+        _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
+             max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
+             save_session=save_session, load_session=load_session)
+    except RuntimeError as e:
+        lost = ranks.lost_peer(e, group) if group is not None else None
+        if lost is None:
+            raise
+        raise lost from None
+
+
+def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
+         max_tokens: int, sampler: Sampler, stats: Path | None, logits_out: Path | None, quiet: bool,
+         save_session: Path | None, load_session: Path | None) -> None:
     logits: list | None = [] if logits_out else None
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     fed: list[int] = []  # every token fed so far, as rendered: the history a saved session keeps
@@ -104,7 +126,11 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
                 messages.append({"role": "assistant", "content": eng.text.decode(out)})
             if not quiet:
                 s = summarize(eng.steps[n0:], eng.peak_rss, eng.plan.cap)
-                print(summary_line(s), file=sys.stderr)
+                line = summary_line(s)
+                if group is not None:  # every rank's reads and hits, on rank 0's line
+                    line = line[:-1] + "; " + ranks.ranks_line(ranks.rank_summaries(group, s)) + "]"
+                if eng.opts.rank == 0:
+                    print(line, file=sys.stderr)
             if stats is None:  # kept only for --stats: a long chat must not grow them outside the plan
                 del eng.steps[:]
             if not chat:
@@ -115,16 +141,21 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
             print(f"(saved {eng.offset} tokens of conversation to {save_session}, {size / 2**20:.2f} MiB)", file=sys.stderr)
     finally:
         eng.close()
-        write_outputs(eng, stats, logits_out, logits)
+        if group is None:
+            write_outputs([st.to_json() for st in eng.steps] if stats else [], stats, logits_out, logits)
+    if group is not None:  # after a whole answer only: a collective after a failure would wait on a lost peer
+        records = ranks.gather_steps(group, [st.to_json() for st in eng.steps] if stats else [])
+        if group.rank() == 0:  # its file holds every rank's records
+            write_outputs(records, stats, logits_out, logits)
 
 
-def write_outputs(eng: Engine, stats: Path | None, logits_out: Path | None, logits: list | None) -> None:
+def write_outputs(records: list[dict], stats: Path | None, logits_out: Path | None, logits: list | None) -> None:
     """The telemetry and logits files, after the answer; a full disk is one line naming the file."""
     try:
         if stats:
             with open(stats, "w") as f:
-                for st in eng.steps:
-                    f.write(json.dumps(st.to_json()) + "\n")
+                for r in records:
+                    f.write(json.dumps(r) + "\n")
     except OSError as e:
         raise os_fail(stats, e, "cannot write the telemetry") from None
     try:

@@ -8,6 +8,7 @@ of the checkpoint's family, `runtime/models/`); where experts live, and how they
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..formats.checks import check_open
 from ..formats.config import ModelArgs
 from ..formats.errors import StreamoeError
 from ..formats.manifest import load_manifest, safe_path
+from . import ranks
 from .constrain import Constraint
 from .conversation import Conversation
 from .experts import StreamingExperts
@@ -25,7 +27,17 @@ from .image import check_preprocessor
 from .image_prompt import prefill_images
 from .models import family
 from .models.kernels import cpu_streams
-from .plan import Options, current_rss, default_dtype, kv_bits, kv_dtype, plan_for, prefetch_width, read_ring
+from .plan import (
+    Options,
+    current_rss,
+    default_dtype,
+    kv_bits,
+    kv_dtype,
+    plan_for,
+    prefetch_width,
+    read_ring,
+    share_of,
+)
 from .sampling import Sampler
 from .store import ExpertStore
 from .telemetry import LayerStats, StepStats
@@ -54,8 +66,20 @@ def fix_malloc_thresholds() -> None:
 class Engine:
     """open / prefill / decode / generate / close: a converted model inside its plan, experts streamed."""
 
-    def __init__(self, root: str | Path, opts: Options | None = None):
-        self.root, self.opts = Path(root), opts or Options()
+    def __init__(self, root: str | Path, opts: Options | None = None, group: ranks.Group | None = None):
+        """`group`: the ranks this engine is one of (`ranks.find_group`), each holding a share of the experts;
+        None: this host holds them all."""
+        self.root, self.opts, self.group = Path(root), opts or Options(), group
+        if group is None:
+            self._open()
+            self.pipelined = self.experts.resident
+            return
+        self.opts = dataclasses.replace(self.opts, rank=group.rank(), ranks=group.size())
+        self.watchdog = ranks.Watchdog(group)
+        ranks.open_together(group, self._open, self.close)
+        self.pipelined = ranks.all_agree(group, self.experts.resident)  # every rank queues the same steps
+
+    def _open(self) -> None:
         o = self.opts
         fix_malloc_thresholds()
         self.manifest = m = load_manifest(self.root)
@@ -71,15 +95,22 @@ class Engine:
         self.args = a = ModelArgs.from_config(m.config, self.root / "manifest.json")
         model_family = family(a.model_type)
         k = a.num_experts_per_tok
-        store = ExpertStore.open(self.root, m, o.experts, o.io_threads, ring=read_ring(o, k))
+        share = share_of(o.rank, o.ranks, a.num_experts) if self.group is not None else None
+        store = ExpertStore.open(self.root, m, o.experts, o.io_threads, ring=read_ring(o, k), share=share)
         self.lay = store.lay
         file, table = m.blob("nonexpert")
         streams = cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
         weights = load_tensors(safe_path(self.root, file["path"]), table, self.dtype)
         self.model = model_family.Model(a, weights, self.dtype, streams=streams)
-        self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
-                                        o.tier, prefetch_width(o, k), self.model.router_logits, self.dtype,
+        n, guess = a.num_experts, self.model.router_logits
+        if share is not None:  # this rank's experts are local experts 0..len(share)-1
+            n, guess = len(share), ranks.local_router(guess, share)
+        self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, n, min(k, n), self.plan.hot_slots,
+                                        o.tier, prefetch_width(o, k), guess, self.dtype,
                                         waste_budget=o.prefetch_waste, streams=self.model.streams)
+        # what the model's MoE blocks call: across ranks, the exchange around this rank's share
+        self.provider = (self.experts if share is None
+                         else ranks.RankExperts(self.experts, self.group, a.num_experts, self.watchdog))
         self.conversation = self._new_conversation()
         self.steps: list[StepStats] = []
         self.rss = self.peak_rss = current_rss()  # the last sample, and the peak of every sample
@@ -109,7 +140,7 @@ class Engine:
         """Queue one step over h [1, T, H]: the model's layer loop and head, lazily where every expert is
         resident (a capped run syncs once per layer for its picks). Advances the offset; returns logits [V]."""
         T = h.shape[1]
-        step = StepStats(step=len(self.steps), phase=phase, n_tokens=T,
+        step = StepStats(step=len(self.steps), phase=phase, n_tokens=T, rank=self.opts.rank,
                          layers=[LayerStats(layer=i) for i in range(self.args.num_hidden_layers)])
         step.t0 = time.perf_counter()
         step.busy0 = self.experts.store.busy_time()
@@ -117,7 +148,7 @@ class Engine:
         conv = self.conversation
         pos = positions if positions is not None else conv.offset + conv.rope_delta
         block = self.plan.prefill_step if phase == "prefill" else None  # prefill: layer by layer, in steps
-        logits = self.model.head(self.model.layers_forward(h, conv.caches, pos, self.experts, block)[:, -1:, :])
+        logits = self.model.head(self.model.layers_forward(h, conv.caches, pos, self.provider, block)[:, -1:, :])
         step.host_ms = 1000 * (time.perf_counter() - step.t0)
         conv.offset += T
         self.steps.append(step)
@@ -191,7 +222,8 @@ class Engine:
         drawn = sampler.drawn
 
         def draw(lg, pen, n):
-            return sampler(lg, pen, n, None if constraint is None else constraint.allowed())
+            y, pen = sampler(lg, pen, n, None if constraint is None else constraint.allowed())
+            return (y if self.group is None else ranks.shared_token(y, self.group)), pen
 
         y, pen = draw(logits, pen, drawn)
         mx.async_eval(y)
@@ -199,7 +231,7 @@ class Engine:
         ahead = None  # (snapshot, logits, token, penalties, step) queued before its token is known
         try:
             for _ in range(max_tokens):
-                if self.experts.resident and self.offset < self.opts.ctx:  # the loop feeds every token it yields
+                if self.pipelined and self.offset < self.opts.ctx:  # the loop feeds every token it yields
                     snap = self._snapshot()
                     nxt = self._step(self.model.embed(y.reshape(1, 1)), "decode")
                     y_next, pen_next = (None, None) if constraint else draw(nxt, pen, drawn + 1)
@@ -265,4 +297,7 @@ class Engine:
         return logits
 
     def close(self) -> None:
-        self.experts.close()
+        if getattr(self, "experts", None) is not None:
+            self.experts.close()
+        if self.group is not None:
+            self.watchdog.close()

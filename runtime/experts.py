@@ -380,6 +380,12 @@ class StreamingExperts:
                 st.prefetch_wasted += 1
                 f.add_done_callback(lambda f: f.exception() is None and self.store.release(f.result()))
 
+    def skip(self, i: int) -> None:
+        """Layer i picked none of this provider's experts (across ranks, others own every pick): its guesses
+        are withdrawn as after any layer, so none holds a staging entry past it."""
+        self.candidates.pop(i, None)
+        self._withdraw(i, [], set(), self.stats[i] if self.stats is not None else LayerStats(layer=i))
+
     def _gather(self, i: int, experts: list[int], st: LayerStats) -> tuple[dict[int, int], dict[Key, int], dict[Key, Future]]:
         """Slots for layer i's distinct picks: hits pinned, misses placed and their reads queued (guessed ones
         promoted). Returns (expert -> slot, the slots to land, the reads to land them from)."""

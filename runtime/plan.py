@@ -51,6 +51,9 @@ class Options:
     # accounts a caller adds to the plan before the hot tier is sized from it: (name, bytes, what it holds);
     # `serve` adds its prompt cache and the requests in flight
     extra_accounts: tuple[tuple[str, int, str], ...] = ()
+    # expert parallelism (runtime/ranks.py): this process is rank `rank` of `ranks`, holding experts e % ranks == rank
+    rank: int = 0
+    ranks: int = 1
 
 
 def read_ring(opts: Options, top_k: int) -> int:
@@ -61,6 +64,11 @@ def read_ring(opts: Options, top_k: int) -> int:
 def prefill_step(chunk: int | str) -> int:
     """Tokens per prefill kernel call: PREFILL_STEP under an auto chunk, else the chunk asked for (as before)."""
     return PREFILL_STEP if chunk == "auto" else int(chunk)
+
+
+def share_of(rank: int, ranks: int, n_experts: int) -> list[int]:
+    """The experts of every layer that rank `rank` of `ranks` holds: e % ranks == rank (`runtime/ranks.py` says why)."""
+    return list(range(rank, n_experts, ranks))
 
 
 def prefetch_width(opts: Options, top_k: int) -> int:
@@ -124,6 +132,9 @@ class MemoryPlan:
     # per KV format: {"token_bytes": KV bytes a token adds, "longest_ctx": the longest context that fits this cap}
     kv_formats: dict[str, dict[str, int]] = field(default_factory=dict)
     native_ctx: int | None = None  # the model's own context length (max_position_embeddings), if known
+    rank: int = 0  # expert parallelism: this plan is rank `rank`'s of `ranks`, for its share of each layer's
+    ranks: int = 1  # experts (n_experts of them: e % ranks == rank)
+    all_experts: int = 0  # experts per layer in the model (0: n_experts, one host)
 
     @property
     def fixed(self) -> int:
@@ -166,6 +177,9 @@ class MemoryPlan:
     def render(self) -> str:
         rows = [f"memory plan: cap {self.cap / GiB:.2f} GiB, ctx {self.ctx}, experts {self.expert_format} "
                 f"({self.stride:,} B per expert, {self.slot_bytes:,} B per slot)"]
+        if self.ranks > 1:
+            rows.append(f"  rank {self.rank} of {self.ranks}: experts e % {self.ranks} == {self.rank} of every layer "
+                        f"({self.n_experts} of {self.all_experts}); --cap is this host's")
         for name, n in self.accounts.items():
             note = f"  ({self.notes[name]})" if name in self.notes else ""
             rows.append(f"  {name:<16} {size(n)}{note}")
@@ -186,6 +200,8 @@ class MemoryPlan:
                "accounts": dict(self.accounts), "fixed": self.fixed, "hot_slots": self.hot_slots,
                "staging_slots": self.staging_slots, "n_layers": self.n_layers, "n_experts": self.n_experts, "fits": self.fits,
                "prefill_chunk": self.prefill_chunk, "prefill_step": self.prefill_step}
+        if self.ranks > 1:
+            out.update(rank=self.rank, ranks=self.ranks, all_experts=self.all_experts)
         if self.kv_formats:  # planned with `plan_with_limits`
             out.update(kv_formats={f: dict(k) for f, k in self.kv_formats.items()}, native_ctx=self.native_ctx)
         return out
@@ -239,6 +255,12 @@ def chunk_token_bytes(a: ModelArgs, item: int) -> int:
     return int(1.5 * ((5 * H + a.num_experts + 2 * a.shared_expert_intermediate_size + 1 + k) * item + 4 * k))
 
 
+def exchange_bytes(a: ModelArgs, tokens: int, item: int, ranks: int) -> int:
+    """A MoE block's exchange across `ranks` (`runtime/ranks.py`): this rank's [tokens, k, H] outputs, the
+    gathered [ranks, tokens, k, H], and the [tokens, k, H] selected from them, alive at once."""
+    return (ranks + 2) * tokens * a.num_experts_per_tok * a.hidden_size * item
+
+
 def state_bytes(a: ModelArgs, ctx: int, kv_item: int, kv_bits: int | None = None) -> tuple[int, int]:
     """(KV cache for ctx tokens, linear-attention state), both preallocated at open. `kv_item`: bytes per
     float of the cache (a quantized one's scales and biases); `kv_bits`: bits per code of a quantized cache,
@@ -260,19 +282,22 @@ def slot_bytes(lay: RecordLayout, dtype: str) -> int:
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
               prefill_chunk: int | str = "auto", ring: int = 0, slot: int = 0, blas: bool | None = None,
-              extra: tuple[tuple[str, int, str], ...] = ()) -> MemoryPlan:
+              extra: tuple[tuple[str, int, str], ...] = (), rank: int = 0, ranks: int = 1) -> MemoryPlan:
     """`kv_dtype`: the KV format (a float dtype, or q8/q4 with scales and biases in `dtype`). `blas`: whether
     prefill goes through numpy's BLAS (None: where this process computes, the CPU backend). `prefill_chunk`: tokens,
-    or "auto" (`choose_chunk`). `extra`: the caller's own accounts (name, bytes, note), fixed like the others."""
+    or "auto" (`choose_chunk`). `extra`: the caller's own accounts (name, bytes, note), fixed like the others.
+    `rank` of `ranks`: the plan of one rank of an expert-parallel group, for its share of every layer's experts
+    (`share_of`), plus the buffers the picks' outputs are gathered in."""
     bits = KV_BITS.get(kv_dtype)
     item, kv_item = itemsize(dtype), itemsize(dtype if bits else kv_dtype)
     blas = mx.default_device() == mx.cpu if blas is None else blas
     kv, lin = state_bytes(args, ctx, kv_item, bits)
-    n_exp = args.num_experts
+    n_exp = len(share_of(rank, ranks, args.num_experts))
     step = min(prefill_step(prefill_chunk), ctx)
     plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp,
                       n_layers=args.num_hidden_layers, slot=slot, prefill_step=step,
-                      prefill_chunk=step if prefill_chunk == "auto" else min(int(prefill_chunk), ctx))
+                      prefill_chunk=step if prefill_chunk == "auto" else min(int(prefill_chunk), ctx),
+                      rank=rank, ranks=ranks, all_experts=args.num_experts)
     if runtime_bytes is None:
         runtime_bytes = current_rss() + 64 * MiB
         plan.notes["runtime"] = "measured RSS at open + 64 MiB for allocator cache and Python heap"
@@ -285,6 +310,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "prefill staging": n_exp * plan.slot_bytes,
         "read staging": 2 * ring * stride,
         "vision": vision_bytes,
+        **({"rank exchange": exchange_bytes(args, step, item, ranks)} if ranks > 1 else {}),
         **{name: n for name, n, _ in extra},
         "runtime": runtime_bytes,
     }
@@ -294,6 +320,9 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
     plan.notes["allocator cache"] = "freed buffers MLX keeps for reuse: a decode step's new linear state + 32 MiB"
     plan.notes["prefill staging"] = f"{n_exp} slots, one per expert of a layer"
     plan.notes["read staging"] = f"{ring} records of host staging + their copies in flight"
+    if ranks > 1:
+        plan.notes["rank exchange"] = (f"a block's picks' outputs, this rank's and all {ranks} gathered, "
+                                       f"{step} tokens x top-{args.num_experts_per_tok}")
     if prefill_chunk == "auto":
         choose_chunk(plan, chunk_token_bytes(args, item))
     plan.notes["activations"] = (f"a prefill step of {step} tokens at ctx {ctx}"
@@ -372,7 +401,8 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
                      slot=slot_bytes(fmts[opts.experts].layout, dtype),
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
                      dtype=dtype, kv_dtype=kv_format(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
-                     vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])), extra=opts.extra_accounts)
+                     vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])), extra=opts.extra_accounts,
+                     rank=opts.rank, ranks=opts.ranks)
     if opts.images:
         plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
                                 f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")

@@ -40,8 +40,11 @@ class ExpertStore:
     staging ring."""
 
     def __init__(self, paths: list[Path], lay: RecordLayout, n_experts: int, layouts: dict[str, RecordLayout], fmt: str,
-                 io_threads: int, ring: int):
+                 io_threads: int, ring: int, share: list[int] | None = None):
+        """`share`: the experts this process holds (an expert-parallel rank's, `runtime/ranks.py`); expert j of
+        a read is then record share[j] of its layer file, and no other record is ever read. None: all of them."""
         self.lay, self.n_experts, self.paths = lay, n_experts, list(paths)
+        self.share = share
         self.fds: list[int] = []
         self.direct: list[bool] = []
         for p in paths:
@@ -74,13 +77,19 @@ class ExpertStore:
             t.start()
 
     @classmethod
-    def open(cls, root: Path, m: Manifest, fmt: str, io_threads: int, ring: int) -> ExpertStore:
-        """The layer files of expert format `fmt` of the converted model at `root` (manifest `m`)."""
+    def open(cls, root: Path, m: Manifest, fmt: str, io_threads: int, ring: int,
+             share: list[int] | None = None) -> ExpertStore:
+        """The layer files of expert format `fmt` of the converted model at `root` (manifest `m`); `share`: the
+        experts read (see `__init__`)."""
         f = m.expert_formats()[fmt]
         lay = f.layout
         layouts = record_layouts(lay.hidden, lay.intermediate, lay.group_size, lay.scale_dtype)
         n_experts = ModelArgs.from_config(m.config, root / "manifest.json").num_experts
-        return cls([safe_path(root, x["path"]) for x in f.files], lay, n_experts, layouts, fmt, io_threads, ring)
+        return cls([safe_path(root, x["path"]) for x in f.files], lay, n_experts, layouts, fmt, io_threads, ring, share)
+
+    def offset(self, expert: int) -> int:
+        """Where expert `expert`'s record starts in its layer file."""
+        return (expert if self.share is None else self.share[expert]) * self.lay.stride
 
     def busy_time(self) -> float:
         """Seconds so far with at least one read in progress (the interval now open included): over a step, the
@@ -134,7 +143,7 @@ class ExpertStore:
                 self.busy_since = time.perf_counter()
             self.reading += 1
         try:
-            off = expert * self.lay.stride
+            off = self.offset(expert)
             try:
                 n = os.preadv(self.fds[layer], [self.record(entry)], off)
             finally:
@@ -195,9 +204,8 @@ class ExpertStore:
 
     def read_bytes(self, layer: int, expert: int) -> bytes:
         """One record through a plain buffered read, bypassing the ring (the verification mode's reference)."""
-        s = self.lay.stride
         with open(self.paths[layer], "rb") as f:
-            f.seek(expert * s)
+            f.seek(self.offset(expert))
             return f.read(self.lay.raw_size)
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ class StepStats:
     host_ms: float = 0.0  # the host's time in the step's layer loop: the graph built (and, capped, every layer's sync)
     disk_busy_ms: float = 0.0  # the time in this step with at least one expert read in progress
     layers: list[LayerStats] = field(default_factory=list)
+    rank: int = 0  # across ranks (runtime/ranks.py): the rank whose share these layers' reads are
 
     @property
     def bytes_read(self) -> int:
