@@ -38,9 +38,10 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
             save_session: Path | None = None, load_session: Path | None = None) -> None:
     sampler = Sampler(**sampling)
-    check_preprocessor(Path(model), load_manifest(model).config)
     group = ranks.find_group()
-    if group is not None:
+    if group is None:
+        check_preprocessor(Path(model), load_manifest(model).config)
+    else:  # the engine's open checks what this rank reads, and every rank learns whether all could
         if chat or load_session:
             raise StreamoeError("across ranks (mlx.launch), run takes --prompt only: --chat and --load-session need one host")
         if group.rank() != 0:  # rank 0 alone prints and writes files

@@ -211,7 +211,7 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
 
 
 def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str, runtime_mib: int | None = None,
-                     prefill_chunk: int | str = "auto"):
+                     prefill_chunk: int | str = "auto", rank: int = 0, ranks: int = 1):
     """A plan from a bare config.json, before any download or conversion."""
     from .convert.source import read_json
     from .formats.config import ModelArgs
@@ -235,7 +235,8 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
         return plan_with_limits(native_context(config), args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts,
                          stride=lay.stride, slot=slot_bytes(lay, dtype),
                          nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(Options(kv=kv, dtype=dtype)),
-                         runtime_bytes=runtime_mib and runtime_mib << 20, prefill_chunk=prefill_chunk)
+                         runtime_bytes=runtime_mib and runtime_mib << 20, prefill_chunk=prefill_chunk,
+                         rank=rank, ranks=ranks)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
     except StreamoeError as e:
@@ -322,27 +323,33 @@ def engine_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes per account).")
 @click.option("--images", is_flag=True, help="Include the vision account (runs with --image or --chat).")
 @PREFILL_CHUNK
+@click.option("--ranks", type=click.IntRange(min=1, max=1 << 10), default=1, show_default=True,
+              help="Plan each rank of an expert-parallel group of this many hosts (mlx.launch; --cap is per host).")
 @user_errors
 def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, as_json: bool,
-         images: bool, prefill_chunk: int | str) -> None:
+         images: bool, prefill_chunk: int | str, ranks: int) -> None:
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
 
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
     from .runtime.plan import Options, default_dtype, plan_for
 
     dtype = dtype or default_dtype()
-    if model.is_file() and model.suffix == ".json":
-        p = plan_from_config(model, cap, ctx, experts, kv, dtype, runtime_mib, prefill_chunk)
-    else:
-        p = plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, images=images,
-                                    runtime_bytes=runtime_mib and runtime_mib << 20, prefill_chunk=prefill_chunk))
+    plans = []
+    for rank in range(ranks):
+        if model.is_file() and model.suffix == ".json":
+            plans.append(plan_from_config(model, cap, ctx, experts, kv, dtype, runtime_mib, prefill_chunk, rank, ranks))
+        else:
+            plans.append(plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, images=images,
+                                                 runtime_bytes=runtime_mib and runtime_mib << 20,
+                                                 prefill_chunk=prefill_chunk, rank=rank, ranks=ranks)))
     if as_json:
         import json
 
-        click.echo(json.dumps(p.to_json(), indent=2))
+        click.echo(json.dumps(plans[0].to_json() if ranks == 1 else [p.to_json() for p in plans], indent=2))
     else:
-        click.echo(p.render())
-    p.require_fit()
+        click.echo("\n".join(p.render() for p in plans))
+    for p in plans:
+        p.require_fit()
 
 
 @main.command()
