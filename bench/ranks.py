@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--size", default="small")
     ap.add_argument("--scratch", type=Path, default=None)
     ap.add_argument("--ranks", default="1,2")
-    ap.add_argument("--cap", type=float, default=None, help="GiB per host (default: 40 slots over one host's fixed)")
+    ap.add_argument("--cap", type=float, default=None, help="GiB per host (default: 100 slots over the largest fixed accounts)")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--collective", nargs=3, type=int, metavar=("TOKENS", "K", "H"), help=argparse.SUPPRESS)
@@ -121,8 +121,10 @@ def main() -> None:
                                 "--experts", "q4"], check=True, capture_output=True)
         m = load_manifest(model)
         args = ModelArgs.from_config(m.config, model / "manifest.json")
-        one = plan_for(model, Options(cap_gib=8, ctx=512, runtime_bytes=200 << 20))
-        cap = a.cap or (one.fixed + 40 * one.slot_bytes) / 2**30
+        fixed = max(plan_for(model, Options(cap_gib=8, ctx=512, runtime_bytes=200 << 20, rank=0, ranks=n)).fixed
+                    for n in sizes)
+        slot = plan_for(model, Options(cap_gib=8, ctx=512, runtime_bytes=200 << 20)).slot_bytes
+        cap = a.cap or (fixed + 100 * slot) / 2**30  # every group size's hot tier: at least 100 slots
         results, base = [], None
         for n in sizes:
             r = run_once(model, n, cap, a.tokens, work)

@@ -57,6 +57,10 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         if lost is None:
             raise
         raise lost from None
+    except StreamoeError as e:
+        if group is None or group.rank() == 0:
+            raise
+        raise StreamoeError(f"{ranks.where(group)}: {e}") from None  # which rank said it, beside rank 0's line
 
 
 def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,

@@ -5,6 +5,7 @@ a rank that cannot open stops every rank with one line naming it; `plan --ranks`
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import socket
 import subprocess
@@ -142,3 +143,25 @@ def test_plan_shows_each_ranks_share_and_hot_tier(small_conv):
     text = cli("plan", small_conv, "--ranks", "2", "--cap", "0.4", "--ctx", "256", check=True).stdout
     assert "rank 0 of 2: experts e % 2 == 0 of every layer (32 of 64)" in text
     assert "rank 1 of 2: experts e % 2 == 1 of every layer (32 of 64)" in text
+
+
+def test_a_peer_that_leaves_mid_answer_stops_the_other_with_one_line(ring, small_conv, tmp_path):
+    """Two ranks started by hand (no launcher to kill the survivor): rank 1 answers 2 tokens and exits while
+    rank 0 still decodes; rank 0 stops with one line naming itself (the lost link, or the watchdog)."""
+    port = free_port_pair()
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    env = {**os.environ, "MLX_HOSTFILE": str(hosts), "STREAMOE_RANK_TIMEOUT": "6"}
+    cmd = [sys.executable, "-m", "streamoe.cli", "run", str(small_conv), "--cap", "0.3", "--ctx", "256",
+           "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", PROMPT, "-q"]
+    leaver = subprocess.Popen([*cmd, "-n", "2"], env={**env, "MLX_RANK": "1"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        p = subprocess.run([*cmd, "-n", "200"], env={**env, "MLX_RANK": "0"}, capture_output=True, text=True, timeout=90)
+    finally:
+        leaver.kill()
+        leaver.wait()
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("streamoe:")]
+    assert len(lines) == 1 and lines[0].startswith("streamoe: error: rank 0 of 2 on "), p.stderr
+    assert "lost its peer ranks" in lines[0] or "no exchange with its peer ranks" in lines[0], lines[0]
