@@ -154,7 +154,7 @@ class ExpertStore:
             if not self.direct[layer]:
                 drop_cache(self.fds[layer], off, self.lay.stride)
             if n != self.lay.stride:
-                raise fail(self.paths[layer], f"short read of expert {expert}: {n} of {self.lay.stride} bytes "
+                raise fail(self.paths[layer], f"short read of expert {off // self.lay.stride}: {n} of {self.lay.stride} bytes "
                                               "(the file changed since it was opened?)")
         except BaseException:
             self.release(entry)
