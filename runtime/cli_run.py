@@ -42,8 +42,8 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
     if group is None:
         check_preprocessor(Path(model), load_manifest(model).config)
     else:  # the engine's open checks what this rank reads, and every rank learns whether all could
-        if chat or load_session:
-            raise StreamoeError("across ranks (mlx.launch), run takes --prompt only: --chat and --load-session need one host")
+        if load_session:
+            raise StreamoeError("across ranks (mlx.launch), --load-session needs one host")
         if group.rank() != 0:  # rank 0 alone prints and writes files
             sys.stdout = open(os.devnull, "w")
             save_session = None
@@ -93,26 +93,13 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                     break
                 user = turns.pop(0)
             else:
-                try:
-                    user = input("> ")
-                except EOFError:
+                if group is not None:
+                    eng.watchdog.idle()  # a person may take their time: only a step waits on the peers
+                user = read_turn(eng, images, raw, group is not None) if eng.opts.rank == 0 else None
+                if group is not None:
+                    user = ranks.from_rank0(group, user)  # every rank answers rank 0's turn
+                if user is None:
                     break
-                except UnicodeDecodeError:
-                    raise fail("<stdin>", "the input is not valid UTF-8 text") from None
-                if user.strip() in ("/quit", "/exit"):
-                    break
-                if user.startswith("/image "):
-                    path = Path(user[7:].strip())
-                    try:  # a file that cannot be the image is said now, in one line, and the chat goes on
-                        if raw:
-                            raise StreamoeError(f"{path}: an image needs the chat template; run the chat without --raw")
-                        load_image(path, max_decode_pixels=eng.opts.max_decode_pixels)
-                    except StreamoeError as e:
-                        print(f"streamoe: error: {e} (not attached; the chat goes on)", file=sys.stderr, flush=True)
-                        continue
-                    images.append(path)
-                    print(f"(attached {path} to the next turn)", file=sys.stderr)
-                    continue
             if raw:
                 ids = eng.text.encode(user)
             else:
@@ -152,6 +139,33 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
         records = ranks.gather_steps(group, [st.to_json() for st in eng.steps] if stats else [])
         if group.rank() == 0:  # its file holds every rank's records
             write_outputs(records, stats, logits_out, logits)
+
+
+def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
+    """The chat's next turn from stdin (None: the chat ends); `/image PATH` lines attach images to it."""
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            return None
+        except UnicodeDecodeError:
+            raise fail("<stdin>", "the input is not valid UTF-8 text") from None
+        if user.strip() in ("/quit", "/exit"):
+            return None
+        if not user.startswith("/image "):
+            return user
+        path = Path(user[7:].strip())
+        try:  # a file that cannot be the image is said now, in one line, and the chat goes on
+            if across:
+                raise StreamoeError(f"{path}: across ranks a chat takes no /image (give --image with --prompt)")
+            if raw:
+                raise StreamoeError(f"{path}: an image needs the chat template; run the chat without --raw")
+            load_image(path, max_decode_pixels=eng.opts.max_decode_pixels)
+        except StreamoeError as e:
+            print(f"streamoe: error: {e} (not attached; the chat goes on)", file=sys.stderr, flush=True)
+            continue
+        images.append(path)
+        print(f"(attached {path} to the next turn)", file=sys.stderr)
 
 
 def write_outputs(records: list[dict], stats: Path | None, logits_out: Path | None, logits: list | None) -> None:

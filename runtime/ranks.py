@@ -63,6 +63,12 @@ def gather_bytes(group: Group, data: bytes) -> list[bytes]:
     return [got[r, :n].tobytes() for r, n in enumerate(lengths)]
 
 
+def from_rank0(group: Group, text: str | None) -> str | None:
+    """Rank 0's `text` (a chat turn; None: the chat ends) on every rank; the others pass anything."""
+    sent = gather_bytes(group, json.dumps({"text": text}).encode() if group.rank() == 0 else b"")[0]
+    return json.loads(sent)["text"]
+
+
 def where(group: Group) -> str:
     return f"rank {group.rank()} of {group.size()} on {socket.gethostname()}"
 

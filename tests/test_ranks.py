@@ -40,15 +40,15 @@ def free_port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-def launch(*command: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def launch(*command: str, timeout: float = 120, stdin: str = "") -> subprocess.CompletedProcess:
     """`mlx.launch --backend ring -n 2 -- COMMAND` (the launcher's own exit status is 0 whatever the ranks did:
     callers read the ranks' output)."""
     return subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_port_pair()), "--", *command],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, input=stdin)
 
 
-def run_ranked(*args: str) -> subprocess.CompletedProcess:
-    return launch(sys.executable, "-m", "streamoe.cli", "run", *map(str, args))
+def run_ranked(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return launch(sys.executable, "-m", "streamoe.cli", "run", *map(str, args), stdin=stdin)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,20 @@ def test_two_resident_ranks_pipeline_to_the_same_logits(ring, small_conv, tmp_pa
     assert (tmp_path / "two.npz").exists(), two.stderr
     assert np.load(tmp_path / "one.npz")["logits"].tobytes() == np.load(tmp_path / "two.npz")["logits"].tobytes()
     assert two.stdout == one.stdout and "0.00 MiB read/token" in two.stderr
+
+
+def test_a_chat_across_ranks_answers_rank_0s_turns_as_one_host(ring, small_conv, tmp_path):
+    """Rank 0 reads the turns and shares each; an /image line is refused there (the others could not see it),
+    and the chat goes on. `/quit` ends it (the launcher does not pass on the end of stdin)."""
+    args = ["--cap", "0.6", "--ctx", "512", "--runtime-mib", str(RUNTIME_MIB), "--chat", "-n", "6", "-q"]
+    cli("run", small_conv, *args, "--logits-out", tmp_path / "one.npz", input="hello there\nwhat next\n", check=True)
+    two = run_ranked(small_conv, *args, "--logits-out", tmp_path / "two.npz",
+                     stdin="hello there\n/image /no/such.png\nwhat next\n/quit\n")
+    assert (tmp_path / "two.npz").exists(), two.stderr
+    a, b = np.load(tmp_path / "one.npz")["logits"], np.load(tmp_path / "two.npz")["logits"]
+    assert a.shape == (12, 576) and a.tobytes() == b.tobytes()
+    refused = [ln for ln in two.stderr.splitlines() if ln.startswith("streamoe:")]
+    assert len(refused) == 1 and "across ranks a chat takes no /image" in refused[0], two.stderr
 
 
 def test_a_rank_that_cannot_open_stops_every_rank_with_one_line(ring, small_conv, tmp_path):
