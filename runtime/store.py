@@ -78,7 +78,7 @@ class ExpertStore:
         """The layer files of expert format `fmt` of the converted model at `root` (manifest `m`)."""
         f = m.expert_formats()[fmt]
         lay = f.layout
-        layouts = record_layouts(lay.hidden, lay.intermediate, lay.group_size, lay.scale_dtype)
+        layouts = record_layouts(lay)
         n_experts = ModelArgs.from_config(m.config, root / "manifest.json").num_experts
         return cls([safe_path(root, x["path"]) for x in f.files], lay, n_experts, layouts, fmt, io_threads, ring)
 
