@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,9 +25,19 @@ from .constrain import Constraint
 from .experts import StreamingExperts
 from .image import ImageConfig, check_preprocessor, load_image, preprocess
 from .models import family
-from .models.kernels import set_cpu_streams
+from .models.kernels import expert_kernel, set_cpu_streams
 from .mrope import expand_image_tokens, image_positions
-from .plan import Options, current_rss, default_dtype, kv_bits, kv_dtype, plan_for, prefetch_width, read_ring
+from .plan import (
+    Options,
+    current_rss,
+    default_dtype,
+    expert_format,
+    kv_bits,
+    kv_dtype,
+    plan_for,
+    prefetch_width,
+    read_ring,
+)
 from .sampling import Sampler
 from .store import ExpertStore
 from .telemetry import LayerStats, StepStats
@@ -57,10 +68,10 @@ class Engine:
     """open / prefill / decode / generate / close: a converted model inside its plan, experts streamed."""
 
     def __init__(self, root: str | Path, opts: Options | None = None):
-        self.root, self.opts = Path(root), opts or Options()
-        o = self.opts
+        self.root, o = Path(root), opts or Options()
         fix_malloc_thresholds()
         self.manifest = m = load_manifest(self.root)
+        self.opts = o = replace(o, experts=expert_format(o, m))  # the format this run reads, named from here on
         check_open(self.root, o.experts, m)  # sizes and blob tables as `validate` checks them, before anything loads
         if o.images:
             check_preprocessor(self.root, m.config)  # read on the first image: a bad one must not fail mid-answer
@@ -87,7 +98,7 @@ class Engine:
         self.model = model_family.Model(a, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), self.model.router_logits, self.dtype,
-                                        waste_budget=o.prefetch_waste)
+                                        waste_budget=o.prefetch_waste, kernel=expert_kernel(self.lay, a))
         self.cache = self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)), kv_bits=kv_bits(o))
         self.offset = 0
         self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens
