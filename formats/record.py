@@ -59,6 +59,12 @@ class Segment:
     offset: int  # byte offset inside the record
     nbytes: int
 
+    @property
+    def is_float(self) -> bool:
+        """A float array (affine scales and biases, an expert's bias): the pools hold it at the compute dtype; codes
+        and MXFP4's uint8 scales stay as stored."""
+        return self.dtype in ("BF16", "F16", "F32")
+
 
 @dataclass(frozen=True)
 class RecordLayout:
