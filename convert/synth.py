@@ -377,7 +377,8 @@ def gpt_oss_config(size: str, variant: str = "mxfp4-q8") -> dict:
         "architectures": ["GptOssForCausalLM"],
         "attention_bias": True,
         "attention_dropout": 0.0,
-        "eos_token_id": harmony_id("<|return|>", d.token_base),
+        # mlx-lm's load_config copies generation_config's eos_token_id to the top level
+        "eos_token_id": [harmony_id(t, d.token_base) for t in ("<|return|>", "<|endoftext|>", "<|call|>")],
         "experts_per_token": d.top_k,
         "head_dim": d.head_dim,
         "hidden_act": "silu",
@@ -458,12 +459,13 @@ def layout(config: dict, shard_bytes: int | None = None) -> list[dict]:
 
 
 def total_parameters(spec_list: list[Spec]) -> int:
-    """mlx-lm's `get_total_parameters`: quantized weights count their unpacked elements, scales/biases none."""
+    """mlx-lm's `get_total_parameters`: quantized weights count their unpacked elements, scales/biases none; it sums
+    leaf modules only, so gpt-oss's attention sinks (a parameter of the attention block itself) are not counted."""
     n = 0
     for s in spec_list:
         if s.kind == "qweight":
             n += int(np.prod(s.float_shape, dtype=np.int64))
-        elif s.kind not in ("scales", "biases"):
+        elif s.kind not in ("scales", "biases", "sink"):
             n += int(np.prod(s.shape, dtype=np.int64))
     return n
 

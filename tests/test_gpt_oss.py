@@ -60,7 +60,7 @@ def test_full_export_table():
     assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.vocab_size) == (32, 4, 2880, 201088)
     assert a.layer_types == ("sliding_attention", "full_attention") * 12 and a.sliding_window == 128
     assert a.rope_theta == 150000 and a.yarn == (32.0, 4096.0, 32.0, 1.0, 1.0, 0.0)
-    assert (a.swiglu_alpha, a.swiglu_limit) == (1.702, 7.0) and not a.tie_word_embeddings and a.eos_token_ids == (200002,)
+    assert (a.swiglu_alpha, a.swiglu_limit) == (1.702, 7.0) and not a.tie_word_embeddings and a.eos_token_ids == (200002, 199999, 200012)
     assert a.expert_format == "mxfp4" and a.expert_mode(23) == "mxfp4" and a.expert_quant(0) == (4, 32)
     assert a.quant_params("model.layers.3.mlp.router") == (8, 64) and a.quant_params("lm_head") == (8, 64)
     assert a.n_kv_layers == 24 and a.n_full_attention == 12 and a.shared_expert_intermediate_size == 0
@@ -169,6 +169,70 @@ def test_convert_and_validate(ckpt, conv):
     report = validate(conv, source=ckpt, samples=4)
     assert report["ok"], [c for c in report["checks"] if not c["ok"]]
     assert {c["name"] for c in report["checks"]} >= {"source-experts-mxfp4", "source-nonexpert"}
+
+
+def hf_checkpoint(out: Path, tokenizer_from: Path, seed: int = 7) -> Path:
+    """A tiny checkpoint in openai/gpt-oss-20b's own Hugging Face form: bf16 tensors, the experts' gate and up
+    interleaved row by row as `gate_up_proj`, MXFP4 as `_blocks` (16 bytes of codes per 32 values) and `_scales`,
+    their biases as `_bias`, and `quantization_config` {"quant_method": "mxfp4"}: what mlx-lm's converter reads."""
+    d = make_config("tiny", family="gpt_oss")
+    cfg = {k: v for k, v in d.items() if k not in ("quantization", "quantization_config")}
+    cfg["quantization_config"] = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+    a = ModelArgs.from_config(d)
+    H, inter, E, V = a.hidden_size, a.moe_intermediate_size, a.num_experts, a.vocab_size
+    nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    rng = np.random.default_rng(seed)
+
+    def bf16(shape, scale=0.02, mean=0.0):
+        return mx.array(mean + scale * rng.standard_normal(shape, dtype=np.float32)).astype(mx.bfloat16)
+
+    w = {"model.embed_tokens.weight": bf16((V, H)), "model.norm.weight": bf16((H,), mean=1.0), "lm_head.weight": bf16((V, H))}
+    for i in range(a.num_hidden_layers):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = bf16((H,), mean=1.0)
+        w[f"{p}.post_attention_layernorm.weight"] = bf16((H,), mean=1.0)
+        w[f"{p}.self_attn.sinks"] = bf16((nq,), 1.0)
+        for name, (o, n) in {"q_proj": (nq * hd, H), "k_proj": (nkv * hd, H), "v_proj": (nkv * hd, H),
+                             "o_proj": (H, nq * hd)}.items():
+            w[f"{p}.self_attn.{name}.weight"], w[f"{p}.self_attn.{name}.bias"] = bf16((o, n)), bf16((o,))
+        w[f"{p}.mlp.router.weight"], w[f"{p}.mlp.router.bias"] = bf16((E, H)), bf16((E,))
+        for name, (o, n) in {"gate_up_proj": (2 * inter, H), "down_proj": (H, inter)}.items():
+            codes, scales = mx.quantize(bf16((E, o, n)), group_size=32, bits=4, mode="mxfp4")
+            w[f"{p}.mlp.experts.{name}_blocks"] = codes.view(mx.uint8).reshape(E, o, n // 32, 16)
+            w[f"{p}.mlp.experts.{name}_scales"] = scales
+            w[f"{p}.mlp.experts.{name}_bias"] = bf16((E, o))
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(tokenizer_from / f, out / f)
+    return out
+
+
+def test_mlx_lms_converter_writes_what_synth_writes_and_streamoe_runs_it(ckpt, tmp_path):
+    """openai/gpt-oss's own form through mlx-lm's converter (`-q --q-bits 8`, as gpt-oss-20b-MXFP4-Q8 was made):
+    the config (its quantization block entry for entry) and the tensor table are synth's; converted by streamoe,
+    its greedy tokens equal mlx-lm's float32 ones on it, past the sliding window, at a cap of 4 hot slots."""
+    from mlx_lm.convert import convert as mlx_lm_convert
+
+    from streamoe.formats.safetensors import read_header
+    from streamoe.runtime.engine import Options, plan_for
+
+    exported = tmp_path / "mlx"
+    mlx_lm_convert(str(hf_checkpoint(tmp_path / "hf", ckpt)), str(exported), quantize=True, q_bits=8)
+    config = json.loads((exported / "config.json").read_text())
+    assert config == make_config("tiny", family="gpt_oss")
+    header = read_header(exported / "model.safetensors")
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in header.tensors.items()} == {
+        n: (dt, shape) for n, dt, shape in tensor_table(config)}
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    assert index["metadata"] == json.loads((ckpt / "model.safetensors.index.json").read_text())["metadata"]
+    out = tmp_path / "conv"
+    convert(exported, out, progress=False)
+    base = plan_for(out, Options(cap_gib=8, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME))
+    ref, ours, worst = teacher_forced(exported, out, PROMPTS[0], 24, cap_gib=(base.fixed + 4 * base.slot_bytes) / 2**30)
+    assert ours == ref and worst < LOGIT_ATOL
 
 
 # ------------------------------------------------------------------------------------ runtime
