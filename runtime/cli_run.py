@@ -38,6 +38,8 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
             save_session: Path | None = None, load_session: Path | None = None) -> None:
     sampler = Sampler(**sampling)
     check_preprocessor(Path(model), load_manifest(model).config)
+    for path in images:  # a file that cannot be the image fails before the model loads
+        load_image(path, max_decode_pixels=opts.max_decode_pixels).close()
     eng = Engine(model, opts)
     logits: list | None = [] if logits_out else None
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
