@@ -12,12 +12,12 @@ $(BIN)/python:
 
 # the runtime dependencies only: what `pip install streamoe` brings
 $(RUNTIME_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -qq -e .
 	touch $@
 
 # plus the test tools and the peers used as test oracles (mlx-lm, mlx-vlm): `[dev]`
 $(DEV_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -qq -e '.[dev]'
 	touch $@ $(RUNTIME_STAMP)
 
 setup: $(DEV_STAMP)

@@ -58,7 +58,7 @@ def parts(eng: Engine, ref, ref_cache: list) -> dict:
     ours_l, refs_l = m.layers, lm.layers
     g = next(i for i, ly in enumerate(ours_l) if ly.is_linear)
     a = next(i for i, ly in enumerate(ours_l) if not ly.is_linear)
-    ex, c, rc = eng.experts, eng.cache, ref_cache
+    ex, c, rc = eng.experts, eng.conversation.caches, ref_cache
     rot = lambda i: m.rope.prepare(c[i].offset)  # noqa: E731
 
     def ref_mix(i, x):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # streamoe on the H200 machine with MLX's CUDA backend (shared/device/README.md installs MLX into /root/site;
 # the project runs from the repository root: no install needed). Writes results under $OUT. From the repo root:
-#   bash bench/h200.sh stage1    # (carry .whl1, made here by bench/h200_wheels.sh) the first half of the wheels
-#   bash bench/h200.sh install   # (carry .whl2, the next call) the wheels joined and installed into /root/site
+#   bash bench/h200.sh stage     # (carry .whl1, then .whl2, made here by bench/h200_wheels.sh) a part of the wheels
+#   bash bench/h200.sh install   # (carry .whl3, the next call) the wheels joined and installed into /root/site
 #   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3) into /root/bench
 #   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
@@ -15,6 +15,9 @@
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
+#   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy)
+#   bash bench/h200.sh prefill   # long prompts (2K, 8K, 32K tokens) at --cap 4, q4 and q3: prefill time against the disk
+#   bash bench/h200.sh longctx   # --ctx 131072 at --cap 4 with bf16, q8 and q4 KV side by side: plan, hot tier, decode
 #   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`.
 # (Saving the compiled kernels for the next lease does not work: 55 MB compressed, more than a lease sends back.)
@@ -26,11 +29,11 @@ mkdir -p "$S" "$OUT"
 export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1
 cd "$REPO"
 case "$1" in
-  stage1)
-    mkdir -p /root/stage && cp .whl1/* /root/stage/
+  stage)
+    mkdir -p /root/stage && cp .whl?/* /root/stage/
     ;;
   install)
-    cp .whl2/* /root/stage/
+    mkdir -p /root/stage && cp .whl?/* /root/stage/
     for part in /root/stage/*.whl.part.aa; do cat "${part%aa}"a? > "${part%.part.aa}" && rm "${part%aa}"a?; done
     python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/stage/*.whl
     python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mx.default_device())"
@@ -40,7 +43,7 @@ case "$1" in
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts q4,q3 2>/dev/null
     ;;
   gputest)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gputest-h200.log"
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_families.py 2>&1 | tee "$OUT/gputest-h200.log"
     ;;
   prepare)
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
@@ -64,6 +67,20 @@ case "$1" in
   sampling)
     python3 -m bench.sampling --model "$S/full-conv" --caps resident,4 --tokens 64 --rounds 3 --ctx 1024 \
       --name "$OUT/sampling-h200" | grep -v '^ '
+    ;;
+  sampling-resident)
+    python3 -m bench.sampling --model "$S/full-conv" --caps resident --tokens 64 --rounds 5 --ctx 1024 \
+      --name "$OUT/sampling-resident-h200" | grep -v '^ '
+    ;;
+  prefill)
+    python3 -m bench.prefill --model "$S/full-conv" --caps 4 --experts q4 --prompts 2048,8192,32768 --warmup 512 \
+      --out "$OUT/prefill-h200-q4" | grep -v '^ '
+    python3 -m bench.prefill --model "$S/full-conv" --caps 4 --experts q3 --prompts 2048,8192 --warmup 512 \
+      --out "$OUT/prefill-h200-q3" | grep -v '^ '
+    ;;
+  longctx)
+    python3 -m bench.long_context "$S/full-conv" --cap 4 --ctx 131072 --kv bfloat16,q8,q4 --out "$OUT/long-context-h200.json" \
+      | grep -v '^ '
     ;;
   sampling-small)
     [ -f "$S/sv-conv/manifest.json" ] || { python3 -m streamoe.cli synth "$S/sv-ckpt" --size small-vocab 2>/dev/null &&

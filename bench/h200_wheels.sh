@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Here (not on the H200): the wheels bench/h200.sh's `stage1` / `install` take to the GPU machine, in two ignored
-# folders (.whl1, .whl2), each small enough to travel beside the working tree (64 MiB a call): MLX's CUDA build
-# (89.8 MB) split in two, MLX, mlx-lm (the oracle) and the project's dependencies that machine lacks.
-#   bash bench/h200_wheels.sh     # then: device run (carry .whl1) `bash bench/h200.sh stage1`,
-#                                 #       device run (carry .whl2) `bash bench/h200.sh install && ...`
+# Here (not on the H200): the wheels bench/h200.sh's `stage` / `install` take to the GPU machine, in three ignored
+# folders (.whl1, .whl2, .whl3), each small enough to travel beside the working tree (64 MiB a call, the tree
+# included): MLX's CUDA build (89.8 MB) split in three, MLX, mlx-lm (the oracle) and the project's dependencies
+# that machine lacks.
+#   bash bench/h200_wheels.sh     # then device runs, back to back: (carry .whl1) `bash bench/h200.sh stage`,
+#                                 # (carry .whl2) `bash bench/h200.sh stage`, (carry .whl3) `bash bench/h200.sh install && ...`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dl=$(mktemp -d) && trap 'rm -rf "$dl"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dl" \
+  --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dl" \
   mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 zstandard jsonschema referencing jsonschema-specifications \
   rpds-py attrs xxhash llguidance
-rm -rf .whl1 .whl2 && mkdir -p .whl1 .whl2
+rm -rf .whl1 .whl2 .whl3 && mkdir -p .whl1 .whl2 .whl3
 cp "$dl"/mlx-0.32.4-*.whl .whl1/
-cuda=$(basename "$dl"/mlx_cuda_13-*.whl)  # split as NAME.part.aa/ab: `install` joins them back into NAME
-split -b 44M "$dl/$cuda" "$dl/$cuda.part."
-mv "$dl/$cuda.part.aa" .whl1/ && mv "$dl/$cuda.part.ab" .whl2/
-find "$dl" -name '*.whl' ! -name 'mlx-0.32*' ! -name 'mlx_cuda*' -exec cp {} .whl2/ \;
-du -sh .whl1 .whl2
+cuda=$(basename "$dl"/mlx_cuda_13-*.whl)  # split as NAME.part.aa/ab/ac: `install` joins them back into NAME
+split -b 36M "$dl/$cuda" "$dl/$cuda.part."
+mv "$dl/$cuda.part.aa" .whl1/ && mv "$dl/$cuda.part.ab" .whl2/ && mv "$dl/$cuda.part.ac" .whl3/
+find "$dl" -name '*.whl' ! -name 'mlx-0.32*' ! -name 'mlx_cuda*' -exec cp {} .whl3/ \;
+du -sh .whl1 .whl2 .whl3

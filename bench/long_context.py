@@ -31,7 +31,7 @@ def fill_caches(eng, n: int, block: int = 4096, seed: int = 0) -> None:
     from streamoe.runtime.models.cache import KVCache
 
     mx.random.seed(seed)
-    for c in eng.cache:
+    for c in eng.conversation.caches:
         if isinstance(c, KVCache):
             b, h, _, _ = c.keys.shape
             hd = eng.args.head_dim
@@ -39,8 +39,7 @@ def fill_caches(eng, n: int, block: int = 4096, seed: int = 0) -> None:
                 k, v = (mx.random.normal((b, h, min(block, n - a), hd)).astype(eng.dtype) for _ in range(2))
                 c.update_and_fetch(k, v)
                 mx.eval([x for _, x in c.arrays()])
-        c.offset = n
-    eng.offset = n
+    eng.conversation.resume(n, 0)
 
 
 def one(a) -> dict:

@@ -123,6 +123,9 @@ def main() -> None:
     ap.add_argument("--cgroup-only", action="store_true", help="only the cgroup runs (no in-process prefill)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--out", default="prefill", help="result name: bench/results/NAME.json")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="first prefill this many tokens once, untimed, per expert format (a fresh GPU machine compiles "
+                         "its kernels on the first prefill: minutes that are not the prefill's)")
     a = ap.parse_args()
     lengths = [int(n) for n in a.prompts.split(",")]
     results = []
@@ -136,6 +139,10 @@ def main() -> None:
                 def disk_gbs(paths=paths, stride=fmt.layout.stride) -> float:  # at its best: 8 or 16 in flight
                     return max(random_read_gbs(paths, stride, threads=t) for t in (8, 16))
 
+                if a.warmup and not a.cgroup_only:
+                    cap = a.caps.split(",")[0]
+                    one(model, prompt_ids(model, a.warmup), cap_gib(model, cap, a.warmup + 64, experts, a.dtype),
+                        a.warmup + 64, experts, a.dtype, "auto", a.io_threads)
                 for cap in a.caps.split(","):
                     for n in lengths:
                         ctx = a.ctx or n + 64

@@ -4,7 +4,8 @@ Greedy is the peer: both run in one process, interleaved round by round, on the 
 tokens drawn route to other experts than greedy's, so hit rate and bytes read per token are reported beside
 the rates: resident runs show the sampler's own cost. `json` samples inside a JSON schema (constrained
 decoding: llguidance's mask computed on the host and applied on the device every token). Sampled uses
-the checkpoint's defaults (temperature 1.0, top-p 0.95, top-k 20), and a penalised variant adds Qwen's
+the checkpoint's defaults (temperature 1.0, top-p 0.95, top-k 20), `tool` a call forced by `tool_choice` (its
+arguments in Qwen3.6's XML call form, one long string parameter), and a penalised variant adds Qwen's
 suggested presence penalty (1.5) and a repetition penalty. The vocabulary matters: choosing a token at the
 real model's 248,320 rows is what the `small-vocab` synthetic checkpoint (the small model's layers with that
 vocabulary) shows on the CPU; `--model` takes any converted directory (full size on a GPU).
@@ -25,10 +26,12 @@ from bench.common import scratch_dir, write_result
 PROMPT = "import csv\nimport sys\n\n\ndef mean_of_columns(path):\n    "
 MODES = {"greedy": {}, "sampled": dict(temp=1.0, top_p=0.95, top_k=20),
          "penalised": dict(temp=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, repetition_penalty=1.05),
-         "json": dict(temp=1.0, top_p=0.95, top_k=20)}  # sampled, inside a JSON schema (llguidance's mask per token)
+         "json": dict(temp=1.0, top_p=0.95, top_k=20),  # sampled, inside a JSON schema (llguidance's mask per token)
+         "tool": dict(temp=1.0, top_p=0.95, top_k=20)}  # sampled, a forced call's arguments in the XML call form
 # a string long enough that every timed token is drawn under the grammar's mask
 JSON_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 4000}}, "required": ["text"],
                "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "write", "parameters": JSON_SCHEMA}}]
 
 
 def quarter_cap(model: Path, ctx: int) -> float:
@@ -53,7 +56,7 @@ def one_answer(eng, sampler, tokens: int, constraint=None) -> dict:
 
 
 def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
-    from streamoe.runtime.constrain import Constraint, guide_tokenizer, json_grammar
+    from streamoe.runtime.constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
     from streamoe.runtime.engine import Engine, Options
     from streamoe.runtime.sampling import Sampler
 
@@ -63,11 +66,11 @@ def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
     eng.text.stop_ids = set()  # every answer runs its full length: rates over the same number of tokens
     try:
         one_answer(eng, Sampler(), 4)  # first-call compiles out of the timed rounds
-        grammar = json_grammar(JSON_SCHEMA)
+        grammars = {"json": json_grammar(JSON_SCHEMA), "tool": tool_call_grammar("xml", TOOLS, "write", eng.text.tokenizer)}
         runs = {m: [] for m in MODES}
         for r in range(rounds):
             for m, kw in MODES.items():
-                c = Constraint(guide, grammar, eng.args.vocab_size) if m == "json" else None
+                c = Constraint(guide, grammars[m], eng.args.vocab_size) if m in grammars else None
                 runs[m].append(one_answer(eng, Sampler(seed=r, **kw), tokens, c))
         keys = ("wall_tok_s", "summary_tok_s", "ttft_s", "hit_rate", "mib_read_token")
         med = {m: {k: statistics.median(x[k] for x in v) for k in keys} for m, v in runs.items()}
@@ -76,6 +79,7 @@ def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
                 "sampled_vs_greedy_wall": round(med["sampled"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 3),
                 "penalised_vs_greedy_wall": round(med["penalised"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 3),
                 "json_vs_sampled_wall": round(med["json"]["wall_tok_s"] / med["sampled"]["wall_tok_s"], 3),
+                "tool_vs_sampled_wall": round(med["tool"]["wall_tok_s"] / med["sampled"]["wall_tok_s"], 3),
                 "summary_vs_wall": {m: round(med[m]["summary_tok_s"] / med[m]["wall_tok_s"], 3) for m in MODES},
                 "runs": runs}
     finally:

@@ -32,6 +32,7 @@ def picture(path: Path, w: int, h: int) -> Path:
 
 def encode_sizes(model: Path, scratch: Path) -> list[dict]:
     from streamoe.runtime.engine import Engine, Options
+    from streamoe.runtime.image_prompt import encode_image
 
     eng = Engine(model, Options(cap_gib=64, ctx=4096, images=True, max_pixels=640 * 640))
     out = []
@@ -40,7 +41,7 @@ def encode_sizes(model: Path, scratch: Path) -> list[dict]:
         mx.reset_peak_memory()
         base = mx.get_active_memory()
         t = time.perf_counter()
-        feats, grid = eng.encode_image(p)
+        feats, grid = encode_image(eng, p)
         dt = time.perf_counter() - t
         out.append({"kind": "encode", "model": model.name, "image": f"{w}x{h}", "grid": list(grid), "tokens": feats.shape[0],
                     "encode_s": round(dt, 3), "peak_mib_over_base": round((mx.get_peak_memory() - base) / 2**20, 1),

@@ -7,13 +7,12 @@ and every blob tensor byte for byte (q3 records against the shift of the source'
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
-from ..formats.checks import tensor_problem
-from ..formats.direct import RangeReader, file_checksum
+from ..formats.checks import checksum_problem, file_problem, tensor_problem
+from ..formats.direct import RangeReader
 from ..formats.errors import StreamoeError
 from ..formats.layout import detect_format
 from ..formats.manifest import Manifest, load_manifest, safe_path
@@ -106,14 +105,11 @@ def validate(root: Path, source: Path | None = None, samples: int = 16) -> dict:
     fmt_of = {id(f): name for name, ef in formats.items() for f in ef.files}  # expert layer files only
     for f in m.all_files():
         path = safe_path(m.root, f["path"])
-        if not path.is_file():
-            checks.append({"name": f"file:{f['path']}", "ok": False,
-                           "detail": f"{path}: missing" if not os.path.lexists(path) else f"{path}: not a regular file"})
+        problem = file_problem(m, f)
+        if problem:
+            checks.append({"name": f"file:{f['path']}", "ok": False, "detail": problem})
             continue
-        size = path.stat().st_size
-        if size != f["size"]:
-            checks.append({"name": f"file:{f['path']}", "ok": False, "detail": f"{path}: size {size} bytes, manifest says {f['size']}"})
-            continue
+        size = f["size"]
         if id(f) in fmt_of:
             try:
                 want = fmt_of[id(f)]
@@ -123,9 +119,8 @@ def validate(root: Path, source: Path | None = None, samples: int = 16) -> dict:
             except StreamoeError as e:
                 checks.append({"name": f"layout:{f['path']}", "ok": False, "detail": str(e)})
                 continue
-        ck = file_checksum(path)
-        checks.append({"name": f"file:{f['path']}", "ok": ck == f["checksum"],
-                       "detail": f"{size} bytes, checksum ok" if ck == f["checksum"] else f"{path}: checksum mismatch ({ck} != {f['checksum']})"})
+        problem = checksum_problem(m, f)
+        checks.append({"name": f"file:{f['path']}", "ok": problem is None, "detail": problem or f"{size} bytes, checksum ok"})
     if source is not None:
         checks += compare_source(m, Path(source), samples)
     return {"ok": all(c["ok"] for c in checks), "checks": checks}

@@ -36,6 +36,7 @@ def main() -> None:
     n = full.n_layers * full.n_experts
     cap = (full.fixed + n * full.stride // 4 + (1 << 20)) / 2**30  # a quarter of the experts
     sh("plan", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", *allowance)
+    caps = f"{cap:.3f} GiB"
     sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", "--temp", "0", *allowance, "--raw", "-n", "48",
        "-p", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", "--temp", "0", *allowance, "--experts", "q3", "--raw", "-n", "48",
@@ -49,9 +50,14 @@ def main() -> None:
         im.save(image)
         full = plan_for(out, Options(cap_gib=64, ctx=1024, images=True, runtime_bytes=RUNTIME_MIB << 20))
         cap = (full.fixed + n * full.stride // 4 + (1 << 20)) / 2**30
+        caps += f", {cap:.3f} with the vision tower"
         for question in ("What shape is in the image?", "What colour is the shape?", "Where is the shape?"):
             sh("run", str(out), "--cap", f"{cap:.4f}", "--ctx", "1024", "--temp", "0", *allowance, "--no-think", "-n", "16",
                "--image", str(image), "-p", question)
+    print(f"\ndemo done: {src.relative_to(ROOT)} converted once into {out.relative_to(ROOT)} (q4 and q3 experts), then "
+          f"answered under caps that hold a quarter of its {n} experts ({caps}); each "
+          "bracketed line is that run's summary (tok/s by wall clock, hit rate, bytes read, peak memory against the "
+          "cap). Next: `streamoe serve` on the same directory (README, Serving).")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""The cheap facts `run` relies on and `validate` reports: every file the run reads is there at its manifest
-size, and the blob tables hold the tensors the config implies, with the dtypes, shapes and quantization it
-says. No checksums: these checks cost a few stats and a table walk, so `run` makes them at every open.
+"""The facts `run` relies on and `validate` reports: every file the run reads is there at its manifest size,
+and the blob tables hold the tensors the config implies, with the dtypes, shapes and quantization it says.
+These cost a few stats and a table walk, so `run` makes them at every open; a file's checksum
+(`checksum_problem`) is read in full, so only `validate` and `run --verify` ask for it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import stat
 from pathlib import Path
 
 from .config import family_of, is_expert_tensor, text_config
+from .direct import file_checksum
 from .errors import StreamoeError
 from .files import kind as file_kind
 from .manifest import Manifest, load_manifest, safe_path
@@ -72,25 +74,46 @@ def tensor_problem(m: Manifest, kind: str) -> str | None:
     return None
 
 
-def open_problems(m: Manifest, experts: str | None = None) -> list[tuple[str, str]]:
-    """(check name, problem) for the cheap facts `run` relies on: every file it reads exists, is a regular
-    file and has the manifest's size; the blob tables hold the tensors the model needs. No checksums."""
+def file_problem(m: Manifest, f: dict) -> str | None:
+    """What is wrong with the file a manifest entry {"path", "size", ...} names: missing, not a regular file,
+    or not the manifest's size (None: nothing a stat can see)."""
+    path = safe_path(m.root, f["path"])
+    try:
+        st = path.stat()
+    except OSError:
+        return f"{path}: missing"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path}: is {file_kind(st.st_mode)}, expected a regular file"
+    if st.st_size != f["size"]:
+        what = "truncated" if st.st_size < f["size"] else "too long"
+        return f"{path}: {what}: {st.st_size} bytes, manifest says {f['size']}"
+    return None
+
+
+def checksum_problem(m: Manifest, f: dict) -> str | None:
+    """The file's checksum against the manifest's (the whole file read; run `file_problem` first)."""
+    path = safe_path(m.root, f["path"])
+    ck = file_checksum(path)
+    return None if ck == f["checksum"] else f"{path}: checksum mismatch ({ck} != {f['checksum']})"
+
+
+def open_problems(m: Manifest, experts: str | None = None, checksums: bool = False) -> list[tuple[str, str]]:
+    """(check name, problem) for the facts `run` relies on: every file it reads exists, is a regular file and
+    has the manifest's size; the blob tables hold the tensors the model needs. `checksums` (`run --verify`):
+    every file of the directory also against its checksum, as `validate` checks it."""
     problems = []
     fmts = m.expert_formats()
-    files = [f for name, ef in fmts.items() if experts in (None, name) for f in ef.files]
-    files += [b["file"] for b in m.doc["blobs"].values()]
+    if checksums:
+        files = list(m.all_files())
+    else:
+        files = [f for name, ef in fmts.items() if experts in (None, name) for f in ef.files]
+        files += [b["file"] for b in m.doc["blobs"].values()]
     for f in files:
-        path = safe_path(m.root, f["path"])
-        try:
-            st = path.stat()
-        except OSError:
-            problems.append((f"file:{f['path']}", f"{path}: missing"))
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            problems.append((f"file:{f['path']}", f"{path}: is {file_kind(st.st_mode)}, expected a regular file"))
-        elif st.st_size != f["size"]:
-            what = "truncated" if st.st_size < f["size"] else "too long"
-            problems.append((f"file:{f['path']}", f"{path}: {what}: {st.st_size} bytes, manifest says {f['size']}"))
+        problem = file_problem(m, f)
+        if problem is None and checksums:
+            problem = checksum_problem(m, f)
+        if problem:
+            problems.append((f"file:{f['path']}", problem))
     for blob_kind in m.doc["blobs"]:
         problem = tensor_problem(m, blob_kind)
         if problem:
@@ -98,12 +121,12 @@ def open_problems(m: Manifest, experts: str | None = None) -> list[tuple[str, st
     return problems
 
 
-def check_open(root: Path, experts: str, m=None) -> None:
-    """What every run checks at open without --verify (`Engine` calls it before it loads anything): file sizes
-    and blob tables as `validate` checks them."""
+def check_open(root: Path, experts: str, m=None, checksums: bool = False) -> None:
+    """What every run checks at open (`Engine` calls it before it loads anything): file sizes and blob tables
+    as `validate` checks them, and with `checksums` (--verify) every file's checksum too."""
     m = m or load_manifest(root)
     if experts not in m.expert_formats():
         return  # the engine names the missing format itself
-    problems = open_problems(m, experts)
+    problems = open_problems(m, experts, checksums)
     if problems:
         raise StreamoeError(problems[0][1])

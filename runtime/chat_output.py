@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .tool_calls import ToolCallStream, hold_newlines, partial_suffix
 
-THINK_END = "</think>"
+THINK_START, THINK_END = "<think>", "</think>"
 
 Event = tuple[str, object]  # ("reasoning", str) | ("content", str) | ("tool_call", {"name", "arguments"})
 
@@ -45,13 +45,16 @@ class ChatOutput:
     the request's tools, or True for calls without schemas to type them, in the template's `tool_format`).
 
     `thinking` says the prompt left the model inside `<think>`: text up to `</think>` is reasoning (newlines
-    around it trimmed), the rest is content (leading newlines trimmed)."""
+    around it trimmed), the rest is content (leading newlines trimmed). Otherwise an answer that opens with
+    `<think>` itself (Qwen3's template leaves the tag to the model) is reasoning up to `</think>` just the same,
+    as vLLM's and mlx-lm's reasoning parsers read it."""
 
     def __init__(self, thinking: bool, tools: list[dict] | bool | None, stops: list[str], tool_format: str = "json"):
         self.stop = StopMatcher(stops)
         self.phase = "reasoning" if thinking else "content"
         self.tools = ToolCallStream(tool_format, tools if isinstance(tools, list) else None) if tools else None
         self.pending, self.newlines, self.started = "", "", False
+        self.opening = not thinking  # the answer's start may still be the model's own `<think>`
 
     @property
     def stopped(self) -> bool:
@@ -73,7 +76,25 @@ class ChatOutput:
             self.started = True
         hold_newlines(self, s, "reasoning", out)
 
+    def _open(self, text: str, out: list[Event]) -> str | None:
+        """The answer's first text while it may still be `<think>` (after whitespace): held; once it is, the
+        reasoning starts after it; once it cannot be, the held text is returned as the content's start."""
+        self.pending += text
+        head = self.pending.lstrip()
+        if head.startswith(THINK_START):
+            self.pending, self.opening, self.phase = "", False, "reasoning"
+            self._split(head[len(THINK_START):], out)
+            return None
+        if THINK_START.startswith(head):
+            return None
+        text, self.pending, self.opening = self.pending, "", False
+        return text
+
     def _split(self, text: str, out: list[Event]) -> None:
+        if self.opening and text:
+            text = self._open(text, out)
+            if text is None:
+                return
         if self.phase == "content":
             if self.started is None:  # just after </think>: leading newlines are the template's
                 text = text.lstrip("\n")
@@ -109,6 +130,9 @@ class ChatOutput:
     def flush(self) -> list[Event]:
         out: list[Event] = []
         self._split(self.stop.flush(), out)
+        if self.opening and self.pending:  # the whole answer was a start of `<think>`: content after all
+            text, self.pending, self.opening = self.pending, "", False
+            self._content(text, out)
         if self.phase == "reasoning" and self.pending:
             self._reasoning(self.pending, out)
             self.pending = ""

@@ -33,12 +33,14 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
     return out
 
 
-def run_cli(model: Path, opts: dict, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
+def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
             save_session: Path | None = None, load_session: Path | None = None) -> None:
     sampler = Sampler(**sampling)
     check_preprocessor(Path(model), load_manifest(model).config)
-    eng = Engine(model, Options(**opts))
+    for path in images:  # a file that cannot be the image fails before the model loads
+        load_image(path, max_decode_pixels=opts.max_decode_pixels).close()
+    eng = Engine(model, opts)
     logits: list | None = [] if logits_out else None
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     fed: list[int] = []  # every token fed so far, as rendered: the history a saved session keeps

@@ -14,19 +14,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from ..formats.checks import check_open
 from ..formats.config import ModelArgs
-from ..formats.direct import RangeReader, file_checksum
-from ..formats.errors import StreamoeError, fail
+from ..formats.errors import StreamoeError
 from ..formats.manifest import load_manifest, safe_path
 from .constrain import Constraint
+from .conversation import Conversation
 from .experts import StreamingExperts
-from .image import ImageConfig, check_preprocessor, load_image, preprocess
+from .image import check_preprocessor
+from .image_prompt import prefill_images
 from .models import family
-from .models.kernels import expert_kernel, set_cpu_streams
-from .mrope import expand_image_tokens, image_positions
+from .models.kernels import cpu_streams, expert_kernel
 from .plan import (
     Options,
     current_rss,
@@ -42,8 +41,7 @@ from .sampling import Sampler
 from .store import ExpertStore
 from .telemetry import LayerStats, StepStats
 from .text import TextIO
-from .vision import VisionArgs, VisionEncoder
-from .weights import load_tensors, mx_dtype, read_tensor
+from .weights import load_tensors, mx_dtype
 
 
 def fix_malloc_thresholds() -> None:
@@ -72,38 +70,40 @@ class Engine:
         fix_malloc_thresholds()
         self.manifest = m = load_manifest(self.root)
         self.opts = o = replace(o, experts=expert_format(o, m))  # the format this run reads, named from here on
-        check_open(self.root, o.experts, m)  # sizes and blob tables as `validate` checks them, before anything loads
+        check_open(self.root, o.experts, m, checksums=o.verify)  # as `validate` checks, before anything loads
         if o.images:
             check_preprocessor(self.root, m.config)  # read on the first image: a bad one must not fail mid-answer
-        if o.verify:
-            for f in m.all_files():
-                p = safe_path(self.root, f["path"])
-                if not p.is_file() or p.stat().st_size != f["size"]:
-                    raise fail(p, f"missing or size differs from the manifest ({f['size']} bytes expected)")
-                if file_checksum(p) != f["checksum"]:
-                    raise fail(p, "checksum mismatch against the manifest")
         self.text = TextIO(self.root, m.config)
         self.plan = plan_for(self.root, o, m)
         self.plan.require_fit()
         mx.set_cache_limit(self.plan.cache_limit)  # a smaller cache frees and reallocates every step
         self.dtype = mx_dtype(o.dtype or default_dtype())
         on_cpu = mx.default_device() == mx.cpu
-        set_cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
         self.args = a = ModelArgs.from_config(m.config, self.root / "manifest.json")
         model_family = family(a.model_type)
         k = a.num_experts_per_tok
         store = ExpertStore.open(self.root, m, o.experts, o.io_threads, ring=read_ring(o, k))
         self.lay = store.lay
         file, table = m.blob("nonexpert")
-        self.model = model_family.Model(a, load_tensors(safe_path(self.root, file["path"]), table, self.dtype), self.dtype)
+        streams = cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
+        weights = load_tensors(safe_path(self.root, file["path"]), table, self.dtype)
+        self.model = model_family.Model(a, weights, self.dtype, streams=streams)
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, a.num_experts, k, self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), self.model.router_logits, self.dtype,
-                                        waste_budget=o.prefetch_waste, kernel=expert_kernel(self.lay, a))
-        self.cache = self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)), kv_bits=kv_bits(o))
-        self.offset = 0
-        self.rope_delta = 0  # position minus cache offset: images advance positions by less than their tokens
+                                        waste_budget=o.prefetch_waste, streams=self.model.streams,
+                                        kernel=expert_kernel(self.lay, a))
+        self.conversation = self._new_conversation()
         self.steps: list[StepStats] = []
         self.rss = self.peak_rss = current_rss()  # the last sample, and the peak of every sample
+
+    @property
+    def offset(self) -> int:
+        """Tokens in the conversation."""
+        return self.conversation.offset
+
+    def _new_conversation(self) -> Conversation:
+        o = self.opts
+        return Conversation(self.model.make_cache(o.ctx, mx_dtype(kv_dtype(o)), kv_bits=kv_bits(o)))
 
     # ---- one forward step over a chunk of tokens
     def forward(self, tokens: list[int], phase: str, positions: mx.array | None = None,
@@ -126,11 +126,12 @@ class Engine:
         step.t0 = time.perf_counter()
         step.busy0 = self.experts.store.busy_time()
         self.experts.stats = step.layers
-        pos = positions if positions is not None else self.offset + self.rope_delta
+        conv = self.conversation
+        pos = positions if positions is not None else conv.offset + conv.rope_delta
         block = self.plan.prefill_step if phase == "prefill" else None  # prefill: layer by layer, in steps
-        logits = self.model.head(self.model.layers_forward(h, self.cache, pos, self.experts, block)[:, -1:, :])
+        logits = self.model.head(self.model.layers_forward(h, conv.caches, pos, self.experts, block)[:, -1:, :])
         step.host_ms = 1000 * (time.perf_counter() - step.t0)
-        self.offset += T
+        conv.offset += T
         self.steps.append(step)
         return logits.reshape(-1)
 
@@ -197,7 +198,7 @@ class Engine:
         caller, and a decode step's `ms` is the interval since the previous token did, so the summary's
         tok/s is the rate the caller sees, whatever was overlapped."""
         t_start = time.perf_counter()
-        logits = self.prefill_images(prompt, images) if images else self.prefill(prompt)
+        logits = prefill_images(self, prompt, images) if images else self.prefill(prompt)
         pen = sampler.start(prompt if context is None else context, logits.shape[0])
         drawn = sampler.drawn
 
@@ -256,72 +257,23 @@ class Engine:
             self.note_rss()
 
     def _snapshot(self) -> tuple:
-        return (self.offset, len(self.steps), [(c.offset, getattr(c, "conv", None), getattr(c, "state", None))
-                                                for c in self.cache])
+        return self.conversation.mark(), len(self.steps)
 
     def _restore(self, snap: tuple) -> None:
-        self.offset, n_steps, caches = snap
+        mark, n_steps = snap
         del self.steps[n_steps:]
-        for c, (offset, conv, state) in zip(self.cache, caches, strict=True):
-            c.offset = offset
-            if conv is not None:
-                c.conv, c.state = conv, state
+        self.conversation.rewind(mark)
 
     def reset(self) -> None:
-        self.cache = self.model.make_cache(self.opts.ctx, mx_dtype(kv_dtype(self.opts)), kv_bits=kv_bits(self.opts))
-        self.offset = 0
-        self.rope_delta = 0
+        """An empty conversation in new caches."""
+        self.conversation = self._new_conversation()
 
-    # ---- images
-    def encode_image(self, path) -> tuple[mx.array, tuple[int, int, int]]:
-        """One image file -> (features [n_tokens, H], grid (t, h, w)); vision weights are read from vision.bin
-        stage by stage and dropped after, so nothing of the encoder stays resident."""
-        if not self.opts.images:
-            raise StreamoeError("images were not planned for: open the engine with images enabled (--image/--chat)")
-        m = self.manifest
-        cfg = ImageConfig.from_config(m.config, self._preprocessor(), max_pixels=self.opts.max_pixels)
-        img = load_image(path, max_decode_pixels=self.opts.max_decode_pixels)
-        patches, grid = preprocess(img, cfg)
-        del img
-        file, table = m.blob("vision")
-        by_name = {t.name: t for t in table}
-        with RangeReader(safe_path(self.root, file["path"]), 16 << 20) as reader:
-            enc = VisionEncoder(VisionArgs.from_config(m.config), lambda name: read_tensor(reader, by_name[name]), self.dtype)
-            feats = enc.encode(patches, grid)
-            mx.eval(feats)
-        self.note_rss()
-        return feats, grid
-
-    def _preprocessor(self) -> dict | None:
-        import json
-
-        for name in ("preprocessor_config.json", "processor_config.json"):
-            p = self.root / name
-            if p.is_file():
-                return json.loads(p.read_text())
-        return None
-
-    def prefill_images(self, tokens: list[int], images: list) -> mx.array:
-        """A prompt whose `<|image_pad|>` placeholders take the given images: pads expanded to each image's
-        token count, features substituted at their positions, 3-axis M-RoPE positions, then chunked prefill."""
-        cfg = self.manifest.config
-        pad, start = cfg["image_token_id"], cfg["vision_start_token_id"]
-        merge = cfg["vision_config"]["spatial_merge_size"]
-        feats = [self.encode_image(p) for p in images]
-        grids = [g for _, g in feats]
-        ids = expand_image_tokens(tokens, grids, pad, merge)
-        if self.offset + len(ids) > self.opts.ctx:
-            raise StreamoeError(f"prompt of {len(ids)} tokens with its images (+{self.offset} in context) is longer than "
-                                f"the planned context --ctx {self.opts.ctx}")
-        pos, nxt = image_positions(ids, grids, pad, start, merge)
-        base = self.offset + self.rope_delta
-        pos = mx.array(pos + base)[:, None, :]
-        emb = self.model.embed(mx.array([ids]))
-        where = mx.array(np.nonzero(np.array(ids) == pad)[0])
-        emb[0, where] = mx.concatenate([f for f, _ in feats], axis=0).astype(emb.dtype)
-        mx.eval(emb)
-        logits = self._prefill_chunks(ids, pos, emb)
-        self.rope_delta = base + nxt - self.offset
+    def prefill_embedded(self, ids: list[int], positions: mx.array, emb: mx.array, rope_next: int) -> mx.array:
+        """A prompt given as embeddings [1, L, H] with its 3-axis positions [3, 1, L] (what `image_prompt` makes of
+        a prompt with images); `rope_next`: the position the next token takes, kept as the conversation's
+        M-RoPE delta."""
+        logits = self._prefill_chunks(ids, positions, emb)
+        self.conversation.rope_delta = rope_next - self.offset
         return logits
 
     def close(self) -> None:

@@ -43,7 +43,7 @@ import numpy as np
 from ..formats.quant import f32_high_halves
 from ..formats.record import ExpertWeights, RecordLayout
 from .managed import keep_on_host
-from .models.kernels import STREAMS, ExpertKernel, switch_glu
+from .models.kernels import ExpertKernel, Streams, switch_glu
 from .store import ExpertStore
 from .telemetry import LayerStats
 from .tier import HotTier
@@ -72,7 +72,7 @@ def pools_in_host_memory() -> bool:
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
-def release_pool_readers() -> None:
+def release_pool_readers(streams: Streams = ()) -> None:
     """Return once MLX holds no earlier kernel's inputs any more, so a pool has no holder but its own array and
     MLX's scatter into it is done in place (donated), not as a copy of the whole pool.
 
@@ -85,7 +85,7 @@ def release_pool_readers() -> None:
     stream's tasks in order, so after it nothing earlier holds a pool. Only the upload-ring path needs this:
     direct writes change no MLX array."""
     mx.synchronize()
-    for s in STREAMS:  # the CPU backend's extra streams (kernels.set_cpu_streams) may have read the pools too
+    for s in streams:  # the CPU backend's extra streams (kernels.cpu_streams) may have read the pools too
         mx.synchronize(s)
 
 
@@ -118,8 +118,9 @@ class SlotPools:
       Before the ring wraps, every queued scatter is evaluated, so no row is rewritten while an update that
       reads it is pending."""
 
-    def __init__(self, n_slots: int, lay: RecordLayout, dtype: mx.Dtype, uploads: int, direct: bool | None = None):
-        self.lay, self.n = lay, n_slots
+    def __init__(self, n_slots: int, lay: RecordLayout, dtype: mx.Dtype, uploads: int, direct: bool | None = None,
+                 streams: Streams = ()):
+        self.lay, self.n, self.streams = lay, n_slots, streams
         self.stored = [mx_dtype(s.dtype) for s in lay.segments]
         self.dtypes = [dtype if s.is_float else st for s, st in zip(lay.segments, self.stored, strict=True)]
         self.arrays = [mx.zeros((n_slots, *s.shape), dtype=dt) for s, dt in zip(lay.segments, self.dtypes, strict=True)]
@@ -179,7 +180,7 @@ class SlotPools:
             return
         idx = mx.array(self.pending, dtype=mx.uint32)  # distinct: the tier gives each landing key its own slot
         m, a, b = len(self.pending), self.start, self.next
-        release_pool_readers()
+        release_pool_readers(self.streams)
         for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):
             self.arrays[j][idx] = self.rings[j][a:b].view(st).reshape(m, *s.shape).astype(self.dtypes[j])
             if VERIFY:
@@ -219,14 +220,18 @@ class StreamingExperts:
 
     def __init__(self, store: ExpertStore, lay: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  hot_slots: int, tier: str, prefetch_width: int, guess: Callable[[int, mx.array], mx.array],
-                 dtype: mx.Dtype = mx.float32, waste_budget: float = 0.05, kernel: ExpertKernel | None = None):
-        """`kernel`: how the experts compute (`kernels.expert_kernel`; default: `lay`'s codes with SwiGLU)."""
+                 dtype: mx.Dtype = mx.float32, waste_budget: float = 0.05, streams: Streams = (),
+                 kernel: ExpertKernel | None = None):
+        """`guess(i, x)`: layer i's router logits on x (the model's `router_logits`); `streams`: the CPU streams the
+        picks' matmuls split over (the model's); `kernel`: how the experts compute (`kernels.expert_kernel`; default:
+        `lay`'s codes with SwiGLU)."""
         self.store, self.lay, self.guess, self.waste_budget = store, lay, guess, waste_budget
+        self.streams = streams
         self.kernel = kernel or ExpertKernel(lay.bits, lay.group_size, lay.mode)
         self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
         self.resident = hot_slots >= n_layers * n_experts
         staging = 0 if self.resident else n_experts
-        self.pools = SlotPools(hot_slots + staging, lay, dtype, store.ring)
+        self.pools = SlotPools(hot_slots + staging, lay, dtype, store.ring, streams=streams)
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
         self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
         # how often the router's r-th guess for the next layer was then picked, issued or not (its precision)
@@ -296,9 +301,9 @@ class StreamingExperts:
         shape, k = x.shape, inds.shape[-1]
         xf, inds = x.reshape(-1, shape[-1]), inds.reshape(-1, k)
         if self.resident:  # on the device: no round trip
-            y = switch_glu(xf, self.layer_weights[i], inds, self.kernel)
+            y = switch_glu(xf, self.layer_weights[i], inds, self.kernel, self.streams)
         elif self.prepared is not None and self.prepared[0] == i:  # a prefill block: its experts already landed
-            y = switch_glu(xf, self.pools.weights(), mx.take(self.prepared[1], inds), self.kernel)
+            y = switch_glu(xf, self.pools.weights(), mx.take(self.prepared[1], inds), self.kernel, self.streams)
             # the fence waits for one value computed from y, not for y itself: a chunk's blocks' outputs (top-k rows
             # per token) are freed as each block is combined, not held to the next layer
             self.readers.append(y[-1:, -1, :1] * 1)
@@ -309,7 +314,7 @@ class StreamingExperts:
         return y.reshape(*shape[:-1], k, shape[-1])
 
     def _compute(self, x: mx.array, slots: mx.array) -> mx.array:
-        y = switch_glu(x, self.pools.weights(), slots, self.kernel)
+        y = switch_glu(x, self.pools.weights(), slots, self.kernel, self.streams)
         self.readers.append(y)  # computed only by kernels that read the pools: the next fence waits for it
         return y
 

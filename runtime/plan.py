@@ -48,6 +48,9 @@ class Options:
     images: bool = False  # plan (and allow) image inputs: the vision account
     max_pixels: int = 640 * 640  # largest image after resizing
     max_decode_pixels: int = 1 << 24  # largest image file accepted (16 Mpx), decoded before resizing
+    # accounts a caller adds to the plan before the hot tier is sized from it: (name, bytes, what it holds);
+    # `serve` adds its prompt cache and the requests in flight
+    extra_accounts: tuple[tuple[str, int, str], ...] = ()
 
 
 def expert_format(opts: Options, m: Manifest) -> str:
@@ -265,10 +268,11 @@ def slot_bytes(lay: RecordLayout, dtype: str) -> int:
 
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
-              prefill_chunk: int | str = "auto", ring: int = 0, slot: int = 0, blas: bool | None = None) -> MemoryPlan:
+              prefill_chunk: int | str = "auto", ring: int = 0, slot: int = 0, blas: bool | None = None,
+              extra: tuple[tuple[str, int, str], ...] = ()) -> MemoryPlan:
     """`kv_dtype`: the KV format (a float dtype, or q8/q4 with scales and biases in `dtype`). `blas`: whether
     prefill goes through numpy's BLAS (None: where this process computes, the CPU backend). `prefill_chunk`: tokens,
-    or "auto" (`choose_chunk`)."""
+    or "auto" (`choose_chunk`). `extra`: the caller's own accounts (name, bytes, note), fixed like the others."""
     bits = KV_BITS.get(kv_dtype)
     item, kv_item = itemsize(dtype), itemsize(dtype if bits else kv_dtype)
     blas = mx.default_device() == mx.cpu if blas is None else blas
@@ -290,8 +294,10 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "prefill staging": n_exp * plan.slot_bytes,
         "read staging": 2 * ring * stride,
         "vision": vision_bytes,
+        **{name: n for name, n, _ in extra},
         "runtime": runtime_bytes,
     }
+    plan.notes.update({name: note for name, _, note in extra})
     plan.notes["non-expert"] = f"weights as computed ({dtype} floats, packed codes)"
     plan.notes["kv cache"] = f"{ctx} tokens, {kv_dtype}" + (f" codes, {dtype} scales and biases per {KV_GROUP}" if bits else "")
     plan.notes["allocator cache"] = "freed buffers MLX keeps for reuse: a decode step's new linear state + 32 MiB"
@@ -376,7 +382,7 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
                      slot=slot_bytes(fmts[experts].layout, dtype),
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
                      dtype=dtype, kv_dtype=kv_format(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
-                     vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])))
+                     vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])), extra=opts.extra_accounts)
     if opts.images:
         plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
                                 f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")

@@ -9,9 +9,10 @@ prompt in segments that end at every assistant header and keeps a snapshot at th
 a function of the prompt alone, so an answer computed from a restored snapshot is bit-identical to one
 computed from scratch.
 
-A snapshot is `runtime.session`'s state (KV caches cut to the tokens held, as stored: floats, or a quantized
-cache's codes, scales and biases; linear-attention conv and recurrent state, offset, M-RoPE delta) as host
-copies; its bytes are an account of the memory plan, evicted LRU.
+A snapshot is the engine's `Conversation` (`runtime/conversation.py`: its tensors, KV caches cut to the tokens
+held, as stored: floats, or a quantized cache's codes, scales and biases; linear-attention conv and recurrent
+state; the offset and M-RoPE delta) as host copies, the tensors a session file holds; its bytes are an account
+of the memory plan, evicted LRU.
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import mlx.core as mx
 import numpy as np
 
-from .models.cache import KVCache
-from .session import _entries, _host
+from .conversation import Conversation, from_host, host_view
 
 # an item of a cache key: a token id, or ("image", sha256) where an image placeholder stands, because every
 # image renders to the same placeholder token and only its bytes tell two prompts apart
@@ -35,7 +34,7 @@ class Snapshot:
     key: tuple[Item, ...]
     offset: int
     rope_delta: int
-    arrays: list[tuple[str, np.ndarray]]  # (name, host copy) in session._entries order
+    arrays: list[tuple[str, np.ndarray]]  # (name, host copy) in `Conversation.tensors` order
 
     @property
     def nbytes(self) -> int:
@@ -43,56 +42,31 @@ class Snapshot:
 
 
 def capture(eng, key: tuple[Item, ...]) -> Snapshot:
-    """Copy the engine's current state (KV caches cut to the tokens held) to host memory."""
-    entries = _entries(eng, eng.offset)
-    arrays = []
-    for name, a, shape in entries:
-        if a.shape != shape:  # a KV cache: its first n positions
-            a = a[:, :, : shape[2], :]
-        arrays.append((name, np.array(_host(a), copy=True)))
-    return Snapshot(key, eng.offset, eng.rope_delta, arrays)
+    """Copy the engine's conversation state (KV caches cut to the tokens held) to host memory."""
+    conv: Conversation = eng.conversation
+    arrays = [(t.name, np.array(host_view(t.array), copy=True)) for t in conv.tensors()]
+    return Snapshot(key, conv.offset, conv.rope_delta, arrays)
 
 
 def snapshot_nbytes(eng) -> int:
     """What `capture` would copy now, known before copying, so room is made first."""
-    return sum(int(np.prod(shape)) * a.dtype.size for _, a, shape in _entries(eng, eng.offset))
-
-
-def _device(host: np.ndarray, dtype) -> mx.array:
-    a = mx.array(host)
-    return a.view(mx.bfloat16) if dtype == mx.bfloat16 else a
+    return eng.conversation.nbytes()
 
 
 def restore(eng, snap: Snapshot) -> None:
-    """Put a snapshot's state back into the engine, in place: KV caches are written up to the tokens held
-    (positions past the offset are never read), linear-attention states replaced."""
-    n = snap.offset
+    """Put a snapshot's state back into the engine's conversation, in place: KV caches are written up to the
+    tokens held (positions past the offset are never read), linear-attention states replaced."""
+    conv: Conversation = eng.conversation
+    dtypes = {s.name: s.dtype for s in conv.specs(snap.offset)}
     for name, host in snap.arrays:
-        _, layer, field = name.split(".")
-        c = eng.cache[int(layer)]
-        cur = getattr(c, field)
-        if isinstance(c, KVCache):
-            cur[:, :, :n, :] = _device(host, cur.dtype)
-            mx.eval(cur)
-        else:
-            setattr(c, field, _device(host, cur.dtype))
-            mx.eval(getattr(c, field))
-    for c in eng.cache:
-        c.offset = n
-    eng.offset, eng.rope_delta = n, snap.rope_delta
+        conv.restore(name, from_host(host, dtypes[name]))
+    conv.resume(snap.offset, snap.rope_delta)
 
 
 def clear(eng) -> None:
     """An empty conversation without reallocating the KV caches (`Engine.reset` makes new ones before the old
     are freed: twice the KV account for a moment). Equal to a reset: attention reads only up to the offset."""
-    for c in eng.cache:
-        if isinstance(c, KVCache):
-            c.offset = 0
-        else:
-            c.conv, c.state = mx.zeros_like(c.conv), mx.zeros_like(c.state)
-            mx.eval(c.conv, c.state)
-            c.offset = 0
-    eng.offset, eng.rope_delta = 0, 0
+    eng.conversation.clear()
 
 
 def key_items(ids: list[int], image_pad: int | None, image_hashes: list[str]) -> tuple[Item, ...]:

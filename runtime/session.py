@@ -3,8 +3,9 @@ the caller keeps beside them (token history, chat messages, sampler state). A re
 with bit-identical logits because it holds exactly the bytes the saved one held; the hot tier is not
 saved, since logits do not depend on what is resident.
 
-The byte layout is `formats.session`'s; this module maps engine state onto it, a block at a time, so
-saving or loading a long context never holds more than one head's keys beside the cache itself.
+The byte layout is `formats.session`'s; this module maps the engine's `Conversation` onto it (its tensors by
+name, `layers.{i}.{field}`), a block at a time, so saving or loading a long context never holds more than one
+head's keys beside the cache itself.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from ..formats.dtypes import DTYPES
 from ..formats.errors import fail
 from ..formats.session import SessionReader, header_limit, write_session
-from .models.cache import KVCache
+from .conversation import Conversation, StateTensor, TensorSpec, from_host, host_view
 from .plan import kv_format
 from .sampling import Sampler
 from .weights import code_of
@@ -36,44 +37,28 @@ def fingerprint(eng) -> dict:
             "dtype": code_of(eng.dtype), "kv": kv_format(eng.opts)}
 
 
-def _entries(eng, n: int) -> list[tuple[str, mx.array, tuple[int, ...]]]:
-    """(name, array, saved shape) of every state tensor when the session holds n tokens; KV caches (every
-    position-major array: float keys/values, or a quantized cache's codes, scales and biases) cut to n."""
-    out = []
-    for i, c in enumerate(eng.cache):
-        if isinstance(c, KVCache):
-            out += [(f"layers.{i}.{f}", a, (a.shape[0], a.shape[1], n, a.shape[3])) for f, a in c.arrays()]
-        else:
-            out += [(f"layers.{i}.conv", c.conv, tuple(c.conv.shape)), (f"layers.{i}.state", c.state, tuple(c.state.shape))]
-    return out
-
-
-def _host(a: mx.array) -> np.ndarray:
-    """A numpy view of an evaluated MLX array (bf16 through its bits, which numpy has no type for)."""
-    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-
-
 def _bytes(a: mx.array) -> np.ndarray:
-    return np.ascontiguousarray(_host(a)).reshape(-1).view(np.uint8)
+    return np.ascontiguousarray(host_view(a)).reshape(-1).view(np.uint8)
 
 
-def _blocks(entries, n: int) -> Iterator[np.ndarray]:
-    for _, a, shape in entries:
-        if len(shape) == 4 and a.shape[2] != shape[2]:  # a KV cache: the first n positions of each head
-            for b in range(shape[0]):
-                for h in range(shape[1]):
-                    yield _bytes(a[b, h, :n])
+def _blocks(tensors: list[StateTensor]) -> Iterator[np.ndarray]:
+    for t in tensors:
+        if t.per_position:  # the tokens held, head by head
+            for b in range(t.array.shape[0]):
+                for h in range(t.array.shape[1]):
+                    yield _bytes(t.array[b, h])
         else:
-            yield _bytes(a)
+            yield _bytes(t.array)
 
 
 def save_session(eng, path: str | Path, extra: dict) -> int:
     """Write the engine's conversation state and `extra` (JSON-able) to `path`; returns the file size."""
-    entries = _entries(eng, eng.offset)
-    mx.eval([a for _, a, _ in entries])
-    meta = {**fingerprint(eng), "tokens": eng.offset, "rope_delta": eng.rope_delta, "extra": extra}
-    return write_session(path, meta, [(name, code_of(a.dtype), shape) for name, a, shape in entries],
-                         _blocks(entries, eng.offset))
+    conv: Conversation = eng.conversation
+    tensors = conv.tensors()
+    mx.eval([t.array for t in tensors])
+    meta = {**fingerprint(eng), "tokens": conv.offset, "rope_delta": conv.rope_delta, "extra": extra}
+    return write_session(path, meta, [(t.name, code_of(t.array.dtype), tuple(t.array.shape)) for t in tensors],
+                         _blocks(tensors))
 
 
 def load_session(eng, path: str | Path) -> dict:
@@ -90,24 +75,23 @@ def load_session(eng, path: str | Path) -> dict:
         if n > eng.opts.ctx:
             raise fail(path, f"the session holds {n} tokens, more than the planned context --ctx {eng.opts.ctx}")
         eng.reset()
-        want = {name: (a, shape) for name, a, shape in _entries(eng, n)}
+        conv: Conversation = eng.conversation
+        want = {s.name: s for s in conv.specs(n)}
         if [t.name for t in r.tensors] != list(want):
             raise fail(path, "its tensors are not this model's layer states")
         try:
             for t in r.tensors:
-                a, shape = want[t.name]
-                if t.shape != shape or t.dtype != code_of(a.dtype):
+                s = want[t.name]
+                if t.shape != s.shape or t.dtype != code_of(s.dtype):
                     raise fail(path, f"tensor {t.name!r} is {t.dtype}{list(t.shape)}, this engine needs "
-                                     f"{code_of(a.dtype)}{list(shape)}")
-                _fill(eng.cache[int(t.name.split(".")[1])], t.name.rsplit(".", 1)[1], r, t.dtype, shape, n)
+                                     f"{code_of(s.dtype)}{list(s.shape)}")
+                _fill(conv, s, r)
             r.finish()
         except BaseException:
             eng.reset()  # never a half-restored state: an empty conversation instead
             raise
     extra = check_extra(path, meta.get("extra", {}), eng.opts.ctx)
-    for c in eng.cache:
-        c.offset = n
-    eng.offset, eng.rope_delta = n, int(meta["rope_delta"])
+    conv.resume(n, int(meta["rope_delta"]))
     return extra
 
 
@@ -140,19 +124,17 @@ def restore_sampler(sampler: Sampler, state: dict, path: Path) -> None:
     sampler.restore(state)
 
 
-def _fill(cache, field: str, r: SessionReader, dtype: str, shape: tuple[int, ...], n: int) -> None:
-    np_dtype, item = DTYPES[dtype].numpy, DTYPES[dtype].itemsize
+def _fill(conv: Conversation, s: TensorSpec, r: SessionReader) -> None:
+    """Read the next tensor (checked against `s`) into the conversation: a per-position one head by head."""
+    code = code_of(s.dtype)
+    np_dtype, item = DTYPES[code].numpy, DTYPES[code].itemsize
 
-    def array(nbytes: int, shape) -> mx.array:
-        a = mx.array(np.frombuffer(r.read(nbytes), dtype=np_dtype).reshape(shape))
-        return a.view(mx.bfloat16) if dtype == "BF16" else a
+    def array(shape) -> mx.array:
+        return from_host(np.frombuffer(r.read(int(np.prod(shape)) * item), dtype=np_dtype).reshape(shape), s.dtype)
 
-    if isinstance(cache, KVCache):
-        dst = getattr(cache, field)
-        for b in range(shape[0]):
-            for h in range(shape[1]):
-                dst[b, h, :n] = array(n * shape[3] * item, (n, shape[3]))
-                mx.eval(dst)
+    if s.per_position:
+        for b in range(s.shape[0]):
+            for h in range(s.shape[1]):
+                conv.restore(s.name, array(s.shape[2:]), at=(b, h))
     else:
-        setattr(cache, field, array(int(np.prod(shape)) * item, shape))
-        mx.eval(getattr(cache, field))
+        conv.restore(s.name, array(s.shape))

@@ -32,7 +32,8 @@ from .chat_output import ChatOutput
 from .chat_template import TemplateFailure
 from .constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
 from .engine import Engine, Options, plan_for
-from .image import ImageConfig, num_image_tokens
+from .image import num_image_tokens
+from .image_prompt import image_config, prefill_images
 from .logprobs import TokenText
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .plan import MiB, current_rss
@@ -331,7 +332,7 @@ class EngineWorker:
         if not job.req.images:
             return len(job.ids)
         eng = self.eng
-        cfg = ImageConfig.from_config(eng.manifest.config, eng._preprocessor(), max_pixels=eng.opts.max_pixels)
+        cfg = image_config(eng)
         n = len(job.ids) - len(job.req.images)
         for raw in job.req.images:
             with Image.open(io.BytesIO(raw)) as im:
@@ -385,7 +386,7 @@ class EngineWorker:
                 return {"finish_reason": None, "cancelled": True}
             seg = images(a, b)
             if seg:
-                eng.prefill_images(ids[a:b], seg)
+                prefill_images(eng, ids[a:b], seg)
             else:
                 eng.prefill(ids[a:b])
             a = b

@@ -12,11 +12,15 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from .formats.config import FAMILIES
 from .formats.errors import StreamoeError
+
+if TYPE_CHECKING:
+    from .runtime.plan import Options
 
 
 def _line(text: str) -> str:
@@ -400,12 +404,22 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
     check_run_paths(stats, logits_out, save_session, load_session)
     sampling = {**(generation_defaults_of(model)), **sampling, "seed": seed}
     vision = bool(images) or (chat and not raw)
-    run_cli(model, dict(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
-                        prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=vision, max_pixels=max_pixels,
-                        runtime_bytes=runtime_mib and runtime_mib << 20),
+    run_cli(model, options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk,
+                                  io_threads, verify, vision, max_pixels, runtime_mib),
             prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
             sampling=sampling, stats=stats, logits_out=logits_out, quiet=quiet,
             save_session=save_session, load_session=load_session)
+
+
+def options_of(cap: float, ctx: int, experts: str, kv: str, dtype: str | None, tier: str, prefetch_width: int,
+                   prefetch_waste: float, prefill_chunk: int | str, io_threads: int, verify: bool, images: bool,
+                   max_pixels: int | None, runtime_mib: int | None) -> Options:
+    """The engine's `Options` from the flags `run` and `serve` share: one typed path for both."""
+    from .runtime.plan import Options
+
+    return Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
+                   prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify,
+                   images=images, max_pixels=max_pixels, runtime_bytes=runtime_mib and runtime_mib << 20)
 
 
 def generation_defaults_of(model: Path) -> dict:
@@ -475,7 +489,6 @@ def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str |
           max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, sse_keepalive: float,
           log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
-    from .runtime.engine import Options
     from .runtime.openai_api import Limits
     from .runtime.server import serve as run_server
     from .runtime.worker import ServeOptions
@@ -487,9 +500,8 @@ def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str |
                       think=not no_think, allow_hosts=allow_host, cors_origins=cors_origin,
                       max_connections=max_connections, head_timeout_s=head_timeout, body_timeout_s=body_timeout,
                       idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
-    opts = Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
-                   prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify, images=not no_images,
-                   max_pixels=max_pixels, runtime_bytes=runtime_mib and runtime_mib << 20)
+    opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads,
+                          verify, not no_images, max_pixels, runtime_mib)
     run_server(model, opts, so, host, port, log_level)
 
 

@@ -79,7 +79,7 @@ def test_gpu_hidden_states_match_mlx_lm(small_ckpt, small_conv):
     ref, _ = load_model(small_ckpt)
     ref.set_dtype(mx.float32)
     eng = Engine(small_conv, Options(cap_gib=64, ctx=256, prefill_chunk=256, runtime_bytes=RUNTIME, dtype="float32"))
-    ours_h, ref_h = tap(eng.model.layers), tap(ref.language_model.model.layers)
+    ours_h, ref_h = tap_moe_out(eng.model.layers), tap(ref.language_model.model.layers)
     ids = eng.text.encode(PROMPT)
     cache = make_prompt_cache(ref)
     lr, le = ref(mx.array([ids]), cache=cache)[0, -1], eng.prefill(ids)
@@ -137,6 +137,34 @@ def tap(layers: list) -> list:
     for i, layer in enumerate(layers):
         layers[i] = Tap(layer)
     return seen
+
+
+def tap_moe_out(layers: list) -> list:
+    """Record every layer's output as our layers give it: the MoE block's `finish` (residual + MoE) ends a layer
+    both in a decode step and in a prefill, which runs each layer's mixer and MoE block as separate calls."""
+    seen: list = []
+
+    def recorded(finish):
+        def call(*a, **k):
+            y = finish(*a, **k)
+            seen.append(y.astype(mx.float32))
+            return y
+        return call
+
+    for layer in layers:
+        layer.mlp.finish = recorded(layer.mlp.finish)
+    return seen
+
+
+@pytest.mark.parametrize("kv", ["q8", "q4"])
+def test_gpu_quantized_kv_logits_bit_identical_across_caps(small_conv, kv, monkeypatch):
+    """A quantized KV cache on the GPU: the live codes are a strided view of the preallocated cache (ctx 256,
+    far from full), which MLX's CUDA quantized matmuls refuse unless each head's codes go alone; the same logits'
+    bits at every cap."""
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    runs = [run(small_conv, slots, "bfloat16", steps=6, kv=kv) for slots in (None, 24, 200)]
+    assert runs[1][1] > 0 and runs[0][1] == 0
+    assert runs[0][0] == runs[1][0] == runs[2][0]
 
 
 def test_gpu_float32_matmul_is_float32_only_without_tf32():

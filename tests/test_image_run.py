@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,7 +16,8 @@ import pytest
 from PIL import Image, ImageDraw
 
 from streamoe.runtime.engine import Engine, Options, plan_for
-from streamoe.runtime.image import ImageConfig, load_image, preprocess
+from streamoe.runtime.image import load_image, preprocess
+from streamoe.runtime.image_prompt import image_config, prefill_images
 from streamoe.runtime.mrope import expand_image_tokens
 
 from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line, run_capped
@@ -51,14 +54,14 @@ def test_image_question_matches_mlx_vlm_and_is_identical_across_caps(tiny_ckpt, 
         eng = engine(tiny_conv, slots)
         cfg = eng.manifest.config
         ids = question(eng)
-        patches, grid = preprocess(load_image(picture), ImageConfig.from_config(cfg, eng._preprocessor()))
+        patches, grid = preprocess(load_image(picture), image_config(eng))
         full = mx.array([expand_image_tokens(ids, [grid], cfg["image_token_id"], cfg["vision_config"]["spatial_merge_size"])])
         assert full.shape[1] > 3 * 16  # several prefill chunks, image tokens among them
         feat = ref.get_input_embeddings(full, mx.array(patches), image_grid_thw=mx.array([grid]))
         cache = make_prompt_cache(ref.language_model)
         lr = ref.language_model(full, inputs_embeds=feat.inputs_embeds, cache=cache, position_ids=feat.position_ids,
                                 rope_deltas=feat.rope_deltas).logits[0, -1]
-        le = eng.prefill_images(ids, [picture])
+        le = prefill_images(eng, ids, [picture])
         ours, theirs, logits = [], [], []
         for _ in range(16):
             a, b = np.array(lr), np.array(le)
@@ -92,7 +95,7 @@ def test_image_prompt_in_auto_chunks_equals_steps(tiny_conv, picture, monkeypatc
         base = plan_for(tiny_conv, Options(cap_gib=64, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME, images=True))
         cap = (base.fixed + 12 * base.slot_bytes + 1) / 2**30
         eng = Engine(tiny_conv, Options(cap_gib=cap, ctx=512, prefill_chunk=chunk, runtime_bytes=RUNTIME, images=True))
-        out.append((np.array(eng.prefill_images(question(eng), [picture])).tobytes(), eng.plan.prefill_chunk,
+        out.append((np.array(prefill_images(eng, question(eng), [picture])).tobytes(), eng.plan.prefill_chunk,
                     eng.steps[0].n_tokens))
         eng.close()
     assert out[1][1] > 16 and out[1][2] > 16  # a chunk of several steps
@@ -151,8 +154,10 @@ def bad_images(d: Path) -> list[tuple[Path, str]]:
     Image.new("RGB", (64, 64), "red").save(good)
     data = good.read_bytes()
     (d / "trunc.png").write_bytes(data[: len(data) // 2])
-    huge = d / "huge.png"  # a 60000x60000 header: refused before any pixel is decoded
-    Image.new("1", (60000, 60000)).save(huge, optimize=True)
+    huge = d / "huge.png"  # a 60000x60000 header over a few pixels: refused before any pixel is decoded
+    ihdr = data[12:29]  # b"IHDR" + width, height, depth, colour, ... as the good file has them
+    ihdr = ihdr[:4] + struct.pack(">II", 60000, 60000) + ihdr[12:]
+    huge.write_bytes(data[:12] + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + data[33:])
     return [(d / "text.png", "not"), (d / "empty.png", "empty"), (d / "trunc.png", "truncated"), (huge, "pixels"),
             (d / "missing.png", "no such file")]
 

@@ -18,7 +18,7 @@ from streamoe.formats.manifest import load_manifest
 from streamoe.runtime import prompt_cache
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.models import kernels
-from streamoe.runtime.models.cache import QuantizedKVCache
+from streamoe.runtime.models.cache import KVCache, QuantizedKVCache
 from streamoe.runtime.plan import attention_elements, make_plan, plan_for, plan_with_limits, state_bytes
 from streamoe.runtime.session import load_session, save_session
 
@@ -88,7 +88,7 @@ def test_kv_bytes_per_token_are_codes_scales_and_biases(tiny_conv):
     assert state_bytes(a, 1, 2, 4)[0] == 2 * 2 * (32 + 2 * 2)  # 32 bytes of 4-bit codes + bf16 scale and bias
     assert state_bytes(a, 1000, 2, 4)[0] == 1000 * state_bytes(a, 1, 2, 4)[0]
     eng = Engine(tiny_conv, Options(cap_gib=1, ctx=100, kv="q4", runtime_bytes=RUNTIME))
-    held = sum(x.nbytes for c in eng.cache if hasattr(c, "fields") for _, x in c.arrays())
+    held = sum(x.nbytes for c in eng.conversation.caches if isinstance(c, KVCache) for _, x in c.arrays())
     assert held == eng.plan.accounts["kv cache"] == 100 * 2 * 2 * (32 + 2 * 4)
     eng.close()
 
@@ -174,11 +174,11 @@ def test_session_file_holds_codes_scales_and_biases(tiny_conv, tmp_path):
     logits(eng, PROMPT, 0)
     save_session(eng, tmp_path / "s.zst", {})
     tensors = load(zstandard.ZstdDecompressor().decompress((tmp_path / "s.zst").read_bytes()))
-    i = next(i for i, c in enumerate(eng.cache) if hasattr(c, "fields"))
+    i = next(i for i, c in enumerate(eng.conversation.caches) if isinstance(c, KVCache))
     n = len(PROMPT)
     assert tensors[f"layers.{i}.keys"].dtype == np.uint32 and tensors[f"layers.{i}.keys"].shape == (1, 1, n, 8)
     assert tensors[f"layers.{i}.value_biases"].dtype == np.float32 and tensors[f"layers.{i}.value_biases"].shape == (1, 1, n, 1)
-    assert np.array_equal(tensors[f"layers.{i}.key_scales"], np.array(eng.cache[i].key_scales[:, :, :n]))
+    assert np.array_equal(tensors[f"layers.{i}.key_scales"], np.array(eng.conversation.caches[i].key_scales[:, :, :n]))
     eng.close()
 
 

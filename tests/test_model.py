@@ -439,3 +439,17 @@ def test_family_is_chosen_by_model_type():
     assert family("qwen3_5_moe") is family_module and family_module.Model is Model
     with pytest.raises(StreamoeError, match="model_type 'llama' is not a family streamoe runs"):
         family("llama")
+
+
+def test_plain_rope_is_mlx_lms_rope():
+    """`kernels.RoPE` (families with plain token positions) rotates as mlx-lm's `nn.RoPE` does, at any offset."""
+    import mlx.nn as nn
+
+    from streamoe.runtime.models.kernels import RoPE
+
+    x = mx.random.normal((1, 4, 5, 64), key=mx.random.key(3))
+    ours, peer = RoPE(64, 1e6), nn.RoPE(64, traditional=False, base=1e6)
+    for offset in (0, 17):
+        assert mx.array_equal(ours(x, ours.prepare(offset)), peer(x, offset=offset))
+    partial = RoPE(32, 1e4)  # the first 32 dims rotate, the rest pass through
+    assert mx.array_equal(partial(x, 3)[..., 32:], x[..., 32:]) and not mx.array_equal(partial(x, 3), x)

@@ -118,6 +118,17 @@ def test_accounts_exact(args):
     p.require_fit()
 
 
+def test_a_callers_accounts_are_fixed_before_the_hot_tier_is_sized(args):
+    """`serve` adds its prompt cache and requests: accounts of the plan (shown before the runtime allowance, with
+    their notes) from which the hot tier is sized, never written into a plan after use."""
+    extra = (("prompt cache", 64 * MiB, "snapshots"), ("requests", 100 * SLOT_F32, "bodies"))
+    p = plan(args, 4, extra=extra)
+    assert list(p.accounts)[-3:] == ["prompt cache", "requests", "runtime"]
+    assert p.accounts["prompt cache"] == 64 * MiB and p.notes["requests"] == "bodies"
+    assert p.fixed == FIXED + 64 * MiB + 100 * SLOT_F32
+    assert p.hot_slots == (4 * GiB - FIXED - 64 * MiB) // SLOT_F32 - 100 == 697
+
+
 def test_dtypes_and_context_scale_their_accounts(args):
     half = plan(args, 4, kv_dtype="float16", dtype="bfloat16")
     assert half.accounts["kv cache"] == KV // 2

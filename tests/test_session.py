@@ -73,7 +73,7 @@ def test_session_file_is_safetensors_in_zstd(tiny_conv, tmp_path):
     tensors = load(raw)  # the safetensors library reads the decompressed file as is
     n = eng.offset
     assert n == len(FIRST) + 3
-    for i, c in enumerate(eng.cache):
+    for i, c in enumerate(eng.conversation.caches):
         if isinstance(c, KVCache):
             for field in ("keys", "values"):
                 saved = tensors[f"layers.{i}.{field}"]
@@ -83,7 +83,7 @@ def test_session_file_is_safetensors_in_zstd(tiny_conv, tmp_path):
             assert tensors[f"layers.{i}.state"].tobytes() == np.array(c.state).tobytes()
             assert tensors[f"layers.{i}.conv"].tobytes() == np.array(c.conv).tobytes()
     eng.close()
-    assert len(tensors) == 2 * len(eng.cache)
+    assert len(tensors) == 2 * len(eng.conversation.caches)
 
 
 @pytest.fixture(scope="module")

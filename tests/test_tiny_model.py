@@ -13,7 +13,8 @@ from PIL import Image, ImageDraw
 
 from streamoe.convert.convert import convert
 from streamoe.runtime.engine import Engine, Options, plan_for
-from streamoe.runtime.image import ImageConfig, load_image, preprocess
+from streamoe.runtime.image import load_image, preprocess
+from streamoe.runtime.image_prompt import image_config
 from streamoe.runtime.mrope import expand_image_tokens
 from streamoe.runtime.sampling import Sampler
 
@@ -113,7 +114,7 @@ def test_image_question_identical_to_mlx_vlm_and_right(tiny, tmp_path, fraction,
     cfg = eng.manifest.config
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     ids = eng.text.encode(eng.text.chat_prompt(msgs, think=False))
-    patches, grid = preprocess(load_image(pic), ImageConfig.from_config(cfg, eng._preprocessor()))
+    patches, grid = preprocess(load_image(pic), image_config(eng))
     full = mx.array([expand_image_tokens(ids, [grid], cfg["image_token_id"], cfg["vision_config"]["spatial_merge_size"])])
     feat = ref.get_input_embeddings(full, mx.array(patches), image_grid_thw=mx.array([grid]))
     cache = make_prompt_cache(ref.language_model)

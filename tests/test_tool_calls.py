@@ -96,6 +96,19 @@ def test_an_xml_call_after_the_reasoning_closes(text):
         assert collect(evs) == {"content": None, "reasoning_content": "The time.", "tool_calls": WANT[1:]}
 
 
+@pytest.mark.parametrize("answer, want", [
+    ("<think>\nA plan.\n</think>\n\nThe answer.", ("A plan.", "The answer.")),  # Qwen3: the model opens it
+    ("\n<think>Hm</think>ok", ("Hm", "ok")),
+    ("<thin", (None, "<thin")),  # cut short: a start of the tag stays content
+    ("<tool>x</tool>", (None, "<tool>x</tool>")),
+    ("Sure. <think>not a thought</think>", (None, "Sure. <think>not a thought</think>")),  # not at the start
+])
+def test_an_answer_that_opens_its_own_thinking_at_every_split(answer, want):
+    for evs in every_split(answer, thinking=False, tools=None, stops=[]):
+        got = collect(evs)
+        assert (got["reasoning_content"], got["content"]) == want, evs
+
+
 def test_a_json_call_after_the_reasoning_closes_at_every_split():
     body = '<tool_call>\n{"name": "clock", "arguments": {"tz": "CET"}}\n</tool_call>'
     for evs in every_split("Hm.\n</think>\n\nLet me see.\n" + body, thinking=True, tools=True, stops=[]):

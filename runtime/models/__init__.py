@@ -1,14 +1,15 @@
 """Model families, one module each, chosen by the checkpoint's `model_type` as mlx-lm chooses its models/*.py;
 built from the kernel library (`kernels.py`, `delta_rule.py`) and the per-layer caches (`cache.py`).
 
-A family module, `<model_type>.py`, exposes `Model(args, weights, dtype)`: `args` the checkpoint's `formats.config.ModelArgs`,
-`weights` every non-routed-expert tensor by its export name (those it uses are taken out of the dict), floats
-cast once to `dtype`. The routed experts are not the model's: every MoE block calls an experts provider
+A family module, `<model_type>.py`, exposes `Model(args, weights, dtype, streams=())`: `args` the checkpoint's
+`formats.config.ModelArgs`, `weights` every non-routed-expert tensor by its export name (those it uses are
+taken out of the dict), floats cast once to `dtype`, `streams` the CPU streams its projections split over
+(`kernels.cpu_streams`; it hands them on as `Model.streams`). The routed experts are not the model's: every MoE block calls an experts provider
 (`experts(i, x, inds) -> [..., k, H]`, the picks' outputs in router-rank order; `kernels.ResidentExperts`, or
 the engine's `runtime/experts.StreamingExperts`, which may also have `prepare(i, inds, xs)`). What the engine
 and the experts provider use of a `Model`:
 
-- `num_layers`; `args`, `dtype`
+- `num_layers`; `args`, `dtype`, `streams`
 - `make_cache(max_tokens, kv_dtype, batch=1, kv_bits=None) -> list`: one cache per layer (`cache.py`:
   `KVCache`/`QuantizedKVCache` for attention, the family's own state class for other mixers)
 - `embed(tokens [B, L]) -> h [B, L, H]`

@@ -1,14 +1,19 @@
-"""Per-layer inference state of the Qwen3.5-MoE language model.
+"""Per-layer inference state, one cache per layer, each counting the tokens it has seen in `offset`.
 
 Full-attention layers keep a key/value cache that is allocated once, at its final size, so that its memory
 can be planned before anything runs; Gated DeltaNet layers keep the last K-1 convolution inputs and the
-recurrent state, whose sizes do not depend on the context length. Both count the tokens they have seen in
-`offset`.
+recurrent state, whose sizes do not depend on the context length.
 
 A KV cache is a set of position-major arrays `[B, n_kv_heads, max_tokens, d]` named by `fields`: keys and
 values as floats (`KVCache`), or, quantized (`QuantizedKVCache`, `--kv q8`/`q4`), their affine codes packed
 in uint32 words with one scale and one bias per group of 64 values, as `mx.quantize` lays them out and
-`mx.quantized_matmul` reads them. Saving, snapshots and restores go through `fields`, so they handle both.
+`mx.quantized_matmul` reads them.
+
+Every cache owns its state: `state_tensors()` is what it holds now, by field (a KV cache's arrays cut to the
+offset), `state_specs(n)` the dtypes and shapes of those tensors at n tokens, `restore(field, value)` puts a
+saved tensor back (a position-major one whole or a head at a time, `per_position`), `mark()`/`rewind(mark)`
+take back steps and `clear()` empties it. Sessions, prompt-cache snapshots and the engine go through these
+(`runtime/conversation.py`), so a new cache class is saved and restored without touching them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class KVCache:
     """
 
     fields = ("keys", "values")
+    per_position = True  # every field is [B, heads, positions, d]: saved cut to the offset, a head at a time
     bits: int | None = None
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_tokens: int, dtype=mx.float32):
@@ -43,6 +49,35 @@ class KVCache:
     def arrays(self) -> list[tuple[str, mx.array]]:
         """(field, array) of every position-major array, in `fields` order."""
         return [(f, getattr(self, f)) for f in self.fields]
+
+    def state_tensors(self) -> list[tuple[str, mx.array]]:
+        """(field, array) of the state held: every position-major array cut to the offset (lazy slices)."""
+        return [(f, a[:, :, : self.offset, :]) for f, a in self.arrays()]
+
+    def state_specs(self, n: int) -> list[tuple[str, mx.Dtype, tuple[int, ...]]]:
+        """(field, dtype, shape) of `state_tensors()` when the cache holds n tokens."""
+        return [(f, a.dtype, (a.shape[0], a.shape[1], n, a.shape[3])) for f, a in self.arrays()]
+
+    def restore(self, field: str, value: mx.array, at: tuple[int, ...] = ()) -> None:
+        """Write a saved tensor back, in place: `value` is the field's first n positions [B, heads, n, d], or, `at`
+        (batch, head), that head's [n, d]. Positions past it are never read (attention reads up to the offset)."""
+        dst = getattr(self, field)
+        n = value.shape[-2]
+        if at:
+            dst[(*at, slice(None, n))] = value
+        else:
+            dst[:, :, :n, :] = value
+        mx.eval(dst)
+
+    def mark(self) -> int:
+        return self.offset
+
+    def rewind(self, mark: int) -> None:
+        """Back to `mark()`: the positions written since are past the offset, so never read."""
+        self.offset = mark
+
+    def clear(self) -> None:
+        self.offset = 0
 
     def _reserve(self, n: int) -> tuple[int, int]:
         start, end = self.offset, self.offset + n
@@ -100,12 +135,39 @@ class GDNCache:
     conv:  [B, K-1, conv_dim] the last K-1 inputs of the causal depthwise convolution (zeros at the start),
            in the activation dtype.
     state: [B, Hv, dv, dk] the recurrent (delta-rule) state, always float32.
+
+    The layer replaces both arrays on every call (never writes into them), so a mark is the two arrays.
     """
+
+    fields = ("conv", "state")
+    per_position = False
 
     def __init__(
         self, batch: int, conv_kernel: int, conv_dim: int, n_v_heads: int, dv: int, dk: int, dtype=mx.float32
     ):
         self.conv = mx.zeros((batch, conv_kernel - 1, conv_dim), dtype=dtype)
         self.state = mx.zeros((batch, n_v_heads, dv, dk), dtype=mx.float32)
+        mx.eval(self.conv, self.state)
+        self.offset = 0
+
+    def state_tensors(self) -> list[tuple[str, mx.array]]:
+        return [(f, getattr(self, f)) for f in self.fields]
+
+    def state_specs(self, n: int) -> list[tuple[str, mx.Dtype, tuple[int, ...]]]:
+        return [(f, a.dtype, tuple(a.shape)) for f, a in self.state_tensors()]
+
+    def restore(self, field: str, value: mx.array, at: tuple[int, ...] = ()) -> None:
+        """Replace a field by a saved tensor (whole: `at` is always empty here)."""
+        setattr(self, field, value)
+        mx.eval(value)
+
+    def mark(self) -> tuple[int, mx.array, mx.array]:
+        return self.offset, self.conv, self.state
+
+    def rewind(self, mark: tuple[int, mx.array, mx.array]) -> None:
+        self.offset, self.conv, self.state = mark
+
+    def clear(self) -> None:
+        self.conv, self.state = mx.zeros_like(self.conv), mx.zeros_like(self.state)
         mx.eval(self.conv, self.state)
         self.offset = 0

@@ -29,6 +29,7 @@ from .kernels import (
     Loader,
     Projections,
     RoPE,
+    Streams,
     YarnRoPE,
     attention,
     combine,
@@ -110,11 +111,13 @@ class DecoderLayer:
 
 
 class Model:
-    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype: mx.Dtype = mx.float32):
+    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype: mx.Dtype = mx.float32,
+                 streams: Streams = ()):
         """`weights`: every non-routed-expert tensor, keyed by its export name ("model.layers.0.self_attn.q_proj.
-        weight", ...), as stored; floats are cast once to `dtype`. The tensors used are taken out of the dict."""
-        self.args, self.dtype = args, dtype
-        ld = Loader(args, weights, dtype, consume=True)
+        weight", ...), as stored; floats are cast once to `dtype`. The tensors used are taken out of the dict.
+        `streams`: the CPU streams the projections split their rows over (`kernels.cpu_streams`)."""
+        self.args, self.dtype, self.streams = args, dtype, streams
+        ld = Loader(args, weights, dtype, consume=True, streams=streams)
         H, V = args.hidden_size, args.vocab_size
         self.embed_tokens = ld.embedding("model.embed_tokens", V, H)
         self.norm = ld.float("model.norm.weight", (H,))

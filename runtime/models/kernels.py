@@ -32,11 +32,7 @@ from .cache import KV_GROUP, KVCache
 # weights
 
 
-# CPU streams for large matrix-vector products: MLX runs each CPU stream on its own thread, so splitting a
-# big layer's output rows across streams uses every core. Each output row is computed by the same kernel
-# whatever the split, so results do not change with the number of streams.
-STREAMS: list = []
-SPLIT_ROWS = 1024
+SPLIT_ROWS = 1024  # CPU streams split a matrix only from this many output rows per stream
 BLAS_TOKENS = 16  # CPU: from this many tokens a quantized linear layer runs through numpy's BLAS (QLinear._blas)
 BLAS_BLOCK = 1024  # rows dequantized at a time there (the plan's activation account holds one block)
 
@@ -53,20 +49,29 @@ def gpu_compiled(fn):
     return functools.wraps(fn)(call)
 
 
-def set_cpu_streams(n: int) -> None:
-    """Use n CPU streams (n <= 1: the default stream only)."""
-    STREAMS[:] = [mx.new_stream(mx.cpu) for _ in range(n)] if n > 1 else []
+Streams = tuple[mx.Stream, ...]
+
+
+def cpu_streams(n: int) -> Streams:
+    """n CPU streams for large matrix-vector products (n <= 1: none, the default stream only). MLX runs each CPU
+    stream on its own thread, so splitting a big layer's output rows (`QLinear`) or a layer's expert picks
+    (`switch_glu`) across streams uses every core. Each output row is computed by the same kernel whatever the
+    split, so results do not change with the number of streams. The model holds them (`Model.streams`, given to
+    every projection it loads) and hands them to the experts provider."""
+    return tuple(mx.new_stream(mx.cpu) for _ in range(n)) if n > 1 else ()
 
 
 class QLinear(NamedTuple):
     """An affine-quantized linear layer: y = x @ dequantize(weight).T (+ bias, where the layer has one, added after
-    the matmul as mlx-lm's QuantizedLinear adds it)."""
+    the matmul as mlx-lm's QuantizedLinear adds it), its output rows split over `streams` (`cpu_streams`) where it
+    is large."""
 
     weight: mx.array
     scales: mx.array
     biases: mx.array
     bits: int
     group_size: int
+    streams: Streams = ()
     bias: mx.array | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -77,14 +82,14 @@ class QLinear(NamedTuple):
         rows = self.weight.shape[0]
         if x.size >= BLAS_TOKENS * x.shape[-1] and mx.default_device() == mx.cpu:
             return self._blas(x)
-        if not STREAMS or rows < SPLIT_ROWS * len(STREAMS):
+        if not self.streams or rows < SPLIT_ROWS * len(self.streams):
             return mx.quantized_matmul(
                 x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
             )
-        n = len(STREAMS)
+        n = len(self.streams)
         step = -(-rows // n)
         parts = []
-        for j, st in enumerate(STREAMS):
+        for j, st in enumerate(self.streams):
             a, b = j * step, min(rows, (j + 1) * step)
             with mx.stream(st):
                 parts.append(mx.quantized_matmul(x, self.weight[a:b], self.scales[a:b], self.biases[a:b],
@@ -124,7 +129,7 @@ class Projections:
             w, s, b = (mx.concatenate([q[n] for q in parts]) if len(parts) > 1 else parts[0][n] for n in range(3))
             y_bias = mx.concatenate([ld.float(f"{modules[j][0]}.bias", (modules[j][1],)) for j in members]) if bias else None
             mx.eval(w, s, b, *([y_bias] if bias else []))  # now, so the parts are freed as the load goes on
-            self.linears.append(QLinear(w, s, b, *parts[0][3:], y_bias))
+            self.linears.append(QLinear(w, s, b, *parts[0][3:], ld.streams, y_bias))
             for n, j in enumerate(members):
                 self.where[j] = (g, n)
         self.cuts = [np.cumsum([modules[j][1] for j in members])[:-1].tolist() for members in groups.values()]
@@ -145,10 +150,12 @@ class Projections:
 
 class Loader:
     """Gets tensors from the weight dict, checking presence, dtype and shape, casting floats once. With
-    `consume`, each is taken out of the dict, so fused copies are not held twice while a model loads."""
+    `consume`, each is taken out of the dict, so fused copies are not held twice while a model loads. The
+    projections it makes run over `streams`."""
 
-    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype, consume: bool = False):
-        self.args, self.weights, self.dtype, self.consume = args, weights, dtype, consume
+    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype, consume: bool = False,
+                 streams: Streams = ()):
+        self.args, self.weights, self.dtype, self.consume, self.streams = args, weights, dtype, consume, streams
 
     def _get(self, name: str) -> mx.array:
         if name not in self.weights:
@@ -199,10 +206,11 @@ class Loader:
     def linear(self, module: str, out_dims: int, in_dims: int, bias: bool = False) -> QLinear:
         """A quantized linear layer, with its bias (`{module}.bias`, [out_dims]) where `bias`."""
         b = self.float(f"{module}.bias", (out_dims,)) if bias else None
-        return QLinear(*self.quantized(module, out_dims, in_dims), b)
+        return QLinear(*self.quantized(module, out_dims, in_dims), self.streams, b)
 
     def embedding(self, module: str, vocab: int, dims: int) -> QEmbedding:
         return QEmbedding(*self.quantized(module, vocab, dims))
+
 
 class QEmbedding(NamedTuple):
     """An affine-quantized embedding table: a token's row is dequantized when it is looked up."""
@@ -218,10 +226,9 @@ class QEmbedding(NamedTuple):
         w, s, b = self.weight[tokens], self.scales[tokens], self.biases[tokens]
         return mx.dequantize(w, s, b, group_size=self.group_size, bits=self.bits).astype(dtype)
 
-    def as_linear(self) -> QLinear:
+    def as_linear(self, streams: Streams = ()) -> QLinear:
         """The table as the output head of tied word embeddings."""
-        return QLinear(*self)
-
+        return QLinear(*self, streams)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,6 +402,13 @@ def visible(n_keys: int, first_query: int, n_queries: int, key_start: int, windo
     return mask & (q < k + window) if window else mask
 
 
+def per_head(x: mx.array, codes: tuple, matmul) -> mx.array:
+    """matmul(x[b, h], codes[.][b, h]) for every sequence b and KV head h, stacked back to [B, nkv, ...]."""
+    B, nkv = x.shape[:2]
+    rows = [mx.stack([matmul(x[b, h], tuple(c[b, h] for c in codes)) for h in range(nkv)]) for b in range(B)]
+    return mx.stack(rows)
+
+
 def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, bits: int, window: int = 0,
                         sinks: mx.array | None = None) -> mx.array:
     """Causal attention of q [B, nq, L, hd] over quantized keys/values ((codes, scales, biases), each
@@ -402,9 +416,12 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
     `window` reads only the keys it can see, and `sinks` [nq] add one logit per head to each softmax (its share of
     the probability goes nowhere), as `mx.fast.scaled_dot_product_attention(sinks=)` computes them.
 
-    The query heads that share a KV head are stacked as rows of one matmul ([B, nkv, rep * L, hd]) rather than
+    The query heads that share a KV head are stacked as rows of one matmul ([rep * L, hd]) rather than
     broadcast against the codes, and the L query positions go a block at a time (`score_rows`), so what is
-    materialized is one block's scores (and their softmax), not L x N x nq of them for a long prompt."""
+    materialized is one block's scores (and their softmax), not L x N x nq of them for a long prompt.
+    Each (sequence, KV head) is its own matmul: its live codes `[N, ...]` (under a window, the last of them) are
+    a contiguous run of the cache's rows, where the batched `[B, nkv, N, ...]` view is strided past the unused positions, and MLX's
+    CUDA kernels take only contiguous codes."""
     B, nq, L, D = q.shape
     nkv, N = keys[0].shape[1], keys[0].shape[2]
     start = key_window(N, L, window)
@@ -419,7 +436,8 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
         qb = q[:, :, :, a:b].reshape(B, nkv, rep * (b - a), D)
         if outs:  # left lazy, MLX would schedule every block's scores at once (measured: all of them live)
             mx.eval(outs[-1])
-        s = mx.quantized_matmul(qb, *keys, transpose=True, group_size=KV_GROUP, bits=bits)
+        s = per_head(qb, keys, lambda x, c: mx.quantized_matmul(x, *c, transpose=True, group_size=KV_GROUP,
+                                                                   bits=bits))
         if L > 1:  # query position a+i sits at key position N - L + a + i
             mask = visible(N, N - L + a, b - a, start, window)
             s = mx.where(mask, s.reshape(B, nkv, rep, b - a, N - start), mx.finfo(s.dtype).min).reshape(s.shape)
@@ -429,11 +447,11 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
         p = mx.softmax(s, axis=-1, precise=True)
         if sinks is not None:
             p = p[..., 1:]
-        outs.append(mx.quantized_matmul(p, *values, transpose=False, group_size=KV_GROUP, bits=bits)
-                    .reshape(B, nkv, rep, b - a, D))
+        o = per_head(p, values, lambda x, c: mx.quantized_matmul(x, *c, transpose=False, group_size=KV_GROUP,
+                                                                  bits=bits))
+        outs.append(o.reshape(B, nkv, rep, b - a, D))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(B, nq, L, D)
-
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None, scale: float, window: int = 0,
@@ -502,19 +520,20 @@ def expert_kernel(lay: RecordLayout, args: ModelArgs) -> ExpertKernel:
     return ExpertKernel(lay.bits, lay.group_size, lay.mode, act)
 
 
-def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKernel) -> mx.array:
+def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKernel,
+               streams: Streams = ()) -> mx.array:
     """Routed experts for tokens x [N, H] picked as `slots` [N, k] into stacked weights (each of w's arrays is
     [S, ...]): down(act(gate(x), up(x))) per (token, pick) -> [N, k, H], three `gather_qmm` calls in all, each
-    followed by its projection's bias where the experts have them. On the CPU backend the picks are split over the
-    CPU streams (one core each); every (token, pick) row is computed by the same kernel whatever the split, so results
-    do not depend on it. Small experts stay on one stream: below SPLIT_ROWS x 512 weights per matrix a stream hop
+    followed by its projection's bias where the experts have them. On the CPU backend the picks are split over
+    `streams` (`cpu_streams`, one core each); every (token, pick) row is computed by the same kernel whatever the
+    split, so results do not depend on it. Small experts stay on one stream: below SPLIT_ROWS x 512 weights per matrix a stream hop
     costs more than it saves."""
-    if not STREAMS or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
+    if not streams or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
         return _switch_glu(x, w, slots, kernel)
-    k, n = slots.shape[-1], min(len(STREAMS), slots.shape[-1])
+    k, n = slots.shape[-1], min(len(streams), slots.shape[-1])
     parts = []
     for j in range(n):
-        with mx.stream(STREAMS[j]):
+        with mx.stream(streams[j]):
             parts.append(_switch_glu(x, w, slots[:, j * k // n:(j + 1) * k // n], kernel))
     return mx.concatenate(parts, axis=1)
 
@@ -547,10 +566,11 @@ class ResidentExperts:
     `expert_tensors`: "{experts module}.{gate,up,down}_proj.{part}" of every layer (`ModelArgs.experts_module`:
     "language_model.model.layers.N.mlp.switch_mlp" for qwen3_5_moe, "model.layers.N.mlp.experts" for gpt_oss; the
     parts of the family's expert record: weight, scales and biases, or MXFP4's weight and scales, and each
-    projection's bias where the family has one), stacked [E, ...] as stored; float arrays are cast to `dtype` once."""
+    projection's bias where the family has one), stacked [E, ...] as stored; float arrays are cast to `dtype` once.
+    The picks run over `streams`."""
 
-    def __init__(self, args: ModelArgs, expert_tensors: dict[str, mx.array], dtype=mx.float32):
-        self.args, self.dtype = args, dtype
+    def __init__(self, args: ModelArgs, expert_tensors: dict[str, mx.array], dtype=mx.float32, streams: Streams = ()):
+        self.args, self.dtype, self.streams = args, dtype, streams
         lay = source_layout(args)
         self.kernel = expert_kernel(lay, args)
         E = args.num_experts
@@ -576,7 +596,7 @@ class ResidentExperts:
     def __call__(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
         """Layer i's picks' outputs [..., k, H] (router-rank order) for x [..., H] and inds [..., k] from `route`."""
         shape, k = x.shape, inds.shape[-1]
-        y = switch_glu(x.reshape(-1, shape[-1]), self.layers[i], inds.reshape(-1, k), self.kernel)
+        y = switch_glu(x.reshape(-1, shape[-1]), self.layers[i], inds.reshape(-1, k), self.kernel, self.streams)
         return y.reshape(*shape[:-1], k, shape[-1])
 
 
@@ -645,6 +665,6 @@ def weight_arrays(obj) -> list[mx.array]:
         return [a for lin in obj.linears for a in weight_arrays(lin)]
     if isinstance(obj, list | tuple):
         return [a for v in obj for a in weight_arrays(v)]
-    if hasattr(obj, "__dict__") and not isinstance(obj, ModelArgs):
+    if hasattr(obj, "__dict__"):
         return [a for v in vars(obj).values() for a in weight_arrays(v)]
     return []

@@ -23,6 +23,7 @@ from .kernels import (
     Loader,
     MRoPE,
     Projections,
+    Streams,
     attention,
     combine,
     gpu_compiled,
@@ -196,6 +197,7 @@ class Model:
         weights: dict[str, mx.array],
         dtype: mx.Dtype = mx.float32,
         gdn_chunked: bool | None = None,
+        streams: Streams = (),
     ):
         """`weights`: every non-routed-expert tensor of the language model, keyed by its export name
         ("language_model.model.layers.0.linear_attn.in_proj_qkv.weight", ...), as stored. Float tensors are
@@ -205,15 +207,18 @@ class Model:
 
         `gdn_chunked`: whether calls of more than GDN_CHUNK tokens run the delta rule in its chunked form
         (fewer, larger ops) instead of token by token. None = only on a GPU: on the CPU backend the
-        token loop is as fast and reproduces mlx-lm bit for bit."""
-        self.args, self.dtype = args, dtype
-        ld = Loader(args, weights, dtype, consume=True)
+        token loop is as fast and reproduces mlx-lm bit for bit.
+
+        `streams`: the CPU streams every projection splits its rows over (`kernels.cpu_streams`), also handed to
+        the experts provider."""
+        self.args, self.dtype, self.streams = args, dtype, streams
+        ld = Loader(args, weights, dtype, consume=True, streams=streams)
         H = args.hidden_size
         self.embed_tokens = ld.embedding(f"{PREFIX}model.embed_tokens", args.vocab_size, H)
         self.layers = [DecoderLayer(args, ld, i, gdn_chunked) for i in range(args.num_hidden_layers)]
         self.norm = ld.float(f"{PREFIX}model.norm.weight", (H,))
         if args.tie_word_embeddings:
-            self.lm_head = self.embed_tokens.as_linear()
+            self.lm_head = self.embed_tokens.as_linear(streams)
         else:
             self.lm_head = ld.linear(f"{PREFIX}lm_head", args.vocab_size, H)
         self.rope = MRoPE(args.rotary_dim, args.rope_theta, args.mrope_section)
