@@ -146,29 +146,33 @@ def connection_limit(wanted: int, reserve: int = 64) -> int:
     return max(1, min(wanted, raise_file_limit() - open_files() - reserve))
 
 
-def guarded_protocol(max_connections: int, head_timeout_s: float):
-    """uvicorn's h11 protocol with what it lacks: a deadline for each request head (from the connection's
-    first byte, or the next request's), and a bound on connections that closes the oldest idle one (still
-    sending its head, or kept alive between requests) when a new one arrives at the bound: idle sockets
-    cannot starve the server, and its files stay within their limit."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+MAX_HEAD_BYTES = 16 << 10  # a request line and headers: what h11 allows by default
+
+
+def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES):
+    """uvicorn's httptools protocol (a C parser: the least event-loop time per connection and per byte of
+    body) with what it lacks: a deadline for each request head (from the connection's start, or the next
+    request's first byte), a bound on a head's size (431 past it), and a bound on connections that closes
+    the oldest idle one (still sending its head, or kept alive between requests) when a new one arrives at
+    the bound: idle sockets cannot starve the server, and its files stay within their limit."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     waiting: dict = {}  # idle connections (a request head incomplete, or between requests), oldest first
+    too_large = error_body(431, f"the request head is over {max_head_bytes:,} bytes", "head_too_large")
 
-    class GuardedH11Protocol(H11Protocol):
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
         head_timer: asyncio.TimerHandle | None = None
+        head_bytes = 0
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self.arm()
             if len(self.connections) > max_connections:
-                oldest = next(iter(waiting))
-                oldest.drop()
+                next(iter(waiting)).drop()
 
         def arm(self) -> None:
             if self.head_timer is None:
-                self.head_timer = self.loop.call_later(head_timeout_s, self.drop)
+                self.head_timer, self.head_bytes = self.loop.call_later(head_timeout_s, self.drop), 0
                 waiting[self] = None
 
         def disarm(self) -> None:
@@ -184,21 +188,34 @@ def guarded_protocol(max_connections: int, head_timeout_s: float):
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.arm()
-            else:
+            if self.head_timer is None or self.transport.is_closing():
+                return
+            self.head_bytes += len(data)  # still in a head (one begun in this data counts all of it)
+            if self.head_bytes > max_head_bytes:
                 self.disarm()
+                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json"
+                                     b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(too_large), too_large))
+                self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.arm()  # a kept-alive connection's next request: its head has the deadline again
+
+        def on_headers_complete(self) -> None:
+            self.disarm()
+            super().on_headers_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self.disarm()  # idle until the next request: uvicorn's keep-alive timeout closes it,
-            waiting[self] = None  # and a new connection at the bound may close it first
+            if not self.transport.is_closing():  # and a new connection at the bound may close it first
+                waiting[self] = None
 
         def connection_lost(self, exc) -> None:
             self.disarm()
             super().connection_lost(exc)
 
-    return GuardedH11Protocol
+    return GuardedHttpToolsProtocol
 
 
 class RateLimitedLoopErrors:

@@ -469,7 +469,7 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     # evicted connections included until they are gone: only runaway tasks meet it
     conns = connection_limit(so.max_connections, reserve=64 + 3 * BACKLOG)
     config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s),
+                            timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s), loop="uvloop",
                             limit_concurrency=conns + BACKLOG + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
                             backlog=BACKLOG)
     http = uvicorn.Server(config)
