@@ -77,11 +77,9 @@ async def read_body(request: Request, limits: Limits, timeout_s: float) -> bytea
     return raw
 
 
-async def read_json(request: Request, limits: Limits, timeout_s: float = 30.0) -> dict:
-    """The body as a JSON object: read within the size limit and the deadline, its shape checked before it is
-    parsed (values, depth), and what it keeps once parsed within `Limits.max_kept`; the raw bytes are
-    dropped as soon as it is parsed."""
-    raw = await read_body(request, limits, timeout_s)
+def decode_json(raw: bytearray, limits: Limits) -> dict:
+    """The body as a JSON object: its shape checked before it is parsed (values, depth), and what it keeps
+    once parsed within `Limits.max_kept`; the raw bytes are freed as soon as it is parsed."""
     check_shape(raw, limits)
     try:
         body = json.loads(raw)
@@ -90,7 +88,7 @@ async def read_json(request: Request, limits: Limits, timeout_s: float = 30.0) -
     except RecursionError:
         raise bad("the body is not valid JSON (nested too deeply)") from None
     finally:
-        del raw
+        raw.clear()
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     if (kept := kept_bytes(body)) > limits.max_kept:
@@ -130,11 +128,16 @@ class API:
         self.server, self.so = server, server.so
         self.worker = server.worker
         self.requests: Counter = Counter()  # requests queued, by API
-        # prompts are rendered and tokenized here, one at a time, off the event loop
+        # bodies are decoded and parsed, and prompts rendered and tokenized, here: one at a time, off the event
+        # loop (which then only moves bytes, and answers /health between them)
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="streamoe-prepare")
 
-    async def prepare(self, req) -> Job:
-        return await asyncio.get_running_loop().run_in_executor(self.prep, self.worker.prepare, req)
+    async def prepared(self, request: Request, make: Callable[[dict], object]):
+        """`make(body)` run on the prepare thread, once the body is read (here, within the size limit and the
+        body deadline) and decoded there (`decode_json`)."""
+        raw = await read_body(request, self.so.limits, self.so.body_timeout_s)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.prep, lambda: make(decode_json(raw, self.so.limits)))
 
     # ---- small GET endpoints
     async def health(self, request: Request) -> Response:
@@ -177,10 +180,8 @@ class API:
         """Read and check the body, parse it with `parse`, prepare and queue the job; returns the job and its
         first event (None for a stream whose first event is not there within the keep-alive interval: the
         response then starts without it)."""
-        body = await read_json(request, self.so.limits, self.so.body_timeout_s)
-        req = parse(body)
-        del body  # what the request keeps is in `req`; the rest of the body goes now
-        job = await self.prepare(req)
+        job = await self.prepared(request, lambda body: self.worker.prepare(parse(body)))  # the body goes once parsed
+        req = job.req
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self.server.submit(job)
         self.requests[api] += 1
@@ -268,8 +269,9 @@ class API:
         return await self.answer(job, first, request, anthropic_api.Output(job, self.so.model_name))
 
     async def count_tokens(self, request: Request) -> Response:
-        req = anthropic_api.parse(await read_json(request, self.so.limits, self.so.body_timeout_s), self.so, counting=True)
-        return JSONResponse({"input_tokens": self.worker.prompt_tokens(await self.prepare(req))})
+        n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
+            self.worker.prepare(anthropic_api.parse(body, self.so, counting=True))))
+        return JSONResponse({"input_tokens": n})
 
 
 class Output(Protocol):

@@ -70,9 +70,8 @@ class ServeOptions:
 
     def requests_bytes(self, ctx: int, prompt_bytes: int) -> int:
         """The worst case of what admitted requests hold: each admitted request (and one whose client left
-        while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; one body
-        is parsed at a time (the event loop) and one prompt rendered and tokenized at a time (the prepare
-        thread), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`);
+        while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; the prepare
+        thread parses one body and renders and tokenizes one prompt at a time (counted as if both at once), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`);
         the running request's images are also files in memory (`image_files`), less than its body."""
         lim = self.limits
         kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx)
@@ -243,7 +242,7 @@ class EngineWorker:
         self.token_text = TokenText(eng.text)
         self.bound = PromptBound(eng.text.tokenizer)
 
-    # ---- on the event loop: turn a request into a job (or an APIError)
+    # ---- on the server's prepare thread: turn a request into a job (or an APIError)
     def render(self, req: GenRequest) -> str:
         """The prompt as the template renders it, the request's text marked as text (see `chat_template`)."""
         if self.eng.text.template is None:
