@@ -35,7 +35,15 @@ from starlette.staticfiles import StaticFiles
 from ..formats.errors import StreamoeError
 from . import anthropic_api, responses_api
 from .chat_output import collect
-from .door import Admission, Door, RateLimitedLoopErrors, connection_limit, guarded_protocol
+from .door import (
+    LISTEN_BACKLOG,
+    Admission,
+    Door,
+    RateLimitedLoopErrors,
+    bound_socket_buffers,
+    connection_limit,
+    guarded_protocol,
+)
 from .metrics import exposition
 from .openai_api import (
     APIError,
@@ -52,9 +60,6 @@ from .worker import Job, Server
 
 STATIC = Path(__file__).resolve().parent / "static"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# asyncio accepts up to this many connections in one go, so the connection bound leaves room for a few such
-# bursts within the file limit (`door.connection_limit`); the kernel's queue is deepened once serving starts
-BACKLOG = 128
 
 
 async def read_body(request: Request, limits: Limits, timeout_s: float) -> bytearray:
@@ -447,10 +452,11 @@ def listen(host: str, port: int) -> socket.socket:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bound_socket_buffers(sock)  # before listen: the connections it accepts inherit them
         sock.bind(addr)
     except OSError as e:
         raise StreamoeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(BACKLOG)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -467,13 +473,15 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     print(server.worker.eng.plan.render(), file=sys.stderr)
     if (notice := exposure(host)) is not None:
         print(notice, file=sys.stderr)
+    # the event loop accepts the whole listen queue at once, before the guarded protocol evicts any idle one:
+    # the connection bound leaves room for one such burst within the file limit (`door.connection_limit`);
     # uvicorn's own concurrency limit (503 to a request beyond it) stays above what the guarded protocol holds,
     # evicted connections included until they are gone: only runaway tasks meet it
-    conns = connection_limit(so.max_connections, reserve=64 + 3 * BACKLOG)
+    conns = connection_limit(so.max_connections, reserve=64 + LISTEN_BACKLOG)
     config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s), loop="uvloop",
-                            limit_concurrency=conns + BACKLOG + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
-                            backlog=BACKLOG)
+                            limit_concurrency=conns + LISTEN_BACKLOG + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
+                            backlog=LISTEN_BACKLOG)
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="streamoe-http", daemon=True)
 
@@ -494,7 +502,6 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
         while not http.started and thread.is_alive() and not server.stopping.is_set():
             time.sleep(0.05)
         if http.started:
-            sock.listen(socket.SOMAXCONN)  # the kernel's queue deepened now that asyncio's accept batch is set
             shown = f"[{host}]" if ":" in host else host
             print(f"streamoe: serving {so.model_name} on http://{shown}:{sock.getsockname()[1]}/ (OpenAI API under /v1)",
                   file=sys.stderr, flush=True)

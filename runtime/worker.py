@@ -31,6 +31,7 @@ from ..formats.errors import StreamoeError
 from .chat_output import ChatOutput
 from .chat_template import TemplateFailure
 from .constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
+from .door import SOCKET_BUFFER, socket_bytes
 from .engine import Engine, Options, plan_for
 from .image import ImageConfig, num_image_tokens
 from .logprobs import TokenText
@@ -72,10 +73,12 @@ class ServeOptions:
         """The worst case of what admitted requests hold: each admitted request (and one whose client left
         while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; the prepare
         thread parses one body and renders and tokenizes one prompt at a time (counted as if both at once), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`);
-        the running request's images are also files in memory (`image_files`), less than its body."""
+        the running request's images are also files in memory (`image_files`), less than its body; and
+        every connection's kernel socket buffers, bounded (`door.socket_bytes`)."""
         lim = self.limits
         kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx)
-        return kept + lim.parse_peak + PromptBound.render_peak(lim) + TOKENIZE_BYTES * prompt_bytes + lim.max_body
+        work = lim.parse_peak + PromptBound.render_peak(lim) + TOKENIZE_BYTES * prompt_bytes + lim.max_body
+        return kept + work + socket_bytes(self.max_connections)
 
 
 IDS_BYTES = 40  # a token id in a Python list: its pointer and its int object
@@ -520,7 +523,9 @@ def open_engine(root: Path, opts: Options, so: ServeOptions) -> Engine:
     eng.plan.notes["prompt cache"] = "snapshots of conversation state for repeated prompts, LRU"
     eng.plan.notes["requests"] = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its "
                                   f"client, each keeping at most {so.limits.max_kept / MiB:g} MiB; one body parsed "
-                                  "and one prompt tokenized at a time")
+                                  f"and one prompt tokenized at a time; {socket_bytes(so.max_connections) / MiB:g} MiB "
+                                  f"of kernel socket buffers ({SOCKET_BUFFER >> 10} KiB each way a connection, "
+                                  "doubled by the kernel)")
     return eng
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import socket
 import struct
 import subprocess
@@ -383,3 +384,76 @@ def test_the_shape_check_counts_outside_strings_only():
             assert depth <= limits.max_depth and values <= limits.max_values, (raw, values, depth)
 
     check()
+
+
+# ---- the connections: heads bounded in size and time, kernel socket buffers bounded and planned
+
+def test_a_head_over_the_limit_is_a_431_and_the_server_stays_up(server):
+    from streamoe.runtime.door import MAX_HEAD_BYTES
+
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * MAX_HEAD_BYTES)
+    status, headers, body = answer(s)
+    s.close()
+    assert status == 431 and json.loads(body)["error"]["code"] == "head_too_large", (status, body)
+    assert fetch(server.url + "/health").status == 200
+
+
+def test_every_head_has_its_deadline(server):
+    """--head-timeout 1: a head that stops half way is closed unanswered, on a new connection and on a kept-alive
+    one after its first answer."""
+    fresh = socket.create_connection(("127.0.0.1", server.port))
+    fresh.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    kept = socket.create_connection(("127.0.0.1", server.port))
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert answer(kept)[0] == 200
+    kept.sendall(b"GET /health HTTP/1.1\r\n")
+    for s in (fresh, kept):
+        s.settimeout(10)
+        assert s.recv(65536) == b""  # closed, nothing answered
+        s.close()
+
+
+def test_accepted_sockets_inherit_the_bounded_buffers():
+    from streamoe.runtime.door import SOCKET_BUFFER, bound_socket_buffers
+
+    with socket.socket() as ls:
+        held = bound_socket_buffers(ls)
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(1)
+        with socket.create_connection(ls.getsockname()) as c:
+            conn, _ = ls.accept()
+            c.setblocking(False)
+            c.send(b"x" * (1 << 20))  # more than the buffers hold: the kernel must not grow them
+            time.sleep(0.1)
+            with conn:
+                bufs = [conn.getsockopt(socket.SOL_SOCKET, o) for o in (socket.SO_RCVBUF, socket.SO_SNDBUF)]
+    assert bufs == [2 * SOCKET_BUFFER] * 2 and held == 4 * SOCKET_BUFFER
+
+
+def test_the_requests_account_holds_every_connections_socket_buffers(conv):
+    from streamoe.runtime.door import LISTEN_BACKLOG, SOCKET_BUFFER
+    from streamoe.runtime.worker import ServeOptions, requests_bytes
+
+    few, many = (requests_bytes(ServeOptions("t", max_connections=n), conv, CTX) for n in (16, 512))
+    assert many - few == (512 - 16) * 4 * SOCKET_BUFFER
+    assert few - requests_bytes(ServeOptions("t", max_connections=0), conv, CTX) == 16 * 4 * SOCKET_BUFFER
+    assert requests_bytes(ServeOptions("t", max_connections=0), conv, CTX) > LISTEN_BACKLOG * 4 * SOCKET_BUFFER
+
+
+def test_the_servers_connections_have_the_bounded_buffers(server):
+    """What the kernel holds for the server's end of a connection (ss -tm: rb, tb) is the bounded size, also
+    for a client sending far more than it reads."""
+    import shutil
+
+    from streamoe.runtime.door import SOCKET_BUFFER
+
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2)")
+    s = raw_head(server.port, 400_000, body=b'{"prompt": "' + b"a" * 200_000)
+    time.sleep(0.3)
+    out = subprocess.run(["ss", "-tmnH", "state", "established", f"( sport = :{server.port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    s.close()
+    mem = [dict(re.findall(r"(rb|tb)(\d+)", ln)) for ln in out.split("skmem:")[1:]]
+    assert mem and all(m == {"rb": str(2 * SOCKET_BUFFER), "tb": str(2 * SOCKET_BUFFER)} for m in mem), out
