@@ -1,8 +1,9 @@
 """`streamoe serve`: the OpenAI-compatible HTTP API and the chat page, a Starlette app run by uvicorn.
 
-Handlers parse and check a request (`openai_api`), prepare it into a job (rendered, tokenized, inside the
-planned context), queue it for the one engine thread (`worker`), and turn the events that come back into an
-OpenAI response: one JSON object, or server-sent events ending in `data: [DONE]`. Every refusal is OpenAI's
+Handlers read a request's body and hand it to the prepare thread, which parses and checks it (`openai_api`)
+and prepares it into a job (rendered, tokenized, inside the planned context), so that the event loop only
+moves bytes; they queue the job for the one engine thread (`worker`), and turn the events that come back
+into an OpenAI response: one JSON object, or server-sent events ending in `data: [DONE]`. Every refusal is OpenAI's
 error object with its status; nothing a request sends is ever a path or a URL the server opens.
 """
 
