@@ -189,7 +189,10 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         head_timer: asyncio.TimerHandle | None = None
-        head_bytes = 0
+        in_head = True  # a request head is awaited or arriving (from the start, or a message's first byte)
+        head_bytes = 0  # bytes received while in it
+        ended = False  # a message ended in the data being parsed (the next one then begins inside it)
+        parsing = 0  # the length of that data
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -199,7 +202,7 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
 
         def arm(self) -> None:
             if self.head_timer is None:
-                self.head_timer, self.head_bytes = self.loop.call_later(head_timeout_s, self.drop), 0
+                self.head_timer = self.loop.call_later(head_timeout_s, self.drop)
                 waiting[self] = None
 
         def disarm(self) -> None:
@@ -214,29 +217,42 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
             self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            self.ended, self.parsing = False, len(data)
             super().data_received(data)
-            if self.head_timer is None or self.transport.is_closing():
+            if self.transport.is_closing():
                 return
-            self.head_bytes += len(data)  # still in a head (one begun in this data counts all of it)
-            if self.head_bytes > max_head_bytes:
-                self.disarm()
-                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json"
-                                     b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(too_large), too_large))
-                self.transport.close()
+            if self.in_head:
+                self.head_bytes += len(data)
+                if self.head_bytes > max_head_bytes:
+                    self.disarm()
+                    self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: "
+                                         b"application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                                         % (len(too_large), too_large))
+                    self.transport.close()
+            elif self.cycle is None or self.cycle.response_complete:
+                self.arm()  # bytes between requests that begin none (blank lines): a head's deadline all the same
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            # a pipelined message begun after one that ended in this data: only what follows this data counts
+            self.in_head, self.head_bytes = True, -self.parsing if self.ended else 0
             self.arm()  # a kept-alive connection's next request: its head has the deadline again
 
         def on_headers_complete(self) -> None:
+            self.in_head = False
             self.disarm()
             super().on_headers_complete()
 
+        def on_message_complete(self) -> None:
+            self.ended = True
+            super().on_message_complete()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self.disarm()  # idle until the next request: uvicorn's keep-alive timeout closes it,
-            if not self.transport.is_closing():  # and a new connection at the bound may close it first
-                waiting[self] = None
+            if not self.in_head and self.cycle.response_complete:  # idle until the next request (none pipelined):
+                self.disarm()  # uvicorn's keep-alive timeout closes it, and a new connection at the bound may first
+                if not self.transport.is_closing():
+                    waiting[self] = None
 
         def connection_lost(self, exc) -> None:
             self.disarm()

@@ -7,6 +7,7 @@ at a 1,024 file limit, and the cap held in a cgroup through all of it with greed
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import socket
@@ -412,6 +413,62 @@ def test_every_head_has_its_deadline(server):
         s.settimeout(10)
         assert s.recv(65536) == b""  # closed, nothing answered
         s.close()
+
+
+@contextlib.contextmanager
+def guarded_uvicorn(max_head_bytes: int, head_timeout_s: float = 1.0):
+    """uvicorn on uvloop with the server's guarded protocol (a small head bound) in this process, before an
+    app that reads each body and answers `ok`; yields its port."""
+    import threading
+
+    import uvicorn
+
+    from streamoe.runtime.door import guarded_protocol
+
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, http=guarded_protocol(64, head_timeout_s, max_head_bytes), loop="uvloop",
+                            log_level="error", lifespan="off")
+    http = uvicorn.Server(config)
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        http.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def test_a_pipelined_head_counts_from_its_own_first_byte():
+    """A request with a 2 KB body, then the next one's head split across two sends, at a 1 KiB head bound: the
+    data that carried the body is not counted against the second head (two answers, no 431); a head of
+    1 KiB and more is refused; a blank line between requests begins none but gets a head deadline."""
+    with guarded_uvicorn(1024) as port:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 2000\r\n\r\n" + b"a" * 2000
+                  + b"GET / HTTP/1.1\r\nHost: h\r\n")
+        time.sleep(0.2)
+        s.sendall(b"X-Pad: 1\r\n\r\n\r\n")
+        s.settimeout(10)
+        data = b""
+        while chunk := s.recv(65536):  # closed by the head deadline once both are answered
+            data += chunk
+        s.close()
+        big = socket.create_connection(("127.0.0.1", port))
+        big.sendall(b"GET / HTTP/1.1\r\nHost: h\r\nX-Pad: " + b"a" * 1024)
+        status = answer(big)[0]
+        big.close()
+    assert data.count(b"HTTP/1.1 200") == 2 and b" 431 " not in data, data[:300]
+    assert status == 431
 
 
 def test_accepted_sockets_inherit_the_bounded_buffers():
