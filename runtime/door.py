@@ -174,6 +174,26 @@ def connection_limit(wanted: int, reserve: int = 64) -> int:
 
 
 MAX_HEAD_BYTES = 16 << 10  # a request line and headers: what h11 allows by default
+LINGER_S = 2.0  # how long a connection answered before its body arrived reads on to the body's end
+LINGER_MAX = 8  # connections doing so at once: past that (a flood of bodies), the one lingering longest is closed
+
+
+class Lingering:
+    """A request's view of its connection: closing it when its answer is sent while the body is still
+    arriving (a 503 before the body was read, a 421) first reads the rest of the body and drops it, for at most
+    LINGER_S. Closing with unread data would reset the connection, and a client still sending its body would
+    get an error in place of the answer. At most LINGER_MAX connections linger at once (reading costs the
+    event loop time per byte): one more closes the one lingering longest, so that stalled bodies cannot keep
+    a client's answer from being read."""
+
+    def __init__(self, protocol, cycle):
+        self.protocol, self.cycle = protocol, cycle
+
+    def __getattr__(self, name):
+        return getattr(self.protocol.transport, name)
+
+    def close(self) -> None:
+        self.protocol.linger(self.cycle)
 
 
 def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES):
@@ -185,6 +205,7 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     waiting: dict = {}  # idle connections (a request head incomplete, or between requests), oldest first
+    lingering: dict = {}  # connections reading the rest of a body their answer did not wait for, oldest first
     too_large = error_body(431, f"the request head is over {max_head_bytes:,} bytes", "head_too_large")
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -197,8 +218,8 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self.arm()
-            if len(self.connections) > max_connections:
-                next(iter(waiting)).drop()
+            if len(self.connections) > max_connections:  # the oldest idle one goes (or, with none idle, this one)
+                next(iter(waiting), self).drop()
 
         def arm(self) -> None:
             if self.head_timer is None:
@@ -242,10 +263,29 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
             self.in_head = False
             self.disarm()
             super().on_headers_complete()
+            if self.cycle is not None and self.cycle.transport is self.transport:
+                self.cycle.transport = Lingering(self, self.cycle)
 
         def on_message_complete(self) -> None:
             self.ended = True
             super().on_message_complete()
+            if self in lingering:
+                self.transport.close()
+
+        def linger(self, cycle) -> None:
+            """Close now if the request's body is all in, else once it is (or after LINGER_S): see `Lingering`."""
+            if not cycle.more_body or self.transport.is_closing():
+                return self.transport.close()
+            if len(lingering) >= LINGER_MAX:
+                oldest = next(iter(lingering))
+                del lingering[oldest]
+                oldest.transport.close()
+            lingering[self] = None
+            if self.transport.can_write_eof():
+                self.transport.write_eof()  # the answer is whole: the client may read it to the end now
+            self.flow.resume_reading()  # the rest of the body is parsed and dropped (the answer is complete)
+            self.loop.call_later(LINGER_S, self.transport.close)
+            waiting[self] = None  # and the connection is idle: the first to go at the bound
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -256,6 +296,7 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
 
         def connection_lost(self, exc) -> None:
             self.disarm()
+            lingering.pop(self, None)
             super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol

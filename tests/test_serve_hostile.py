@@ -171,7 +171,8 @@ def health_ms(server) -> float:
 
 def test_bodies_are_admitted_before_they_are_read(server):
     """3 admitted (2 queued + 1 running) stall mid-body; the next 100 are refused before sending a byte of
-    theirs; the stalled ones end in 408 at the body deadline, and the server answers again."""
+    theirs, and one sending a large body reads its refusal; the stalled ones end in 408 at the body deadline,
+    and the server answers again."""
     stalled = [raw_head(server.port, 400_000, body=b'{"prompt": "') for _ in range(3)]
     time.sleep(0.3)
     refused = [raw_head(server.port, 400_000) for _ in range(100)]  # their bodies are never sent
@@ -182,6 +183,10 @@ def test_bodies_are_admitted_before_they_are_read(server):
         assert json.loads(body)["error"]["code"] == "queue_full"
         s.close()
     ms.append(health_ms(server))
+    # a client still sending a body larger than the socket buffers reads its 503 (the server reads the rest
+    # of the body and drops it before closing), not a reset connection
+    r = post(server, "/v1/completions", {"prompt": "a" * 400_000, "max_tokens": 1})
+    assert r.status == 503 and r.json()["error"]["code"] == "queue_full", r.text
     for s in stalled:
         status, _, body = answer(s, timeout=10)
         assert status == 408 and json.loads(body)["error"]["code"] == "body_timeout"
