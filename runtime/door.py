@@ -175,16 +175,16 @@ def connection_limit(wanted: int, reserve: int = 64) -> int:
 
 MAX_HEAD_BYTES = 16 << 10  # a request line and headers: what h11 allows by default
 LINGER_S = 2.0  # how long a connection answered before its body arrived reads on to the body's end
-LINGER_MAX = 8  # connections doing so at once: past that (a flood of bodies), the one lingering longest is closed
+LINGER_MAX = 8  # connections doing so at once: past that (a flood of bodies), one more is closed at once
 
 
 class Lingering:
     """A request's view of its connection: closing it when its answer is sent while the body is still
     arriving (a 503 before the body was read, a 421) first reads the rest of the body and drops it, for at most
     LINGER_S. Closing with unread data would reset the connection, and a client still sending its body would
-    get an error in place of the answer. At most LINGER_MAX connections linger at once (reading costs the
-    event loop time per byte): one more closes the one lingering longest, so that stalled bodies cannot keep
-    a client's answer from being read."""
+    get an error in place of the answer. At most LINGER_MAX connections linger at once, and one more is
+    closed at once (its client may see a reset): reading costs the event loop time per byte, and this bounds
+    what a flood of bodies can make it read to LINGER_MAX bodies every LINGER_S."""
 
     def __init__(self, protocol, cycle):
         self.protocol, self.cycle = protocol, cycle
@@ -205,7 +205,7 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     waiting: dict = {}  # idle connections (a request head incomplete, or between requests), oldest first
-    lingering: dict = {}  # connections reading the rest of a body their answer did not wait for, oldest first
+    lingering: set = set()  # connections reading the rest of a body their answer did not wait for
     too_large = error_body(431, f"the request head is over {max_head_bytes:,} bytes", "head_too_large")
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -238,6 +238,8 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
             self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            if self in lingering:
+                return  # the rest of a body nobody reads: dropped unparsed, until the client closes or LINGER_S
             self.ended, self.parsing = False, len(data)
             super().data_received(data)
             if self.transport.is_closing():
@@ -269,21 +271,16 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
         def on_message_complete(self) -> None:
             self.ended = True
             super().on_message_complete()
-            if self in lingering:
-                self.transport.close()
 
         def linger(self, cycle) -> None:
-            """Close now if the request's body is all in, else once it is (or after LINGER_S): see `Lingering`."""
-            if not cycle.more_body or self.transport.is_closing():
+            """Close now if the request's body is all in, else when the client closes (once it has sent its body and
+            read the answer) or after LINGER_S: see `Lingering`."""
+            if not cycle.more_body or self.transport.is_closing() or len(lingering) >= LINGER_MAX:
                 return self.transport.close()
-            if len(lingering) >= LINGER_MAX:
-                oldest = next(iter(lingering))
-                del lingering[oldest]
-                oldest.transport.close()
-            lingering[self] = None
+            lingering.add(self)
             if self.transport.can_write_eof():
                 self.transport.write_eof()  # the answer is whole: the client may read it to the end now
-            self.flow.resume_reading()  # the rest of the body is parsed and dropped (the answer is complete)
+            self.flow.resume_reading()
             self.loop.call_later(LINGER_S, self.transport.close)
             waiting[self] = None  # and the connection is idle: the first to go at the bound
 
@@ -296,7 +293,7 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
 
         def connection_lost(self, exc) -> None:
             self.disarm()
-            lingering.pop(self, None)
+            lingering.discard(self)
             super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol
