@@ -71,10 +71,11 @@ class ServeOptions:
 
     def requests_bytes(self, ctx: int, prompt_bytes: int) -> int:
         """The worst case of what admitted requests hold: each admitted request (and one whose client left
-        while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; the prepare
-        thread parses one body and renders and tokenizes one prompt at a time (counted as if both at once), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`);
-        the running request's images are also files in memory (`image_files`), less than its body; and
-        every connection's kernel socket buffers, bounded (`door.socket_bytes`)."""
+        while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; the
+        prepare thread parses one body or renders and tokenizes one prompt at a time (counted as if both at
+        once), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`); the
+        running request's images are also files in memory (`image_files`), less than its body; and every
+        connection's kernel socket buffers, bounded (`door.socket_bytes`)."""
         lim = self.limits
         kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx)
         work = lim.parse_peak + PromptBound.render_peak(lim) + TOKENIZE_BYTES * prompt_bytes + lim.max_body
