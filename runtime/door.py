@@ -125,8 +125,13 @@ class Admission:
 # and never waits for an answer, or asks and never reads. 16 KiB each way still moves a 4 MiB body over
 # loopback in ~10 ms.
 SOCKET_BUFFER = 16 << 10
-# the kernel's queue of connections not yet accepted; the event loop (libuv) accepts all of it at once
-LISTEN_BACKLOG = 512
+# The kernel's queue of connections not yet accepted (net.core.somaxconn caps it): deep enough that a burst of
+# 2,000 connections drops no handshake (a dropped one costs its client, a /health probe say, a 1 s retransmit).
+LISTEN_BACKLOG = 4096
+# Files kept free for one burst of accepts (the event loop accepts what is queued at once), before the guarded
+# protocol closes idle connections to stay within its bound; past the file limit libuv closes what it cannot
+# accept.
+ACCEPT_BURST = 512
 
 
 def bound_socket_buffers(sock: socket.socket) -> int:
@@ -140,9 +145,9 @@ def bound_socket_buffers(sock: socket.socket) -> int:
 
 def socket_bytes(max_connections: int) -> int:
     """The kernel socket buffers the server's connections hold at most: those it keeps (`guarded_protocol`'s
-    bound) and one accept burst of the whole listen queue, each with both buffers full (2 x 2 x SOCKET_BUFFER:
-    the kernel doubles the size set)."""
-    return (max_connections + LISTEN_BACKLOG) * 4 * SOCKET_BUFFER
+    bound), both buffers full, and a full listen queue, each having received what its receive buffer holds
+    (nothing is sent to a connection before it is accepted); the kernel doubles the size set."""
+    return (max_connections * 4 + LISTEN_BACKLOG * 2) * SOCKET_BUFFER
 
 
 def raise_file_limit() -> int:

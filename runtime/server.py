@@ -37,6 +37,7 @@ from ..formats.errors import StreamoeError
 from . import anthropic_api, responses_api
 from .chat_output import collect
 from .door import (
+    ACCEPT_BURST,
     LISTEN_BACKLOG,
     Admission,
     Door,
@@ -474,14 +475,14 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     print(server.worker.eng.plan.render(), file=sys.stderr)
     if (notice := exposure(host)) is not None:
         print(notice, file=sys.stderr)
-    # the event loop accepts the whole listen queue at once, before the guarded protocol evicts any idle one:
-    # the connection bound leaves room for one such burst within the file limit (`door.connection_limit`);
+    # the event loop accepts what is queued at once, before the guarded protocol evicts any idle one: the
+    # connection bound leaves room for such a burst within the file limit (`door.connection_limit`);
     # uvicorn's own concurrency limit (503 to a request beyond it) stays above what the guarded protocol holds,
     # evicted connections included until they are gone: only runaway tasks meet it
-    conns = connection_limit(so.max_connections, reserve=64 + LISTEN_BACKLOG)
+    conns = connection_limit(so.max_connections, reserve=64 + ACCEPT_BURST)
     config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s), loop="uvloop",
-                            limit_concurrency=conns + LISTEN_BACKLOG + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
+                            limit_concurrency=conns + ACCEPT_BURST + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
                             backlog=LISTEN_BACKLOG)
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="streamoe-http", daemon=True)

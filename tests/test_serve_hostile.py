@@ -499,21 +499,21 @@ def test_accepted_sockets_inherit_the_bounded_buffers():
 
 
 def test_the_requests_account_holds_every_connections_socket_buffers(conv):
-    from streamoe.runtime.door import LISTEN_BACKLOG, SOCKET_BUFFER
+    from streamoe.runtime.door import LISTEN_BACKLOG, SOCKET_BUFFER, socket_bytes
     from streamoe.runtime.worker import ServeOptions, requests_bytes
 
     few, many = (requests_bytes(ServeOptions("t", max_connections=n), conv, CTX) for n in (16, 512))
-    assert many - few == (512 - 16) * 4 * SOCKET_BUFFER
+    assert many - few == (512 - 16) * 4 * SOCKET_BUFFER  # both buffers, doubled by the kernel
     assert few - requests_bytes(ServeOptions("t", max_connections=0), conv, CTX) == 16 * 4 * SOCKET_BUFFER
-    assert requests_bytes(ServeOptions("t", max_connections=0), conv, CTX) > LISTEN_BACKLOG * 4 * SOCKET_BUFFER
+    assert socket_bytes(0) == LISTEN_BACKLOG * 2 * SOCKET_BUFFER  # the queue's: what each has received
 
 
 def test_the_servers_connections_have_the_bounded_buffers(server):
     """What the kernel holds for the server's end of a connection (ss -tm: rb, tb) is the bounded size, also
-    for a client sending far more than it reads."""
+    for a client sending far more than it reads; the listen queue is the planned one."""
     import shutil
 
-    from streamoe.runtime.door import SOCKET_BUFFER
+    from streamoe.runtime.door import LISTEN_BACKLOG, SOCKET_BUFFER
 
     if shutil.which("ss") is None:
         pytest.skip("needs ss (iproute2)")
@@ -524,3 +524,7 @@ def test_the_servers_connections_have_the_bounded_buffers(server):
     s.close()
     mem = [dict(re.findall(r"(rb|tb)(\d+)", ln)) for ln in out.split("skmem:")[1:]]
     assert mem and all(m == {"rb": str(2 * SOCKET_BUFFER), "tb": str(2 * SOCKET_BUFFER)} for m in mem), out
+    # the listen queue (ss: its Send-Q) as deep as asked, within the kernel's cap
+    listening = subprocess.run(["ss", "-ltnH", f"( sport = :{server.port} )"], capture_output=True, text=True,
+                               check=True).stdout.split()
+    assert int(listening[2]) == min(LISTEN_BACKLOG, int(Path("/proc/sys/net/core/somaxconn").read_text())), listening
