@@ -181,7 +181,7 @@ def inflating(port: int, n: int = 12) -> dict:
 
     def one(i: int) -> None:
         r = send_head(port, len(kept if i % 2 else flat), kept if i % 2 else flat)
-        if r is None:  # refused (503) and closed before the client had sent its body: the send was reset
+        if r is None:  # refused (503) while more bodies lingered than the server reads for: the send was reset
             statuses["reset"] = statuses.get("reset", 0) + 1
             return
         r.settimeout(120)
