@@ -32,7 +32,7 @@ from .chat_output import ChatOutput
 from .chat_template import TemplateFailure
 from .constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
 from .door import SOCKET_BUFFER, socket_bytes
-from .engine import Engine, Options, plan_for
+from .engine import Engine, Options
 from .image import num_image_tokens
 from .image_prompt import image_config, prefill_images
 from .logprobs import TokenText
@@ -508,27 +508,15 @@ def image_files(images: list[bytes]):
 
 
 def open_engine(root: Path, opts: Options, so: ServeOptions) -> Engine:
-    """The engine with two more accounts in its plan: the prompt cache and the requests in flight. The hot
-    tier is sized by the engine from what its plan leaves, so they are given to it inside the runtime
-    allowance and then shown as accounts of their own."""
-    runtime = opts.runtime_bytes
-    note = None
-    if runtime is None:
-        measured = plan_for(root, opts)
-        runtime, note = measured.accounts["runtime"], measured.notes.get("runtime")
-    extra = {"prompt cache": so.prompt_cache_bytes, "requests": requests_bytes(so, root, opts.ctx)}
-    eng = Engine(root, dataclasses.replace(opts, runtime_bytes=runtime + sum(extra.values())))
-    acc = {k: v for k, v in eng.plan.accounts.items() if k != "runtime"}
-    eng.plan.accounts = {**acc, **extra, "runtime": runtime}
-    if note:
-        eng.plan.notes["runtime"] = note
-    eng.plan.notes["prompt cache"] = "snapshots of conversation state for repeated prompts, LRU"
-    eng.plan.notes["requests"] = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its "
-                                  f"client, each keeping at most {so.limits.max_kept / MiB:g} MiB; one body parsed "
-                                  f"and one prompt tokenized at a time; {socket_bytes(so.max_connections) / MiB:g} MiB "
-                                  f"of kernel socket buffers ({SOCKET_BUFFER >> 10} KiB each way a connection, "
-                                  "doubled by the kernel)")
-    return eng
+    """The engine with two more accounts in its plan, fixed before its hot tier is sized: the prompt cache and
+    the requests in flight."""
+    requests = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its client, each keeping at "
+                f"most {so.limits.max_kept / MiB:g} MiB; one body parsed and one prompt tokenized at a time; "
+                f"{socket_bytes(so.max_connections) / MiB:g} MiB of kernel socket buffers ({SOCKET_BUFFER >> 10} KiB "
+                "each way a connection, doubled by the kernel)")
+    extra = (("prompt cache", so.prompt_cache_bytes, "snapshots of conversation state for repeated prompts, LRU"),
+             ("requests", requests_bytes(so, root, opts.ctx), requests))
+    return Engine(root, dataclasses.replace(opts, extra_accounts=opts.extra_accounts + extra))
 
 
 class Server:
