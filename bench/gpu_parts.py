@@ -177,7 +177,7 @@ class WholePool:
     def __call__(self, i, x, inds):
         shape, k = x.shape, inds.shape[-1]
         y = kernels.switch_glu(x.reshape(-1, shape[-1]), self.ex.pools.weights(), inds.reshape(-1, k) + self.base[i],
-                                 self.ex.lay.bits, self.ex.lay.group_size)
+                               self.ex.kernel)
         return y.reshape(*shape[:-1], k, shape[-1])
 
 

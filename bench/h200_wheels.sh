@@ -11,7 +11,7 @@ dl=$(mktemp -d) && trap 'rm -rf "$dl"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dl" \
   mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 zstandard jsonschema referencing jsonschema-specifications \
-  rpds-py attrs xxhash llguidance
+  rpds-py attrs xxhash llguidance uvloop httptools
 rm -rf .whl1 .whl2 .whl3 && mkdir -p .whl1 .whl2 .whl3
 cp "$dl"/mlx-0.32.4-*.whl .whl1/
 cuda=$(basename "$dl"/mlx_cuda_13-*.whl)  # split as NAME.part.aa/ab/ac: `install` joins them back into NAME

@@ -5,6 +5,13 @@ log, and whether a greedy answer after the attack equals the one the fresh serve
 servers run without a prompt cache, so the memory an attack adds above the start is the requests'
 (and, in `inflating`, that of the answers it runs).
 
+What /health measures: a probe every 50 ms, each on a new connection (connect, request, answer: what a
+monitor sees), from this process, which does nothing else while the attack runs. The attack's client side
+runs in a process of its own at nice 10: on this machine it then takes the CPU the server leaves, as an
+attacker on another machine would, instead of competing with the server for it (and the probe does not
+wait behind the attacker's threads for a GIL). The server runs at the default priority; whatever else the
+machine runs competes with it, so each class records the 1-minute load average at its end.
+
 Classes: `slow_bodies` (hundreds of connections each sending most of a 4 MiB body, then stalling),
 `inflating` (a long answer running while the queue fills with bodies that keep the most a request may:
 large stop strings four bytes a character, plus `[{},{},...]` bodies refused before parsing), `oversized`
@@ -152,10 +159,10 @@ def send_head(port: int, length: int, body: bytes = b"", path: str = "/v1/comple
         return None
 
 
-def slow_bodies(srv: Capped, n: int = 300) -> dict:
+def slow_bodies(port: int, n: int = 300) -> dict:
     body = b'{"prompt": "' + b"a" * (4 * 2**20 - 64)
     with ThreadPoolExecutor(32) as pool:
-        socks = list(pool.map(lambda _: send_head(srv.port, 4 * 2**20, body), range(n)))
+        socks = list(pool.map(lambda _: send_head(port, 4 * 2**20, body), range(n)))
     time.sleep(6)  # past the body deadline (--body-timeout 5): the admitted ones end in 408
     for s in socks:
         if s is not None:
@@ -163,9 +170,9 @@ def slow_bodies(srv: Capped, n: int = 300) -> dict:
     return {"connections": n}
 
 
-def inflating(srv: Capped, n: int = 12) -> dict:
+def inflating(port: int, n: int = 12) -> dict:
     long = json.dumps({"prompt": CODE, "max_tokens": 1500, "temperature": 0, "stream": True}).encode()
-    running = send_head(srv.port, len(long), long)
+    running = send_head(port, len(long), long)
     time.sleep(1)
     stop = "\U0001F600" + "a" * 380_000  # four bytes a character: 1.5 MiB a string in memory
     kept = json.dumps({"prompt": "hi", "max_tokens": 1, "stop": [stop] * 4}, ensure_ascii=False).encode()
@@ -173,8 +180,9 @@ def inflating(srv: Capped, n: int = 12) -> dict:
     statuses: dict = {}
 
     def one(i: int) -> None:
-        r = send_head(srv.port, len(kept if i % 2 else flat), kept if i % 2 else flat)
-        if r is None:
+        r = send_head(port, len(kept if i % 2 else flat), kept if i % 2 else flat)
+        if r is None:  # refused (503) while more bodies lingered than the server reads for: the send was reset
+            statuses["reset"] = statuses.get("reset", 0) + 1
             return
         r.settimeout(120)
         try:
@@ -193,12 +201,12 @@ def inflating(srv: Capped, n: int = 12) -> dict:
     return {"bodies": n, "statuses": statuses}
 
 
-def oversized(srv: Capped, n: int = 16) -> dict:
+def oversized(port: int, n: int = 16) -> dict:
     big = json.dumps({"messages": [{"role": "user", "content": "def " * 1_000_000}]}).encode()
     statuses: dict = {}
 
     def one(_):
-        s = send_head(srv.port, len(big), big, "/v1/chat/completions")
+        s = send_head(port, len(big), big, "/v1/chat/completions")
         s.settimeout(60)
         code = s.recv(64).split(b" ")[1].decode()
         statuses[code] = statuses.get(code, 0) + 1
@@ -210,17 +218,29 @@ def oversized(srv: Capped, n: int = 16) -> dict:
     return {"requests": n, "statuses": statuses, "s": round(time.perf_counter() - t0, 2)}
 
 
-def idle_sockets(srv: Capped, n: int = 2000) -> dict:
+def idle_sockets(port: int, n: int = 2000) -> dict:
     socks = []
     for _ in range(n):
         s = socket.socket()
         s.setblocking(False)
-        s.connect_ex(("127.0.0.1", srv.port))
+        s.connect_ex(("127.0.0.1", port))
         socks.append(s)
     time.sleep(4)
     for s in socks:
         s.close()
     return {"sockets": n, "file_limit": 1024}
+
+
+ATTACK_NICE = 10
+
+
+def attack(name: str, port: int) -> dict:
+    """One class's client side, in a process of its own at nice ATTACK_NICE; what it reports."""
+    out = subprocess.run([sys.executable, "-m", "bench.hostile", "--attack", name, "--port", str(port)], cwd=ROOT,
+                         preexec_fn=lambda: os.nice(ATTACK_NICE), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"the {name} attack failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout)
 
 
 def run(a: argparse.Namespace, scratch: Path) -> None:
@@ -240,8 +260,9 @@ def run(a: argparse.Namespace, scratch: Path) -> None:
             before = srv.answer()
             rss0 = status_kib(srv.proc.pid, "VmRSS") * 1024
             watch = Watch(srv.url)
-            detail = globals()[name](srv)
+            detail = attack(name, srv.port)
             health = watch.done()
+            load = os.getloadavg()[0]
             after = srv.answer()
         finally:
             used = srv.close()
@@ -251,7 +272,7 @@ def run(a: argparse.Namespace, scratch: Path) -> None:
                         "requests_account_mib": round(acc["requests"] / 2**20, 1),
                         "rss_before_mib": round(rss0 / 2**20, 1), **used,
                         "peak_over_start_mib": round(used["peak_rss_mib"] - rss0 / 2**20, 1),
-                        "health": health, "greedy_same": before == after})
+                        "health": health, "greedy_same": before == after, "load_avg_1m": round(load, 2)})
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     write_result(a.name, "hostile", [{"model": str(a.model or "models/tiny"), "ctx": a.ctx,
                                       "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -267,7 +288,12 @@ def main() -> None:
     ap.add_argument("--scratch", type=Path, default=None,
                     help="work directory, kept (default: a fresh temporary directory, removed at the end)")
     ap.add_argument("--name", default="hostile")
+    ap.add_argument("--attack", choices=CLASSES, help=argparse.SUPPRESS)  # one class's client side (see `attack`)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.attack:
+        print(json.dumps(globals()[a.attack](a.port)))
+        return
     with scratch_dir(a.scratch) as scratch:
         run(a, scratch)
 

@@ -30,12 +30,12 @@ from tqdm import tqdm
 
 from ..formats import quant
 from ..formats.blobs import BlobTensor, plan_blob
-from ..formats.config import quant_for
+from ..formats.config import is_expert_tensor, quant_for
 from ..formats.direct import RangeReader, UncachedWriter, aligned_buffer
 from ..formats.errors import StreamoeError, fail
 from ..formats.files import check_writable_dir, exclusive_lock, kind, os_fail
-from ..formats.layout import layer_file
-from ..formats.manifest import MANIFEST, segments_json, write_manifest
+from ..formats.layout import FORMATS, derived_formats, format_layout, layer_file
+from ..formats.manifest import MANIFEST, format_json, write_manifest
 from ..formats.record import PARTS, PROJS, RecordLayout
 from .source import Checkpoint, open_checkpoint
 
@@ -46,9 +46,9 @@ COPY_SUFFIXES = (".json", ".jinja", ".txt", ".model")
 NOT_COPIED = {"model.safetensors.index.json"}
 
 
-def classify(name: str, expert_prefix: str) -> str:
+def classify(name: str, expert_prefix: str, model_type: str = "qwen3_5_moe") -> str:
     """Where a source tensor goes: expert, nonexpert, vision, or skip (mtp.* and anything unknown)."""
-    if name.startswith(expert_prefix) and ".mlp.switch_mlp." in name:
+    if name.startswith(expert_prefix) and is_expert_tensor(name, model_type):
         return "expert"
     if name.startswith("vision_tower."):
         return "vision"
@@ -123,24 +123,36 @@ def write_blob(readers: Readers, ckpt: Checkpoint, path: Path, table: list[BlobT
     return w.close()
 
 
+def record_arrays(lay: RecordLayout, source: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One projection's arrays of a `lay` record (one row per expert) from the source's (`source`: part -> its
+    bytes, a uint8 row per expert): as stored for q4 and mxfp4; for q3 the exact shift of the 4-bit codes, scales and
+    biases, an expert's own bias as it is."""
+    if lay.bits != 3:
+        return {part: source[part] for part in lay.parts}
+    out = dict(source)
+    out["weight"] = quant.shift_words_4_to_3(source["weight"].view(np.uint32))
+    out["scales"], out["biases"] = quant.shift_scales_bf16(source["scales"].view(np.uint16), source["biases"].view(np.uint16))
+    return out
+
+
 def write_layer(
     readers: Readers,
     ckpt: Checkpoint,
     tensors: dict,
     lay4: RecordLayout,
-    lay3: RecordLayout,
+    lays: dict[str, RecordLayout],
     outs: dict[str, Path],
     n_experts: int,
     bar: tqdm,
 ) -> dict[str, dict]:
-    """Both formats of one layer's expert file from one pass over its nine stacked source tensors.
+    """Every asked format of one layer's expert file from one pass over its stacked source tensors (`lay4`: their
+    record as stored; `lays`: each format's).
 
     Three stages overlap (read the next chunk / assemble records / hash and write the previous chunk); the
     reads, the hashing and the (O_DIRECT) writes release the GIL, so two cores keep the disk busy.
     """
     per_chunk = max(1, CHUNK_BYTES // lay4.stride)
     writers = {fmt: UncachedWriter(p, direct=True) for fmt, p in outs.items()}
-    lays = {"q4": lay4, "q3": lay3}
 
     # one reader per source range, so the nine reads of a chunk can be in flight together
     range_readers = {k: RangeReader(t.file, per_chunk * lay4.segment(*k).nbytes) for k, t in tensors.items()}
@@ -164,17 +176,12 @@ def write_layer(
     def assemble(i: int, parts: dict) -> dict[str, np.ndarray]:
         n = next(iter(parts.values())).shape[0]
         recs = {fmt: b[:n] for fmt, b in rec_bufs[i % 2].items()}
-        for proj in PROJS:
-            if "q4" in recs:
-                for part in PARTS:
-                    seg = lay4.segment(proj, part)
-                    recs["q4"][:, seg.offset : seg.offset + seg.nbytes] = parts[(proj, part)]
-            if "q3" in recs:
-                w3 = quant.shift_words_4_to_3(parts[(proj, "weight")].view(np.uint32))
-                s3, b3 = quant.shift_scales_bf16(parts[(proj, "scales")].view(np.uint16), parts[(proj, "biases")].view(np.uint16))
-                for part, arr in (("weight", w3), ("scales", s3), ("biases", b3)):
-                    seg = lay3.segment(proj, part)
-                    recs["q3"][:, seg.offset : seg.offset + seg.nbytes] = arr.view(np.uint8).reshape(n, -1)
+        for fmt, rec in recs.items():
+            lay = lays[fmt]
+            for proj in PROJS:
+                for part, arr in record_arrays(lay, {part: parts[(proj, part)] for part in lay4.parts}).items():
+                    seg = lay.segment(proj, part)
+                    rec[:, seg.offset : seg.offset + seg.nbytes] = arr.view(np.uint8).reshape(n, -1)
         return recs
 
     def write(recs: dict[str, np.ndarray], nbytes: int) -> None:
@@ -331,16 +338,17 @@ def convert(
 ) -> Path:
     """Convert; see the module docstring. Holds a lock on OUT throughout, so a second convert into the same
     OUT fails at once instead of sharing the partial directory."""
-    formats = formats or ["q4"]
-    bad = [f for f in formats if f not in ("q4", "q3")]
-    if bad or not formats:
-        raise fail(out, f"unknown expert format(s) {bad}: choose from q4, q3")
+    bad = [f for f in formats or () if f not in FORMATS]
+    if bad:
+        raise fail(out, f"unknown expert format(s) {bad}: choose from {', '.join(FORMATS)}")
     out = Path(out)
     check_not_source(ckpt_path, out)
     unfinished = os.path.lexists(out / JOURNAL)  # a run killed after publishing: finished below, under the lock
     if not unfinished:
         check_out(ckpt_path, out, force)
     ckpt = open_checkpoint(ckpt_path)
+    if not formats:  # the format the checkpoint holds
+        formats = [ckpt.args.expert_format]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -373,25 +381,27 @@ def convert(
 
 def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: bool) -> None:
     lay4 = ckpt.layer_layout()
-    try:
-        lay3 = RecordLayout.make(lay4.hidden, lay4.intermediate, 3, lay4.group_size, lay4.scale_dtype)
-    except StreamoeError as e:
-        if "q3" in formats:
-            raise fail(ckpt.root / "config.json", f"the expert dims cannot hold 3-bit records ({e})") from None
-        lay3 = lay4  # never written: q3 was not asked for
+    lays: dict[str, RecordLayout] = {}
+    for f in formats:
+        if f not in derived_formats(lay4):
+            raise fail(ckpt.root / "config.json", f"expert format {f} cannot be made from this checkpoint's "
+                                                  f"{lay4.mode} experts (it can write {', '.join(derived_formats(lay4))})")
+        try:
+            lays[f] = format_layout(f, lay4)
+        except StreamoeError as e:
+            raise fail(ckpt.root / "config.json", f"the expert dims cannot hold {f} records ({e})") from None
     prefix, layers = ckpt.expert_keys()
-    tc = ckpt.text
-    n_exp, n_layers = tc["num_experts"], tc["num_hidden_layers"]
+    a = ckpt.args
+    n_exp, n_layers = a.num_experts, a.num_hidden_layers
     tmp = out.parent / f".{out.name}.partial"
 
     groups: dict[str, list[str]] = {"nonexpert": [], "vision": [], "skip": []}
     for name in sorted(ckpt.tensors):
-        kind = classify(name, prefix)
+        kind = classify(name, prefix, a.model_type)
         if kind != "expert":
             groups[kind].append(name)
     blob_plans = {k: plan_blob(blob_entries(ckpt, groups[k])) for k in ("nonexpert", "vision") if groups[k]}
     sizes = {k: size for k, (_, size) in blob_plans.items()}
-    lays = {"q4": lay4, "q3": lay3}
     need = sum(sizes.values()) + sum(n_layers * n_exp * lays[f].stride for f in formats)
     fp = fingerprint(ckpt, formats)
     done = load_journal(tmp, fp)
@@ -404,7 +414,7 @@ def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: b
     work = sum(
         t.nbytes
         for t in ckpt.tensors.values()
-        if classify(t.name, prefix) in ("expert", "nonexpert", "vision")
+        if classify(t.name, prefix, a.model_type) in ("expert", "nonexpert", "vision")
     )
     readers = Readers()
     bar = tqdm(
@@ -430,7 +440,7 @@ def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: b
             rels = {f: layer_file(f, li) for f in formats}
             todo = {f: tmp / r for f, r in rels.items() if r not in done}
             if todo:
-                recs = write_layer(readers, ckpt, layers[li], lay4, lay3, todo, n_exp, bar)
+                recs = write_layer(readers, ckpt, layers[li], lay4, lays, todo, n_exp, bar)
                 done.update({rels[f]: rec for f, rec in recs.items()})
                 save_journal(tmp, fp, done)
             else:
@@ -449,13 +459,8 @@ def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: b
     for f in formats:
         lay = lays[f]
         experts[f] = {
-            "bits": lay.bits,
-            "group_size": lay.group_size,
-            "scale_dtype": lay.scale_dtype,
-            "raw_size": lay.raw_size,
-            "stride": lay.stride,
-            "derivation": "source" if f == "q4" else "shift",
-            "segments": segments_json(lay),
+            **format_json(lay),
+            "derivation": "shift" if f == "q3" else "source",
             "files": [
                 {
                     "path": layer_file(f, li),
@@ -477,7 +482,7 @@ def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: b
         "model": {
             "num_layers": n_layers,
             "num_experts": n_exp,
-            "top_k": tc["num_experts_per_tok"],
+            "top_k": a.num_experts_per_tok,
             "hidden_size": lay4.hidden,
             "moe_intermediate_size": lay4.intermediate,
             "expert_prefix": prefix,

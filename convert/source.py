@@ -12,15 +12,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..formats import files as fsio
-from ..formats.config import FAMILIES, quant_for, text_config
+from ..formats.config import EXPERTS_MODULE, FAMILIES, ModelArgs, expert_keys, text_config
 from ..formats.errors import StreamoeError, fail
 from ..formats.limits import MAX_FILE_BYTES, MAX_TENSORS, check_config_sizes, check_int
-from ..formats.record import PARTS, PROJS, RecordLayout
+from ..formats.record import MXFP4_SCALE, PROJS, RecordLayout
 from ..formats.safetensors import Header, TensorInfo, read_header
 
 SUPPORTED_MODEL_TYPES = set(FAMILIES)
-EXPERT_RE = re.compile(r"^(?P<prefix>(?:language_model\.)?model\.layers\.)(?P<layer>\d+)\.mlp\.switch_mlp\."
-                       r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|scales|biases)$")
+
+
+def expert_re(model_type: str) -> re.Pattern:
+    """A routed-expert tensor's name in a `model_type` export: (prefix, layer, proj, part)."""
+    module = re.escape(EXPERTS_MODULE[model_type])
+    return re.compile(rf"^(?P<prefix>(?:language_model\.)?model\.layers\.)(?P<layer>\d+)\.{module}\."
+                      r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|scales|biases|bias)$")
 
 
 def read_json(path: Path) -> dict:
@@ -44,44 +49,69 @@ class Checkpoint:
     def quant(self) -> dict:
         return self.config["quantization"]
 
+    @property
+    def args(self) -> ModelArgs:
+        return ModelArgs.from_config(self.config, self.root / "config.json")
+
     def expert_keys(self) -> tuple[str, dict[int, dict[tuple[str, str], TensorInfo]]]:
-        """The expert prefix and, per layer, the nine stacked expert tensors."""
+        """The expert prefix and, per layer, the stacked expert tensors (nine for 4-bit affine experts)."""
         layers: dict[int, dict[tuple[str, str], TensorInfo]] = {}
         prefixes = set()
+        pattern = expert_re(self.args.model_type)
         for name, t in self.tensors.items():
-            m = EXPERT_RE.match(name)
+            m = pattern.match(name)
             if m:
                 prefixes.add(m["prefix"])
                 layers.setdefault(int(m["layer"]), {})[(m["proj"], m["part"])] = t
         if len(prefixes) != 1:
-            raise fail(self.root / "model.safetensors.index.json", "no routed-expert tensors (switch_mlp) found" if not prefixes
+            raise fail(self.root / "model.safetensors.index.json",
+                       f"no routed-expert tensors ({EXPERTS_MODULE[self.args.model_type]}) found" if not prefixes
                        else f"expert tensors under several prefixes {sorted(prefixes)}")
         return prefixes.pop(), layers
 
     def layer_layout(self) -> RecordLayout:
-        """The 4-bit record layout the config implies; every expert tensor is checked against it."""
-        tc = self.text
-        hidden, inter, n_exp = tc["hidden_size"], tc["moe_intermediate_size"], tc["num_experts"]
+        """The record layout of the source's experts as the config implies it (4-bit affine, or MXFP4; with the
+        experts' biases where the family has them); every expert tensor is checked against it."""
+        a = self.args
+        hidden, inter, n_exp = a.hidden_size, a.moe_intermediate_size, a.num_experts
         prefix, layers = self.expert_keys()
-        bits_group = quant_for(self.quant, f"{prefix}0.mlp.switch_mlp.gate_proj")
-        if bits_group is None or bits_group[0] != 4:
-            raise fail(self.root / "config.json", f"unsupported expert quantization {bits_group}: streamoe needs 4-bit source experts")
-        sample = layers[min(layers)].get(("gate_proj", "scales"))
-        if sample is None:
-            raise fail(self.root / "model.safetensors.index.json", f"tensor {prefix}{min(layers)}.mlp.switch_mlp.gate_proj.scales is missing")
+        module = EXPERTS_MODULE[a.model_type]
         try:
-            lay = RecordLayout.make(hidden, inter, 4, bits_group[1], sample.dtype)
-        except (ValueError, StreamoeError) as e:
+            bits, group = a.expert_quant(0)
+        except StreamoeError as e:
+            raise fail(self.root / "config.json", f"unsupported expert quantization: {e}") from None
+        mode = a.expert_mode(0)
+        if bits != 4:
+            raise fail(self.root / "config.json", f"unsupported expert quantization ({bits}-bit): streamoe needs 4-bit source experts")
+        first = min(layers)
+
+        def sample(part: str) -> TensorInfo:
+            t = layers[first].get(("gate_proj", part))
+            if t is None:
+                raise fail(self.root / "model.safetensors.index.json", f"tensor {prefix}{first}.{module}.gate_proj.{part} is missing")
+            return t
+
+        scale_dtype = sample("scales").dtype
+        if mode == "mxfp4" and scale_dtype != MXFP4_SCALE:
+            raise fail(sample("scales").file, f"tensor {sample('scales').name} is {scale_dtype}; MXFP4 scales are {MXFP4_SCALE}")
+        bias_dtype = sample("bias").dtype if a.expert_bias else None
+        try:
+            lay = RecordLayout.make(hidden, inter, bits, group, scale_dtype, mode, bias_dtype)
+        except (ValueError, KeyError, StreamoeError) as e:
             raise fail(self.root / "config.json", f"expert dims do not pack: {e}") from None
-        n_layers = tc["num_hidden_layers"]
+        n_layers = a.num_hidden_layers
         if sorted(layers) != list(range(n_layers)):
             raise fail(self.root / "model.safetensors.index.json",
                        f"expert tensors for layers {sorted(layers)[:3]}... but config has {n_layers} layers")
         for li, ts in layers.items():
+            extra = sorted(set(ts) - {(s.proj, s.part) for s in lay.segments})
+            if extra:
+                raise fail(ts[extra[0]].file, f"tensor {prefix}{li}.{module}.{'.'.join(extra[0])} is not part of a "
+                                              f"{mode} expert record of {a.model_type}")
             for proj in PROJS:
-                for part in PARTS:
+                for part in lay.parts:
                     t = ts.get((proj, part))
-                    name = f"{prefix}{li}.mlp.switch_mlp.{proj}.{part}"
+                    name = f"{prefix}{li}.{module}.{proj}.{part}"
                     if t is None:
                         raise fail(self.root / "model.safetensors.index.json", f"tensor {name} is missing")
                     seg = lay.segment(proj, part)
@@ -130,12 +160,11 @@ def open_checkpoint(root: str | Path) -> Checkpoint:
     q = config.get("quantization")
     if not isinstance(q, dict) or "bits" not in q or "group_size" not in q:
         raise fail(root / "config.json", "no quantization block: streamoe converts quantized (4-bit) exports")
-    if q.get("mode", "affine") != "affine":
-        raise fail(root / "config.json", f"unsupported quantization mode {q.get('mode')!r} (only affine)")
     tc = text_config(config)
-    for key in ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+    for key in ("hidden_size", "num_hidden_layers", "num_experts_per_tok", *expert_keys(config)):
         if not isinstance(tc.get(key), int):
             raise fail(root / "config.json", f"text config lacks integer {key!r}")
+    ModelArgs.from_config(config, root / "config.json")  # every fact the conversion relies on, refused here if wrong
 
     index_path = root / "model.safetensors.index.json"
     if os.path.lexists(index_path):

@@ -28,6 +28,14 @@ its chat template in tokenizer_config.json. Variant `qwen3` is the export as mlx
 module 4-bit); `qwen3-gate8` is what today's mlx-lm converter writes (its `quant_predicate` keeps each
 `mlp.gate` at 8 bits). `--size full` is the real table: 1,351 tensors, 17,174,622,208 B, 4 shards.
 
+gpt-oss (`--family gpt_oss`) is mlx-lm's conversion of openai/gpt-oss-20b as mlx-community ships it: Hugging Face's
+config plus the `quantization` block mlx-lm writes for it (top level `mxfp4`, the MXFP4 experts kept; every other
+quantized module its own affine entry, the routers `{"group_size": 64, "bits": 8}` by the model's quant_predicate),
+tensors in mlx-lm's gpt_oss module order, the harmony tokenizer and a minimal harmony chat template. Variant
+`mxfp4-q8` is gpt-oss-20b-MXFP4-Q8 (the rest 8-bit), `mxfp4-q4` gpt-oss-20b-MXFP4-Q4 (the rest 4-bit, routers 8).
+Its MXFP4 experts are a real `mx.quantize(mode="mxfp4")` of bf16 normals at tiny/small; at full size random
+E2M1 codes with E8M0 scales 2^-8 .. 2^-6 (dequantized std ≈ 0.03, measured). `--size full` is the real table (`GPT_OSS_DIMS`).
+
 Writing streams: the tensor table fixes every header before any data exists, so each shard is written
 as header, then tensor after tensor; large tensors are generated in row chunks, so memory stays at
 one module (tiny, small) or one chunk (full). Output goes to a temporary sibling directory that is
@@ -51,15 +59,24 @@ from ..formats.config import text_config
 from ..formats.errors import StreamoeError, fail
 from ..formats.export import Spec, specs
 from ..formats.safetensors import build_header, tensor_nbytes
-from .synth_tokenizer import QWEN3_BASE, REAL_BASE, TRAINED_VOCAB, token_id, write_tokenizer_files
+from .synth_tokenizer import (
+    HARMONY_BASE,
+    QWEN3_BASE,
+    REAL_BASE,
+    TRAINED_VOCAB,
+    harmony_id,
+    token_id,
+    write_tokenizer_files,
+)
 
 GROUP_SIZE = 64
 DEFAULT_SHARD_BYTES = 5 << 30  # mlx-vlm / mlx-lm MAX_FILE_SIZE_GB = 5
 TRANSFORMERS_VERSION = "4.57.0.dev0"
 SIZES = ("tiny", "small", "small-vocab", "full")
-FAMILIES = ("qwen3_5_moe", "qwen3_moe")
 # per family, its variants (the first is the default)
-VARIANTS_OF = {"qwen3_5_moe": ("qwen3.6", "qwen3.5"), "qwen3_moe": ("qwen3", "qwen3-gate8")}
+VARIANTS_OF = {"qwen3_5_moe": ("qwen3.6", "qwen3.5"), "qwen3_moe": ("qwen3", "qwen3-gate8"),
+               "gpt_oss": ("mxfp4-q8", "mxfp4-q4")}
+FAMILIES = tuple(VARIANTS_OF)
 VARIANTS = VARIANTS_OF["qwen3_5_moe"]
 QWEN3_TRANSFORMERS_VERSION = "4.51.0"
 CHUNK_ELEMS = 1 << 22  # elements generated at a time on the streaming path
@@ -144,6 +161,37 @@ QWEN3_DIMS: dict[str, Qwen3Dims] = {
 }
 
 
+@dataclass(frozen=True)
+class GptOssDims:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    inter: int  # each expert's width (the config's intermediate_size)
+    window: int  # sliding_window
+    vocab: int
+    token_base: int  # id of <|startoftext|> (= base BPE vocabulary size)
+
+
+GPT_OSS_DIMS: dict[str, GptOssDims] = {
+    # every affine input dim a multiple of 64, every MXFP4 one of 32: mlx-lm loads it; a window of 8, so prompts
+    # of a few dozen tokens reach past it
+    "tiny": GptOssDims(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=64, experts=8, top_k=2, inter=64, window=8,
+                       vocab=576, token_base=TRAINED_VOCAB),
+    "small": GptOssDims(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, experts=32, top_k=4, inter=256,
+                        window=32, vocab=576, token_base=TRAINED_VOCAB),
+    "small-vocab": GptOssDims(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, experts=32, top_k=4, inter=256,
+                              window=32, vocab=201088, token_base=TRAINED_VOCAB),
+    # the real gpt-oss-20b (its config.json)
+    "full": GptOssDims(hidden=2880, layers=24, heads=64, kv_heads=8, head_dim=64, experts=32, top_k=4, inter=2880,
+                       window=128, vocab=201088, token_base=HARMONY_BASE),
+}
+GPT_OSS_TRANSFORMERS_VERSION = "4.55.0.dev0"
+
+
 # --------------------------------------------------------------------------------------------- config
 
 
@@ -161,6 +209,8 @@ def make_config(size: str, variant: str | None = None, text_only: bool = False, 
         raise StreamoeError(f"unknown variant {variant!r} for {family} (expected one of {', '.join(VARIANTS_OF[family])})")
     if family == "qwen3_moe":
         return qwen3_moe_config(size, variant)
+    if family == "gpt_oss":
+        return gpt_oss_config(size, variant)
     if size not in DIMS:
         raise StreamoeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
     if variant not in VARIANTS:
@@ -309,9 +359,64 @@ def qwen3_moe_config(size: str, variant: str = "qwen3") -> dict:
     return dict(sorted(config.items()))
 
 
+def gpt_oss_config(size: str, variant: str = "mxfp4-q8") -> dict:
+    """openai/gpt-oss-20b's config.json as mlx-lm saves its MXFP4 conversion: Hugging Face's config (its own
+    `quantization_config` replaced), the `quantization` block and its copy, keys sorted."""
+    if size not in GPT_OSS_DIMS:
+        raise StreamoeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
+    d = GPT_OSS_DIMS[size]
+    bits = 8 if variant == "mxfp4-q8" else 4
+    affine = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
+    quant: dict[str, object] = {"group_size": 32, "bits": 4, "mode": "mxfp4", "model.embed_tokens": dict(affine)}
+    for i in range(d.layers):
+        for mod in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            quant[f"model.layers.{i}.self_attn.{mod}"] = dict(affine)
+        quant[f"model.layers.{i}.mlp.router"] = {"group_size": GROUP_SIZE, "bits": 8}  # gpt_oss's quant_predicate
+    quant["lm_head"] = dict(affine)
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        # mlx-lm's load_config copies generation_config's eos_token_id to the top level
+        "eos_token_id": [harmony_id(t, d.token_base) for t in ("<|return|>", "<|endoftext|>", "<|call|>")],
+        "experts_per_token": d.top_k,
+        "head_dim": d.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": d.hidden,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": d.inter,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(d.layers)],
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": d.heads,
+        "num_experts_per_tok": d.top_k,
+        "num_hidden_layers": d.layers,
+        "num_key_value_heads": d.kv_heads,
+        "num_local_experts": d.experts,
+        "output_router_logits": False,
+        "pad_token_id": harmony_id("<|endoftext|>", d.token_base),
+        "quantization": quant,
+        "quantization_config": quant,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": d.window,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": GPT_OSS_TRANSFORMERS_VERSION,
+        "use_cache": True,
+        "vocab_size": d.vocab,
+    }
+    return dict(sorted(config.items()))
+
+
 def token_base(size: str, family: str = "qwen3_5_moe") -> int:
-    """The id of `<|endoftext|>` (the base BPE vocabulary's size) of a family's size."""
-    return (QWEN3_DIMS if family == "qwen3_moe" else DIMS)[size].token_base
+    """The id of the first added token (the base BPE vocabulary's size) of a family's size."""
+    return {"qwen3_moe": QWEN3_DIMS, "gpt_oss": GPT_OSS_DIMS}.get(family, DIMS)[size].token_base
 
 
 # --------------------------------------------------------------------------------------------- tensors
@@ -354,12 +459,13 @@ def layout(config: dict, shard_bytes: int | None = None) -> list[dict]:
 
 
 def total_parameters(spec_list: list[Spec]) -> int:
-    """mlx-lm's `get_total_parameters`: quantized weights count their unpacked elements, scales/biases none."""
+    """mlx-lm's `get_total_parameters`: quantized weights count their unpacked elements, scales/biases none; it sums
+    leaf modules only, so gpt-oss's attention sinks (a parameter of the attention block itself) are not counted."""
     n = 0
     for s in spec_list:
         if s.kind == "qweight":
             n += int(np.prod(s.float_shape, dtype=np.int64))
-        elif s.kind not in ("scales", "biases"):
+        elif s.kind not in ("scales", "biases", "sink"):
             n += int(np.prod(s.shape, dtype=np.int64))
     return n
 
@@ -384,6 +490,8 @@ def _float_values(kind: str, rng: np.random.Generator, n: int) -> np.ndarray:
         return 0.01 * rng.standard_normal(n, dtype=np.float32)
     if kind == "normal":
         return 0.02 * rng.standard_normal(n, dtype=np.float32)
+    if kind == "sink":  # attention sinks: logits of the size of a head's scores
+        return rng.standard_normal(n, dtype=np.float32)
     if kind == "a_log":
         return np.log(rng.uniform(1.0, 16.0, n)).astype(np.float32)
     if kind == "dt_bias":
@@ -428,11 +536,17 @@ def _fast_scales(spec: Spec, n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _fast_quant_bytes(spec: Spec, seed: int):
-    """Streaming path (full): random codes, then scales/biases that make the dequantized std ≈ 0.02."""
+    """Streaming path (full): random codes, then scales/biases that make the dequantized std ≈ 0.02 (MXFP4: E8M0
+    scales 2^-8 .. 2^-6 over uniform E2M1 codes, whose std is about 2.9: a dequantized std of about 0.03)."""
     if spec.kind == "qweight":
         rng = _rng(seed, spec.name)
         for n in _chunks(spec):
             yield rng.integers(0, 1 << 32, n, dtype=np.uint32).astype("<u4").tobytes()
+        return
+    if spec.mode == "mxfp4":
+        rng = _rng(seed, spec.name)
+        for n in _chunks(spec):
+            yield rng.integers(127 - 8, 127 - 5, n, dtype=np.uint8).tobytes()
         return
     # scales and biases replay the same scale stream, so bias = -scale * mid holds group by group
     srng = _rng(seed, f"{spec.module}.scales")
@@ -461,13 +575,18 @@ class _ExactQuantizer:
 
             rng = _rng(self.seed, spec.module)
             w = 0.02 * rng.standard_normal(spec.float_shape, dtype=np.float32)
-            wq, scales, biases = mx.quantize(mx.array(w).astype(mx.bfloat16), group_size=GROUP_SIZE, bits=spec.bits)
             self.module = spec.module
-            self.parts = {
-                "qweight": np.array(wq).astype("<u4").tobytes(),
-                "scales": np.array(scales.view(mx.uint16)).astype("<u2").tobytes(),
-                "biases": np.array(biases.view(mx.uint16)).astype("<u2").tobytes(),
-            }
+            if spec.mode == "mxfp4":
+                wq, scales = mx.quantize(mx.array(w).astype(mx.bfloat16), group_size=spec.group, bits=4, mode="mxfp4")
+                self.parts = {"qweight": np.array(wq).astype("<u4").tobytes(), "scales": np.array(scales).tobytes()}
+            else:
+                wq, scales, biases = mx.quantize(mx.array(w).astype(mx.bfloat16), group_size=spec.group or GROUP_SIZE,
+                                                 bits=spec.bits)
+                self.parts = {
+                    "qweight": np.array(wq).astype("<u4").tobytes(),
+                    "scales": np.array(scales.view(mx.uint16)).astype("<u2").tobytes(),
+                    "biases": np.array(biases.view(mx.uint16)).astype("<u2").tobytes(),
+                }
         data = self.parts.pop(spec.kind)
         assert len(data) == spec.nbytes, (spec.name, len(data), spec.nbytes)
         return data

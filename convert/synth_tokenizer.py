@@ -16,6 +16,15 @@ Qwen3-MoE (`qwen3_moe`) has the older Qwen2 tokenizer: 151,643 base tokens, the 
 (through `</think>`, ids 151643…151668), Qwen2's split regex, and its chat template inside
 tokenizer_config.json (as transformers 4.51 saved it) in Qwen3's form: the generation prompt leaves
 `<think>` for the model to write, and `enable_thinking=False` gives it an empty think block instead.
+
+gpt-oss (`gpt_oss`) has OpenAI's o200k "harmony" tokenizer: 199,998 base tokens, then the harmony special tokens
+from `<|startoftext|>` (199998) through `<|call|>` (200012) at their real ids (reserved ones included, so every id
+lands where the real one is; the real file goes on to 201,087 with reserved tokens no text produces), o200k's split
+regex and no normalizer. Its chat template is a minimal harmony renderer (`HARMONY_CHAT_TEMPLATE`): a system
+message with the reasoning effort and the valid channels, each message `<|start|>{role}<|message|>...<|end|>`,
+an assistant's reasoning in the `analysis` channel and its answer in `final`, tool results as
+`<|start|>functions.NAME to=assistant<|channel|>commentary<|message|>...<|end|>`, and the generation prompt
+`<|start|>assistant`; not the full harmony format (no developer instructions' tool namespaces, no `<|constrain|>`).
 """
 
 from __future__ import annotations
@@ -69,6 +78,21 @@ ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 )
 _INDEX = {content: i for i, (content, _) in enumerate(ADDED_TOKENS)}
 
+HARMONY_BASE = 199998  # id of <|startoftext|> in o200k_harmony = size of its base BPE vocabulary
+# o200k_harmony's special tokens from its first through <|call|>, in id order (id = base + index); all special.
+HARMONY_TOKENS: tuple[tuple[str, bool], ...] = tuple((t, True) for t in (
+    "<|startoftext|>", "<|endoftext|>", "<|reserved_200000|>", "<|reserved_200001|>", "<|return|>", "<|constrain|>",
+    "<|reserved_200004|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|reserved_200009|>",
+    "<|reserved_200010|>", "<|reserved_200011|>", "<|call|>",
+))
+_HARMONY_INDEX = {content: i for i, (content, _) in enumerate(HARMONY_TOKENS)}
+# o200k's pre-tokenizer split (tiktoken's o200k_base pattern, as gpt-oss's tokenizer.json has it)
+O200K_SPLIT_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 # Qwen3.5's pre-tokenizer split, as in the real tokenizer.json (transformers models/qwen3_5/tokenization_qwen3_5.py).
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
@@ -88,6 +112,11 @@ def token_id(content: str, base: int) -> int:
     return base + _INDEX[content]
 
 
+def harmony_id(content: str, base: int) -> int:
+    """Id of a harmony special token for an o200k-style tokenizer whose base vocabulary has `base` entries."""
+    return base + _HARMONY_INDEX[content]
+
+
 def _corpus() -> list[str]:
     lib = Path(sysconfig.get_paths()["stdlib"])
     texts = []
@@ -101,9 +130,10 @@ def _corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(base: int, n_added: int = len(ADDED_TOKENS), split_pattern: str = SPLIT_PATTERN):
-    """A byte-level BPE `tokenizers.Tokenizer` with `base` vocabulary entries followed by the first `n_added`
-    added tokens (33 for Qwen3.5/3.6, 26 for Qwen3)."""
+def build_tokenizer(base: int, n_added: int = len(ADDED_TOKENS), split_pattern: str = SPLIT_PATTERN,
+                    added: tuple[tuple[str, bool], ...] = ADDED_TOKENS, nfc: bool = True):
+    """A byte-level BPE `tokenizers.Tokenizer` with `base` vocabulary entries followed by the first `n_added` of
+    `added` (Qwen's: 33 for Qwen3.5/3.6, 26 for Qwen3; harmony's for gpt-oss); `nfc`: Qwen's NFC normalizer."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tokenizers import (
         AddedToken,
@@ -121,7 +151,8 @@ def build_tokenizer(base: int, n_added: int = len(ADDED_TOKENS), split_pattern: 
         raise ValueError(f"base vocabulary {base} is smaller than the {TRAINED_VOCAB} trained tokens")
 
     def pipeline(tok):
-        tok.normalizer = normalizers.NFC()
+        if nfc:
+            tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split_pattern), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
@@ -146,14 +177,14 @@ def build_tokenizer(base: int, n_added: int = len(ADDED_TOKENS), split_pattern: 
         i += 1
     tok = pipeline(Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
                                         fuse_unk=False, byte_fallback=False)))
-    for content, special in ADDED_TOKENS[:n_added]:  # one at a time so ids follow the real order
-        added = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
+    for content, special in added[:n_added]:  # one at a time so ids follow the real order
+        token = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
         if special:
-            tok.add_special_tokens([added])
+            tok.add_special_tokens([token])
         else:
-            tok.add_tokens([added])
-    for content, _ in ADDED_TOKENS[:n_added]:
-        assert tok.token_to_id(content) == token_id(content, base), content
+            tok.add_tokens([token])
+    for j, (content, _) in enumerate(added[:n_added]):
+        assert tok.token_to_id(content) == base + j, content
     return tok
 
 
@@ -349,6 +380,75 @@ QWEN3_CHAT_TEMPLATE = r"""{#- ChatML for the streamoe synthetic Qwen3-MoE checkp
 """
 
 
+HARMONY_CHAT_TEMPLATE = r"""{#- A minimal harmony renderer for the streamoe synthetic gpt-oss checkpoints. -#}
+{%- macro render_content(content) -%}
+    {%- if content is none -%}
+    {%- elif content is string -%}
+        {{- content -}}
+    {%- else -%}
+        {%- for item in content -%}
+            {%- if item is string -%}
+                {{- item -}}
+            {%- elif 'text' in item -%}
+                {{- item.text -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n' -}}
+{{- 'Reasoning: ' + (reasoning_effort if reasoning_effort is defined else 'medium') + '\n\n' -}}
+{{- '# Valid channels: analysis, commentary, final. Channel must be included for every message.' -}}
+{%- if tools -%}
+    {{- '\nCalls to these tools must go to the commentary channel: \'functions\'.' -}}
+{%- endif -%}
+{{- '<|end|>' -}}
+{%- if tools or (messages | length > 0 and messages[0].role in ['system', 'developer']) -%}
+    {{- '<|start|>developer<|message|>' -}}
+    {%- if messages | length > 0 and messages[0].role in ['system', 'developer'] -%}
+        {{- '# Instructions\n\n' + render_content(messages[0].content) -}}
+    {%- endif -%}
+    {%- if tools -%}
+        {{- '\n\n# Tools\n\n## functions\n\n' -}}
+        {%- for tool in tools -%}
+            {{- (tool | tojson) + '\n' -}}
+        {%- endfor -%}
+    {%- endif -%}
+    {{- '<|end|>' -}}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- if loop.first and message.role in ['system', 'developer'] -%}
+    {%- elif message.role == 'user' -%}
+        {{- '<|start|>user<|message|>' + render_content(message.content) + '<|end|>' -}}
+    {%- elif message.role == 'assistant' -%}
+        {%- set thinking = message.thinking if message.thinking is string else (message.reasoning_content if message.reasoning_content is string else '') -%}
+        {%- if thinking and loop.last -%}
+            {{- '<|start|>assistant<|channel|>analysis<|message|>' + thinking + '<|end|>' -}}
+        {%- endif -%}
+        {%- if message.tool_calls -%}
+            {%- for call in message.tool_calls -%}
+                {%- set fn = call.function if call.function is defined else call -%}
+                {{- '<|start|>assistant to=functions.' + fn.name + '<|channel|>commentary json<|message|>' -}}
+                {%- if fn.arguments is string -%}
+                    {{- fn.arguments -}}
+                {%- else -%}
+                    {{- fn.arguments | tojson -}}
+                {%- endif -%}
+                {{- '<|call|>' -}}
+            {%- endfor -%}
+        {%- else -%}
+            {{- '<|start|>assistant<|channel|>final<|message|>' + render_content(message.content) + '<|end|>' -}}
+        {%- endif -%}
+    {%- elif message.role == 'tool' -%}
+        {{- '<|start|>functions.' + (message.name if message.name is defined else 'tool') + ' to=assistant<|channel|>commentary<|message|>' -}}
+        {{- render_content(message.content) + '<|end|>' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|start|>assistant' -}}
+{%- endif -%}
+"""
+
+
 @dataclass(frozen=True)
 class TokenizerStyle:
     """What a family's tokenizer files look like (the real files' structure and special-token ids)."""
@@ -359,12 +459,16 @@ class TokenizerStyle:
     template_in_config: bool  # the template inside tokenizer_config.json (transformers 4.x) instead of chat_template.jinja
     model_max_length: int
     temperature: float  # generation_config.json's default
+    added: tuple[tuple[str, bool], ...] = ADDED_TOKENS  # the added tokens, in id order from the base vocabulary
+    nfc: bool = True  # Qwen's NFC normalizer (o200k has none)
 
 
 STYLES = {
     "qwen3_5_moe": TokenizerStyle(len(ADDED_TOKENS), SPLIT_PATTERN, CHAT_TEMPLATE, False, MODEL_MAX_LENGTH, 1.0),
     "qwen3_moe": TokenizerStyle(ADDED_TOKENS.index(("</think>", False)) + 1, QWEN2_SPLIT_PATTERN, QWEN3_CHAT_TEMPLATE,
                                 True, 131072, 0.6),
+    "gpt_oss": TokenizerStyle(len(HARMONY_TOKENS), O200K_SPLIT_PATTERN, HARMONY_CHAT_TEMPLATE, False, 1000000000000000019884624838656,
+                              1.0, HARMONY_TOKENS, nfc=False),
 }
 
 def _dump(path: Path, obj: object, indent: int = 2) -> None:
@@ -373,11 +477,16 @@ def _dump(path: Path, obj: object, indent: int = 2) -> None:
 
 def tokenizer_config(base: int, vision: bool, style: TokenizerStyle = STYLES["qwen3_5_moe"]) -> dict:
     decoder = {}
-    for content, special in ADDED_TOKENS[:style.n_added]:
-        decoder[str(token_id(content, base))] = {
+    for j, (content, special) in enumerate(style.added[:style.n_added]):
+        decoder[str(base + j)] = {
             "content": content, "lstrip": False, "normalized": False, "rstrip": False,
             "single_word": False, "special": special,
         }
+    if style.added is HARMONY_TOKENS:  # transformers' PreTrainedTokenizerFast, as gpt-oss's tokenizer_config.json
+        return {"added_tokens_decoder": decoder, "bos_token": "<|startoftext|>", "clean_up_tokenization_spaces": False,
+                "eos_token": "<|return|>", "extra_special_tokens": {}, "model_input_names": ["input_ids", "attention_mask"],
+                "model_max_length": style.model_max_length, "pad_token": "<|endoftext|>",
+                "tokenizer_class": "PreTrainedTokenizerFast"}
     cfg: dict[str, object] = {
         "add_prefix_space": False,
         "added_tokens_decoder": decoder,
@@ -396,6 +505,17 @@ def tokenizer_config(base: int, vision: bool, style: TokenizerStyle = STYLES["qw
     if style.template_in_config:
         cfg["chat_template"] = style.chat_template
     return cfg
+
+
+def harmony_generation_config(base: int, transformers_version: str) -> dict:
+    """gpt-oss's generation_config.json: stops at <|return|>, <|endoftext|> and <|call|>; no sampling defaults."""
+    return {
+        "bos_token_id": harmony_id("<|startoftext|>", base),
+        "do_sample": True,
+        "eos_token_id": [harmony_id(t, base) for t in ("<|return|>", "<|endoftext|>", "<|call|>")],
+        "pad_token_id": harmony_id("<|endoftext|>", base),
+        "transformers_version": transformers_version,
+    }
 
 
 def generation_config(base: int, transformers_version: str, temperature: float = 1.0) -> dict:
@@ -435,14 +555,16 @@ def write_tokenizer_files(out: Path, *, base: int, vision_config: dict | None, t
                           family: str = "qwen3_5_moe") -> list[str]:
     """Write the tokenizer and its companions (in `family`'s style) into `out`; returns the file names written."""
     style = STYLES[family]
-    tok = build_tokenizer(base, style.n_added, style.split_pattern)
+    tok = build_tokenizer(base, style.n_added, style.split_pattern, style.added, style.nfc)
     tok.save(str(out / "tokenizer.json"), pretty=True)
     _dump(out / "tokenizer_config.json", tokenizer_config(base, vision_config is not None, style))
     names = ["tokenizer.json", "tokenizer_config.json"]
     if not style.template_in_config:
         (out / "chat_template.jinja").write_text(style.chat_template, encoding="utf-8")
         names.append("chat_template.jinja")
-    _dump(out / "generation_config.json", generation_config(base, transformers_version, style.temperature))
+    gen = (harmony_generation_config(base, transformers_version) if style.added is HARMONY_TOKENS
+           else generation_config(base, transformers_version, style.temperature))
+    _dump(out / "generation_config.json", gen)
     names.append("generation_config.json")
     if vision_config is not None:
         _dump(out / "preprocessor_config.json", preprocessor_config(vision_config))

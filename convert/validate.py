@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..formats import quant
 from ..formats.checks import checksum_problem, file_problem, tensor_problem
 from ..formats.direct import RangeReader
 from ..formats.errors import StreamoeError
 from ..formats.layout import detect_format
 from ..formats.manifest import Manifest, load_manifest, safe_path
 from ..formats.record import PROJS, RecordLayout
+from .convert import record_arrays
 from .source import open_checkpoint
 
 
@@ -29,16 +29,13 @@ def sample_experts(n_experts: int, k: int) -> list[int]:
 
 
 def expected_record(src_bytes: dict, lay4: RecordLayout, lay: RecordLayout) -> bytes:
-    """The record a layer file must hold for one expert, from its nine source byte strings."""
+    """The record a layer file must hold for one expert, from its source byte strings (as the converter derives it)."""
     rec = bytearray(lay.stride)
     for proj in PROJS:
-        w, s, b = (src_bytes[(proj, p)] for p in ("weight", "scales", "biases"))
-        if lay.bits == 3:
-            w = quant.shift_words_4_to_3(np.frombuffer(w, np.uint32)).tobytes()
-            s, b = (a.tobytes() for a in quant.shift_scales_bf16(np.frombuffer(s, np.uint16), np.frombuffer(b, np.uint16)))
-        for part, data in (("weight", w), ("scales", s), ("biases", b)):
+        source = {part: np.frombuffer(src_bytes[(proj, part)], np.uint8)[None] for part in lay4.parts}
+        for part, arr in record_arrays(lay, source).items():
             seg = lay.segment(proj, part)
-            rec[seg.offset:seg.offset + seg.nbytes] = data
+            rec[seg.offset:seg.offset + seg.nbytes] = arr.tobytes()
     return bytes(rec)
 
 

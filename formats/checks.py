@@ -9,7 +9,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from .config import text_config
+from .config import family_of, is_expert_tensor, text_config
 from .direct import file_checksum
 from .errors import StreamoeError
 from .files import kind as file_kind
@@ -42,7 +42,9 @@ def expected_tensors(config: dict, vision: bool) -> list:
         raise StreamoeError(f"config.json: not a config this version can check the weights against ({type(e).__name__}: "
                             f"{str(e)[:80]})") from None
     tied = bool(text_config(config).get("tie_word_embeddings", False))
-    return [s for s in table if ".switch_mlp." not in s.name and not (tied and s.name.endswith("lm_head." + s.name.rsplit(".", 1)[1]))]
+    family = family_of(config) or ""
+    return [s for s in table if not is_expert_tensor(s.name, family)
+            and not (tied and s.name.endswith("lm_head." + s.name.rsplit(".", 1)[1]))]
 
 
 def tensor_problem(m: Manifest, kind: str) -> str | None:
@@ -62,10 +64,7 @@ def tensor_problem(m: Manifest, kind: str) -> str | None:
         if t.shape != spec.shape:
             return f"tensor {t.name} has shape {list(t.shape)}, the config implies {list(spec.shape)}"
         if spec.bits:
-            group = (m.config.get("quantization") or {}).get("group_size")
-            override = (m.config.get("quantization") or {}).get(spec.module)
-            if isinstance(override, dict):
-                group = override.get("group_size", group)
+            group = spec.group  # the module's own, as the config's quantization block says
             want_dtype = "U32" if spec.kind == "qweight" else t.dtype if t.dtype in FLOATS else "BF16"
             if t.dtype != want_dtype or t.bits != spec.bits or t.group_size != group:
                 return (f"tensor {t.name} is {t.dtype} at {t.bits} bits, group {t.group_size}; the config says "

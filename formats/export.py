@@ -1,15 +1,17 @@
 """The tensor table an mlx-community export of a config holds: every tensor's name, dtype and shape.
 
 A model fact, derived from the config alone: `streamoe synth` writes exactly these tensors, and
-`streamoe plan config.json` sizes the non-expert weights from them before anything is downloaded.
+`streamoe plan config.json` sizes the non-expert weights from them before anything is downloaded. One function per
+family lists its tensors in mlx-lm's module order (the order `model.parameters()` flattens to).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelArgs
+from .config import ModelArgs, quant_mode
 from .errors import StreamoeError
+from .record import MXFP4_GROUP, MXFP4_SCALE
 from .safetensors import tensor_nbytes
 
 
@@ -20,8 +22,10 @@ class Spec:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    kind: str  # qweight | scales | biases | one | zero | normal | a_log | dt_bias | conv
+    kind: str  # qweight | scales | biases | one | zero | normal | sink | a_log | dt_bias | conv
     bits: int = 0  # quantized tensors only
+    mode: str = "affine"  # quantized tensors only: affine, or mxfp4 (codes and uint8 scales, no biases)
+    group: int = 0  # quantized tensors only: values per scale
 
     @property
     def nbytes(self) -> int:
@@ -45,7 +49,6 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
     """
     a = ModelArgs.from_config(config)
     quant = a.quantization or {}
-    group = int(quant["group_size"])
     if a_log_dtype is None:
         has_8bit = any(isinstance(v, dict) and v.get("bits") == 8 for v in quant.values())
         a_log_dtype = "BF16" if has_8bit else "F32"
@@ -54,14 +57,20 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
     def plain(name: str, shape: tuple[int, ...], kind: str, dtype: str = "BF16") -> None:
         out.append(Spec(name, dtype, tuple(shape), kind))
 
-    def linear(module: str, out_dim: int, in_dim: int, lead: tuple[int, ...] = ()) -> None:
+    def linear(module: str, out_dim: int, in_dim: int, lead: tuple[int, ...] = (), bias: bool = False) -> None:
+        """A quantized linear layer (affine, or MXFP4 where the config says so), then its own bias if it has one."""
+        mode = quant_mode(quant, module)
+        bits, group = (4, MXFP4_GROUP) if mode == "mxfp4" else a.quant_params(module)
         if in_dim % group:
             raise StreamoeError(f"config.json: {module} has input dimension {in_dim}, "
                                 f"not a multiple of the group size {group}")
-        bits = a.quant_params(module)[0]
-        out.append(Spec(f"{module}.weight", "U32", (*lead, out_dim, in_dim * bits // 32), "qweight", bits))
-        out.append(Spec(f"{module}.scales", "BF16", (*lead, out_dim, in_dim // group), "scales", bits))
-        out.append(Spec(f"{module}.biases", "BF16", (*lead, out_dim, in_dim // group), "biases", bits))
+        scale_dtype = MXFP4_SCALE if mode == "mxfp4" else "BF16"
+        out.append(Spec(f"{module}.weight", "U32", (*lead, out_dim, in_dim * bits // 32), "qweight", bits, mode, group))
+        out.append(Spec(f"{module}.scales", scale_dtype, (*lead, out_dim, in_dim // group), "scales", bits, mode, group))
+        if mode == "affine":
+            out.append(Spec(f"{module}.biases", "BF16", (*lead, out_dim, in_dim // group), "biases", bits, mode, group))
+        if bias:
+            plain(f"{module}.bias", (*lead, out_dim), "zero")
 
     v = config.get("vision_config")
     if v is not None:
@@ -89,6 +98,8 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
 
     if a.model_type == "qwen3_moe":
         _qwen3_moe_tensors(a, plain, linear)
+    elif a.model_type == "gpt_oss":
+        _gpt_oss_tensors(a, plain, linear)
     else:
         _qwen3_5_moe_tensors(a, plain, linear, a_log_dtype)
     return out
@@ -164,6 +175,33 @@ def _qwen3_moe_tensors(a: ModelArgs, plain, linear) -> None:
     plain("model.norm.weight", (h,), "one")
     if not a.tie_word_embeddings:
         linear("lm_head", vocab, h)
+
+
+def _gpt_oss_tensors(a: ModelArgs, plain, linear) -> None:
+    """mlx-lm's gpt_oss module order: the embedding and the final norm first, then per layer the attention (the
+    sinks, then q, k, v, o, each with its bias), the routed experts (gate, up, down: MXFP4 codes, uint8 scales,
+    bias) and the router (with its bias), the two norms; `lm_head` last (mlx-lm's gpt_oss always has one)."""
+    h, vocab = a.hidden_size, a.vocab_size
+    nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    e, inter = a.num_experts, a.moe_intermediate_size
+    linear("model.embed_tokens", vocab, h)
+    plain("model.norm.weight", (h,), "one")
+    for i in range(a.num_hidden_layers):
+        L = f"model.layers.{i}"
+        p = f"{L}.self_attn"
+        plain(f"{p}.sinks", (nq,), "sink")
+        linear(f"{p}.q_proj", nq * hd, h, bias=True)
+        linear(f"{p}.k_proj", nkv * hd, h, bias=True)
+        linear(f"{p}.v_proj", nkv * hd, h, bias=True)
+        linear(f"{p}.o_proj", h, nq * hd, bias=True)
+        m = f"{L}.mlp"
+        linear(f"{m}.experts.gate_proj", inter, h, (e,), bias=True)
+        linear(f"{m}.experts.up_proj", inter, h, (e,), bias=True)
+        linear(f"{m}.experts.down_proj", h, inter, (e,), bias=True)
+        linear(f"{m}.router", e, h, bias=True)
+        plain(f"{L}.input_layernorm.weight", (h,), "one")
+        plain(f"{L}.post_attention_layernorm.weight", (h,), "one")
+    linear("lm_head", vocab, h)
 
 
 def tensor_table(config: dict, *, a_log_dtype: str | None = None) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -22,6 +22,7 @@ CONFIG_INTS: dict[str, tuple[int, int]] = {
     "hidden_size": (1, 1 << 16),
     "num_hidden_layers": (1, 1024),
     "num_experts": (1, 1 << 14),
+    "num_local_experts": (1, 1 << 14),
     "num_experts_per_tok": (1, 1 << 14),
     "moe_intermediate_size": (1, 1 << 18),
     "intermediate_size": (1, 1 << 20),
@@ -37,6 +38,7 @@ CONFIG_INTS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 1 << 23),
     "full_attention_interval": (1, 1024),
     "max_position_embeddings": (1, 1 << 31),
+    "sliding_window": (1, 1 << 31),
 }
 VISION_INTS: dict[str, tuple[int, int]] = {
     "hidden_size": (1, 1 << 16),
@@ -94,9 +96,11 @@ def check_config_sizes(config: object, path: object) -> None:
     if not isinstance(text, dict):
         raise fail(path, "text_config is not a JSON object")
     _check_block(text, CONFIG_INTS, "text_config." if text is not config else "", path)
-    k, n = text.get("num_experts_per_tok"), text.get("num_experts")
-    if is_int(k) and is_int(n) and k > n:
-        raise fail(path, f"num_experts_per_tok = {k} exceeds num_experts = {n}")
+    k = text.get("num_experts_per_tok")
+    for key in ("num_experts", "num_local_experts"):
+        n = text.get(key)
+        if is_int(k) and is_int(n) and k > n:
+            raise fail(path, f"num_experts_per_tok = {k} exceeds {key} = {n}")
     for a, b in (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads")):
         x, y = text.get(a), text.get(b)
         if is_int(x) and is_int(y) and x % y:

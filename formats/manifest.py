@@ -19,6 +19,7 @@ import jsonschema
 from .blobs import BlobTensor, table_problem
 from .errors import StreamoeError, fail
 from .files import check_input_dir, read_json
+from .layout import FORMAT_MODE
 from .limits import CONFIG_INTS, MAX_FILE_BYTES, check_config_sizes, check_int, check_shape
 from .record import RecordLayout
 
@@ -37,6 +38,23 @@ def validator(name: str = "manifest.schema.json") -> jsonschema.protocols.Valida
     return jsonschema.validators.validator_for(s)(s)
 
 
+def layout_of(m: dict, e: dict) -> RecordLayout:
+    """The record layout a manifest's expert format states (`mode` and `bias_dtype` absent: affine, no bias)."""
+    return RecordLayout.make(m["hidden_size"], m["moe_intermediate_size"], e["bits"], e["group_size"], e["scale_dtype"],
+                             e.get("mode", "affine"), e.get("bias_dtype"))
+
+
+def format_json(lay: RecordLayout) -> dict:
+    """The layout's keys of a manifest's expert format (`mode`/`bias_dtype` only where they are not the default, so
+    an affine record without biases reads as it always did)."""
+    out = {"bits": lay.bits, "group_size": lay.group_size, "scale_dtype": lay.scale_dtype}
+    if lay.mode != "affine":
+        out["mode"] = lay.mode
+    if lay.bias_dtype is not None:
+        out["bias_dtype"] = lay.bias_dtype
+    return {**out, "raw_size": lay.raw_size, "stride": lay.stride, "segments": segments_json(lay)}
+
+
 def segments_json(lay: RecordLayout) -> list[dict]:
     return [{"proj": s.proj, "part": s.part, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
             for s in lay.segments]
@@ -44,7 +62,7 @@ def segments_json(lay: RecordLayout) -> list[dict]:
 
 @dataclass(frozen=True)
 class ExpertFormat:
-    name: str  # q4 | q3
+    name: str  # q4 | q3 | mxfp4
     layout: RecordLayout
     files: list[dict]  # one per layer: path, size, checksum, layer
     derivation: str
@@ -67,7 +85,7 @@ class Manifest:
         m = self.model
         out = {}
         for name, e in self.doc["experts"].items():
-            lay = RecordLayout.make(m["hidden_size"], m["moe_intermediate_size"], e["bits"], e["group_size"], e["scale_dtype"])
+            lay = layout_of(m, e)
             out[name] = ExpertFormat(name, lay, sorted(e["files"], key=lambda f: f["layer"]), e["derivation"])
         return out
 
@@ -119,11 +137,14 @@ def check_doc(doc: object, where: Path) -> None:
             raise fail(where, f"{name} blob ({b['file']['path']}): {problem}")
     for name, e in doc["experts"].items():
         try:
-            want = RecordLayout.make(m["hidden_size"], m["moe_intermediate_size"], e["bits"], e["group_size"], e["scale_dtype"])
+            want = layout_of(m, e)
         except (ValueError, StreamoeError) as err:
             raise fail(where, f"expert format {name}: {err}") from None
         if segments_json(want) != e["segments"] or want.stride != e["stride"] or want.raw_size != e["raw_size"]:
-            raise fail(where, f"expert format {name}: segments/stride disagree with the {e['bits']}-bit record layout")
+            raise fail(where, f"expert format {name}: segments/stride disagree with the {e['bits']}-bit "
+                              f"{want.mode} record layout")
+        if FORMAT_MODE.get(name) != want.mode:
+            raise fail(where, f"expert format {name} holds {want.mode} records, not {FORMAT_MODE.get(name)} ones")
         layers = sorted(f.get("layer", -1) for f in e["files"])
         if layers != list(range(m["num_layers"])):
             raise fail(where, f"expert format {name}: needs one file per layer 0..{m['num_layers'] - 1}")

@@ -41,6 +41,8 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
     group = ranks.find_group()
     if group is None:
         check_preprocessor(Path(model), load_manifest(model).config)
+        for path in images:  # a file that cannot be the image fails before the model loads
+            load_image(path, max_decode_pixels=opts.max_decode_pixels).close()
     else:  # the engine's open checks what this rank reads, and every rank learns whether all could
         if load_session:
             raise StreamoeError("across ranks (mlx.launch), --load-session needs one host")

@@ -15,6 +15,7 @@ import asyncio
 import ipaddress
 import json
 import resource
+import socket
 import sys
 import time
 import traceback
@@ -118,6 +119,37 @@ class Admission:
             self.inside -= 1
 
 
+# Each connection's kernel socket buffers, charged to the server's memory cgroup (sock memory, cgroup v2 and v1
+# with kmem accounting): set on the listening socket, which every accepted one inherits, they fix what would
+# otherwise autotune up to net.ipv4.tcp_rmem/tcp_wmem's maximum (tens of MiB each) for a client that sends
+# and never waits for an answer, or asks and never reads. 16 KiB each way still moves a 4 MiB body over
+# loopback in ~10 ms.
+SOCKET_BUFFER = 16 << 10
+# The kernel's queue of connections not yet accepted (net.core.somaxconn caps it): deep enough that a burst of
+# 2,000 connections drops no handshake (a dropped one costs its client, a /health probe say, a 1 s retransmit).
+LISTEN_BACKLOG = 4096
+# Files kept free for one burst of accepts (the event loop accepts what is queued at once), before the guarded
+# protocol closes idle connections to stay within its bound; past the file limit libuv closes what it cannot
+# accept.
+ACCEPT_BURST = 512
+
+
+def bound_socket_buffers(sock: socket.socket) -> int:
+    """Set the receive and send buffers of `sock` (a listening socket: the connections it accepts inherit
+    them) to SOCKET_BUFFER; returns what one connection's two then hold at most, as the kernel counts them
+    (it doubles what is set, for its bookkeeping)."""
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+    return sum(sock.getsockopt(socket.SOL_SOCKET, opt) for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF))
+
+
+def socket_bytes(max_connections: int) -> int:
+    """The kernel socket buffers the server's connections hold at most: those it keeps (`guarded_protocol`'s
+    bound), both buffers full, and a full listen queue, each having received what its receive buffer holds
+    (nothing is sent to a connection before it is accepted); the kernel doubles the size set."""
+    return (max_connections * 4 + LISTEN_BACKLOG * 2) * SOCKET_BUFFER
+
+
 def raise_file_limit() -> int:
     """The soft limit on open files raised to the hard one (each connection is a file); returns it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -146,25 +178,53 @@ def connection_limit(wanted: int, reserve: int = 64) -> int:
     return max(1, min(wanted, raise_file_limit() - open_files() - reserve))
 
 
-def guarded_protocol(max_connections: int, head_timeout_s: float):
-    """uvicorn's h11 protocol with what it lacks: a deadline for each request head (from the connection's
-    first byte, or the next request's), and a bound on connections that closes the oldest idle one (still
-    sending its head, or kept alive between requests) when a new one arrives at the bound: idle sockets
-    cannot starve the server, and its files stay within their limit."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+MAX_HEAD_BYTES = 16 << 10  # a request line and headers: what h11 allows by default
+LINGER_S = 2.0  # how long a connection answered before its body arrived reads on to the body's end
+LINGER_MAX = 8  # connections doing so at once: past that (a flood of bodies), one more is closed at once
+
+
+class Lingering:
+    """A request's view of its connection: closing it when its answer is sent while the body is still
+    arriving (a 503 before the body was read, a 421) first reads the rest of the body and drops it, for at most
+    LINGER_S. Closing with unread data would reset the connection, and a client still sending its body would
+    get an error in place of the answer. At most LINGER_MAX connections linger at once, and one more is
+    closed at once (its client may see a reset): reading costs the event loop time per byte, and this bounds
+    what a flood of bodies can make it read to LINGER_MAX bodies every LINGER_S."""
+
+    def __init__(self, protocol, cycle):
+        self.protocol, self.cycle = protocol, cycle
+
+    def __getattr__(self, name):
+        return getattr(self.protocol.transport, name)
+
+    def close(self) -> None:
+        self.protocol.linger(self.cycle)
+
+
+def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES):
+    """uvicorn's httptools protocol (a C parser: the least event-loop time per connection and per byte of
+    body) with what it lacks: a deadline for each request head (from the connection's start, or the next
+    request's first byte), a bound on a head's size (431 past it), and a bound on connections that closes
+    the oldest idle one (still sending its head, or kept alive between requests) when a new one arrives at
+    the bound: idle sockets cannot starve the server, and its files stay within their limit."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     waiting: dict = {}  # idle connections (a request head incomplete, or between requests), oldest first
+    lingering: set = set()  # connections reading the rest of a body their answer did not wait for
+    too_large = error_body(431, f"the request head is over {max_head_bytes:,} bytes", "head_too_large")
 
-    class GuardedH11Protocol(H11Protocol):
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
         head_timer: asyncio.TimerHandle | None = None
+        in_head = True  # a request head is awaited or arriving (from the start, or a message's first byte)
+        head_bytes = 0  # bytes received while in it
+        ended = False  # a message ended in the data being parsed (the next one then begins inside it)
+        parsing = 0  # the length of that data
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self.arm()
-            if len(self.connections) > max_connections:
-                oldest = next(iter(waiting))
-                oldest.drop()
+            if len(self.connections) > max_connections:  # the oldest idle one goes (or, with none idle, this one)
+                next(iter(waiting), self).drop()
 
         def arm(self) -> None:
             if self.head_timer is None:
@@ -183,22 +243,65 @@ def guarded_protocol(max_connections: int, head_timeout_s: float):
             self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            if self in lingering:
+                return  # the rest of a body nobody reads: dropped unparsed, until the client closes or LINGER_S
+            self.ended, self.parsing = False, len(data)
             super().data_received(data)
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.arm()
-            else:
-                self.disarm()
+            if self.transport.is_closing():
+                return
+            if self.in_head:
+                self.head_bytes += len(data)
+                if self.head_bytes > max_head_bytes:
+                    self.disarm()
+                    self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: "
+                                         b"application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                                         % (len(too_large), too_large))
+                    self.transport.close()
+            elif self.cycle is None or self.cycle.response_complete:
+                self.arm()  # bytes between requests that begin none (blank lines): a head's deadline all the same
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            # a pipelined message begun after one that ended in this data: only what follows this data counts
+            self.in_head, self.head_bytes = True, -self.parsing if self.ended else 0
+            self.arm()  # a kept-alive connection's next request: its head has the deadline again
+
+        def on_headers_complete(self) -> None:
+            self.in_head = False
+            self.disarm()
+            super().on_headers_complete()
+            if self.cycle is not None and self.cycle.transport is self.transport:
+                self.cycle.transport = Lingering(self, self.cycle)
+
+        def on_message_complete(self) -> None:
+            self.ended = True
+            super().on_message_complete()
+
+        def linger(self, cycle) -> None:
+            """Close now if the request's body is all in, else when the client closes (once it has sent its body and
+            read the answer) or after LINGER_S: see `Lingering`."""
+            if not cycle.more_body or self.transport.is_closing() or len(lingering) >= LINGER_MAX:
+                return self.transport.close()
+            lingering.add(self)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()  # the answer is whole: the client may read it to the end now
+            self.flow.resume_reading()
+            self.loop.call_later(LINGER_S, self.transport.close)
+            waiting[self] = None  # and the connection is idle: the first to go at the bound
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self.disarm()  # idle until the next request: uvicorn's keep-alive timeout closes it,
-            waiting[self] = None  # and a new connection at the bound may close it first
+            if not self.in_head and self.cycle.response_complete:  # idle until the next request (none pipelined):
+                self.disarm()  # uvicorn's keep-alive timeout closes it, and a new connection at the bound may first
+                if not self.transport.is_closing():
+                    waiting[self] = None
 
         def connection_lost(self, exc) -> None:
             self.disarm()
+            lingering.discard(self)
             super().connection_lost(exc)
 
-    return GuardedH11Protocol
+    return GuardedHttpToolsProtocol
 
 
 class RateLimitedLoopErrors:

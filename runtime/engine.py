@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,11 +27,12 @@ from .experts import StreamingExperts
 from .image import check_preprocessor
 from .image_prompt import prefill_images
 from .models import family
-from .models.kernels import cpu_streams
+from .models.kernels import cpu_streams, expert_kernel
 from .plan import (
     Options,
     current_rss,
     default_dtype,
+    expert_format,
     kv_bits,
     kv_dtype,
     plan_for,
@@ -83,6 +85,7 @@ class Engine:
         o = self.opts
         fix_malloc_thresholds()
         self.manifest = m = load_manifest(self.root)
+        self.opts = o = replace(o, experts=expert_format(o, m))  # the format this run reads, named from here on
         check_open(self.root, o.experts, m, checksums=o.verify)  # as `validate` checks, before anything loads
         if o.images:
             check_preprocessor(self.root, m.config)  # read on the first image: a bad one must not fail mid-answer
@@ -107,7 +110,8 @@ class Engine:
             n, guess = len(share), ranks.local_router(guess, share)
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, n, min(k, n), self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), guess, self.dtype,
-                                        waste_budget=o.prefetch_waste, streams=self.model.streams)
+                                        waste_budget=o.prefetch_waste, streams=self.model.streams,
+                                        kernel=expert_kernel(self.lay, a))
         # what the model's MoE blocks call: across ranks, the exchange around this rank's share
         self.provider = (self.experts if share is None
                          else ranks.RankExperts(self.experts, self.group, a.num_experts, self.watchdog))

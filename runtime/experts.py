@@ -1,7 +1,7 @@
 """Streaming experts: the experts provider that keeps a layer's routed experts in slot pools inside the plan.
 
-`SlotPools` holds, for each of the nine arrays of an expert record (weights, scales, biases of
-gate/up/down), one MLX array stacked over slots, so a layer's routed experts are three `gather_qmm`
+`SlotPools` holds, for each array of an expert record (weights, scales, biases of gate/up/down; MXFP4's
+weights, uint8 scales and the experts' own biases), one MLX array stacked over slots, so a layer's routed experts are three `gather_qmm`
 calls over slot indices for all its tokens (`switch_glu`). `StreamingExperts` owns everything around
 them: the store and its reads in flight, the hot tier (which expert lives in which slot, pins), the
 cross-layer prefetch, and the per-layer telemetry.
@@ -43,7 +43,7 @@ import numpy as np
 from ..formats.quant import f32_high_halves
 from ..formats.record import ExpertWeights, RecordLayout
 from .managed import keep_on_host
-from .models.kernels import Streams, switch_glu
+from .models.kernels import ExpertKernel, Streams, switch_glu
 from .store import ExpertStore
 from .telemetry import LayerStats
 from .tier import HotTier
@@ -122,7 +122,7 @@ class SlotPools:
                  streams: Streams = ()):
         self.lay, self.n, self.streams = lay, n_slots, streams
         self.stored = [mx_dtype(s.dtype) for s in lay.segments]
-        self.dtypes = [st if s.part == "weight" else dtype for s, st in zip(lay.segments, self.stored, strict=True)]
+        self.dtypes = [dtype if s.is_float else st for s, st in zip(lay.segments, self.stored, strict=True)]
         self.arrays = [mx.zeros((n_slots, *s.shape), dtype=dt) for s, dt in zip(lay.segments, self.dtypes, strict=True)]
         if direct is None:
             direct = DIRECT_WRITES and pools_in_host_memory()
@@ -144,7 +144,7 @@ class SlotPools:
         self.copies: list[Future] = []
 
     def weights(self) -> ExpertWeights:
-        return ExpertWeights(*self.arrays)
+        return self.lay.weights(self.arrays)
 
     def stage(self, slot: int, record: memoryview, done: Callable[[], None]) -> None:
         """Copy one record (host bytes) toward `slot`; `done()` is called once the bytes are taken, so the
@@ -220,11 +220,14 @@ class StreamingExperts:
 
     def __init__(self, store: ExpertStore, lay: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  hot_slots: int, tier: str, prefetch_width: int, guess: Callable[[int, mx.array], mx.array],
-                 dtype: mx.Dtype = mx.float32, waste_budget: float = 0.05, streams: Streams = ()):
+                 dtype: mx.Dtype = mx.float32, waste_budget: float = 0.05, streams: Streams = (),
+                 kernel: ExpertKernel | None = None):
         """`guess(i, x)`: layer i's router logits on x (the model's `router_logits`); `streams`: the CPU streams the
-        picks' matmuls split over (the model's)."""
+        picks' matmuls split over (the model's); `kernel`: how the experts compute (`kernels.expert_kernel`; default:
+        `lay`'s codes with SwiGLU)."""
         self.store, self.lay, self.guess, self.waste_budget = store, lay, guess, waste_budget
         self.streams = streams
+        self.kernel = kernel or ExpertKernel(lay.bits, lay.group_size, lay.mode)
         self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
         self.resident = hot_slots >= n_layers * n_experts
         staging = 0 if self.resident else n_experts
@@ -246,7 +249,7 @@ class StreamingExperts:
             # bytes toward a graph's limit (1000 MB on an H200) and launches the graph once it is passed: inputs
             # of the whole model's pools (GBs) would launch one graph per expert matmul, 120 per token.
             E = n_experts
-            self.layer_weights = [ExpertWeights(*(a[i * E:(i + 1) * E] for a in self.pools.arrays)) for i in range(n_layers)]
+            self.layer_weights = [lay.weights([a[i * E:(i + 1) * E] for a in self.pools.arrays]) for i in range(n_layers)]
             mx.eval(self.layer_weights)
 
     # ---- reading and filling
@@ -298,10 +301,9 @@ class StreamingExperts:
         shape, k = x.shape, inds.shape[-1]
         xf, inds = x.reshape(-1, shape[-1]), inds.reshape(-1, k)
         if self.resident:  # on the device: no round trip
-            y = switch_glu(xf, self.layer_weights[i], inds, self.lay.bits, self.lay.group_size, self.streams)
+            y = switch_glu(xf, self.layer_weights[i], inds, self.kernel, self.streams)
         elif self.prepared is not None and self.prepared[0] == i:  # a prefill block: its experts already landed
-            y = switch_glu(xf, self.pools.weights(), mx.take(self.prepared[1], inds), self.lay.bits, self.lay.group_size,
-                           self.streams)
+            y = switch_glu(xf, self.pools.weights(), mx.take(self.prepared[1], inds), self.kernel, self.streams)
             # the fence waits for one value computed from y, not for y itself: a chunk's blocks' outputs (top-k rows
             # per token) are freed as each block is combined, not held to the next layer
             self.readers.append(y[-1:, -1, :1] * 1)
@@ -312,7 +314,7 @@ class StreamingExperts:
         return y.reshape(*shape[:-1], k, shape[-1])
 
     def _compute(self, x: mx.array, slots: mx.array) -> mx.array:
-        y = switch_glu(x, self.pools.weights(), slots, self.lay.bits, self.lay.group_size, self.streams)
+        y = switch_glu(x, self.pools.weights(), slots, self.kernel, self.streams)
         self.readers.append(y)  # computed only by kernels that read the pools: the next fence waits for it
         return y
 

@@ -34,7 +34,7 @@ HOT_FLOOR = 0.5
 class Options:
     cap_gib: float = 4.0
     ctx: int = 4096
-    experts: str = "q4"
+    experts: str | None = None  # expert format; None: the one the converted directory has (q4 beside q3)
     tier: str = "freq"
     prefetch_width: int | None = None  # cross-layer guesses per layer; None = top-k
     prefetch_waste: float = 0.05  # the share of the records read in decode that wrong guesses may be
@@ -54,6 +54,15 @@ class Options:
     # expert parallelism (runtime/ranks.py): this process is rank `rank` of `ranks`, holding experts e % ranks == rank
     rank: int = 0
     ranks: int = 1
+
+
+def expert_format(opts: Options, m: Manifest) -> str:
+    """The expert format a run uses: the one asked for, else the one the converted directory has (q4 where it has q4
+    and q3: the source's own codes)."""
+    if opts.experts is not None:
+        return opts.experts
+    fmts = list(m.expert_formats())
+    return "q4" if "q4" in fmts else fmts[0]
 
 
 def read_ring(opts: Options, top_k: int) -> int:
@@ -265,7 +274,7 @@ def state_bytes(a: ModelArgs, ctx: int, kv_item: int, kv_bits: int | None = None
     """(KV cache for ctx tokens, linear-attention state), both preallocated at open. `kv_item`: bytes per
     float of the cache (a quantized one's scales and biases); `kv_bits`: bits per code of a quantized cache,
     which keeps per head and position head_dim codes plus a scale and a bias per KV_GROUP of them."""
-    n_full, hd = a.n_full_attention, a.head_dim
+    n_full, hd = a.n_kv_layers, a.head_dim
     row = hd * kv_item if kv_bits is None else hd * kv_bits // 8 + 2 * (hd // KV_GROUP) * kv_item
     kv = n_full * 2 * a.num_key_value_heads * row * ctx
     rec = a.value_dim * a.linear_key_head_dim
@@ -276,7 +285,7 @@ def state_bytes(a: ModelArgs, ctx: int, kv_item: int, kv_bits: int | None = None
 def slot_bytes(lay: RecordLayout, dtype: str) -> int:
     """What one slot of the pools holds: the packed weights as stored, scales and biases at the compute dtype
     (kernels take them in the activations' dtype; kept as stored, every call would cast the whole pool)."""
-    return sum(s.nbytes if s.part == "weight" else s.nbytes // itemsize(s.dtype) * itemsize(dtype) for s in lay.segments)
+    return sum(s.nbytes // itemsize(s.dtype) * itemsize(dtype) if s.is_float else s.nbytes for s in lay.segments)
 
 
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
@@ -386,8 +395,9 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
     if opts.runtime_bytes is None and manifest is None:
         TextIO(Path(root), m.config)
     fmts = m.expert_formats()
-    if opts.experts not in fmts:
-        raise fail(root / "manifest.json", f"has no {opts.experts} experts (has {', '.join(fmts)}); convert with --experts")
+    experts = expert_format(opts, m)
+    if experts not in fmts:
+        raise fail(root / "manifest.json", f"has no {experts} experts (has {', '.join(fmts)}); convert with --experts")
     dtype = opts.dtype or default_dtype()
     _, table = m.blob("nonexpert")
     vision = 0
@@ -397,8 +407,8 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
         vision = vision_account(m.config, opts.max_pixels, opts.max_decode_pixels)
     plan = plan_with_limits(native_context(m.config), args=ModelArgs.from_config(m.config, m.root / "manifest.json"),
                             cap=int(opts.cap_gib * GiB),
-                     ctx=opts.ctx, expert_format=opts.experts, stride=fmts[opts.experts].layout.stride,
-                     slot=slot_bytes(fmts[opts.experts].layout, dtype),
+                     ctx=opts.ctx, expert_format=experts, stride=fmts[experts].layout.stride,
+                     slot=slot_bytes(fmts[experts].layout, dtype),
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
                      dtype=dtype, kv_dtype=kv_format(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
                      vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])), extra=opts.extra_accounts,

@@ -1,8 +1,9 @@
 """`streamoe serve`: the OpenAI-compatible HTTP API and the chat page, a Starlette app run by uvicorn.
 
-Handlers parse and check a request (`openai_api`), prepare it into a job (rendered, tokenized, inside the
-planned context), queue it for the one engine thread (`worker`), and turn the events that come back into an
-OpenAI response: one JSON object, or server-sent events ending in `data: [DONE]`. Every refusal is OpenAI's
+Handlers read a request's body and hand it to the prepare thread, which parses and checks it (`openai_api`)
+and prepares it into a job (rendered, tokenized, inside the planned context), so that the event loop only
+moves bytes; they queue the job for the one engine thread (`worker`), and turn the events that come back
+into an OpenAI response: one JSON object, or server-sent events ending in `data: [DONE]`. Every refusal is OpenAI's
 error object with its status; nothing a request sends is ever a path or a URL the server opens.
 """
 
@@ -35,7 +36,16 @@ from starlette.staticfiles import StaticFiles
 from ..formats.errors import StreamoeError
 from . import anthropic_api, responses_api
 from .chat_output import collect
-from .door import Admission, Door, RateLimitedLoopErrors, connection_limit, guarded_protocol
+from .door import (
+    ACCEPT_BURST,
+    LISTEN_BACKLOG,
+    Admission,
+    Door,
+    RateLimitedLoopErrors,
+    bound_socket_buffers,
+    connection_limit,
+    guarded_protocol,
+)
 from .metrics import exposition
 from .openai_api import (
     APIError,
@@ -52,9 +62,6 @@ from .worker import Job, Server
 
 STATIC = Path(__file__).resolve().parent / "static"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# asyncio accepts up to this many connections in one go, so the connection bound leaves room for a few such
-# bursts within the file limit (`door.connection_limit`); the kernel's queue is deepened once serving starts
-BACKLOG = 128
 
 
 async def read_body(request: Request, limits: Limits, timeout_s: float) -> bytearray:
@@ -77,11 +84,9 @@ async def read_body(request: Request, limits: Limits, timeout_s: float) -> bytea
     return raw
 
 
-async def read_json(request: Request, limits: Limits, timeout_s: float = 30.0) -> dict:
-    """The body as a JSON object: read within the size limit and the deadline, its shape checked before it is
-    parsed (values, depth), and what it keeps once parsed within `Limits.max_kept`; the raw bytes are
-    dropped as soon as it is parsed."""
-    raw = await read_body(request, limits, timeout_s)
+def decode_json(raw: bytearray, limits: Limits) -> dict:
+    """The body as a JSON object: its shape checked before it is parsed (values, depth), and what it keeps
+    once parsed within `Limits.max_kept`; the raw bytes are freed as soon as it is parsed."""
     check_shape(raw, limits)
     try:
         body = json.loads(raw)
@@ -90,7 +95,7 @@ async def read_json(request: Request, limits: Limits, timeout_s: float = 30.0) -
     except RecursionError:
         raise bad("the body is not valid JSON (nested too deeply)") from None
     finally:
-        del raw
+        raw.clear()
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     if (kept := kept_bytes(body)) > limits.max_kept:
@@ -130,11 +135,16 @@ class API:
         self.server, self.so = server, server.so
         self.worker = server.worker
         self.requests: Counter = Counter()  # requests queued, by API
-        # prompts are rendered and tokenized here, one at a time, off the event loop
+        # bodies are decoded and parsed, and prompts rendered and tokenized, here: one at a time, off the event
+        # loop (which then only moves bytes, and answers /health between them)
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="streamoe-prepare")
 
-    async def prepare(self, req) -> Job:
-        return await asyncio.get_running_loop().run_in_executor(self.prep, self.worker.prepare, req)
+    async def prepared(self, request: Request, make: Callable[[dict], object]):
+        """`make(body)` run on the prepare thread, once the body is read (here, within the size limit and the
+        body deadline) and decoded there (`decode_json`)."""
+        raw = await read_body(request, self.so.limits, self.so.body_timeout_s)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.prep, lambda: make(decode_json(raw, self.so.limits)))
 
     # ---- small GET endpoints
     async def health(self, request: Request) -> Response:
@@ -177,10 +187,8 @@ class API:
         """Read and check the body, parse it with `parse`, prepare and queue the job; returns the job and its
         first event (None for a stream whose first event is not there within the keep-alive interval: the
         response then starts without it)."""
-        body = await read_json(request, self.so.limits, self.so.body_timeout_s)
-        req = parse(body)
-        del body  # what the request keeps is in `req`; the rest of the body goes now
-        job = await self.prepare(req)
+        job = await self.prepared(request, lambda body: self.worker.prepare(parse(body)))  # the body goes once parsed
+        req = job.req
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self.server.submit(job)
         self.requests[api] += 1
@@ -268,8 +276,9 @@ class API:
         return await self.answer(job, first, request, anthropic_api.Output(job, self.so.model_name))
 
     async def count_tokens(self, request: Request) -> Response:
-        req = anthropic_api.parse(await read_json(request, self.so.limits, self.so.body_timeout_s), self.so, counting=True)
-        return JSONResponse({"input_tokens": self.worker.prompt_tokens(await self.prepare(req))})
+        n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
+            self.worker.prepare(anthropic_api.parse(body, self.so, counting=True))))
+        return JSONResponse({"input_tokens": n})
 
 
 class Output(Protocol):
@@ -445,10 +454,11 @@ def listen(host: str, port: int) -> socket.socket:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bound_socket_buffers(sock)  # before listen: the connections it accepts inherit them
         sock.bind(addr)
     except OSError as e:
         raise StreamoeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(BACKLOG)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -465,13 +475,15 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     print(server.worker.eng.plan.render(), file=sys.stderr)
     if (notice := exposure(host)) is not None:
         print(notice, file=sys.stderr)
+    # the event loop accepts what is queued at once, before the guarded protocol evicts any idle one: the
+    # connection bound leaves room for such a burst within the file limit (`door.connection_limit`);
     # uvicorn's own concurrency limit (503 to a request beyond it) stays above what the guarded protocol holds,
     # evicted connections included until they are gone: only runaway tasks meet it
-    conns = connection_limit(so.max_connections, reserve=64 + 3 * BACKLOG)
+    conns = connection_limit(so.max_connections, reserve=64 + ACCEPT_BURST)
     config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s),
-                            limit_concurrency=conns + BACKLOG + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
-                            backlog=BACKLOG)
+                            timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s), loop="uvloop",
+                            limit_concurrency=conns + ACCEPT_BURST + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
+                            backlog=LISTEN_BACKLOG)
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="streamoe-http", daemon=True)
 
@@ -492,7 +504,6 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
         while not http.started and thread.is_alive() and not server.stopping.is_set():
             time.sleep(0.05)
         if http.started:
-            sock.listen(socket.SOMAXCONN)  # the kernel's queue deepened now that asyncio's accept batch is set
             shown = f"[{host}]" if ":" in host else host
             print(f"streamoe: serving {so.model_name} on http://{shown}:{sock.getsockname()[1]}/ (OpenAI API under /v1)",
                   file=sys.stderr, flush=True)

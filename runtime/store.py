@@ -83,7 +83,7 @@ class ExpertStore:
         experts read (see `__init__`)."""
         f = m.expert_formats()[fmt]
         lay = f.layout
-        layouts = record_layouts(lay.hidden, lay.intermediate, lay.group_size, lay.scale_dtype)
+        layouts = record_layouts(lay)
         n_experts = ModelArgs.from_config(m.config, root / "manifest.json").num_experts
         return cls([safe_path(root, x["path"]) for x in f.files], lay, n_experts, layouts, fmt, io_threads, ring, share)
 

@@ -31,7 +31,8 @@ from ..formats.errors import StreamoeError
 from .chat_output import ChatOutput
 from .chat_template import TemplateFailure
 from .constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
-from .engine import Engine, Options, plan_for
+from .door import SOCKET_BUFFER, socket_bytes
+from .engine import Engine, Options
 from .image import num_image_tokens
 from .image_prompt import image_config, prefill_images
 from .logprobs import TokenText
@@ -71,13 +72,15 @@ class ServeOptions:
 
     def requests_bytes(self, ctx: int, prompt_bytes: int) -> int:
         """The worst case of what admitted requests hold: each admitted request (and one whose client left
-        while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; one body
-        is parsed at a time (the event loop) and one prompt rendered and tokenized at a time (the prepare
-        thread), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`);
-        the running request's images are also files in memory (`image_files`), less than its body."""
+        while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; the
+        prepare thread parses one body or renders and tokenizes one prompt at a time (counted as if both at
+        once), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`); the
+        running request's images are also files in memory (`image_files`), less than its body; and every
+        connection's kernel socket buffers, bounded (`door.socket_bytes`)."""
         lim = self.limits
         kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx)
-        return kept + lim.parse_peak + PromptBound.render_peak(lim) + TOKENIZE_BYTES * prompt_bytes + lim.max_body
+        work = lim.parse_peak + PromptBound.render_peak(lim) + TOKENIZE_BYTES * prompt_bytes + lim.max_body
+        return kept + work + socket_bytes(self.max_connections)
 
 
 IDS_BYTES = 40  # a token id in a Python list: its pointer and its int object
@@ -244,7 +247,7 @@ class EngineWorker:
         self.token_text = TokenText(eng.text)
         self.bound = PromptBound(eng.text.tokenizer)
 
-    # ---- on the event loop: turn a request into a job (or an APIError)
+    # ---- on the server's prepare thread: turn a request into a job (or an APIError)
     def render(self, req: GenRequest) -> str:
         """The prompt as the template renders it, the request's text marked as text (see `chat_template`)."""
         if self.eng.text.template is None:
@@ -505,25 +508,15 @@ def image_files(images: list[bytes]):
 
 
 def open_engine(root: Path, opts: Options, so: ServeOptions) -> Engine:
-    """The engine with two more accounts in its plan: the prompt cache and the requests in flight. The hot
-    tier is sized by the engine from what its plan leaves, so they are given to it inside the runtime
-    allowance and then shown as accounts of their own."""
-    runtime = opts.runtime_bytes
-    note = None
-    if runtime is None:
-        measured = plan_for(root, opts)
-        runtime, note = measured.accounts["runtime"], measured.notes.get("runtime")
-    extra = {"prompt cache": so.prompt_cache_bytes, "requests": requests_bytes(so, root, opts.ctx)}
-    eng = Engine(root, dataclasses.replace(opts, runtime_bytes=runtime + sum(extra.values())))
-    acc = {k: v for k, v in eng.plan.accounts.items() if k != "runtime"}
-    eng.plan.accounts = {**acc, **extra, "runtime": runtime}
-    if note:
-        eng.plan.notes["runtime"] = note
-    eng.plan.notes["prompt cache"] = "snapshots of conversation state for repeated prompts, LRU"
-    eng.plan.notes["requests"] = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its "
-                                  f"client, each keeping at most {so.limits.max_kept / MiB:g} MiB; one body parsed "
-                                  "and one prompt tokenized at a time")
-    return eng
+    """The engine with two more accounts in its plan, fixed before its hot tier is sized: the prompt cache and
+    the requests in flight."""
+    requests = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its client, each keeping at "
+                f"most {so.limits.max_kept / MiB:g} MiB; one body parsed and one prompt tokenized at a time; "
+                f"{socket_bytes(so.max_connections) / MiB:g} MiB of kernel socket buffers ({SOCKET_BUFFER >> 10} KiB "
+                "each way a connection, doubled by the kernel)")
+    extra = (("prompt cache", so.prompt_cache_bytes, "snapshots of conversation state for repeated prompts, LRU"),
+             ("requests", requests_bytes(so, root, opts.ctx), requests))
+    return Engine(root, dataclasses.replace(opts, extra_accounts=opts.extra_accounts + extra))
 
 
 class Server:

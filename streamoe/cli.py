@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from .formats.config import FAMILIES
 from .formats.errors import StreamoeError
 
 if TYPE_CHECKING:
@@ -107,12 +108,25 @@ PREFILL_CHUNK = click.option("--prefill-chunk", type=PrefillChunk(), default="au
                                   "chunks and kernel calls of that many tokens.")
 
 
-def expert_list(ctx, param, value: str) -> list[str]:
-    """--experts for convert: a comma list of q4/q3, not empty, no unknown names."""
+def expert_list(ctx, param, value: str | None) -> list[str] | None:
+    """--experts for convert: a comma list of expert formats, not empty, no unknown names (None: the checkpoint's)."""
+    from .formats.layout import FORMATS
+
+    if value is None:
+        return None
     names = [f.strip() for f in value.split(",")]
-    if not value.strip() or any(n not in ("q4", "q3") for n in names):
-        raise click.BadParameter(f"{value!r}: give q4, q3 or q4,q3")
+    if not value.strip() or any(n not in FORMATS for n in names):
+        raise click.BadParameter(f"{value!r}: give q4, q3 or q4,q3 (affine exports), or mxfp4 (MXFP4 exports)")
     return list(dict.fromkeys(names))
+
+
+def expert_format(ctx, param, value: str | None) -> str | None:
+    """--experts for plan/run/serve: one expert format's name (None: the one the converted directory has)."""
+    from .formats.layout import FORMATS
+
+    if value is not None and value not in FORMATS:
+        raise click.BadParameter(f"{value!r} is not one of {', '.join(FORMATS)}")
+    return value
 
 
 def utf8_text(ctx, param, value: str | None) -> str | None:
@@ -149,13 +163,14 @@ def main() -> None:
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--family", type=click.Choice(["qwen3_5_moe", "qwen3_moe"]), default="qwen3_5_moe", show_default=True,
-              help="qwen3_5_moe: Qwen3.6-35B-A3B's export; qwen3_moe: Qwen3-30B-A3B's (text only).")
+@click.option("--family", type=click.Choice(FAMILIES), default="qwen3_5_moe", show_default=True,
+              help="The model family (model_type) whose mlx-community export to write: qwen3_5_moe Qwen3.6-35B-A3B, "
+                   "qwen3_moe Qwen3-30B-A3B, gpt_oss gpt-oss-20b (text only but the first).")
 @click.option("--size", type=click.Choice(["tiny", "small", "small-vocab", "full"]), default="tiny", show_default=True)
-@click.option("--variant", type=click.Choice(["qwen3.6", "qwen3.5", "qwen3", "qwen3-gate8"]), default=None,
-              help="qwen3_5_moe: qwen3.6 (default; 8-bit routers, bf16 A_log) or qwen3.5 (4-bit routers, f32 A_log); "
-                   "qwen3_moe: qwen3 (default; every module 4-bit, as mlx-community ships it) or qwen3-gate8 "
-                   "(8-bit routers, as today's mlx-lm converts it).")
+@click.option("--variant", default=None,
+              help="An export variant of the family (default: its first): qwen3_5_moe qwen3.6 (8-bit routers, bf16 "
+                   "A_log) or qwen3.5; qwen3_moe qwen3 (every module 4-bit) or qwen3-gate8 (8-bit routers); gpt_oss "
+                   "mxfp4-q8 (MXFP4 experts, the rest 8-bit) or mxfp4-q4.")
 @click.option("--text-only", is_flag=True, help="Write an mlx-lm style text-only export (no vision tower).")
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
 @click.option("--shard-mb", type=Finite(min=0.001, max=1 << 30), default=None, help="Shard cap in MiB (default: 5 GiB, as mlx-vlm).")
@@ -174,8 +189,9 @@ def synth(out: Path, family: str, size: str, variant: str | None, text_only: boo
 @main.command()
 @click.argument("ckpt", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--experts", default="q4", show_default=True, callback=expert_list,
-              help="Expert formats to write: q4, q3 or q4,q3.")
+@click.option("--experts", default=None, callback=expert_list,
+              help="Expert formats to write: q4, q3 or q4,q3 (4-bit affine exports), mxfp4 (MXFP4 exports). "
+                   "Default: the format the checkpoint holds (q4, or mxfp4).")
 @click.option("--force", is_flag=True, help="Replace an earlier streamoe conversion in OUT (never other files).")
 @user_errors
 def convert(ckpt: Path, out: Path, experts: list[str], force: bool) -> None:
@@ -210,16 +226,16 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
         raise StreamoeError(f"{bad['detail']}")
 
 
-def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str, runtime_mib: int | None = None,
-                     prefill_chunk: int | str = "auto", rank: int = 0, ranks: int = 1):
-    """A plan from a bare config.json, before any download or conversion."""
+def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: str, dtype: str,
+                     runtime_mib: int | None = None, prefill_chunk: int | str = "auto", rank: int = 0, ranks: int = 1):
+    """A plan from a bare config.json, before any download or conversion (`experts` None: the format its checkpoint
+    holds, as `convert` writes it by default)."""
     from .convert.source import read_json
-    from .formats.config import ModelArgs
+    from .formats.config import ModelArgs, is_expert_tensor
     from .formats.dtypes import itemsize
     from .formats.export import tensor_table
-    from .formats.layout import FORMAT_BITS
+    from .formats.layout import format_layout, source_layout
     from .formats.limits import check_config_sizes
-    from .formats.record import RecordLayout
     from .formats.safetensors import tensor_nbytes
     from .runtime.plan import GiB, Options, kv_format, native_context, plan_with_limits, slot_bytes
     from .runtime.weights import resident_bytes
@@ -229,9 +245,11 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
     args = ModelArgs.from_config(config, path)
     try:
         table = tensor_table(config)
-        lay = RecordLayout.make(args.hidden_size, args.moe_intermediate_size, FORMAT_BITS[experts], args.expert_quant(0)[1])
+        experts = experts or args.expert_format
+        lay = format_layout(experts, source_layout(args))
         nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
-                                    if ".switch_mlp." not in name and not name.startswith("vision_tower.")), itemsize(dtype))
+                                    if not is_expert_tensor(name, args.model_type) and not name.startswith("vision_tower.")),
+                                   itemsize(dtype))
         return plan_with_limits(native_context(config), args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts,
                          stride=lay.stride, slot=slot_bytes(lay, dtype),
                          nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(Options(kv=kv, dtype=dtype)),
@@ -246,7 +264,9 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str, kv: str, dt
 COMMON = [
     click.option("--cap", type=Finite(min=0, min_open=True, max=1 << 20), default=4.0, show_default=True, help="Memory cap in GiB."),
     click.option("--ctx", type=click.IntRange(min=1, max=1 << 31), default=4096, show_default=True, help="Context length to plan for."),
-    click.option("--experts", type=click.Choice(["q4", "q3"]), default="q4", show_default=True),
+    click.option("--experts", default=None, callback=expert_format,
+                 help="Expert format to run: q4, q3 or mxfp4 (default: the one the converted directory has; q4 "
+                      "where it has q4 and q3; a bare config.json: the one its checkpoint holds)."),
     click.option("--kv", type=click.Choice(["auto", "float32", "bfloat16", "float16", "q8", "q4"]), default="auto",
                  show_default=True, help="KV cache format: a float dtype (auto: the compute dtype), or 8-/4-bit affine codes "
                                          "in groups of 64 (q8, q4), attention scored on the codes."),
@@ -477,8 +497,13 @@ def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str |
           log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
     from .runtime.openai_api import Limits
+    from .runtime.ranks import find_group
     from .runtime.server import serve as run_server
     from .runtime.worker import ServeOptions
+
+    if find_group() is not None:  # each rank would serve a whole model of its own: refused, not half-done
+        raise StreamoeError("serve across ranks (mlx.launch) is not supported yet: serve on one host, or use "
+                            "`streamoe run` across ranks")
 
     limits = Limits(max_body=int(max_body_mib * (1 << 20)), max_image_bytes=int(max_image_mib * (1 << 20)),
                     max_images=0 if no_images else max_images)

@@ -99,7 +99,7 @@ def test_record_segments_are_aligned_to_their_item_size(h, i, bits, group, scale
 
 
 def test_layout_detection_from_size(tmp_path):
-    lays = record_layouts(2048, 512, 64)
+    lays = record_layouts(RecordLayout.make(2048, 512, 4, 64))
     assert detect_format("f", 256 * 1_769_472, 256, lays) == "q4"
     assert detect_format("f", 256 * 1_376_256, 256, lays) == "q3"
     with pytest.raises(StreamoeError, match=r"f: size 12345 bytes matches no expert layout; expected 452984832 \(q4\), 352321536 \(q3\)"):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -152,8 +154,10 @@ def bad_images(d: Path) -> list[tuple[Path, str]]:
     Image.new("RGB", (64, 64), "red").save(good)
     data = good.read_bytes()
     (d / "trunc.png").write_bytes(data[: len(data) // 2])
-    huge = d / "huge.png"  # a 60000x60000 header: refused before any pixel is decoded
-    Image.new("1", (60000, 60000)).save(huge, optimize=True)
+    huge = d / "huge.png"  # a 60000x60000 header over a few pixels: refused before any pixel is decoded
+    ihdr = data[12:29]  # b"IHDR" + width, height, depth, colour, ... as the good file has them
+    ihdr = ihdr[:4] + struct.pack(">II", 60000, 60000) + ihdr[12:]
+    huge.write_bytes(data[:12] + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + data[33:])
     return [(d / "text.png", "not"), (d / "empty.png", "empty"), (d / "trunc.png", "truncated"), (huge, "pixels"),
             (d / "missing.png", "no such file")]
 

@@ -26,7 +26,6 @@ from mlx_lm.utils import quantize_model
 
 from streamoe.formats.config import PREFIX, ModelArgs
 from streamoe.formats.errors import StreamoeError
-from streamoe.formats.record import ExpertWeights
 from streamoe.runtime.models import family, forward
 from streamoe.runtime.models.delta_rule import gated_delta_chunked, gated_delta_loop
 from streamoe.runtime.models.kernels import MRoPE, ResidentExperts, combine, switch_glu, text_positions
@@ -364,10 +363,10 @@ def test_switch_glu_matches_mlx_lm_per_expert(tiny):
     x = mx.random.normal((5, 64), key=mx.random.key(3))
     for layer in (0, 3):
         switch = tiny.ref.language_model.model.layers[layer].mlp.switch_mlp
-        parts, bits, group = tiny.experts.layers[layer]
+        weights = tiny.experts.layers[layer]
         for e in range(tiny.args.num_experts):
             idx = mx.full((5, 1), e, dtype=mx.uint32)
-            got = switch_glu(x, ExpertWeights(*parts), idx, bits, group)[:, 0]
+            got = switch_glu(x, weights, idx, tiny.experts.kernel)[:, 0]
             assert rel_diff(got, switch(x, idx)[:, 0]) <= 1e-6, (layer, e)
 
 

@@ -213,7 +213,7 @@ def test_bad_variant_and_family(tmp_path):
      "rope_scaling type 'yarn' is not supported"),
     ({"mlp_only_layers": [1]}, "dense MLP layers"),
     ({"use_sliding_window": True}, "use_sliding_window = true is not supported"),
-    ({"model_type": "gpt_oss"}, "unsupported model_type 'gpt_oss'"),
+    ({"model_type": "deepseek_v3"}, "unsupported model_type 'deepseek_v3'"),
 ])
 def test_configs_it_cannot_run_are_refused(tmp_path, change, needle):
     cfg = tmp_path / "config.json"

@@ -7,7 +7,9 @@ at a 1,024 file limit, and the cap held in a cgroup through all of it with greed
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import re
 import socket
 import struct
 import subprocess
@@ -169,7 +171,8 @@ def health_ms(server) -> float:
 
 def test_bodies_are_admitted_before_they_are_read(server):
     """3 admitted (2 queued + 1 running) stall mid-body; the next 100 are refused before sending a byte of
-    theirs; the stalled ones end in 408 at the body deadline, and the server answers again."""
+    theirs, and one sending a large body reads its refusal; the stalled ones end in 408 at the body deadline,
+    and the server answers again."""
     stalled = [raw_head(server.port, 400_000, body=b'{"prompt": "') for _ in range(3)]
     time.sleep(0.3)
     refused = [raw_head(server.port, 400_000) for _ in range(100)]  # their bodies are never sent
@@ -180,6 +183,10 @@ def test_bodies_are_admitted_before_they_are_read(server):
         assert json.loads(body)["error"]["code"] == "queue_full"
         s.close()
     ms.append(health_ms(server))
+    # a client still sending a body larger than the socket buffers reads its 503 (the server reads the rest
+    # of the body and drops it before closing), not a reset connection
+    r = post(server, "/v1/completions", {"prompt": "a" * 400_000, "max_tokens": 1})
+    assert r.status == 503 and r.json()["error"]["code"] == "queue_full", r.text
     for s in stalled:
         status, _, body = answer(s, timeout=10)
         assert status == 408 and json.loads(body)["error"]["code"] == "body_timeout"
@@ -272,9 +279,11 @@ def hostile_round(server) -> None:
     """One of each class, bounded: stalled bodies, queued inflating bodies, oversized prompts, idle sockets."""
     stalled = [raw_head(server.port, 500_000, body=b'{"prompt": "') for _ in range(200)]
     idle = idle_sockets(server.port, 300)
-    for _ in range(4):
-        post(server, "/v1/completions", b'{"prompt": "hi", "x": [' + b",".join([b"{}"] * 60_000) + b"]}")
-        post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "def " * 120_000}]})
+    for _ in range(4):  # refused, or (more lingering answers than the server reads bodies for) reset
+        with contextlib.suppress(ConnectionError):
+            post(server, "/v1/completions", b'{"prompt": "hi", "x": [' + b",".join([b"{}"] * 60_000) + b"]}")
+        with contextlib.suppress(ConnectionError):
+            post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "def " * 120_000}]})
     for sock in stalled + idle:
         sock.close()
 
@@ -383,3 +392,139 @@ def test_the_shape_check_counts_outside_strings_only():
             assert depth <= limits.max_depth and values <= limits.max_values, (raw, values, depth)
 
     check()
+
+
+# ---- the connections: heads bounded in size and time, kernel socket buffers bounded and planned
+
+def test_a_head_over_the_limit_is_a_431_and_the_server_stays_up(server):
+    from streamoe.runtime.door import MAX_HEAD_BYTES
+
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * MAX_HEAD_BYTES)
+    status, headers, body = answer(s)
+    s.close()
+    assert status == 431 and json.loads(body)["error"]["code"] == "head_too_large", (status, body)
+    assert fetch(server.url + "/health").status == 200
+
+
+def test_every_head_has_its_deadline(server):
+    """--head-timeout 1: a head that stops half way is closed unanswered, on a new connection and on a kept-alive
+    one after its first answer."""
+    fresh = socket.create_connection(("127.0.0.1", server.port))
+    fresh.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    kept = socket.create_connection(("127.0.0.1", server.port))
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert answer(kept)[0] == 200
+    kept.sendall(b"GET /health HTTP/1.1\r\n")
+    for s in (fresh, kept):
+        s.settimeout(10)
+        assert s.recv(65536) == b""  # closed, nothing answered
+        s.close()
+
+
+@contextlib.contextmanager
+def guarded_uvicorn(max_head_bytes: int, head_timeout_s: float = 1.0):
+    """uvicorn on uvloop with the server's guarded protocol (a small head bound) in this process, before an
+    app that reads each body and answers `ok`; yields its port."""
+    import threading
+
+    import uvicorn
+
+    from streamoe.runtime.door import guarded_protocol
+
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, http=guarded_protocol(64, head_timeout_s, max_head_bytes), loop="uvloop",
+                            log_level="error", lifespan="off", timeout_keep_alive=30)
+    http = uvicorn.Server(config)
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        http.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def test_a_pipelined_head_counts_from_its_own_first_byte():
+    """A request with a 2 KB body, then the next one's head split across two sends, at a 1 KiB head bound: the
+    data that carried the body is not counted against the second head (two answers, no 431); a head of
+    over 1 KiB is refused; a blank line between requests begins none but gets a head deadline."""
+    with guarded_uvicorn(1024) as port:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 2000\r\n\r\n" + b"a" * 2000
+                  + b"GET / HTTP/1.1\r\nHost: h\r\n")
+        time.sleep(0.2)
+        s.sendall(b"X-Pad: 1\r\n\r\n")
+        s.settimeout(10)
+        data = b""
+        while data.count(b"ok") < 2:
+            data += s.recv(65536)
+        s.sendall(b"\r\n")  # kept alive for 30 s, but bytes that begin no request have the 1 s head deadline
+        s.settimeout(5)
+        closed = s.recv(65536) == b""
+        s.close()
+        big = socket.create_connection(("127.0.0.1", port))
+        big.sendall(b"GET / HTTP/1.1\r\nHost: h\r\nX-Pad: " + b"a" * 1024)
+        status = answer(big)[0]
+        big.close()
+    assert data.count(b"HTTP/1.1 200") == 2 and b" 431 " not in data, data[:300]
+    assert closed and status == 431
+
+
+def test_accepted_sockets_inherit_the_bounded_buffers():
+    from streamoe.runtime.door import SOCKET_BUFFER, bound_socket_buffers
+
+    with socket.socket() as ls:
+        held = bound_socket_buffers(ls)
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(1)
+        with socket.create_connection(ls.getsockname()) as c:
+            conn, _ = ls.accept()
+            c.setblocking(False)
+            c.send(b"x" * (1 << 20))  # more than the buffers hold: the kernel must not grow them
+            time.sleep(0.1)
+            with conn:
+                bufs = [conn.getsockopt(socket.SOL_SOCKET, o) for o in (socket.SO_RCVBUF, socket.SO_SNDBUF)]
+    assert bufs == [2 * SOCKET_BUFFER] * 2 and held == 4 * SOCKET_BUFFER
+
+
+def test_the_requests_account_holds_every_connections_socket_buffers(conv):
+    from streamoe.runtime.door import LISTEN_BACKLOG, SOCKET_BUFFER, socket_bytes
+    from streamoe.runtime.worker import ServeOptions, requests_bytes
+
+    few, many = (requests_bytes(ServeOptions("t", max_connections=n), conv, CTX) for n in (16, 512))
+    assert many - few == (512 - 16) * 4 * SOCKET_BUFFER  # both buffers, doubled by the kernel
+    assert few - requests_bytes(ServeOptions("t", max_connections=0), conv, CTX) == 16 * 4 * SOCKET_BUFFER
+    assert socket_bytes(0) == LISTEN_BACKLOG * 2 * SOCKET_BUFFER  # the queue's: what each has received
+
+
+def test_the_servers_connections_have_the_bounded_buffers(server):
+    """What the kernel holds for the server's end of a connection (ss -tm: rb, tb) is the bounded size, also
+    for a client sending far more than it reads; the listen queue is the planned one."""
+    import shutil
+
+    from streamoe.runtime.door import LISTEN_BACKLOG, SOCKET_BUFFER
+
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2)")
+    s = raw_head(server.port, 400_000, body=b'{"prompt": "' + b"a" * 200_000)
+    time.sleep(0.3)
+    out = subprocess.run(["ss", "-tmnH", "state", "established", f"( sport = :{server.port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    s.close()
+    mem = [dict(re.findall(r"(rb|tb)(\d+)", ln)) for ln in out.split("skmem:")[1:]]
+    assert mem and all(m == {"rb": str(2 * SOCKET_BUFFER), "tb": str(2 * SOCKET_BUFFER)} for m in mem), out
+    # the listen queue (ss: its Send-Q) as deep as asked, within the kernel's cap
+    listening = subprocess.run(["ss", "-ltnH", f"( sport = :{server.port} )"], capture_output=True, text=True,
+                               check=True).stdout.split()
+    assert int(listening[2]) == min(LISTEN_BACKLOG, int(Path("/proc/sys/net/core/somaxconn").read_text())), listening

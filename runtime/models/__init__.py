@@ -1,7 +1,7 @@
 """Model families, one module each, chosen by the checkpoint's `model_type` as mlx-lm chooses its models/*.py;
 built from the kernel library (`kernels.py`, `delta_rule.py`) and the per-layer caches (`cache.py`).
 
-A family module exposes `Model(args, weights, dtype, streams=())`: `args` the checkpoint's
+A family module, `<model_type>.py`, exposes `Model(args, weights, dtype, streams=())`: `args` the checkpoint's
 `formats.config.ModelArgs`, `weights` every non-routed-expert tensor by its export name (those it uses are
 taken out of the dict), floats cast once to `dtype`, `streams` the CPU streams its projections split over
 (`kernels.cpu_streams`; it hands them on as `Model.streams`). The routed experts are not the model's: every MoE block calls an experts provider
@@ -24,22 +24,22 @@ and the experts provider use of a `Model`:
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 import mlx.core as mx
 
+from ...formats.config import FAMILIES
 from ...formats.errors import StreamoeError
-from . import qwen3_5_moe, qwen3_moe
 from .cache import KVCache
-
-FAMILIES: dict[str, ModuleType] = {"qwen3_5_moe": qwen3_5_moe, "qwen3_moe": qwen3_moe}
 
 
 def family(model_type: str) -> ModuleType:
-    """The module of the family `model_type` names."""
+    """The module of the family `model_type` names: `runtime/models/<model_type>.py`, for every model_type whose
+    config facts `formats.config.FAMILIES` lists (a new family is its file here, nothing to register)."""
     if model_type not in FAMILIES:
         raise StreamoeError(f"model_type {model_type!r} is not a family streamoe runs (it runs: {', '.join(sorted(FAMILIES))})")
-    return FAMILIES[model_type]
+    return importlib.import_module(f"{__name__}.{model_type}")
 
 
 def forward(

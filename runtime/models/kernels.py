@@ -14,6 +14,8 @@ live, so a family built from them gives bit-identical results at every cap.
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -22,7 +24,8 @@ import numpy as np
 
 from ...formats.config import ModelArgs
 from ...formats.errors import StreamoeError
-from ...formats.record import ExpertWeights
+from ...formats.layout import source_layout
+from ...formats.record import ExpertWeights, RecordLayout
 from .cache import KV_GROUP, KVCache
 
 # --------------------------------------------------------------------------------------------------
@@ -59,8 +62,9 @@ def cpu_streams(n: int) -> Streams:
 
 
 class QLinear(NamedTuple):
-    """An affine-quantized linear layer without bias: y = x @ dequantize(weight).T, its output rows split over
-    `streams` (`cpu_streams`) where it is large."""
+    """An affine-quantized linear layer: y = x @ dequantize(weight).T (+ bias, where the layer has one, added after
+    the matmul as mlx-lm's QuantizedLinear adds it), its output rows split over `streams` (`cpu_streams`) where it
+    is large."""
 
     weight: mx.array
     scales: mx.array
@@ -68,8 +72,13 @@ class QLinear(NamedTuple):
     bits: int
     group_size: int
     streams: Streams = ()
+    bias: mx.array | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
+        y = self._matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: mx.array) -> mx.array:
         rows = self.weight.shape[0]
         if x.size >= BLAS_TOKENS * x.shape[-1] and mx.default_device() == mx.cpu:
             return self._blas(x)
@@ -109,7 +118,8 @@ class Projections:
     product whichever matrix holds it, so results do not change; decode is launch-bound on GPUs, and every
     projection fused is a kernel and a graph node fewer per layer."""
 
-    def __init__(self, ld: Loader, modules: list[tuple[str, int]], in_dims: int):
+    def __init__(self, ld: Loader, modules: list[tuple[str, int]], in_dims: int, bias: bool = False):
+        """`bias`: each module has its own bias (`{module}.bias`), concatenated as its rows are."""
         groups: dict[tuple[int, int], list[int]] = {}
         for j, (module, _) in enumerate(modules):
             groups.setdefault(ld.args.quant_params(module), []).append(j)
@@ -117,8 +127,9 @@ class Projections:
         for g, members in enumerate(groups.values()):
             parts = [ld.quantized(modules[j][0], modules[j][1], in_dims) for j in members]
             w, s, b = (mx.concatenate([q[n] for q in parts]) if len(parts) > 1 else parts[0][n] for n in range(3))
-            mx.eval(w, s, b)  # now, so the parts are freed as the load goes on
-            self.linears.append(QLinear(w, s, b, *parts[0][3:], ld.streams))
+            y_bias = mx.concatenate([ld.float(f"{modules[j][0]}.bias", (modules[j][1],)) for j in members]) if bias else None
+            mx.eval(w, s, b, *([y_bias] if bias else []))  # now, so the parts are freed as the load goes on
+            self.linears.append(QLinear(w, s, b, *parts[0][3:], ld.streams, y_bias))
             for n, j in enumerate(members):
                 self.where[j] = (g, n)
         self.cuts = [np.cumsum([modules[j][1] for j in members])[:-1].tolist() for members in groups.values()]
@@ -192,8 +203,10 @@ class Loader:
                 raise StreamoeError(f"{name}: dtype {arr.dtype} is not floating point")
         return w, s.astype(self.dtype), b.astype(self.dtype), bits, group
 
-    def linear(self, module: str, out_dims: int, in_dims: int) -> QLinear:
-        return QLinear(*self.quantized(module, out_dims, in_dims), self.streams)
+    def linear(self, module: str, out_dims: int, in_dims: int, bias: bool = False) -> QLinear:
+        """A quantized linear layer, with its bias (`{module}.bias`, [out_dims]) where `bias`."""
+        b = self.float(f"{module}.bias", (out_dims,)) if bias else None
+        return QLinear(*self.quantized(module, out_dims, in_dims), self.streams, b)
 
     def embedding(self, module: str, vocab: int, dims: int) -> QEmbedding:
         return QEmbedding(*self.quantized(module, vocab, dims))
@@ -295,6 +308,44 @@ class RoPE:
         return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=self.scale, offset=rot)
 
 
+class YarnRoPE:
+    """RoPE with YaRN scaling (gpt-oss) as mlx-lm's `YarnRoPE` computes it: per-frequency interpolation between the
+    extrapolated (`base^(2i/d)`) and interpolated (`factor` times that) wavelengths over a linear ramp between the
+    correction dims of `beta_fast` and `beta_slow` rotations (floor and ceil, clipped to the head), the frequencies
+    given to `mx.fast.rope`, and the rotated dims scaled by the attention factor `mscale` (0.1·ln(factor) + 1 over
+    the same for `mscale_all_dim`) before the rotation, in the same float32 operations."""
+
+    def __init__(self, dims: int, base: float, factor: float, original: float, beta_fast: float, beta_slow: float,
+                 mscale: float = 1.0, mscale_all_dim: float = 0.0):
+        def correction_dim(rotations: float) -> float:
+            return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        def attention_factor(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+        if low == high:
+            high += 0.001  # a ramp of width zero would divide by zero
+        ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+        extrapolated = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        interpolated = factor * extrapolated
+        keep = 1.0 - ramp  # 1: the dims whose wavelengths stay as trained
+        self.freqs = (interpolated * extrapolated) / (interpolated * keep + extrapolated * (1 - keep))
+        self.mscale = attention_factor(mscale) / attention_factor(mscale_all_dim)
+        self.dims = dims
+        mx.eval(self.freqs)
+
+    def prepare(self, positions: int) -> int:
+        return positions
+
+    def __call__(self, x: mx.array, rot: int) -> mx.array:
+        """x [B, heads, L, head_dim], its first token at position `rot`."""
+        if self.mscale != 1.0:
+            x = x * self.mscale if self.dims == x.shape[-1] else x.at[..., : self.dims].multiply(self.mscale)
+        return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=rot, freqs=self.freqs)
+
+
 # --------------------------------------------------------------------------------------------------
 # elementwise chains
 
@@ -307,6 +358,19 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 @gpu_compiled
 def sigmoid_gate(y: mx.array, gate: mx.array) -> mx.array:
     return y * mx.sigmoid(gate)
+
+
+def clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss's SwiGLU: the gate clamped from above at `limit`, the linear part into [-limit, limit] and shifted by
+    one, `(up + 1) * gate * sigmoid(alpha * gate)` (mlx-lm's `swiglu_oai`, in its operation order)."""
+
+    @gpu_compiled
+    def act(gate: mx.array, up: mx.array) -> mx.array:
+        gate = mx.minimum(gate, limit)
+        up = mx.clip(up, -limit, limit)
+        return (up + 1.0) * (gate * mx.sigmoid(alpha * gate))
+
+    return act
 
 
 # --------------------------------------------------------------------------------------------------
@@ -323,6 +387,21 @@ def score_rows(n_heads: int, n_keys: int, itemsize: int) -> int:
     return max(1, ATTN_SCORES_BYTES // (n_heads * n_keys * itemsize))
 
 
+def key_window(n_keys: int, n_queries: int, window: int) -> int:
+    """The first key any of the last `n_queries` positions of `n_keys` sees under a sliding `window` (each query
+    sees itself and the window - 1 keys before it); 0 without a window."""
+    return max(0, n_keys - n_queries - window + 1) if window else 0
+
+
+def visible(n_keys: int, first_query: int, n_queries: int, key_start: int, window: int) -> mx.array:
+    """[n_queries, n_keys - key_start] bool: query position first_query + i sees key key_start + j (causal, and
+    within the window where there is one)."""
+    q = mx.arange(first_query, first_query + n_queries)[:, None]
+    k = mx.arange(key_start, n_keys)[None]
+    mask = q >= k
+    return mask & (q < k + window) if window else mask
+
+
 def per_head(x: mx.array, codes: tuple, matmul) -> mx.array:
     """matmul(x[b, h], codes[.][b, h]) for every sequence b and KV head h, stacked back to [B, nkv, ...]."""
     B, nkv = x.shape[:2]
@@ -330,21 +409,27 @@ def per_head(x: mx.array, codes: tuple, matmul) -> mx.array:
     return mx.stack(rows)
 
 
-def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, bits: int) -> mx.array:
+def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, bits: int, window: int = 0,
+                        sinks: mx.array | None = None) -> mx.array:
     """Causal attention of q [B, nq, L, hd] over quantized keys/values ((codes, scales, biases), each
-    [B, nkv, N, ...]), scored on the codes with `mx.quantized_matmul` as mlx-lm's quantized SDPA does.
+    [B, nkv, N, ...]), scored on the codes with `mx.quantized_matmul` as mlx-lm's quantized SDPA does; a sliding
+    `window` reads only the keys it can see, and `sinks` [nq] add one logit per head to each softmax (its share of
+    the probability goes nowhere), as `mx.fast.scaled_dot_product_attention(sinks=)` computes them.
 
     The query heads that share a KV head are stacked as rows of one matmul ([rep * L, hd]) rather than
     broadcast against the codes, and the L query positions go a block at a time (`score_rows`), so what is
     materialized is one block's scores (and their softmax), not L x N x nq of them for a long prompt.
-    Each (sequence, KV head) is its own matmul: its live codes `[N, ...]` are a contiguous prefix of the
-    cache's rows, where the batched `[B, nkv, N, ...]` view is strided past the unused positions, and MLX's
+    Each (sequence, KV head) is its own matmul: its live codes `[N, ...]` (under a window, the last of them) are
+    a contiguous run of the cache's rows, where the batched `[B, nkv, N, ...]` view is strided past the unused positions, and MLX's
     CUDA kernels take only contiguous codes."""
     B, nq, L, D = q.shape
     nkv, N = keys[0].shape[1], keys[0].shape[2]
+    start = key_window(N, L, window)
+    if start:
+        keys, values = (tuple(a[:, :, start:] for a in kv) for kv in (keys, values))
     rep = nq // nkv
     q = (q * scale).reshape(B, nkv, rep, L, D)
-    rows = score_rows(nq, N, q.dtype.size)
+    rows = score_rows(nq, N - start, q.dtype.size)
     outs = []
     for a in range(0, L, rows):
         b = min(L, a + rows)
@@ -354,9 +439,14 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
         s = per_head(qb, keys, lambda x, c: mx.quantized_matmul(x, *c, transpose=True, group_size=KV_GROUP,
                                                                    bits=bits))
         if L > 1:  # query position a+i sits at key position N - L + a + i
-            mask = mx.arange(N - L + a, N - L + b)[:, None] >= mx.arange(N)[None]
-            s = mx.where(mask, s.reshape(B, nkv, rep, b - a, N), mx.finfo(s.dtype).min).reshape(s.shape)
+            mask = visible(N, N - L + a, b - a, start, window)
+            s = mx.where(mask, s.reshape(B, nkv, rep, b - a, N - start), mx.finfo(s.dtype).min).reshape(s.shape)
+        if sinks is not None:
+            sink = mx.broadcast_to(sinks.astype(s.dtype).reshape(1, nkv, rep, 1, 1), (B, nkv, rep, b - a, 1))
+            s = mx.concatenate([sink.reshape(B, nkv, rep * (b - a), 1), s], axis=-1)
         p = mx.softmax(s, axis=-1, precise=True)
+        if sinks is not None:
+            p = p[..., 1:]
         o = per_head(p, values, lambda x, c: mx.quantized_matmul(x, *c, transpose=False, group_size=KV_GROUP,
                                                                   bits=bits))
         outs.append(o.reshape(B, nkv, rep, b - a, D))
@@ -364,17 +454,28 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
     return out.reshape(B, nq, L, D)
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None, scale: float) -> mx.array:
+def attention(q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None, scale: float, window: int = 0,
+              sinks: mx.array | None = None) -> mx.array:
     """Causal attention of q [B, nq, L, hd] over the cache's keys and values once this call's k, v
     [B, nkv, L, hd] are stored: on the codes where the cache is quantized (`quantized_attention`), else MLX's
-    fused kernel, GQA handled by it. Returns [B, nq, L, hd]."""
+    fused kernel, GQA handled by it. A sliding `window` (each query sees itself and the window - 1 positions
+    before it) is a mask over positions of the same cache: only the keys some query of the call can see are read
+    (a decode step's last `window`), the rest masked out; `sinks` [nq] are per-head logits joining each softmax
+    (gpt-oss). Returns [B, nq, L, hd]."""
     L = q.shape[2]
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
     if cache is not None and cache.bits:
-        return quantized_attention(q, k, v, scale, cache.bits)
+        return quantized_attention(q, k, v, scale, cache.bits, window, sinks)
+    N = k.shape[2]
+    start = key_window(N, L, window)
+    if start:
+        k, v = k[:, :, start:], v[:, :, start:]
     # causal: query i sits at key position (n_keys - L + i)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if L > 1 else None)
+    mask = "causal" if L > 1 else None
+    if window and L > 1 and N > window:  # some query of the call has keys behind its window
+        mask = visible(N, N - L, L, start, window)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,31 +496,58 @@ def route(logits: mx.array, k: int, norm_topk: bool) -> tuple[mx.array, mx.array
     return inds.astype(mx.uint32), scores
 
 
-def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, bits: int, group_size: int,
+def route_topk_softmax(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """Top-k experts picked on the router's logits, then a softmax over those k (gpt-oss): (inds [..., k] uint32,
+    scores [..., k]) in the order `argpartition` leaves them, as mlx-lm's `mlx_topk` and its precise softmax."""
+    inds = mx.argpartition(logits, kth=-k, axis=-1)[..., -k:]
+    scores = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
+    return inds.astype(mx.uint32), scores
+
+
+class ExpertKernel(NamedTuple):
+    """How a model's routed experts compute: their codes (`bits`, `group_size`, `mode`: affine or mxfp4, as
+    `gather_qmm` takes them) and the GLU's activation `act(gate, up)`."""
+
+    bits: int
+    group_size: int
+    mode: str = "affine"
+    act: Callable[[mx.array, mx.array], mx.array] = swiglu
+
+
+def expert_kernel(lay: RecordLayout, args: ModelArgs) -> ExpertKernel:
+    """The kernel of `args`' experts stored as `lay`: SwiGLU, or gpt-oss's clamped one (`swiglu_limit`)."""
+    act = clamped_swiglu(args.swiglu_alpha, args.swiglu_limit) if args.swiglu_limit else swiglu
+    return ExpertKernel(lay.bits, lay.group_size, lay.mode, act)
+
+
+def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKernel,
                streams: Streams = ()) -> mx.array:
-    """Routed experts for tokens x [N, H] picked as `slots` [N, k] into stacked weights (each of w's nine
-    arrays is [S, ...]): down(silu(gate(x)) * up(x)) per (token, pick) -> [N, k, H], three `gather_qmm`
-    calls in all. On the CPU backend the picks are split over `streams` (`cpu_streams`, one core each); every
-    (token, pick) row is computed by the same kernel whatever the split, so results do not depend on it. Small
-    experts stay on one stream: below SPLIT_ROWS x 512 weights per matrix a stream hop costs more than it saves."""
+    """Routed experts for tokens x [N, H] picked as `slots` [N, k] into stacked weights (each of w's arrays is
+    [S, ...]): down(act(gate(x), up(x))) per (token, pick) -> [N, k, H], three `gather_qmm` calls in all, each
+    followed by its projection's bias where the experts have them. On the CPU backend the picks are split over
+    `streams` (`cpu_streams`, one core each); every (token, pick) row is computed by the same kernel whatever the
+    split, so results do not depend on it. Small experts stay on one stream: below SPLIT_ROWS x 512 weights per matrix a stream hop
+    costs more than it saves."""
     if not streams or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
-        return _switch_glu(x, w, slots, bits, group_size)
+        return _switch_glu(x, w, slots, kernel)
     k, n = slots.shape[-1], min(len(streams), slots.shape[-1])
     parts = []
     for j in range(n):
         with mx.stream(streams[j]):
-            parts.append(_switch_glu(x, w, slots[:, j * k // n:(j + 1) * k // n], bits, group_size))
+            parts.append(_switch_glu(x, w, slots[:, j * k // n:(j + 1) * k // n], kernel))
     return mx.concatenate(parts, axis=1)
 
 
-def _switch_glu(x, w, slots, bits, group_size):
-    def qmm(a, wq, s, b):
+def _switch_glu(x, w, slots, kernel: ExpertKernel):
+    def qmm(a, wq, s, b, bias):
         # scales/biases at x's dtype (the pools hold them so): mixed dtypes would cast the whole stacked array
-        return mx.gather_qmm(a, wq, s, b, rhs_indices=slots, transpose=True, group_size=group_size, bits=bits)
+        y = mx.gather_qmm(a, wq, s, b, rhs_indices=slots, transpose=True, group_size=kernel.group_size,
+                          bits=kernel.bits, mode=kernel.mode)
+        return y if bias is None else y + mx.expand_dims(bias[slots], -2)
 
     xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, H]: each token meets its k picks
-    h = swiglu(qmm(xe, w.gate_w, w.gate_s, w.gate_b), qmm(xe, w.up_w, w.up_s, w.up_b))
-    return qmm(h, w.down_w, w.down_s, w.down_b).squeeze(-2)
+    h = kernel.act(qmm(xe, w.gate_w, w.gate_s, w.gate_b, w.gate_bias), qmm(xe, w.up_w, w.up_s, w.up_b, w.up_bias))
+    return qmm(h, w.down_w, w.down_s, w.down_b, w.down_bias).squeeze(-2)
 
 
 def combine(outs: mx.array, scores: mx.array) -> mx.array:
@@ -435,38 +563,40 @@ def combine(outs: mx.array, scores: mx.array) -> mx.array:
 class ResidentExperts:
     """Reference expert provider: every layer's stacked expert tensors in memory.
 
-    `expert_tensors`: "{prefix}model.layers.N.mlp.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}" (the
-    family's `ModelArgs.prefix`: "language_model." for qwen3_5_moe), stacked [E, ...] as stored; scales and
-    biases are cast to `dtype` once. The picks run over `streams`."""
+    `expert_tensors`: "{experts module}.{gate,up,down}_proj.{part}" of every layer (`ModelArgs.experts_module`:
+    "language_model.model.layers.N.mlp.switch_mlp" for qwen3_5_moe, "model.layers.N.mlp.experts" for gpt_oss; the
+    parts of the family's expert record: weight, scales and biases, or MXFP4's weight and scales, and each
+    projection's bias where the family has one), stacked [E, ...] as stored; float arrays are cast to `dtype` once.
+    The picks run over `streams`."""
 
     def __init__(self, args: ModelArgs, expert_tensors: dict[str, mx.array], dtype=mx.float32, streams: Streams = ()):
         self.args, self.dtype, self.streams = args, dtype, streams
-        ld = Loader(args, expert_tensors, dtype)
-        H, inter, E = args.hidden_size, args.moe_intermediate_size, args.num_experts
+        lay = source_layout(args)
+        self.kernel = expert_kernel(lay, args)
+        E = args.num_experts
         self.layers = []
         for i in range(args.num_hidden_layers):
-            p = f"{args.prefix}model.layers.{i}.mlp.switch_mlp."
-            parts, quant = [], set()
-            for proj, (out_dims, in_dims) in (
-                ("gate_proj", (inter, H)),
-                ("up_proj", (inter, H)),
-                ("down_proj", (H, inter)),
-            ):
-                w, s, b, bits, group = ld.quantized(p + proj, out_dims, in_dims)
-                if w.shape[0] != E:
-                    raise StreamoeError(f"{p}{proj}.weight: {w.shape[0]} experts, config says {E}")
-                parts += [w, s, b]
-                quant.add((bits, group))
-            if len(quant) != 1:
-                raise StreamoeError(f"{p}: gate/up/down quantized differently: {sorted(quant)}")
-            mx.eval(parts)
-            self.layers.append((parts, *quant.pop()))
+            p = args.experts_module(i)
+            arrays = []
+            for seg in lay.segments:
+                name = f"{p}.{seg.proj}.{seg.part}"
+                if name not in expert_tensors:
+                    raise StreamoeError(f"missing tensor {name}")
+                a = expert_tensors[name]
+                if tuple(a.shape) != (E, *seg.shape):
+                    raise StreamoeError(f"{name}: shape {tuple(a.shape)}, expected {(E, *seg.shape)} "
+                                        f"({lay.bits}-bit {lay.mode}, group {lay.group_size}, {E} experts)")
+                stored = mx.uint32 if seg.part == "weight" else mx.uint8 if seg.dtype == "U8" else None
+                if (a.dtype != stored) if stored is not None else not mx.issubdtype(a.dtype, mx.floating):
+                    raise StreamoeError(f"{name}: dtype {a.dtype}, expected {stored or 'a float dtype'}")
+                arrays.append(a if stored is not None else a.astype(dtype))
+            mx.eval(arrays)
+            self.layers.append(lay.weights(arrays))
 
     def __call__(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
         """Layer i's picks' outputs [..., k, H] (router-rank order) for x [..., H] and inds [..., k] from `route`."""
-        parts, bits, group = self.layers[i]
         shape, k = x.shape, inds.shape[-1]
-        y = switch_glu(x.reshape(-1, shape[-1]), ExpertWeights(*parts), inds.reshape(-1, k), bits, group, self.streams)
+        y = switch_glu(x.reshape(-1, shape[-1]), self.layers[i], inds.reshape(-1, k), self.kernel, self.streams)
         return y.reshape(*shape[:-1], k, shape[-1])
 
 
@@ -527,10 +657,12 @@ def weight_arrays(obj) -> list[mx.array]:
     evaluates once at load."""
     if isinstance(obj, mx.array):
         return [obj]
-    if isinstance(obj, QLinear | QEmbedding):
+    if isinstance(obj, QLinear):
+        return [*obj[:3], *([obj.bias] if obj.bias is not None else [])]
+    if isinstance(obj, QEmbedding):
         return list(obj[:3])
     if isinstance(obj, Projections):
-        return [a for lin in obj.linears for a in lin[:3]]
+        return [a for lin in obj.linears for a in weight_arrays(lin)]
     if isinstance(obj, list | tuple):
         return [a for v in obj for a in weight_arrays(v)]
     if hasattr(obj, "__dict__"):

@@ -1,0 +1,161 @@
+"""gpt-oss language model (`model_type` gpt_oss: gpt-oss-20b, mlx-community's MXFP4 exports).
+
+Every layer is the same two halves, each behind an RMSNorm and a residual: grouped-query attention with biases
+on q, k, v and o, RoPE with YaRN scaling, and one learned sink logit per head that joins every softmax (so a head
+can attend to nothing); layers alternate sliding-window attention (each query sees itself and the `sliding_window`
+- 1 positions before it) and full attention, as `layer_types` says. Then the MoE block: a router with a bias picks
+the top-k experts on its logits and a softmax over those k weighs them; each expert is a GLU with biases on gate,
+up and down and the clamped SwiGLU `(clip(up, ±7) + 1) * g * sigmoid(1.702 g)`, g = min(gate, 7); no shared
+expert. Tensors are named as mlx-lm's export names them: `model.embed_tokens`, `model.norm`,
+`model.layers.N.self_attn.{sinks, q_proj, k_proj, v_proj, o_proj}`, `model.layers.N.mlp.router`,
+`model.layers.N.{input,post_attention}_layernorm`, `lm_head`; `model.layers.N.mlp.experts.*` (MXFP4 codes, uint8
+scales, biases) are the routed experts, which the experts provider holds.
+
+A sliding layer keeps a full-length KV cache like a full one (the window is a mask over its positions, and only
+the keys inside it are read), so sessions, snapshots and the plan treat every layer alike.
+
+Numerics as mlx-lm's `gpt_oss.py` in the same dtype (the routed picks are summed left to right in rank order,
+`kernels.combine`, where mlx-lm reduces them in one sum).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ...formats.config import SLIDING, ModelArgs
+from ...formats.errors import StreamoeError
+from .cache import KVCache, QuantizedKVCache
+from .kernels import (
+    Loader,
+    Projections,
+    RoPE,
+    Streams,
+    YarnRoPE,
+    attention,
+    combine,
+    gpu_compiled,
+    route_topk_softmax,
+    run_layers,
+    weight_arrays,
+)
+
+
+@gpu_compiled
+def _moe_out(h: mx.array, outs: mx.array, scores: mx.array) -> mx.array:
+    """h + the picks' outputs outs [..., k, H] combined by their scores: one kernel on GPUs."""
+    return h + combine(outs, scores)
+
+
+class Attention:
+    """Grouped-query attention with biased projections, YaRN RoPE, per-head sinks and an optional sliding window."""
+
+    def __init__(self, args: ModelArgs, ld: Loader, p: str, window: int):
+        H = args.hidden_size
+        self.nq, self.nkv, self.hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale, self.window = args.head_dim**-0.5, window
+        self.sinks = ld.float(f"{p}sinks", (self.nq,))
+        self.qkv_proj = Projections(ld, [(f"{p}q_proj", self.nq * self.hd), (f"{p}k_proj", self.nkv * self.hd),
+                                         (f"{p}v_proj", self.nkv * self.hd)], H, bias=True)
+        self.o_proj = ld.linear(f"{p}o_proj", H, self.nq * self.hd, bias=True)
+
+    def __call__(self, x: mx.array, cache: KVCache | None, rope, rot: int) -> mx.array:
+        B, L, _ = x.shape
+        q, k, v = self.qkv_proj(x)
+        q = q.reshape(B, L, self.nq, self.hd).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.nkv, self.hd).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.nkv, self.hd).transpose(0, 2, 1, 3)
+        out = attention(rope(q, rot), rope(k, rot), v, cache, self.scale, self.window, self.sinks)
+        return self.o_proj(out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class SparseMoe:
+    """The MoE block: the router (with its bias) picks the top-k experts by logit, a softmax over the k weighs
+    them, and an experts provider computes them (it owns where their weights live)."""
+
+    def __init__(self, args: ModelArgs, ld: Loader, p: str):
+        self.k = args.num_experts_per_tok
+        self.router = ld.linear(f"{p}router", args.num_experts, args.hidden_size, bias=True)
+
+    def __call__(self, i: int, x: mx.array, experts, residual: mx.array) -> mx.array:
+        return self.finish(i, x, experts, residual, *self.route(x))
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(inds, scores) of x's picks, router-rank order."""
+        return route_topk_softmax(self.router(x), self.k)
+
+    def finish(self, i: int, x: mx.array, experts, residual: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
+        """residual + the routed experts' combination."""
+        return _moe_out(residual, experts(i, x, inds), scores)
+
+
+class DecoderLayer:
+    """Attention (sliding-window or full) and the MoE block, each behind an RMSNorm and a residual."""
+
+    def __init__(self, args: ModelArgs, ld: Loader, i: int):
+        p = f"model.layers.{i}."
+        self.i, self.eps = i, args.rms_norm_eps
+        window = args.sliding_window if args.layer_types[i] == SLIDING else 0
+        self.self_attn = Attention(args, ld, f"{p}self_attn.", window)
+        self.mlp = SparseMoe(args, ld, f"{p}mlp.")
+        self.input_layernorm = ld.float(f"{p}input_layernorm.weight", (args.hidden_size,))
+        self.post_attention_layernorm = ld.float(f"{p}post_attention_layernorm.weight", (args.hidden_size,))
+
+    def mix(self, h: mx.array, cache: KVCache, rope, rot: int) -> tuple[mx.array, mx.array]:
+        """(h + attention(norm(h)), x): the residual stream after attention and the MoE block's input."""
+        h = h + self.self_attn(mx.fast.rms_norm(h, self.input_layernorm, self.eps), cache, rope, rot)
+        return h, mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
+
+    def __call__(self, h: mx.array, cache: KVCache, rope, rot: int, experts) -> mx.array:
+        h, x = self.mix(h, cache, rope, rot)
+        return self.mlp(self.i, x, experts, h)
+
+
+class Model:
+    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype: mx.Dtype = mx.float32,
+                 streams: Streams = ()):
+        """`weights`: every non-routed-expert tensor, keyed by its export name ("model.layers.0.self_attn.q_proj.
+        weight", ...), as stored; floats are cast once to `dtype`. The tensors used are taken out of the dict.
+        `streams`: the CPU streams the projections split their rows over (`kernels.cpu_streams`)."""
+        self.args, self.dtype, self.streams = args, dtype, streams
+        ld = Loader(args, weights, dtype, consume=True, streams=streams)
+        H, V = args.hidden_size, args.vocab_size
+        self.embed_tokens = ld.embedding("model.embed_tokens", V, H)
+        self.norm = ld.float("model.norm.weight", (H,))
+        self.layers = [DecoderLayer(args, ld, i) for i in range(args.num_hidden_layers)]
+        self.lm_head = ld.linear("lm_head", V, H)
+        self.rope = YarnRoPE(args.head_dim, args.rope_theta, *args.yarn) if args.yarn else RoPE(args.head_dim,
+                                                                                                 args.rope_theta)
+        mx.eval(weight_arrays([self.layers, self.embed_tokens, self.norm, self.lm_head]))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def make_cache(self, max_tokens: int, kv_dtype=mx.float32, batch: int = 1, kv_bits: int | None = None) -> list:
+        """A KV cache per layer, sliding ones included, preallocated to `max_tokens` (floats in `kv_dtype`, or
+        `kv_bits`-bit codes with `kv_dtype` scales and biases)."""
+        a = self.args
+        if kv_bits:
+            return [QuantizedKVCache(batch, a.num_key_value_heads, a.head_dim, max_tokens, kv_bits, dtype=kv_dtype)
+                    for _ in self.layers]
+        return [KVCache(batch, a.num_key_value_heads, a.head_dim, max_tokens, dtype=kv_dtype) for _ in self.layers]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """[B, L] token ids -> [B, L, H]: the rows of the quantized embedding, dequantized."""
+        return self.embed_tokens(tokens, self.dtype)
+
+    def layers_forward(self, h: mx.array, cache: list, positions: int, experts, step: int | None = None) -> mx.array:
+        """Every decoder layer over h [B, L, H] (`kernels.run_layers`); positions: the int position of h's first
+        token (text only)."""
+        if not isinstance(positions, int):
+            raise StreamoeError("gpt_oss is a text model: its positions are the tokens' indices, not image positions")
+        return run_layers(self.layers, h, cache, positions, self.rope, experts, step)
+
+    def router_logits(self, i: int, x: mx.array) -> mx.array:
+        return self.layers[i].mlp.router(x)
+
+    def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        return route_topk_softmax(logits, self.args.num_experts_per_tok)
+
+    def head(self, h: mx.array) -> mx.array:
+        return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps))
