@@ -138,7 +138,7 @@ def triangle_url(scratch: Path) -> str:
 def quarter_cap(model: Path, ctx: int, runtime_mib: int, cache_mib: float) -> float:
     """A cap whose hot tier holds a quarter of the experts, with the server's default accounts."""
     from streamoe.runtime.engine import Options, plan_for
-    from streamoe.runtime.worker import ServeOptions, requests_bytes
+    from streamoe.runtime.serve.worker import ServeOptions, requests_bytes
 
     extra = int(cache_mib * 2**20) + requests_bytes(ServeOptions("bench"), model, ctx)
     p = plan_for(model, Options(cap_gib=64, ctx=ctx, images=True, runtime_bytes=runtime_mib * 2**20 + extra))

@@ -18,10 +18,10 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from streamoe.runtime.engine import Engine, Options, plan_for
-from streamoe.runtime.openai_api import Limits
 from streamoe.runtime.plan import MiB
 from streamoe.runtime.sampling import Sampler
-from streamoe.runtime.worker import ServeOptions, requests_bytes
+from streamoe.runtime.serve.openai_api import Limits
+from streamoe.runtime.serve.worker import ServeOptions, requests_bytes
 
 from .conftest import REPO
 

@@ -14,7 +14,7 @@ import pytest
 
 from streamoe.formats.errors import StreamoeError
 from streamoe.runtime.chat_template import ChatTemplate, unmark
-from streamoe.runtime.openai_api import Limits, parse_chat
+from streamoe.runtime.serve.openai_api import Limits, parse_chat
 from streamoe.runtime.text import TextIO, named_tokens
 
 from .conftest import REPO, TINY_MODEL, cli, one_error_line

@@ -15,11 +15,11 @@ from mlx_lm.models.cache import QuantizedKVCache as PeerCache
 from streamoe.formats.config import ModelArgs
 from streamoe.formats.errors import StreamoeError
 from streamoe.formats.manifest import load_manifest
-from streamoe.runtime import prompt_cache
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.models import kernels
 from streamoe.runtime.models.cache import KVCache, QuantizedKVCache
 from streamoe.runtime.plan import attention_elements, make_plan, plan_for, plan_with_limits, state_bytes
+from streamoe.runtime.serve import prompt_cache
 from streamoe.runtime.session import load_session, save_session
 
 from .conftest import RUNTIME, TINY_MODEL, cli
@@ -256,9 +256,9 @@ def trained(tmp_path_factory):
 def test_served_chat_with_a_quantized_cache_is_the_same_with_or_without_the_prompt_cache(trained, kv):
     """`serve --kv q8`: turns answered from prompt-cache snapshots (codes, scales and biases restored) give
     every logit a fresh prefill gives."""
-    from streamoe.runtime.openai_api import Limits, parse_chat
     from streamoe.runtime.plan import MiB
-    from streamoe.runtime.worker import EngineWorker, ServeOptions, open_engine
+    from streamoe.runtime.serve.openai_api import Limits, parse_chat
+    from streamoe.runtime.serve.worker import EngineWorker, ServeOptions, open_engine
 
     def chat(cache_bytes: int) -> tuple[list[bytes], list[int]]:
         opts = Options(cap_gib=8, ctx=256, kv=kv, runtime_bytes=RUNTIME)

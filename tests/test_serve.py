@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from streamoe.runtime.engine import Engine, Options
-from streamoe.runtime.openai_api import Limits, parse_chat
 from streamoe.runtime.plan import MiB
-from streamoe.runtime.worker import EngineWorker, ServeOptions, open_engine, requests_bytes
+from streamoe.runtime.serve.openai_api import Limits, parse_chat
+from streamoe.runtime.serve.worker import EngineWorker, ServeOptions, open_engine, requests_bytes
 
 from . import serve_util
 from .conftest import capped_cgroup, cli, one_error_line
@@ -456,7 +456,7 @@ def test_max_tokens_is_clamped_to_what_the_planned_context_holds(conv):
 
 
 def test_only_loopback_binds_quietly():
-    from streamoe.runtime.server import exposure
+    from streamoe.runtime.serve.server import exposure
 
     assert exposure("127.0.0.1") is None and exposure("localhost") is None and exposure("::1") is None
     assert "reachable from other machines" in exposure("0.0.0.0") and "192.168.1.4" in exposure("192.168.1.4")

@@ -23,14 +23,14 @@ from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 from prometheus_client.parser import text_string_to_metric_families
 
-from streamoe.runtime import anthropic_api, responses_api
-from streamoe.runtime.chat_output import ChatOutput
 from streamoe.runtime.engine import Engine, Options
-from streamoe.runtime.openai_api import APIError, GenRequest, Limits, parse_chat, parse_completion
 from streamoe.runtime.plan import MiB
 from streamoe.runtime.sampling import Sampler
+from streamoe.runtime.serve import anthropic_api, responses_api
+from streamoe.runtime.serve.chat_output import ChatOutput
+from streamoe.runtime.serve.openai_api import APIError, GenRequest, Limits, parse_chat, parse_completion
+from streamoe.runtime.serve.worker import EngineWorker, Job, ServeOptions
 from streamoe.runtime.text import TextIO
-from streamoe.runtime.worker import EngineWorker, Job, ServeOptions
 
 from . import serve_util
 from .serve_util import TINY, chat_ids, fetch, greedy, start_server, stop_server, triangle_png

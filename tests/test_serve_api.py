@@ -11,12 +11,12 @@ import json
 import pytest
 from PIL import Image
 
-from streamoe.runtime.chat_output import ChatOutput, StopMatcher, collect
-from streamoe.runtime.openai_api import APIError, Limits, parse_chat, parse_completion
-from streamoe.runtime.prompt_cache import PromptCache, Snapshot, boundaries, key_items
+from streamoe.runtime.serve.chat_output import ChatOutput, StopMatcher, collect
+from streamoe.runtime.serve.openai_api import APIError, Limits, parse_chat, parse_completion
+from streamoe.runtime.serve.prompt_cache import PromptCache, Snapshot, boundaries, key_items
+from streamoe.runtime.serve.worker import assistant_header
 from streamoe.runtime.text import TextIO, generation_defaults
 from streamoe.runtime.tool_calls import call_prefix, parse_call
-from streamoe.runtime.worker import assistant_header
 
 from .conftest import REPO
 

@@ -23,8 +23,8 @@ import pytest
 from streamoe.formats.errors import StreamoeError
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.image import load_image
-from streamoe.runtime.openai_api import APIError, Limits, parse_chat
 from streamoe.runtime.plan import MiB
+from streamoe.runtime.serve.openai_api import APIError, Limits, parse_chat
 
 from .conftest import capped_cgroup
 from .serve_util import TINY, fetch, greedy, start_server, stop_server
@@ -327,7 +327,7 @@ def shapes(limits: Limits) -> dict[str, bytes]:
 def test_parsing_stays_inside_what_the_plan_counts():
     import tracemalloc
 
-    from streamoe.runtime.openai_api import check_shape, kept_bytes
+    from streamoe.runtime.serve.openai_api import check_shape, kept_bytes
 
     limits = Limits(max_body=256 << 10, max_values=8192)
     for name, raw in shapes(limits).items():
@@ -350,7 +350,7 @@ def test_parsing_stays_inside_what_the_plan_counts():
 def test_the_length_bound_never_exceeds_the_true_token_count(text):
     from tokenizers import Tokenizer
 
-    from streamoe.runtime.worker import PromptBound
+    from streamoe.runtime.serve.worker import PromptBound
 
     tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
     bound, n = PromptBound(tok), len(tok.encode(text, add_special_tokens=False).ids)
@@ -372,7 +372,7 @@ def test_the_shape_check_counts_outside_strings_only():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from streamoe.runtime.openai_api import check_shape
+    from streamoe.runtime.serve.openai_api import check_shape
 
     tricky = st.text(alphabet='[]{},:"\\ab\u00e9\U0001F600', max_size=12)
     docs = st.recursive(st.none() | st.integers() | tricky, lambda kids: st.lists(kids, max_size=5)
@@ -397,7 +397,7 @@ def test_the_shape_check_counts_outside_strings_only():
 # ---- the connections: heads bounded in size and time, kernel socket buffers bounded and planned
 
 def test_a_head_over_the_limit_is_a_431_and_the_server_stays_up(server):
-    from streamoe.runtime.door import MAX_HEAD_BYTES
+    from streamoe.runtime.serve.door import MAX_HEAD_BYTES
 
     s = socket.create_connection(("127.0.0.1", server.port))
     s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * MAX_HEAD_BYTES)
@@ -430,7 +430,7 @@ def guarded_uvicorn(max_head_bytes: int, head_timeout_s: float = 1.0):
 
     import uvicorn
 
-    from streamoe.runtime.door import guarded_protocol
+    from streamoe.runtime.serve.door import guarded_protocol
 
     async def app(scope, receive, send):
         while (await receive()).get("more_body"):
@@ -482,7 +482,7 @@ def test_a_pipelined_head_counts_from_its_own_first_byte():
 
 
 def test_accepted_sockets_inherit_the_bounded_buffers():
-    from streamoe.runtime.door import SOCKET_BUFFER, bound_socket_buffers
+    from streamoe.runtime.serve.door import SOCKET_BUFFER, bound_socket_buffers
 
     with socket.socket() as ls:
         held = bound_socket_buffers(ls)
@@ -499,8 +499,8 @@ def test_accepted_sockets_inherit_the_bounded_buffers():
 
 
 def test_the_requests_account_holds_every_connections_socket_buffers(conv):
-    from streamoe.runtime.door import LISTEN_BACKLOG, SOCKET_BUFFER, socket_bytes
-    from streamoe.runtime.worker import ServeOptions, requests_bytes
+    from streamoe.runtime.serve.door import LISTEN_BACKLOG, SOCKET_BUFFER, socket_bytes
+    from streamoe.runtime.serve.worker import ServeOptions, requests_bytes
 
     few, many = (requests_bytes(ServeOptions("t", max_connections=n), conv, CTX) for n in (16, 512))
     assert many - few == (512 - 16) * 4 * SOCKET_BUFFER  # both buffers, doubled by the kernel
@@ -513,7 +513,7 @@ def test_the_servers_connections_have_the_bounded_buffers(server):
     for a client sending far more than it reads; the listen queue is the planned one."""
     import shutil
 
-    from streamoe.runtime.door import LISTEN_BACKLOG, SOCKET_BUFFER
+    from streamoe.runtime.serve.door import LISTEN_BACKLOG, SOCKET_BUFFER
 
     if shutil.which("ss") is None:
         pytest.skip("needs ss (iproute2)")

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from streamoe.runtime.chat_output import ChatOutput, collect
 from streamoe.runtime.engine import Options
-from streamoe.runtime.openai_api import Limits, parse_chat
 from streamoe.runtime.plan import MiB
+from streamoe.runtime.serve.chat_output import ChatOutput, collect
+from streamoe.runtime.serve.openai_api import Limits, parse_chat
+from streamoe.runtime.serve.worker import EngineWorker, ServeOptions, open_engine
 from streamoe.runtime.text import TextIO
 from streamoe.runtime.tool_calls import call_prefix, parse_call, typed
-from streamoe.runtime.worker import EngineWorker, ServeOptions, open_engine
 
 from .conftest import REPO, TINY_MODEL
 

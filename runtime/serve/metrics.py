@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .plan import current_rss
+from ..plan import current_rss
 
 
 def _escape(value: str) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .conversation import Conversation, from_host, host_view
+from ..conversation import Conversation, from_host, host_view
 
 # an item of a cache key: a token id, or ("image", sha256) where an image placeholder stands, because every
 # image renders to the same placeholder token and only its bytes tell two prompts apart

@@ -33,7 +33,8 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from ..formats.errors import StreamoeError
+from ...formats.errors import StreamoeError
+from ..plan import current_rss
 from . import anthropic_api, responses_api
 from .chat_output import collect
 from .door import (
@@ -57,7 +58,6 @@ from .openai_api import (
     parse_chat,
     parse_completion,
 )
-from .plan import current_rss
 from .worker import Job, Server
 
 STATIC = Path(__file__).resolve().parent / "static"

@@ -8,7 +8,7 @@ it at once, so a streamed answer and a non-streamed one are the same by construc
 
 from __future__ import annotations
 
-from .tool_calls import ToolCallStream, hold_newlines, partial_suffix
+from ..tool_calls import ToolCallStream, hold_newlines, partial_suffix
 
 THINK_START, THINK_END = "<think>", "</think>"
 

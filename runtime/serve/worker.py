@@ -27,22 +27,22 @@ from pathlib import Path
 
 from PIL import Image
 
-from ..formats.errors import StreamoeError
+from ...formats.errors import StreamoeError
+from ..chat_template import TemplateFailure
+from ..constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
+from ..engine import Engine, Options
+from ..image import num_image_tokens
+from ..image_prompt import image_config, prefill_images
+from ..plan import MiB, current_rss
+from ..sampling import Sampler
+from ..telemetry import summarize
+from ..text import Detokenizer, generation_defaults
+from ..tool_calls import call_prefix
 from .chat_output import ChatOutput
-from .chat_template import TemplateFailure
-from .constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
 from .door import SOCKET_BUFFER, socket_bytes
-from .engine import Engine, Options
-from .image import num_image_tokens
-from .image_prompt import image_config, prefill_images
 from .logprobs import TokenText
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
-from .plan import MiB, current_rss
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
-from .sampling import Sampler
-from .telemetry import summarize
-from .text import Detokenizer, generation_defaults
-from .tool_calls import call_prefix
 
 
 @dataclass
