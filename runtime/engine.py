@@ -8,7 +8,6 @@ of the checkpoint's family, `runtime/models/`); where experts live, and how they
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import replace
@@ -76,7 +75,7 @@ class Engine:
             self._open()
             self.pipelined = self.experts.resident
             return
-        self.opts = dataclasses.replace(self.opts, rank=group.rank(), ranks=group.size())
+        self.opts = replace(self.opts, rank=group.rank(), ranks=group.size())
         self.watchdog = ranks.Watchdog(group)
         ranks.open_together(group, self._open, self.close)
         self.pipelined = ranks.all_agree(group, self.experts.resident)  # every rank queues the same steps
