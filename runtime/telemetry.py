@@ -65,7 +65,7 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int, host: tuple[int
     hits = sum(ly.hits_hot + ly.hits_lent for s in work for ly in s.layers)  # already in memory when picked
     ahead = sum(ly.hits_prefetch for s in work for ly in s.layers)  # read for this step by a guess: not a hit
     read = sum(ly.bytes_read for s in work for ly in s.layers)
-    host = sum(ly.hits_host for s in work for ly in s.layers)
+    from_host = sum(ly.hits_host for s in work for ly in s.layers)
     busy, work_ms = sum(s.disk_busy_ms for s in work), sum(s.ms for s in work)
     pre_tokens, pre_ms = sum(s.n_tokens for s in pre), sum(s.ms for s in pre)
     return {
@@ -73,7 +73,7 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int, host: tuple[int
         "ms_token": tot_ms / n, "compute_ms": comp / n, "io_wait_ms": io / n, "other_ms": (tot_ms - comp - io) / n,
         "hit_rate": hits / picks if picks else (1.0 if work and not read else 0.0),
         "read_ahead_rate": ahead / picks if picks else 0.0, "mib_read_token": read / MiB / max(1, len(work)),
-        "host_hit_rate": host / picks if picks else 0.0,
+        "host_hit_rate": from_host / picks if picks else 0.0,
         "mib_host_token": sum(ly.bytes_host for s in work for ly in s.layers) / MiB / max(1, len(work)),
         "disk_busy": busy / work_ms if work_ms else 0.0,  # near 1: the disk is what bounds decode
         "peak_gib": peak_bytes / (1 << 30), "cap_gib": cap / (1 << 30),
