@@ -100,7 +100,7 @@ class Engine:
         k = a.num_experts_per_tok
         share = share_of(o.rank, o.ranks, a.num_experts) if self.group is not None else None
         n = a.num_experts if share is None else len(share)
-        host = (HostTier(self.plan.host_slots, self.plan.stride, a.num_hidden_layers, n, o.tier)
+        host = (HostTier(self.plan.host_slots, self.plan.stride, a.num_hidden_layers, n, o.tier, cap=self.plan.host_cap)
                 if self.plan.host_slots else None)
         store = ExpertStore.open(self.root, m, o.experts, o.io_threads, ring=read_ring(o, k), share=share, host=host)
         if host is not None and self.plan.host_slots == a.num_hidden_layers * n:

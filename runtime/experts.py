@@ -184,19 +184,19 @@ class SlotPools:
         for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):
             self.arrays[j][idx] = self.rings[j][a:b].view(st).reshape(m, *s.shape).astype(self.dtypes[j])
             if VERIFY:
-                self._check_in_place(j)
+                self._check_in_place(j, m if st != self.dtypes[j] else 0)
         self.pending.clear()
         self.start = self.next
 
-    def _check_in_place(self, j: int) -> None:
-        """Evaluate pool j's update and fail if MLX copied the pool (its peak grew by the pool's size) instead of
-        writing it in place: a copy is memory outside the plan. Resets MLX's peak counter: a verification run
-        measures no peak."""
+    def _check_in_place(self, j: int, cast_rows: int) -> None:
+        """Evaluate pool j's update and fail if MLX copied the pool (its peak grew by the pool's size beyond the
+        update's own temporary: the `cast_rows` rows cast to the pool's dtype) instead of writing it in place: a
+        copy is memory outside the plan. Resets MLX's peak counter: a verification run measures no peak."""
         before = mx.get_active_memory()
         mx.reset_peak_memory()
         mx.eval(self.arrays[j])
         grew = mx.get_peak_memory() - before
-        if grew >= self.arrays[j].nbytes:
+        if grew >= self.arrays[j].nbytes + cast_rows * (self.arrays[j].nbytes // self.n):
             raise AssertionError(f"pool {j} ({self.arrays[j].nbytes} bytes) was copied, not updated in place "
                                  f"(peak +{grew} bytes)")
 

@@ -145,6 +145,13 @@ def current_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # macOS reports bytes
 
 
+def host_rss() -> int:
+    """This process's host memory now: its resident set, less MLX's own arrays where those are the device's
+    memory planned under --cap (the CPU backend planned as split, `STREAMOE_SPLIT_MEMORY`); on CUDA they are in
+    the device's memory already."""
+    return current_rss() - (0 if own_device_memory() else mx.get_active_memory())
+
+
 def size(n: int) -> str:
     return f"{n / GiB:8.3f} GiB" if n >= 0.1 * GiB else f"{n / MiB:8.2f} MiB"
 

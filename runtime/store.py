@@ -37,6 +37,7 @@ from ..formats.layout import detect_format, record_layouts
 from ..formats.manifest import Manifest, safe_path
 from ..formats.record import RecordLayout
 from .host_tier import HostTier
+from .plan import host_rss
 
 GUESSES_WAIT = True  # guesses yield to demand reads (bench/gpu_compare's `guesswait` ablation turns it off)
 
@@ -203,6 +204,8 @@ class ExpertStore:
     def _queue(self, queue: deque, keys: list[tuple[int, int]]) -> list[Future]:
         futs: list[Future] = [Future() for _ in keys]
         jobs = []
+        if self.host is not None and keys:
+            self.host.room(host_rss())
         for f, (layer, e) in zip(futs, keys, strict=True):
             slot, ready = self.host.take((layer, e)) if self.host is not None else (None, False)
             if ready:  # in the host tier: no disk read

@@ -15,8 +15,8 @@ import pytest
 
 from streamoe.runtime import experts as experts_mod
 from streamoe.runtime.engine import Engine, Options, plan_for
-from streamoe.runtime.host_tier import HostTier
-from streamoe.runtime.plan import GiB, read_ring
+from streamoe.runtime.host_tier import MARGIN, HostTier
+from streamoe.runtime.plan import GiB, host_rss, read_ring
 from streamoe.runtime.store import ExpertStore
 
 from .conftest import RUNTIME, cli, one_error_line
@@ -29,11 +29,14 @@ def split(monkeypatch):
 
 
 def caps_for(conv: Path, hot: int, host: int | None, **opts) -> Options:
-    """Options whose device hot tier holds `hot` experts and host tier `host` records (None: no --host-cap)."""
-    base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, **opts))
+    """Options whose device hot tier holds `hot` experts and host tier `host` records (None: no --host-cap). The
+    host's runtime allowance is this process's host memory now and room to grow: the tier commits only what the
+    measured memory leaves under the host cap (the device's plan does not depend on it)."""
+    runtime = host_rss() + (192 << 20)
+    base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=runtime, **opts))
     cap = (base.fixed + hot * base.slot_bytes + 1) / GiB
     host_cap = None if host is None else (base.host_fixed + host * base.stride + 1) / GiB
-    return Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, host_cap_gib=host_cap, **opts)
+    return Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=runtime, host_cap_gib=host_cap, **opts)
 
 
 def logits_of(conv: Path, opts: Options, steps: int = 20) -> tuple[bytes, Engine]:
@@ -46,7 +49,7 @@ def logits_of(conv: Path, opts: Options, steps: int = 20) -> tuple[bytes, Engine
 
 
 def test_the_plan_splits_into_the_devices_and_the_hosts_accounts(small_conv, split):
-    cap = caps_for(small_conv, 10, None).cap_gib
+    cap = caps_for(small_conv, 10, None).cap_gib  # the device's plan: the runtime allowance is the host's
     unified = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME))
     p = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME, host_cap_gib=1))
     ring = read_ring(Options(), 8) * p.stride
@@ -79,13 +82,16 @@ def test_host_cap_cli(small_conv, monkeypatch):
     assert "--host-cap 0.10 GiB is too small" in one_error_line(small) and "smallest that fits: --host-cap 0.31" in small.stderr
 
 
+PAIRS = {"freq": [(0, None), (0, 120), (0, 512), (24, 200)], "lru": [(0, None), (24, 200)]}
+
+
 @pytest.mark.parametrize("tier", ["freq", "lru"])
 def test_logits_bit_identical_at_every_pair_of_caps(small_conv, split, monkeypatch, tier):
     """No host tier, a part of the records, all of them; a device tier of none, or some: the same bits, every slot
     filled with the file's bytes. A host tier that holds everything is filled at open and reads nothing after."""
     monkeypatch.setattr(experts_mod, "VERIFY", True)
     runs = {}
-    for hot, host in [(0, None), (0, 120), (0, 512), (24, 200)]:
+    for hot, host in PAIRS[tier]:
         data, eng = logits_of(small_conv, caps_for(small_conv, hot, host, tier=tier))
         layers = [ly for s in eng.steps for ly in s.layers]
         for ly in layers:
@@ -95,9 +101,11 @@ def test_logits_bit_identical_at_every_pair_of_caps(small_conv, split, monkeypat
                              eng.plan.host_slots)
     first = runs[(0, None)][0]
     assert all(data == first for data, *_ in runs.values()), {k: v[1:] for k, v in runs.items()}
-    assert runs[(0, None)][2] == 0 and runs[(0, 120)][3] == 120 and runs[(0, 512)][3] == 512
-    assert runs[(0, 512)][1] == 0 and runs[(0, 512)][2] > 0  # every miss copied from the host, none read
-    assert 0 < runs[(0, 120)][2] and runs[(0, 120)][1] < runs[(0, None)][1]
+    assert runs[(0, None)][2] == 0 and runs[(24, 200)][2] > 0
+    if tier == "freq":
+        assert runs[(0, 120)][3] == 120 and runs[(0, 512)][3] == 512
+        assert runs[(0, 512)][1] == 0 and runs[(0, 512)][2] > 0  # every miss copied from the host, none read
+        assert 0 < runs[(0, 120)][2] and runs[(0, 120)][1] < runs[(0, None)][1]
 
 
 def test_a_withdrawn_read_leaves_its_host_slot_empty(small_conv):
@@ -153,3 +161,26 @@ def test_pinned_host_slots_are_never_victims():
     host.note_picks(0, [3, 3])
     c, _ = host.take((0, 3))  # picked more often than the record in slot a: admitted over it
     assert c == a and host.tier.lookup((0, 0)) is None
+
+
+def test_the_host_cap_is_kept_by_measurement():
+    """Slots are committed only while the process's measured host memory leaves room under the cap; over the cap,
+    unpinned records are given back to the system (their pages dropped: they read as zeros) until it fits."""
+    stride = 4096
+    host = HostTier(4, stride, 1, 8, cap=MARGIN + 3 * stride)
+    assert host.take((0, 0)) == (None, False)  # nothing measured yet: no room
+    host.room(0)  # room for three records
+    slots = [host.take((0, e))[0] for e in range(4)]
+    assert None not in slots[:3] and slots[3] is None  # the fourth has no room, and every slot is pinned
+    for e, s in enumerate(slots[:3]):
+        host.record(s)[:] = bytes([e + 1]) * stride
+        host.filled(s)
+        host.release(s)
+    host.room(2 * stride)  # the process grew by two records' worth: the tier fits beside it, nothing to give back
+    assert all(host.has((0, e)) for e in range(3))
+    host.room(5 * stride)  # two records over the cap: two given back
+    kept = [e for e in range(3) if host.has((0, e))]
+    assert len(kept) == 1 and len(host.spare) == 3
+    for e in set(range(3)) - set(kept):
+        assert bytes(host.record(slots[e])) == bytes(stride)  # its pages were dropped
+    assert bytes(host.record(slots[kept[0]])) == bytes([kept[0] + 1]) * stride
