@@ -35,7 +35,6 @@ from .plan import (
     expert_format,
     kv_bits,
     kv_dtype,
-    own_device_memory,
     plan_for,
     prefetch_width,
     read_ring,
@@ -109,9 +108,7 @@ class Engine:
         self.lay = store.lay
         file, table = m.blob("nonexpert")
         streams = cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
-        weights = load_tensors(safe_path(self.root, file["path"]), table, self.dtype, on_device=own_device_memory())
-        if own_device_memory():
-            mx.clear_cache()  # the host-written buffers the weights were read into: host memory, not kept for reuse
+        weights = load_tensors(safe_path(self.root, file["path"]), table, self.dtype)
         self.model = model_family.Model(a, weights, self.dtype, streams=streams)
         n, guess = a.num_experts, self.model.router_logits
         if share is not None:  # this rank's experts are local experts 0..len(share)-1

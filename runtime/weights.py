@@ -43,25 +43,16 @@ def read_tensor(reader: RangeReader, t: BlobTensor) -> mx.array:
     return arr.view(mx.bfloat16) if t.dtype == "BF16" else arr
 
 
-def device_copy(a: mx.array) -> mx.array:
-    """`a`'s bytes in a buffer the device made (an integer add of zero: the same bits). MLX's CUDA backend keeps a
-    buffer the host has written in host-side (managed) memory, outside --cap's device plan and inside the host's."""
-    return (a.reshape(-1).view(mx.uint8) + mx.array(0, dtype=mx.uint8)).view(a.dtype).reshape(a.shape)
-
-
-def load_tensors(path: Path, table: Iterable[BlobTensor], dtype: mx.Dtype, on_device: bool = False) -> dict[str, mx.array]:
-    """The tensors of a blob at the compute dtype (floats; packed codes as stored). `on_device`: where the device has
-    memory of its own, each one ends in a buffer the device made, and the host-written one is freed."""
+def load_tensors(path: Path, table: Iterable[BlobTensor], dtype: mx.Dtype) -> dict[str, mx.array]:
     out: dict[str, mx.array] = {}
     with RangeReader(path, CHUNK) as reader:
         for t in table:
             a = read_tensor(reader, t)
-            target = (mx.float32 if t.name.endswith("A_log") else dtype) if t.dtype in FLOATS else a.dtype
-            if a.dtype != target:
-                a = a.astype(target)
-            elif on_device:
-                a = device_copy(a)
-            mx.eval(a)
+            if t.dtype in FLOATS:
+                target = mx.float32 if t.name.endswith("A_log") else dtype
+                if a.dtype != target:
+                    a = a.astype(target)
+                    mx.eval(a)
             out[t.name] = a
     return out
 
