@@ -541,20 +541,27 @@ def command_bytes(ctx: int, n_ranks: int) -> int:
     return ctx * (ID_CHARS * (5 + 2 * n_ranks) + IDS_BYTES)
 
 
-def open_engine(root: Path, opts: Options, so: ServeOptions, group=None) -> Engine:
-    """The engine with more accounts in its plan, fixed before its hot tier is sized: the prompt cache and the
-    requests in flight; across ranks (`group`), the commands rank 0 sends (`lockstep`), on every rank, and the
-    requests on rank 0 alone, which serves them."""
+def serve_accounts(root: Path, ctx: int, so: ServeOptions, rank: int = 0, ranks: int = 1) -> tuple:
+    """The accounts serving adds to the engine's plan, fixed before its hot tier is sized: the prompt cache and
+    the requests in flight; across ranks, the commands rank 0 sends (`lockstep`) on every rank, and the requests
+    on rank 0 alone, which serves them (every rank keeps the same snapshots: the same prompt cache)."""
     requests = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its client, each keeping at "
                 f"most {so.limits.max_kept / MiB:g} MiB; one body parsed and one prompt tokenized at a time; "
                 f"{socket_bytes(so.max_connections) / MiB:g} MiB of kernel socket buffers ({SOCKET_BUFFER >> 10} KiB "
                 "each way a connection, doubled by the kernel)")
     extra = (("prompt cache", so.prompt_cache_bytes, "snapshots of conversation state for repeated prompts, LRU"),)
-    if group is None or group.rank() == 0:
-        extra += (("requests", requests_bytes(so, root, opts.ctx), requests),)
-    if group is not None:
-        extra += (("rank commands", command_bytes(opts.ctx, group.size()),
-                   f"rank 0's command for one engine call, a prompt of up to {opts.ctx} tokens, gathered"),)
+    if rank == 0:
+        extra += (("requests", requests_bytes(so, root, ctx), requests),)
+    if ranks > 1:
+        extra += (("rank commands", command_bytes(ctx, ranks),
+                   f"rank 0's command for one engine call, a prompt of up to {ctx} tokens, gathered"),)
+    return extra
+
+
+def open_engine(root: Path, opts: Options, so: ServeOptions, group=None) -> Engine:
+    """The engine with the accounts of serving in its plan (`serve_accounts`); `group`: the ranks it is one of."""
+    where = (group.rank(), group.size()) if group is not None else ()
+    extra = serve_accounts(root, opts.ctx, so, *where)
     return Engine(root, dataclasses.replace(opts, extra_accounts=opts.extra_accounts + extra), group)
 
 
