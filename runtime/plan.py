@@ -218,9 +218,10 @@ class MemoryPlan:
     def require_fit(self) -> None:
         """The fixed accounts fit the cap, and what the plan allocates fits the machine (see `require_machine`)."""
         require_machine(self)
-        if not self.fits:
-            raise StreamoeError(f"cap {self.cap / GiB:.2f} GiB is too small for this model at ctx {self.ctx}: "
-                                f"the fixed accounts need {self.fixed / GiB:.2f} GiB; smallest cap that fits: "
+        if not self.fits:  # as many decimals as tell the cap from the need (0.26 GiB too small for 0.26 says nothing)
+            d = next((d for d in range(2, 6) if f"{self.cap / GiB:.{d}f}" != f"{self.fixed / GiB:.{d}f}"), 6)
+            raise StreamoeError(f"cap {self.cap / GiB:.{d}f} GiB is too small for this model at ctx {self.ctx}: "
+                                f"the fixed accounts need {self.fixed / GiB:.{d}f} GiB; smallest cap that fits: "
                                 f"--cap {(self.min_cap + 0.01 * GiB) / GiB:.2f}")
 
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from streamoe.runtime.plan import MiB, Options, plan_for
 from streamoe.runtime.serve.openai_api import Limits
 from streamoe.runtime.serve.worker import ServeOptions, serve_accounts
 
-from .conftest import cli
+from .conftest import cli, one_error_line
 from .serve_util import data_url, fetch, free_port, raw_request, start_server, stop_server, triangle_png
 
 PROMPT = "The quick brown fox"
@@ -372,3 +373,28 @@ def test_sigterm_to_rank_0_mid_answer_ends_both_ranks_cleanly(served):
         log = two.log(rank)
         assert "Traceback" not in log and "streamoe: error" not in log and "[ring]" not in log, (rank, log[-3000:])
     assert "streamoe: stopped" in two.log(0)
+
+
+def test_a_model_too_large_for_one_hosts_cap_opens_across_two(ring, small_conv, tmp_path):
+    """At ctx 64 one host's fixed accounts hold a staging slot for each of a layer's 64 experts; a rank's for its
+    32, and its exchange buffers (a prefill step of 64 tokens) take less than the 32 it saves. At a cap between
+    the two, one host refuses to open and two ranks answer, streaming, with a single resident host's logits."""
+    args = ["--ctx", "64", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", PROMPT, "-n", "8"]
+    base = Options(cap_gib=8, ctx=64, runtime_bytes=RUNTIME_MIB * MiB)
+    one = plan_for(small_conv, base)
+    shares = [plan_for(small_conv, replace(base, rank=r, ranks=2)) for r in (0, 1)]
+    rank_fixed = max(p.fixed for p in shares)
+    assert rank_fixed + 4 * one.slot_bytes < one.fixed  # the rank's half of the staging outweighs its exchange
+    cap = f"{(rank_fixed + one.fixed) / 2 / 2**30:.6f}"
+    alone = cli("run", small_conv, "--cap", cap, *args)
+    line = one_error_line(alone, "too small for this model at ctx 64: the fixed accounts need", "smallest cap that fits")
+    said, need = map(float, re.search(r"cap ([\d.]+) GiB .* need ([\d.]+) GiB", line).groups())
+    assert alone.returncode == 2 and said < need and abs(need - one.fixed / 2**30) < 1e-3, line
+    ref = cli("run", small_conv, "--cap", "2", *args, "--logits-out", tmp_path / "one.npz", check=True)
+    two = run_ranked(small_conv, "--cap", cap, *args, "--logits-out", tmp_path / "two.npz")
+    assert (tmp_path / "two.npz").exists(), two.stderr
+    assert np.load(tmp_path / "one.npz")["logits"].tobytes() == np.load(tmp_path / "two.npz")["logits"].tobytes()
+    assert two.stdout == ref.stdout
+    summary = next(ln for ln in two.stderr.splitlines() if ln.startswith("["))
+    reads = [float(m) for m in re.findall(r"\d: ([\d.]+) MiB read/token", summary)]
+    assert len(reads) == 2 and all(m > 0 for m in reads), summary  # each rank streams its share
