@@ -398,3 +398,21 @@ def test_a_model_too_large_for_one_hosts_cap_opens_across_two(ring, small_conv, 
     summary = next(ln for ln in two.stderr.splitlines() if ln.startswith("["))
     reads = [float(m) for m in re.findall(r"\d: ([\d.]+) MiB read/token", summary)]
     assert len(reads) == 2 and all(m > 0 for m in reads), summary  # each rank streams its share
+
+
+def test_ranks_that_plan_different_prefill_chunks_cut_a_prompt_alike(ring, small_conv, tmp_path):
+    """Rank 0 streams at its cap (a chunk of 512 tokens), rank 1 holds its whole share (a chunk of one 256-token
+    step): each chunk's layers exchange block by block, so every rank must cut the prompt alike (the smallest
+    chunk any rank planned), or the blocks' exchanges pair up wrong."""
+    chunks = [plan_for(small_conv, Options(cap_gib=c, ctx=512, runtime_bytes=RUNTIME_MIB * MiB, rank=r, ranks=2)).prefill_chunk
+              for r, c in ((0, 0.3), (1, 2))]
+    assert chunks == [512, 256]
+    script = tmp_path / "per_rank.sh"
+    script.write_text(f'#!/bin/sh\nif [ "$MLX_RANK" = 1 ]; then c=2; else c=0.3; fi\n'
+                      f'exec {shlex.quote(sys.executable)} -m streamoe.cli run {shlex.quote(str(small_conv))} --cap $c "$@"\n')
+    script.chmod(0o755)
+    args = ["--ctx", "512", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", " ".join([PROMPT] * 21), "-n", "2", "-q"]
+    cli("run", small_conv, "--cap", "2", *args, "--logits-out", tmp_path / "one.npz", check=True)
+    two = launch(str(script), *args, "--logits-out", str(tmp_path / "two.npz"))
+    assert (tmp_path / "two.npz").exists(), two.stderr
+    assert np.load(tmp_path / "one.npz")["logits"].tobytes() == np.load(tmp_path / "two.npz")["logits"].tobytes()
