@@ -51,9 +51,18 @@ def free_port_pair() -> int:
 
 def launch(*command: str, timeout: float = 120, stdin: str = "") -> subprocess.CompletedProcess:
     """`mlx.launch --backend ring -n 2 -- COMMAND` (the launcher's own exit status is 0 whatever the ranks did:
-    callers read the ranks' output)."""
-    return subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_port_pair()), "--", *command],
-                          capture_output=True, text=True, timeout=timeout, input=stdin)
+    callers read the ranks' output). In a session of its own: ranks that hang are killed with it at the timeout
+    (killed alone, the launcher leaves them running)."""
+    p = subprocess.Popen([str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_port_pair()), "--", *command],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def run_ranked(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
@@ -251,7 +260,7 @@ def start_ranked_server(conv: Path, where: Path, caps: tuple[float, float], time
     script.chmod(0o755)
     env = {**os.environ, "STREAMOE_RANK_TIMEOUT": str(IDLE_TIMEOUT), "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen([str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_port_pair()), "--", str(script)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     s = RankedServer(launcher, port, [where / "log.0", where / "log.1"], [where / "pid.0", where / "pid.1"])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -269,17 +278,14 @@ def start_ranked_server(conv: Path, where: Path, caps: tuple[float, float], time
 
 
 def stop_ranked_server(s: RankedServer) -> None:
-    """SIGINT to rank 0 (which stops rank 1); each rank killed by its pid if they are not gone within 30 s."""
+    """SIGINT to rank 0 (which stops rank 1); the launcher's session killed if they are not gone within 30 s."""
     if s.launcher.poll() is None and s.pids[0].exists():
         with contextlib.suppress(ProcessLookupError):
             os.kill(s.pid(0), signal.SIGINT)
     try:
         s.launcher.wait(30)
     except subprocess.TimeoutExpired:
-        for rank in (0, 1):
-            with contextlib.suppress(ProcessLookupError, FileNotFoundError, ValueError):
-                os.kill(s.pid(rank), signal.SIGKILL)
-        s.launcher.kill()
+        os.killpg(s.launcher.pid, signal.SIGKILL)
         s.launcher.wait()
 
 

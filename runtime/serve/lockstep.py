@@ -62,6 +62,7 @@ class Lockstep:
     def __init__(self, eng):
         self.eng, self.group = eng, eng.group
         self.broken: StreamoeError | None = None  # why the ranks may be out of step: the server stops
+        self.lost = False  # the backend said a peer is gone
 
     def tell(self, op: str, **fields) -> list[bytes]:
         """Send a command; returns the followers' replies (what each had ready: a summary after `generate`)."""
@@ -83,6 +84,7 @@ class Lockstep:
     def fail(self, e: Exception) -> StreamoeError:
         """Note an engine call that failed on rank 0: its peers may be waiting inside a step."""
         lost = ranks.lost_peer(e, self.group) if isinstance(e, RuntimeError) else None
+        self.lost = self.lost or lost is not None
         self.broken = self.broken or lost or StreamoeError(
             f"{ranks.where(self.group)}: an engine call failed ({type(e).__name__}: {e}); the ranks may be out of "
             "step, so every rank stops")

@@ -360,15 +360,17 @@ class EngineWorker:
             with image_files(job.req.images) as paths:
                 info = self._answer(job, paths)
             job.emit(("done", info))
-        except StreamoeError as e:
-            msg = str(e)
-            for i, p in enumerate(getattr(self, "_paths", [])):
-                msg = msg.replace(str(p), f"image {i + 1}")
-            job.emit(("error", APIError(400, msg)))
-        except Exception as e:  # a bug: logged with its traceback, the client gets a 500 without it
-            if self.lock is None or self.lock.broken is None or not isinstance(e, RuntimeError):
+        except Exception as e:
+            if self.lock is not None and self.lock.lost:  # across ranks, a peer gone: the server stops (below)
+                job.emit(("error", APIError(503, "the server lost one of its ranks and is stopping", code="shutting_down")))
+            elif isinstance(e, StreamoeError):
+                msg = str(e)
+                for i, p in enumerate(getattr(self, "_paths", [])):
+                    msg = msg.replace(str(p), f"image {i + 1}")
+                job.emit(("error", APIError(400, msg)))
+            else:  # a bug: logged with its traceback, the client gets a 500 without it
                 traceback.print_exc(file=sys.stderr)
-            job.emit(("error", APIError(500, f"internal error: {type(e).__name__}")))
+                job.emit(("error", APIError(500, f"internal error: {type(e).__name__}")))
         finally:
             self._paths = []
             self.live = {"state": "idle", "last": self.live.get("last"), "prompt_cache": self.cache.to_json()}
