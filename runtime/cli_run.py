@@ -16,7 +16,7 @@ from . import ranks, session
 from .engine import Engine, Options
 from .image import check_preprocessor, load_image
 from .sampling import Sampler
-from .telemetry import summarize, summary_line
+from .telemetry import summary_line
 from .text import Detokenizer
 
 
@@ -119,7 +119,7 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             if not raw:
                 messages.append({"role": "assistant", "content": eng.text.decode(out)})
             if not quiet:
-                s = summarize(eng.steps[n0:], eng.peak_rss, eng.plan.cap)
+                s = eng.summary(eng.steps[n0:])
                 line = summary_line(s)
                 if group is not None:  # every rank's reads and hits, on rank 0's line
                     line = line[:-1] + "; " + ranks.ranks_line(ranks.rank_summaries(group, s)) + "]"

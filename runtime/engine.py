@@ -23,6 +23,7 @@ from . import ranks
 from .constrain import Constraint
 from .conversation import Conversation
 from .experts import StreamingExperts
+from .host_tier import HostTier
 from .image import check_preprocessor
 from .image_prompt import prefill_images
 from .models import family
@@ -41,7 +42,7 @@ from .plan import (
 )
 from .sampling import Sampler
 from .store import ExpertStore
-from .telemetry import LayerStats, StepStats
+from .telemetry import LayerStats, StepStats, summarize
 from .text import TextIO
 from .weights import load_tensors, mx_dtype
 
@@ -101,7 +102,12 @@ class Engine:
         model_family = family(a.model_type)
         k = a.num_experts_per_tok
         share = share_of(o.rank, o.ranks, a.num_experts) if self.group is not None else None
-        store = ExpertStore.open(self.root, m, o.experts, o.io_threads, ring=read_ring(o, k), share=share)
+        n = a.num_experts if share is None else len(share)
+        host = (HostTier(self.plan.host_slots, self.plan.stride, a.num_hidden_layers, n, o.tier, cap=self.plan.host_cap)
+                if self.plan.host_slots else None)
+        store = ExpertStore.open(self.root, m, o.experts, o.io_threads, ring=read_ring(o, k), share=share, host=host)
+        if host is not None and self.plan.host_slots == a.num_hidden_layers * n:
+            store.fill_host()  # the host holds every record: read them now, not a first token at the disk's speed
         self.lay = store.lay
         file, table = m.blob("nonexpert")
         streams = cpu_streams(o.cpu_streams if o.cpu_streams is not None else (min(4, os.cpu_count() or 1) if on_cpu else 1))
@@ -120,6 +126,13 @@ class Engine:
         self.conversation = self._new_conversation()
         self.steps: list[StepStats] = []
         self.rss = self.peak_rss = current_rss()  # the last sample, and the peak of every sample
+
+    def summary(self, steps: list[StepStats]) -> dict:
+        """`telemetry.summarize` of these steps against the plan: the process's peak against the cap, or, where the
+        device has memory of its own, MLX's peak against --cap and the process's against --host-cap."""
+        if not self.plan.split:
+            return summarize(steps, self.peak_rss, self.plan.cap)
+        return summarize(steps, mx.get_peak_memory(), self.plan.cap, host=(self.peak_rss, self.plan.host_cap))
 
     @property
     def offset(self) -> int:

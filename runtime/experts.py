@@ -184,19 +184,19 @@ class SlotPools:
         for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):
             self.arrays[j][idx] = self.rings[j][a:b].view(st).reshape(m, *s.shape).astype(self.dtypes[j])
             if VERIFY:
-                self._check_in_place(j)
+                self._check_in_place(j, m if st != self.dtypes[j] else 0)
         self.pending.clear()
         self.start = self.next
 
-    def _check_in_place(self, j: int) -> None:
-        """Evaluate pool j's update and fail if MLX copied the pool (its peak grew by the pool's size) instead of
-        writing it in place: a copy is memory outside the plan. Resets MLX's peak counter: a verification run
-        measures no peak."""
+    def _check_in_place(self, j: int, cast_rows: int) -> None:
+        """Evaluate pool j's update and fail if MLX copied the pool (its peak grew by the pool's size beyond the
+        update's own temporary: the `cast_rows` rows cast to the pool's dtype) instead of writing it in place: a
+        copy is memory outside the plan. Resets MLX's peak counter: a verification run measures no peak."""
         before = mx.get_active_memory()
         mx.reset_peak_memory()
         mx.eval(self.arrays[j])
         grew = mx.get_peak_memory() - before
-        if grew >= self.arrays[j].nbytes:
+        if grew >= self.arrays[j].nbytes + cast_rows * (self.arrays[j].nbytes // self.n):
             raise AssertionError(f"pool {j} ({self.arrays[j].nbytes} bytes) was copied, not updated in place "
                                  f"(peak +{grew} bytes)")
 
@@ -371,6 +371,7 @@ class StreamingExperts:
         that were not picked."""
         st.picks, st.experts = len(experts), experts
         self.tier.note_picks(i, experts)  # this pick counts toward the admission of a miss
+        self.store.note_picks(i, experts)  # and of a read into the host tier
         # withdraw guesses for this layer that were not picked; started ones are waste
         for key in [key for key in self.ahead if key[0] == i and key[1] not in picked]:
             f = self.ahead.pop(key)
@@ -415,8 +416,12 @@ class StreamingExperts:
                 self.store.promote(reads[key])
                 st.hits_prefetch += 1
         cold = [key for key in land if key not in reads]
+        host0 = self.store.host_hits
         reads.update(zip(cold, self.store.read_many(cold), strict=True))
-        st.misses += len(cold)
+        host = self.store.host_hits - host0  # copied from the host tier, not read
+        st.hits_host += host
+        st.bytes_host += host * self.lay.stride
+        st.misses += len(cold) - host
         return slot_of, land, reads
 
     def prepare(self, i: int, inds: list[mx.array], xs: list[mx.array]) -> None:
@@ -441,7 +446,8 @@ class StreamingExperts:
         if likely:
             order, counts = (a.tolist() for a in likely)
             keys = [(i + 1, e) for e, n in zip(order, counts, strict=True)
-                    if n > 0 and (i + 1, e) not in self.ahead and self.tier.lookup((i + 1, e)) is None]
+                    if n > 0 and (i + 1, e) not in self.ahead and self.tier.lookup((i + 1, e)) is None
+                    and not self.store.in_host((i + 1, e))]
             # A read ahead holds its staging entry until its layer lands: at most the ring less one entry per I/O
             # thread, so this layer's own reads always find entries (more would fill the ring and wait forever).
             keys = keys[: max(0, self.store.ring - len(self.store.threads))]
@@ -477,7 +483,8 @@ class StreamingExperts:
         self.candidates[layer] = order
         keys = [(layer, e) for r, e in enumerate(order)
                 if (layer, e) not in self.ahead and self.tier.lookup((layer, e)) is None
-                and (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) >= self.precision]
+                and (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) >= self.precision
+                and not self.store.in_host((layer, e))]  # a guess is for the disk: the host tier needs none
         self.ahead.update(zip(keys, self.store.guess_many(keys), strict=True))
         if st is not None:
             st.prefetch_issued += len(keys)

@@ -54,6 +54,30 @@ class Options:
     # expert parallelism (runtime/ranks.py): this process is rank `rank` of `ranks`, holding experts e % ranks == rank
     rank: int = 0
     ranks: int = 1
+    # a discrete GPU's second memory (`split_memory`): the host's cap in GiB, which holds the runtime, the read
+    # staging, the upload ring and the host tier of expert records; None: host memory is planned, not capped
+    host_cap_gib: float | None = None
+
+
+def split_memory() -> bool:
+    """Whether the compute device has a memory of its own (CUDA): then `--cap` bounds the device's memory and
+    `--host-cap` the process's host memory. On unified memory (Metal, the CPU backend) one cap bounds both.
+    `STREAMOE_SPLIT_MEMORY=1` plans the CPU backend as if it were split (the tests run the host tier that way)."""
+    return own_device_memory() or os.environ.get("STREAMOE_SPLIT_MEMORY", "") not in ("", "0")
+
+
+def memories(host_cap_gib: float | None) -> tuple[bool, int | None]:
+    """(whether the device has its own memory, the host cap in bytes): `--host-cap` is refused on unified memory."""
+    split = split_memory()
+    if host_cap_gib is not None and not split:
+        raise StreamoeError("--host-cap: this device shares its memory with the host (unified memory: Metal, the CPU "
+                            "backend), so --cap bounds all of it; --host-cap is for a GPU with memory of its own (CUDA)")
+    return split, None if host_cap_gib is None else int(host_cap_gib * GiB)
+
+
+def own_device_memory() -> bool:
+    """A CUDA GPU: its memory is not the host's."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def expert_format(opts: Options, m: Manifest) -> str:
@@ -121,6 +145,13 @@ def current_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # macOS reports bytes
 
 
+def host_rss() -> int:
+    """This process's host memory now: its resident set, less MLX's own arrays where those are the device's
+    memory planned under --cap (the CPU backend planned as split, `STREAMOE_SPLIT_MEMORY`); on CUDA they are in
+    the device's memory already."""
+    return current_rss() - (0 if own_device_memory() else mx.get_active_memory())
+
+
 def size(n: int) -> str:
     return f"{n / GiB:8.3f} GiB" if n >= 0.1 * GiB else f"{n / MiB:8.2f} MiB"
 
@@ -144,6 +175,11 @@ class MemoryPlan:
     rank: int = 0  # expert parallelism: this plan is rank `rank`'s of `ranks`, for its share of each layer's
     ranks: int = 1  # experts (n_experts of them: e % ranks == rank)
     all_experts: int = 0  # experts per layer in the model (0: n_experts, one host)
+    # a discrete GPU (`split_memory`): the host's accounts (runtime, read staging, upload ring) beside the device's,
+    # and the host tier of records (stride bytes each, as on disk) in what `host_cap` leaves; empty on unified memory
+    split: bool = False
+    host_cap: int | None = None
+    host_accounts: dict[str, int] = field(default_factory=dict)
 
     @property
     def fixed(self) -> int:
@@ -166,8 +202,28 @@ class MemoryPlan:
         return self.n_experts
 
     @property
+    def runtime_bytes(self) -> int:
+        return self.host_accounts["runtime"] if self.split else self.accounts["runtime"]
+
+    @property
+    def host_fixed(self) -> int:
+        return sum(self.host_accounts.values())
+
+    @property
+    def host_slots(self) -> int:
+        """Records the host tier holds: what `host_cap` leaves beside the host accounts, none where the device
+        holds every expert (nothing would be read) or no host cap is set."""
+        if self.host_cap is None or self.hot_slots >= self.n_layers * self.n_experts:
+            return 0
+        return min(max(0, self.host_cap - self.host_fixed) // self.stride, self.n_layers * self.n_experts)
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_cap is None or self.host_cap >= self.host_fixed
+
+    @property
     def fits(self) -> bool:
-        return self.cap >= self.fixed
+        return self.cap >= self.fixed and self.host_fits
 
     @property
     def min_cap(self) -> int:
@@ -196,12 +252,23 @@ class MemoryPlan:
                     f"{self.n_layers * self.n_experts}; +{self.staging_slots} lent staging slots during decode)")
         rows.append(f"  {'prefill chunk':<16} {self.prefill_chunk:>8} tokens  (experts read once per chunk; "
                     f"kernels over {self.prefill_step} tokens at a time)")
-        rows.append(f"  {'total':<16} {size(self.fixed + self.hot_slots * self.slot_bytes)} of {self.cap / GiB:.2f} GiB")
+        rows.append(f"  {'total':<16} {size(self.fixed + self.hot_slots * self.slot_bytes)} of {self.cap / GiB:.2f} GiB"
+                    + (" of the device's memory" if self.split else ""))
         if self.kv_formats:
             native = f", the model's own {self.native_ctx:,}" if self.native_ctx else ""
             rows.append(f"  longest context at this cap, by --kv (the hot tier empty{native}):")
             rows += [f"    {fmt:<9} {k['token_bytes']:>9,} B/token  {k['longest_ctx']:>11,} tokens"
                      for fmt, k in self.kv_formats.items()]
+        if self.split:
+            capped = f"cap {self.host_cap / GiB:.2f} GiB" if self.host_cap is not None else "not capped (--host-cap)"
+            rows.append(f"host memory: {capped}")
+            for name, n in self.host_accounts.items():
+                note = f"  ({self.notes[name]})" if name in self.notes else ""
+                rows.append(f"  {name:<16} {size(n)}{note}")
+            rows.append(f"  {'host tier':<16} {size(self.host_slots * self.stride)}  ({self.host_slots} expert records of "
+                        f"{self.n_layers * self.n_experts}, as on disk; a device miss found here is copied, not read)")
+            total = self.host_fixed + self.host_slots * self.stride
+            rows.append(f"  {'total':<16} {size(total)}" + (f" of {self.host_cap / GiB:.2f} GiB" if self.host_cap is not None else ""))
         return "\n".join(rows)
 
     def to_json(self) -> dict:
@@ -211,6 +278,9 @@ class MemoryPlan:
                "prefill_chunk": self.prefill_chunk, "prefill_step": self.prefill_step}
         if self.ranks > 1:
             out.update(rank=self.rank, ranks=self.ranks, all_experts=self.all_experts)
+        if self.split:
+            out["host"] = {"cap": self.host_cap, "accounts": dict(self.host_accounts), "fixed": self.host_fixed,
+                           "tier_slots": self.host_slots, "fits": self.host_fits}
         if self.kv_formats:  # planned with `plan_with_limits`
             out.update(kv_formats={f: dict(k) for f, k in self.kv_formats.items()}, native_ctx=self.native_ctx)
         return out
@@ -218,7 +288,12 @@ class MemoryPlan:
     def require_fit(self) -> None:
         """The fixed accounts fit the cap, and what the plan allocates fits the machine (see `require_machine`)."""
         require_machine(self)
-        if not self.fits:  # as many decimals as tell the cap from the need (0.26 GiB too small for 0.26 says nothing)
+        if not self.host_fits:
+            big = max(self.host_accounts, key=self.host_accounts.get)
+            raise StreamoeError(f"--host-cap {self.host_cap / GiB:.2f} GiB is too small: the host accounts need "
+                                f"{self.host_fixed / GiB:.2f} GiB (largest: {big}, {self.host_accounts[big] / GiB:.2f} GiB); "
+                                f"smallest that fits: --host-cap {(self.host_fixed + 0.01 * GiB) / GiB:.2f}")
+        if self.cap < self.fixed:  # as many decimals as tell the cap from the need (0.26 GiB too small for 0.26 says nothing)
             d = next((d for d in range(2, 6) if f"{self.cap / GiB:.{d}f}" != f"{self.fixed / GiB:.{d}f}"), 6)
             raise StreamoeError(f"cap {self.cap / GiB:.{d}f} GiB is too small for this model at ctx {self.ctx}: "
                                 f"the fixed accounts need {self.fixed / GiB:.{d}f} GiB; smallest cap that fits: "
@@ -292,12 +367,15 @@ def slot_bytes(lay: RecordLayout, dtype: str) -> int:
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
               prefill_chunk: int | str = "auto", ring: int = 0, slot: int = 0, blas: bool | None = None,
-              extra: tuple[tuple[str, int, str], ...] = (), rank: int = 0, ranks: int = 1) -> MemoryPlan:
+              extra: tuple[tuple[str, int, str], ...] = (), rank: int = 0, ranks: int = 1,
+              split: bool = False, host_cap: int | None = None) -> MemoryPlan:
     """`kv_dtype`: the KV format (a float dtype, or q8/q4 with scales and biases in `dtype`). `blas`: whether
     prefill goes through numpy's BLAS (None: where this process computes, the CPU backend). `prefill_chunk`: tokens,
     or "auto" (`choose_chunk`). `extra`: the caller's own accounts (name, bytes, note), fixed like the others.
     `rank` of `ranks`: the plan of one rank of an expert-parallel group, for its share of every layer's experts
-    (`share_of`), plus the buffers the picks' outputs are gathered in."""
+    (`share_of`), plus the buffers the picks' outputs are gathered in. `split`: the device has its own memory
+    (`split_memory`): `cap` is the device's, and the runtime, the read staging and the upload ring (host memory,
+    mapped for the device) are host accounts, with the host tier in what `host_cap` leaves."""
     bits = KV_BITS.get(kv_dtype)
     item, kv_item = itemsize(dtype), itemsize(dtype if bits else kv_dtype)
     blas = mx.default_device() == mx.cpu if blas is None else blas
@@ -324,12 +402,20 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         **{name: n for name, n, _ in extra},
         "runtime": runtime_bytes,
     }
+    if split:
+        plan.split, plan.host_cap = True, host_cap
+        plan.accounts.pop("read staging")
+        plan.host_accounts = {"runtime": plan.accounts.pop("runtime"), "read staging": ring * stride,
+                              "upload ring": ring * stride}
+        plan.accounts["upload ring"] = ring * stride  # an MLX allocation, so MLX counts it too, though it lives on the host
+        plan.notes["upload ring"] = f"{ring} records the device copies from: host memory mapped for it"
     plan.notes.update({name: note for name, _, note in extra})
     plan.notes["non-expert"] = f"weights as computed ({dtype} floats, packed codes)"
     plan.notes["kv cache"] = f"{ctx} tokens, {kv_dtype}" + (f" codes, {dtype} scales and biases per {KV_GROUP}" if bits else "")
     plan.notes["allocator cache"] = "freed buffers MLX keeps for reuse: a decode step's new linear state + 32 MiB"
     plan.notes["prefill staging"] = f"{n_exp} slots, one per expert of a layer"
-    plan.notes["read staging"] = f"{ring} records of host staging + their copies in flight"
+    plan.notes["read staging"] = (f"{ring} records the disk reads into" if split else
+                                  f"{ring} records of host staging + their copies in flight")
     if ranks > 1:
         plan.notes["rank exchange"] = (f"a block's picks' outputs, this rank's and all {ranks} gathered, "
                                        f"{step} tokens x top-{args.num_experts_per_tok}")
@@ -345,14 +431,15 @@ def plan_with_limits(native_ctx: int | None = None, **kw) -> MemoryPlan:
     (every account planned for that context, the runtime allowance as measured for this one): the compute
     dtype, the asked-for format if another float, q8 and q4. Searched up to the model's own context."""
     plan = make_plan(**kw)
-    kw["runtime_bytes"] = plan.accounts["runtime"]
+    kw["runtime_bytes"] = plan.runtime_bytes
     dtype = kw.get("dtype", "float32")
     asked = kw.get("kv_dtype", "float32")
     formats = dict.fromkeys([dtype, dtype if asked in KV_BITS else asked, *KV_BITS])
     limit = native_ctx or 1 << 31
     for fmt in formats:
         def fits(n: int, fmt: str = fmt) -> bool:
-            return make_plan(**{**kw, "ctx": n, "kv_dtype": fmt}).fits
+            p = make_plan(**{**kw, "ctx": n, "kv_dtype": fmt})
+            return p.cap >= p.fixed  # the context lives in the device's accounts
 
         lo, hi = 0, limit  # fits(lo) (0: nothing fits), not fits(hi + 1); accounts grow with the context
         if fits(hi):
@@ -393,8 +480,11 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
     from .weights import resident_bytes
 
     m = manifest or load_manifest(root)
+    split, host_cap = memories(opts.host_cap_gib)
     if opts.runtime_bytes is None and manifest is None:
         TextIO(Path(root), m.config)
+    if opts.runtime_bytes is None and split:
+        mx.eval(mx.zeros(1))  # the device's context and libraries are loaded before the runtime is measured
     fmts = m.expert_formats()
     experts = expert_format(opts, m)
     if experts not in fmts:
@@ -413,7 +503,7 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
                      dtype=dtype, kv_dtype=kv_format(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
                      vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])), extra=opts.extra_accounts,
-                     rank=opts.rank, ranks=opts.ranks)
+                     rank=opts.rank, ranks=opts.ranks, split=split, host_cap=host_cap)
     if opts.images:
         plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
                                 f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")
@@ -439,6 +529,8 @@ def require_machine(plan: MemoryPlan) -> None:
     """A plan that would allocate more than the machine has fails here, with one line, instead of crashing in
     the allocator (MLX segfaults on a KV cache larger than memory: `--cap 1e6 --ctx 100000000`)."""
     total = min(plan.fixed, plan.cap) + plan.hot_slots * plan.slot_bytes
+    if plan.split:  # the host's own accounts; a CUDA device's are in its own memory
+        total = (0 if own_device_memory() else total) + plan.host_fixed + plan.host_slots * plan.stride
     have, what = machine_bytes()
     if total > have:
         big = max(plan.accounts, key=plan.accounts.get)

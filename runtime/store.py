@@ -14,6 +14,11 @@ is read ahead for a layer not yet reached, and starts only while no demand read 
 guesses take the disk's spare time (a layer's host work and compute, when the disk would otherwise idle)
 and never share it with the reads a layer waits for. A guess that is then picked is promoted (`promote`):
 if it has not started it goes to the front of the demand queue.
+
+On a discrete GPU the store may also own a host tier (`runtime/host_tier.py`): a read of a record held there
+completes at once with no disk read, and a record read from disk goes straight into a host slot when the tier
+admits it. Either way the caller gets an entry (`record`, `release`) as from the ring: entries from `ring` up
+are host slots.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from ..formats.errors import fail
 from ..formats.layout import detect_format, record_layouts
 from ..formats.manifest import Manifest, safe_path
 from ..formats.record import RecordLayout
+from .host_tier import HostTier
+from .plan import host_rss
 
 GUESSES_WAIT = True  # guesses yield to demand reads (bench/gpu_compare's `guesswait` ablation turns it off)
 
@@ -40,9 +47,10 @@ class ExpertStore:
     staging ring."""
 
     def __init__(self, paths: list[Path], lay: RecordLayout, n_experts: int, layouts: dict[str, RecordLayout], fmt: str,
-                 io_threads: int, ring: int, share: list[int] | None = None):
+                 io_threads: int, ring: int, share: list[int] | None = None, host: HostTier | None = None):
         """`share`: the experts this process holds (an expert-parallel rank's, `runtime/ranks.py`); expert j of
-        a read is then record share[j] of its layer file, and no other record is ever read. None: all of them."""
+        a read is then record share[j] of its layer file, and no other record is ever read. None: all of them.
+        `host`: the host tier under a discrete GPU's slots (None: every miss is read from disk)."""
         self.lay, self.n_experts, self.paths = lay, n_experts, list(paths)
         self.share = share
         self.fds: list[int] = []
@@ -68,6 +76,7 @@ class ExpertStore:
         self.demand_running = 0
         self.closing = False
         self.bytes_read = 0
+        self.host, self.host_hits = host, 0  # reads served from the host tier instead of the disk
         # the disk's busy time: seconds with at least one read in progress (bench/gpu_compare: how much of a
         # token the disk worked, and how fast it read while it did)
         self.reading, self.busy_s, self.busy_since = 0, 0.0, 0.0
@@ -78,14 +87,15 @@ class ExpertStore:
 
     @classmethod
     def open(cls, root: Path, m: Manifest, fmt: str, io_threads: int, ring: int,
-             share: list[int] | None = None) -> ExpertStore:
+             share: list[int] | None = None, host: HostTier | None = None) -> ExpertStore:
         """The layer files of expert format `fmt` of the converted model at `root` (manifest `m`); `share`: the
-        experts read (see `__init__`)."""
+        experts read, `host`: the host tier (see `__init__`)."""
         f = m.expert_formats()[fmt]
         lay = f.layout
         layouts = record_layouts(lay)
         n_experts = ModelArgs.from_config(m.config, root / "manifest.json").num_experts
-        return cls([safe_path(root, x["path"]) for x in f.files], lay, n_experts, layouts, fmt, io_threads, ring, share)
+        return cls([safe_path(root, x["path"]) for x in f.files], lay, n_experts, layouts, fmt, io_threads, ring, share,
+                   host)
 
     def offset(self, expert: int) -> int:
         """Where expert `expert`'s record starts in its layer file."""
@@ -98,11 +108,16 @@ class ExpertStore:
             return self.busy_s + (time.perf_counter() - self.busy_since if self.reading else 0.0)
 
     def record(self, entry: int) -> memoryview:
-        """The bytes of the record held in ring entry `entry`."""
+        """The bytes of the record held in entry `entry` (a ring entry, or a host slot from `ring` up)."""
+        if entry >= self.ring:
+            return self.host.record(entry - self.ring)
         s = self.lay.stride
         return self.view[entry * s: (entry + 1) * s]
 
     def release(self, entry: int) -> None:
+        if entry >= self.ring:
+            self.host.release(entry - self.ring)
+            return
         with self.lock:
             self.free.append(entry)
             self.entry_freed.notify()
@@ -120,11 +135,11 @@ class ExpertStore:
                     job, is_demand = self.guesses.popleft(), False
                 else:
                     return
-            fut, layer, expert = job
+            fut, layer, expert, slot = job
             try:
                 if fut.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(self._read(layer, expert))
+                        fut.set_result(self._read(layer, expert, slot))
                     except BaseException as e:
                         fut.set_exception(e)
             finally:
@@ -134,11 +149,15 @@ class ExpertStore:
                         if not self.demand_running and not self.demand and self.guesses:
                             self.work.notify(len(self.guesses))  # guesses may start now
 
-    def _read(self, layer: int, expert: int) -> int:
+    def _read(self, layer: int, expert: int, slot: int | None) -> int:
+        """Read one record into a free ring entry, or into host slot `slot`; returns the entry."""
         with self.lock:
-            while not self.free:
-                self.entry_freed.wait()
-            entry = self.free.pop()
+            if slot is None:
+                while not self.free:
+                    self.entry_freed.wait()
+                entry = self.free.pop()
+            else:
+                entry = self.ring + slot
             if not self.reading:
                 self.busy_since = time.perf_counter()
             self.reading += 1
@@ -157,8 +176,13 @@ class ExpertStore:
                 raise fail(self.paths[layer], f"short read of expert {off // self.lay.stride}: {n} of {self.lay.stride} bytes "
                                               "(the file changed since it was opened?)")
         except BaseException:
-            self.release(entry)
+            if slot is None:
+                self.release(entry)
+            else:
+                self.host.forget(slot)
             raise
+        if slot is not None:
+            self.host.filled(slot)
         return entry
 
     def read(self, layer: int, expert: int) -> Future:
@@ -179,10 +203,22 @@ class ExpertStore:
 
     def _queue(self, queue: deque, keys: list[tuple[int, int]]) -> list[Future]:
         futs: list[Future] = [Future() for _ in keys]
-        self.bytes_read += self.lay.stride * len(keys)
+        jobs = []
+        if self.host is not None and keys:
+            self.host.room(host_rss())
+        for f, (layer, e) in zip(futs, keys, strict=True):
+            slot, ready = self.host.take((layer, e)) if self.host is not None else (None, False)
+            if ready:  # in the host tier: no disk read
+                f.set_result(self.ring + slot)
+                self.host_hits += 1
+                continue
+            if slot is not None:  # admitted: read into its host slot, which holds nothing if the read never happens
+                f.add_done_callback(lambda f, s=slot: (f.cancelled() or f.exception() is not None) and self.host.forget(s))
+            jobs.append((f, layer, e, slot))
+        self.bytes_read += self.lay.stride * len(jobs)
         with self.lock:
-            queue.extend((f, layer, e) for f, (layer, e) in zip(futs, keys, strict=True))
-            self.work.notify(len(keys))
+            queue.extend(jobs)
+            self.work.notify(len(jobs))
         return futs
 
     def promote(self, fut: Future) -> None:
@@ -194,6 +230,25 @@ class ExpertStore:
                     self.demand.appendleft(job)
                     self.work.notify()
                     return
+
+    def in_host(self, key: tuple[int, int]) -> bool:
+        """Whether a read of this record would be served from the host tier (no disk read)."""
+        return self.host is not None and self.host.has(key)
+
+    def note_picks(self, layer: int, experts: list[int]) -> None:
+        if self.host is not None:
+            self.host.note_picks(layer, experts)
+
+    def fill_host(self) -> None:
+        """Read every record into the host tier (it holds them all): the run then never waits for the disk. A
+        progress bar on a terminal (a full-size model is 18 GB)."""
+        from tqdm import tqdm
+
+        n = self.n_experts if self.share is None else len(self.share)
+        futs = self.read_many([(li, e) for li in range(len(self.paths)) for e in range(n)])
+        for f in tqdm(futs, desc="host tier", unit=" records", disable=None, leave=False):
+            self.release(f.result())
+        self.bytes_read = self.host_hits = 0
 
     def cancel(self, fut: Future) -> bool:
         """Withdraw a read that has not started (its bytes are then not counted)."""

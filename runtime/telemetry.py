@@ -16,10 +16,12 @@ class LayerStats:
     hits_hot: int = 0  # resident in a tier slot of its own
     hits_lent: int = 0  # resident in a staging slot lent to the tier
     hits_prefetch: int = 0  # read ahead by the cross-layer guess
-    misses: int = 0
+    hits_host: int = 0  # not in the device's memory, copied from the host tier (a discrete GPU's): no disk read
+    misses: int = 0  # read from disk
     prefetch_issued: int = 0
     prefetch_wasted: int = 0  # issued for this layer, not picked
     bytes_read: int = 0
+    bytes_host: int = 0  # copied from the host tier into device slots
     io_wait_ms: float = 0.0
     compute_ms: float = 0.0
     experts: list[int] = field(default_factory=list)  # distinct experts picked: the routing trace
@@ -47,9 +49,10 @@ class StepStats:
         return {**asdict(self), "bytes_read": self.bytes_read}
 
 
-def summarize(steps: list[StepStats], peak_bytes: int, cap: int) -> dict:
+def summarize(steps: list[StepStats], peak_bytes: int, cap: int, host: tuple[int, int | None] | None = None) -> dict:
     """One answer's figures. tok/s is the rate tokens reached the caller (the decode steps that gave one, each
-    timed from the previous token to its own); hit rate and bytes read count every decode step's work."""
+    timed from the previous token to its own); hit rate and bytes read count every decode step's work. `host`:
+    (the host's peak, its cap or None) where the device has memory of its own, whose peak `peak_bytes` is."""
     work = [s for s in steps if s.phase == "decode"]
     timed = [s for s in work if s.t_token is not None]
     pre = [s for s in steps if s.phase == "prefill"]
@@ -62,6 +65,7 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int) -> dict:
     hits = sum(ly.hits_hot + ly.hits_lent for s in work for ly in s.layers)  # already in memory when picked
     ahead = sum(ly.hits_prefetch for s in work for ly in s.layers)  # read for this step by a guess: not a hit
     read = sum(ly.bytes_read for s in work for ly in s.layers)
+    from_host = sum(ly.hits_host for s in work for ly in s.layers)
     busy, work_ms = sum(s.disk_busy_ms for s in work), sum(s.ms for s in work)
     pre_tokens, pre_ms = sum(s.n_tokens for s in pre), sum(s.ms for s in pre)
     return {
@@ -69,11 +73,14 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int) -> dict:
         "ms_token": tot_ms / n, "compute_ms": comp / n, "io_wait_ms": io / n, "other_ms": (tot_ms - comp - io) / n,
         "hit_rate": hits / picks if picks else (1.0 if work and not read else 0.0),
         "read_ahead_rate": ahead / picks if picks else 0.0, "mib_read_token": read / MiB / max(1, len(work)),
+        "host_hit_rate": from_host / picks if picks else 0.0,
+        "mib_host_token": sum(ly.bytes_host for s in work for ly in s.layers) / MiB / max(1, len(work)),
         "disk_busy": busy / work_ms if work_ms else 0.0,  # near 1: the disk is what bounds decode
         "peak_gib": peak_bytes / (1 << 30), "cap_gib": cap / (1 << 30),
         "prefill_tokens": pre_tokens, "prefill_ms": pre_ms,
         "prefill_tok_s": pre_tokens / (pre_ms / 1000) if pre_ms else 0.0, "ttft_s": first or 0.0,
         "prefill_mib_token": prefill_mib_token(steps),
+        **({"host_peak_gib": host[0] / (1 << 30), "host_cap_gib": host[1] and host[1] / (1 << 30)} if host else {}),
     }
 
 
@@ -87,9 +94,13 @@ def prefill_mib_token(steps: list[StepStats]) -> float:
 def summary_line(s: dict) -> str:
     return (f"[{s['tokens']} tokens, {s['tok_s']:.2f} tok/s, {s['ms_token']:.1f} ms/token = compute {s['compute_ms']:.1f} + "
             f"I/O wait {s['io_wait_ms']:.1f} + other {s['other_ms']:.1f}; hit rate {100 * s['hit_rate']:.1f}% "
-            f"(+{100 * s['read_ahead_rate']:.1f}% read ahead), "
+            f"(+{100 * s['read_ahead_rate']:.1f}% read ahead"
+            + (f", +{100 * s['host_hit_rate']:.1f}% from the host tier, {s['mib_host_token']:.2f} MiB/token"
+               if s.get("mib_host_token") else "") + "), "
             f"{s['mib_read_token']:.2f} MiB read/token" + (f", disk busy {100 * s['disk_busy']:.0f}%" if s["mib_read_token"] else "")
-            + f"; peak {s['peak_gib']:.2f} of {s['cap_gib']:.2f} GiB; "
+            + f"; peak {s['peak_gib']:.2f} of {s['cap_gib']:.2f} GiB"
+            + (f" on the device, host {s['host_peak_gib']:.2f}" + (f" of {s['host_cap_gib']:.2f} GiB" if s["host_cap_gib"] else " GiB")
+               if "host_peak_gib" in s else "") + "; "
             f"prefill {s['prefill_tokens']} tokens in {s['prefill_ms'] / 1000:.2f} s ({s['prefill_tok_s']:.1f} tok/s"
             + (f", {s['prefill_mib_token']:.3f} MiB read/token" if s.get("prefill_mib_token") else "")
             + f"), first token {s['ttft_s']:.2f} s]")

@@ -227,7 +227,8 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
 
 
 def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: str, dtype: str,
-                     runtime_mib: int | None = None, prefill_chunk: int | str = "auto", rank: int = 0, ranks: int = 1):
+                     runtime_mib: int | None = None, prefill_chunk: int | str = "auto", rank: int = 0, ranks: int = 1,
+                     host_cap: float | None = None):
     """A plan from a bare config.json, before any download or conversion (`experts` None: the format its checkpoint
     holds, as `convert` writes it by default)."""
     from .convert.source import read_json
@@ -237,9 +238,10 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: 
     from .formats.layout import format_layout, source_layout
     from .formats.limits import check_config_sizes
     from .formats.safetensors import tensor_nbytes
-    from .runtime.plan import GiB, Options, kv_format, native_context, plan_with_limits, slot_bytes
+    from .runtime.plan import GiB, Options, kv_format, memories, native_context, plan_with_limits, slot_bytes
     from .runtime.weights import resident_bytes
 
+    split, host_bytes = memories(host_cap)
     config = read_json(path)
     check_config_sizes(config, path)
     args = ModelArgs.from_config(config, path)
@@ -254,7 +256,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: 
                          stride=lay.stride, slot=slot_bytes(lay, dtype),
                          nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(Options(kv=kv, dtype=dtype)),
                          runtime_bytes=runtime_mib and runtime_mib << 20, prefill_chunk=prefill_chunk,
-                         rank=rank, ranks=ranks)
+                         rank=rank, ranks=ranks, split=split, host_cap=host_bytes)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
     except StreamoeError as e:
@@ -262,7 +264,12 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: 
 
 
 COMMON = [
-    click.option("--cap", type=Finite(min=0, min_open=True, max=1 << 20), default=4.0, show_default=True, help="Memory cap in GiB."),
+    click.option("--cap", type=Finite(min=0, min_open=True, max=1 << 20), default=4.0, show_default=True,
+                 help="Memory cap in GiB (a GPU with memory of its own, CUDA: the GPU's memory)."),
+    click.option("--host-cap", type=Finite(min=0, min_open=True, max=1 << 20), default=None,
+                 help="A GPU with memory of its own (CUDA): the cap on this process's host memory in GiB; what its "
+                      "accounts leave holds expert records, so a GPU miss is copied over the bus, not read from disk. "
+                      "Refused on unified memory (Metal, CPU), where --cap bounds all of it."),
     click.option("--ctx", type=click.IntRange(min=1, max=1 << 31), default=4096, show_default=True, help="Context length to plan for."),
     click.option("--experts", default=None, callback=expert_format,
                  help="Expert format to run: q4, q3 or mxfp4 (default: the one the converted directory has; q4 "
@@ -346,8 +353,8 @@ def engine_options(fn):
 @click.option("--ranks", type=click.IntRange(min=1, max=1 << 10), default=1, show_default=True,
               help="Plan each rank of an expert-parallel group of this many hosts (mlx.launch; --cap is per host).")
 @user_errors
-def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, as_json: bool,
-         images: bool, prefill_chunk: int | str, ranks: int) -> None:
+def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
+         runtime_mib: int | None, as_json: bool, images: bool, prefill_chunk: int | str, ranks: int) -> None:
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
 
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
@@ -357,11 +364,13 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
     plans = []
     for rank in range(ranks):
         if model.is_file() and model.suffix == ".json":
-            plans.append(plan_from_config(model, cap, ctx, experts, kv, dtype, runtime_mib, prefill_chunk, rank, ranks))
+            plans.append(plan_from_config(model, cap, ctx, experts, kv, dtype, runtime_mib, prefill_chunk, rank, ranks,
+                                          host_cap))
         else:
             plans.append(plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, images=images,
                                                  runtime_bytes=runtime_mib and runtime_mib << 20,
-                                                 prefill_chunk=prefill_chunk, rank=rank, ranks=ranks)))
+                                                 prefill_chunk=prefill_chunk, rank=rank, ranks=ranks,
+                                                 host_cap_gib=host_cap)))
     if as_json:
         import json
 
@@ -394,7 +403,8 @@ def plan(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | 
 @click.option("--load-session", type=click.Path(path_type=Path), default=None,
               help="Continue a saved conversation: the prompt (or chat) is its next turn.")
 @user_errors
-def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None,
+def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
+        runtime_mib: int | None,
         prompt: str | None, chat: bool,
         images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, sampling: dict, seed: int,
         tier: str, prefetch_width: int | None, prefetch_waste: float, prefill_chunk: int | str, io_threads: int, stats: Path | None, logits_out: Path | None,
@@ -412,7 +422,7 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
     sampling = {**(generation_defaults_of(model)), **sampling, "seed": seed}
     vision = bool(images) or (chat and not raw)
     run_cli(model, options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk,
-                                  io_threads, verify, vision, max_pixels, runtime_mib),
+                              io_threads, verify, vision, max_pixels, runtime_mib, host_cap),
             prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
             sampling=sampling, stats=stats, logits_out=logits_out, quiet=quiet,
             save_session=save_session, load_session=load_session)
@@ -420,13 +430,14 @@ def run(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | N
 
 def options_of(cap: float, ctx: int, experts: str, kv: str, dtype: str | None, tier: str, prefetch_width: int,
                    prefetch_waste: float, prefill_chunk: int | str, io_threads: int, verify: bool, images: bool,
-                   max_pixels: int | None, runtime_mib: int | None) -> Options:
+                   max_pixels: int | None, runtime_mib: int | None, host_cap: float | None = None) -> Options:
     """The engine's `Options` from the flags `run` and `serve` share: one typed path for both."""
     from .runtime.plan import Options
 
     return Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, tier=tier, prefetch_width=prefetch_width,
                    prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify,
-                   images=images, max_pixels=max_pixels, runtime_bytes=runtime_mib and runtime_mib << 20)
+                   images=images, max_pixels=max_pixels, runtime_bytes=runtime_mib and runtime_mib << 20,
+                   host_cap_gib=host_cap)
 
 
 def generation_defaults_of(model: Path) -> dict:
@@ -488,7 +499,8 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
               help="Seconds between keep-alive comments while a streamed request waits or prefills.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @user_errors
-def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str | None, runtime_mib: int | None, host: str,
+def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
+          runtime_mib: int | None, host: str,
           port: int, model_name: str | None, no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
           sampling: dict, tier: str, prefetch_width: int | None,
           prefetch_waste: float, prefill_chunk: int | str, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
@@ -508,7 +520,7 @@ def serve(model: Path, cap: float, ctx: int, experts: str, kv: str, dtype: str |
                       max_connections=max_connections, head_timeout_s=head_timeout, body_timeout_s=body_timeout,
                       idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads,
-                          verify, not no_images, max_pixels, runtime_mib)
+                          verify, not no_images, max_pixels, runtime_mib, host_cap)
     run_server(model, opts, so, host, port, log_level)
 
 

@@ -49,6 +49,27 @@ def test_gpu_logits_bit_identical_across_caps_prefetch_tiers_and_runs(small_conv
             assert data == first, f"logits differ at {key}"
 
 
+def test_gpu_host_tier_logits_bit_identical_at_every_pair_of_caps(small_conv, monkeypatch):
+    """A GPU with memory of its own (CUDA): no host tier, a part of the records, all of them, under a device tier of
+    none or some; the same bits, every filled slot checked against the file, and a host tier that holds every
+    record reads nothing from disk after open."""
+    from streamoe.runtime.plan import split_memory
+
+    from .test_host_tier import caps_for, logits_of
+
+    if not split_memory():
+        pytest.skip("unified memory (Metal): --cap bounds all of it, no host tier")
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    runs = {}
+    for hot, host in [(0, None), (0, 120), (0, 512), (24, 200)]:
+        data, eng = logits_of(small_conv, caps_for(small_conv, hot, host, dtype="bfloat16"))
+        layers = [ly for s in eng.steps for ly in s.layers]
+        runs[(hot, host)] = (data, sum(ly.bytes_read for ly in layers), sum(ly.hits_host for ly in layers))
+    first = runs[(0, None)][0]
+    assert all(data == first for data, *_ in runs.values()), {k: v[1:] for k, v in runs.items()}
+    assert runs[(0, 512)][1] == 0 and runs[(0, 512)][2] > 0 and runs[(0, 120)][2] > 0
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_sampled_decode_identical_across_caps_and_loops(small_conv, dtype, monkeypatch):
     """The checkpoint's sampling defaults with penalties, chosen on the device: resident (each step queued from

@@ -36,7 +36,6 @@ from ..image import num_image_tokens
 from ..image_prompt import image_config, prefill_images
 from ..plan import MiB, current_rss
 from ..sampling import Sampler
-from ..telemetry import summarize
 from ..text import Detokenizer, generation_defaults
 from ..tool_calls import call_prefix
 from .chat_output import ChatOutput
@@ -463,7 +462,7 @@ class EngineWorker:
         if finish is None:
             finish = "length" if n >= job.max_tokens or eng.offset >= eng.opts.ctx else "stop"
         prompt_tokens = cached + sum(s.n_tokens for s in eng.steps if s.phase == "prefill")
-        s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
+        s = eng.summary(eng.steps)
         self.served += 1
         self.totals["prompt_tokens"] += prompt_tokens
         self.totals["generated_tokens"] += n

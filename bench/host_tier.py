@@ -1,0 +1,121 @@
+"""Decode with a host tier under a discrete GPU's slots (`--host-cap`), against the same `--cap` without one.
+
+    python -m bench.host_tier --model FULLCONV --runs 4,4:24,4:8,8:16 [--tokens 48] [--name host-tier-h200]
+
+Each run is `streamoe run MODEL --cap C [--host-cap H]` in its own process, greedy, inside a memory cgroup whose
+limit is the host cap where this machine lets us make one (the kernel's failcnt and peak: the host cap held).
+From its --stats: decode tok/s by the tokens' own stamps (as the user sees them), the share of picks found in
+the device's memory, read ahead, copied from the host tier, and read from disk; MiB per token from the host tier
+and from disk. From its summary line: MLX's peak against --cap and the process's against --host-cap.
+
+In the same run, two speeds: the disk's (random whole-record O_DIRECT reads, 8 in flight) and the copy of a
+record from host memory into its slot (`bench.fill`, the upload ring as the engine uses it). The bound of a run
+is its host-to-device bytes per token over the copy speed plus its disk bytes per token over the disk speed; a
+run at the bound spends nothing but those transfers (compute fully overlapped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+from streamoe.formats.manifest import load_manifest
+from streamoe.runtime.store import ExpertStore
+from streamoe.runtime.weights import mx_dtype
+
+from .common import write_result
+from .fill import disk_gbs, fill_gbs
+
+PROMPT = "import csv\nimport sys\n\n\ndef mean_of_columns(path):\n    "
+PEAKS = re.compile(r"peak ([\d.]+) of ([\d.]+) GiB on the device, host ([\d.]+)")
+
+
+def speeds(model: Path, experts: str, records: int = 256) -> dict:
+    m = load_manifest(model)
+    store = ExpertStore.open(model, m, experts, io_threads=8, ring=32)
+    try:
+        rng = random.Random(0)
+        n = len(m.expert_formats()[experts].files)
+        keys = [(rng.randrange(n), rng.randrange(store.n_experts)) for _ in range(records)]
+        disk = disk_gbs(store, keys)
+        dtype = mx_dtype("bfloat16" if mx.default_device() == mx.gpu else "float32")
+        fill = fill_gbs(store, keys[:64], 4 * records, dtype, direct=False, advise=True)
+    finally:
+        store.close()
+    return {"disk_gbs": round(disk, 3), "copy_gbs": fill["fill_gbs"], "copy_path": fill}
+
+
+def run_one(model: Path, cap: float, host_cap: float | None, tokens: int, experts: str, work: Path) -> dict:
+    from tests.conftest import capped_cgroup, cgroup_dir
+
+    stats = work / f"stats-{cap}-{host_cap}.jsonl"
+    args = ["run", model, "--cap", cap, "--experts", experts, "--ctx", 1024, "--raw", "-p", PROMPT, "-n", tokens,
+            "--temp", 0, "--stats", stats, *(["--host-cap", host_cap] if host_cap else [])]
+    cmd = f"exec {sys.executable} -m streamoe.cli {shlex.join(map(str, args))}"
+    failcnt = peak = None
+    if host_cap and cgroup_dir() is not None:
+        with capped_cgroup(host_cap, "host") as (cg, read):
+            p = subprocess.run(["sh", "-c", f"echo $$ > {cg}/cgroup.procs && {cmd}"], capture_output=True, text=True)
+            failcnt, peak = read()
+    else:
+        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True)
+    out = {"cap_gib": cap, "host_cap_gib": host_cap}
+    if p.returncode:
+        return {**out, "error": (p.stderr.strip().splitlines() or [f"rc {p.returncode}"])[-1]}
+    recs = [json.loads(ln) for ln in stats.read_text().splitlines()]
+    dec = [r for r in recs if r["phase"] == "decode" and r["t_token"] is not None]
+    lay = [ly for r in dec for ly in r["layers"]]
+    picks, n = sum(ly["picks"] for ly in lay), max(1, len(dec))
+    share = {k: round(sum(ly[k] for ly in lay) / picks, 4) if picks else None
+             for k in ("hits_hot", "hits_lent", "hits_prefetch", "hits_host", "misses")}
+    span = dec[-1]["t_token"] - dec[0]["t_token"] if len(dec) > 1 else 0.0
+    peaks = PEAKS.search(p.stderr)
+    return {**out, "decode_tokens": len(dec), "tok_s": round((len(dec) - 1) / span, 3) if span else None,
+            "device_tier_hit": round(share["hits_hot"] + share["hits_lent"], 4) if picks else None,
+            "read_ahead": share["hits_prefetch"], "host_tier_hit": share["hits_host"], "disk_miss": share["misses"],
+            "mib_host_token": round(sum(ly["bytes_host"] for ly in lay) / n / 2**20, 2),
+            "mib_disk_token": round(sum(ly["bytes_read"] for ly in lay) / n / 2**20, 2),
+            "device_peak_gib": float(peaks.group(1)) if peaks else None,
+            "host_peak_rss_gib": float(peaks.group(3)) if peaks else None,
+            "cgroup_peak_gib": round(peak / 2**30, 3) if peak is not None else None, "cgroup_failcnt": failcnt,
+            "summary": p.stderr.strip().splitlines()[-1]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--experts", default="q4")
+    ap.add_argument("--runs", default="4,4:24,4:8,8:16", help="CAP or CAP:HOSTCAP in GiB, comma-separated")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--work", type=Path, default=Path("/tmp"))
+    ap.add_argument("--name", default="host-tier")
+    a = ap.parse_args()
+    sp = speeds(a.model, a.experts)
+    print(json.dumps(sp), flush=True)
+    results = []
+    for spec in a.runs.split(","):
+        cap, _, host = spec.partition(":")
+        r = run_one(a.model, float(cap), float(host) if host else None, a.tokens, a.experts, a.work)
+        if r.get("tok_s"):
+            bound_s = r["mib_host_token"] * 2**20 / (sp["copy_gbs"] * 1e9) + r["mib_disk_token"] * 2**20 / (sp["disk_gbs"] * 1e9)
+            r["bound_tok_s"] = round(1 / bound_s, 3) if bound_s else None
+            r["of_bound"] = round(r["tok_s"] * bound_s, 3) if bound_s else None
+        results.append({**r, **sp})
+        print(json.dumps({k: v for k, v in r.items() if k != "copy_path"}), flush=True)
+    base = next((r["tok_s"] for r in results if r.get("host_cap_gib") is None and r.get("tok_s")), None)
+    for r in results:
+        if base and r.get("tok_s"):
+            r["vs_no_host_tier"] = round(r["tok_s"] / base, 3)
+    print(write_result(a.name, "host_tier", results, out=Path(a.name + ".json") if "/" in a.name else None))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""HostTier: expert records kept in host memory, the second level under a discrete GPU's slots.
+
+On a GPU with memory of its own (CUDA), `--cap` bounds the device and `--host-cap` the host, which is usually the
+larger. The host tier is what the host cap leaves after its accounts: records exactly as on disk, page-aligned,
+locked in memory where the limit allows (never swapped, never page cache). A device miss found here is copied
+over the bus into its slot (`SlotPools.stage`, the same path a disk read takes from staging), with no disk
+read; a miss that is not here is read from disk straight into a host slot (if admitted), so the next time it is.
+
+Admission and eviction follow the device's hot tier (`tier.HotTier`, the same policy and pick counts): a read
+is admitted over a victim picked less often (`freq`) or always (`lru`). The tier is inclusive: a record may be
+both here and in a device slot (an exclusive tier would copy every device eviction back over the bus).
+
+The host cap is kept by measurement, not only by the plan: what a CUDA process holds beside its accounts (the
+driver's and libraries' own buffers, compiled kernels) grows after open and is not known in advance. So a slot's
+pages are committed only when a record first lands in it and the process's host memory leaves room (`room`, given
+the resident set once per layer), and when the process nears the cap the least valuable records are given back
+to the system (their pages dropped) until it fits again. A committed slot is locked in memory where the limit
+allows (pinned: never swapped out).
+
+The store (`runtime/store.py`) owns it: placement happens on the thread that queues reads, completion on the
+I/O threads, and release on the copy threads, so every change is under one lock. A slot is pinned from the
+moment a read or a hit is queued until its bytes have been taken, and is looked up only once its read completed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import threading
+
+from ..formats.direct import aligned_buffer
+from .tier import HotTier
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+# anonymous mmap memory is shared (shmem): only MADV_REMOVE frees its pages (macOS has neither: pages stay)
+DROP = getattr(mmap, "MADV_REMOVE", getattr(mmap, "MADV_DONTNEED", 0))
+MARGIN = 64 << 20  # bytes of the host cap the tier leaves to the process's own growth between two measurements
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+class HostTier:
+    def __init__(self, n_slots: int, stride: int, n_layers: int, n_experts: int, policy: str = "freq",
+                 cap: int | None = None):
+        """`cap`: the host cap the process's host memory (`plan.host_rss`) must stay under; None: not checked."""
+        self.n, self.stride, self.cap = n_slots, stride, cap
+        self.buf = aligned_buffer(n_slots * stride)
+        self.view = memoryview(self.buf)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        self.libc = _libc()
+        self.locking = self.libc is not None
+        self.tier = HotTier(n_slots, 0, n_layers, n_experts, scratch=0, policy=policy)
+        self.tier.free = []  # free slots are ours (`spare`): a slot's pages are committed only once there is room
+        self.spare = list(range(n_slots - 1, -1, -1))  # slots with no pages: never used, or given back
+        self.headroom = 0 if cap is not None else n_slots * stride  # bytes that more committed slots may take
+        self.ready: set[int] = set()  # slots whose record has been read
+        self.pins: dict[int, int] = {}  # slot -> holders (reads in flight, bytes not yet taken)
+        self.lock = threading.Lock()
+
+    def record(self, slot: int) -> memoryview:
+        return self.view[slot * self.stride: (slot + 1) * self.stride]
+
+    def take(self, key: Key) -> tuple[int | None, bool]:
+        """(slot, ready) for a record about to be needed: a ready slot holding it (a hit, nothing to read), else a
+        slot admitted for it to be read into (`ready` False), else None (declined: read through staging only).
+        The slot is pinned until `release`; a record with a read in flight is neither (None, False)."""
+        with self.lock:
+            s = self.tier.lookup(key)
+            if s is not None:
+                if s not in self.ready:
+                    return None, False
+                self._pin(s)
+                return s, True
+            if self.spare and self.headroom >= self.stride:
+                v = self.spare.pop()
+                self.headroom -= self.stride
+            else:
+                v, _ = self.tier.victim()
+                if v is None or not (self.tier.policy == "lru" or self.tier.picks(key) >= self.tier.picks(self.tier.key_of[v])):
+                    return None, False
+            self.ready.discard(v)
+            self.tier.assign(v, key)
+            self._pin(v)
+            return v, False
+
+    def has(self, key: Key) -> bool:
+        """Whether the record is here now (a guess for it would cost no disk read)."""
+        with self.lock:
+            s = self.tier.lookup(key)
+            return s is not None and s in self.ready
+
+    def _pin(self, s: int) -> None:
+        self.pins[s] = self.pins.get(s, 0) + 1
+        self.tier.pinned.add(s)
+
+    def filled(self, slot: int) -> None:
+        """The read into `slot` completed: later lookups find it. Its pages are locked where the limit allows."""
+        if self.locking and self.libc.mlock(ctypes.c_void_p(self.base + slot * self.stride), ctypes.c_size_t(self.stride)):
+            self.locking = False  # RLIMIT_MEMLOCK: the rest stay unlocked (correct, only swappable)
+        with self.lock:
+            self.ready.add(slot)
+
+    def forget(self, slot: int) -> None:
+        """The read into `slot` failed or was withdrawn: it holds nothing."""
+        with self.lock:
+            self.ready.discard(slot)
+            self.tier.evict(slot)
+            self._unpin(slot)
+
+    def room(self, host_bytes: int) -> None:
+        """The process holds `host_bytes` of host memory now: more slots may be committed while that stays under
+        the cap (less MARGIN); over it, unpinned records are given back, least valuable first, until it is not."""
+        if self.cap is None:
+            return
+        with self.lock:
+            self.headroom = self.cap - MARGIN - host_bytes
+            while self.headroom < 0:
+                v, _ = self.tier.victim()
+                if v is None:
+                    return  # every record is in use: the next measurement tries again
+                self.tier.evict(v)
+                self.tier.free.remove(v)
+                self.ready.discard(v)
+                offset = v * self.stride
+                if self.libc is not None:
+                    self.libc.munlock(ctypes.c_void_p(self.base + offset), ctypes.c_size_t(self.stride))
+                self.buf.madvise(DROP, offset, self.stride)
+                self.spare.append(v)
+                self.headroom += self.stride
+
+    def release(self, slot: int) -> None:
+        """A holder is done with the slot's bytes."""
+        with self.lock:
+            self._unpin(slot)
+
+    def _unpin(self, s: int) -> None:
+        n = self.pins.get(s, 0) - 1
+        if n > 0:
+            self.pins[s] = n
+        else:
+            self.pins.pop(s, None)
+            self.tier.pinned.discard(s)
+
+    def note_picks(self, layer: int, experts: list[int]) -> None:
+        """The device tier's picks count toward admission here too (one policy for both levels)."""
+        with self.lock:
+            self.tier.note_picks(layer, experts)

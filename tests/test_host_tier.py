@@ -1,0 +1,186 @@
+"""The host tier under a discrete GPU's slots (runtime/host_tier.py, `--host-cap`): planned as the host's own
+accounts, refused on unified memory, and never a change to the math: logits bit-identical at every pair of caps,
+with every filled slot checked against the file. The CPU backend plans as if its memory were split where
+STREAMOE_SPLIT_MEMORY=1 (the host tier's code runs for real: O_DIRECT reads into host slots, copies into the
+pools); on the H200 tests/test_gpu.py runs the same across caps on CUDA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from streamoe.runtime import experts as experts_mod
+from streamoe.runtime.engine import Engine, Options, plan_for
+from streamoe.runtime.host_tier import MARGIN, HostTier
+from streamoe.runtime.plan import GiB, host_rss, read_ring
+from streamoe.runtime.store import ExpertStore
+
+from .conftest import RUNTIME, cli, one_error_line
+from .test_runtime import PROMPTS
+
+
+@pytest.fixture
+def split(monkeypatch):
+    monkeypatch.setenv("STREAMOE_SPLIT_MEMORY", "1")
+
+
+def caps_for(conv: Path, hot: int, host: int | None, **opts) -> Options:
+    """Options whose device hot tier holds `hot` experts and host tier `host` records (None: no --host-cap). The
+    host's runtime allowance is this process's host memory now and room to grow: the tier commits only what the
+    measured memory leaves under the host cap (the device's plan does not depend on it)."""
+    runtime = host_rss() + (192 << 20)
+    base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=runtime, **opts))
+    cap = (base.fixed + hot * base.slot_bytes + 1) / GiB
+    host_cap = None if host is None else (base.host_fixed + host * base.stride + 1) / GiB
+    return Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=runtime, host_cap_gib=host_cap, **opts)
+
+
+def logits_of(conv: Path, opts: Options, steps: int = 20) -> tuple[bytes, Engine]:
+    eng = Engine(conv, opts)
+    out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])).astype(mx.float32))]
+    for _ in range(steps):
+        out.append(np.array(eng.forward([int(out[-1].argmax())], "decode").astype(mx.float32)))
+    eng.close()
+    return np.stack(out).tobytes(), eng
+
+
+def test_the_plan_splits_into_the_devices_and_the_hosts_accounts(small_conv, split):
+    cap = caps_for(small_conv, 10, None).cap_gib  # the device's plan: the runtime allowance is the host's
+    unified = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME))
+    p = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME, host_cap_gib=1))
+    ring = read_ring(Options(), 8) * p.stride
+    assert p.split and p.host_accounts == {"runtime": RUNTIME, "read staging": ring, "upload ring": ring}
+    assert "runtime" not in p.accounts and p.accounts["upload ring"] == ring
+    assert p.host_slots == 8 * 64  # 1 GiB holds every record beside the host accounts
+    # a host cap that leaves room for 100 records holds exactly 100
+    q = plan_for(small_conv, caps_for(small_conv, 10, 100))
+    assert q.host_slots == 100 and q.hot_slots == 10
+    # the device holding every expert needs no host tier
+    assert plan_for(small_conv, Options(cap_gib=8, ctx=256, runtime_bytes=RUNTIME, host_cap_gib=8)).host_slots == 0
+    # without --host-cap the host's accounts are planned, not capped, and hold no tier
+    assert unified.split and unified.host_cap is None and unified.host_slots == 0 and unified.host_fits
+
+
+def test_host_cap_cli(small_conv, monkeypatch):
+    """Refused on unified memory in one line; with a device of its own, printed (JSON too) and checked."""
+    refused = cli("plan", str(small_conv), "--cap", "1", "--host-cap", "2")
+    assert "--host-cap: this device shares its memory with the host" in one_error_line(refused)
+    run = cli("run", str(small_conv), "--cap", "1", "--host-cap", "2", "-p", "hi", "-n", "1")
+    assert "--host-cap" in one_error_line(run)
+    monkeypatch.setenv("STREAMOE_SPLIT_MEMORY", "1")
+    ok = cli("plan", str(small_conv), "--cap", "0.13", "--ctx", "512", "--host-cap", "1", "--runtime-mib", "300", "--json")
+    assert ok.returncode == 0, ok.stderr
+    host = json.loads(ok.stdout)["host"]
+    assert host["cap"] == GiB and host["accounts"]["runtime"] == 300 << 20 and host["tier_slots"] == 512 and host["fits"]
+    text = cli("plan", str(small_conv), "--cap", "0.13", "--ctx", "512", "--host-cap", "1", "--runtime-mib", "300").stdout
+    assert "host memory: cap 1.00 GiB" in text and "512 expert records of 512" in text
+    small = cli("plan", str(small_conv), "--cap", "0.13", "--ctx", "512", "--host-cap", "0.1", "--runtime-mib", "300")
+    assert "--host-cap 0.10 GiB is too small" in one_error_line(small) and "smallest that fits: --host-cap 0.31" in small.stderr
+
+
+PAIRS = {"freq": [(0, None), (0, 120), (0, 512), (24, 200)], "lru": [(0, None), (24, 200)]}
+
+
+@pytest.mark.parametrize("tier", ["freq", "lru"])
+def test_logits_bit_identical_at_every_pair_of_caps(small_conv, split, monkeypatch, tier):
+    """No host tier, a part of the records, all of them; a device tier of none, or some: the same bits, every slot
+    filled with the file's bytes. A host tier that holds everything is filled at open and reads nothing after."""
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    runs = {}
+    for hot, host in PAIRS[tier]:
+        data, eng = logits_of(small_conv, caps_for(small_conv, hot, host, tier=tier))
+        layers = [ly for s in eng.steps for ly in s.layers]
+        for ly in layers:
+            assert ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.hits_host + ly.misses == ly.picks
+            assert ly.bytes_host == ly.hits_host * eng.plan.stride
+        runs[(hot, host)] = (data, sum(ly.bytes_read for ly in layers), sum(ly.hits_host for ly in layers),
+                             eng.plan.host_slots)
+    first = runs[(0, None)][0]
+    assert all(data == first for data, *_ in runs.values()), {k: v[1:] for k, v in runs.items()}
+    assert runs[(0, None)][2] == 0 and runs[(24, 200)][2] > 0
+    if tier == "freq":
+        assert runs[(0, 120)][3] == 120 and runs[(0, 512)][3] == 512
+        assert runs[(0, 512)][1] == 0 and runs[(0, 512)][2] > 0  # every miss copied from the host, none read
+        assert 0 < runs[(0, 120)][2] and runs[(0, 120)][1] < runs[(0, None)][1]
+
+
+def test_a_withdrawn_read_leaves_its_host_slot_empty(small_conv):
+    """Guesses admitted to host slots and then withdrawn before they started hold nothing: a later read of the same
+    record goes to the disk again, and the slots are reused."""
+    from streamoe.formats.manifest import load_manifest
+
+    m = load_manifest(small_conv)
+    lay = m.expert_formats()["q4"].layout
+    host = HostTier(16, lay.stride, 8, 64)
+    store = ExpertStore.open(small_conv, m, "q4", io_threads=1, ring=4, host=host)
+    try:
+        first = store.read(0, 0)
+        guesses = store.guess_many([(1, e) for e in range(8)])  # wait behind the demand read (one I/O thread)
+        withdrawn = [f for f in guesses if store.cancel(f)]
+        assert withdrawn, "no guess was still queued"
+        store.release(first.result())
+        for f in guesses:
+            if f not in withdrawn:
+                store.release(f.result())
+        for f in withdrawn:
+            e = guesses.index(f)
+            assert host.tier.lookup((1, e)) is None and not store.in_host((1, e))
+        assert store.in_host((0, 0))
+        before = store.bytes_read
+        again = store.read(1, guesses.index(withdrawn[0]))
+        entry = again.result()
+        assert store.bytes_read == before + lay.stride and entry >= store.ring  # read from disk, into a host slot
+        assert bytes(store.record(entry)[: lay.raw_size]) == store.read_bytes(1, guesses.index(withdrawn[0]))
+        store.release(entry)
+        hit = store.read(0, 0)
+        assert hit.done() and store.bytes_read == before + lay.stride  # served from the host tier: no read
+        store.release(hit.result())
+        assert not host.pins and not host.tier.pinned
+    finally:
+        store.close()
+
+
+def test_pinned_host_slots_are_never_victims():
+    """A slot whose bytes are still being taken is never given to another record; with every slot pinned a new
+    record is declined (it goes through staging), never read over a pinned one."""
+    host = HostTier(2, 4096, 1, 8)
+    a, ready_a = host.take((0, 0))
+    b, _ = host.take((0, 1))
+    assert not ready_a and {a, b} == {0, 1}
+    assert host.take((0, 2)) == (None, False)  # both pinned
+    host.filled(a)
+    host.release(a)
+    assert host.take((0, 1)) == (None, False)  # its read is still in flight: neither a hit nor a second read
+    s, ready = host.take((0, 0))
+    assert (s, ready) == (a, True)
+    host.release(a)
+    host.note_picks(0, [3, 3])
+    c, _ = host.take((0, 3))  # picked more often than the record in slot a: admitted over it
+    assert c == a and host.tier.lookup((0, 0)) is None
+
+
+def test_the_host_cap_is_kept_by_measurement():
+    """Slots are committed only while the process's measured host memory leaves room under the cap; over the cap,
+    unpinned records are given back to the system (their pages dropped: they read as zeros) until it fits."""
+    stride = 4096
+    host = HostTier(4, stride, 1, 8, cap=MARGIN + 3 * stride)
+    assert host.take((0, 0)) == (None, False)  # nothing measured yet: no room
+    host.room(0)  # room for three records
+    slots = [host.take((0, e))[0] for e in range(4)]
+    assert None not in slots[:3] and slots[3] is None  # the fourth has no room, and every slot is pinned
+    for e, s in enumerate(slots[:3]):
+        host.record(s)[:] = bytes([e + 1]) * stride
+        host.filled(s)
+        host.release(s)
+    host.room(2 * stride)  # the process grew by two records' worth: the tier fits beside it, nothing to give back
+    assert all(host.has((0, e)) for e in range(3))
+    host.room(5 * stride)  # two records over the cap: two given back
+    kept = [e for e in range(3) if host.has((0, e))]
+    assert len(kept) == 1 and len(host.spare) == 3
+    for e in set(range(3)) - set(kept):
+        assert bytes(host.record(slots[e])) == bytes(stride)  # its pages were dropped
+    assert bytes(host.record(slots[kept[0]])) == bytes([kept[0] + 1]) * stride
