@@ -4,7 +4,8 @@ Requests are prepared (rendered, tokenized, checked against the planned context)
 queued in order in a bounded queue; the worker thread restores the longest cached prompt prefix or clears
 the state (nothing one request did reaches the next one's answer), prefills the rest in segments that end at
 assistant headers (see `prompt_cache`), generates, and sends events back to the request's event loop. A
-request whose client went away is skipped if still queued, and stops at the next token if running.
+request whose client went away is skipped if still queued, and stops at the next token if running. Across
+ranks the worker runs on rank 0, and each of its engine calls is told to the other ranks first (`lockstep`).
 """
 
 from __future__ import annotations
