@@ -80,6 +80,9 @@ class Engine:
         self.watchdog = ranks.Watchdog(group)
         ranks.open_together(group, self._open, self.close)
         self.pipelined = ranks.all_agree(group, self.experts.resident)  # every rank queues the same steps
+        # every rank cuts a prompt into the same chunks (each chunk's layers exchange block by block): the
+        # smallest any rank planned, whose activations fit every rank's account
+        self.plan.prefill_chunk = ranks.smallest(group, self.plan.prefill_chunk)
 
     def _open(self) -> None:
         o = self.opts

@@ -293,9 +293,10 @@ class MemoryPlan:
             raise StreamoeError(f"--host-cap {self.host_cap / GiB:.2f} GiB is too small: the host accounts need "
                                 f"{self.host_fixed / GiB:.2f} GiB (largest: {big}, {self.host_accounts[big] / GiB:.2f} GiB); "
                                 f"smallest that fits: --host-cap {(self.host_fixed + 0.01 * GiB) / GiB:.2f}")
-        if self.cap < self.fixed:
-            raise StreamoeError(f"cap {self.cap / GiB:.2f} GiB is too small for this model at ctx {self.ctx}: "
-                                f"the fixed accounts need {self.fixed / GiB:.2f} GiB; smallest cap that fits: "
+        if self.cap < self.fixed:  # as many decimals as tell the cap from the need (0.26 GiB too small for 0.26 says nothing)
+            d = next((d for d in range(2, 6) if f"{self.cap / GiB:.{d}f}" != f"{self.fixed / GiB:.{d}f}"), 6)
+            raise StreamoeError(f"cap {self.cap / GiB:.{d}f} GiB is too small for this model at ctx {self.ctx}: "
+                                f"the fixed accounts need {self.fixed / GiB:.{d}f} GiB; smallest cap that fits: "
                                 f"--cap {(self.min_cap + 0.01 * GiB) / GiB:.2f}")
 
 

@@ -104,6 +104,17 @@ def all_agree(group: Group, flag: bool) -> bool:
     return n == group.size()
 
 
+def smallest(group: Group, n: int) -> int:
+    """The smallest `n` of every rank (e.g. the prefill chunk: every rank must cut a prompt alike)."""
+    return int(mx.distributed.all_min(mx.array(n, dtype=mx.int32), group=group, stream=_stream()).item())
+
+
+def rank0_says(group: Group, flag: bool) -> bool:
+    """Rank 0's `flag` on every rank (the others pass anything): e.g. whether an answer goes on after a token."""
+    mine = int(flag) if group.rank() == 0 else 0
+    return mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group, stream=_stream()).item() > 0
+
+
 def shared_token(token: mx.array, group: Group) -> mx.array:
     """Rank 0's token on every rank (lazy: the pipelined loop queues the next step from it)."""
     mine = mx.where(mx.array(group.rank() == 0), token, mx.zeros_like(token))

@@ -75,6 +75,12 @@ class Sampler:
     def penalised(self) -> bool:
         return bool(self.presence or self.frequency or self.repetition != 1.0)
 
+    def params(self) -> dict:
+        """The arguments that make this sampler anew: what another rank needs to draw as this one does."""
+        return {"temp": self.temp, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "presence_penalty": self.presence, "frequency_penalty": self.frequency,
+                "repetition_penalty": self.repetition, "seed": self.seed}
+
     # ---- state a conversation keeps
     def state(self) -> dict:
         return {"seed": self.seed, "drawn": self.drawn}

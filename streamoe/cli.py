@@ -508,14 +508,9 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
           max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, sse_keepalive: float,
           log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
-    from .runtime.ranks import find_group
     from .runtime.serve.openai_api import Limits
     from .runtime.serve.server import serve as run_server
     from .runtime.serve.worker import ServeOptions
-
-    if find_group() is not None:  # each rank would serve a whole model of its own: refused, not half-done
-        raise StreamoeError("serve across ranks (mlx.launch) is not supported yet: serve on one host, or use "
-                            "`streamoe run` across ranks")
 
     limits = Limits(max_body=int(max_body_mib * (1 << 20)), max_image_bytes=int(max_image_mib * (1 << 20)),
                     max_images=0 if no_images else max_images)

@@ -4,20 +4,29 @@ a rank that cannot open stops every rank with one line naming it; `plan --ranks`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 
-from streamoe.runtime.plan import Options, plan_for
+from streamoe.runtime.plan import MiB, Options, plan_for
+from streamoe.runtime.serve.openai_api import Limits
+from streamoe.runtime.serve.worker import ServeOptions, serve_accounts
 
-from .conftest import cli
+from .conftest import cli, one_error_line
+from .serve_util import data_url, fetch, free_port, raw_request, start_server, stop_server, triangle_png
 
 PROMPT = "The quick brown fox"
 RUNTIME_MIB = 200  # a fixed allowance: one process and each rank plan the same accounts
@@ -42,9 +51,18 @@ def free_port_pair() -> int:
 
 def launch(*command: str, timeout: float = 120, stdin: str = "") -> subprocess.CompletedProcess:
     """`mlx.launch --backend ring -n 2 -- COMMAND` (the launcher's own exit status is 0 whatever the ranks did:
-    callers read the ranks' output)."""
-    return subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_port_pair()), "--", *command],
-                          capture_output=True, text=True, timeout=timeout, input=stdin)
+    callers read the ranks' output). In a session of its own: ranks that hang are killed with it at the timeout
+    (killed alone, the launcher leaves them running)."""
+    p = subprocess.Popen([str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_port_pair()), "--", *command],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def run_ranked(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
@@ -179,3 +197,228 @@ def test_a_peer_that_leaves_mid_answer_stops_the_other_with_one_line(ring, small
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("streamoe:")]
     assert len(lines) == 1 and lines[0].startswith("streamoe: error: rank 0 of 2 on "), p.stderr
     assert "lost its peer ranks" in lines[0] or "no exchange with its peer ranks" in lines[0], lines[0]
+
+
+# ---- `streamoe serve` across ranks: rank 0 serves, rank 1 repeats its engine calls (runtime/serve/lockstep.py)
+SERVE_CTX = 256
+SERVE = ["--ctx", SERVE_CTX, "--runtime-mib", RUNTIME_MIB, "--prompt-cache-mib", 8, "--max-body-mib", 0.5, "--max-queue", 2,
+         "--max-connections", 8, "--log-level", "warning"]
+SERVE_OPTIONS = ServeOptions("t", limits=Limits(max_body=MiB // 2), max_queue=2, max_connections=8, prompt_cache_bytes=8 * MiB)
+IDLE_TIMEOUT = 4  # STREAMOE_RANK_TIMEOUT for the ranked server: the test idles longer than this between requests
+THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True}
+HELLO = [{"role": "user", "content": PROMPT}]
+
+
+def serve_plan(conv: Path, cap: float, rank: int = 0, ranks: int = 1):
+    """The plan `streamoe serve CONV --cap CAP *SERVE` makes on rank `rank` of `ranks` (no images)."""
+    return plan_for(conv, Options(cap_gib=cap, ctx=SERVE_CTX, runtime_bytes=RUNTIME_MIB * MiB, rank=rank, ranks=ranks,
+                                  extra_accounts=serve_accounts(conv, SERVE_CTX, SERVE_OPTIONS, rank, ranks)))
+
+
+def serve_caps(conv: Path) -> tuple[float, float]:
+    """(rank 0's cap, rank 1's): rank 0's is a single host's that streams (100 hot slots of 512); rank 1's is
+    that less the accounts only rank 0 plans (its requests), so both ranks hold the same hot tier over their
+    shares. At one cap rank 1 would hold its whole share of this small model (the server's sockets alone are
+    100+ MiB) and read nothing."""
+    one, zero, first = serve_plan(conv, 8), serve_plan(conv, 8, 0, 2), serve_plan(conv, 8, 1, 2)
+    cap = one.fixed + 100 * one.slot_bytes
+    caps = (cap / 2**30, (cap - zero.fixed + first.fixed) / 2**30)
+    for r, c in enumerate(caps):
+        p = serve_plan(conv, c, r, 2)
+        assert 0 < p.hot_slots < p.n_layers * p.n_experts, (r, p.hot_slots)
+    return caps
+
+
+@dataclass
+class RankedServer:
+    launcher: subprocess.Popen
+    port: int
+    logs: list[Path]
+    pids: list[Path]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def pid(self, rank: int) -> int:
+        return int(self.pids[rank].read_text())
+
+    def log(self, rank: int) -> str:
+        return self.logs[rank].read_text()
+
+
+def start_ranked_server(conv: Path, where: Path, caps: tuple[float, float], timeout: float = 120) -> RankedServer:
+    """`mlx.launch --backend ring -n 2 -- streamoe serve CONV` on a free port, each rank at its own cap, its pid
+    and stderr in files of its own; returns once /health answers."""
+    port = free_port()
+    script = where / "serve_rank.sh"
+    args = shlex.join(map(str, ["--port", port, *SERVE]))
+    script.write_text(f'#!/bin/sh\nif [ "$MLX_RANK" = 1 ]; then cap={caps[1]:.6f}; else cap={caps[0]:.6f}; fi\n'
+                      f'echo $$ > {where}/pid.$MLX_RANK\n'
+                      f'exec {shlex.quote(sys.executable)} -m streamoe.cli serve {shlex.quote(str(conv))} --cap $cap {args} '
+                      f'2> {where}/log.$MLX_RANK\n')
+    script.chmod(0o755)
+    env = {**os.environ, "STREAMOE_RANK_TIMEOUT": str(IDLE_TIMEOUT), "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen([str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_port_pair()), "--", str(script)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    s = RankedServer(launcher, port, [where / "log.0", where / "log.1"], [where / "pid.0", where / "pid.1"])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            raise AssertionError(f"the ranked server exited:\n{launcher.communicate()}\n" +
+                                 "\n".join(p.read_text() for p in s.logs if p.exists()))
+        try:
+            if fetch(s.url + "/health", timeout=1).status == 200:
+                return s
+        except OSError:
+            pass
+        time.sleep(0.2)
+    stop_ranked_server(s)
+    raise AssertionError(f"the ranked server did not answer /health in {timeout} s")
+
+
+def stop_ranked_server(s: RankedServer) -> None:
+    """SIGINT to rank 0 (which stops rank 1); the launcher's session killed if they are not gone within 30 s."""
+    if s.launcher.poll() is None and s.pids[0].exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(s.pid(0), signal.SIGINT)
+    try:
+        s.launcher.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(s.launcher.pid, signal.SIGKILL)
+        s.launcher.wait()
+
+
+@pytest.fixture(scope="module")
+def served(ring, small_conv, tmp_path_factory):
+    """A single-host server and a two-rank one at the caps of `serve_caps`, with their clients."""
+    caps = serve_caps(small_conv)
+    where = tmp_path_factory.mktemp("ranked")
+    one = start_server(small_conv, where / "one.log", "--cap", f"{caps[0]:.6f}", "--no-images", *SERVE)
+    try:
+        two = start_ranked_server(small_conv, where, caps)
+    except BaseException:
+        stop_server(one)
+        raise
+    clients = [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120) for s in (one, two)]
+    yield one, two, clients
+    stop_ranked_server(two)
+    stop_server(one)
+
+
+def answer(client: openai.OpenAI, stream: bool = False, **kw) -> tuple[list[int] | str, dict]:
+    """(the answer's token ids, or its text when streamed; its `streamoe` telemetry)."""
+    r = client.chat.completions.create(model="small", messages=HELLO, max_tokens=12, stream=stream, extra_body=THINK_OFF, **kw)
+    if not stream:
+        return r.choices[0].model_extra["token_ids"], r.model_extra["streamoe"]
+    chunks = list(r)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].model_extra["streamoe"]
+
+
+def test_two_ranks_serve_one_hosts_answers_each_reading_about_half(served):
+    """Greedy, streamed and seeded answers equal a single host's; each rank's reads (the answers' telemetry,
+    and /metrics) are about half of that host's at rank 0's cap, over the same hot tier on each rank; the
+    ranks idle longer than their watchdog's limit between requests."""
+    one, two, (c1, c2) = served
+    answers = [(answer(c1, temperature=0), answer(c2, temperature=0)),
+               (answer(c1, True, temperature=0), answer(c2, True, temperature=0)),
+               (answer(c1, temperature=0.9, seed=7, top_p=0.95), answer(c2, temperature=0.9, seed=7, top_p=0.95))]
+    for (want, _), (got, _) in answers:
+        assert got == want and len(want) > 0
+    time.sleep(IDLE_TIMEOUT + 1)  # idle past the watchdog's limit: neither rank may stop
+    again, _ = answer(c2, temperature=0)
+    assert again == answers[0][0][0]
+    full = answers[0][0][1]["mib_read_token"]
+    tele = [t for _, (_, t) in answers]
+    for rank in (0, 1):
+        mibs = [t["ranks"][rank]["mib_read_token"] for t in tele]
+        assert all(0 < m < 0.6 * full for m in mibs), (rank, mibs, full)  # its share's picks, the same tier
+    metrics = fetch(two.url + "/metrics").text
+    for rank in (0, 1):  # every finished answer's reads, this rank's counter (the last answer's included)
+        line = next(ln for ln in metrics.splitlines() if ln.startswith(f'streamoe_rank_expert_bytes_read_total{{rank="{rank}"}}'))
+        counted = float(line.split()[-1])
+        assert counted >= sum(t["ranks"][rank]["bytes_read"] for t in tele) > 0, metrics
+    assert "Traceback" not in two.log(0) + two.log(1)
+
+
+def test_a_request_with_an_image_is_refused_across_ranks(served, tmp_path):
+    _, two, (_, c2) = served
+    png = triangle_png(tmp_path / "t.png")
+    with pytest.raises(openai.BadRequestError) as e:
+        c2.chat.completions.create(model="small", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": data_url(png)}}]}])
+    assert "across ranks" in e.value.message and "images" in e.value.message, e.value.message
+    assert answer(c2, temperature=0)[0]  # and the server goes on
+
+
+def test_sigterm_to_rank_0_mid_answer_ends_both_ranks_cleanly(served):
+    """The running stream ends with the `shutting_down` error; rank 0 tells rank 1 to stop; both exit 0 with no
+    traceback within a bound."""
+    _, two, _ = served
+    body = json.dumps({"model": "small", "messages": HELLO, "max_tokens": 200, "temperature": 0, "stream": True}).encode()
+    sock = raw_request(two.port, "/v1/chat/completions", body)
+    got = b""
+    sock.settimeout(60)
+    while got.count(b"data: {") < 3:
+        got += sock.recv(65536)
+    t0 = time.monotonic()
+    os.kill(two.pid(0), signal.SIGTERM)
+    while b"data: [DONE]" not in got:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    sock.close()
+    two.launcher.wait(30)
+    assert time.monotonic() - t0 < 30
+    events = [ln for ln in got.split(b"\n") if ln.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "shutting_down"
+    out, err = two.launcher.communicate()
+    assert "exited with code" not in err and "was killed" not in err, err  # the launcher's word on each rank
+    for rank in (0, 1):
+        log = two.log(rank)
+        assert "Traceback" not in log and "streamoe: error" not in log and "[ring]" not in log, (rank, log[-3000:])
+    assert "streamoe: stopped" in two.log(0)
+
+
+def test_a_model_too_large_for_one_hosts_cap_opens_across_two(ring, small_conv, tmp_path):
+    """At ctx 64 one host's fixed accounts hold a staging slot for each of a layer's 64 experts; a rank's for its
+    32, and its exchange buffers (a prefill step of 64 tokens) take less than the 32 it saves. At a cap between
+    the two, one host refuses to open and two ranks answer, streaming, with a single resident host's logits."""
+    args = ["--ctx", "64", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", PROMPT, "-n", "8"]
+    base = Options(cap_gib=8, ctx=64, runtime_bytes=RUNTIME_MIB * MiB)
+    one = plan_for(small_conv, base)
+    shares = [plan_for(small_conv, replace(base, rank=r, ranks=2)) for r in (0, 1)]
+    rank_fixed = max(p.fixed for p in shares)
+    assert rank_fixed + 4 * one.slot_bytes < one.fixed  # the rank's half of the staging outweighs its exchange
+    cap = f"{(rank_fixed + one.fixed) / 2 / 2**30:.6f}"
+    alone = cli("run", small_conv, "--cap", cap, *args)
+    line = one_error_line(alone, "too small for this model at ctx 64: the fixed accounts need", "smallest cap that fits")
+    said, need = map(float, re.search(r"cap ([\d.]+) GiB .* need ([\d.]+) GiB", line).groups())
+    assert alone.returncode == 2 and said < need and abs(need - one.fixed / 2**30) < 1e-3, line
+    ref = cli("run", small_conv, "--cap", "2", *args, "--logits-out", tmp_path / "one.npz", check=True)
+    two = run_ranked(small_conv, "--cap", cap, *args, "--logits-out", tmp_path / "two.npz")
+    assert (tmp_path / "two.npz").exists(), two.stderr
+    assert np.load(tmp_path / "one.npz")["logits"].tobytes() == np.load(tmp_path / "two.npz")["logits"].tobytes()
+    assert two.stdout == ref.stdout
+    summary = next(ln for ln in two.stderr.splitlines() if ln.startswith("["))
+    reads = [float(m) for m in re.findall(r"\d: ([\d.]+) MiB read/token", summary)]
+    assert len(reads) == 2 and all(m > 0 for m in reads), summary  # each rank streams its share
+
+
+def test_ranks_that_plan_different_prefill_chunks_cut_a_prompt_alike(ring, small_conv, tmp_path):
+    """Rank 0 streams at its cap (a chunk of 512 tokens), rank 1 holds its whole share (a chunk of one 256-token
+    step): each chunk's layers exchange block by block, so every rank must cut the prompt alike (the smallest
+    chunk any rank planned), or the blocks' exchanges pair up wrong."""
+    chunks = [plan_for(small_conv, Options(cap_gib=c, ctx=512, runtime_bytes=RUNTIME_MIB * MiB, rank=r, ranks=2)).prefill_chunk
+              for r, c in ((0, 0.3), (1, 2))]
+    assert chunks == [512, 256]
+    script = tmp_path / "per_rank.sh"
+    script.write_text(f'#!/bin/sh\nif [ "$MLX_RANK" = 1 ]; then c=2; else c=0.3; fi\n'
+                      f'exec {shlex.quote(sys.executable)} -m streamoe.cli run {shlex.quote(str(small_conv))} --cap $c "$@"\n')
+    script.chmod(0o755)
+    args = ["--ctx", "512", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", " ".join([PROMPT] * 21), "-n", "2", "-q"]
+    cli("run", small_conv, "--cap", "2", *args, "--logits-out", tmp_path / "one.npz", check=True)
+    two = launch(str(script), *args, "--logits-out", str(tmp_path / "two.npz"))
+    assert (tmp_path / "two.npz").exists(), two.stderr
+    assert np.load(tmp_path / "one.npz")["logits"].tobytes() == np.load(tmp_path / "two.npz")["logits"].tobytes()

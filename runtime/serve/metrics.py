@@ -37,6 +37,9 @@ def exposition(worker, queued: int, requests: dict) -> str:
                   [({}, tot["generated_tokens"])])
     out += family("expert_bytes_read_total", "counter", "Expert bytes read from the SSD by the finished answers.",
                   [({}, tot["bytes_read"])])
+    if "rank_bytes_read" in tot:  # across ranks: each rank reads its own share of the experts
+        out += family("rank_expert_bytes_read_total", "counter", "Expert bytes each rank read from its SSD in the "
+                      "finished answers.", [({"rank": r}, n) for r, n in enumerate(tot["rank_bytes_read"])])
     out += family("last_tokens_per_second", "gauge", "Decode speed of the last answer (tokens per second).",
                   [({}, last.get("tok_s", 0.0))])
     out += family("last_hit_rate", "gauge", "Share of the last answer's expert picks already in memory (0-1).",

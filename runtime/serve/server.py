@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ...formats.errors import StreamoeError
+from .. import ranks
 from ..plan import current_rss
 from . import anthropic_api, responses_api
 from .chat_output import collect
@@ -47,6 +49,7 @@ from .door import (
     connection_limit,
     guarded_protocol,
 )
+from .lockstep import follow
 from .metrics import exposition
 from .openai_api import (
     APIError,
@@ -58,7 +61,7 @@ from .openai_api import (
     parse_chat,
     parse_completion,
 )
-from .worker import Job, Server
+from .worker import Job, Server, open_engine
 
 STATIC = Path(__file__).resolve().parent / "static"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -463,15 +466,56 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind(host: str, port: int, group: ranks.Group | None) -> socket.socket | None:
+    """The listening socket; across ranks rank 0's alone (None on the others), and every rank learns whether
+    rank 0 could bind it before any opens the model."""
+    if group is None:
+        return listen(host, port)
+    held: list[socket.socket] = []
+    ranks.open_together(group, lambda: held.append(listen(host, port)) if group.rank() == 0 else None,
+                        lambda: [s.close() for s in held])
+    return held[0] if held else None
+
+
+def follow_rank0(root: Path, opts, so, group: ranks.Group) -> None:
+    """A rank other than 0: its engine (the prompt cache's account as rank 0's: it keeps the same snapshots),
+    making rank 0's engine calls until rank 0 stops. Ctrl+C reaches every rank of a terminal's process group:
+    rank 0 stops, and tells the others; SIGTERM keeps its default, ending this rank at once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    eng = open_engine(root, opts, so, group)
+    p = eng.plan
+    print(f"streamoe: {ranks.where(group)} follows rank 0's server: experts e % {p.ranks} == {p.rank} of every layer, "
+          f"{p.hot_slots} of {p.n_layers * p.n_experts} in its hot tier, cap {p.cap / 2**30:.2f} GiB", file=sys.stderr,
+          flush=True)
+    try:
+        follow(eng)
+    except RuntimeError as e:
+        if (lost := ranks.lost_peer(e, group)) is None:
+            raise
+        raise lost from None
+    except StreamoeError as e:
+        raise StreamoeError(f"{ranks.where(group)}: {e}") from None
+    finally:
+        eng.close()
+
+
 def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -> None:
     """Open the engine on this thread (its plan printed to stderr), run the HTTP server on another, and
     answer queued requests here until SIGINT or SIGTERM: then the running and queued requests end with a
     `shutting_down` error (streams with that event and `[DONE]`), the HTTP server drains for up to 2 s,
-    and the process exits 0. A second signal exits at once."""
+    and the process exits 0. A second signal exits at once.
+
+    Under `mlx.launch` rank 0 does all that, and every other rank follows its engine calls (`lockstep`) until
+    rank 0 stops. Images reach rank 0 alone, so none are planned for (a request with one is refused)."""
     import uvicorn
 
-    sock = listen(host, port)
-    server = Server(root, opts, so)
+    group = ranks.find_group()
+    if group is not None:
+        opts = dataclasses.replace(opts, images=False)
+    sock = bind(host, port, group)
+    if sock is None:
+        return follow_rank0(root, opts, so, group)
+    server = Server(root, opts, so, group)
     print(server.worker.eng.plan.render(), file=sys.stderr)
     if (notice := exposure(host)) is not None:
         print(notice, file=sys.stderr)

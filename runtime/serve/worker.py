@@ -4,7 +4,8 @@ Requests are prepared (rendered, tokenized, checked against the planned context)
 queued in order in a bounded queue; the worker thread restores the longest cached prompt prefix or clears
 the state (nothing one request did reaches the next one's answer), prefills the rest in segments that end at
 assistant headers (see `prompt_cache`), generates, and sends events back to the request's event loop. A
-request whose client went away is skipped if still queued, and stops at the next token if running.
+request whose client went away is skipped if still queued, and stops at the next token if running. Across
+ranks the worker runs on rank 0, and each of its engine calls is told to the other ranks first (`lockstep`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import queue
 import secrets
@@ -39,6 +41,7 @@ from ..text import Detokenizer, generation_defaults
 from ..tool_calls import call_prefix
 from .chat_output import ChatOutput
 from .door import SOCKET_BUFFER, socket_bytes
+from .lockstep import Lockstep, rank_summary, snapshot_id
 from .logprobs import TokenText
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
@@ -83,6 +86,7 @@ class ServeOptions:
 
 
 IDS_BYTES = 40  # a token id in a Python list: its pointer and its int object
+ID_CHARS = 8  # a token id in a command's JSON text, with its comma (ids below 10^7)
 # the tokenizer's working set per byte of text it is given (measured 210-250, tokenizers 0.2x, byte-level BPE)
 TOKENIZE_BYTES = 320
 
@@ -94,8 +98,6 @@ class PromptBound:
     that removes whitespace, unknown runs fused into one token): then no bound holds and none is claimed."""
 
     def __init__(self, tokenizer):
-        import json
-
         spec = json.loads(tokenizer.to_str())
         model = spec.get("model") or {}
         parts = _parts(spec.get("pre_tokenizer")) + _parts(spec.get("decoder"))
@@ -245,6 +247,9 @@ class EngineWorker:
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "bytes_read": 0}  # over the server's lifetime
         self.token_text = TokenText(eng.text)
         self.bound = PromptBound(eng.text.tokenizer)
+        self.lock = Lockstep(eng) if eng.group is not None else None  # across ranks: every engine call told first
+        if self.lock is not None:
+            self.totals["rank_bytes_read"] = [0] * eng.group.size()
 
     # ---- on the server's prepare thread: turn a request into a job (or an APIError)
     def render(self, req: GenRequest) -> str:
@@ -274,6 +279,9 @@ class EngineWorker:
         server's prepare thread, one at a time: the plan's `requests` account counts one prompt in work."""
         thinking, given = False, ""
         if req.kind == "chat":
+            if req.images and self.lock is not None:
+                raise bad("across ranks (mlx.launch) a request takes no images: they reach rank 0 alone, and every "
+                          "rank must encode them; serve images on one host", "messages")
             if req.images and not self.eng.opts.images:
                 raise bad("this server was started without images (streamoe serve --no-images)", "messages")
             if (least := self.bound.quick(message_chars(req.messages))) >= self.eng.opts.ctx:
@@ -342,23 +350,34 @@ class EngineWorker:
         return n
 
     # ---- on the worker thread
+    def told(self, op: str, **fields):
+        """The context of an engine call: across ranks, the same call told to every other rank first."""
+        return self.lock.call(op, **fields) if self.lock is not None else contextlib.nullcontext()
+
     def run(self, job: Job) -> None:
         """Answer one job, sending ("delta", events), then ("done", info) or ("error", APIError)."""
         try:
             with image_files(job.req.images) as paths:
                 info = self._answer(job, paths)
             job.emit(("done", info))
-        except StreamoeError as e:
-            msg = str(e)
-            for i, p in enumerate(getattr(self, "_paths", [])):
-                msg = msg.replace(str(p), f"image {i + 1}")
-            job.emit(("error", APIError(400, msg)))
-        except Exception as e:  # a bug: logged with its traceback, the client gets a 500 without it
-            traceback.print_exc(file=sys.stderr)
-            job.emit(("error", APIError(500, f"internal error: {type(e).__name__}")))
+        except Exception as e:
+            if self.lock is not None and self.lock.lost:  # across ranks, a peer gone: the server stops (below)
+                job.emit(("error", APIError(503, "the server lost one of its ranks and is stopping", code="shutting_down")))
+            elif isinstance(e, StreamoeError):
+                msg = str(e)
+                for i, p in enumerate(getattr(self, "_paths", [])):
+                    msg = msg.replace(str(p), f"image {i + 1}")
+                job.emit(("error", APIError(400, msg)))
+            else:  # a bug: logged with its traceback, the client gets a 500 without it
+                traceback.print_exc(file=sys.stderr)
+                job.emit(("error", APIError(500, f"internal error: {type(e).__name__}")))
         finally:
             self._paths = []
             self.live = {"state": "idle", "last": self.live.get("last"), "prompt_cache": self.cache.to_json()}
+            if self.lock is not None:
+                self.eng.watchdog.idle()  # the next request may come hours later: only a step waits on the peers
+        if self.lock is not None and self.lock.broken is not None:
+            raise self.lock.broken  # the ranks may be out of step: the server stops, and its peers with it
 
     def _answer(self, job: Job, paths: list[str]) -> dict:
         eng, req, ids = self.eng, job.req, job.ids
@@ -367,12 +386,12 @@ class EngineWorker:
         hashes = [image_hash(b) for b in req.images]
         key = key_items(ids, self.pad, hashes)
         snap = self.cache.lookup(key) if self.cache.budget else None
-        if snap is not None:
-            restore(eng, snap)
-            start = len(snap.key)
-        else:
-            clear(eng)
-            start = 0
+        with self.told("begin", restore=None if snap is None else snapshot_id(snap.key)):
+            if snap is not None:
+                restore(eng, snap)
+            else:
+                clear(eng)
+        start = 0 if snap is None else len(snap.key)
         cached = eng.offset
         where = [i for i, t in enumerate(ids) if t == self.pad][:len(paths)]  # image i sits at ids[where[i]]
 
@@ -387,14 +406,17 @@ class EngineWorker:
             if job.cancel.is_set():
                 return {"finish_reason": None, "cancelled": True}
             seg = images(a, b)
-            if seg:
-                prefill_images(eng, ids[a:b], seg)
-            else:
-                eng.prefill(ids[a:b])
+            with self.told("prefill", ids=ids[a:b]):
+                if seg:
+                    prefill_images(eng, ids[a:b], seg)
+                else:
+                    eng.prefill(ids[a:b])
             a = b
         if cuts and self.cache.wants(need := snapshot_nbytes(eng)) and not self.cache.holds(key[:a]):
             self.cache.make_room(need)
             self.cache.add(capture(eng, key[:a]))
+            if self.lock is not None:  # every rank keeps the same snapshots, each its own copy
+                self.lock.tell("capture", id=snapshot_id(key[:a]), keep=[snapshot_id(k) for k in self.cache.snaps])
         out = ChatOutput(job.thinking, (req.tools or True) if req.parse_tools else None, req.stop, self.tool_format)
         evs = out.given(job.prefix)  # the forced start of a tool call is part of the answer the client gets
         if evs:
@@ -402,34 +424,37 @@ class EngineWorker:
         detok = Detokenizer(eng.text)
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
         finish, reasoning, lps = None, 0, []  # lps: logprobs entries of tokens whose text is not sent yet
-        gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None, context=ids,
-                           constraint=job.constraint)
-        for tok, lg in gen:
-            if job.cancel.is_set():
-                print(f"streamoe: {job.id} cancelled after {n} tokens (its client went away or the server is stopping)", file=sys.stderr, flush=True)
-                return {"finish_reason": None, "cancelled": True, "tokens": n}
-            n += 1
-            toks.append(tok)
-            if job.logits is not None:
-                job.logits.append(lg)
-            if n == 1:
-                self.live["ttft_s"] = time.perf_counter() - t0
-            if req.logprobs:
-                lps.append(self.token_text.entry(lg, tok, req.top_logprobs))
-            if out.phase == "reasoning":  # the token is fed before it can close the thinking
-                reasoning += 1
-            evs = out.feed(detok.add(tok))
-            if evs:
-                if lps:  # a token's logprobs go out just before the first text it is part of
-                    job.emit(("logprobs", lps))
-                    lps = []
-                job.emit(("delta", evs))
-            seen = dec.add(eng.steps, seen)
-            self.live = {**self.live, "state": "decode", "tokens": n, **dec.stats(), "rss": eng.rss}
-            if out.stopped:
-                finish = "stop"
-                break
-        gen.close()
+        if self.lock is not None:  # every rank runs the same loop; closing it early ends it there on every rank
+            gen = self.lock.generate(ids, a, job.max_tokens, job.sampler, job.constraint)
+        else:
+            gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None, context=ids,
+                               constraint=job.constraint)
+        with contextlib.closing(gen):
+            for tok, lg in gen:
+                if job.cancel.is_set():
+                    print(f"streamoe: {job.id} cancelled after {n} tokens (its client went away or the server is stopping)", file=sys.stderr, flush=True)
+                    return {"finish_reason": None, "cancelled": True, "tokens": n}
+                n += 1
+                toks.append(tok)
+                if job.logits is not None:
+                    job.logits.append(lg)
+                if n == 1:
+                    self.live["ttft_s"] = time.perf_counter() - t0
+                if req.logprobs:
+                    lps.append(self.token_text.entry(lg, tok, req.top_logprobs))
+                if out.phase == "reasoning":  # the token is fed before it can close the thinking
+                    reasoning += 1
+                evs = out.feed(detok.add(tok))
+                if evs:
+                    if lps:  # a token's logprobs go out just before the first text it is part of
+                        job.emit(("logprobs", lps))
+                        lps = []
+                    job.emit(("delta", evs))
+                seen = dec.add(eng.steps, seen)
+                self.live = {**self.live, "state": "decode", "tokens": n, **dec.stats(), "rss": eng.rss}
+                if out.stopped:
+                    finish = "stop"
+                    break
         evs = out.flush()
         if lps:
             job.emit(("logprobs", lps))
@@ -445,6 +470,11 @@ class EngineWorker:
         self.totals["bytes_read"] += sum(ly.bytes_read for st in eng.steps for ly in st.layers)
         tele = {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}
         tele.update(cached_tokens=cached, prefilled_tokens=prompt_tokens - cached, rss=current_rss(), cap=eng.plan.cap)
+        if self.lock is not None:  # every rank's reads: this one's, then each follower's reply to `done`
+            every = [rank_summary(eng)] + [json.loads(b) for b in self.lock.tell("done")]
+            tele["ranks"] = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in every]
+            for r in every:
+                self.totals["rank_bytes_read"][r["rank"]] += r["bytes_read"]
         self.live = {**self.live, "last": tele}
         print(f"streamoe: {job.id} {prompt_tokens} prompt tokens ({cached} cached), {n} generated, "
               f"{s['tok_s']:.1f} tok/s, hit rate {100 * s['hit_rate']:.0f}%", file=sys.stderr, flush=True)
@@ -506,26 +536,45 @@ def image_files(images: list[bytes]):
             tmp.cleanup()
 
 
-def open_engine(root: Path, opts: Options, so: ServeOptions) -> Engine:
-    """The engine with two more accounts in its plan, fixed before its hot tier is sized: the prompt cache and
-    the requests in flight."""
+def command_bytes(ctx: int, n_ranks: int) -> int:
+    """What the largest command across ranks (`lockstep`: a prompt of ctx tokens) holds at once: its JSON text
+    and its bytes, the gather's buffers (the bytes padded, on the host and the device, every rank's gathered
+    there and read back) and the ids parsed into a list."""
+    return ctx * (ID_CHARS * (5 + 2 * n_ranks) + IDS_BYTES)
+
+
+def serve_accounts(root: Path, ctx: int, so: ServeOptions, rank: int = 0, ranks: int = 1) -> tuple:
+    """The accounts serving adds to the engine's plan, fixed before its hot tier is sized: the prompt cache and
+    the requests in flight; across ranks, the commands rank 0 sends (`lockstep`) on every rank, and the requests
+    on rank 0 alone, which serves them (every rank keeps the same snapshots: the same prompt cache)."""
     requests = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its client, each keeping at "
                 f"most {so.limits.max_kept / MiB:g} MiB; one body parsed and one prompt tokenized at a time; "
                 f"{socket_bytes(so.max_connections) / MiB:g} MiB of kernel socket buffers ({SOCKET_BUFFER >> 10} KiB "
                 "each way a connection, doubled by the kernel)")
-    extra = (("prompt cache", so.prompt_cache_bytes, "snapshots of conversation state for repeated prompts, LRU"),
-             ("requests", requests_bytes(so, root, opts.ctx), requests))
-    return Engine(root, dataclasses.replace(opts, extra_accounts=opts.extra_accounts + extra))
+    extra = (("prompt cache", so.prompt_cache_bytes, "snapshots of conversation state for repeated prompts, LRU"),)
+    if rank == 0:
+        extra += (("requests", requests_bytes(so, root, ctx), requests),)
+    if ranks > 1:
+        extra += (("rank commands", command_bytes(ctx, ranks),
+                   f"rank 0's command for one engine call, a prompt of up to {ctx} tokens, gathered"),)
+    return extra
+
+
+def open_engine(root: Path, opts: Options, so: ServeOptions, group=None) -> Engine:
+    """The engine with the accounts of serving in its plan (`serve_accounts`); `group`: the ranks it is one of."""
+    where = (group.rank(), group.size()) if group is not None else ()
+    extra = serve_accounts(root, opts.ctx, so, *where)
+    return Engine(root, dataclasses.replace(opts, extra_accounts=opts.extra_accounts + extra), group)
 
 
 class Server:
     """The engine's thread (the one that opens it: MLX streams belong to the thread that made them) running
     the queue, and the bounded queue the HTTP handlers put jobs in."""
 
-    def __init__(self, root: Path, opts: Options, so: ServeOptions):
+    def __init__(self, root: Path, opts: Options, so: ServeOptions, group=None):
         self.so = so
         self.queue: queue.Queue = queue.Queue(maxsize=so.max_queue)
-        self.worker = EngineWorker(open_engine(root, opts, so), so)
+        self.worker = EngineWorker(open_engine(root, opts, so, group), so)
         self.current: Job | None = None
         self.stopping = threading.Event()
 
@@ -579,4 +628,6 @@ class Server:
 
     def close(self) -> None:
         self.stop()
+        if self.worker.lock is not None:
+            self.worker.lock.stop()  # every other rank closes and exits with this one
         self.worker.eng.close()
