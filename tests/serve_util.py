@@ -71,18 +71,26 @@ def start_server(conv: Path, log: Path, *args, cgroup: Path | None = None, timeo
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1",
                                                                                   "PYTHONFAULTHANDLER": "1"})
     served = Served(proc, port, log)
+    if answers_health(served.url, proc, timeout, lambda: f"streamoe serve exited with {proc.returncode}:\n{served.text()}"):
+        return served
+    stop_server(served)
+    raise AssertionError(f"streamoe serve did not answer /health in {timeout} s:\n{served.text()}")
+
+
+def answers_health(url: str, proc: subprocess.Popen, timeout: float, exited) -> bool:
+    """Whether URL/health answers 200 within `timeout` seconds; a `proc` that exits first fails the test with
+    `exited()`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"streamoe serve exited with {proc.returncode}:\n{served.text()}")
+            raise AssertionError(exited())
         try:
-            if fetch(served.url + "/health", timeout=1).status == 200:
-                return served
+            if fetch(url + "/health", timeout=1).status == 200:
+                return True
         except OSError:
             pass
         time.sleep(0.2)
-    stop_server(served)
-    raise AssertionError(f"streamoe serve did not answer /health in {timeout} s:\n{served.text()}")
+    return False
 
 
 @dataclass

@@ -26,7 +26,16 @@ from streamoe.runtime.serve.openai_api import Limits
 from streamoe.runtime.serve.worker import ServeOptions, serve_accounts
 
 from .conftest import cli, one_error_line
-from .serve_util import data_url, fetch, free_port, raw_request, start_server, stop_server, triangle_png
+from .serve_util import (
+    answers_health,
+    data_url,
+    fetch,
+    free_port,
+    raw_request,
+    start_server,
+    stop_server,
+    triangle_png,
+)
 
 PROMPT = "The quick brown fox"
 RUNTIME_MIB = 200  # a fixed allowance: one process and each rank plan the same accounts
@@ -262,17 +271,9 @@ def start_ranked_server(conv: Path, where: Path, caps: tuple[float, float], time
     launcher = subprocess.Popen([str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_port_pair()), "--", str(script)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     s = RankedServer(launcher, port, [where / "log.0", where / "log.1"], [where / "pid.0", where / "pid.1"])
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if launcher.poll() is not None:
-            raise AssertionError(f"the ranked server exited:\n{launcher.communicate()}\n" +
-                                 "\n".join(p.read_text() for p in s.logs if p.exists()))
-        try:
-            if fetch(s.url + "/health", timeout=1).status == 200:
-                return s
-        except OSError:
-            pass
-        time.sleep(0.2)
+    if answers_health(s.url, launcher, timeout, lambda: f"the ranked server exited:\n{launcher.communicate()}\n" +
+                      "\n".join(p.read_text() for p in s.logs if p.exists())):
+        return s
     stop_ranked_server(s)
     raise AssertionError(f"the ranked server did not answer /health in {timeout} s")
 

@@ -36,7 +36,6 @@ from ...formats.errors import StreamoeError
 from .. import ranks
 from ..constrain import Constraint
 from ..sampling import Sampler
-from ..telemetry import summarize
 from .prompt_cache import Item, Snapshot, capture, clear, restore
 
 
@@ -167,7 +166,7 @@ def follow(eng) -> None:
 
 def rank_summary(eng) -> dict:
     """What rank 0's telemetry shows of one rank's answer: its expert reads and hit rate."""
-    s = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
+    s = eng.summary(eng.steps)
     return {"rank": eng.opts.rank, "mib_read_token": s["mib_read_token"], "hit_rate": s["hit_rate"],
             "prefill_mib_token": s["prefill_mib_token"], "bytes_read": sum(st.bytes_read for st in eng.steps),
             "peak_gib": s["peak_gib"], "cap_gib": s["cap_gib"]}
