@@ -39,7 +39,7 @@ def caps_for(conv: Path, hot: int, host: int | None, **opts) -> Options:
     return Options(cap_gib=cap, ctx=256, prefill_chunk=16, runtime_bytes=runtime, host_cap_gib=host_cap, **opts)
 
 
-def logits_of(conv: Path, opts: Options, steps: int = 20) -> tuple[bytes, Engine]:
+def logits_of(conv: Path, opts: Options, steps: int = 12) -> tuple[bytes, Engine]:
     eng = Engine(conv, opts)
     out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])).astype(mx.float32))]
     for _ in range(steps):
