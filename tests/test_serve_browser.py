@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.engine import Engine, Options, plan_for
 from streamoe.runtime.plan import MiB
 
-from .serve_util import chat_ids, greedy, quarter_cap, start_server, stop_server, triangle_png
+from .serve_util import chat_ids, fetch, greedy, quarter_cap, start_server, stop_server, triangle_png
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -237,3 +237,33 @@ def test_the_page_is_usable_at_phone_width(server, browser, tmp_path):
         screenshot(browser, tmp_path / "chat-page-360.png")
     finally:
         browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+def test_two_memories_on_the_page(conv, browser, tmp_path, monkeypatch):
+    """Where the device has memory of its own (planned so on the CPU with STREAMOE_SPLIT_MEMORY=1), /v1/plan and the
+    page show the host's accounts and its tier under --host-cap, and /v1/stats the device's memory beside it."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from streamoe.runtime.serve.openai_api import Limits
+    from streamoe.runtime.serve.worker import ServeOptions, serve_accounts
+
+    monkeypatch.setenv("STREAMOE_SPLIT_MEMORY", "1")  # the device's plan as the server makes it: a quarter in slots
+    so = ServeOptions("t", limits=Limits(max_body=4 * MiB), max_queue=8, prompt_cache_bytes=8 * MiB)
+    p = plan_for(conv, Options(cap_gib=64, ctx=1024, images=True, runtime_bytes=256 * MiB,
+                               extra_accounts=serve_accounts(conv, 1024, so)))
+    cap = (p.fixed + p.n_layers * p.n_experts // 4 * p.slot_bytes + p.slot_bytes // 2) / 2**30
+    s = start_server(conv, tmp_path / "split.log", "--cap", cap, "--host-cap", 2, "--ctx", 1024, "--runtime-mib", 256,
+                     "--prompt-cache-mib", 8, env={"STREAMOE_SPLIT_MEMORY": "1"})
+    try:
+        plan = fetch(s.url + "/v1/plan").json()
+        assert plan["host"]["cap"] == 2 << 30 and plan["host"]["accounts"]["runtime"] == 256 * MiB
+        assert plan["host"]["tier_slots"] == plan["n_layers"] * plan["n_experts"]  # 2 GiB holds every record
+        stats = fetch(s.url + "/v1/stats").json()
+        assert stats["host_cap"] == 2 << 30 and 0 < stats["device"] <= stats["cap"]
+        browser.get(s.url + "/")
+        WebDriverWait(browser, 30).until(lambda d: "host tier" in d.find_element(By.ID, "plan").text)
+        text = browser.find_element(By.ID, "plan").text
+        assert "host memory · cap 2.00 GiB" in text and "upload ring" in text and "read staging" in text
+    finally:
+        stop_server(s)

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
+import mlx.core as mx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -167,7 +168,9 @@ class API:
         live = dict(self.worker.live)
         if live.get("state") == "idle":
             live["rss"] = current_rss()
-        return JSONResponse({**live, "cap": self.worker.eng.plan.cap, "queue": self.server.queue.qsize(),
+        p = self.worker.eng.plan
+        split = {"device": mx.get_active_memory(), "host_cap": p.host_cap} if p.split else {}
+        return JSONResponse({**live, **split, "cap": p.cap, "queue": self.server.queue.qsize(),
                              "served": self.worker.served})
 
     async def index(self, request: Request) -> Response:

@@ -26,9 +26,18 @@ async function loadPlan() {
   for (const [name, bytes] of Object.entries(p.accounts)) row(name, bytes, p.notes[name]);
   row("hot tier", p.hot_slots * p.stride, `${p.hot_slots} expert slots of ${p.n_layers * p.n_experts}`);
   row("total", p.fixed + p.hot_slots * p.stride, "", "total");
+  if (p.host) {  // a GPU with memory of its own: the host's accounts under --host-cap, and its tier of records
+    const head = body.insertRow();
+    head.className = "section";
+    head.insertCell().outerHTML = `<th colspan="2">host memory${p.host.cap ? " · cap " + mib(p.host.cap) : " (not capped)"}</th>`;
+    for (const [name, bytes] of Object.entries(p.host.accounts)) row(name, bytes, p.notes[name]);
+    row("host tier", p.host.tier_slots * p.stride, `${p.host.tier_slots} expert records copied, not read`);
+    row("total", p.host.fixed + p.host.tier_slots * p.stride, "", "total");
+  }
   const all = p.n_layers * p.n_experts;
   $("plan-note").textContent = (p.hot_slots >= all ? "Every expert is resident." :
-    `${p.hot_slots} of ${all} experts fit the hot tier; the rest stream from the SSD.`) + (p.images ? "" : " Images are off.");
+    `${p.hot_slots} of ${all} experts fit the hot tier; the rest ` + (!p.host || !p.host.tier_slots ? "stream from the SSD." :
+      p.host.tier_slots >= all ? "are copied from the host tier." : "are copied from the host tier or read from the SSD.")) + (p.images ? "" : " Images are off.");
   $("image").disabled = !p.images;
   $("status").textContent = "ready";
 }
@@ -41,7 +50,11 @@ function showStats(s) {
   if (s.mib_read_token !== undefined) $("t-read").textContent = s.mib_read_token.toFixed(2);
   if (s.disk_busy !== undefined) $("t-busy").textContent = s.mib_read_token ? (100 * s.disk_busy).toFixed(0) + " %" : "–";
   if (s.prompt_tokens !== undefined) $("t-prompt").textContent = `${s.prompt_tokens} (${s.cached_tokens || 0})`;
-  if (s.rss && s.cap) {
+  if (s.device !== undefined && s.cap) {  // two memories: the device's against --cap, the host's beside it
+    $("t-mem").textContent = `device ${mib(s.device)} of ${mib(s.cap)}` +
+      (s.rss ? ` · host ${mib(s.rss)}` + (s.host_cap ? ` of ${mib(s.host_cap)}` : "") : "");
+    $("memfill").style.width = Math.min(100, 100 * s.device / s.cap).toFixed(1) + "%";
+  } else if (s.rss && s.cap) {
     $("t-mem").textContent = `${mib(s.rss)} of ${mib(s.cap)}`;
     $("memfill").style.width = Math.min(100, 100 * s.rss / s.cap).toFixed(1) + "%";
   }
