@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import mlx.core as mx
+
 from ..plan import current_rss
 
 
@@ -49,6 +51,15 @@ def exposition(worker, queued: int, requests: dict) -> str:
     out += family("memory_bytes", "gauge", "Resident memory of the server process now.",
                   [({}, live_rss if live_rss is not None else current_rss())])
     out += family("memory_cap_bytes", "gauge", "The memory cap the plan keeps the process under.", [({}, cap)])
+    plan = worker.eng.plan
+    if plan.split:  # a GPU with memory of its own: memory_bytes is the host's, --cap the device's
+        out += family("device_memory_bytes", "gauge", "MLX's memory on the device now (under memory_cap_bytes).",
+                      [({}, mx.get_active_memory())])
+        if plan.host_cap is not None:
+            out += family("host_memory_cap_bytes", "gauge", "The host cap (--host-cap) the process is kept under.",
+                          [({}, plan.host_cap)])
+        out += family("host_tier_hits_total", "counter", "Expert picks copied from the host tier instead of read, "
+                      "in the finished answers.", [({}, tot["host_hits"])])
     out += family("queue_depth", "gauge", "Requests waiting for the engine.", [({}, queued)])
     out += family("busy", "gauge", "1 while the engine answers a request, else 0.",
                   [({}, 0 if worker.live.get("state", "idle") == "idle" else 1)])

@@ -244,7 +244,7 @@ class EngineWorker:
         self.guide = None  # llguidance's tokenizer, made on the first constrained request
         self.live: dict = {"state": "idle"}
         self.served = 0
-        self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "bytes_read": 0}  # over the server's lifetime
+        self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "bytes_read": 0, "host_hits": 0}  # over the server's lifetime
         self.token_text = TokenText(eng.text)
         self.bound = PromptBound(eng.text.tokenizer)
         self.lock = Lockstep(eng) if eng.group is not None else None  # across ranks: every engine call told first
@@ -468,6 +468,7 @@ class EngineWorker:
         self.totals["prompt_tokens"] += prompt_tokens
         self.totals["generated_tokens"] += n
         self.totals["bytes_read"] += sum(ly.bytes_read for st in eng.steps for ly in st.layers)
+        self.totals["host_hits"] += sum(ly.hits_host for st in eng.steps for ly in st.layers)
         tele = {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}
         tele.update(cached_tokens=cached, prefilled_tokens=prompt_tokens - cached, rss=current_rss(), cap=eng.plan.cap)
         if self.lock is not None:  # every rank's reads: this one's, then each follower's reply to `done`
