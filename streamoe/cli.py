@@ -238,7 +238,16 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: 
     from .formats.layout import format_layout, source_layout
     from .formats.limits import check_config_sizes
     from .formats.safetensors import tensor_nbytes
-    from .runtime.plan import GiB, Options, kv_format, memories, native_context, plan_with_limits, slot_bytes
+    from .runtime.plan import (
+        GiB,
+        Options,
+        kv_format,
+        memories,
+        native_context,
+        plan_with_limits,
+        read_ring,
+        slot_bytes,
+    )
     from .runtime.weights import resident_bytes
 
     split, host_bytes = memories(host_cap)
@@ -256,7 +265,8 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: 
                          stride=lay.stride, slot=slot_bytes(lay, dtype),
                          nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(Options(kv=kv, dtype=dtype)),
                          runtime_bytes=runtime_mib and runtime_mib << 20, prefill_chunk=prefill_chunk,
-                         rank=rank, ranks=ranks, split=split, host_cap=host_bytes)
+                         rank=rank, ranks=ranks, split=split, host_cap=host_bytes,
+                         ring=read_ring(Options(), args.num_experts_per_tok))
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
     except StreamoeError as e:
