@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, as_completed
 from pathlib import Path
 
 from ..formats.config import ModelArgs
@@ -246,7 +246,9 @@ class ExpertStore:
 
         n = self.n_experts if self.share is None else len(self.share)
         futs = self.read_many([(li, e) for li in range(len(self.paths)) for e in range(n)])
-        for f in tqdm(futs, desc="host tier", unit=" records", disable=None, leave=False):
+        # as they complete: a record the tier declines holds a ring entry until released, and a read waiting for
+        # an entry must not wait behind one held by a later read
+        for f in tqdm(as_completed(futs), total=len(futs), desc="host tier", unit=" records", disable=None, leave=False):
             self.release(f.result())
         self.bytes_read = self.host_hits = 0
 

@@ -184,3 +184,22 @@ def test_the_host_cap_is_kept_by_measurement():
     for e in set(range(3)) - set(kept):
         assert bytes(host.record(slots[e])) == bytes(stride)  # its pages were dropped
     assert bytes(host.record(slots[kept[0]])) == bytes([kept[0] + 1]) * stride
+
+
+def test_a_fill_the_tier_cannot_hold_goes_through_the_ring(small_conv):
+    """Filling a tier with room for a few records: the rest are read through a ring of 4 entries, released as they
+    complete (waiting for them in order could leave a read waiting for an entry a later one holds), and the tier
+    keeps what it admitted."""
+    from streamoe.formats.manifest import load_manifest
+
+    m = load_manifest(small_conv)
+    lay = m.expert_formats()["q4"].layout
+    host = HostTier(512, lay.stride, 8, 64, cap=MARGIN + 10 * lay.stride)
+    store = ExpertStore.open(small_conv, m, "q4", io_threads=4, ring=4, host=host)
+    try:
+        host.room = lambda host_bytes: HostTier.room(host, 0)  # room for ten, whatever this process holds
+        store.fill_host()
+        assert sum(store.in_host((li, e)) for li in range(8) for e in range(64)) == 10
+        assert not host.pins and sorted(store.free) == [0, 1, 2, 3]
+    finally:
+        store.close()
