@@ -203,3 +203,22 @@ def test_a_fill_the_tier_cannot_hold_goes_through_the_ring(small_conv):
         assert not host.pins and sorted(store.free) == [0, 1, 2, 3]
     finally:
         store.close()
+
+
+def test_both_caps_hold_in_a_cgroup_of_their_sum(small_conv, tmp_path, monkeypatch):
+    """On the CPU both memories are the host's, so a run planned as split (a device tier of about 120 slots, a host
+    tier that may hold every record) stays inside a cgroup whose limit is --cap + --host-cap, page cache included,
+    with misses copied from the host tier."""
+    from .conftest import run_capped
+
+    monkeypatch.setenv("STREAMOE_SPLIT_MEMORY", "1")
+    p = plan_for(small_conv, Options(cap_gib=8, ctx=512, runtime_bytes=160 << 20))
+    cap = round((p.fixed + 120 * p.slot_bytes) / GiB, 3)
+    host_cap = round((p.host_fixed + 512 * p.stride + (100 << 20)) / GiB, 3)
+    stats = tmp_path / "stats.jsonl"
+    proc, failcnt, peak = run_capped(["run", small_conv, "--cap", cap, "--host-cap", host_cap, "--runtime-mib", 160,
+                                      "--ctx", 512, "-p", "def main():", "-n", 24, "--raw", "--stats", stats], cap + host_cap)
+    assert proc.returncode == 0, proc.stderr
+    assert failcnt == 0 and peak <= (cap + host_cap) * GiB
+    decode = [json.loads(ln) for ln in stats.read_text().splitlines() if '"decode"' in ln]
+    assert sum(ly["hits_host"] for r in decode for ly in r["layers"]) > 0
