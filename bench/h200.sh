@@ -19,6 +19,8 @@
 #   bash bench/h200.sh prefill   # long prompts (2K, 8K, 32K tokens) at --cap 4, q4 and q3: prefill time against the disk
 #   bash bench/h200.sh longctx   # --ctx 131072 at --cap 4 with bf16, q8 and q4 KV side by side: plan, hot tier, decode
 #   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
+#   bash bench/h200.sh hosttier  # (after setup) --cap 4 without and with a host tier (--host-cap 24, 8), and 8 / 16: tok/s
+#                                against the disk and the host->slot copy speed of the same run (bench/host_tier.py)
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`.
 # (Saving the compiled kernels for the next lease does not work: 55 MB compressed, more than a lease sends back.)
 set -euo pipefail
@@ -87,6 +89,10 @@ case "$1" in
       python3 -m streamoe.cli convert "$S/sv-ckpt" "$S/sv-conv" --experts q4 2>/dev/null; }
     python3 -m bench.sampling --model "$S/sv-conv" --caps resident --tokens 64 --rounds 5 \
       --name "$OUT/sampling-small-vocab-h200" | grep -v '^ '
+    ;;
+  hosttier)
+    python3 -m bench.host_tier --model "$S/full-conv" --runs 4,4:24,4:8,8:16 --tokens 40 --work /root \
+      --name "$OUT/host-tier-h200" | grep -v '^ '
     ;;
   parts)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-h200-q4.json"
