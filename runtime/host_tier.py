@@ -35,7 +35,7 @@ from .tier import HotTier
 Key = tuple[int, int]  # (layer, expert)
 
 
-# anonymous mmap memory is shared (shmem): only MADV_REMOVE frees its pages (macOS has neither: pages stay)
+# anonymous mmap memory is shared (shmem): on Linux only MADV_REMOVE frees its pages (elsewhere MADV_DONTNEED)
 DROP = getattr(mmap, "MADV_REMOVE", getattr(mmap, "MADV_DONTNEED", 0))
 MARGIN = 64 << 20  # bytes of the host cap the tier leaves to the process's own growth between two measurements
 
