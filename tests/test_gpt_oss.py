@@ -106,7 +106,7 @@ def test_plan_from_the_bare_config_of_the_real_model(tmp_path):
     holds its codes and uint8 scales as stored and its biases at float32."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(make_config("full", family="gpt_oss")))
-    p = cli("plan", cfg, "--cap", "4", "--ctx", "4096", "--runtime-mib", "100", "--json", check=True)
+    p = cli("plan", cfg, "--cap", "5", "--ctx", "4096", "--runtime-mib", "100", "--json", check=True)
     plan = json.loads(p.stdout)
     assert plan["expert_format"] == "mxfp4" and plan["stride"] == EXPERT_STRIDE
     assert plan["slot"] == EXPERT_RECORD + 3 * 2880 * 2  # bf16 biases widened to float32
@@ -114,6 +114,8 @@ def test_plan_from_the_bare_config_of_the_real_model(tmp_path):
     assert plan["accounts"]["kv cache"] == 24 * 2 * 8 * 64 * 4 * 4096 and plan["accounts"]["linear state"] == 0
     assert plan["kv_formats"]["float32"]["token_bytes"] == 98_304 and plan["native_ctx"] == 131072
     assert plan["accounts"]["prefill staging"] == 32 * plan["slot"]
+    # as a converted directory's plan: the records the disk reads into and their copies, 2 x top-4 + 4 guesses + 8 threads
+    assert plan["accounts"]["read staging"] == 2 * 20 * EXPERT_STRIDE
     one_error_line(cli("plan", cfg, "--experts", "q4"), str(cfg), "expert format 'q4' cannot be made from mxfp4 experts")
 
 
