@@ -57,9 +57,8 @@ class HostTier:
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
         self.libc = _libc()
         self.locking = self.libc is not None
+        # its free slots have no pages (never used, or given back): one is committed only while there is room
         self.tier = HotTier(n_slots, 0, n_layers, n_experts, scratch=0, policy=policy)
-        self.tier.free = []  # free slots are ours (`spare`): a slot's pages are committed only once there is room
-        self.spare = list(range(n_slots - 1, -1, -1))  # slots with no pages: never used, or given back
         self.headroom = 0 if cap is not None else n_slots * stride  # bytes that more committed slots may take
         self.ready: set[int] = set()  # slots whose record has been read
         self.pins: dict[int, int] = {}  # slot -> holders (reads in flight, bytes not yet taken)
@@ -79,11 +78,11 @@ class HostTier:
                     return None, False
                 self._pin(s)
                 return s, True
-            if self.spare and self.headroom >= self.stride:
-                v = self.spare.pop()
+            v = self.tier.take_free() if self.headroom >= self.stride else None
+            if v is not None:
                 self.headroom -= self.stride
             else:
-                v, _ = self.tier.victim()
+                v = self.tier.occupied_victim()
                 if v is None or not (self.tier.policy == "lru" or self.tier.picks(key) >= self.tier.picks(self.tier.key_of[v])):
                     return None, False
             self.ready.discard(v)
@@ -123,17 +122,15 @@ class HostTier:
         with self.lock:
             self.headroom = self.cap - MARGIN - host_bytes
             while self.headroom < 0:
-                v, _ = self.tier.victim()
+                v = self.tier.occupied_victim()
                 if v is None:
                     return  # every record is in use: the next measurement tries again
-                self.tier.evict(v)
-                self.tier.free.remove(v)
+                self.tier.evict(v)  # free again, its pages dropped below
                 self.ready.discard(v)
                 offset = v * self.stride
                 if self.libc is not None:
                     self.libc.munlock(ctypes.c_void_p(self.base + offset), ctypes.c_size_t(self.stride))
                 self.buf.madvise(DROP, offset, self.stride)
-                self.spare.append(v)
                 self.headroom += self.stride
 
     def release(self, slot: int) -> None:

@@ -204,7 +204,7 @@ class ExpertStore:
     def _queue(self, queue: deque, keys: list[tuple[int, int]]) -> list[Future]:
         futs: list[Future] = [Future() for _ in keys]
         jobs = []
-        if self.host is not None and keys:
+        if self.host is not None and keys and queue is self.demand:  # once a layer: a /proc read, off the guesses
             self.host.room(host_rss())
         for f, (layer, e) in zip(futs, keys, strict=True):
             slot, ready = self.host.take((layer, e)) if self.host is not None else (None, False)

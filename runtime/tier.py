@@ -107,7 +107,8 @@ class HotTier:
         return slot not in self.pinned
 
     # --- placement of a miss
-    def _take_free(self) -> int | None:
+    def take_free(self) -> int | None:
+        """A free tier slot, taken; None if there is none."""
         while self.free:
             s = self.free.pop()
             if self.key_of[s] is None and self.in_tier(s):
@@ -122,18 +123,22 @@ class HotTier:
 
     def victim(self) -> tuple[int | None, bool]:
         """(slot, is_free): a free tier slot, else the policy's victim among usable occupied ones."""
-        s = self._take_free()
+        s = self.take_free()
         if s is not None:
             return s, True
+        return self.occupied_victim(), False
+
+    def occupied_victim(self) -> int | None:
+        """The policy's victim among the usable occupied slots (None: none is usable)."""
         if not self.recency:
-            return None, False
+            return None
         if self.policy == "lru":
-            return self._lru(), False
+            return self._lru()
         best = None
         for s in self._sample_occupied():
             if self.usable(s) and (best is None or self.picks(self.key_of[s]) < self.picks(self.key_of[best])):
                 best = s
-        return (best if best is not None else self._lru()), False
+        return best if best is not None else self._lru()
 
     def _sample_occupied(self) -> list[int]:
         """Up to `sample` random occupied tier slots, drawn in one call (a draw per slot cost more than the rest
