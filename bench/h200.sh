@@ -3,7 +3,7 @@
 # the project runs from the repository root: no install needed). Writes results under $OUT. From the repo root:
 #   bash bench/h200.sh stage     # (carry .whl1, then .whl2, made here by bench/h200_wheels.sh) a part of the wheels
 #   bash bench/h200.sh install   # (carry .whl3, the next call) the wheels joined and installed into /root/site
-#   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3) into /root/bench
+#   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3; EXPERTS=q4: q4 only) into /root/bench
 #   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
 #                                runs twice, interleaved with a fixed guess gate (a 0.8 precision, no waste
@@ -21,6 +21,8 @@
 #   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
 #   bash bench/h200.sh hosttier  # (after setup) --cap 4 without and with a host tier (--host-cap 24, 8), and 8 / 16: tok/s
 #                                against the disk and the host->slot copy speed of the same run (bench/host_tier.py)
+#   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile, as is and with MLX's CUDA graphs
+#                                cut by operation count only, or off: where a capped token's host time goes
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`.
 # (Saving the compiled kernels for the next lease does not work: 55 MB compressed, more than a lease sends back.)
 set -euo pipefail
@@ -42,7 +44,7 @@ case "$1" in
     ;;
   setup)
     [ -f "$S/full-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/full-ckpt" --size full 2>/dev/null
-    [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts q4,q3 2>/dev/null
+    [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts "${EXPERTS:-q4,q3}" 2>/dev/null
     ;;
   gputest)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_families.py 2>&1 | tee "$OUT/gputest-h200.log"
@@ -93,6 +95,10 @@ case "$1" in
   hosttier)
     python3 -m bench.host_tier --model "$S/full-conv" --runs 4,4:24,4:8,8:16 --tokens 40 --work /root \
       --name "$OUT/host-tier-h200" | grep -v '^ '
+    ;;
+  hostprof)
+    python3 -m bench.host_tier --model "$S/full-conv" --tokens 24 --work /root --profile --name "$OUT/host-tier-variants-h200" \
+      --runs 4:24,4:24+MLX_MAX_MB_PER_BUFFER=1000000,4:24+MLX_USE_CUDA_GRAPHS=0 | grep -v '^ '
     ;;
   parts)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-h200-q4.json"

@@ -1,12 +1,18 @@
 """Decode with a host tier under a discrete GPU's slots (`--host-cap`), against the same `--cap` without one.
 
     python -m bench.host_tier --model FULLCONV --runs 4,4:24,4:8,8:16 [--tokens 48] [--name host-tier-h200]
+        [--profile]   # each run under cProfile too: its 40 costliest functions beside the JSON
+
+A run is CAP or CAP:HOSTCAP in GiB, optionally with environment variables for its process after `+`
+(`4:24+MLX_MAX_MB_PER_BUFFER=100000`: the same run with MLX's CUDA graphs cut by operation count only).
 
 Each run is `streamoe run MODEL --cap C [--host-cap H]` in its own process, greedy, inside a memory cgroup whose
 limit is the host cap where this machine lets us make one (the kernel's failcnt and peak: the host cap held).
 From its --stats: decode tok/s by the tokens' own stamps (as the user sees them), the share of picks found in
 the device's memory, read ahead, copied from the host tier, and read from disk; MiB per token from the host tier
-and from disk. From its summary line: MLX's peak against --cap and the process's against --host-cap.
+and from disk. From its summary line: MLX's peak against --cap and the process's against --host-cap. Where an NVIDIA driver
+answers, the device memory it counts as used, polled through the run, less what it counted before: the process's
+whole footprint on the device (CUDA context and libraries included), against --cap.
 
 In the same run, two speeds: the disk's (random whole-record O_DIRECT reads, 8 in flight) and the copy of a
 record from host memory into its slot (`bench.fill`, the upload ring as the engine uses it). The bound of a run
@@ -17,17 +23,22 @@ run at the bound spends nothing but those transfers (compute fully overlapped).
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
+import pstats
 import random
 import re
 import shlex
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
 
 from streamoe.formats.manifest import load_manifest
+from streamoe.runtime.managed import device_memory_used
 from streamoe.runtime.store import ExpertStore
 from streamoe.runtime.weights import mx_dtype
 
@@ -53,21 +64,52 @@ def speeds(model: Path, experts: str, records: int = 256) -> dict:
     return {"disk_gbs": round(disk, 3), "copy_gbs": fill["fill_gbs"], "copy_path": fill}
 
 
-def run_one(model: Path, cap: float, host_cap: float | None, tokens: int, experts: str, work: Path) -> dict:
+class DeviceWatch:
+    """The driver's count of used device memory, polled every 20 ms while a run lasts: its peak less the count
+    before the run (None without an NVIDIA driver)."""
+
+    def __init__(self):
+        self.base, self.peak, self.stop = device_memory_used(), 0, threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.02):
+            self.peak = max(self.peak, device_memory_used() or 0)
+
+    def __enter__(self):
+        if self.base is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.base is not None:
+            self.thread.join()
+
+    def gib(self) -> float | None:
+        return None if self.base is None else round((self.peak - self.base) / 2**30, 3)
+
+
+def run_one(model: Path, cap: float, host_cap: float | None, tokens: int, experts: str, work: Path,
+            env: dict[str, str] | None = None, profile: Path | None = None) -> dict:
     from tests.conftest import capped_cgroup, cgroup_dir
 
     stats = work / f"stats-{cap}-{host_cap}.jsonl"
     args = ["run", model, "--cap", cap, "--experts", experts, "--ctx", 1024, "--raw", "-p", PROMPT, "-n", tokens,
             "--temp", 0, "--stats", stats, *(["--host-cap", host_cap] if host_cap else [])]
-    cmd = f"exec {sys.executable} -m streamoe.cli {shlex.join(map(str, args))}"
+    py = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else [])]
+    cmd = f"exec {shlex.join(map(str, py))} -m streamoe.cli {shlex.join(map(str, args))}"
     failcnt = peak = None
-    if host_cap and cgroup_dir() is not None:
-        with capped_cgroup(host_cap, "host") as (cg, read):
-            p = subprocess.run(["sh", "-c", f"echo $$ > {cg}/cgroup.procs && {cmd}"], capture_output=True, text=True)
-            failcnt, peak = read()
-    else:
-        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True)
-    out = {"cap_gib": cap, "host_cap_gib": host_cap}
+    extra, env = env or {}, {**os.environ, **(env or {})}
+    with DeviceWatch() as watch:
+        if host_cap and cgroup_dir() is not None:
+            with capped_cgroup(host_cap, "host") as (cg, read):
+                p = subprocess.run(["sh", "-c", f"echo $$ > {cg}/cgroup.procs && {cmd}"], capture_output=True,
+                                   text=True, env=env)
+                failcnt, peak = read()
+        else:
+            p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env=env)
+    out = {"cap_gib": cap, "host_cap_gib": host_cap, "env": extra}
     if p.returncode:
         return {**out, "error": (p.stderr.strip().splitlines() or [f"rc {p.returncode}"])[-1]}
     recs = [json.loads(ln) for ln in stats.read_text().splitlines()]
@@ -86,6 +128,7 @@ def run_one(model: Path, cap: float, host_cap: float | None, tokens: int, expert
             "device_peak_gib": float(peaks.group(1)) if peaks else None,
             "host_peak_rss_gib": float(peaks.group(3)) if peaks else None,
             "cgroup_peak_gib": round(peak / 2**30, 3) if peak is not None else None, "cgroup_failcnt": failcnt,
+            "driver_device_peak_gib": watch.gib(),
             "summary": p.stderr.strip().splitlines()[-1]}
 
 
@@ -93,7 +136,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--experts", default="q4")
-    ap.add_argument("--runs", default="4,4:24,4:8,8:16", help="CAP or CAP:HOSTCAP in GiB, comma-separated")
+    ap.add_argument("--runs", default="4,4:24,4:8,8:16",
+                    help="CAP or CAP:HOSTCAP in GiB, each optionally +NAME=VALUE[+...] (its environment), comma-separated")
+    ap.add_argument("--profile", action="store_true", help="each run under cProfile too: NAME-profile-K.txt")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--work", type=Path, default=Path("/tmp"))
     ap.add_argument("--name", default="host-tier")
@@ -101,9 +146,16 @@ def main() -> None:
     sp = speeds(a.model, a.experts)
     print(json.dumps(sp), flush=True)
     results = []
-    for spec in a.runs.split(","):
-        cap, _, host = spec.partition(":")
-        r = run_one(a.model, float(cap), float(host) if host else None, a.tokens, a.experts, a.work)
+    for k, spec in enumerate(a.runs.split(",")):
+        caps, *env = spec.split("+")
+        cap, _, host = caps.partition(":")
+        prof = a.work / f"host-tier-{k}.prof" if a.profile else None
+        r = run_one(a.model, float(cap), float(host) if host else None, a.tokens, a.experts, a.work,
+                    env=dict(e.split("=", 1) for e in env), profile=prof)
+        if prof is not None and prof.exists():
+            text = io.StringIO()
+            pstats.Stats(str(prof), stream=text).sort_stats("tottime").print_stats(40)
+            Path(f"{a.name}-profile-{k}.txt").write_text(f"{spec}\n{r.get('summary')}\n{text.getvalue()}")
         if r.get("tok_s"):
             bound_s = r["mib_host_token"] * 2**20 / (sp["copy_gbs"] * 1e9) + r["mib_disk_token"] * 2**20 / (sp["disk_gbs"] * 1e9)
             r["bound_tok_s"] = round(1 / bound_s, 3) if bound_s else None
