@@ -4,7 +4,8 @@
 #   bash bench/h200.sh stage     # (carry .whl1, then .whl2, made here by bench/h200_wheels.sh) a part of the wheels
 #   bash bench/h200.sh install   # (carry .whl3, the next call) the wheels joined and installed into /root/site
 #   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3; EXPERTS=q4: q4 only) into /root/bench
-#   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint
+#   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint, one line per test
+#                                (a run cut off by its time limit still names what passed and what failed)
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
 #                                runs twice, interleaved with a fixed guess gate (a 0.8 precision, no waste
 #                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
@@ -47,7 +48,7 @@ case "$1" in
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts "${EXPERTS:-q4,q3}" 2>/dev/null
     ;;
   gputest)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_families.py 2>&1 | tee "$OUT/gputest-h200.log"
+    python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu_families.py tests/test_gpu.py 2>&1 | tee "$OUT/gputest-h200.log"
     ;;
   prepare)
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
