@@ -9,7 +9,8 @@
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
 #                                runs twice, interleaved with a fixed guess gate (a 0.8 precision, no waste
 #                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
-#   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes)
+#   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes;
+#                                GPUTEST_LIMIT=seconds cuts gputest, not setup, so a call ends within its own limit)
 #   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
 #   bash bench/h200.sh fill      # a record's copy into its slot against the disk read (upload-ring advice off / on)
 #   bash bench/h200.sh parts     # a resident decode step part by part (mixers, MoE block, head) against mlx-lm's modules
@@ -52,7 +53,7 @@ case "$1" in
     ;;
   prepare)
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
-    status=0; bash "$0" gputest || status=$?  # a failing test still waits for the checkpoint
+    status=0; timeout "${GPUTEST_LIMIT:-3600}" bash "$0" gputest || status=$?  # a failing or cut test still waits for setup
     wait
     exit $status
     ;;

@@ -97,7 +97,9 @@ def run_logits(conv: Path, cap_slots: int | None, steps: int = 24, chunk: int | 
     for _ in range(steps):
         out.append(np.array(eng.forward([int(out[-1].argmax())], "decode").astype(mx.float32)))
     eng.close()
-    return np.stack(out).tobytes(), eng
+    logits = np.stack(out)
+    assert np.isfinite(logits).all(), "non-finite logits (equal NaN bytes would pass a bit-identity check)"
+    return logits.tobytes(), eng
 
 
 CASES = [(0, 6, "freq"), (0, 0, "lru"), (24, 6, "lru"), (24, 0, "freq"), (200, 6, "freq"), (None, 6, "freq")]
