@@ -23,6 +23,8 @@
 #   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
 #   bash bench/h200.sh hosttier  # (after setup) --cap 4 without and with a host tier (--host-cap 24, 8), and 8 / 16: tok/s
 #                                against the disk and the host->slot copy speed of the same run (bench/host_tier.py)
+#   bash bench/h200.sh devcpu    # gpt-oss (float32, bfloat16) and qwen3_moe tiny through the engine, every kernel call
+#                                replayed on the CPU: the first that differs, with its inputs (bench/device_vs_cpu.py)
 #   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile, as is and with MLX's CUDA graphs
 #                                cut by operation count only, or off: where a capped token's host time goes
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`.
@@ -97,6 +99,12 @@ case "$1" in
   hosttier)
     python3 -m bench.host_tier --model "$S/full-conv" --runs 4,4:24,4:8,8:16 --tokens 40 --work /root \
       --name "$OUT/host-tier-h200" | grep -v '^ '
+    ;;
+  devcpu)
+    for run in gpt_oss:float32 gpt_oss:bfloat16 qwen3_moe:float32; do
+      python3 -m bench.device_vs_cpu --family "${run%:*}" --dtype "${run#*:}" \
+        --name "$OUT/device-vs-cpu-h200-${run%:*}-${run#*:}" 2>/dev/null | grep -A12 '"first_bad"\|finite_prefill'
+    done
     ;;
   hostprof)
     python3 -m bench.host_tier --model "$S/full-conv" --tokens 24 --work /root --profile --name "$OUT/host-tier-variants-h200" \
