@@ -103,7 +103,7 @@ case "$1" in
   devcpu)
     for run in gpt_oss:float32 gpt_oss:bfloat16 qwen3_moe:float32; do
       python3 -m bench.device_vs_cpu --family "${run%:*}" --dtype "${run#*:}" \
-        --name "$OUT/device-vs-cpu-h200-${run%:*}-${run#*:}" 2>/dev/null | grep -A12 '"first_bad"\|finite_prefill'
+        --name "$OUT/device-vs-cpu-h200-${run%:*}-${run#*:}" 2>/dev/null | grep -E 'finite_prefill|weights_unlike|"kernel"|nonfinite|max_abs_diff|"first_bad": null'
     done
     ;;
   hostprof)
