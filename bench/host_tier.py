@@ -129,6 +129,9 @@ def run_one(model: Path, cap: float, host_cap: float | None, tokens: int, expert
             "host_peak_rss_gib": float(peaks.group(3)) if peaks else None,
             "cgroup_peak_gib": round(peak / 2**30, 3) if peak is not None else None, "cgroup_failcnt": failcnt,
             "driver_device_peak_gib": watch.gib(),
+            # a token's host time by part: fences (compute), the disk, landing records (of which copy threads, sync)
+            "ms_token_parts": {k: round(sum(ly.get(k, 0.0) for ly in lay) / n, 2)
+                               for k in ("compute_ms", "io_wait_ms", "landing_ms", "copy_wait_ms", "sync_ms")},
             "summary": p.stderr.strip().splitlines()[-1]}
 
 

@@ -143,6 +143,7 @@ class SlotPools:
         self.copier = None if self.direct else ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                                                   thread_name_prefix="streamoe-copy")
         self.copies: list[Future] = []
+        self.copy_wait_s = self.sync_s = 0.0  # the host's waits in `flush`, summed (telemetry takes differences)
 
     def weights(self) -> ExpertWeights:
         return self.lay.weights(self.arrays)
@@ -174,14 +175,19 @@ class SlotPools:
     def flush(self) -> None:
         """Wait for the staged copies; on the ring, queue their rows' copies into their slots, in stream order
         (before any later kernel reads them)."""
-        for f in self.copies:
-            f.result()
-        self.copies.clear()
+        if self.copies:
+            t = time.perf_counter()
+            for f in self.copies:
+                f.result()
+            self.copies.clear()
+            self.copy_wait_s += time.perf_counter() - t
         if not self.pending:
             return
         idx = mx.array(self.pending, dtype=mx.uint32)  # distinct: the tier gives each landing key its own slot
         m, a, b = len(self.pending), self.start, self.next
+        t = time.perf_counter()
         release_pool_readers(self.streams)
+        self.sync_s += time.perf_counter() - t
         for j, (s, st) in enumerate(zip(self.lay.segments, self.stored, strict=True)):
             self.arrays[j][idx] = self.rings[j][a:b].view(st).reshape(m, *s.shape).astype(self.dtypes[j])
             if VERIFY:
@@ -267,22 +273,28 @@ class StreamingExperts:
         mx.eval(self.pools.arrays)
         self.store.bytes_read = 0
 
-    def _land(self, slots: dict[Key, int], reads: dict[Key, Future]) -> float:
-        """Read every key of `slots` not in `reads` yet, copy each record into its slot as it arrives;
-        returns the seconds spent waiting for the disk. The staging ring bounds the bytes in flight."""
+    def _land(self, slots: dict[Key, int], reads: dict[Key, Future], st: LayerStats | None = None) -> None:
+        """Read every key of `slots` not in `reads` yet, copy each record into its slot as it arrives; the time
+        spent waiting for the disk and landing beyond it go to `st`. The staging ring bounds the bytes in flight."""
         missing = [key for key in slots if key not in reads]
         reads.update(zip(missing, self.store.read_many(missing), strict=True))
         key_of = {f: key for key, f in reads.items()}
-        waited, t = 0.0, time.perf_counter()
+        copy0, sync0 = self.pools.copy_wait_s, self.pools.sync_s
+        start = t = time.perf_counter()
+        waited = 0.0
         for f in as_completed(key_of):  # one waiter per read (a prefill layer waits for E of them)
             waited += time.perf_counter() - t
             entry = f.result()
             self.pools.stage(slots[key_of[f]], self.store.record(entry), lambda e=entry: self.store.release(e))
             t = time.perf_counter()
         self.pools.flush()
+        if st is not None:
+            st.io_wait_ms += 1000 * waited
+            st.landing_ms += 1000 * (time.perf_counter() - start - waited)
+            st.copy_wait_ms += 1000 * (self.pools.copy_wait_s - copy0)
+            st.sync_ms += 1000 * (self.pools.sync_s - sync0)
         if VERIFY and slots:
             self._verify(slots)
-        return waited
 
     def _verify(self, slots: dict[Key, int]) -> None:
         mx.eval(self.pools.arrays)
@@ -360,7 +372,7 @@ class StreamingExperts:
             self._follow_waste(st.misses + st.hits_prefetch + st.prefetch_wasted, st.prefetch_wasted)
         if order is not None:  # guesses start once no demand read waits: while this layer lands and computes
             self._prefetch(i + 1, order.tolist())
-        st.io_wait_ms += 1000 * self._land(land, reads)
+        self._land(land, reads, st)
         self.tier.pinned.clear()
         st.bytes_read += self.store.bytes_read - read0
         if not split:
@@ -459,7 +471,7 @@ class StreamingExperts:
             self.ahead.update(zip(keys, self.store.guess_many(keys), strict=True))
             if self.stats is not None:
                 self.stats[i + 1].prefetch_issued += len(keys)
-        st.io_wait_ms += 1000 * self._land(land, reads)
+        self._land(land, reads, st)
         self.tier.pinned.clear()
         st.bytes_read += self.store.bytes_read - read0
         table = [0] * self.E

@@ -24,6 +24,9 @@ class LayerStats:
     bytes_host: int = 0  # copied from the host tier into device slots
     io_wait_ms: float = 0.0
     compute_ms: float = 0.0
+    landing_ms: float = 0.0  # landing records in their slots beyond the disk wait (copies, the ring's sync, scatters)
+    copy_wait_ms: float = 0.0  # of which: waiting for the copy threads (the upload ring)
+    sync_ms: float = 0.0  # of which: waiting for MLX to let go of the pools before the ring's scatters
     experts: list[int] = field(default_factory=list)  # distinct experts picked: the routing trace
 
 
@@ -71,6 +74,8 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int, host: tuple[int
     return {
         "tokens": len(timed) + (first is not None), "tok_s": len(timed) / (tot_ms / 1000) if tot_ms else 0.0,
         "ms_token": tot_ms / n, "compute_ms": comp / n, "io_wait_ms": io / n, "other_ms": (tot_ms - comp - io) / n,
+        **{f"{k}_ms": sum(getattr(ly, f"{k}_ms") for s in timed for ly in s.layers) / n  # parts of "other"
+           for k in ("landing", "copy_wait", "sync")},
         "hit_rate": hits / picks if picks else (1.0 if work and not read else 0.0),
         "read_ahead_rate": ahead / picks if picks else 0.0, "mib_read_token": read / MiB / max(1, len(work)),
         "host_hit_rate": from_host / picks if picks else 0.0,

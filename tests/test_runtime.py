@@ -223,6 +223,10 @@ def test_every_filled_slot_holds_the_file_bytes(tiny_conv, dtype, direct, monkey
     pools = eng.experts.pools
     assert pools.direct == direct and misses > pools.n  # slots refilled
     assert direct or misses > 2 * pools.uploads  # the ring wrapped
+    lay = [ly for s in eng.steps for ly in s.layers]
+    assert sum(ly.landing_ms for ly in lay) > 0 and all(ly.copy_wait_ms + ly.sync_ms <= ly.landing_ms for ly in lay)
+    waits = (sum(ly.copy_wait_ms for ly in lay), sum(ly.sync_ms for ly in lay))
+    assert waits == (0, 0) if direct else min(waits) > 0  # only the ring waits for copy threads and the pools
     resident, _ = run_logits(tiny_conv, None, steps=6, dtype=dtype)
     assert capped == resident
 
