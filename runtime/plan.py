@@ -334,10 +334,9 @@ def attention_elements(a: ModelArgs, ctx: int, chunk: int, item: int, kv_bits: i
 
 def chunk_token_bytes(a: ModelArgs, item: int) -> int:
     """What each token of a prefill chunk keeps alive while its layers run block by block (beyond one step's
-    working memory): the residual stream in and out, the mixer's output, the MoE block's input, its fused input
-    projection (router, shared expert gate and up, output gate), the shared expert's output and the picks."""
-    H, k = a.hidden_size, a.num_experts_per_tok
-    return int(1.5 * ((5 * H + a.num_experts + 2 * a.shared_expert_intermediate_size + 1 + k) * item + 4 * k))
+    working memory): its residual stream twice (a layer's input and output blocks) and its picks. A block's MoE
+    input and routing are recomputed when its experts run (`kernels.run_layers`), not kept."""
+    return int(1.5 * (2 * a.hidden_size * item + 4 * a.num_experts_per_tok))
 
 
 def exchange_bytes(a: ModelArgs, tokens: int, item: int, ranks: int) -> int:

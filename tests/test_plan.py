@@ -188,21 +188,21 @@ def test_render_and_json(args):
                            "n_layers": 40, "n_experts": 256, "fits": True, "prefill_chunk": 256, "prefill_step": 256}
 
 
-# What each token of a longer chunk keeps alive while its layers run in steps: 5 x H of residual stream, mixer
-# output and MoE input, the MoE block's fused input projection (256 router + 2 x 512 shared + 1 gate), the top-8
-# picks (scores at 4 bytes, indices at 4), x 1.5, at float32
-PER_TOKEN = 3 * ((5 * 2048 + 256 + 2 * 512 + 1 + 8) * 4 + 4 * 8) // 2
+# What each token of a longer chunk keeps alive while its layers run in steps: 2 x H of residual stream (a
+# layer's input and output blocks) and its top-8 picks (indices at 4 bytes), x 1.5, at float32; the MoE input
+# and routing are recomputed per block, not kept
+PER_TOKEN = 3 * (2 * 2048 * 4 + 4 * 8) // 2
 
 
 def test_auto_chunk_takes_half_the_hot_tier_at_most(args):
     """`auto`: the largest chunk of whole 256-token steps (at most ctx) whose tokens fit while the hot tier keeps
     half of what it has at one step; one step where everything is resident or nothing fits."""
-    assert chunk_token_bytes(args, 4) == PER_TOKEN == 69_222
-    cap = int(2.8 * GiB)
-    hot_at_one_step = cap - FIXED  # 346,143,539 B
-    p = plan(args, 2.8, prefill_chunk="auto")
-    assert (p.prefill_chunk, p.prefill_step) == (2560, 256)  # 9 more steps: 9 x 256 x PER_TOKEN <= half the tier
-    assert p.accounts["activations"] == ACTIVATIONS + (2560 - 256) * PER_TOKEN == 528_027_136
+    assert chunk_token_bytes(args, 4) == PER_TOKEN == 24_624
+    cap = int(2.6 * GiB)
+    hot_at_one_step = cap - FIXED  # 131,395,174 B
+    p = plan(args, 2.6, prefill_chunk="auto")
+    assert (p.prefill_chunk, p.prefill_step) == (2816, 256)  # 10 more steps: 10 x 256 x PER_TOKEN <= half the tier
+    assert p.accounts["activations"] == ACTIVATIONS + (2816 - 256) * PER_TOKEN == 431_577_088
     assert p.hot_bytes >= hot_at_one_step // 2 > p.hot_bytes - 256 * PER_TOKEN  # one more step would pass the floor
     assert plan(args, 4, prefill_chunk="auto").prefill_chunk == 4096  # room for the whole context
     assert plan(args, 4, prefill_chunk="auto", ctx=1000).prefill_chunk == 1000

@@ -173,18 +173,18 @@ def test_prefill_chunk_changes_what_is_read_never_the_logits(small_conv, monkeyp
     monkeypatch.setattr(plan_mod, "PREFILL_STEP", 16)
     want, eng16 = run_logits(small_conv, 24, steps=3, chunk=16)
     n = len(eng16.text.encode(PROMPTS[2]))
-    runs = {slots: run_logits(small_conv, slots, steps=3, chunk="auto") for slots in (0, 8, 200, None)}
+    runs = {slots: run_logits(small_conv, slots, steps=3, chunk="auto") for slots in (0, 2, 200, None)}
     monkeypatch.setattr(experts_mod, "PREFILL_AHEAD", False)
-    runs["not ahead"] = run_logits(small_conv, 8, steps=3, chunk="auto")
+    runs["not ahead"] = run_logits(small_conv, 2, steps=3, chunk="auto")
     chunks = {key: eng.plan.prefill_chunk for key, (_, eng) in runs.items()}
     assert chunks[0] == 16 and chunks[None] == 16  # no room beside the fixed accounts; nothing to read
-    assert 16 < chunks[8] < n <= chunks[200] and chunks[8] % 16 == 0  # several chunks; one
+    assert 16 < chunks[2] < n <= chunks[200] and chunks[2] % 16 == 0  # several chunks; one
     for key, (data, _) in runs.items():
         assert data == want, f"logits differ at {key}"
-    assert prefill_bytes(runs[8][1]) < prefill_bytes(eng16) and prefill_bytes(runs[200][1]) < prefill_bytes(runs[8][1])
+    assert prefill_bytes(runs[2][1]) < prefill_bytes(eng16) and prefill_bytes(runs[200][1]) < prefill_bytes(runs[2][1])
     ahead = {key: sum(ly.hits_prefetch for s in eng.steps if s.phase == "prefill" for ly in s.layers)
              for key, (_, eng) in runs.items()}
-    assert ahead[8] > 0 and ahead["not ahead"] == 0
+    assert ahead[2] > 0 and ahead["not ahead"] == 0
 
 
 @pytest.mark.parametrize("ahead", [False, True])

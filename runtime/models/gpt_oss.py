@@ -103,7 +103,11 @@ class DecoderLayer:
     def mix(self, h: mx.array, cache: KVCache, rope, rot: int) -> tuple[mx.array, mx.array]:
         """(h + attention(norm(h)), x): the residual stream after attention and the MoE block's input."""
         h = h + self.self_attn(mx.fast.rms_norm(h, self.input_layernorm, self.eps), cache, rope, rot)
-        return h, mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
+        return h, self.moe_input(h)
+
+    def moe_input(self, h: mx.array) -> mx.array:
+        """The MoE block's input from the residual stream after the mixer (a long prefill chunk recomputes it)."""
+        return mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
 
     def __call__(self, h: mx.array, cache: KVCache, rope, rot: int, experts) -> mx.array:
         h, x = self.mix(h, cache, rope, rot)

@@ -616,7 +616,12 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     layer starts. Block j of layer i then sees exactly what it would in a call of its own (its input, the
     cache after blocks 0..j-1), with the same shapes, so the result is bit for bit that of calls of `step`
     tokens, whatever L is; and a layer's routed experts are needed once for all its blocks: the provider's
-    `prepare(i, inds, xs)`, where it has one, gets every block's picks before any block's experts run."""
+    `prepare(i, inds, xs)`, where it has one, gets every block's picks before any block's experts run.
+
+    Of several blocks, each keeps only its residual stream and its picks until its experts run; its MoE input
+    and routing are then recomputed (the same kernels on the same values: the same bits), so a chunk's tokens
+    hold about two rows of the residual stream each, not the routing's intermediates
+    (`plan.chunk_token_bytes`): a longer chunk fits the same memory, and each is one read of its experts."""
     if step is None:
         rot = rope.prepare(positions) if rope is not None else None
         for i, layer in enumerate(layers):
@@ -628,18 +633,25 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     hs = [h[:, a:b] for a, b in spans] if len(spans) > 1 else [h]
     prepare = getattr(experts, "prepare", None)
     for i, layer in enumerate(layers):
+        whole = len(hs) == 1  # one block keeps its MoE input and routing: nothing to recompute
         blocks = []
         for j, hj in enumerate(hs):
             hj, xj = layer.mix(hj, cache[i], rope, rots[j])
             if isinstance(cache[i], KVCache) and j + 1 < len(hs):
                 settle(hj)  # the next block's KV write must find no reader of the cache: written in place
-            blocks.append((hj, xj, *layer.mlp.route(xj)))
+            inds, *rest = layer.mlp.route(xj)
+            if not whole:
+                mx.async_eval(inds)  # the routing's intermediates freed block by block
+            blocks.append((hj, inds, (xj, rest) if whole else None))
         if prepare is not None:
-            prepare(i, [b[2] for b in blocks], [b[1] for b in blocks])
+            prepare(i, [b[1] for b in blocks], (b[2][0] if whole else layer.moe_input(b[0]) for b in blocks))
         hs = []
-        for hj, xj, *rest in blocks:  # each block combined right after its experts, before the next block's
-            hs.append(layer.mlp.finish(i, xj, experts, hj, *rest))  # run: their outputs (k rows a token) freed
-            mx.async_eval(hs[-1])
+        for hj, inds, kept in blocks:  # each block combined right after its experts, before the next block's
+            if kept is None:
+                xj = layer.moe_input(hj)
+                kept = (xj, layer.mlp.route(xj)[1:])  # the picks stay those `prepare` landed
+            hs.append(layer.mlp.finish(i, kept[0], experts, hj, inds, *kept[1]))  # run: its outputs (k rows a
+            mx.async_eval(hs[-1])  # token) freed
     return mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0]
 
 

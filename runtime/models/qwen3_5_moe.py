@@ -183,7 +183,11 @@ class DecoderLayer:
         x = mx.fast.rms_norm(h, self.input_layernorm, self.eps)
         r = self.linear_attn(x, cache) if self.is_linear else self.self_attn(x, cache, rope, rot)
         h = h + r
-        return h, mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
+        return h, self.moe_input(h)
+
+    def moe_input(self, h: mx.array) -> mx.array:
+        """The MoE block's input from the residual stream after the mixer (a long prefill chunk recomputes it)."""
+        return mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
 
     def __call__(self, h: mx.array, cache, rope: MRoPE, rot, experts) -> mx.array:
         h, x = self.mix(h, cache, rope, rot)
