@@ -11,7 +11,8 @@ engine (raw tokens of a fixed English text, repeated to the length), and
 - the disk's raw O_DIRECT random-read speed of the layer files at 8 and 16 reads in flight (the faster), measured
   right before and right after the run and averaged (the disk drifts), and `of_disk_bound` = (bytes read / that
   speed) / prefill time: near 1, the prefill runs at the disk's speed;
-- the plan's chunk, hot tier and activation account, and the peak resident set against the cap.
+- the plan's chunk, hot tier and activation account, what the prefill allocated at its peak beyond what the
+  engine held before it (`prefill_work_mib`, against the activation account), and the peak resident set.
 A cap is GiB, `slots:N` (the hot tier holds N experts at the smallest chunk) or `quarter` (a quarter of every
 expert). `--cgroup` also runs each case as `streamoe run` inside a cgroup-v1 memory group whose limit is the cap
 (root): `cgroup_peak` against the cap, `cgroup_failcnt` 0 when the limit was never reached.
@@ -64,9 +65,12 @@ def one(model: Path, ids: list[int], cap: float, ctx: int, experts: str, dtype: 
     try:
         store, plan = eng.experts.store, eng.plan
         read0, busy0 = store.bytes_read, store.busy_time()
+        held = mx.get_active_memory()
+        mx.reset_peak_memory()
         t0 = time.perf_counter()
         mx.eval(eng.prefill(ids))
         dt = time.perf_counter() - t0
+        work = mx.get_peak_memory() - held
         read = store.bytes_read - read0
         pre = [s for s in eng.steps if s.phase == "prefill"]
         lay = [ly for s in pre for ly in s.layers]
@@ -75,6 +79,7 @@ def one(model: Path, ids: list[int], cap: float, ctx: int, experts: str, dtype: 
         return {"prompt_tokens": len(ids), "chunk": chunk, "plan_chunk": plan.prefill_chunk, "plan_step": plan.prefill_step,
                 "chunks": len(pre), "cap_gib": round(cap, 4), "resident": eng.experts.resident, "hot_slots": plan.hot_slots,
                 "activations_mib": round(plan.accounts["activations"] / 2**20, 1),
+                "prefill_work_mib": round(work / 2**20, 1),  # MLX's peak over the prefill beyond what the engine held
                 "prefill_s": round(dt, 3), "tok_s": round(len(ids) / dt, 1), "bytes_read": read,
                 "sweeps": round(read / sweep, 3), "read_vs_needed": round(read / needed, 4) if needed else None,
                 "distinct_picks": sum(ly.picks for ly in lay), "read_ahead_picked": sum(ly.hits_prefetch for ly in lay),

@@ -635,8 +635,9 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     for i, layer in enumerate(layers):
         whole = len(hs) == 1  # one block keeps its MoE input and routing: nothing to recompute
         blocks = []
-        for j, hj in enumerate(hs):
-            hj, xj = layer.mix(hj, cache[i], rope, rots[j])
+        for j in range(len(hs)):
+            hj, xj = layer.mix(hs[j], cache[i], rope, rots[j])
+            hs[j] = None  # each input block is freed once its output is computed: one row a token, not two
             if isinstance(cache[i], KVCache) and j + 1 < len(hs):
                 settle(hj)  # the next block's KV write must find no reader of the cache: written in place
             inds, *rest = layer.mlp.route(xj)
@@ -646,7 +647,8 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
         if prepare is not None:
             prepare(i, [b[1] for b in blocks], (b[2][0] if whole else layer.moe_input(b[0]) for b in blocks))
         hs = []
-        for hj, inds, kept in blocks:  # each block combined right after its experts, before the next block's
+        while blocks:  # each block combined right after its experts, before the next block's
+            hj, inds, kept = blocks.pop(0)  # and let go of as its output is made
             if kept is None:
                 xj = layer.moe_input(hj)
                 kept = (xj, layer.mlp.route(xj)[1:])  # the picks stay those `prepare` landed
