@@ -13,10 +13,12 @@ from pathlib import Path
 import openai
 import pytest
 
+from streamoe.formats.config import ModelArgs
 from streamoe.runtime.engine import Engine, Options
-from streamoe.runtime.plan import MiB
+from streamoe.runtime.plan import MiB, chunk_token_bytes, default_dtype
 from streamoe.runtime.serve.openai_api import Limits, parse_chat
 from streamoe.runtime.serve.worker import EngineWorker, ServeOptions, open_engine, requests_bytes
+from streamoe.runtime.weights import mx_dtype
 
 from . import serve_util
 from .conftest import capped_cgroup, cli, one_error_line
@@ -85,7 +87,11 @@ def test_models_health_plan_and_page(server, client):
     assert plan["cap"] == int(quarter_cap(server_conv(server)) * 2**30)
     so = ServeOptions("t", limits=Limits(max_body=MiB // 2), max_queue=8)
     assert plan["accounts"]["prompt cache"] == 8 * MiB and plan["accounts"]["requests"] == requests_bytes(so, TINY, CTX)
-    assert plan["hot_slots"] == plan["n_layers"] * plan["n_experts"] // 4 and plan["fixed"] <= plan["cap"]
+    # a quarter of the experts at one prefill step, less the slots the plan's longer chunk took
+    args = ModelArgs.from_config(json.loads((server_conv(server) / "config.json").read_text()))
+    chunk = (plan["prefill_chunk"] - plan["prefill_step"]) * chunk_token_bytes(args, mx_dtype(default_dtype()).size)
+    quarter = plan["n_layers"] * plan["n_experts"] // 4
+    assert plan["hot_slots"] == int(quarter + 0.5 - chunk / plan["slot"]) >= quarter // 2 and plan["fixed"] <= plan["cap"]
     page = fetch(server.url + "/")
     assert page.status == 200 and "/static/app.js" in page.text
     for asset in re.findall(r'(?:src|href)="([^"]+)"', page.text):
