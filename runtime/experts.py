@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 import mlx.core as mx
@@ -441,7 +441,7 @@ class StreamingExperts:
         st.misses += len(cold) - host
         return slot_of, land, reads
 
-    def prepare(self, i: int, inds: list[mx.array], xs: list[mx.array]) -> None:
+    def prepare(self, i: int, inds: list[mx.array], xs: Iterable[mx.array]) -> None:
         """Prefill: layer i's picks for every block of a chunk (`inds`, the blocks' MoE inputs `xs`), before any
         block's experts run. One fence, and each distinct expert lands in a slot once for all the blocks (the
         blocks' calls then only map experts to slots, on the device). Right after this layer's reads are queued,
@@ -479,7 +479,7 @@ class StreamingExperts:
             table[e] = s
         self.prepared = (i, mx.array(table, dtype=mx.uint32))
 
-    def _likely(self, layer: int, xs: list[mx.array]) -> tuple[mx.array, mx.array]:
+    def _likely(self, layer: int, xs: Iterable[mx.array]) -> tuple[mx.array, mx.array]:
         """(experts of `layer` by how many tokens of xs its router would send to each, most first; those counts),
         queued on the device."""
         counts = mx.zeros((self.E,), dtype=mx.int32)

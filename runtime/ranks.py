@@ -29,7 +29,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 import numpy as np
@@ -184,7 +184,7 @@ class RankExperts:
         n, r = self.size, self.rank
         return mx.array([[e // n if e % n == r else fill for e in row] for row in rows], dtype=mx.uint32)
 
-    def prepare(self, i: int, inds: list[mx.array], xs: list[mx.array]) -> None:
+    def prepare(self, i: int, inds: list[mx.array], xs: Iterable[mx.array]) -> None:
         """Prefill: every block's picks of layer i; this rank lands its own (once for all the blocks)."""
         if self.inner.resident:
             return
