@@ -17,7 +17,7 @@
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
-#   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy)
+#   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy), 11 rounds: best runs
 #   bash bench/h200.sh prefill   # long prompts (2K, 8K, 32K tokens) at --cap 4, q4 and q3: prefill time against the disk
 #   bash bench/h200.sh longctx   # --ctx 131072 at --cap 4 with bf16, q8 and q4 KV side by side: plan, hot tier, decode
 #   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
@@ -77,7 +77,7 @@ case "$1" in
       --name "$OUT/sampling-h200" | grep -v '^ '
     ;;
   sampling-resident)
-    python3 -m bench.sampling --model "$S/full-conv" --caps resident --tokens 64 --rounds 5 --ctx 1024 \
+    python3 -m bench.sampling --model "$S/full-conv" --caps resident --tokens 64 --rounds 11 --ctx 1024 \
       --name "$OUT/sampling-resident-h200" | grep -v '^ '
     ;;
   prefill)
