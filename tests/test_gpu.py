@@ -49,6 +49,22 @@ def test_gpu_logits_bit_identical_across_caps_prefetch_tiers_and_runs(small_conv
             assert data == first, f"logits differ at {key}"
 
 
+def test_gpu_long_prefill_chunks_give_the_one_block_logits(small_conv, monkeypatch):
+    """The plan's longer chunks run their layers block by block, each block's MoE input and routing recomputed
+    when its experts run (`kernels.run_layers`): the logits of one-block chunks bit for bit on the GPU too (the
+    recomputed routing must be the same bits as the picks landed), every filled slot checked."""
+    from streamoe.runtime import plan as plan_mod
+
+    from .test_runtime import run_logits
+
+    monkeypatch.setattr(plan_mod, "PREFILL_STEP", 16)
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    want, _ = run_logits(small_conv, 24, steps=3, chunk=16, dtype="bfloat16")
+    for slots in (2, 200):
+        got, eng = run_logits(small_conv, slots, steps=3, chunk="auto", dtype="bfloat16")
+        assert eng.plan.prefill_chunk > 16 and got == want, f"logits differ at {slots} slots"
+
+
 def test_gpu_host_tier_logits_bit_identical_at_every_pair_of_caps(small_conv, monkeypatch):
     """A GPU with memory of its own (CUDA): no host tier, a part of the records, all of them, under a device tier of
     none or some; the same bits, every filled slot checked against the file, and a host tier that holds every
