@@ -152,7 +152,7 @@ def main() -> None:
     result["uncompiled"] = [run(d / "conv", a.dtype, a.steps, reference) for _ in range(a.repeats)]
     with Replay(out, a.rtol) as rep:
         result["replayed"] = run(d / "conv", a.dtype, a.steps, reference)
-    result |= {"calls_replayed": rep.calls, "first_bad": rep.first_bad, "inputs_saved": str(rep.saved)}
+    result |= {"calls_replayed": rep.calls, "first_bad": rep.first_bad, "inputs_saved": rep.saved and str(rep.saved)}
     print(write_result(out.name, "device_vs_cpu", [result], out=out.with_suffix(".json")))
 
 

@@ -647,13 +647,13 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
         if prepare is not None:
             prepare(i, [b[1] for b in blocks], (b[2][0] if whole else layer.moe_input(b[0]) for b in blocks))
         hs = []
-        while blocks:  # each block combined right after its experts, before the next block's
-            hj, inds, kept = blocks.pop(0)  # and let go of as its output is made
+        while blocks:  # each block combined right after its experts (their k rows a token freed before the next
+            hj, inds, kept = blocks.pop(0)  # block's run), and let go of as its output is made
             if kept is None:
                 xj = layer.moe_input(hj)
                 kept = (xj, layer.mlp.route(xj)[1:])  # the picks stay those `prepare` landed
-            hs.append(layer.mlp.finish(i, kept[0], experts, hj, inds, *kept[1]))  # run: its outputs (k rows a
-            mx.async_eval(hs[-1])  # token) freed
+            hs.append(layer.mlp.finish(i, kept[0], experts, hj, inds, *kept[1]))
+            mx.async_eval(hs[-1])
     return mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0]
 
 
