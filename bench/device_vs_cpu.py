@@ -91,11 +91,44 @@ class Replay:
                                              for a in args] + [f"{k}={v!r}" if not isinstance(v, mx.array)
                                                                else f"{k}: {v.dtype} {tuple(v.shape)}"
                                                                for k, v in kw.items()]}
-                arrays = {f"arg{i}": as_f32(a) for i, a in enumerate(args) if isinstance(a, mx.array)}
-                arrays |= {k: as_f32(v) for k, v in kw.items() if isinstance(v, mx.array)}
+                arrays = {f"arg{i}": host_array(a) for i, a in enumerate(args) if isinstance(a, mx.array)}
+                arrays |= {k: host_array(v) for k, v in kw.items() if isinstance(v, mx.array)}
                 self.saved = self.out.with_suffix(".npz")
                 np.savez(self.saved, **arrays)
                 return
+
+
+def host_array(a: mx.array) -> np.ndarray:
+    """An input as saved for the reproducer: its own dtype (packed codes stay uint32), bf16 as its uint16 bits."""
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def qmm_sweep(repeats: int) -> list[dict]:
+    """`mx.quantized_matmul` alone on random inputs, GPU against CPU, over the shapes the families use and the
+    tiny ones the tests use (K no larger than a group takes other CUDA kernels than a real model's K): each
+    case whose GPU output is not finite where the CPU's is, or differs beyond a tolerance, in any repeat."""
+    bad = []
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        for bits in (4, 8):
+            for k in (64, 128, 2048, 2880):
+                for m in (1, 2, 16, 33):
+                    for rep in range(repeats):
+                        key = mx.random.key(rep)
+                        w = mx.random.normal((256, k), key=key, stream=mx.cpu) / k**0.5
+                        wq, sc, bi = mx.quantize(w, group_size=64, bits=bits, stream=mx.cpu)
+                        x = mx.random.normal((1, m, k), key=mx.random.split(key)[0], stream=mx.cpu).astype(dtype)
+                        sc, bi = sc.astype(dtype), bi.astype(dtype)
+                        ref = mx.quantized_matmul(x, wq, sc, bi, transpose=True, group_size=64, bits=bits, stream=mx.cpu)
+                        out = mx.quantized_matmul(*(to_cpu(a) for a in (x, wq, sc, bi)), transpose=True, group_size=64,
+                                                  bits=bits)
+                        g, c = as_f32(out), as_f32(ref)
+                        tol = (1e-4 if dtype == mx.float32 else 2e-2) * max(float(np.abs(c).max()), 1e-6)
+                        diff = float(np.abs(g - c).max())
+                        if not np.isfinite(g).all() or not diff <= tol:
+                            bad.append({"dtype": str(dtype), "bits": bits, "K": k, "M": m, "N": 256, "repeat": rep,
+                                        "nonfinite_on_gpu": int((~np.isfinite(g)).sum()),
+                                        "max_abs_diff": diff if np.isfinite(diff) else None, "cpu_max_abs": float(np.abs(c).max())})
+    return bad
 
 
 def host_bits(arrays: list[mx.array]) -> list[bytes]:
@@ -139,8 +172,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs compiled and uncompiled (a race shows in some only)")
     ap.add_argument("--rtol", type=float, default=1e-3, help="a difference beyond rtol x the CPU output's largest")
     ap.add_argument("--name", default="device-vs-cpu")
+    ap.add_argument("--qmm-sweep", action="store_true", help="only quantized_matmul alone over shapes and dtypes")
     a = ap.parse_args()
     out = Path(a.name)
+    if a.qmm_sweep:
+        cases = 3 * 2 * 4 * 4 * a.repeats
+        bad = qmm_sweep(a.repeats)
+        print(write_result(out.name, "device_vs_cpu", [{"device": str(mx.default_device()), "qmm_cases": cases,
+                                                        "qmm_bad": bad}], out=out.with_suffix(".json")))
+        return
     d = Path(tempfile.mkdtemp())
     synth(d / "ck", size="tiny", variant=VARIANT[a.family], text_only=True, seed=3, shard_bytes=None, dry_run=False,
           family=a.family)
