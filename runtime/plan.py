@@ -314,10 +314,12 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool =
     moe = 3 * chunk * a.num_experts_per_tok * H + 4 * chunk * inter
     logits = 2 * a.vocab_size
     # a chunk of BLAS_TOKENS+ tokens on the CPU: one dequantized block of rows, the input and output in float32
+    # (a projection's, or the routed experts': each (token, pick) row's input and its gate and up outputs)
     widest_in = max(H, a.value_dim, nq * hd)
     widest_out = max(a.conv_dim + a.value_dim + 2 * a.linear_num_value_heads, 2 * nq * hd + 2 * nkv * hd,
                      a.num_experts + 2 * a.shared_expert_intermediate_size + 1)
-    dequant = 4 * (BLAS_BLOCK * widest_in + chunk * (widest_in + 2 * widest_out)) if blas and chunk >= BLAS_TOKENS else 0
+    rows = max(widest_in + 2 * widest_out, a.num_experts_per_tok * (H + 2 * a.moe_intermediate_size))
+    dequant = 4 * (BLAS_BLOCK * widest_in + chunk * rows) if blas and chunk >= BLAS_TOKENS else 0
     return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item) + dequant
 
 

@@ -26,9 +26,21 @@ from mlx_lm.utils import quantize_model
 
 from streamoe.formats.config import PREFIX, ModelArgs
 from streamoe.formats.errors import StreamoeError
+from streamoe.formats.record import ExpertWeights
 from streamoe.runtime.models import family, forward
 from streamoe.runtime.models.delta_rule import gated_delta_chunked, gated_delta_loop
-from streamoe.runtime.models.kernels import MRoPE, ResidentExperts, combine, switch_glu, text_positions
+from streamoe.runtime.models.kernels import (
+    BLAS_TOKENS,
+    ExpertKernel,
+    MRoPE,
+    ResidentExperts,
+    _switch_glu,
+    clamped_swiglu,
+    combine,
+    swiglu,
+    switch_glu,
+    text_positions,
+)
 from streamoe.runtime.models.qwen3_5_moe import Model
 
 TOL_REF = 1e-5  # vs mlx-lm, relative to max |logit| (measured 0.0)
@@ -453,3 +465,34 @@ def test_plain_rope_is_mlx_lms_rope():
         assert mx.array_equal(ours(x, ours.prepare(offset)), peer(x, offset=offset))
     partial = RoPE(32, 1e4)  # the first 32 dims rotate, the rest pass through
     assert mx.array_equal(partial(x, 3)[..., 32:], x[..., 32:]) and not mx.array_equal(partial(x, 3), x)
+
+
+def _stacked_experts(n_exp: int, hidden: int, inter: int, mode: str, bias: bool, key: int) -> ExpertWeights:
+    def proj(out_dim, in_dim, k):
+        w = mx.random.normal((n_exp, out_dim, in_dim), key=mx.random.key(k)) / in_dim**0.5
+        q = mx.quantize(w, group_size=32 if mode == "mxfp4" else 64, bits=4, mode=mode)
+        b = mx.random.normal((n_exp, out_dim), key=mx.random.key(k + 50)) * 0.1 if bias else None
+        return (q[0], q[1], q[2] if mode == "affine" else None, b)
+    (gw, gs, gb, gbias), (uw, us, ub, ubias), (dw, ds, db, dbias) = (
+        proj(inter, hidden, key), proj(inter, hidden, key + 1), proj(hidden, inter, key + 2))
+    return ExpertWeights(gw, gs, gb, uw, us, ub, dw, ds, db, gbias, ubias, dbias)
+
+
+@pytest.mark.parametrize("mode,bias", [("affine", False), ("mxfp4", True)])
+def test_prefill_experts_through_blas_match_gather_qmm_and_ignore_slot_numbers(mode, bias):
+    """Many tokens on the CPU take the experts expert by expert through numpy's BLAS: the same values as the
+    quantized kernel's per-row path (within float32 rounding), with gpt-oss's expert biases and clamped SwiGLU
+    too; and bit for bit the same whichever slots hold the experts (a capped run places them elsewhere)."""
+    n_exp, hidden, inter, k, n = 6, 64, 128, 2, 2 * BLAS_TOKENS + 3
+    w = _stacked_experts(n_exp, hidden, inter, mode, bias, key=11)
+    kernel = ExpertKernel(4, 32 if mode == "mxfp4" else 64, mode, clamped_swiglu(1.702, 7.0) if bias else swiglu)
+    x = mx.random.normal((n, hidden), key=mx.random.key(5))
+    picks = mx.array(np.stack([np.random.default_rng(t).choice(n_exp - 1, k, replace=False) for t in range(n)]),
+                     dtype=mx.uint32)  # expert n_exp - 1 is never picked
+    got = switch_glu(x, w, picks, kernel)
+    assert got.shape == (n, k, hidden) and rel_diff(got, _switch_glu(x, w, picks, kernel)) <= 1e-5
+    perm = np.random.default_rng(1).permutation(n_exp)  # slot perm[e] holds expert e
+    inv = np.argsort(perm)
+    moved = ExpertWeights(*(None if a is None else a[mx.array(inv)] for a in w))
+    assert mx.array_equal(switch_glu(x, moved, mx.array(perm)[picks], kernel), got)
+    assert mx.array_equal(switch_glu(x[:1], w, picks[:1], kernel), _switch_glu(x[:1], w, picks[:1], kernel))

@@ -97,18 +97,26 @@ class QLinear(NamedTuple):
         return mx.concatenate(parts, axis=-1)
 
     def _blas(self, x: mx.array) -> mx.array:
-        """Many tokens on the CPU backend (prefill): the weights dequantized BLAS_BLOCK rows at a time and
-        multiplied by numpy's BLAS. MLX's CPU quantized matmul does not reuse a weight across tokens (0.8 GMAC/s
-        per core: 2.8 s for 97 tokens through a Gated DeltaNet in_proj, 0.34 s this way). The rounding differs
-        from the quantized kernel's, but the path depends only on the number of tokens, never on the cap."""
+        """Many tokens on the CPU backend (prefill): the weights dequantized and multiplied by numpy's BLAS
+        (`blas_matmul`). MLX's CPU quantized matmul does not reuse a weight across tokens (0.8 GMAC/s per core:
+        2.8 s for 97 tokens through a Gated DeltaNet in_proj, 0.34 s this way). The rounding differs from the
+        quantized kernel's, but the path depends only on the number of tokens, never on the cap."""
         rows, xs = self.weight.shape[0], np.asarray(x.reshape(-1, x.shape[-1]).astype(mx.float32))
         out = np.empty((xs.shape[0], rows), dtype=np.float32)
-        for a in range(0, rows, BLAS_BLOCK):
-            b = min(rows, a + BLAS_BLOCK)
-            w = mx.dequantize(self.weight[a:b], self.scales[a:b], self.biases[a:b], group_size=self.group_size,
-                              bits=self.bits).astype(mx.float32)
-            np.matmul(xs, np.asarray(w).T, out=out[:, a:b])
+        blas_matmul(xs, self.weight, self.scales, self.biases, self.group_size, self.bits, "affine", out)
         return mx.array(out).astype(x.dtype).reshape(*x.shape[:-1], rows)
+
+
+def blas_matmul(xs: np.ndarray, weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
+                bits: int, mode: str, out: np.ndarray) -> None:
+    """out[:] = xs @ dequantize(weight).T in float32, the weight dequantized BLAS_BLOCK rows at a time (what the
+    plan's activation account holds) and multiplied by numpy's BLAS."""
+    rows = weight.shape[0]
+    for a in range(0, rows, BLAS_BLOCK):
+        b = min(rows, a + BLAS_BLOCK)
+        w = mx.dequantize(weight[a:b], scales[a:b], None if biases is None else biases[a:b], group_size=group_size,
+                          bits=bits, mode=mode).astype(mx.float32)
+        np.matmul(xs, np.asarray(w).T, out=out[:, a:b])
 
 
 
@@ -528,6 +536,8 @@ def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
     `streams` (`cpu_streams`, one core each); every (token, pick) row is computed by the same kernel whatever the
     split, so results do not depend on it. Small experts stay on one stream: below SPLIT_ROWS x 512 weights per matrix a stream hop
     costs more than it saves."""
+    if x.shape[0] >= BLAS_TOKENS and mx.default_device() == mx.cpu:
+        return _switch_glu_blas(x, w, slots, kernel)
     if not streams or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
         return _switch_glu(x, w, slots, kernel)
     k, n = slots.shape[-1], min(len(streams), slots.shape[-1])
@@ -548,6 +558,44 @@ def _switch_glu(x, w, slots, kernel: ExpertKernel):
     xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, H]: each token meets its k picks
     h = kernel.act(qmm(xe, w.gate_w, w.gate_s, w.gate_b, w.gate_bias), qmm(xe, w.up_w, w.up_s, w.up_b, w.up_bias))
     return qmm(h, w.down_w, w.down_s, w.down_b, w.down_bias).squeeze(-2)
+
+
+def _switch_glu_blas(x, w, slots, kernel: ExpertKernel):
+    """`_switch_glu` for many tokens on the CPU backend (prefill), expert by expert: each picked slot's matrices
+    dequantized once and multiplied by numpy's BLAS with all the (token, pick) rows that picked it. Through
+    `gather_qmm` every row re-reads its expert's codes at the quantized mat-vec's speed (0.8 GMAC/s a core); here
+    an expert's weights serve all its rows. Each expert's rows are the same set in token order whatever the cap
+    (the routing is), so, as for `QLinear._blas`, the path and its rounding depend only on the number of tokens."""
+    n, k = slots.shape
+    xs = np.asarray(x.astype(mx.float32))
+    flat = np.asarray(slots).reshape(-1)
+    order = np.argsort(flat, kind="stable")  # (token, pick) rows grouped by slot, each group in token order
+    by_slot = flat[order]
+    starts = np.flatnonzero(np.r_[True, by_slot[1:] != by_slot[:-1]])
+    groups = [(int(by_slot[a]), a, b) for a, b in zip(starts, np.r_[starts[1:], order.size], strict=True)]
+    sorted_slots = mx.array(by_slot)
+
+    def project(inp: np.ndarray, wq, s, b, bias, out_dim: int) -> mx.array:
+        out = np.empty((inp.shape[0], out_dim), dtype=np.float32)
+        per = max(1, BLAS_BLOCK // out_dim)  # experts dequantized at once: BLAS_BLOCK rows, as `blas_matmul` holds
+        for j in range(0, len(groups), per):
+            batch = groups[j:j + per]
+            idx = mx.array([slot for slot, _, _ in batch])
+            dense = np.asarray(mx.dequantize(wq[idx], s[idx], None if b is None else b[idx], group_size=kernel.group_size,
+                                             bits=kernel.bits, mode=kernel.mode).astype(mx.float32))
+            for m, (_, a, c) in enumerate(batch):
+                np.matmul(inp[a:c], dense[m].T, out=out[a:c])
+        y = mx.array(out).astype(x.dtype)
+        return y if bias is None else y + bias[sorted_slots]
+
+    rows_in = xs[order // k]
+    inter = w.gate_w.shape[-2]
+    h = kernel.act(project(rows_in, w.gate_w, w.gate_s, w.gate_b, w.gate_bias, inter),
+                   project(rows_in, w.up_w, w.up_s, w.up_b, w.up_bias, inter))
+    y = project(np.asarray(h.astype(mx.float32)), w.down_w, w.down_s, w.down_b, w.down_bias, x.shape[-1])
+    back = np.empty_like(order)
+    back[order] = np.arange(order.size)
+    return y[mx.array(back)].reshape(n, k, x.shape[-1])
 
 
 def combine(outs: mx.array, scores: mx.array) -> mx.array:
