@@ -245,6 +245,10 @@ class StreamingExperts:
         self.pools = SlotPools(hot_slots + staging, lay, dtype, store.ring, streams=streams)
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
         self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
+        # a discrete GPU's host tier: the next layer's guesses held there, copied into device slots while this
+        # layer computes (`_copy_ahead`): (layer, keys) to copy, then key -> slot until their layer
+        self.copy_next: tuple[int, list[Key]] | None = None
+        self.copied: dict[Key, int] = {}
         # how often the router's r-th guess for the next layer was then picked, issued or not (its precision)
         self.rank_seen, self.rank_right = [0] * max(1, prefetch_width), [0] * max(1, prefetch_width)
         self.candidates: dict[int, list[int]] = {}
@@ -328,6 +332,7 @@ class StreamingExperts:
         else:
             y = self._streamed(i, xf, inds)
             mx.async_eval(y)  # the device copies and computes while the host builds the next layer
+            self._copy_ahead()
         return y.reshape(*shape[:-1], k, shape[-1])
 
     def _compute(self, x: mx.array, slots: mx.array) -> mx.array:
@@ -349,6 +354,8 @@ class StreamingExperts:
         t = time.perf_counter()
         self.fence(inds, *([order] if order is not None else []))
         st.compute_ms += 1000 * (time.perf_counter() - t)
+        if self.pools.pending:  # the copies `_copy_ahead` started while the previous layer computed land first
+            self._land_copied(i, st)
         # From here to the kernels' launch the device waits on this thread: the bookkeeping is plain Python over a
         # few ints (a numpy call here costs 5-150 us, its code cold after the layer's kernels, a Python step ~0.1 us).
         rows: list[list[int]] = inds.tolist()
@@ -389,6 +396,9 @@ class StreamingExperts:
         st.picks, st.experts = len(experts), experts
         self.tier.note_picks(i, experts)  # this pick counts toward the admission of a miss
         self.store.note_picks(i, experts)  # and of a read into the host tier
+        for key in [key for key in self.copied if key[0] == i and key[1] not in picked]:
+            del self.copied[key]  # copied from the host tier ahead, not picked: it stays in its slot, a tier entry
+            st.prefetch_wasted += 1
         # withdraw guesses for this layer that were not picked; started ones are waste
         for key in [key for key in self.ahead if key[0] == i and key[1] not in picked]:
             f = self.ahead.pop(key)
@@ -415,7 +425,9 @@ class StreamingExperts:
             if s is not None:
                 slot_of[e] = s
                 self.tier.pinned.add(s)
-                if self.tier.is_staging(s):
+                if self.copied.pop((i, e), None) is not None:
+                    st.hits_prefetch += 1
+                elif self.tier.is_staging(s):
                     st.hits_lent += 1
                 else:
                     st.hits_hot += 1
@@ -500,11 +512,61 @@ class StreamingExperts:
         self.candidates[layer] = order
         keys = [(layer, e) for r, e in enumerate(order)
                 if (layer, e) not in self.ahead and self.tier.lookup((layer, e)) is None
-                and (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) >= self.precision
-                and not self.store.in_host((layer, e))]  # a guess is for the disk: the host tier needs none
+                and (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) >= self.precision]
+        host = [key for key in keys if self.store.in_host(key)]
+        if host and not self.pools.direct:
+            self.copy_next = (layer, host)
+        keys = [key for key in keys if key not in host]  # a disk guess reads into staging; the host tier needs none
         self.ahead.update(zip(keys, self.store.guess_many(keys), strict=True))
         if st is not None:
             st.prefetch_issued += len(keys)
+
+    def _copy_ahead(self) -> None:
+        """A discrete GPU with a host tier: the next layer's guesses found there are placed in device slots (only
+        where the tier admits them) and their copies into the upload ring started, while this layer's kernels run;
+        the next layer queues their moves into the slots first (`_land_copied`), so a right guess is a hit there
+        and the ring's host copies overlap the device's compute. Through the ring only: its rows reach the
+        slots in stream order after this layer's kernels, where a direct write would race them."""
+        if self.copy_next is None:
+            return
+        layer, keys = self.copy_next
+        self.copy_next = None
+        st = self.stats[layer] if self.stats is not None else None
+        placed: list[tuple[Key, int]] = []
+        for key in keys:
+            if self.tier.lookup(key) is not None or key in self.ahead or not self.store.in_host(key):
+                continue
+            s, admitted = self.tier.place(key, optional=True)
+            if s is None:
+                break
+            if not admitted:  # only the scratch ring would take it: a demand miss may need that slot
+                self.tier.evict(s)
+                break
+            self.tier.pinned.add(s)  # no later guess of this batch takes it; the next layer clears the pins
+            placed.append((key, s))
+        for (key, s), f in zip(placed, self.store.guess_many([key for key, _ in placed]), strict=True):
+            if st is not None:
+                st.prefetch_issued += 1
+            if not f.done():  # it left the host tier meanwhile: an ordinary guess, read from disk into staging
+                self.tier.evict(s)
+                self.ahead[key] = f
+                continue
+            entry = f.result()
+            self.pools.stage(s, self.store.record(entry), lambda e=entry: self.store.release(e))
+            self.copied[key] = s
+            if st is not None:
+                st.bytes_host += self.lay.stride
+
+    def _land_copied(self, i: int, st: LayerStats) -> None:
+        """Queue the moves of the records `_copy_ahead` staged into their slots (before any slot is placed)."""
+        copy0, sync0 = self.pools.copy_wait_s, self.pools.sync_s
+        t = time.perf_counter()
+        self.pools.flush()
+        st.landing_ms += 1000 * (time.perf_counter() - t)
+        st.copy_wait_ms += 1000 * (self.pools.copy_wait_s - copy0)
+        st.sync_ms += 1000 * (self.pools.sync_s - sync0)
+        if VERIFY:
+            self._verify({key: s for key, s in self.copied.items() if key[0] == i})
 
     def _follow_waste(self, reads: int, wrong: int) -> None:
         """One decode layer's reads and wrong guesses into the recent account; the precision a guess needs
@@ -530,6 +592,9 @@ class StreamingExperts:
 
     def drop_guesses(self) -> None:
         self.candidates.clear()
+        self.pools.flush()  # records copied ahead land: their slots are tier entries like any other
+        self.copy_next = None
+        self.copied.clear()
         for f in self.ahead.values():
             if not self.store.cancel(f):
                 f.add_done_callback(lambda f: f.exception() is None and self.store.release(f.result()))

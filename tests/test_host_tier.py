@@ -107,6 +107,28 @@ def test_logits_bit_identical_at_every_pair_of_caps(small_conv, split, monkeypat
         assert 0 < runs[(0, 120)][2] and runs[(0, 120)][1] < runs[(0, None)][1]
 
 
+@pytest.mark.parametrize("hot,host", [(0, 512), (24, 200)])
+def test_guesses_copied_ahead_from_the_host_tier_change_no_bit(small_conv, split, monkeypatch, hot, host):
+    """Through the upload ring (a discrete GPU's path), the next layer's guesses held in the host tier are copied
+    into device slots while a layer computes: right ones are hits there, wrong ones stay as tier entries, each such
+    slot holds the file's bytes when its layer lands, and the logits are those of a run without a host tier."""
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    monkeypatch.setattr(experts_mod, "DIRECT_WRITES", False)
+    want, _ = logits_of(small_conv, caps_for(small_conv, 0, None))
+    eng = Engine(small_conv, caps_for(small_conv, hot, host))
+    assert not eng.experts.pools.direct and eng.plan.host_slots == host
+    out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])).astype(mx.float32))]
+    eng.experts.precision = 0.0  # every guess passes: the copies run on every layer
+    for _ in range(12):
+        out.append(np.array(eng.forward([int(out[-1].argmax())], "decode").astype(mx.float32)))
+    eng.close()
+    layers = [ly for s in eng.steps if s.phase == "decode" for ly in s.layers]
+    for ly in layers:
+        assert ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.hits_host + ly.misses == ly.picks
+    assert sum(ly.hits_prefetch for ly in layers) > 0 and sum(ly.prefetch_wasted for ly in layers) > 0
+    assert np.stack(out).tobytes() == want
+
+
 def test_a_withdrawn_read_leaves_its_host_slot_empty(small_conv):
     """Guesses admitted to host slots and then withdrawn before they started hold nothing: a later read of the same
     record goes to the disk again, and the slots are reused."""

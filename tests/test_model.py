@@ -496,3 +496,9 @@ def test_prefill_experts_through_blas_match_gather_qmm_and_ignore_slot_numbers(m
     moved = ExpertWeights(*(None if a is None else a[mx.array(inv)] for a in w))
     assert mx.array_equal(switch_glu(x, moved, mx.array(perm)[picks], kernel), got)
     assert mx.array_equal(switch_glu(x[:1], w, picks[:1], kernel), _switch_glu(x[:1], w, picks[:1], kernel))
+    # another rank's picks filled with an expert of this one (ranks.RankExperts): that expert's group grows, and
+    # every row that was there keeps its bits
+    filled = np.array(picks)
+    filled[:7, 1] = filled[0, 0]
+    again = switch_glu(x, w, mx.array(filled), kernel)
+    assert mx.array_equal(again[7:], got[7:]) and mx.array_equal(again[:, 0], got[:, 0])
