@@ -513,7 +513,7 @@ def route_topk_softmax(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
 
 
 BLAS_TILE = 16  # CPU: rows per BLAS product in the experts' path (`_switch_glu_blas`)
-BLAS_ROWS_PER_EXPERT = 6  # CPU: dequantizing an expert pays for itself from about this many rows (measured)
+BLAS_ROWS_PER_EXPERT = 4  # CPU: dequantizing an expert pays for itself from about this many rows (bench/experts_blas.py)
 
 
 class ExpertKernel(NamedTuple):
@@ -531,8 +531,8 @@ class ExpertKernel(NamedTuple):
 def expert_kernel(lay: RecordLayout, args: ModelArgs) -> ExpertKernel:
     """The kernel of `args`' experts stored as `lay`: SwiGLU, or gpt-oss's clamped one (`swiglu_limit`). The
     experts go through BLAS from the block size at which an expert has BLAS_ROWS_PER_EXPERT rows on average
-    (Qwen3.6: 192 tokens; a 97-token prompt's 3 rows an expert run faster on `gather_qmm`): a number of tokens,
-    the model's own, never the cap's."""
+    (Qwen3.6: 128 tokens; with 3 rows an expert `gather_qmm` was 1.07x faster, with 4 the BLAS path 1.3x, with 8 2.4x:
+    `bench/experts_blas.py`): a number of tokens, the model's own, never the cap's."""
     act = clamped_swiglu(args.swiglu_alpha, args.swiglu_limit) if args.swiglu_limit else swiglu
     k = args.num_experts_per_tok
     blas = max(BLAS_TOKENS, -(-BLAS_ROWS_PER_EXPERT * args.num_experts // k))
