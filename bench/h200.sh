@@ -52,7 +52,7 @@ case "$1" in
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts "${EXPERTS:-q4,q3}" 2>/dev/null
     ;;
   gputest)
-    python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu_families.py tests/test_gpu.py 2>&1 | tee "$OUT/gputest-h200.log"
+    python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_families.py 2>&1 | tee "$OUT/gputest-h200.log"
     ;;
   prepare)
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
