@@ -27,7 +27,7 @@ from mlx_lm.utils import quantize_model
 from streamoe.formats.config import PREFIX, ModelArgs
 from streamoe.formats.errors import StreamoeError
 from streamoe.formats.record import ExpertWeights
-from streamoe.runtime.models import family, forward
+from streamoe.runtime.models import family, forward, kernels
 from streamoe.runtime.models.delta_rule import gated_delta_chunked, gated_delta_loop
 from streamoe.runtime.models.kernels import (
     BLAS_TOKENS,
@@ -478,11 +478,13 @@ def _stacked_experts(n_exp: int, hidden: int, inter: int, mode: str, bias: bool,
     return ExpertWeights(gw, gs, gb, uw, us, ub, dw, ds, db, gbias, ubias, dbias)
 
 
-@pytest.mark.parametrize("mode,bias", [("affine", False), ("mxfp4", True)])
-def test_prefill_experts_through_blas_match_gather_qmm_and_ignore_slot_numbers(mode, bias):
+@pytest.mark.parametrize("mode,bias,block", [("affine", False, 1024), ("mxfp4", True, 1024), ("affine", False, 48)])
+def test_prefill_experts_through_blas_match_gather_qmm_and_ignore_slot_numbers(mode, bias, block, monkeypatch):
     """Many tokens on the CPU take the experts expert by expert through numpy's BLAS: the same values as the
     quantized kernel's per-row path (within float32 rounding), with gpt-oss's expert biases and clamped SwiGLU
-    too; and bit for bit the same whichever slots hold the experts (a capped run places them elsewhere)."""
+    too; and bit for bit the same whichever slots hold the experts (a capped run places them elsewhere). With a
+    dequantized block smaller than an expert's matrix (`block` 48 rows), each matrix goes in row blocks."""
+    monkeypatch.setattr(kernels, "BLAS_BLOCK", block)
     n_exp, hidden, inter, k, n = 6, 64, 128, 2, 2 * BLAS_TOKENS + 3
     w = _stacked_experts(n_exp, hidden, inter, mode, bias, key=11)
     kernel = ExpertKernel(4, 32 if mode == "mxfp4" else 64, mode, clamped_swiglu(1.702, 7.0) if bias else swiglu)

@@ -97,26 +97,18 @@ class QLinear(NamedTuple):
         return mx.concatenate(parts, axis=-1)
 
     def _blas(self, x: mx.array) -> mx.array:
-        """Many tokens on the CPU backend (prefill): the weights dequantized and multiplied by numpy's BLAS
-        (`blas_matmul`). MLX's CPU quantized matmul does not reuse a weight across tokens (0.8 GMAC/s per core:
-        2.8 s for 97 tokens through a Gated DeltaNet in_proj, 0.34 s this way). The rounding differs from the
-        quantized kernel's, but the path depends only on the number of tokens, never on the cap."""
+        """Many tokens on the CPU backend (prefill): the weights dequantized BLAS_BLOCK rows at a time and
+        multiplied by numpy's BLAS. MLX's CPU quantized matmul does not reuse a weight across tokens (0.8 GMAC/s
+        per core: 2.8 s for 97 tokens through a Gated DeltaNet in_proj, 0.34 s this way). The rounding differs
+        from the quantized kernel's, but the path depends only on the number of tokens, never on the cap."""
         rows, xs = self.weight.shape[0], np.asarray(x.reshape(-1, x.shape[-1]).astype(mx.float32))
         out = np.empty((xs.shape[0], rows), dtype=np.float32)
-        blas_matmul(xs, self.weight, self.scales, self.biases, self.group_size, self.bits, "affine", out)
+        for a in range(0, rows, BLAS_BLOCK):
+            b = min(rows, a + BLAS_BLOCK)
+            w = mx.dequantize(self.weight[a:b], self.scales[a:b], self.biases[a:b], group_size=self.group_size,
+                              bits=self.bits).astype(mx.float32)
+            np.matmul(xs, np.asarray(w).T, out=out[:, a:b])
         return mx.array(out).astype(x.dtype).reshape(*x.shape[:-1], rows)
-
-
-def blas_matmul(xs: np.ndarray, weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
-                bits: int, mode: str, out: np.ndarray) -> None:
-    """out[:] = xs @ dequantize(weight).T in float32, the weight dequantized BLAS_BLOCK rows at a time (what the
-    plan's activation account holds) and multiplied by numpy's BLAS."""
-    rows = weight.shape[0]
-    for a in range(0, rows, BLAS_BLOCK):
-        b = min(rows, a + BLAS_BLOCK)
-        w = mx.dequantize(weight[a:b], scales[a:b], None if biases is None else biases[a:b], group_size=group_size,
-                          bits=bits, mode=mode).astype(mx.float32)
-        np.matmul(xs, np.asarray(w).T, out=out[:, a:b])
 
 
 
@@ -590,18 +582,23 @@ def _switch_glu_blas(x, w, slots, kernel: ExpertKernel):
     def project(inp: np.ndarray, wq, s, b, bias, out_dim: int) -> mx.array:
         out = np.empty((inp.shape[0], out_dim), dtype=np.float32)
         tile = np.empty((BLAS_TILE, inp.shape[1]), dtype=np.float32)
-        per = max(1, BLAS_BLOCK // out_dim)  # experts dequantized at once: BLAS_BLOCK rows, as `blas_matmul` holds
+        # at most BLAS_BLOCK dequantized rows at once, as `QLinear._blas` (the plan holds that block): several
+        # experts' matrices where theirs are smaller, a big one's rows in blocks
+        per = max(1, BLAS_BLOCK // out_dim)
         for j in range(0, len(groups), per):
             batch = groups[j:j + per]
             idx = mx.array([slot for slot, _, _ in batch])
-            dense = np.asarray(mx.dequantize(wq[idx], s[idx], None if b is None else b[idx], group_size=kernel.group_size,
-                                             bits=kernel.bits, mode=kernel.mode).astype(mx.float32))
-            for m, (_, a, c) in enumerate(batch):
-                for t in range(a, c, BLAS_TILE):  # tiles of one shape: a row's value never depends on its group's size
-                    u = min(c, t + BLAS_TILE)
-                    tile[: u - t] = inp[t:u]
-                    tile[u - t:] = 0
-                    out[t:u] = (tile @ dense[m].T)[: u - t]
+            for r0 in range(0, out_dim, BLAS_BLOCK):
+                r1 = min(out_dim, r0 + BLAS_BLOCK)
+                dense = np.asarray(mx.dequantize(wq[idx, r0:r1], s[idx, r0:r1], None if b is None else b[idx, r0:r1],
+                                                 group_size=kernel.group_size, bits=kernel.bits,
+                                                 mode=kernel.mode).astype(mx.float32))
+                for m, (_, a, c) in enumerate(batch):
+                    for t in range(a, c, BLAS_TILE):  # one product shape: a row's bits never depend on its group's size
+                        u = min(c, t + BLAS_TILE)
+                        tile[: u - t] = inp[t:u]
+                        tile[u - t:] = 0
+                        out[t:u, r0:r1] = (tile @ dense[m].T)[: u - t]
         y = mx.array(out).astype(x.dtype)
         return y if bias is None else y + bias[sorted_slots]
 
