@@ -536,11 +536,8 @@ class StreamingExperts:
         for key in keys:
             if self.tier.lookup(key) is not None or key in self.ahead or not self.store.in_host(key):
                 continue
-            s, admitted = self.tier.place(key, optional=True)
+            s, _ = self.tier.place(key, optional=True)  # declined by the tier: a scratch slot, as a miss would get
             if s is None:
-                break
-            if not admitted:  # only the scratch ring would take it: a demand miss may need that slot
-                self.tier.evict(s)
                 break
             self.tier.pinned.add(s)  # no later guess of this batch takes it; the next layer clears the pins
             placed.append((key, s))

@@ -126,6 +126,9 @@ def test_guesses_copied_ahead_from_the_host_tier_change_no_bit(small_conv, split
     for ly in layers:
         assert ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.hits_host + ly.misses == ly.picks
     assert sum(ly.hits_prefetch for ly in layers) > 0 and sum(ly.prefetch_wasted for ly in layers) > 0
+    if host == 512:  # no disk guesses: every read-ahead hit was copied ahead, declined guesses in scratch slots too
+        # (skipping the guesses the device tier declined left 14 of 768 picks copied ahead here, against 337)
+        assert sum(ly.hits_prefetch for ly in layers) >= sum(ly.picks for ly in layers) // 4
     assert np.stack(out).tobytes() == want
 
 
