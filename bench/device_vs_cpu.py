@@ -14,6 +14,7 @@ array the engine loaded with the CPU backend's load of the same file.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -103,32 +104,52 @@ def host_array(a: mx.array) -> np.ndarray:
     return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
 
 
-def qmm_sweep(repeats: int) -> list[dict]:
-    """`mx.quantized_matmul` alone on random inputs, GPU against CPU, over the shapes the families use and the
-    tiny ones the tests use (K no larger than a group takes other CUDA kernels than a real model's K): each
-    case whose GPU output is not finite where the CPU's is, or differs beyond a tolerance, in any repeat."""
-    bad = []
-    for dtype in (mx.float32, mx.bfloat16, mx.float16):
-        for bits in (4, 8):
-            for k in (64, 128, 2048, 2880):
-                for m in (1, 2, 16, 33):
-                    for rep in range(repeats):
-                        key = mx.random.key(rep)
-                        w = mx.random.normal((256, k), key=key, stream=mx.cpu) / k**0.5
-                        wq, sc, bi = mx.quantize(w, group_size=64, bits=bits, stream=mx.cpu)
-                        x = mx.random.normal((1, m, k), key=mx.random.split(key)[0], stream=mx.cpu).astype(dtype)
-                        sc, bi = sc.astype(dtype), bi.astype(dtype)
-                        ref = mx.quantized_matmul(x, wq, sc, bi, transpose=True, group_size=64, bits=bits, stream=mx.cpu)
-                        out = mx.quantized_matmul(*(to_cpu(a) for a in (x, wq, sc, bi)), transpose=True, group_size=64,
-                                                  bits=bits)
-                        g, c = as_f32(out), as_f32(ref)
-                        tol = (1e-4 if dtype == mx.float32 else 2e-2) * max(float(np.abs(c).max()), 1e-6)
-                        diff = float(np.abs(g - c).max())
-                        if not np.isfinite(g).all() or not diff <= tol:
-                            bad.append({"dtype": str(dtype), "bits": bits, "K": k, "M": m, "N": 256, "repeat": rep,
-                                        "nonfinite_on_gpu": int((~np.isfinite(g)).sum()),
-                                        "max_abs_diff": diff if np.isfinite(diff) else None, "cpu_max_abs": float(np.abs(c).max())})
-    return bad
+QMM_CASES = [  # (dtype, bits, mode, K, M): the tiny test models' K first, then real models' (K above a group)
+    (dt, bits, mode, k, m)
+    for k in (64, 2048, 128, 2880) for dt in (mx.bfloat16, mx.float32, mx.float16)
+    for bits, mode in ((4, "affine"), (8, "affine"), (4, "mxfp4")) for m in (16, 1, 33)
+    if not (mode == "mxfp4" and dt == mx.float32)]
+
+
+def qmm_case(dtype: mx.Dtype, bits: int, mode: str, k: int, m: int, reruns: int, seed: int) -> dict:
+    """One `mx.quantized_matmul` shape on random inputs: the GPU's output against the CPU's (finite, within a
+    tolerance), and the same GPU call `reruns` times on the same inputs (a kernel race shows as several distinct
+    outputs; MLX's qmm_sm80 kernel, used for M >= 8 on an H200 where K is larger than a group, writes its output
+    tile over shared memory that asynchronous copies may still fill, in MLX's source as of 2026-08)."""
+    key = mx.random.key(seed)
+    gs = 32 if mode == "mxfp4" else 64
+    w = mx.random.normal((256, k), key=key, stream=mx.cpu) / k**0.5
+    q = mx.quantize(w, group_size=gs, bits=bits, mode=mode, stream=mx.cpu)
+    wq, sc, bi = q[0], q[1], (q[2] if len(q) > 2 else None)
+    x = mx.random.normal((1, m, k), key=mx.random.split(key)[0], stream=mx.cpu).astype(dtype)
+    if mode == "affine":
+        sc, bi = sc.astype(dtype), bi.astype(dtype)
+    kw = {"transpose": True, "group_size": gs, "bits": bits, "mode": mode}
+    ref = mx.quantized_matmul(x, wq, sc, bi, **kw, stream=mx.cpu)
+    args = [to_cpu(a) if a is not None else None for a in (x, wq, sc, bi)]
+    outs = []
+    for _ in range(max(1, reruns)):
+        out = mx.quantized_matmul(*args, **kw)
+        mx.eval(out)
+        outs.append(as_f32(out))
+    g, c = outs[0], as_f32(ref)
+    tol = (1e-4 if dtype == mx.float32 else 2e-2) * max(float(np.abs(c).max()), 1e-6)
+    diff = float(np.abs(g - c).max()) if np.isfinite(g).all() else None
+    return {"dtype": str(dtype), "bits": bits, "mode": mode, "K": k, "M": m, "N": 256,
+            "nonfinite_on_gpu": int(sum((~np.isfinite(o)).sum() for o in outs)), "max_abs_diff": diff,
+            "cpu_max_abs": float(np.abs(c).max()), "within_tolerance": diff is not None and diff <= tol,
+            "reruns": len(outs), "distinct_outputs": len({o.tobytes() for o in outs})}
+
+
+def qmm_sweep(reruns: int, out: Path) -> list[dict]:
+    """Every case of QMM_CASES (`qmm_case`); each case is printed as it ends and the partial list rewritten to
+    `out`, so a run cut off by its time limit still reports what it reached."""
+    cases = []
+    for dt, bits, mode, k, m in QMM_CASES:
+        cases.append(qmm_case(dt, bits, mode, k, m, reruns, seed=len(cases)))
+        print(json.dumps(cases[-1]), flush=True)
+        out.write_text(json.dumps(cases, indent=1) + "\n")
+    return cases
 
 
 def host_bits(arrays: list[mx.array]) -> list[bytes]:
@@ -173,13 +194,15 @@ def main() -> None:
     ap.add_argument("--rtol", type=float, default=1e-3, help="a difference beyond rtol x the CPU output's largest")
     ap.add_argument("--name", default="device-vs-cpu")
     ap.add_argument("--qmm-sweep", action="store_true", help="only quantized_matmul alone over shapes and dtypes")
+    ap.add_argument("--reruns", type=int, default=30, help="--qmm-sweep: the same GPU call this many times a case")
     a = ap.parse_args()
     out = Path(a.name)
     if a.qmm_sweep:
-        cases = 3 * 2 * 4 * 4 * a.repeats
-        bad = qmm_sweep(a.repeats)
-        print(write_result(out.name, "device_vs_cpu", [{"device": str(mx.default_device()), "qmm_cases": cases,
-                                                        "qmm_bad": bad}], out=out.with_suffix(".json")))
+        cases = qmm_sweep(a.reruns, out.with_suffix(".partial.json"))
+        bad = [c for c in cases if c["nonfinite_on_gpu"] or not c["within_tolerance"] or c["distinct_outputs"] > 1]
+        write_result(out.name, "device_vs_cpu", [{"device": str(mx.default_device()), "qmm_cases": len(cases),
+                                                  "qmm_bad": bad}], out=out.with_suffix(".json"))
+        out.with_suffix(".partial.json").unlink()
         return
     d = Path(tempfile.mkdtemp())
     synth(d / "ck", size="tiny", variant=VARIANT[a.family], text_only=True, seed=3, shard_bytes=None, dry_run=False,

@@ -25,7 +25,7 @@
 #                                against the disk and the host->slot copy speed of the same run (bench/host_tier.py)
 #   bash bench/h200.sh devcpu    # gpt-oss (float32, bfloat16) and qwen3_moe tiny through the engine, every kernel call
 #                                replayed on the CPU: the first that differs, with its inputs (bench/device_vs_cpu.py);
-#                                first quantized_matmul alone, GPU against CPU, over dtypes, bits, K and M (--qmm-sweep)
+#                                first quantized_matmul alone, GPU against CPU and against itself rerun, over dtypes, bits, modes, K and M (--qmm-sweep)
 #   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile, as is and with MLX's CUDA graphs
 #                                cut by operation count only, or off: where a capped token's host time goes
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`.
@@ -102,7 +102,7 @@ case "$1" in
       --name "$OUT/host-tier-h200" | grep -v '^ '
     ;;
   devcpu)
-    python3 -m bench.device_vs_cpu --qmm-sweep --repeats 5 --name "$OUT/device-vs-cpu-h200-qmm-sweep" | grep -E 'qmm_cases|"K"|"M"|dtype|nonfinite'
+    timeout 240 python3 -m bench.device_vs_cpu --qmm-sweep --reruns 30 --name "$OUT/device-vs-cpu-h200-qmm-sweep" | grep -v -E "\"distinct_outputs\": 1}$" || true
     for run in gpt_oss:float32 gpt_oss:bfloat16 qwen3_moe:float32; do
       python3 -m bench.device_vs_cpu --family "${run%:*}" --dtype "${run#*:}" \
         --name "$OUT/device-vs-cpu-h200-${run%:*}-${run#*:}" 2>/dev/null | grep -E 'finite_prefill|weights_unlike|"kernel"|nonfinite|max_abs_diff|"first_bad": null'
