@@ -220,13 +220,23 @@ def paired_run(ckpt: Path, model: Path, ids: list[int], tokens: int, cap: str, e
 
 
 def cap_gib_for(model: Path, cap: str, experts: str, dtype: str | None) -> float:
-    """`slots:N`: a cap that holds exactly N hot-tier slots; `resident`: all of it; else GiB."""
-    if cap.startswith("slots:"):
-        from streamoe.runtime.plan import plan_for
+    """`slots:N`: the smallest cap whose plan (ctx 2048, the runtime allowance 600 MiB, the auto prefill chunk, as
+    `streamoe run` plans it) holds at least N hot-tier slots; `resident`: all of it; else GiB. (The cap used to be
+    the smallest chunk's fixed accounts + N slots: the auto chunk then took its share and left fewer.)"""
+    if not cap.startswith("slots:"):
+        return 64.0 if cap == "resident" else float(cap)
+    from streamoe.runtime.plan import plan_for
 
-        base = plan_for(model, Options(cap_gib=64, ctx=2048, experts=experts, dtype=dtype, runtime_bytes=600 << 20))
-        return (base.fixed + int(cap[6:]) * base.slot_bytes + 1) / 2**30
-    return 64.0 if cap == "resident" else float(cap)
+    def hot(gib: float) -> int:
+        return plan_for(model, Options(cap_gib=gib, ctx=2048, experts=experts, dtype=dtype,
+                                       runtime_bytes=600 << 20)).hot_slots
+
+    want = int(cap[6:])
+    lo, hi = 0.0, 64.0  # hot(lo) < want <= hot(hi); the hot tier grows with the cap
+    while hi - lo > 1e-5:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if hot(mid) >= want else (mid, hi)
+    return hi
 
 
 def main() -> None:

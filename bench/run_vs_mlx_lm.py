@@ -8,9 +8,9 @@ the tokens' own stamps in F (the wall clock: the interval from the first token t
 `stream_generate` on the checkpoint, greedy, the compute dtype set as streamoe's (float32 on the CPU: MLX's CPU
 bf16 kernels are several times slower, so a bf16 mlx-lm would flatter the ratio), the same chat-templated prompt;
 its own `generation_tps` and the wall clock of its tokens the same way. The rounds alternate which runs first;
-the ratio is the median over rounds of streamoe's tok/s over the mlx-lm run of the same round. `slots:N` is a
-cap whose plan holds N hot-tier slots at the smallest chunk (`bench.gpu_compare.cap_gib_for`: the runtime
-allowance fixed at 600 MiB, as passed to `streamoe run`).
+the ratio is the median over rounds of streamoe's tok/s over the mlx-lm run of the same round. `slots:N` is the
+smallest cap whose plan holds N hot-tier slots (`bench.gpu_compare.cap_gib_for`: the runtime allowance fixed at
+600 MiB, as passed to `streamoe run`).
 """
 
 from __future__ import annotations
