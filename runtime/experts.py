@@ -241,6 +241,7 @@ class StreamingExperts:
         self.kernel = kernel or ExpertKernel(lay.bits, lay.group_size, lay.mode)
         self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
         self.resident = hot_slots >= n_layers * n_experts
+        self.syncs_per_layer = not self.resident
         staging = 0 if self.resident else n_experts
         self.pools = SlotPools(hot_slots + staging, lay, dtype, store.ring, streams=streams)
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
