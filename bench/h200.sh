@@ -9,6 +9,7 @@
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
 #                                runs twice, interleaved with a fixed guess gate (a 0.8 precision, no waste
 #                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
+#   bash bench/h200.sh gpurest   # test_gpu.py's tests after the first eight (the ones a cut gputest run has not reached)
 #   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes;
 #                                GPUTEST_LIMIT=seconds cuts gputest, not setup, so a call ends within its own limit)
 #   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
@@ -52,7 +53,12 @@ case "$1" in
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts "${EXPERTS:-q4,q3}" 2>/dev/null
     ;;
   gputest)
-    python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_families.py 2>&1 | tee "$OUT/gputest-h200.log"
+    python3 -m pytest -v -rA --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_families.py 2>&1 \
+      | tee "$OUT/gputest-h200.log"
+    ;;
+  gpurest)
+    python3 -m pytest -v -rA --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py \
+      -k "quantized_kv or float32_matmul or upload_ring or delta_rule" 2>&1 | tee "$OUT/gputest-rest-h200.log"
     ;;
   prepare)
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
