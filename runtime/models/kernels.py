@@ -32,9 +32,6 @@ from .cache import KV_GROUP, KVCache
 # weights
 
 
-# a streamed decode step on the CPU queues each layer's mixer once built (`run_layers`): measured 0.824 against
-# 0.798 of mlx-lm's token time, medians of 4 paired runs on the small model at a quarter cap (bench.gpu_compare --paired)
-EAGER_MIXER = True
 SPLIT_ROWS = 1024  # CPU streams split a matrix only from this many output rows per stream
 BLAS_TOKENS = 16  # CPU: from this many tokens a quantized linear layer runs through numpy's BLAS (QLinear._blas)
 BLAS_BLOCK = 1024  # rows dequantized at a time there (the plan's activation account holds one block)
@@ -675,7 +672,8 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     (the residual stream after its mixer, the MoE block's input) and `mlp` with `route(x) -> routed` and
     `finish(i, x, experts, h, *routed)` (the block's output added to h); `__call__` does both. positions: the
     int position of h's first token, or positions as the family's `rope.prepare` takes them (None: no layer
-    rotates). `experts(i, x, inds)` gives layer i's picks' outputs [..., k, H].
+    rotates). `experts(i, x, inds)` gives layer i's picks' outputs [..., k, H]; a provider with `queue_input(i, x)`
+    (one decode step waiting per layer for its picks) gets each layer's MoE input as soon as it is built.
 
     `step` (prefill): each layer runs over h in blocks of `step` tokens, one after another, before the next
     layer starts. Block j of layer i then sees exactly what it would in a call of its own (its input, the
@@ -689,15 +687,13 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     (`plan.chunk_token_bytes`): a longer chunk fits the same memory, and each is one read of its experts."""
     if step is None:
         rot = rope.prepare(positions) if rope is not None else None
-        # where each layer waits for its picks (a streamed step on the CPU), its mixer is queued as soon as it is
-        # built, so it computes while the host builds the routing and the experts' bookkeeping
-        eager = EAGER_MIXER and getattr(experts, "syncs_per_layer", False) and mx.default_device() == mx.cpu
+        queue_input = getattr(experts, "queue_input", None)  # a provider may queue each MoE input once built
         for i, layer in enumerate(layers):
-            if not eager:
+            if queue_input is None:
                 h = layer(h, cache[i], rope, rot, experts)
                 continue
             h, x = layer.mix(h, cache[i], rope, rot)
-            mx.async_eval(x)
+            queue_input(i, x)
             h = layer.mlp(i, x, experts, h)
         return h
     spans = [(a, min(a + step, h.shape[1])) for a in range(0, h.shape[1], step)]
