@@ -55,11 +55,11 @@ def mlx_lm_run(ckpt: Path, tokens: int, dtype: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def streamoe_run(model: Path, cap_gib: float, tokens: int, dtype: str) -> dict:
+def streamoe_run(model: Path, cap_gib: float, experts: str, tokens: int, dtype: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         stats = Path(d) / "stats.jsonl"
         cmd = [sys.executable, "-m", "streamoe.cli", "run", str(model), "--cap", f"{cap_gib:.6f}", "--ctx", "2048",
-               "--runtime-mib", "600", "--temp", "0", "-n", str(tokens), "-p", TEXT, "--stats", str(stats)]
+               "--runtime-mib", "600", "--experts", experts, "--temp", "0", "-n", str(tokens), "-p", TEXT, "--stats", str(stats)]
         if dtype != "auto":
             cmd += ["--dtype", dtype]
         t = time.perf_counter()
@@ -92,7 +92,7 @@ def main() -> None:
         got = {}
         for who in order:
             got[who] = (mlx_lm_run(a.ckpt, a.tokens, a.dtype) if who == "mlx_lm"
-                        else streamoe_run(a.model, cap, a.tokens, a.dtype))
+                        else streamoe_run(a.model, cap, a.experts, a.tokens, a.dtype))
         got["printed_ratio"] = round(got["streamoe"]["printed_tok_s"] / got["mlx_lm"]["printed_tok_s"], 3)
         got["wall_ratio"] = round(got["streamoe"]["wall_tok_s"] / got["mlx_lm"]["wall_tok_s"], 3)
         print(json.dumps(got), flush=True)

@@ -535,8 +535,8 @@ class StreamingExperts:
             st.prefetch_issued += len(keys)
 
     def _copy_ahead(self) -> None:
-        """A discrete GPU with a host tier: the next layer's guesses found there are placed in device slots (only
-        where the tier admits them) and their copies into the upload ring started, while this layer's kernels run;
+        """A discrete GPU with a host tier: the next layer's guesses found there are placed in device slots (a
+        scratch slot where the tier declines one) and their copies into the upload ring started, while this layer's kernels run;
         the next layer queues their moves into the slots first (`_land_copied`), so a right guess is a hit there
         and the ring's host copies overlap the device's compute. Through the ring only: its rows reach the
         slots in stream order after this layer's kernels, where a direct write would race them."""
@@ -568,13 +568,9 @@ class StreamingExperts:
                 st.bytes_host += self.lay.stride
 
     def _land_copied(self, i: int, st: LayerStats) -> None:
-        """Queue the moves of the records `_copy_ahead` staged into their slots (before any slot is placed)."""
-        copy0, sync0 = self.pools.copy_wait_s, self.pools.sync_s
-        t = time.perf_counter()
-        self.pools.flush()
-        st.landing_ms += 1000 * (time.perf_counter() - t)
-        st.copy_wait_ms += 1000 * (self.pools.copy_wait_s - copy0)
-        st.sync_ms += 1000 * (self.pools.sync_s - sync0)
+        """Queue the moves of the records `_copy_ahead` staged into their slots (before any slot is placed): a
+        landing with nothing more to read."""
+        self._land({}, {}, st)
         if VERIFY:
             self._verify({key: s for key, s in self.copied.items() if key[0] == i})
 
