@@ -27,6 +27,9 @@
 #   bash bench/h200.sh devcpu    # gpt-oss (float32, bfloat16) and qwen3_moe tiny through the engine, every kernel call
 #                                replayed on the CPU: the first that differs, with its inputs (bench/device_vs_cpu.py);
 #                                first quantized_matmul alone, GPU against CPU and against itself rerun, over dtypes, bits, modes, K and M (--qmm-sweep)
+#   FAMILY=qwen3_moe bash bench/h200.sh family  # (FREE=1: the Qwen3.6 checkpoint removed first, for disk room) a full-size
+#                                synthetic checkpoint of FAMILY (qwen3_moe, gpt_oss) in its own expert format: resident decode
+#                                against stock mlx-lm in interleaved rounds, then --cap 4 against the disk
 #   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile, as is and with MLX's CUDA graphs
 #                                cut by operation count only, or off: where a capped token's host time goes
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`.
@@ -104,7 +107,7 @@ case "$1" in
       --name "$OUT/sampling-small-vocab-h200" | grep -v '^ '
     ;;
   hosttier)
-    python3 -m bench.host_tier --model "$S/full-conv" --runs 4,4:24,4:8,8:16 --tokens 40 --work /root \
+    python3 -m bench.host_tier --model "$S/full-conv" --runs "${RUNS:-4,4:24,4:8,8:16}" --tokens 40 --work /root \
       --name "$OUT/host-tier-h200" | grep -v '^ '
     ;;
   devcpu)
@@ -113,6 +116,17 @@ case "$1" in
       python3 -m bench.device_vs_cpu --family "${run%:*}" --dtype "${run#*:}" \
         --name "$OUT/device-vs-cpu-h200-${run%:*}-${run#*:}" 2>/dev/null | grep -E 'finite_prefill|weights_unlike|"kernel"|nonfinite|max_abs_diff|"first_bad": null'
     done
+    ;;
+  family)
+    F=${FAMILY:?FAMILY=qwen3_moe or gpt_oss}
+    X=$([ "$F" = gpt_oss ] && echo mxfp4 || echo q4)
+    [ -z "${FREE:-}" ] || rm -rf "$S/full-ckpt" "$S/full-conv"
+    [ -f "$S/$F-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/$F-ckpt" --family "$F" --size full 2>/dev/null
+    [ -f "$S/$F-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/$F-ckpt" "$S/$F-conv" 2>/dev/null
+    python3 -m bench.gpu_parts --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --experts $X --skip-parts --variants "" \
+      --rounds 5 --out "$OUT/family-rounds-h200-$F.json" | grep -v '^ '
+    python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps 4 --experts $X --skip-mlx-lm \
+      --out "$OUT/family-capped-h200-$F.json" | grep -v '^ '
     ;;
   hostprof)
     python3 -m bench.host_tier --model "$S/full-conv" --tokens 24 --work /root --profile --name "$OUT/host-tier-variants-h200" \
