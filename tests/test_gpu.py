@@ -265,3 +265,26 @@ def test_gpu_delta_rule_kernel_is_the_token_loop(dtype):
             assert err < (1e-5 if dtype == "float32" else 1e-2), (L, err)
         y2, s2 = delta_rule_cuda(qk, conv, log_g, beta, s0, Hk, Hv, dk, dv)
         assert mx.array_equal(y, y2) and mx.array_equal(s, s2)  # deterministic
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_one_group_quantized_matmul_matches_the_cpu_and_itself(dtype):
+    """K = group size with several rows (the shapes MLX's CUDA `qmm_sm90` got wrong and unstable on the H200:
+    `bench/device_vs_cpu.py --qmm-sweep`) through `kernels.quantized_matmul`: finite, within the dtype's rounding
+    of the CPU's output, and the same bytes in 10 reruns."""
+    from streamoe.runtime.models.kernels import quantized_matmul
+
+    dt = getattr(mx, dtype)
+    for bits in (4, 8):
+        for m in (16, 33):
+            w = mx.random.normal((256, 64), key=mx.random.key(m), stream=mx.cpu) / 8
+            q, s, b = mx.quantize(w, group_size=64, bits=bits, stream=mx.cpu)
+            x = mx.random.normal((1, m, 64), key=mx.random.key(m + bits), stream=mx.cpu).astype(dt)
+            s, b = s.astype(dt), b.astype(dt)
+            ref = np.array(mx.quantized_matmul(x, q, s, b, transpose=True, group_size=64, bits=bits,
+                                               stream=mx.cpu).astype(mx.float32))
+            outs = [np.array(quantized_matmul(x, q, s, b, 64, bits).astype(mx.float32)) for _ in range(10)]
+            assert np.isfinite(outs[0]).all()
+            tol = (1e-4 if dt == mx.float32 else 2e-2) * np.abs(ref).max()
+            assert np.abs(outs[0] - ref).max() <= tol, (bits, m, float(np.abs(outs[0] - ref).max()))
+            assert len({o.tobytes() for o in outs}) == 1, (bits, m)

@@ -49,6 +49,30 @@ def gpu_compiled(fn):
     return functools.wraps(fn)(call)
 
 
+@functools.cache
+def _cuda_available() -> bool:
+    return mx.cuda.is_available()
+
+
+def _on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and _cuda_available()
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+                     transpose: bool = True) -> mx.array:
+    """`mx.quantized_matmul` of affine codes, kept off MLX's CUDA `qmm_sm90` kernel where one group spans the whole
+    of K: MLX sends a call there on a compute-capability-9 GPU when K <= group size and there is more than one row,
+    and on an H200 (MLX 0.32.4) its output was wrong in every such case, differed between reruns and once held NaNs
+    (`bench/device_vs_cpu.py --qmm-sweep`; docs/performance.md). Such calls go as groups of half the size, each
+    scale and bias repeated: every weight dequantizes to the same value, and MLX picks another kernel. K = group
+    size is the test models' hidden size and a 64-wide head scored against a quantized KV cache (gpt-oss), never a
+    real model's projection."""
+    if transpose and x.shape[-1] <= group_size and group_size > 32 and _on_cuda():
+        scales, biases = mx.repeat(scales, 2, axis=-1), mx.repeat(biases, 2, axis=-1)
+        group_size //= 2
+    return mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits)
+
+
 Streams = tuple[mx.Stream, ...]
 
 
@@ -83,17 +107,15 @@ class QLinear(NamedTuple):
         if x.size >= BLAS_TOKENS * x.shape[-1] and mx.default_device() == mx.cpu:
             return self._blas(x)
         if not self.streams or rows < SPLIT_ROWS * len(self.streams):
-            return mx.quantized_matmul(
-                x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
-            )
+            return quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
         n = len(self.streams)
         step = -(-rows // n)
         parts = []
         for j, st in enumerate(self.streams):
             a, b = j * step, min(rows, (j + 1) * step)
             with mx.stream(st):
-                parts.append(mx.quantized_matmul(x, self.weight[a:b], self.scales[a:b], self.biases[a:b],
-                                                 transpose=True, group_size=self.group_size, bits=self.bits))
+                parts.append(quantized_matmul(x, self.weight[a:b], self.scales[a:b], self.biases[a:b],
+                                              self.group_size, self.bits))
         return mx.concatenate(parts, axis=-1)
 
     def _blas(self, x: mx.array) -> mx.array:
@@ -436,8 +458,7 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
         qb = q[:, :, :, a:b].reshape(B, nkv, rep * (b - a), D)
         if outs:  # left lazy, MLX would schedule every block's scores at once (measured: all of them live)
             mx.eval(outs[-1])
-        s = per_head(qb, keys, lambda x, c: mx.quantized_matmul(x, *c, transpose=True, group_size=KV_GROUP,
-                                                                   bits=bits))
+        s = per_head(qb, keys, lambda x, c: quantized_matmul(x, *c, KV_GROUP, bits))
         if L > 1:  # query position a+i sits at key position N - L + a + i
             mask = visible(N, N - L + a, b - a, start, window)
             s = mx.where(mask, s.reshape(B, nkv, rep, b - a, N - start), mx.finfo(s.dtype).min).reshape(s.shape)
