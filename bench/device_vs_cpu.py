@@ -25,7 +25,7 @@ from bench.common import write_result
 from streamoe.convert.convert import convert
 from streamoe.convert.synth import synth
 from streamoe.runtime.engine import Engine, Options
-from streamoe.runtime.models.kernels import weight_arrays
+from streamoe.runtime.models.kernels import quantized_matmul, weight_arrays
 
 VARIANT = {"qwen3_5_moe": "qwen3.6", "qwen3_moe": "qwen3", "gpt_oss": "mxfp4-q8"}
 KERNELS = [(mx.fast, "rms_norm"), (mx.fast, "rope"), (mx.fast, "scaled_dot_product_attention"),
@@ -104,18 +104,21 @@ def host_array(a: mx.array) -> np.ndarray:
     return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
 
 
-QMM_CASES = [  # (dtype, bits, mode, K, M): the tiny test models' K first, then real models' (K above a group)
+QMM_CASES = [  # (dtype, bits, mode, K, M): real models' K (above a group: MLX's qmm_sm80 at M >= 8) first, then the
+    # tiny test models' K = 64 (one group: qmm_sm90, found wrong on the H200), mlx's call and streamoe's
     (dt, bits, mode, k, m)
-    for k in (64, 2048, 128, 2880) for dt in (mx.bfloat16, mx.float32, mx.float16)
-    for bits, mode in ((4, "affine"), (8, "affine"), (4, "mxfp4")) for m in (16, 1, 33)
+    for k in (2048, 2880, 64) for dt in (mx.bfloat16, mx.float16, mx.float32)
+    for bits, mode in ((4, "affine"), (4, "mxfp4"), (8, "affine")) for m in (16, 33, 1)
     if not (mode == "mxfp4" and dt == mx.float32)]
 
 
-def qmm_case(dtype: mx.Dtype, bits: int, mode: str, k: int, m: int, reruns: int, seed: int) -> dict:
-    """One `mx.quantized_matmul` shape on random inputs: the GPU's output against the CPU's (finite, within a
+def qmm_case(dtype: mx.Dtype, bits: int, mode: str, k: int, m: int, reruns: int, seed: int,
+             through: str = "mlx") -> dict:
+    """One quantized matmul shape on random inputs: the GPU's output against the CPU's (finite, within a
     tolerance), and the same GPU call `reruns` times on the same inputs (a kernel race shows as several distinct
     outputs; MLX's qmm_sm80 kernel, used for M >= 8 on an H200 where K is larger than a group, writes its output
-    tile over shared memory that asynchronous copies may still fill, in MLX's source as of 2026-08)."""
+    tile over shared memory that asynchronous copies may still fill, in MLX's source as of 2026-08). `through`:
+    `mlx` calls `mx.quantized_matmul`, `streamoe` the kernel library's `quantized_matmul` (affine only)."""
     key = mx.random.key(seed)
     gs = 32 if mode == "mxfp4" else 64
     w = mx.random.normal((256, k), key=key, stream=mx.cpu) / k**0.5
@@ -129,13 +132,14 @@ def qmm_case(dtype: mx.Dtype, bits: int, mode: str, k: int, m: int, reruns: int,
     args = [to_cpu(a) if a is not None else None for a in (x, wq, sc, bi)]
     outs = []
     for _ in range(max(1, reruns)):
-        out = mx.quantized_matmul(*args, **kw)
+        out = (mx.quantized_matmul(*args, **kw) if through == "mlx"
+               else quantized_matmul(*args, group_size=gs, bits=bits))
         mx.eval(out)
         outs.append(as_f32(out))
     g, c = outs[0], as_f32(ref)
     tol = (1e-4 if dtype == mx.float32 else 2e-2) * max(float(np.abs(c).max()), 1e-6)
     diff = float(np.abs(g - c).max()) if np.isfinite(g).all() else None
-    return {"dtype": str(dtype), "bits": bits, "mode": mode, "K": k, "M": m, "N": 256,
+    return {"through": through, "dtype": str(dtype), "bits": bits, "mode": mode, "K": k, "M": m, "N": 256,
             "nonfinite_on_gpu": int(sum((~np.isfinite(o)).sum() for o in outs)), "max_abs_diff": diff,
             "cpu_max_abs": float(np.abs(c).max()), "within_tolerance": diff is not None and diff <= tol,
             "reruns": len(outs), "distinct_outputs": len({o.tobytes() for o in outs})}
@@ -146,9 +150,11 @@ def qmm_sweep(reruns: int, out: Path) -> list[dict]:
     `out`, so a run cut off by its time limit still reports what it reached."""
     cases = []
     for dt, bits, mode, k, m in QMM_CASES:
-        cases.append(qmm_case(dt, bits, mode, k, m, reruns, seed=len(cases)))
-        print(json.dumps(cases[-1]), flush=True)
-        out.write_text(json.dumps(cases, indent=1) + "\n")
+        ways = ["mlx", "streamoe"] if mode == "affine" and k <= 64 else ["mlx"]
+        for through in ways:
+            cases.append(qmm_case(dt, bits, mode, k, m, reruns, seed=len(cases), through=through))
+            print(json.dumps(cases[-1]), flush=True)
+            out.write_text(json.dumps(cases, indent=1) + "\n")
     return cases
 
 
