@@ -1,8 +1,8 @@
 """The families beside Qwen3.5/3.6-MoE on a GPU (MLX's CUDA or Metal backend): logits bit-identical across
 caps, guess widths and tiers with every filled slot checked against its file, and teacher-forced greedy
 tokens and float32 logits against mlx-lm's on the CPU (on an H200, MLX's CUDA `qmm_sm90` kernel gives the tiny
-models' projections wrong outputs through mlx-lm, which streamoe's `kernels.quantized_matmul` avoids). Skipped where MLX has no GPU; run on the H200
-with the rest of the GPU tests (`bash bench/h200.sh gputest`)."""
+models' projections wrong outputs through mlx-lm, which streamoe's `kernels.quantized_matmul` avoids). Skipped
+where MLX has no GPU; run on the H200 with the rest of the GPU tests (`bash bench/h200.sh gputest`)."""
 
 from __future__ import annotations
 
