@@ -636,11 +636,14 @@ def _switch_glu_blas(x, w, slots, kernel: ExpertKernel):
 def combine(outs: mx.array, scores: mx.array) -> mx.array:
     """outs [..., k, H] in router-rank order, scores [..., k] -> sum_j outs[..., j, :] * scores[..., j],
     accumulated left to right in rank order with elementwise ops (no reduction kernel), so the result
-    depends only on the values, not on shapes or batching."""
-    acc = outs[..., 0, :] * scores[..., 0:1]
-    for j in range(1, outs.shape[-2]):
-        acc = acc + outs[..., j, :] * scores[..., j : j + 1]
-    return acc
+    depends only on the values, not on shapes or batching. The picks are split apart in one node per operand (a
+    slice and a squeeze per pick each otherwise: the CPU backend runs this uncompiled)."""
+    k = outs.shape[-2]
+    picks, weights = mx.split(outs, k, axis=-2), mx.split(mx.expand_dims(scores, -1), k, axis=-2)
+    acc = picks[0] * weights[0]
+    for y, w in zip(picks[1:], weights[1:], strict=True):
+        acc = acc + y * w
+    return acc.squeeze(-2)
 
 
 class ResidentExperts:
