@@ -14,8 +14,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .kernels import gpu_compiled
-
 GDN_CHUNK = 64  # chunk length of the chunked (WY) form of the delta rule, used for calls longer than this
 EVAL_EVERY = 8  # tokens of the recurrence per evaluation in prefill (the same math, evaluated in pieces)
 # The delta rule's form, by backend (`gdn_form()`):
@@ -40,7 +38,7 @@ def gdn_form() -> str:
 
 
 
-@gpu_compiled
+@mx.compile
 def conv_silu(seq: mx.array, w: mx.array) -> mx.array:
     """Causal depthwise convolution of seq [B, K-1+L, C] with w [C, K] (taps summed left to right), SiLU."""
     K = w.shape[1]
@@ -73,7 +71,7 @@ def gated_delta(qk: mx.array, conv: mx.array, log_g: mx.array, beta: mx.array, s
     return gated_delta_loop(q, k, v, log_g, beta, state)
 
 
-@gpu_compiled
+@mx.compile
 def _delta_step(state, q, k, v, log_g, beta):
     """One token. state [B, H, dv, dk] f32; q, k [B, H, dk]; v [B, H, dv]; log_g, beta [B, H].
     Returns y [B, H, dv] in v's dtype and the new state."""

@@ -33,14 +33,13 @@ from .kernels import (
     YarnRoPE,
     attention,
     combine,
-    gpu_compiled,
     route_topk_softmax,
     run_layers,
     weight_arrays,
 )
 
 
-@gpu_compiled
+@mx.compile
 def _moe_out(h: mx.array, outs: mx.array, scores: mx.array) -> mx.array:
     """h + the picks' outputs outs [..., k, H] combined by their scores: one kernel on GPUs."""
     return h + combine(outs, scores)

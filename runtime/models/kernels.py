@@ -3,9 +3,10 @@
 Weights by name (`Loader`: presence, dtype and shape checked, floats cast once), quantized projections
 (`QLinear`, and `Projections`: several that read one input as one matmul per quantization), the quantized
 embedding, rotary embeddings (`MRoPE`, plain `RoPE`), causal attention over a float or quantized KV cache
-(`attention`), the elementwise chains compiled on GPUs (`gpu_compiled`), the routed experts over slots
-(`route`, `switch_glu`, `combine`, `ResidentExperts`) and the one layer loop (`run_layers`). Gated DeltaNet's
-kernels are `delta_rule.py`.
+(`attention`), the elementwise chains (`mx.compile`d on every backend: one kernel per chain; MLX builds the CPU's
+with the machine's C++ compiler once, runs them uncompiled without one), the routed experts over slots (`route`,
+`switch_glu`, `combine`, `ResidentExperts`) and the one layer loop (`run_layers`). Gated DeltaNet's kernels are
+`delta_rule.py`.
 
 Every kernel is deterministic and depends on the shapes of its call only, never on where an expert's weights
 live, so a family built from them gives bit-identical results at every cap.
@@ -35,18 +36,6 @@ from .cache import KV_GROUP, KVCache
 SPLIT_ROWS = 1024  # CPU streams split a matrix only from this many output rows per stream
 BLAS_TOKENS = 16  # CPU: from this many tokens a quantized linear layer runs through numpy's BLAS (QLinear._blas)
 BLAS_BLOCK = 1024  # rows dequantized at a time there (the plan's activation account holds one block)
-
-
-def gpu_compiled(fn):
-    """`mx.compile(fn)` on a GPU, where fusing a chain of elementwise ops saves kernel launches (decode is
-    launch-bound there); `fn` itself on the CPU backend. Either way every run of a backend computes the
-    same ops, so results stay identical across caps and runs."""
-    compiled = mx.compile(fn)
-
-    def call(*args):
-        return compiled(*args) if mx.default_device() == mx.gpu else fn(*args)
-
-    return functools.wraps(fn)(call)
 
 
 @functools.cache
@@ -372,12 +361,12 @@ class YarnRoPE:
 # elementwise chains
 
 
-@gpu_compiled
+@mx.compile
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
 
 
-@gpu_compiled
+@mx.compile
 def sigmoid_gate(y: mx.array, gate: mx.array) -> mx.array:
     return y * mx.sigmoid(gate)
 
@@ -386,7 +375,7 @@ def clamped_swiglu(alpha: float, limit: float):
     """gpt-oss's SwiGLU: the gate clamped from above at `limit`, the linear part into [-limit, limit] and shifted by
     one, `(up + 1) * gate * sigmoid(alpha * gate)` (mlx-lm's `swiglu_oai`, in its operation order)."""
 
-    @gpu_compiled
+    @mx.compile
     def act(gate: mx.array, up: mx.array) -> mx.array:
         gate = mx.minimum(gate, limit)
         up = mx.clip(up, -limit, limit)
@@ -637,7 +626,7 @@ def combine(outs: mx.array, scores: mx.array) -> mx.array:
     """outs [..., k, H] in router-rank order, scores [..., k] -> sum_j outs[..., j, :] * scores[..., j],
     accumulated left to right in rank order with elementwise ops (no reduction kernel), so the result
     depends only on the values, not on shapes or batching. The picks are split apart in one node per operand (a
-    slice and a squeeze per pick each otherwise: the CPU backend runs this uncompiled)."""
+    slice and a squeeze per pick each otherwise)."""
     k = outs.shape[-2]
     picks, weights = mx.split(outs, k, axis=-2), mx.split(mx.expand_dims(scores, -1), k, axis=-2)
     acc = picks[0] * weights[0]

@@ -26,7 +26,6 @@ from .kernels import (
     Streams,
     attention,
     combine,
-    gpu_compiled,
     route,
     run_layers,
     sigmoid_gate,
@@ -35,19 +34,19 @@ from .kernels import (
 )
 
 
-@gpu_compiled
+@mx.compile
 def _gdn_gates(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:
     """(log of the decay (float32), write strength beta) from the a/b projections."""
     return -mx.exp(A_log) * nn.softplus(a + dt_bias), mx.sigmoid(b)
 
 
-@gpu_compiled
+@mx.compile
 def _gated_out(y: mx.array, z: mx.array) -> mx.array:
     """The gate of the per-head RMSNorm: y (already normalised and scaled) * silu(z), in float32, in z's dtype."""
     return (nn.silu(z.astype(mx.float32)) * y.astype(mx.float32)).astype(z.dtype)
 
 
-@gpu_compiled
+@mx.compile
 def _moe_out(h: mx.array, outs: mx.array, scores: mx.array, down: mx.array, out_gate: mx.array) -> mx.array:
     """h + (routed + shared): the picks' outputs outs [..., k, H] combined by their scores, plus the shared
     expert's down projection times sigmoid(its gate): mlx-lm's sums in mlx-lm's order, one kernel on GPUs."""

@@ -26,14 +26,13 @@ from .kernels import (
     Streams,
     attention,
     combine,
-    gpu_compiled,
     route,
     run_layers,
     weight_arrays,
 )
 
 
-@gpu_compiled
+@mx.compile
 def _moe_out(h: mx.array, outs: mx.array, scores: mx.array) -> mx.array:
     """h + the picks' outputs outs [..., k, H] combined by their scores: one kernel on GPUs."""
     return h + combine(outs, scores)
