@@ -10,6 +10,8 @@
 #                                runs twice, interleaved with a fixed guess gate (a 0.8 precision, no waste
 #                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
 #   bash bench/h200.sh gpurest   # test_gpu.py's tests after the first eight (the ones a cut gputest run has not reached)
+#   bash bench/h200.sh gpuqmm    # the GPU tests of one group spanning K (kernels.quantized_matmul: quantized_matmul against
+#                                the CPU, quantized KV across caps), then the families' (gpt_oss's tiny model has K = 64)
 #   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes;
 #                                GPUTEST_LIMIT=seconds cuts gputest, not setup, so a call ends within its own limit)
 #   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
@@ -62,6 +64,10 @@ case "$1" in
   gpurest)
     python3 -m pytest -v -rA --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py \
       -k "quantized_kv or float32_matmul or upload_ring or delta_rule" 2>&1 | tee "$OUT/gputest-rest-h200.log"
+    ;;
+  gpuqmm)
+    python3 -m pytest -v -rA --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py -k "one_group or quantized_kv" \
+      tests/test_gpu_families.py 2>&1 | tee "$OUT/gputest-qmm-h200.log"
     ;;
   prepare)
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
