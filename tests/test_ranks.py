@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shlex
 import signal
@@ -44,17 +45,22 @@ LAUNCH = Path(sys.executable).parent / "mlx.launch"  # MLX's launcher, installed
 
 
 def free_port_pair() -> int:
-    """A port p with p and p + 1 free now (the ring backend's two ranks listen on them)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", p + 1))
-                    return p
-            except OSError:
-                continue
+    """A port p with p and p + 1 free now (the ring backend's two ranks listen on them), below the kernel's
+    ephemeral range: a port from that range may become the source port of any outgoing connection (the ranks'
+    own among them) between this check and the ranks' bind, which then fails with "address in use"."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        p = random.randrange(max(1024, low - 12000), low - 1)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
     raise RuntimeError("no two adjacent free ports")
 
 
