@@ -702,11 +702,9 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
         rot = rope.prepare(positions) if rope is not None else None
         queue_input = getattr(experts, "queue_input", None)  # a provider may queue each MoE input once built
         for i, layer in enumerate(layers):
-            if queue_input is None:
-                h = layer(h, cache[i], rope, rot, experts)
-                continue
             h, x = layer.mix(h, cache[i], rope, rot)
-            queue_input(i, x)
+            if queue_input is not None:
+                queue_input(i, x)
             h = layer.mlp(i, x, experts, h)
         return h
     spans = [(a, min(a + step, h.shape[1])) for a in range(0, h.shape[1], step)]
