@@ -507,10 +507,10 @@ def test_prefill_experts_through_blas_match_gather_qmm_and_ignore_slot_numbers(m
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_one_group_quantized_matmul_goes_as_half_groups_on_cuda_with_the_same_result(bits, monkeypatch):
-    """Where one group spans K, `kernels.quantized_matmul` on CUDA hands MLX the codes as groups of half the size
-    (off the `qmm_sm90` kernel, wrong on an H200): the same weights, so on the CPU backend the same output bytes.
-    Wider K, and the values' untransposed product, go through unchanged."""
+def test_one_group_quantized_matmul_goes_as_the_dequantized_matmul_on_cuda(bits, monkeypatch):
+    """Where one group spans K, `kernels.quantized_matmul` on CUDA multiplies by the dequantized weights (off the
+    `qmm_sm90` kernel, wrong on an H200): on the CPU backend exactly `x @ dequantize(w).T`, within rounding of the
+    fused product. Wider K, and the values' untransposed product, go to `mx.quantized_matmul` unchanged."""
     monkeypatch.setattr(kernels, "_on_cuda", lambda: True)
     calls = []
     real = mx.quantized_matmul
@@ -520,14 +520,20 @@ def test_one_group_quantized_matmul_goes_as_half_groups_on_cuda_with_the_same_re
         return real(*args, **kw)
 
     monkeypatch.setattr(mx, "quantized_matmul", spy)
-    for k, expect in ((64, 32), (128, 64)):
+    for k in (64, 128):
         w = mx.random.normal((256, k), key=mx.random.key(k)).astype(mx.bfloat16)
         x = mx.random.normal((8, k), key=mx.random.key(k + 1)).astype(mx.bfloat16)  # under BLAS_TOKENS rows
         q, s, b = mx.quantize(w, group_size=64, bits=bits)
-        ours = kernels.QLinear(q, s, b, bits, 64)(x)
-        assert calls[-1] == expect
-        assert np.array_equal(np.array(ours.astype(mx.float32)),
-                              np.array(real(x, q, s, b, transpose=True, group_size=64, bits=bits).astype(mx.float32)))
+        calls.clear()
+        ours = np.array(kernels.QLinear(q, s, b, bits, 64)(x).astype(mx.float32))
+        fused = np.array(real(x, q, s, b, transpose=True, group_size=64, bits=bits).astype(mx.float32))
+        if k == 64:
+            assert calls == []
+            plain = x @ mx.dequantize(q, s, b, group_size=64, bits=bits).T
+            assert np.array_equal(ours, np.array(plain.astype(mx.float32)))
+            assert np.abs(ours - fused).max() <= 2e-2 * np.abs(fused).max()
+        else:
+            assert calls == [64] and np.array_equal(ours, fused)
     q, s, b = mx.quantize(mx.random.normal((64, 256), key=mx.random.key(9)), group_size=64, bits=bits)
     kernels.quantized_matmul(mx.ones((8, 64)), q, s, b, 64, bits, transpose=False)
     assert calls[-1] == 64
