@@ -239,10 +239,10 @@ class StreamingExperts:
     def __init__(self, store: ExpertStore, lay: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  hot_slots: int, tier: str, prefetch_width: int, guess: Callable[[int, mx.array], mx.array],
                  dtype: mx.Dtype = mx.float32, waste_budget: float = 0.05, streams: Streams = (),
-                 kernel: ExpertKernel | None = None):
+                 kernel: ExpertKernel | None = None, uploads: int | None = None):
         """`guess(i, x)`: layer i's router logits on x (the model's `router_logits`); `streams`: the CPU streams the
         picks' matmuls split over (the model's); `kernel`: how the experts compute (`kernels.expert_kernel`; default:
-        `lay`'s codes with SwiGLU)."""
+        `lay`'s codes with SwiGLU); `uploads`: rows of the upload ring (default: as many as the store's ring)."""
         self.store, self.lay, self.guess, self.waste_budget = store, lay, guess, waste_budget
         self.streams = streams
         self.kernel = kernel or ExpertKernel(lay.bits, lay.group_size, lay.mode)
@@ -251,7 +251,7 @@ class StreamingExperts:
         # a streamed step on the CPU queues each layer's mixer as soon as it is built (`kernels.run_layers`)
         self.queue_input = self._queue_input if EAGER_MIXER and not self.resident and mx.default_device() == mx.cpu else None
         staging = 0 if self.resident else n_experts
-        self.pools = SlotPools(hot_slots + staging, lay, dtype, store.ring, streams=streams)
+        self.pools = SlotPools(hot_slots + staging, lay, dtype, uploads or store.ring, streams=streams)
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
         self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
         # a discrete GPU's host tier: the next layer's guesses held there, copied into device slots while this

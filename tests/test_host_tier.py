@@ -53,7 +53,10 @@ def test_the_plan_splits_into_the_devices_and_the_hosts_accounts(small_conv, spl
     unified = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME))
     p = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME, host_cap_gib=1))
     ring = read_ring(Options(), 8) * p.stride
-    assert p.split and p.host_accounts == {"runtime": RUNTIME, "read staging": ring, "upload ring": ring}
+    ahead = 64 * p.stride  # a layer's experts read ahead in prefill (plan.prefill_ahead): host memory
+    assert p.split and p.host_accounts == {"runtime": RUNTIME, "read staging": ring + ahead, "upload ring": ring}
+    assert "read staging" in unified.host_accounts and "read staging" not in plan_for(
+        small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME)).accounts
     assert "runtime" not in p.accounts and p.accounts["upload ring"] == ring
     assert p.host_slots == 8 * 64  # 1 GiB holds every record beside the host accounts
     # a host cap that leaves room for 100 records holds exactly 100
@@ -79,7 +82,33 @@ def test_host_cap_cli(small_conv, monkeypatch):
     text = cli("plan", str(small_conv), "--cap", "0.13", "--ctx", "512", "--host-cap", "1", "--runtime-mib", "300").stdout
     assert "host memory: cap 1.00 GiB" in text and "512 expert records of 512" in text
     small = cli("plan", str(small_conv), "--cap", "0.13", "--ctx", "512", "--host-cap", "0.1", "--runtime-mib", "300")
-    assert "--host-cap 0.10 GiB is too small" in one_error_line(small) and "smallest that fits: --host-cap 0.31" in small.stderr
+    need = plan_for(small_conv, Options(cap_gib=0.13, ctx=512, runtime_bytes=300 << 20, host_cap_gib=1)).host_fixed
+    assert "--host-cap 0.10 GiB is too small" in one_error_line(small)
+    assert f"smallest that fits: --host-cap {(need + 0.01 * GiB) / GiB:.2f}" in small.stderr
+
+
+def test_a_discrete_gpus_prefill_reads_the_next_layer_ahead_whole(small_conv, split, monkeypatch):
+    """With a device of its own, read staging is host memory and holds one layer's experts more, so a long
+    chunk's next layer is read ahead whole while this one computes, where the ring alone covered a part: on
+    unified memory (no extra staging) the same prefill reads fewer ahead. The logits are the same bits."""
+    runtime = host_rss() + (192 << 20)
+    ahead = {}
+    for name in ("split", "unified"):
+        if name == "unified":
+            monkeypatch.setenv("STREAMOE_SPLIT_MEMORY", "0")
+        base = plan_for(small_conv, Options(cap_gib=64, ctx=256, runtime_bytes=runtime))
+        hot = 3 * 64  # the tier holds this layer's experts and the next one's
+        eng = Engine(small_conv, Options(cap_gib=(base.fixed + hot * base.slot_bytes + 1) / GiB, ctx=256,
+                                         runtime_bytes=runtime))
+        assert eng.plan.prefill_chunk >= 100 and eng.plan.split == (name == "split")
+        logits = np.array(eng.prefill(eng.text.encode(PROMPTS[2] * 2)).astype(mx.float32))
+        layers = eng.steps[-1].layers[1:]
+        ahead[name] = (logits.tobytes(), sum(ly.hits_prefetch for ly in layers), sum(ly.picks for ly in layers),
+                       eng.experts.store.ring)
+        eng.close()
+    (s_logits, s_ahead, picks, s_ring), (u_logits, u_ahead, _, u_ring) = ahead["split"], ahead["unified"]
+    assert s_ring == u_ring + 64 and s_logits == u_logits
+    assert s_ahead >= 0.9 * picks > u_ahead, (s_ahead, u_ahead, picks)
 
 
 PAIRS = {"freq": [(0, None), (0, 120), (0, 512), (24, 200)], "lru": [(0, None), (24, 200)]}
