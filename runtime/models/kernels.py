@@ -54,9 +54,9 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     and on an H200 (MLX 0.32.4) its output was wrong in every such case, differed between reruns and once held NaNs
     (`bench/device_vs_cpu.py --qmm-sweep`; docs/performance.md). On CUDA such a call is the dequantized weights'
     plain matmul in float32, as the fused kernels accumulate (halving the group size instead is refused there: no
-    CUDA kernel takes affine groups of 32). K <=
-    group size is the test models' hidden size and a 64-wide head scored against a quantized KV cache (gpt-oss),
-    never a real model's projection, so what is dequantized is at most one head's keys at a time."""
+    CUDA kernel takes affine groups of 32). K <= group size is the test models' hidden size and a 64-wide head
+    scored against a quantized KV cache (gpt-oss), never a real model's projection, so what is dequantized is at
+    most one head's keys at a time."""
     if transpose and x.shape[-1] <= group_size and _on_cuda():
         f32 = mx.float32
         w = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits)
