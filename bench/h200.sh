@@ -21,7 +21,7 @@
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
 #   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy), 11 rounds: best runs
-#   bash bench/h200.sh prefill   # long prompts (2K, 8K, 32K tokens) at --cap 4, q4 and q3: prefill time against the disk
+#   bash bench/h200.sh prefill   # long prompts (2K, 8K, 32K tokens) resident (compute alone) and at --cap 4, q4 and q3: prefill time against the disk
 #   bash bench/h200.sh longctx   # --ctx 131072 at --cap 4 with bf16, q8 and q4 KV side by side: plan, hot tier, decode
 #   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
 #   bash bench/h200.sh hosttier  # (after setup) --cap 4 without and with a host tier (--host-cap 24, 8), and 8 / 16: tok/s
@@ -98,7 +98,7 @@ case "$1" in
       --name "$OUT/sampling-resident-h200" | grep -v '^ '
     ;;
   prefill)
-    python3 -m bench.prefill --model "$S/full-conv" --caps 4 --experts q4 --prompts 2048,8192,32768 --warmup 512 \
+    python3 -m bench.prefill --model "$S/full-conv" --caps resident,4 --experts q4 --prompts 2048,8192,32768 --warmup 512 \
       --out "$OUT/prefill-h200-q4" | grep -v '^ '
     python3 -m bench.prefill --model "$S/full-conv" --caps 4 --experts q3 --prompts 2048,8192 --warmup 512 \
       --out "$OUT/prefill-h200-q3" | grep -v '^ '

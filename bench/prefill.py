@@ -13,9 +13,10 @@ engine (raw tokens of a fixed English text, repeated to the length), and
   speed) / prefill time: near 1, the prefill runs at the disk's speed;
 - the plan's chunk, hot tier and activation account, what the prefill allocated at its peak beyond what the
   engine held before it (`prefill_work_mib`, against the activation account), and the peak resident set.
-A cap is GiB, `slots:N` (the hot tier holds N experts at the smallest chunk) or `quarter` (a quarter of every
-expert). `--cgroup` also runs each case as `streamoe run` inside a cgroup-v1 memory group whose limit is the cap
-(root): `cgroup_peak` against the cap, `cgroup_failcnt` 0 when the limit was never reached.
+A cap is GiB, `slots:N` (the hot tier holds N experts at the smallest chunk), `quarter` (a quarter of every
+expert) or `resident` (every expert in memory: the prefill's compute alone). `--cgroup` also runs each case as
+`streamoe run` inside a cgroup-v1 memory group whose limit is the cap (root): `cgroup_peak` against the cap,
+`cgroup_failcnt` 0 when the limit was never reached.
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ def prompt_ids(model: Path, n: int) -> list[int]:
 
 
 def cap_gib(model: Path, cap: str, ctx: int, experts: str, dtype: str | None) -> float:
-    """GiB, or `slots:N` / `quarter`: the fixed accounts at the smallest chunk + that many hot-tier slots."""
+    """GiB, `resident` (64 GiB: every expert in memory, the prefill's compute alone), or `slots:N` / `quarter`: the
+    fixed accounts at the smallest chunk + that many hot-tier slots."""
+    if cap == "resident":
+        return 64.0
     if cap != "quarter" and not cap.startswith("slots:"):
         return float(cap)
     base = plan_for(model, Options(cap_gib=1 << 10, ctx=ctx, experts=experts, dtype=dtype, runtime_bytes=RUNTIME,
