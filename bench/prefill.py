@@ -121,7 +121,7 @@ def cgroup_run(model: Path, ids: list[int], cap: float, ctx: int, experts: str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="converted directories, comma-separated")
-    ap.add_argument("--caps", default="quarter", help="GiB, slots:N or quarter, comma-separated")
+    ap.add_argument("--caps", default="quarter", help="GiB, slots:N, quarter or resident, comma-separated")
     ap.add_argument("--experts", default="q4", help="q4, q3 or q4,q3")
     ap.add_argument("--prompts", default="2048", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--chunks", default="auto", help="--prefill-chunk values, comma-separated (auto, or tokens)")
