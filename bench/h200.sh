@@ -32,6 +32,8 @@
 #   FAMILY=qwen3_moe bash bench/h200.sh family  # (FREE=1: the Qwen3.6 checkpoint removed first, for disk room) a full-size
 #                                synthetic checkpoint of FAMILY (qwen3_moe, gpt_oss) in its own expert format: resident decode
 #                                against stock mlx-lm in interleaved rounds, then --cap 4 against the disk
+#   bash bench/h200.sh peers     # (a fresh machine: before `setup`) long-prompt prefill at --cap 4 beside mlx-vlm's expert offload
+#                                at the same expert budget and resident mlx-lm (bench/prefill_peers.py; PROMPTS=, ENGINES=)
 #   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile, as is and with MLX's CUDA graphs
 #                                cut by operation count only, or off: where a capped token's host time goes
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`.
@@ -134,6 +136,16 @@ case "$1" in
       --rounds 5 --out "$OUT/family-rounds-h200-$F.json" | grep -v '^ '
     python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps 4 --experts $X --skip-mlx-lm \
       --out "$OUT/family-capped-h200-$F.json" | grep -v '^ '
+    ;;
+  peers)
+    # the checkpoint, mlx-vlm's repack of it and the q4 conversion: 57 GB of the 64 GiB disk, so the repack first
+    # (it wants twice the checkpoint's size free) and the Qwen3.6 directories of `setup` are reused, not duplicated
+    [ -f "$S/full-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/full-ckpt" --size full 2>/dev/null
+    [ -f "$S/peers/offload/offload_index.json" ] || python3 -m mlx_vlm.moe_offload --build "$S/full-ckpt" --out "$S/peers/offload"
+    [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts q4 2>/dev/null
+    python3 -m bench.prefill_peers --ckpt "$S/full-ckpt" --model "$S/full-conv" --cap 4 --prompts "${PROMPTS:-2048,8192}" \
+      --experts q4 --warmup 512 --work "$S/peers" --engines "${ENGINES:-streamoe,mlx-vlm,mlx-lm}" \
+      --out "$OUT/prefill-peers-h200" | grep -v '^ '
     ;;
   hostprof)
     python3 -m bench.host_tier --model "$S/full-conv" --tokens 24 --work /root --profile --name "$OUT/host-tier-variants-h200" \
