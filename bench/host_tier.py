@@ -33,6 +33,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -66,15 +67,23 @@ def speeds(model: Path, experts: str, records: int = 256) -> dict:
 
 class DeviceWatch:
     """The driver's count of used device memory, polled every 20 ms while a run lasts: its peak less the count
-    before the run (None without an NVIDIA driver)."""
+    before the run (None without an NVIDIA driver), and every half second (`series`: seconds since the start, GiB
+    over the count before), so a run's CUDA context at start, its growth while loading and the first steps' kernel
+    modules can be told apart from MLX's own allocations (which `--cap` plans)."""
 
     def __init__(self):
         self.base, self.peak, self.stop = device_memory_used(), 0, threading.Event()
+        self.series: list[tuple[float, float]] = []
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
+        t0, n = time.perf_counter(), 0
         while not self.stop.wait(0.02):
-            self.peak = max(self.peak, device_memory_used() or 0)
+            used = device_memory_used() or 0
+            self.peak = max(self.peak, used)
+            if n % 25 == 0:
+                self.series.append((round(time.perf_counter() - t0, 2), round((used - self.base) / 2**30, 3)))
+            n += 1
 
     def __enter__(self):
         if self.base is not None:
@@ -128,7 +137,7 @@ def run_one(model: Path, cap: float, host_cap: float | None, tokens: int, expert
             "device_peak_gib": float(peaks.group(1)) if peaks else None,
             "host_peak_rss_gib": float(peaks.group(3)) if peaks else None,
             "cgroup_peak_gib": round(peak / 2**30, 3) if peak is not None else None, "cgroup_failcnt": failcnt,
-            "driver_device_peak_gib": watch.gib(),
+            "driver_device_peak_gib": watch.gib(), "driver_device_series_gib": watch.series if watch.base is not None else None,
             # a token's host time by part: fences (compute), the disk, landing records (of which copy threads, sync)
             "ms_token_parts": {k: round(sum(ly.get(k, 0.0) for ly in lay) / n, 2)
                                for k in ("compute_ms", "io_wait_ms", "landing_ms", "copy_wait_ms", "sync_ms")},
