@@ -231,6 +231,26 @@ def test_every_filled_slot_holds_the_file_bytes(tiny_conv, dtype, direct, monkey
     assert capped == resident
 
 
+def test_the_slot_check_catches_a_record_landed_wrong(tiny_conv, monkeypatch):
+    """The verification mode (every filled slot against the file, batched per landing) names the slot and the
+    expert when a record lands with one byte wrong, and passes the same run when nothing is wrong."""
+    from streamoe.runtime import experts as experts_mod
+    from streamoe.runtime.experts import SlotPools
+
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    run_logits(tiny_conv, 16, steps=2)  # every landing checked: no error
+    real = SlotPools._copy
+
+    def flip_one(self, row, raw, done):
+        bad = raw.copy()
+        bad[-1] ^= 1  # the last byte of the record: a bias of the down projection
+        real(self, row, bad, done)
+
+    monkeypatch.setattr(SlotPools, "_copy", flip_one)
+    with pytest.raises(AssertionError, match=r"slot \d+ holds wrong bytes for layer \d+ expert \d+"):
+        run_logits(tiny_conv, 16, steps=2)
+
+
 def test_ring_updates_are_in_place_and_a_copied_pool_is_caught(tiny_conv, monkeypatch):
     """The upload ring's scatters update each pool in place (a copy would be a whole pool outside the plan); the
     verification mode catches a copy: with another holder of a pool, MLX cannot donate it to its update."""
@@ -247,7 +267,8 @@ def test_ring_updates_are_in_place_and_a_copied_pool_is_caught(tiny_conv, monkey
     try:
         pools.stage(5, record, lambda: None)
         pools.flush()  # in place: no error
-        assert pools.bytes_at(5) == store.read_bytes(1, 3)
+        assert pools.bytes_at([5]) == [store.read_bytes(1, 3)]
+        assert pools.bytes_at([0, 5])[1] == store.read_bytes(1, 3) != pools.bytes_at([0, 5])[0]
         held = pools.arrays[0][:1]  # a reader not yet evaluated holds the first pool: its next update must copy it
         pools.stage(6, record, lambda: None)
         with pytest.raises(AssertionError, match="pool 0 .* was copied"):
