@@ -69,7 +69,7 @@ case "$1" in
     ;;
   gpuqmm)
     { python3 -m pytest -v -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=100 -m gpu tests/test_gpu.py -k "one_group or quantized_kv" || true
-      python3 -m pytest -v -rA --tb=short -p no:cacheprovider -m gpu tests/test_gpu_families.py; } 2>&1 \
+      python3 -m pytest -v -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=100 -m gpu tests/test_gpu_families.py; } 2>&1 \
       | tee "$OUT/gputest-qmm-h200.log"
     ;;
   prepare)
