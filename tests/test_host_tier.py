@@ -87,10 +87,13 @@ def test_host_cap_cli(small_conv, monkeypatch):
     assert f"smallest that fits: --host-cap {(need + 0.01 * GiB) / GiB:.2f}" in small.stderr
 
 
-def test_a_discrete_gpus_prefill_reads_the_next_layer_ahead_whole(small_conv, split, monkeypatch):
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_discrete_gpus_prefill_reads_the_next_layer_ahead_whole(small_conv, split, monkeypatch, direct):
     """With a device of its own, read staging is host memory and holds one layer's experts more, so a long
     chunk's next layer is read ahead whole while this one computes, where the ring alone covered a part: on
-    unified memory (no extra staging) the same prefill reads fewer ahead. The logits are the same bits."""
+    unified memory (no extra staging) the same prefill reads fewer ahead. The logits are the same bits, records
+    written straight into the slots or (a discrete GPU's path) through the upload ring."""
+    monkeypatch.setattr(experts_mod, "DIRECT_WRITES", direct)
     runtime = host_rss() + (192 << 20)
     ahead = {}
     for name in ("split", "unified"):
