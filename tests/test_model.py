@@ -509,8 +509,9 @@ def test_prefill_experts_through_blas_match_gather_qmm_and_ignore_slot_numbers(m
 @pytest.mark.parametrize("bits", [4, 8])
 def test_one_group_quantized_matmul_goes_as_the_dequantized_matmul_on_cuda(bits, monkeypatch):
     """Where one group spans K, `kernels.quantized_matmul` on CUDA multiplies by the dequantized weights (off the
-    `qmm_sm90` kernel, wrong on an H200): on the CPU backend exactly `x @ dequantize(w).T` in float32, within one bfloat16
-    rounding of the exact product (closer than MLX's own bfloat16 CPU kernel, which is off by ~2 %). Wider K, and the values' untransposed product, go to `mx.quantized_matmul` unchanged."""
+    `qmm_sm90` kernel, wrong on an H200): on the CPU backend exactly `x @ dequantize(w).T` in float32, within one
+    bfloat16 rounding of the exact product (closer than MLX's own bfloat16 CPU kernel, which is off by ~2 %).
+    Wider K, and the values' untransposed product, go to `mx.quantized_matmul` unchanged."""
     monkeypatch.setattr(kernels, "_on_cuda", lambda: True)
     calls = []
     real = mx.quantized_matmul
@@ -526,7 +527,6 @@ def test_one_group_quantized_matmul_goes_as_the_dequantized_matmul_on_cuda(bits,
         q, s, b = mx.quantize(w, group_size=64, bits=bits)
         calls.clear()
         ours = np.array(kernels.QLinear(q, s, b, bits, 64)(x).astype(mx.float32))
-        fused = np.array(real(x, q, s, b, transpose=True, group_size=64, bits=bits).astype(mx.float32))
         if k == 64:
             assert calls == []
             f32 = mx.float32
@@ -537,6 +537,7 @@ def test_one_group_quantized_matmul_goes_as_the_dequantized_matmul_on_cuda(bits,
                                                                               group_size=64, bits=bits), np.float64).T
             assert np.abs(ours - exact).max() <= 2**-8 * np.abs(exact).max()  # one bfloat16 rounding of the output
         else:
+            fused = np.array(real(x, q, s, b, transpose=True, group_size=64, bits=bits).astype(mx.float32))
             assert calls == [64] and np.array_equal(ours, fused)
     q, s, b = mx.quantize(mx.random.normal((64, 256), key=mx.random.key(9)), group_size=64, bits=bits)
     kernels.quantized_matmul(mx.ones((8, 64)), q, s, b, 64, bits, transpose=False)
