@@ -18,7 +18,7 @@ from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import Manifest, load_manifest
 from ..formats.record import RecordLayout
 from .models.cache import KV_GROUP
-from .models.kernels import BLAS_BLOCK, BLAS_TOKENS, score_rows
+from .models.kernels import BLAS_BLOCK, BLAS_TOKENS, dequantizes_one_group, score_rows
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -339,10 +339,15 @@ def attention_elements(a: ModelArgs, ctx: int, chunk: int, item: int, kv_bits: i
     chunk's q/k/v rows, and its scores against the whole context, twice (scores and softmax). A quantized KV
     cache's attention (`kernels.quantized_attention`) scores a block of `score_rows` query positions at a time,
     so only one block's scores, their masked copy and their softmax exist at once (measured with
-    mx.get_peak_memory at 1K-8K contexts: tests/test_kv_quant.py holds this as an upper bound)."""
+    mx.get_peak_memory at 1K-8K contexts: tests/test_kv_quant.py holds this as an upper bound). Where the keys'
+    scoring multiplies dequantized keys (`kernels.dequantizes_one_group`: CUDA, a head no wider than a group, as
+    gpt-oss's 64), every KV head's keys as float32 and a block's scores as float32 count too."""
     nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
     rows = chunk if kv_bits is None else min(chunk, score_rows(nq, max(ctx, 1), item))
-    return chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * rows * ctx
+    n = chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * rows * ctx
+    if kv_bits is not None and dequantizes_one_group(hd, KV_GROUP):
+        n += (nkv * ctx * hd + nq * rows * ctx) * 4 // item
+    return n
 
 
 def chunk_token_bytes(a: ModelArgs, item: int) -> int:

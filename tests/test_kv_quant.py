@@ -93,11 +93,15 @@ def test_kv_bytes_per_token_are_codes_scales_and_biases(tiny_conv):
     eng.close()
 
 
-@pytest.mark.parametrize("n,block_bytes", [(1024, 1 << 20), (4096, 1 << 20), (8192, 1 << 20), (4096, 32 << 20)])
-def test_plan_bounds_what_quantized_attention_allocates(tiny_conv, monkeypatch, n, block_bytes):
+@pytest.mark.parametrize("n,block_bytes,cuda", [(1024, 1 << 20, False), (4096, 1 << 20, False), (8192, 1 << 20, False),
+                                                (4096, 32 << 20, False), (8192, 1 << 20, True), (1024, 32 << 20, True)])
+def test_plan_bounds_what_quantized_attention_allocates(tiny_conv, monkeypatch, n, block_bytes, cuda):
     """A 256-token prefill chunk against a context of n, its peak memory measured with mx.get_peak_memory:
-    never more than the plan's attention term (scores of a block of rows, their masked copy and softmax)."""
+    never more than the plan's attention term (scores of a block of rows, their masked copy and softmax). `cuda`:
+    the scoring CUDA takes where a head is no wider than a group (the tiny model's, gpt-oss's), float32
+    dequantized keys (`kernels.dequantizes_one_group`), run here on the CPU: the plan counts those copies."""
     monkeypatch.setattr(kernels, "ATTN_SCORES_BYTES", block_bytes)
+    monkeypatch.setattr(kernels, "_on_cuda", lambda: cuda)
     a, L = tiny_args(tiny_conv), 256
     nq, hd = a.num_attention_heads, a.head_dim
     (k, v), _, q = filled(8, n, L, nq=nq, nkv=a.num_key_value_heads, hd=hd)

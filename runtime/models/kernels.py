@@ -47,6 +47,12 @@ def _on_cuda() -> bool:
     return mx.default_device() == mx.gpu and _cuda_available()
 
 
+def dequantizes_one_group(k: int, group_size: int) -> bool:
+    """Whether `quantized_matmul` over K = `k` multiplies float32 dequantized weights instead (CUDA, one group
+    spanning K): the plan counts that copy where it is a quantized KV cache's keys."""
+    return k <= group_size and _on_cuda()
+
+
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                      transpose: bool = True) -> mx.array:
     """`mx.quantized_matmul` of affine codes, kept off MLX's CUDA `qmm_sm90` kernel where one group spans the whole
@@ -57,7 +63,7 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     CUDA kernel takes affine groups of 32). K <= group size is the test models' hidden size and a 64-wide head
     scored against a quantized KV cache (gpt-oss), never a real model's projection, so what is dequantized is at
     most one head's keys at a time."""
-    if transpose and x.shape[-1] <= group_size and _on_cuda():
+    if transpose and dequantizes_one_group(x.shape[-1], group_size):
         f32 = mx.float32
         w = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits)
         return (x.astype(f32) @ w.T).astype(x.dtype)
