@@ -40,6 +40,14 @@ def meminfo(key: str) -> int:
     return 0
 
 
+def status_kib(pid: int, key: str) -> int:
+    """A field of /proc/PID/status in KiB (VmRSS, VmHWM, ...); 0 where it is missing."""
+    for ln in open(f"/proc/{pid}/status"):
+        if ln.startswith(key + ":"):
+            return int(ln.split()[1])
+    return 0
+
+
 def drop_files(paths) -> None:
     """Evict files from the page cache (clean pages), so the next read comes from the disk."""
     for p in paths:

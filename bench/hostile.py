@@ -37,20 +37,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .common import scratch_dir, write_result
+from .common import scratch_dir, status_kib, write_result
 from .decode import cgroup_base
 from .serve import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = "def fibonacci(n):\n"
 CLASSES = ("slow_bodies", "inflating", "oversized", "idle_sockets")
-
-
-def status_kib(pid: int, key: str) -> int:
-    for ln in open(f"/proc/{pid}/status"):
-        if ln.startswith(key + ":"):
-            return int(ln.split()[1])
-    return 0
 
 
 def get(url: str, timeout: float = 10) -> dict:

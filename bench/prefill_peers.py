@@ -71,7 +71,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .common import RESULTS, write_result
+from .common import RESULTS, drop_files, status_kib, write_result
 
 ENGINES = ("streamoe", "mlx-vlm", "mlx-lm")
 REPO = Path(__file__).resolve().parents[1]
@@ -86,26 +86,15 @@ def proc_read_bytes() -> int:
 
 
 def evict(root: Path) -> int:
-    """Drop every file under `root` from the page cache; returns how many files. Each is fsync'ed first: DONTNEED
-    leaves dirty pages in the cache, and a file written moments ago (mlx-vlm's repack) is still dirty."""
-    n = 0
-    for p in sorted(root.rglob("*")):
-        if p.is_file() and not p.is_symlink():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-            n += 1
-    return n
+    """Drop every file under `root` from the page cache (`common.drop_files`, which fsyncs a writable file first:
+    DONTNEED keeps dirty pages, and mlx-vlm's repack may still be dirty); returns how many files."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    drop_files(files)
+    return len(files)
 
 
 def _status_bytes(key: str) -> int | None:
-    for ln in open("/proc/self/status"):
-        if ln.startswith(key + ":"):
-            return int(ln.split()[1]) * 1024
-    return None
+    return status_kib(os.getpid(), key) * 1024 or None
 
 
 def _reset_peak_rss() -> bool:
