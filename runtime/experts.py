@@ -45,6 +45,7 @@ import numpy as np
 from ..formats.quant import f32_high_halves
 from ..formats.record import ExpertWeights, RecordLayout
 from .managed import keep_on_host
+from .models.cache import clear_for_in_place
 from .models.kernels import ExpertKernel, Streams, switch_glu
 from .store import ExpertStore
 from .telemetry import LayerStats
@@ -131,6 +132,7 @@ class SlotPools:
         self.lay, self.n, self.streams = lay, n_slots, streams
         self.stored = [mx_dtype(s.dtype) for s in lay.segments]
         self.dtypes = [dtype if s.is_float else st for s, st in zip(lay.segments, self.stored, strict=True)]
+        clear_for_in_place()
         self.arrays = [mx.zeros((n_slots, *s.shape), dtype=dt) for s, dt in zip(lay.segments, self.dtypes, strict=True)]
         if direct is None:
             direct = DIRECT_WRITES and pools_in_host_memory()

@@ -237,6 +237,36 @@ def test_gpu_upload_ring_is_advised_to_stay_on_the_host(small_conv):
     assert pools.host_mapped == mx.cuda.is_available()
 
 
+def test_gpu_pools_are_updated_in_place_whatever_mlx_has_cached(small_conv, monkeypatch):
+    """MLX's GPU buffer cache hands a freed buffer up to two 16 KiB pages larger than asked to a new array, and MLX
+    donates a buffer to an in-place update only if it is at most one page larger: a pool given such a buffer would
+    be copied whole by every landing. With a freed buffer one page too large for each pool waiting in the cache,
+    the pools are still updated in place (`cache.clear_for_in_place`; the slot check fails on a copy)."""
+    from streamoe.formats.manifest import load_manifest
+    from streamoe.runtime.experts import SlotPools
+    from streamoe.runtime.store import ExpertStore
+
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    m = load_manifest(small_conv)
+    store = ExpertStore.open(small_conv, m, "q4", 2, ring=8)
+    n, page = 65, 16384  # 65 rows: the 2,048-byte segments' pools are not a whole number of pages
+    mx.synchronize()
+    mx.clear_cache()  # nothing cached but the spares below: none of an earlier test's buffers fits a pool exactly
+    spare = [mx.zeros((-(-n * s.nbytes // page) * page + page,), dtype=mx.uint8) for s in store.lay.segments]
+    mx.eval(spare)
+    del spare  # back in MLX's cache, each a page larger than its pool's page-rounded size
+    pools = SlotPools(n, store.lay, mx.bfloat16, 8, direct=False)
+    record = memoryview(bytearray(store.read_bytes(1, 3).ljust(store.lay.stride, b"\0")))
+    try:
+        for slot in (5, 64):
+            pools.stage(slot, record, lambda: None)
+            pools.flush()  # raises if a pool was copied
+        assert pools.bytes_at([5, 64]) == [store.read_bytes(1, 3)] * 2
+    finally:
+        pools.close()
+        store.close()
+
+
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the delta-rule kernel is CUDA's form (delta_rule.gdn_form)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_delta_rule_kernel_is_the_token_loop(dtype):

@@ -25,6 +25,18 @@ from ...formats.errors import StreamoeError
 KV_GROUP = 64  # values per scale/bias pair of a quantized KV cache (mlx-lm's QuantizedKVCache default)
 
 
+def clear_for_in_place() -> None:
+    """Call before allocating an array that is then updated in place (a KV cache, the expert slot pools). MLX
+    donates an array's buffer to its update (a slice or scatter assignment) only if the buffer is at most one
+    16 KiB page larger than the array (`is_donatable`), while its GPU buffer cache hands out a freed buffer up to
+    two pages larger than asked: an array given such a buffer would be copied whole by every update (a 0.5 GiB
+    pool per landing, memory outside the plan), seen on the H200 for a pool allocated after another engine's were
+    freed. With the cache empty the allocation is fresh, its own size rounded to a page. `synchronize` first: the
+    GPU's completion handlers return their kernels' temporaries to the cache."""
+    mx.synchronize()
+    mx.clear_cache()
+
+
 class KVCache:
     """Keys and values of one full-attention layer, preallocated to `max_tokens` positions.
 
@@ -37,6 +49,7 @@ class KVCache:
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_tokens: int, dtype=mx.float32):
         shape = (batch, n_kv_heads, max_tokens, head_dim)
+        clear_for_in_place()
         self.keys = mx.zeros(shape, dtype=dtype)
         self.values = mx.zeros(shape, dtype=dtype)
         mx.eval(self.keys, self.values)
@@ -113,6 +126,7 @@ class QuantizedKVCache(KVCache):
         self.bits, self.dtype = bits, dtype
         codes = (batch, n_kv_heads, max_tokens, head_dim * bits // 32)
         groups = (batch, n_kv_heads, max_tokens, head_dim // KV_GROUP)
+        clear_for_in_place()
         for f in self.fields:
             setattr(self, f, mx.zeros(groups, dtype=dtype) if f.endswith(("scales", "biases")) else mx.zeros(codes, dtype=mx.uint32))
         mx.eval([a for _, a in self.arrays()])
