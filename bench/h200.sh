@@ -4,8 +4,8 @@
 #   bash bench/h200.sh stage     # (carry .whl1, then .whl2, made here by bench/h200_wheels.sh) a part of the wheels
 #   bash bench/h200.sh install   # (carry .whl3, the next call) the wheels joined and installed into /root/site
 #   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3; EXPERTS=q4: q4 only) into /root/bench
-#   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on a small synthetic checkpoint, one line per test
-#                                (a run cut off by its time limit still names what passed and what failed)
+#   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on tiny and small synthetic checkpoints, the families'
+#                                first (a run cut off by its time limit still names what passed and what failed)
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
 #                                runs twice, interleaved with a fixed guess gate (a 0.8 precision, no waste
 #                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
@@ -60,16 +60,16 @@ case "$1" in
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts "${EXPERTS:-q4,q3}" 2>/dev/null
     ;;
   gputest)
-    python3 -m pytest -v -rA --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_families.py 2>&1 \
-      | tee "$OUT/gputest-h200.log"
+    python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=150 -m gpu tests/test_gpu_families.py \
+      tests/test_gpu.py 2>&1 | tee "$OUT/gputest-h200.log"
     ;;
   gpurest)
-    python3 -m pytest -v -rA --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py \
+    python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py \
       -k "quantized_kv or float32_matmul or upload_ring or delta_rule" 2>&1 | tee "$OUT/gputest-rest-h200.log"
     ;;
   gpuqmm)
-    { python3 -m pytest -v -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=100 -m gpu tests/test_gpu.py -k "one_group or quantized_kv" || true
-      python3 -m pytest -v -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=100 -m gpu tests/test_gpu_families.py; } 2>&1 \
+    { python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=100 -m gpu tests/test_gpu.py -k "one_group or quantized_kv" || true
+      python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=100 -m gpu tests/test_gpu_families.py; } 2>&1 \
       | tee "$OUT/gputest-qmm-h200.log"
     ;;
   prepare)

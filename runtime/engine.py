@@ -37,8 +37,6 @@ from .plan import (
     kv_dtype,
     plan_for,
     prefetch_width,
-    prefill_ahead,
-    read_ring,
     share_of,
 )
 from .sampling import Sampler
@@ -107,7 +105,7 @@ class Engine:
         host = (HostTier(self.plan.host_slots, self.plan.stride, a.num_hidden_layers, n, o.tier, cap=self.plan.host_cap)
                 if self.plan.host_slots else None)
         store = ExpertStore.open(self.root, m, o.experts, o.io_threads, share=share, host=host,
-                                 ring=read_ring(o, k) + prefill_ahead(self.plan.split, n))
+                                 ring=self.plan.read_staging)
         if host is not None and self.plan.host_slots == a.num_hidden_layers * n:
             store.fill_host()  # the host holds every record: read them now, not a first token at the disk's speed
         self.lay = store.lay
@@ -121,7 +119,7 @@ class Engine:
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, n, min(k, n), self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), guess, self.dtype,
                                         waste_budget=o.prefetch_waste, streams=self.model.streams,
-                                        kernel=expert_kernel(self.lay, a), uploads=read_ring(o, k))
+                                        kernel=expert_kernel(self.lay, a), uploads=self.plan.ring)
         # what the model's MoE blocks call: across ranks, the exchange around this rank's share
         self.provider = (self.experts if share is None
                          else ranks.RankExperts(self.experts, self.group, a.num_experts, self.watchdog))

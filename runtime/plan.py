@@ -191,6 +191,7 @@ class MemoryPlan:
     split: bool = False
     host_cap: int | None = None
     host_accounts: dict[str, int] = field(default_factory=dict)
+    ring: int = 0  # records of read staging a decode step needs (`read_ring`); the upload ring's rows on a GPU
 
     @property
     def fixed(self) -> int:
@@ -211,6 +212,11 @@ class MemoryPlan:
     @property
     def staging_slots(self) -> int:
         return self.n_experts
+
+    @property
+    def read_staging(self) -> int:
+        """Records of host memory the disk reads into: the ring, and on a discrete GPU a layer more (`prefill_ahead`)."""
+        return self.ring + prefill_ahead(self.split, self.n_experts)
 
     @property
     def runtime_bytes(self) -> int:
@@ -402,7 +408,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
     plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp,
                       n_layers=args.num_hidden_layers, slot=slot, prefill_step=step,
                       prefill_chunk=step if prefill_chunk == "auto" else min(int(prefill_chunk), ctx),
-                      rank=rank, ranks=ranks, all_experts=args.num_experts)
+                      rank=rank, ranks=ranks, all_experts=args.num_experts, ring=ring, split=split)
     if runtime_bytes is None:
         runtime_bytes = current_rss() + 64 * MiB
         plan.notes["runtime"] = "measured RSS at open + 64 MiB for allocator cache and Python heap"
@@ -420,10 +426,10 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "runtime": runtime_bytes,
     }
     if split:
-        plan.split, plan.host_cap = True, host_cap
+        plan.host_cap = host_cap
         plan.accounts.pop("read staging")
         plan.host_accounts = {"runtime": plan.accounts.pop("runtime"),
-                              "read staging": (ring + prefill_ahead(split, n_exp)) * stride, "upload ring": ring * stride}
+                              "read staging": plan.read_staging * stride, "upload ring": ring * stride}
         plan.accounts["upload ring"] = ring * stride  # an MLX allocation, so MLX counts it too, though it lives on the host
         plan.notes["upload ring"] = f"{ring} records the device copies from: host memory mapped for it"
     plan.notes.update({name: note for name, _, note in extra})
