@@ -60,6 +60,20 @@ def cap_gib(model: Path, cap: str, ctx: int, experts: str, dtype: str | None) ->
     return (base.fixed + slots * base.slot_bytes + 1) / 2**30
 
 
+def prefill_parts(pre: list) -> dict:
+    """Where the prefill steps' time went on the host's thread, in seconds: waiting at fences for the device (its
+    compute not hidden behind the host's work), for the disk, landing records beyond that (of which the copy
+    threads and the ring's sync), and the rest, the host's own work: building and queueing the layers' kernels,
+    the tiers' bookkeeping, and on the CPU backend the prefill's BLAS products (`kernels._switch_glu_blas`)."""
+    s = {name: sum(getattr(ly, name) for st in pre for ly in st.layers) / 1000
+         for name in ("compute_ms", "io_wait_ms", "landing_ms", "copy_wait_ms", "sync_ms")}
+    total = sum(st.ms for st in pre) / 1000
+    out = {"steps": total, "device_wait": s["compute_ms"], "disk_wait": s["io_wait_ms"], "landing": s["landing_ms"],
+           "landing_copy_wait": s["copy_wait_ms"], "landing_ring_sync": s["sync_ms"],
+           "host": total - s["compute_ms"] - s["io_wait_ms"] - s["landing_ms"]}
+    return {k: round(v, 3) for k, v in out.items()}
+
+
 def one(model: Path, ids: list[int], cap: float, ctx: int, experts: str, dtype: str | None, chunk: str,
         io_threads: int) -> dict:
     gc.collect()
@@ -89,6 +103,7 @@ def one(model: Path, ids: list[int], cap: float, ctx: int, experts: str, dtype: 
                 "distinct_picks": sum(ly.picks for ly in lay), "read_ahead_picked": sum(ly.hits_prefetch for ly in lay),
                 "read_ahead_wasted": sum(ly.prefetch_wasted for ly in lay),
                 "disk_busy_s": round(store.busy_time() - busy0, 3),
+                "parts_s": prefill_parts(pre),
                 "peak_rss_gib": round(eng.peak_rss / 2**30, 4)}
     finally:
         eng.close()
