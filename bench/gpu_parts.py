@@ -10,6 +10,12 @@ timed three ways, per call:
 - `device_ms`: n calls built first (chained through their caches), then evaluated in one go, divided by n:
   the device's time plus the kernel launches, with no Python in between.
 
+With `--parts-tokens T` the parts run on a block of T tokens (a prefill block: 256), each call at the same cache
+offset (a timing repeats one block in place), the whole-step parts left out; and the routed experts alone on
+fixed picks two ways: as the engine calls them (`gather_qmm` over one batch per (token, pick): MLX's CUDA
+kernel then runs 16-row tiles of one row each) and grouped by expert (one batch of up to 16 rows per expert,
+padded), the grouping made on the host from the picks' expert ids. Their largest difference is reported.
+
 Then greedy decode loops, pipelined as stock mlx-lm's `generate_step` is (the next step is queued before
 this token is read), each token split into `build_ms` (the host builds the next step), `async_ms` (the
 `mx.async_eval` call: launches, and any wait hidden inside it) and `wait_ms` (reading this token). The host's
@@ -31,6 +37,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.models import delta_rule, kernels
@@ -52,8 +59,52 @@ def timed(f, x: mx.array, n: int) -> dict:
     return {"synced_ms": round(synced * 1e3, 4), "build_ms": round(build * 1e3, 4), "device_ms": round(device * 1e3, 4)}
 
 
-def parts(eng: Engine, ref, ref_cache: list) -> dict:
-    """name -> (streamoe's callable, mlx-lm's callable), each mapping a hidden state [1, 1, H] to the part's output."""
+def at_offsets(f, caches: list):
+    """f, with every cache's offset put back after each call: repeated calls write the same positions."""
+    def g(x):
+        offs = [c.offset for c in caches]
+        try:
+            return f(x)
+        finally:
+            for c, o in zip(caches, offs, strict=True):
+                c.offset = o
+    return g
+
+
+def by_expert(inds: np.ndarray, rows: int = 16) -> tuple[mx.array, mx.array, mx.array]:
+    """Group (token, pick) pairs by expert, `rows` to a group (a group per `rows` pairs of an expert, padded with
+    token 0): (each group's expert [G], each grouped row's token [G * rows], each pair's grouped row [T * k])."""
+    flat = inds.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    experts, src, back = [], [], np.empty(flat.size, dtype=np.uint32)
+    for e in np.unique(flat):
+        pairs = order[flat[order] == e]
+        for a in range(0, pairs.size, rows):
+            part = pairs[a:a + rows]
+            back[part] = len(src) + np.arange(part.size)
+            experts.append(e)
+            src.extend(list(part // inds.shape[-1]) + [0] * (rows - part.size))
+    return (mx.array(np.array(experts, dtype=np.uint32)), mx.array(np.array(src, dtype=np.uint32)), mx.array(back))
+
+
+def grouped_experts(x: mx.array, w, groups: tuple[mx.array, mx.array, mx.array], kernel, k: int) -> mx.array:
+    """The routed experts [T, k, H] of tokens x [T, H], each group of rows one `gather_qmm` batch of M rows."""
+    experts, src, back = groups
+    G, H = experts.size, x.shape[-1]
+    xg = x[src].reshape(G, -1, H)
+
+    def qmm(a, wq, sc, b, bias):
+        y = mx.gather_qmm(a, wq, sc, b, rhs_indices=experts, transpose=True, group_size=kernel.group_size,
+                          bits=kernel.bits, mode=kernel.mode)
+        return y if bias is None else y + mx.expand_dims(bias[experts], -2)
+
+    h = kernel.act(qmm(xg, w.gate_w, w.gate_s, w.gate_b, w.gate_bias), qmm(xg, w.up_w, w.up_s, w.up_b, w.up_bias))
+    y = qmm(h, w.down_w, w.down_s, w.down_b, w.down_bias).reshape(-1, H)
+    return y[back].reshape(x.shape[0], k, H)
+
+
+def parts(eng: Engine, ref, ref_cache: list, tokens: int = 1) -> dict:
+    """name -> (streamoe's callable, mlx-lm's callable), each mapping a hidden state [1, T, H] to the part's output."""
     m, lm = eng.model, ref.language_model
     ours_l, refs_l = m.layers, lm.layers
     g = next(i for i, ly in enumerate(ours_l) if ly.is_linear)
@@ -92,6 +143,22 @@ def parts(eng: Engine, ref, ref_cache: list) -> dict:
         inds, scores = m.route(ours_l[i].mlp.gate(x))
         return kernels.combine(ex(i, x, inds), scores)
 
+    if tokens > 1:  # a prefill block
+        x0 = (mx.random.normal((tokens, lm.args.hidden_size), key=mx.random.key(0)) * 0.5).astype(eng.dtype)
+        inds = m.route(ours_l[g].mlp.gate(x0))[0]
+        groups = by_expert(np.array(inds), 16)
+        w, k = ex.layer_weights[g], inds.shape[-1]
+        diff = mx.abs(kernels.switch_glu(x0, w, inds, ex.kernel) - grouped_experts(x0, w, groups, ex.kernel, k)).max()
+        print("experts_grouped_max_abs_diff", diff.item(), "groups", groups[0].size, flush=True)
+        return {
+            "gdn_mixer": (lambda x: ours_l[g].mix(x, c[g], m.rope, None)[0], lambda x: ref_mix(g, x)),
+            "attention_mixer": (at_offsets(lambda x: ours_l[a].mix(x, c[a], m.rope, rot(a))[0], [c[a]]),
+                                at_offsets(lambda x: ref_mix(a, x), [rc[a]])),
+            "moe_block_and_residual": (lambda x: ours_l[g].mlp(g, x, ex, x), lambda x: x + refs_l[g].mlp(x)),
+            "routed_experts_only": (lambda x: routed(g, x), lambda x: _ref_routed(refs_l[g].mlp, x)),
+            "experts_per_pick": (lambda x: kernels.switch_glu(x.reshape(-1, x.shape[-1]), w, inds, ex.kernel), None),
+            "experts_grouped": (lambda x: grouped_experts(x.reshape(-1, x.shape[-1]), w, groups, ex.kernel, k), None),
+        }
     return {
         "gdn_mixer": (lambda x: ours_l[g].mix(x, c[g], m.rope, None)[0], lambda x: ref_mix(g, x)),
         "gdn_mixer_ops_form": (ours_gdn_form("ops"), None),
@@ -261,8 +328,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--tokens", type=int, default=40, help="tokens per decode loop")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="streamoe loop settings to try, comma-separated")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of stock mlx-lm then Engine.generate")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of stock mlx-lm then Engine.generate (0: no loops)")
     ap.add_argument("--skip-parts", action="store_true")
+    ap.add_argument("--parts-tokens", type=int, default=1, help="tokens per part call (256: a prefill block)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from mlx_lm.models.cache import make_prompt_cache
@@ -277,10 +345,10 @@ def main() -> None:
     for t in ids:  # both caches hold the same few tokens
         mx.eval(ref(mx.array([[t]]), cache=rc))
     mx.eval(eng.prefill(ids))
-    x = (mx.random.normal((1, 1, eng.args.hidden_size)) * 0.5).astype(dtype)
-    res = {"device": str(mx.default_device()), "dtype": str(dtype), "n": a.n, "parts": {}}
+    x = (mx.random.normal((1, a.parts_tokens, eng.args.hidden_size)) * 0.5).astype(dtype)
+    res = {"device": str(mx.default_device()), "dtype": str(dtype), "n": a.n, "parts_tokens": a.parts_tokens, "parts": {}}
     for _ in range(0 if a.skip_parts else 2):  # the first round also pays for first-use costs (kernels, graphs): the second is kept
-        for name, (ours, theirs) in parts(eng, ref, rc).items():
+        for name, (ours, theirs) in parts(eng, ref, rc, a.parts_tokens).items():
             row = {"streamoe": timed(ours, x, a.n)}
             if theirs is not None:
                 row["mlx_lm"] = timed(theirs, x, a.n)
@@ -289,7 +357,7 @@ def main() -> None:
     for name, row in res["parts"].items():
         print(name, json.dumps(row), flush=True)
     res["loops"] = loops(eng, ref, load_tokenizer(a.ckpt), list(range(100, 116)), a.tokens, [v for v in a.variants.split(",") if v],
-                         a.rounds)
+                         a.rounds) if a.rounds else {}
     eng.close()
     text = json.dumps(res, indent=2)
     if a.out:

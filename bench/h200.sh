@@ -17,6 +17,8 @@
 #   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
 #   bash bench/h200.sh fill      # a record's copy into its slot against the disk read (upload-ring advice off / on)
 #   bash bench/h200.sh parts     # a resident decode step part by part (mixers, MoE block, head) against mlx-lm's modules
+#   bash bench/h200.sh prefill-parts  # the same parts on a 256-token prefill block, and the routed experts per pick against
+#                                grouped by expert (one gather_qmm batch of up to 16 rows per expert)
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
@@ -153,6 +155,10 @@ case "$1" in
     ;;
   parts)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-h200-q4.json"
+    ;;
+  prefill-parts)
+    python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --parts-tokens 256 --rounds 0 \
+      --out "$OUT/gpu-parts-h200-q4-prefill-block.json" | grep -v '^ '
     ;;
   compare)
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 \
