@@ -92,7 +92,8 @@ def release_pool_readers(streams: Streams = ()) -> None:
     4.3 GiB against a 4.0 GiB plan, two 0.5 GiB weight pools copied). `mx.synchronize` on CUDA queues a handler
     behind every earlier one and waits for it to run (`CommandEncoder::synchronize`), the CPU backend runs a
     stream's tasks in order, so after it nothing earlier holds a pool. Only the upload-ring path needs this:
-    direct writes change no MLX array."""
+    direct writes change no MLX array. (Donation also needs the pool's buffer to fit it within a page: see
+    `cache.clear_for_in_place`, which may have been those runs' cause as well.)"""
     mx.synchronize()
     for s in streams:  # the CPU backend's extra streams (kernels.cpu_streams) may have read the pools too
         mx.synchronize(s)
@@ -166,9 +167,9 @@ class SlotPools:
         """Copy records (slot, host bytes, done) toward their slots; each `done()` is called once its bytes are
         taken, so the staging entry they came from can be reused. Ring copies run on copy threads (numpy releases
         the GIL: a layer's records are copied side by side, off the thread that waits for the disk), at most one
-        task per thread for all of `records`: a task per record cost this thread about 0.16 ms each on the H200,
-        as long as the copy itself. Direct writes run here (on the CPU backend the cores are busy computing, and
-        a thread hop costs more than a small copy)."""
+        task per thread for all of `records` (a task per record cost this thread 0.16 ms a record on the H200, under
+        cProfile: about the copy's own time). Direct writes run here (on the CPU backend the cores are busy
+        computing, and a thread hop costs more than a small copy)."""
         raws = [(slot, np.frombuffer(record, dtype=np.uint8, count=self.lay.raw_size), done)
                 for slot, record, done in records]
         if self.direct:
