@@ -5,7 +5,10 @@
 Same run, same records: (1) random whole-record O_DIRECT reads through `ExpertStore` with 8 in flight, GB/s;
 (2) `SlotPools.stage` of records already in staging (through the upload ring, flushed eight at a time as
 a layer's misses are, and on the CPU also written straight into the slot), then one eval, GB/s; the ring with the CUDA advice
-(`runtime/managed.py`) off and on. A fill should cost a small fraction of the read it follows.
+(`runtime/managed.py`) off and on. A fill should cost a small fraction of the read it follows. (3) The path a host
+tier could take without a host copy: records held in MLX arrays advised to stay in host memory, moved into their
+slots by the device reading them over the bus (one scatter per segment for a layer's eight, evaluated per layer);
+and the bus itself: the device reading 256 MiB of such an array into its own memory.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from streamoe.formats.manifest import load_manifest
 from streamoe.runtime import managed
@@ -45,11 +49,7 @@ def disk_gbs(store: ExpertStore, keys: list[tuple[int, int]]) -> float:
 def fill_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.Dtype, direct: bool, advise: bool) -> dict:
     """`n` fills cycling over the records of `keys` (read once into private copies) into 64 slots."""
     managed.ENABLED = advise
-    records = []
-    for k in keys:
-        e = store.read(*k).result()
-        records.append(bytearray(store.record(e)))
-        store.release(e)
+    records = private_records(store, keys)
     pools = SlotPools(64, store.lay, dtype, store.ring, direct=direct)
     for i in range(2 * store.ring):  # warm-up: kernels compiled, pages placed
         pools.stage(i % 64, memoryview(records[i % len(records)]), lambda: None)
@@ -71,6 +71,66 @@ def fill_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.
     pools.close()
     return {"path": "direct" if pools.direct else "ring", "advice": pools.host_mapped, "fill_gbs": round(n * store.lay.raw_size / dt / 1e9, 3),
             "ms_per_fill": round(1000 * dt / n, 4), "host_ms_per_fill": round(1000 * host / n, 4)}
+
+
+def private_records(store: ExpertStore, keys: list[tuple[int, int]]) -> list[bytearray]:
+    records = []
+    for k in keys:
+        e = store.read(*k).result()
+        records.append(bytearray(store.record(e)))
+        store.release(e)
+    return records
+
+
+def hosted_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.Dtype) -> dict:
+    """`n` fills of records held in host-mapped MLX arrays (one per segment, the advice of the upload ring) into 64
+    slots, the device reading them: eight to a layer, each layer's scatters evaluated before the next."""
+    records = private_records(store, keys)
+    segs = store.lay.segments
+    hosted = [mx.zeros((len(records), sg.nbytes), dtype=mx.uint8) for sg in segs]
+    mx.eval(hosted)
+    views = [np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(len(records), -1) for a in hosted]
+    mapped = managed.keep_on_host(views)
+    for r, rec in enumerate(records):
+        raw = np.frombuffer(rec, dtype=np.uint8)
+        for v, sg in zip(views, segs, strict=True):
+            v[r] = raw[sg.offset:sg.offset + sg.nbytes]
+    pools = SlotPools(64, store.lay, dtype, 1, direct=False)
+
+    def land(first: int) -> None:
+        idx = mx.array([(first + j) % 64 for j in range(8)], dtype=mx.uint32)
+        src = mx.array([(first + j) % len(records) for j in range(8)], dtype=mx.uint32)
+        for j, (sg, st) in enumerate(zip(segs, pools.stored, strict=True)):
+            pools.arrays[j][idx] = hosted[j][src].view(st).reshape(8, *sg.shape).astype(pools.dtypes[j])
+        mx.eval(pools.arrays)
+
+    for i in range(0, 16, 8):  # warm-up
+        land(i)
+    mx.synchronize()
+    t = time.perf_counter()
+    for i in range(0, n, 8):
+        land(i)
+    mx.synchronize()
+    dt = time.perf_counter() - t
+    pools.close()
+    return {"path": "hosted", "advice": mapped, "fill_gbs": round(n * store.lay.raw_size / dt / 1e9, 3),
+            "ms_per_fill": round(1000 * dt / n, 4)}
+
+
+def bus_gbs(mib: int = 256) -> dict:
+    """The device reading a host-mapped MLX array into its own memory (an elementwise copy), GB/s."""
+    a = mx.zeros((mib << 20,), dtype=mx.uint8)
+    mx.eval(a)
+    mapped = managed.keep_on_host([np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8)])
+    best = 0.0
+    for _ in range(4):
+        t = time.perf_counter()
+        b = a + 1
+        mx.eval(b)
+        mx.synchronize()
+        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+        del b
+    return {"what": "bus", "advice": mapped, "read_gbs": round(best, 3), "bytes": a.nbytes}
 
 
 def main() -> None:
@@ -95,6 +155,11 @@ def main() -> None:
         r = fill_gbs(store, keys[:32], a.records, mx_dtype(a.dtype), direct, advise)
         r["fill_vs_disk"] = round(r["fill_gbs"] / disk, 2)
         rows.append({"what": "fill", "dtype": a.dtype, **r})
+    managed.ENABLED = True
+    r = hosted_gbs(store, keys[:32], a.records, mx_dtype(a.dtype))
+    r["fill_vs_disk"] = round(r["fill_gbs"] / disk, 2)
+    rows.append({"what": "fill", "dtype": a.dtype, **r})
+    rows.append(bus_gbs())
     store.close()
     write_result(a.name, "fill", rows)
 
