@@ -421,6 +421,24 @@ def test_plan_from_bare_config_of_the_real_model(tmp_path):
     assert "1,769,472 B per expert" in p.stdout
 
 
+def test_a_reset_takes_no_second_kv_cache_and_leaves_no_trace(tiny_conv):
+    """An empty conversation reuses the caches (allocating new ones beside the old would hold two KV caches at once,
+    outside the plan), and the next answer is the one a fresh engine gives."""
+    opts = Options(cap_gib=64, ctx=4096, prefill_chunk=16, runtime_bytes=RUNTIME)
+    fresh = Engine(tiny_conv, opts)
+    want = np.array(fresh.prefill(fresh.text.encode(PROMPTS[0]))).tobytes()
+    fresh.close()
+    eng = Engine(tiny_conv, opts)
+    mx.eval(eng.prefill(eng.text.encode(PROMPTS[1] * 3)))
+    kv = eng.plan.accounts["kv cache"]
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    eng.reset()
+    assert mx.get_peak_memory() - held < kv / 4, (mx.get_peak_memory() - held, kv)
+    assert eng.offset == 0 and np.array(eng.prefill(eng.text.encode(PROMPTS[0]))).tobytes() == want
+    eng.close()
+
+
 @pytest.mark.parametrize("max_tokens", [1, 5, 40])
 def test_pipelined_resident_generate_equals_the_plain_loop(small_conv, max_tokens):
     """Everything resident, greedy: each step is queued before the previous token is read. The tokens, their
