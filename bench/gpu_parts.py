@@ -90,17 +90,8 @@ def by_expert(inds: np.ndarray, rows: int = 16) -> tuple[mx.array, mx.array, mx.
 def grouped_experts(x: mx.array, w, groups: tuple[mx.array, mx.array, mx.array], kernel, k: int) -> mx.array:
     """The routed experts [T, k, H] of tokens x [T, H], each group of rows one `gather_qmm` batch of M rows."""
     experts, src, back = groups
-    G, H = experts.size, x.shape[-1]
-    xg = x[src].reshape(G, -1, H)
-
-    def qmm(a, wq, sc, b, bias):
-        y = mx.gather_qmm(a, wq, sc, b, rhs_indices=experts, transpose=True, group_size=kernel.group_size,
-                          bits=kernel.bits, mode=kernel.mode)
-        return y if bias is None else y + mx.expand_dims(bias[experts], -2)
-
-    h = kernel.act(qmm(xg, w.gate_w, w.gate_s, w.gate_b, w.gate_bias), qmm(xg, w.up_w, w.up_s, w.up_b, w.up_bias))
-    y = qmm(h, w.down_w, w.down_s, w.down_b, w.down_bias).reshape(-1, H)
-    return y[back].reshape(x.shape[0], k, H)
+    y = kernels.expert_glu(x[src].reshape(experts.size, -1, x.shape[-1]), w, experts, kernel)
+    return y.reshape(-1, x.shape[-1])[back].reshape(x.shape[0], k, x.shape[-1])
 
 
 def parts(eng: Engine, ref, ref_cache: list, tokens: int = 1) -> dict:

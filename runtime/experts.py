@@ -331,8 +331,9 @@ class StreamingExperts:
             while left:  # the records read by now staged together (host-tier hits and reads ahead: at once)
                 done, left = wait(left, return_when=FIRST_COMPLETED)
                 waited += time.perf_counter() - t
-                self.pools.stage_many([(slots[key_of[f]], self.store.record(e), lambda e=e: self.store.release(e))
-                                       for f in done for e in [f.result()]])
+                entries = [(slots[key_of[f]], f.result()) for f in done]
+                self.pools.stage_many([(slot, self.store.record(e), functools.partial(self.store.release, e))
+                                       for slot, e in entries])
                 t = time.perf_counter()
         self.pools.flush()
         if st is not None:

@@ -50,13 +50,12 @@ def logits_of(conv: Path, opts: Options, steps: int = 12) -> tuple[bytes, Engine
 
 def test_the_plan_splits_into_the_devices_and_the_hosts_accounts(small_conv, split):
     cap = caps_for(small_conv, 10, None).cap_gib  # the device's plan: the runtime allowance is the host's
-    unified = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME))
+    uncapped = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME))
     p = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME, host_cap_gib=1))
     ring = read_ring(Options(), 8) * p.stride
     ahead = 64 * p.stride  # a layer's experts read ahead in prefill (plan.prefill_ahead): host memory
     assert p.split and p.host_accounts == {"runtime": RUNTIME, "read staging": ring + ahead, "upload ring": ring}
-    assert "read staging" in unified.host_accounts and "read staging" not in plan_for(
-        small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME)).accounts
+    assert "read staging" in uncapped.host_accounts and "read staging" not in uncapped.accounts
     assert "runtime" not in p.accounts and p.accounts["upload ring"] == ring
     assert p.host_slots == 8 * 64  # 1 GiB holds every record beside the host accounts
     # a host cap that leaves room for 100 records holds exactly 100
@@ -65,7 +64,7 @@ def test_the_plan_splits_into_the_devices_and_the_hosts_accounts(small_conv, spl
     # the device holding every expert needs no host tier
     assert plan_for(small_conv, Options(cap_gib=8, ctx=256, runtime_bytes=RUNTIME, host_cap_gib=8)).host_slots == 0
     # without --host-cap the host's accounts are planned, not capped, and hold no tier
-    assert unified.split and unified.host_cap is None and unified.host_slots == 0 and unified.host_fits
+    assert uncapped.split and uncapped.host_cap is None and uncapped.host_slots == 0 and uncapped.host_fits
 
 
 def test_host_cap_cli(small_conv, monkeypatch):

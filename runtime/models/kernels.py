@@ -570,15 +570,20 @@ def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
 
 
 def _switch_glu(x, w, slots, kernel: ExpertKernel):
+    return expert_glu(mx.expand_dims(x, (-2, -3)), w, slots, kernel).squeeze(-2)  # [N, 1, 1, H]: each token meets its k picks
+
+
+def expert_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKernel) -> mx.array:
+    """down(act(gate(x), up(x))) of the experts in `slots` (x's batch dimensions index them as `gather_qmm` takes
+    `rhs_indices`), each projection followed by its bias where the experts have them."""
     def qmm(a, wq, s, b, bias):
         # scales/biases at x's dtype (the pools hold them so): mixed dtypes would cast the whole stacked array
         y = mx.gather_qmm(a, wq, s, b, rhs_indices=slots, transpose=True, group_size=kernel.group_size,
                           bits=kernel.bits, mode=kernel.mode)
         return y if bias is None else y + mx.expand_dims(bias[slots], -2)
 
-    xe = mx.expand_dims(x, (-2, -3))  # [N, 1, 1, H]: each token meets its k picks
-    h = kernel.act(qmm(xe, w.gate_w, w.gate_s, w.gate_b, w.gate_bias), qmm(xe, w.up_w, w.up_s, w.up_b, w.up_bias))
-    return qmm(h, w.down_w, w.down_s, w.down_b, w.down_bias).squeeze(-2)
+    h = kernel.act(qmm(x, w.gate_w, w.gate_s, w.gate_b, w.gate_bias), qmm(x, w.up_w, w.up_s, w.up_b, w.up_bias))
+    return qmm(h, w.down_w, w.down_s, w.down_b, w.down_bias)
 
 
 def _switch_glu_blas(x, w, slots, kernel: ExpertKernel):
