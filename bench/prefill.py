@@ -35,7 +35,7 @@ from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.plan import PREFILL_STEP, plan_for
 
 from .common import scratch_dir, write_result
-from .gpu_compare import TEXT, random_read_gbs
+from .gpu_compare import TEXT, best_read_gbs
 
 RUNTIME = 600 << 20  # a fixed interpreter allowance, so every case's plan is the same whatever ran before it
 
@@ -160,8 +160,8 @@ def main() -> None:
                 fmt = m.expert_formats()[experts]
                 paths = [safe_path(model, f["path"]) for f in fmt.files]
 
-                def disk_gbs(paths=paths, stride=fmt.layout.stride) -> float:  # at its best: 8 or 16 in flight
-                    return max(random_read_gbs(paths, stride, threads=t) for t in (8, 16))
+                def disk_gbs(paths=paths, stride=fmt.layout.stride) -> float:
+                    return best_read_gbs(paths, stride)
 
                 if a.warmup and not a.cgroup_only:
                     cap = a.caps.split(",")[0]

@@ -40,7 +40,7 @@ Why each number is taken the way it is:
   the repack's files may not be written back yet). MLX copies what it loads into its own buffers (no mmap), so
   an engine whose weights were all loaded before the window (mlx-lm) reads nothing in it. streamoe also reports
   its own count (`streamoe_bytes_read`, the expert store's). `disk_bound_s`: those bytes at the disk's O_DIRECT
-  random-read speed of CONV's expert records (`bench.gpu_compare.random_read_gbs`, the faster of 8 and 16 in
+  random-read speed of CONV's expert records (`bench.gpu_compare.best_read_gbs`, the faster of 8 and 16 in
   flight, before and after the three engines, averaged).
 - `peak_rss_bytes`: `getrusage(RUSAGE_SELF).ru_maxrss` of the engine's process, its whole life (load and
   warm-up included); `prefill_peak_rss_bytes`: the kernel's high-water mark of the resident set reset right before
@@ -297,7 +297,7 @@ def main() -> None:
     from streamoe.runtime.plan import default_dtype, plan_for
 
     from .common import scratch_dir
-    from .gpu_compare import random_read_gbs
+    from .gpu_compare import best_read_gbs
     from .prefill import RUNTIME, cap_gib, prompt_ids
 
     engines = a.engines.split(",")
@@ -307,8 +307,8 @@ def main() -> None:
     fmt = load_manifest(a.model).expert_formats()[a.experts]
     paths = [safe_path(a.model, f["path"]) for f in fmt.files]
 
-    def disk_gbs() -> float:  # at its best: 8 or 16 in flight
-        return max(random_read_gbs(paths, fmt.layout.stride, threads=t) for t in (8, 16))
+    def disk_gbs() -> float:
+        return best_read_gbs(paths, fmt.layout.stride)
 
     results = []
     with scratch_dir(a.work) as work:
