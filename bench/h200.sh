@@ -20,6 +20,8 @@
 #   bash bench/h200.sh parts     # a resident decode step part by part (mixers, MoE block, head) against mlx-lm's modules
 #   bash bench/h200.sh prefill-parts  # the same parts on a 256-token prefill block, and the routed experts per pick against
 #                                grouped by expert (one gather_qmm batch of up to 16 rows per expert)
+#   bash bench/h200.sh grouped   # (no checkpoint) a prefill step's routed experts per pick against grouped by expert, `rows`
+#                                pairs to a gather_qmm batch, grouped on the host or the device (bench/experts_grouped.py)
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
@@ -160,6 +162,10 @@ case "$1" in
   prefill-parts)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --parts-tokens 256 --rounds 0 \
       --out "$OUT/gpu-parts-h200-q4-prefill-block.json" | grep -v '^ '
+    ;;
+  grouped)
+    python3 -m bench.experts_grouped --tokens "${TOKENS:-256,1024,4096}" --rows "${ROWS:-8,16,32,64}" --dtype "${DTYPE:-bfloat16}" \
+      --name "$OUT/experts-grouped-h200-${DTYPE:-bfloat16}" | grep -v '^ '
     ;;
   compare)
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 \

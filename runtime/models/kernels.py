@@ -586,6 +586,30 @@ def expert_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
     return qmm(h, w.down_w, w.down_s, w.down_b, w.down_bias)
 
 
+def group_by_expert(slots: mx.array, rows: int, n_experts: int) -> tuple[mx.array, mx.array, mx.array]:
+    """The (token, pick) pairs of `slots` [T, k] grouped by slot, `rows` pairs to a batch, on the device (no host
+    round trip): (each batch's slot [G], each batch row's token [G * rows], each pair's batch row [T * k]). G is
+    fixed by the shapes, ceil(T k / rows) + min(n_experts, T k) (a layer's slots hold distinct experts, each with at
+    most one part-filled batch); the batches beyond those the picks need, and the rows beyond a slot's pairs, are
+    slot 0's and token 0's, computed and not used."""
+    t, k = slots.shape
+    pairs = t * k
+    n_batches = -(-pairs // rows) + min(n_experts, pairs)
+    flat = slots.reshape(-1).astype(mx.uint32)
+    order = mx.argsort(flat).astype(mx.uint32)
+    by_slot = flat[order]
+    j = mx.arange(pairs, dtype=mx.uint32)
+    starts = mx.concatenate([mx.array([True]), by_slot[1:] != by_slot[:-1]])
+    pos = j - mx.cummax(mx.where(starts, j, 0))  # each sorted pair's place among its slot's pairs
+    first = (pos % rows) == 0
+    batch = mx.cumsum(first.astype(mx.uint32)) - 1
+    row = batch * rows + pos % rows
+    batch_slot = mx.zeros((n_batches,), mx.uint32).at[batch].add(mx.where(first, by_slot, 0))
+    src = mx.zeros((n_batches * rows,), mx.uint32).at[row].add(order // k)
+    back = mx.zeros((pairs,), mx.uint32).at[order].add(row)
+    return batch_slot, src, back
+
+
 def _switch_glu_blas(x, w, slots, kernel: ExpertKernel):
     """`_switch_glu` for many tokens on the CPU backend (prefill), expert by expert: each picked slot's matrices
     dequantized once and multiplied by numpy's BLAS with all the (token, pick) rows that picked it. Through

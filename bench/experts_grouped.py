@@ -1,0 +1,116 @@
+"""The routed experts of one prefill step on the device: the engine's `gather_qmm` over one batch per (token, pick)
+(MLX's CUDA kernel then runs a one-row GEMM per pair, each re-reading its expert's codes) against the same pairs
+grouped by expert, `rows` to a `gather_qmm` batch (each expert's codes read once per batch), grouped on the host
+(exactly as many batches as needed) or on the device (`kernels.group_by_expert`: a fixed number of batches, no
+host round trip). Random experts of a family's real shapes (default Qwen3.6: 256 experts of 2048 x 512, top-8),
+4- and 3-bit, random picks. Each variant's largest difference from the engine's path is reported, and whether its
+rows are bit-identical to it.
+
+    python -m bench.experts_grouped [--tokens 256,1024] [--bits 4,3] [--rows 8,16,32] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from bench.common import write_result
+from streamoe.formats.record import ExpertWeights
+from streamoe.runtime.models import kernels
+
+
+def host_groups(inds: np.ndarray, rows: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(each batch's expert [G], each batch row's token [G * rows], each pair's batch row [T * k]), as few batches as
+    the picks need, padded with token 0."""
+    flat = inds.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    experts, src, back = [], [], np.empty(flat.size, dtype=np.uint32)
+    for e in np.unique(flat):
+        pairs = order[flat[order] == e]
+        for a in range(0, pairs.size, rows):
+            part = pairs[a:a + rows]
+            back[part] = len(src) + np.arange(part.size)
+            experts.append(e)
+            src.extend(list(part // inds.shape[-1]) + [0] * (rows - part.size))
+    return (mx.array(np.array(experts, dtype=np.uint32)), mx.array(np.array(src, dtype=np.uint32)), mx.array(back))
+
+
+def grouped(x: mx.array, w: ExpertWeights, groups, kernel: kernels.ExpertKernel, k: int) -> mx.array:
+    experts, src, back = groups
+    y = kernels.expert_glu(x[src].reshape(experts.size, -1, x.shape[-1]), w, experts, kernel)
+    return y.reshape(-1, x.shape[-1])[back].reshape(x.shape[0], k, x.shape[-1])
+
+
+def timed(f, repeats: int) -> float:
+    mx.eval(f())
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(f())
+        best = min(best, time.perf_counter() - t)
+    return round(best * 1e3, 3)
+
+
+def measure(x: mx.array, w: ExpertWeights, inds: mx.array, kernel: kernels.ExpertKernel, n_experts: int, rows: str,
+            repeats: int) -> dict:
+    k = inds.shape[-1]
+    ref = kernels._switch_glu(x, w, inds, kernel)
+    row = {"per_pick_ms": timed(lambda: kernels._switch_glu(x, w, inds, kernel), repeats)}
+    for r in (int(v) for v in rows.split(",")):
+        def by_host(r=r):
+            return host_groups(np.array(inds), r)
+
+        def on_device(r=r):
+            return kernels.group_by_expert(inds, r, n_experts)
+
+        for name, make in ((f"host_rows{r}", by_host), (f"device_rows{r}", on_device)):
+            groups = make()
+            mx.eval(groups)
+            y = grouped(x, w, groups, kernel, k)
+            row[f"{name}_ms"] = timed(lambda groups=groups: grouped(x, w, groups, kernel, k), repeats)
+            row[f"{name}_with_grouping_ms"] = timed(lambda make=make: grouped(x, w, make(), kernel, k), repeats)
+            row[f"{name}_batches"] = groups[0].size
+            row[f"{name}_max_abs_diff"] = mx.abs(y.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+            row[f"{name}_bit_identical"] = bool(mx.array_equal(y, ref).item())
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=512)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--tokens", default="256,1024")
+    ap.add_argument("--bits", default="4,3")
+    ap.add_argument("--rows", default="8,16,32")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs of each variant (the fastest counts)")
+    ap.add_argument("--name", default="experts-grouped")
+    a = ap.parse_args()
+    E, H, inter, k, dt = a.experts, a.hidden, a.inter, a.top_k, getattr(mx, a.dtype)
+    rng = np.random.default_rng(0)
+    out = []
+    for bits in (int(b) for b in a.bits.split(",")):
+        def quantized(shape, key, bits=bits):
+            wq, s, b = mx.quantize(mx.random.normal(shape, key=mx.random.key(key)) * 0.02, group_size=64, bits=bits)
+            return wq, s.astype(dt), b.astype(dt)
+
+        w = ExpertWeights(*quantized((E, inter, H), 1), *quantized((E, inter, H), 2), *quantized((E, H, inter), 3))
+        mx.eval(*w[:9])
+        kernel = kernels.ExpertKernel(bits, 64)
+        for n in (int(t) for t in a.tokens.split(",")):
+            x = (mx.random.normal((n, H), key=mx.random.key(n)) * 0.5).astype(dt)
+            inds = mx.array(np.stack([rng.permutation(E)[:k] for _ in range(n)]), dtype=mx.uint32)
+            row = {"bits": bits, "tokens": n, **measure(x, w, inds, kernel, E, a.rows, a.repeats)}
+            print(row, flush=True)
+            out.append(row)
+    write_result(a.name, "experts_grouped", [{"experts": E, "hidden": H, "inter": inter, "top_k": k,
+                                              "dtype": a.dtype, "device": str(mx.default_device()), "runs": out}])
+
+
+if __name__ == "__main__":
+    main()
