@@ -506,6 +506,33 @@ def test_prefill_experts_through_blas_match_gather_qmm_and_ignore_slot_numbers(m
     assert mx.array_equal(again[7:], got[7:]) and mx.array_equal(again[:, 0], got[:, 0])
 
 
+@pytest.mark.parametrize("mode,bias", [("affine", False), ("mxfp4", True)])
+def test_experts_grouped_by_expert_give_the_per_pair_bits_whatever_the_picks(mode, bias):
+    """A GPU prefill step's experts go grouped by expert (`_switch_glu_grouped`: the pairs sorted by slot on the
+    device, a fixed number of `gather_qmm` batches): every row the bits of the per-pair path, with gpt-oss's biases
+    and clamped SwiGLU too, for picks spread over every expert, all on one, and another rank's picks filled with
+    one expert (`ranks.RankExperts`); the batches never outnumber the bound."""
+    n_exp, hidden, inter, k, n = 8, 64, 128, 2, 37
+    w = _stacked_experts(n_exp, hidden, inter, mode, bias, key=21)
+    kernel = ExpertKernel(4, 32 if mode == "mxfp4" else 64, mode, clamped_swiglu(1.702, 7.0) if bias else swiglu,
+                          n_experts=n_exp)
+    x = mx.random.normal((n, hidden), key=mx.random.key(6))
+    spread = np.stack([np.random.default_rng(t).choice(n_exp, k, replace=False) for t in range(n)])
+    one = np.zeros((n, k), dtype=np.int64)
+    one[:, 1] = 3
+    filled = spread.copy()
+    filled[:20, 1] = filled[0, 0]
+    for picks in (spread, one, filled):
+        slots = mx.array(picks, dtype=mx.uint32)
+        got = kernels._switch_glu_grouped(x, w, slots, kernel)
+        assert mx.array_equal(got, _switch_glu(x, w, slots, kernel))
+        batches, src, back = kernels.group_by_expert(slots, 16, n_exp)
+        assert batches.size == -(-n * k // 16) + n_exp and src.size == 16 * batches.size
+        assert sorted(np.array(back).tolist()) == sorted(set(np.array(back).tolist()))  # one row per pair
+        assert (np.array(src)[np.array(back)] == np.repeat(np.arange(n), k)).all()  # each pair's row holds its token
+        assert (np.array(batches)[np.array(back) // 16] == picks.reshape(-1)).all()  # in a batch of its slot
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_one_group_quantized_matmul_goes_as_the_dequantized_matmul_on_cuda(bits, monkeypatch):
     """Where one group spans K, `kernels.quantized_matmul` on CUDA multiplies by the dequantized weights (off the
