@@ -18,7 +18,14 @@ from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import Manifest, load_manifest
 from ..formats.record import RecordLayout
 from .models.cache import KV_GROUP
-from .models.kernels import BLAS_BLOCK, BLAS_TOKENS, dequantizes_one_group, score_rows
+from .models.kernels import (
+    BLAS_BLOCK,
+    BLAS_TOKENS,
+    GROUP_PAIRS,
+    dequantizes_one_group,
+    grouped_batches,
+    score_rows,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -337,7 +344,14 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool =
                      a.num_experts + 2 * a.shared_expert_intermediate_size + 1)
     rows = max(widest_in + 2 * widest_out, a.num_experts_per_tok * (H + 2 * a.moe_intermediate_size))
     dequant = 4 * (BLAS_BLOCK * widest_in + chunk * rows) if blas and chunk >= BLAS_TOKENS else 0
-    return int(1.5 * (hidden + max(attn, gdn) + moe + logits) * item) + dequant
+    # a GPU's prefill step grouped by expert (`kernels._switch_glu_grouped`), the padding rows too: at most a batch
+    # row's input, gate and up outputs alive at once (then its activation and output)
+    pairs = chunk * a.num_experts_per_tok
+    grouped = 0
+    if not blas and pairs >= GROUP_PAIRS * a.num_experts:
+        rows, batches = grouped_batches(pairs, a.num_experts)
+        grouped = rows * batches * (H + 2 * a.moe_intermediate_size)
+    return int(1.5 * (hidden + max(attn, gdn) + moe + grouped + logits) * item) + dequant
 
 
 def attention_elements(a: ModelArgs, ctx: int, chunk: int, item: int, kv_bits: int | None = None) -> int:

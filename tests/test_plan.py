@@ -62,6 +62,9 @@ LOGITS = 2 * 248320
 # the chunk's float32 input and output of the widest projection (GDN in_proj: qkv 8192 + z 4096 + b, a 32 each)
 BLAS = 4 * (1024 * 4096 + 256 * (4096 + 2 * 12352))
 ACTIVATIONS = 3 * (HIDDEN + max(ATTN, GDN) + MOE + LOGITS) * 4 // 2 + BLAS
+# a GPU's 256-token step grouped by expert: 2,048 pairs, 16 rows a batch, 128 + 256 batches (the padding rows too),
+# each row's input and gate/up outputs
+GROUPED = 3 * (16 * (128 + 256) * (2048 + 2 * 512)) * 4 // 2
 # MLX keeps freed buffers for reuse up to this: a decode step's new recurrent states (LINEAR) + 32 MiB
 ALLOC_CACHE = LINEAR + 32 * MiB
 STAGING = 256 * SLOT_F32  # one slot per expert of a layer
@@ -95,13 +98,14 @@ def test_hand_computed_values_are_the_ones_above():
 
 
 def test_only_the_cpu_backend_plans_for_blas_prefill(args):
-    """Prefill through numpy's BLAS is the CPU backend's alone: a GPU's plan gives that block to the hot tier."""
+    """Prefill through numpy's BLAS is the CPU backend's alone; a GPU's plan holds the experts grouped by expert
+    instead (`kernels._switch_glu_grouped`)."""
     p = plan(args, 4, blas=False)
-    assert p.accounts["activations"] == ACTIVATIONS - BLAS
-    assert p.hot_slots == (4 * GiB - (FIXED - BLAS)) // SLOT_F32 == 854  # 23 more than the CPU plan
+    assert p.accounts["activations"] == ACTIVATIONS - BLAS + GROUPED
+    assert p.hot_slots == (4 * GiB - (FIXED - BLAS + GROUPED)) // SLOT_F32 == 797  # 34 fewer than the CPU plan
     assert make_plan(args=args, cap=4 * GiB, ctx=4096, expert_format="q4", stride=STRIDE_Q4, nonexpert_resident=NONEXPERT,
                      runtime_bytes=RUNTIME, ring=RING, slot=SLOT_F32, prefill_chunk=256).accounts["activations"] == (
-        ACTIVATIONS if mx.default_device() == mx.cpu else ACTIVATIONS - BLAS)  # by default: this process's backend
+        ACTIVATIONS if mx.default_device() == mx.cpu else ACTIVATIONS - BLAS + GROUPED)  # by default: this process's backend
 
 
 def test_accounts_exact(args):

@@ -582,8 +582,7 @@ def _switch_glu_grouped(x, w, slots, kernel: ExpertKernel):
     (affine 4- and 3-bit, bfloat16 and float32, on the H200: `bench/experts_grouped.py`); a Qwen3.6 step of 256
     tokens 2.8x (q4) and 3.6x (q3) faster there, 1,024 tokens 5.6x and 9x."""
     n, k = slots.shape
-    per_expert = n * k / kernel.n_experts
-    rows = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    rows, _ = grouped_batches(n * k, kernel.n_experts)
     experts, src, back = group_by_expert(slots, rows, kernel.n_experts)
     y = expert_glu(x[src].reshape(experts.size, rows, x.shape[-1]), w, experts, kernel)
     return y.reshape(-1, x.shape[-1])[back].reshape(n, k, x.shape[-1])
@@ -606,6 +605,15 @@ def expert_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
     return qmm(h, w.down_w, w.down_s, w.down_b, w.down_bias)
 
 
+def grouped_batches(pairs: int, n_experts: int) -> tuple[int, int]:
+    """(rows a batch, batches) of a call of `pairs` (token, pick) pairs over `n_experts` experts grouped by expert:
+    16 rows up to 16 pairs an expert on average, 32 up to 64, then 64 (the fastest at each on the H200,
+    `bench/experts_grouped.py`); batches as `group_by_expert` makes them, fixed by the shapes."""
+    per_expert = pairs / n_experts
+    rows = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    return rows, -(-pairs // rows) + min(n_experts, pairs)
+
+
 def group_by_expert(slots: mx.array, rows: int, n_experts: int) -> tuple[mx.array, mx.array, mx.array]:
     """The (token, pick) pairs of `slots` [T, k] grouped by slot, `rows` pairs to a batch, on the device (no host
     round trip): (each batch's slot [G], each batch row's token [G * rows], each pair's batch row [T * k]). G is
@@ -614,7 +622,7 @@ def group_by_expert(slots: mx.array, rows: int, n_experts: int) -> tuple[mx.arra
     slot 0's and token 0's, computed and not used."""
     t, k = slots.shape
     pairs = t * k
-    n_batches = -(-pairs // rows) + min(n_experts, pairs)
+    n_batches = -(-pairs // rows) + min(n_experts, pairs)  # each slot's pairs fill all its batches but one
     flat = slots.reshape(-1).astype(mx.uint32)
     order = mx.argsort(flat).astype(mx.uint32)
     by_slot = flat[order]
