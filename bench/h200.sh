@@ -9,7 +9,7 @@
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
 #                                runs twice, interleaved with a fixed guess gate (a 0.8 precision, no waste
 #                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
-#   bash bench/h200.sh gpurest   # test_gpu.py's tests after the first eight (the ones a cut gputest run has not reached)
+#   bash bench/h200.sh gpurest   # test_gpu.py's last tests (quantized KV on; the ones a cut gputest run has not reached)
 #   bash bench/h200.sh gpuqmm    # the GPU tests of one group spanning K (kernels.quantized_matmul: quantized_matmul against
 #                                the CPU, quantized KV across caps), then the families' (gpt_oss's tiny model has K = 64)
 #   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes;
@@ -70,7 +70,7 @@ case "$1" in
     ;;
   gpurest)
     python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py \
-      -k "quantized_kv or float32_matmul or upload_ring or delta_rule" 2>&1 | tee "$OUT/gputest-rest-h200.log"
+      -k "quantized_kv or float32_matmul or upload_ring or in_place or delta_rule or one_group or grouped or many_blocks" 2>&1 | tee "$OUT/gputest-rest-h200.log"
     ;;
   gpuqmm)
     { python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=100 -m gpu tests/test_gpu.py -k "one_group or quantized_kv" || true

@@ -355,3 +355,12 @@ def test_gpu_experts_grouped_by_expert_are_the_per_pair_bits(dtype):
             got, ref = kernels.switch_glu(x, w, picks, kernel), kernels._switch_glu(x, w, picks, kernel)
             assert bool(mx.isfinite(ref.astype(mx.float32)).all().item())
             assert mx.array_equal(got, ref), (bits, mode, n, mx.abs(got - ref).max().item())
+
+
+def test_gpu_a_chunk_of_many_blocks_stays_inside_its_activation_account(small_conv, monkeypatch):
+    """On a GPU the host queues a chunk's blocks faster than the device runs them: MLX's peak over a 38-block chunk
+    still within the plan's activation account (one block's temporaries), each block queued once the one before it
+    is computed (`kernels.run_layers`)."""
+    from .test_runtime import test_a_chunk_of_many_blocks_stays_inside_its_activation_account as check
+
+    check(small_conv, monkeypatch)

@@ -439,6 +439,27 @@ def test_a_reset_takes_no_second_kv_cache_and_leaves_no_trace(tiny_conv):
     eng.close()
 
 
+def test_a_chunk_of_many_blocks_stays_inside_its_activation_account(small_conv, monkeypatch):
+    """A capped prefill chunk runs its layers block by block (`kernels.run_layers`); MLX's peak over it, beyond
+    what the engine held, stays within the plan's activation account, which holds one block's temporaries and the
+    chunk's residual rows. A block is queued only once the one before it is computed: on a GPU, whose host queues
+    blocks faster than the device runs them, a layer's blocks otherwise all held their temporaries at once."""
+    from streamoe.runtime import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "PREFILL_STEP", 16)
+    opts = dict(ctx=640, prefill_chunk="auto", runtime_bytes=RUNTIME)
+    base = plan_for(small_conv, Options(cap_gib=64, **opts))
+    eng = Engine(small_conv, Options(cap_gib=(base.fixed + 128 * base.slot_bytes + 1) / 2**30, **opts))
+    ids = (eng.text.encode(PROMPTS[1]) * 40)[:600]
+    assert not eng.experts.resident and eng.plan.prefill_step == 16 and eng.plan.prefill_chunk >= 600
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(eng.prefill(ids))
+    work = mx.get_peak_memory() - held
+    assert 0 < work <= eng.plan.accounts["activations"], (work, eng.plan.accounts["activations"])
+    eng.close()
+
+
 @pytest.mark.parametrize("max_tokens", [1, 5, 40])
 def test_pipelined_resident_generate_equals_the_plain_loop(small_conv, max_tokens):
     """Everything resident, greedy: each step is queued before the previous token is read. The tokens, their
