@@ -785,7 +785,7 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     prepare = getattr(experts, "prepare", None)
     for i, layer in enumerate(layers):
         whole = len(hs) == 1  # one block keeps its MoE input and routing: nothing to recompute
-        blocks, queued = [], []
+        blocks, queued = [], None
         for j in range(len(hs)):
             hj, xj = layer.mix(hs[j], cache[i], rope, rots[j])
             hs[j] = None  # each input block is freed once its output is computed: one row a token, not two
@@ -793,29 +793,31 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
                 settle(hj)  # the next block's KV write must find no reader of the cache: written in place
             inds, *rest = layer.mlp.route(xj)
             if not whole:  # the routing's intermediates freed block by block, one block queued at a time
-                mx.eval(queued)
+                if queued is not None:
+                    settle(queued)
                 mx.async_eval(inds)
-                queued = [inds]
+                queued = inds
             blocks.append((hj, inds, (xj, rest) if whole else None))
         if prepare is not None:
             prepare(i, [b[1] for b in blocks], (b[2][0] if whole else layer.moe_input(b[0]) for b in blocks))
-        hs, queued = [], []
+        hs, queued = [], None
         while blocks:  # each block combined right after its experts (their k rows a token freed before the next
             hj, inds, kept = blocks.pop(0)  # block's run), and let go of as its output is made
             if kept is None:
                 xj = layer.moe_input(hj)
                 kept = (xj, layer.mlp.route(xj)[1:])  # the picks stay those `prepare` landed
-            mx.eval(queued)  # before this block's experts are queued (a provider queues them as it is called)
+            if queued is not None:  # before this block's experts are queued (a provider queues them when called)
+                settle(queued)
             hs.append(layer.mlp.finish(i, kept[0], experts, hj, inds, *kept[1]))
             mx.async_eval(hs[-1])
-            queued = [hs[-1]]
+            queued = hs[-1]
     return mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0]
 
 
 def settle(x: mx.array) -> None:
     """Compute x and wait until no kernel before it holds its inputs (a backend keeps a kernel's inputs until its
     completion handler has run, which can be after x is ready): an update of a buffer one of them read is then
-    done in place, not as a copy."""
+    done in place, not as a copy, and their temporaries are back in MLX's cache."""
     mx.eval(x)
     mx.synchronize()
 
