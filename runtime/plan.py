@@ -324,11 +324,13 @@ class MemoryPlan:
                                 f"--cap {(self.min_cap + 0.01 * GiB) / GiB:.2f}")
 
 
-def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool = True, kv_bits: int | None = None) -> int:
+def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool = True, kv_bits: int | None = None,
+                     grouped: bool = False) -> int:
     """Working memory of one prefill chunk (the decode step is a chunk of one): a conservative sum of the
     largest live temporaries — attention scores over the whole context dominate for long contexts. `blas`:
     the CPU backend's prefill through numpy's BLAS (`QLinear._blas`), which only the CPU backend takes.
-    `kv_bits`: a quantized KV cache (see `attention_elements`)."""
+    `kv_bits`: a quantized KV cache (see `attention_elements`). `grouped`: CUDA's prefill experts grouped by
+    expert (`kernels._switch_glu_grouped`)."""
     H, nq, nkv, hd = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim
     inter = max(a.moe_intermediate_size, a.shared_expert_intermediate_size)
     hidden = 8 * chunk * H
@@ -347,11 +349,11 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool =
     # a GPU's prefill step grouped by expert (`kernels._switch_glu_grouped`), the padding rows too: at most a batch
     # row's input, gate and up outputs alive at once (then its activation and output)
     pairs = chunk * a.num_experts_per_tok
-    grouped = 0
-    if not blas and pairs >= GROUP_PAIRS * a.num_experts:
+    batch_rows = 0
+    if grouped and pairs >= GROUP_PAIRS * a.num_experts:
         rows, batches = grouped_batches(pairs, a.num_experts)
-        grouped = rows * batches * (H + 2 * a.moe_intermediate_size)
-    return int(1.5 * (hidden + max(attn, gdn) + moe + grouped + logits) * item) + dequant
+        batch_rows = rows * batches * (H + 2 * a.moe_intermediate_size)
+    return int(1.5 * (hidden + max(attn, gdn) + moe + batch_rows + logits) * item) + dequant
 
 
 def attention_elements(a: ModelArgs, ctx: int, chunk: int, item: int, kv_bits: int | None = None) -> int:
@@ -404,6 +406,7 @@ def slot_bytes(lay: RecordLayout, dtype: str) -> int:
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
               prefill_chunk: int | str = "auto", ring: int = 0, slot: int = 0, blas: bool | None = None,
+              grouped: bool | None = None,
               extra: tuple[tuple[str, int, str], ...] = (), rank: int = 0, ranks: int = 1,
               split: bool = False, host_cap: int | None = None) -> MemoryPlan:
     """`kv_dtype`: the KV format (a float dtype, or q8/q4 with scales and biases in `dtype`). `blas`: whether
@@ -416,6 +419,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
     bits = KV_BITS.get(kv_dtype)
     item, kv_item = itemsize(dtype), itemsize(dtype if bits else kv_dtype)
     blas = mx.default_device() == mx.cpu if blas is None else blas
+    grouped = mx.default_device() == mx.gpu and mx.cuda.is_available() if grouped is None else grouped
     kv, lin = state_bytes(args, ctx, kv_item, bits)
     n_exp = len(share_of(rank, ranks, args.num_experts))
     step = min(prefill_step(prefill_chunk), ctx)
@@ -430,7 +434,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "non-expert": nonexpert_resident,
         "kv cache": kv,
         "linear state": lin,
-        "activations": activation_bytes(args, ctx, step, item, blas, bits),
+        "activations": activation_bytes(args, ctx, step, item, blas, bits, grouped),
         "allocator cache": lin + 32 * MiB,
         "prefill staging": n_exp * plan.slot_bytes,
         "read staging": 2 * ring * stride,

@@ -83,7 +83,7 @@ def args() -> ModelArgs:
 def plan(args: ModelArgs, cap: float, **kw) -> MemoryPlan:
     opts = {"ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4, "nonexpert_resident": NONEXPERT,
             "runtime_bytes": RUNTIME, "dtype": "float32", "kv_dtype": "float32", "prefill_chunk": 256, "ring": RING,
-            "slot": SLOT_F32, "blas": True, **kw}
+            "slot": SLOT_F32, "blas": True, "grouped": False, **kw}
     return make_plan(args=args, cap=int(cap * GiB), **opts)
 
 
@@ -98,14 +98,18 @@ def test_hand_computed_values_are_the_ones_above():
 
 
 def test_only_the_cpu_backend_plans_for_blas_prefill(args):
-    """Prefill through numpy's BLAS is the CPU backend's alone; a GPU's plan holds the experts grouped by expert
-    instead (`kernels._switch_glu_grouped`)."""
+    """Prefill through numpy's BLAS is the CPU backend's alone: a GPU's plan gives that block to the hot tier, and
+    CUDA's holds its experts grouped by expert instead (`kernels._switch_glu_grouped`)."""
     p = plan(args, 4, blas=False)
+    assert p.accounts["activations"] == ACTIVATIONS - BLAS
+    assert p.hot_slots == (4 * GiB - (FIXED - BLAS)) // SLOT_F32 == 854  # 23 more than the CPU plan
+    p = plan(args, 4, blas=False, grouped=True)
     assert p.accounts["activations"] == ACTIVATIONS - BLAS + GROUPED
     assert p.hot_slots == (4 * GiB - (FIXED - BLAS + GROUPED)) // SLOT_F32 == 797  # 34 fewer than the CPU plan
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
     assert make_plan(args=args, cap=4 * GiB, ctx=4096, expert_format="q4", stride=STRIDE_Q4, nonexpert_resident=NONEXPERT,
                      runtime_bytes=RUNTIME, ring=RING, slot=SLOT_F32, prefill_chunk=256).accounts["activations"] == (
-        ACTIVATIONS if mx.default_device() == mx.cpu else ACTIVATIONS - BLAS + GROUPED)  # by default: this process's backend
+        ACTIVATIONS if mx.default_device() == mx.cpu else ACTIVATIONS - BLAS + GROUPED * on_cuda)  # this process's backend
 
 
 def test_accounts_exact(args):

@@ -522,7 +522,7 @@ def route_topk_softmax(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return inds.astype(mx.uint32), scores
 
 
-GROUP_PAIRS = 2  # GPU: from this many (token, pick) pairs per expert on average a call goes grouped by expert
+GROUP_PAIRS = 2  # CUDA: from this many (token, pick) pairs per expert on average a call goes grouped by expert
 BLAS_TILE = 16  # CPU: rows per BLAS product in the experts' path (`_switch_glu_blas`)
 BLAS_ROWS_PER_EXPERT = 4  # CPU: dequantizing an expert pays for itself from about this many rows (bench/experts_blas.py)
 
@@ -558,12 +558,12 @@ def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
     followed by its projection's bias where the experts have them. On the CPU backend the picks are split over
     `streams` (`cpu_streams`, one core each); every (token, pick) row is computed by the same kernel whatever the
     split, so results do not depend on it. Small experts stay on one stream: below SPLIT_ROWS x 512 weights per matrix a stream hop
-    costs more than it saves. On a GPU a call of GROUP_PAIRS pairs an expert or more (a prefill step) goes grouped by
-    expert (`_switch_glu_grouped`), with the same bits."""
-    on_cpu = mx.default_device() == mx.cpu
-    if x.shape[0] >= kernel.blas_tokens and on_cpu:
+    costs more than it saves. On CUDA a call of GROUP_PAIRS pairs an expert or more (a prefill step) goes grouped by
+    expert (`_switch_glu_grouped`), with the same bits (measured there; Metal's kernels, not measured, keep the
+    per-pair path)."""
+    if x.shape[0] >= kernel.blas_tokens and mx.default_device() == mx.cpu:
         return _switch_glu_blas(x, w, slots, kernel)
-    if not on_cpu and kernel.n_experts and slots.size >= GROUP_PAIRS * kernel.n_experts:
+    if kernel.n_experts and slots.size >= GROUP_PAIRS * kernel.n_experts and _on_cuda():
         return _switch_glu_grouped(x, w, slots, kernel)
     if not streams or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
         return _switch_glu(x, w, slots, kernel)
@@ -576,7 +576,7 @@ def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
 
 
 def _switch_glu_grouped(x, w, slots, kernel: ExpertKernel):
-    """`_switch_glu` for a prefill step on the GPU: the (token, pick) pairs grouped by slot (`group_by_expert`), each
+    """`_switch_glu` for a prefill step on CUDA: the (token, pick) pairs grouped by slot (`group_by_expert`), each
     batch of `rows` one `gather_qmm` product, so an expert's codes are read once per batch, not once per pair (MLX's
     CUDA kernel ignores `sorted_indices`: one one-row GEMM per pair). Every row bit-identical to `_switch_glu`'s
     (affine 4- and 3-bit, bfloat16 and float32, on the H200: `bench/experts_grouped.py`); a Qwen3.6 step of 256
