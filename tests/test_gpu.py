@@ -321,6 +321,7 @@ def test_gpu_one_group_quantized_matmul_matches_the_exact_product_and_itself(dty
             assert len({o.tobytes() for o in outs}) == 1, (bits, m)
 
 
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the experts go grouped by expert on CUDA only")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_experts_grouped_by_expert_are_the_per_pair_bits(dtype):
     """A prefill step's routed experts on the GPU go grouped by expert (`kernels._switch_glu_grouped`, several rows
@@ -353,6 +354,7 @@ def test_gpu_experts_grouped_by_expert_are_the_per_pair_bits(dtype):
             rng = np.random.default_rng(n)
             picks = mx.array(np.stack([rng.choice(n_exp, k, replace=False) for _ in range(n)]), dtype=mx.uint32)
             got, ref = kernels.switch_glu(x, w, picks, kernel), kernels._switch_glu(x, w, picks, kernel)
+            assert mx.array_equal(got, kernels._switch_glu_grouped(x, w, picks, kernel))  # the grouped path, called directly
             assert bool(mx.isfinite(ref.astype(mx.float32)).all().item())
             assert mx.array_equal(got, ref), (bits, mode, n, mx.abs(got - ref).max().item())
 
