@@ -211,6 +211,8 @@ def variant(name: str, eng: Engine):
             return
         if name in ("gdn_ops", "gdn_fast"):  # the token loop's compiled step (session 6's CUDA form), MLX's op
             delta_rule.GDN_FORM = name[4:]
+        elif name == "picks_by_four":  # a decode step's picks in two gather_qmm calls of four (CUDA's mat-vec kernel)
+            kernels.PICKS_PER_CALL = 4
         elif name == "cache_account_only":  # the allocator cache as before plan.cache_limit
             mx.set_cache_limit(eng.plan.accounts["allocator cache"])
         elif name == "cache_unlimited":
@@ -220,6 +222,7 @@ def variant(name: str, eng: Engine):
         yield
     finally:
         delta_rule.GDN_FORM = None
+        kernels.PICKS_PER_CALL = None
         mx.set_cache_limit(limit)
 
 

@@ -22,7 +22,8 @@
 #                                grouped by expert (one gather_qmm batch of up to 16 rows per expert)
 #   bash bench/h200.sh grouped   # (no checkpoint) a prefill step's routed experts per pick against grouped by expert, `rows`
 #                                pairs to a gather_qmm batch, grouped on the host or the device (bench/experts_grouped.py)
-#   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds
+#   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds (ROUNDS=);
+#                                VARIANTS=picks_by_four: then the decode step's picks in gather_qmm calls of four, against as is
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
 #   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy), 11 rounds: best runs
@@ -93,8 +94,8 @@ case "$1" in
     python3 -m bench.fill --model "$S/full-conv" --experts q4 --name "$OUT/fill-h200" | tail -30
     ;;
   rounds)
-    python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --skip-parts --variants "" \
-      --rounds 7 --out "$OUT/gpu-rounds-h200.json" | grep -v '^ '
+    python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --skip-parts --variants "${VARIANTS:-}" \
+      --rounds "${ROUNDS:-7}" --out "$OUT/gpu-rounds-h200.json" | grep -v '^ '
     ;;
   sampling)
     python3 -m bench.sampling --model "$S/full-conv" --caps resident,4 --tokens 64 --rounds 3 --ctx 1024 \
@@ -137,7 +138,7 @@ case "$1" in
     [ -z "${FREE:-}" ] || rm -rf "$S/full-ckpt" "$S/full-conv"
     [ -f "$S/$F-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/$F-ckpt" --family "$F" --size full 2>/dev/null
     [ -f "$S/$F-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/$F-ckpt" "$S/$F-conv" 2>/dev/null
-    python3 -m bench.gpu_parts --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --experts $X --skip-parts --variants "" \
+    python3 -m bench.gpu_parts --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --experts $X --skip-parts --variants "${VARIANTS:-}" \
       --rounds 5 --out "$OUT/family-rounds-h200-$F.json" | grep -v '^ '
     python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps 4 --experts $X --skip-mlx-lm \
       --out "$OUT/family-capped-h200-$F.json" | grep -v '^ '

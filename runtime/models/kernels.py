@@ -14,6 +14,7 @@ live, so a family built from them gives bit-identical results at every cap.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -522,6 +523,10 @@ def route_topk_softmax(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return inds.astype(mx.uint32), scores
 
 
+# GPU, an experiment (`bench/gpu_parts.py --variants picks_by_four`): a call's picks in calls of at most this many.
+# MLX's CUDA `gather_qmm` takes its mat-vec kernel only below 8 rows x batches: a decode step's 8 picks run as
+# one-row tiles of its GEMM kernel instead. None: one call.
+PICKS_PER_CALL: int | None = None
 GROUP_PAIRS = 2  # CUDA: from this many (token, pick) pairs per expert on average a call goes grouped by expert
 BLAS_TILE = 16  # CPU: rows per BLAS product in the experts' path (`_switch_glu_blas`)
 BLAS_ROWS_PER_EXPERT = 4  # CPU: dequantizing an expert pays for itself from about this many rows (bench/experts_blas.py)
@@ -565,12 +570,18 @@ def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
         return _switch_glu_blas(x, w, slots, kernel)
     if kernel.n_experts and slots.size >= GROUP_PAIRS * kernel.n_experts and _on_cuda():
         return _switch_glu_grouped(x, w, slots, kernel)
+    if PICKS_PER_CALL and slots.shape[-1] > PICKS_PER_CALL and mx.default_device() != mx.cpu:
+        return _by_picks(x, w, slots, kernel, -(-slots.shape[-1] // PICKS_PER_CALL))
     if not streams or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
         return _switch_glu(x, w, slots, kernel)
-    k, n = slots.shape[-1], min(len(streams), slots.shape[-1])
-    parts = []
+    return _by_picks(x, w, slots, kernel, min(len(streams), slots.shape[-1]), streams)
+
+
+def _by_picks(x, w, slots, kernel: ExpertKernel, n: int, streams: Streams = ()) -> mx.array:
+    """`_switch_glu` over the picks in n parts (part j on streams[j] where given), [N, k, H] again."""
+    k, parts = slots.shape[-1], []
     for j in range(n):
-        with mx.stream(streams[j]):
+        with mx.stream(streams[j]) if streams else contextlib.nullcontext():
             parts.append(_switch_glu(x, w, slots[:, j * k // n:(j + 1) * k // n], kernel))
     return mx.concatenate(parts, axis=1)
 
