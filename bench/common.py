@@ -1,5 +1,5 @@
 """Shared by the bench scripts: machine facts, page-cache accounting, raw O_DIRECT speed, scratch directories,
-JSON results."""
+JSON results, random routed experts of a family's shapes."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
+import mlx.core as mx
+import numpy as np
 
 from streamoe.formats.direct import align_down, aligned_buffer, drop_cache, open_uncached
 from streamoe.formats.manifest import schema
+from streamoe.formats.record import ExpertWeights
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -129,3 +132,28 @@ def write_result(name: str, bench: str, results: list[dict], out: Path | None = 
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc, indent=2))
     return out
+
+
+def expert_shape_arguments(ap) -> None:
+    """--experts, --hidden, --inter, --top-k: a family's routed-expert shapes (default Qwen3.6's)."""
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=512)
+    ap.add_argument("--top-k", type=int, default=8)
+
+
+def random_experts(n: int, hidden: int, inter: int, bits: int, dtype=mx.float32) -> ExpertWeights:
+    """n stacked random affine experts (group 64), scales and biases at `dtype`, evaluated."""
+    def quantized(shape, key):
+        wq, s, b = mx.quantize(mx.random.normal(shape, key=mx.random.key(key)) * 0.02, group_size=64, bits=bits)
+        return wq, s.astype(dtype), b.astype(dtype)
+
+    w = ExpertWeights(*quantized((n, inter, hidden), 1), *quantized((n, inter, hidden), 2),
+                      *quantized((n, hidden, inter), 3))
+    mx.eval(*w[:9])
+    return w
+
+
+def random_picks(tokens: int, n_experts: int, k: int, rng: np.random.Generator) -> mx.array:
+    """k distinct experts for each of `tokens` tokens, [tokens, k] uint32."""
+    return mx.array(np.stack([rng.permutation(n_experts)[:k] for _ in range(tokens)]), dtype=mx.uint32)

@@ -14,17 +14,13 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from bench.common import write_result
-from streamoe.formats.record import ExpertWeights
+from bench.common import expert_shape_arguments, random_experts, random_picks, write_result
 from streamoe.runtime.models.kernels import ExpertKernel, _switch_glu, _switch_glu_blas
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--inter", type=int, default=512)
-    ap.add_argument("--top-k", type=int, default=8)
+    expert_shape_arguments(ap)
     ap.add_argument("--tokens", default="64,128,192,256")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each path (the fastest counts)")
     ap.add_argument("--name", default="experts-blas-cpu")
@@ -32,17 +28,13 @@ def main() -> None:
     mx.set_default_device(mx.cpu)
     E, H, inter, k = a.experts, a.hidden, a.inter, a.top_k
 
-    def quantized(shape, key):
-        return mx.quantize(mx.random.normal(shape, key=mx.random.key(key)) * 0.02, group_size=64, bits=4)
-
-    w = ExpertWeights(*quantized((E, inter, H), 1), *quantized((E, inter, H), 2), *quantized((E, H, inter), 3))
-    mx.eval(*w[:9])
+    w = random_experts(E, H, inter, 4)
     kernel = ExpertKernel(4, 64)
     rng = np.random.default_rng(0)
     rows = []
     for n in (int(t) for t in a.tokens.split(",")):
         x = mx.random.normal((n, H), key=mx.random.key(n))
-        picks = mx.array(np.stack([rng.permutation(E)[:k] for _ in range(n)]), dtype=mx.uint32)
+        picks = random_picks(n, E, k, rng)
         best = {}
         for name, f in (("gather_qmm_s", _switch_glu), ("blas_s", _switch_glu_blas)):
             mx.eval(f(x, w, picks, kernel))

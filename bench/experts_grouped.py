@@ -17,7 +17,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from bench.common import write_result
+from bench.common import expert_shape_arguments, random_experts, random_picks, write_result
 from streamoe.formats.record import ExpertWeights
 from streamoe.runtime.models import kernels
 
@@ -80,10 +80,7 @@ def measure(x: mx.array, w: ExpertWeights, inds: mx.array, kernel: kernels.Exper
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--inter", type=int, default=512)
-    ap.add_argument("--top-k", type=int, default=8)
+    expert_shape_arguments(ap)
     ap.add_argument("--tokens", default="256,1024")
     ap.add_argument("--bits", default="4,3")
     ap.add_argument("--rows", default="8,16,32")
@@ -95,16 +92,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     out = []
     for bits in (int(b) for b in a.bits.split(",")):
-        def quantized(shape, key, bits=bits):
-            wq, s, b = mx.quantize(mx.random.normal(shape, key=mx.random.key(key)) * 0.02, group_size=64, bits=bits)
-            return wq, s.astype(dt), b.astype(dt)
-
-        w = ExpertWeights(*quantized((E, inter, H), 1), *quantized((E, inter, H), 2), *quantized((E, H, inter), 3))
-        mx.eval(*w[:9])
+        w = random_experts(E, H, inter, bits, dt)
         kernel = kernels.ExpertKernel(bits, 64)
         for n in (int(t) for t in a.tokens.split(",")):
             x = (mx.random.normal((n, H), key=mx.random.key(n)) * 0.5).astype(dt)
-            inds = mx.array(np.stack([rng.permutation(E)[:k] for _ in range(n)]), dtype=mx.uint32)
+            inds = random_picks(n, E, k, rng)
             row = {"bits": bits, "tokens": n, **measure(x, w, inds, kernel, E, a.rows, a.repeats)}
             print(row, flush=True)
             out.append(row)

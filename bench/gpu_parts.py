@@ -39,6 +39,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from bench.experts_grouped import grouped, host_groups
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.models import delta_rule, kernels
 
@@ -69,29 +70,6 @@ def at_offsets(f, caches: list):
             for c, o in zip(caches, offs, strict=True):
                 c.offset = o
     return g
-
-
-def by_expert(inds: np.ndarray, rows: int = 16) -> tuple[mx.array, mx.array, mx.array]:
-    """Group (token, pick) pairs by expert, `rows` to a group (a group per `rows` pairs of an expert, padded with
-    token 0): (each group's expert [G], each grouped row's token [G * rows], each pair's grouped row [T * k])."""
-    flat = inds.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    experts, src, back = [], [], np.empty(flat.size, dtype=np.uint32)
-    for e in np.unique(flat):
-        pairs = order[flat[order] == e]
-        for a in range(0, pairs.size, rows):
-            part = pairs[a:a + rows]
-            back[part] = len(src) + np.arange(part.size)
-            experts.append(e)
-            src.extend(list(part // inds.shape[-1]) + [0] * (rows - part.size))
-    return (mx.array(np.array(experts, dtype=np.uint32)), mx.array(np.array(src, dtype=np.uint32)), mx.array(back))
-
-
-def grouped_experts(x: mx.array, w, groups: tuple[mx.array, mx.array, mx.array], kernel, k: int) -> mx.array:
-    """The routed experts [T, k, H] of tokens x [T, H], each group of rows one `gather_qmm` batch of M rows."""
-    experts, src, back = groups
-    y = kernels.expert_glu(x[src].reshape(experts.size, -1, x.shape[-1]), w, experts, kernel)
-    return y.reshape(-1, x.shape[-1])[back].reshape(x.shape[0], k, x.shape[-1])
 
 
 def parts(eng: Engine, ref, ref_cache: list, tokens: int = 1) -> dict:
@@ -137,9 +115,9 @@ def parts(eng: Engine, ref, ref_cache: list, tokens: int = 1) -> dict:
     if tokens > 1:  # a prefill block
         x0 = (mx.random.normal((tokens, lm.args.hidden_size), key=mx.random.key(0)) * 0.5).astype(eng.dtype)
         inds = m.route(ours_l[g].mlp.gate(x0))[0]
-        groups = by_expert(np.array(inds), 16)
+        groups = host_groups(np.array(inds), 16)
         w, k = ex.layer_weights[g], inds.shape[-1]
-        diff = mx.abs(kernels.switch_glu(x0, w, inds, ex.kernel) - grouped_experts(x0, w, groups, ex.kernel, k)).max()
+        diff = mx.abs(kernels.switch_glu(x0, w, inds, ex.kernel) - grouped(x0, w, groups, ex.kernel, k)).max()
         print("experts_grouped_max_abs_diff", diff.item(), "groups", groups[0].size, flush=True)
         return {
             "gdn_mixer": (lambda x: ours_l[g].mix(x, c[g], m.rope, None)[0], lambda x: ref_mix(g, x)),
@@ -148,7 +126,7 @@ def parts(eng: Engine, ref, ref_cache: list, tokens: int = 1) -> dict:
             "moe_block_and_residual": (lambda x: ours_l[g].mlp(g, x, ex, x), lambda x: x + refs_l[g].mlp(x)),
             "routed_experts_only": (lambda x: routed(g, x), lambda x: _ref_routed(refs_l[g].mlp, x)),
             "experts_per_pick": (lambda x: kernels.switch_glu(x.reshape(-1, x.shape[-1]), w, inds, ex.kernel), None),
-            "experts_grouped": (lambda x: grouped_experts(x.reshape(-1, x.shape[-1]), w, groups, ex.kernel, k), None),
+            "experts_grouped": (lambda x: grouped(x.reshape(-1, x.shape[-1]), w, groups, ex.kernel, k), None),
         }
     return {
         "gdn_mixer": (lambda x: ours_l[g].mix(x, c[g], m.rope, None)[0], lambda x: ref_mix(g, x)),
