@@ -117,7 +117,7 @@ def parts(eng: Engine, ref, ref_cache: list, tokens: int = 1) -> dict:
         inds = m.route(ours_l[g].mlp.gate(x0))[0]
         groups = host_groups(np.array(inds), 16)
         w, k = ex.layer_weights[g], inds.shape[-1]
-        diff = mx.abs(kernels.switch_glu(x0, w, inds, ex.kernel) - grouped(x0, w, groups, ex.kernel, k)).max()
+        diff = mx.abs(kernels._switch_glu(x0, w, inds, ex.kernel) - grouped(x0, w, groups, ex.kernel, k)).max()
         print("experts_grouped_max_abs_diff", diff.item(), "groups", groups[0].size, flush=True)
         return {
             "gdn_mixer": (lambda x: ours_l[g].mix(x, c[g], m.rope, None)[0], lambda x: ref_mix(g, x)),
@@ -125,7 +125,7 @@ def parts(eng: Engine, ref, ref_cache: list, tokens: int = 1) -> dict:
                                 at_offsets(lambda x: ref_mix(a, x), [rc[a]])),
             "moe_block_and_residual": (lambda x: ours_l[g].mlp(g, x, ex, x), lambda x: x + refs_l[g].mlp(x)),
             "routed_experts_only": (lambda x: routed(g, x), lambda x: _ref_routed(refs_l[g].mlp, x)),
-            "experts_per_pick": (lambda x: kernels.switch_glu(x.reshape(-1, x.shape[-1]), w, inds, ex.kernel), None),
+            "experts_per_pick": (lambda x: kernels._switch_glu(x.reshape(-1, x.shape[-1]), w, inds, ex.kernel), None),
             "experts_grouped": (lambda x: grouped(x.reshape(-1, x.shape[-1]), w, groups, ex.kernel, k), None),
         }
     return {

@@ -346,13 +346,14 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool =
                      a.num_experts + 2 * a.shared_expert_intermediate_size + 1)
     rows = max(widest_in + 2 * widest_out, a.num_experts_per_tok * (H + 2 * a.moe_intermediate_size))
     dequant = 4 * (BLAS_BLOCK * widest_in + chunk * rows) if blas and chunk >= BLAS_TOKENS else 0
-    # a GPU's prefill step grouped by expert (`kernels._switch_glu_grouped`), the padding rows too: at most a batch
-    # row's input, gate and up outputs alive at once (then its activation and output)
+    # CUDA's prefill step grouped by expert (`kernels._switch_glu_grouped`), the padding rows too: every batch row's
+    # input and output alive with its gate and up outputs, 2 (H + I) a row (the path's peak on the CPU backend, 64
+    # tokens of 64 experts of 2048 x 512, float32: 35.7 MB = these 31.5 + the [T, k, H] output counted in `moe`)
     pairs = chunk * a.num_experts_per_tok
     batch_rows = 0
     if grouped and pairs >= GROUP_PAIRS * a.num_experts:
         rows, batches = grouped_batches(pairs, a.num_experts)
-        batch_rows = rows * batches * (H + 2 * a.moe_intermediate_size)
+        batch_rows = rows * batches * 2 * (H + a.moe_intermediate_size)
     return int(1.5 * (hidden + max(attn, gdn) + moe + batch_rows + logits) * item) + dequant
 
 

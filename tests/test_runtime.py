@@ -442,11 +442,17 @@ def test_a_reset_takes_no_second_kv_cache_and_leaves_no_trace(tiny_conv):
 def test_a_chunk_of_many_blocks_stays_inside_its_activation_account(small_conv, monkeypatch):
     """A capped prefill chunk runs its layers block by block (`kernels.run_layers`); MLX's peak over it, beyond
     what the engine held, stays within the plan's activation account, which holds one block's temporaries and the
-    chunk's residual rows. A block is queued only once the one before it is computed: on a GPU, whose host queues
-    blocks faster than the device runs them, a layer's blocks otherwise all held their temporaries at once."""
+    chunk's residual rows. A block is queued only once the one before it is settled: on a GPU, whose host queues
+    blocks faster than the device runs them, a layer's blocks otherwise all held their temporaries at once (this
+    CPU keeps pace with its host, so here the count of settled blocks shows it: two waits a block after the first,
+    one before its routing and one before its experts, in every layer)."""
     from streamoe.runtime import plan as plan_mod
+    from streamoe.runtime.models import kernels
 
     monkeypatch.setattr(plan_mod, "PREFILL_STEP", 16)
+    settled = []
+    settle = kernels.settle
+    monkeypatch.setattr(kernels, "settle", lambda x: (settled.append(x.shape), settle(x)))
     opts = dict(ctx=640, prefill_chunk="auto", runtime_bytes=RUNTIME)
     base = plan_for(small_conv, Options(cap_gib=64, **opts))
     eng = Engine(small_conv, Options(cap_gib=(base.fixed + 128 * base.slot_bytes + 1) / 2**30, **opts))
@@ -457,6 +463,9 @@ def test_a_chunk_of_many_blocks_stays_inside_its_activation_account(small_conv, 
     mx.eval(eng.prefill(ids))
     work = mx.get_peak_memory() - held
     assert 0 < work <= eng.plan.accounts["activations"], (work, eng.plan.accounts["activations"])
+    blocks, layers = -(-len(ids) // 16), eng.args.num_hidden_layers
+    attention = sum(1 for c in eng.conversation.caches if hasattr(c, "keys"))  # a KV write waits for its block too
+    assert len(settled) == (2 * layers + attention) * (blocks - 1), (len(settled), blocks, layers, attention)
     eng.close()
 
 

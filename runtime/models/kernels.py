@@ -563,12 +563,12 @@ def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
     followed by its projection's bias where the experts have them. On the CPU backend the picks are split over
     `streams` (`cpu_streams`, one core each); every (token, pick) row is computed by the same kernel whatever the
     split, so results do not depend on it. Small experts stay on one stream: below SPLIT_ROWS x 512 weights per matrix a stream hop
-    costs more than it saves. On CUDA a call of GROUP_PAIRS pairs an expert or more (a prefill step) goes grouped by
-    expert (`_switch_glu_grouped`), with the same bits (measured there; Metal's kernels, not measured, keep the
-    per-pair path)."""
+    costs more than it saves. On CUDA a call of GROUP_PAIRS pairs an expert or more (a prefill step) of affine
+    experts goes grouped by expert (`_switch_glu_grouped`), with the same bits (measured there; MXFP4's kernels and
+    Metal's, not measured, keep the per-pair path)."""
     if x.shape[0] >= kernel.blas_tokens and mx.default_device() == mx.cpu:
         return _switch_glu_blas(x, w, slots, kernel)
-    if kernel.n_experts and slots.size >= GROUP_PAIRS * kernel.n_experts and _on_cuda():
+    if kernel.n_experts and kernel.mode == "affine" and slots.size >= GROUP_PAIRS * kernel.n_experts and _on_cuda():
         return _switch_glu_grouped(x, w, slots, kernel)
     if PICKS_PER_CALL and slots.shape[-1] > PICKS_PER_CALL and mx.default_device() != mx.cpu:
         return _by_picks(x, w, slots, kernel, -(-slots.shape[-1] // PICKS_PER_CALL))
