@@ -775,7 +775,7 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     hold about two rows of the residual stream each, not the routing's intermediates
     (`plan.chunk_token_bytes`): a longer chunk fits the same memory, and each is one read of its experts.
 
-    A block is queued once the block before it is computed: a GPU's host builds and queues blocks far faster than
+    A block is queued once the block before it is settled: a GPU's host builds and queues blocks far faster than
     the device runs them, and a queued block's temporaries are allocated as it is queued, so a layer's blocks could
     all hold theirs at once (on the H200, q3 at `--cap 4`, an 8K-token chunk of 33 blocks: MLX's peak 1.8 GB
     above what the engine held, against an activation account of 0.4 GB for one block). Building a block's graph,
