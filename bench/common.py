@@ -142,15 +142,23 @@ def expert_shape_arguments(ap) -> None:
     ap.add_argument("--top-k", type=int, default=8)
 
 
-def random_experts(n: int, hidden: int, inter: int, bits: int, dtype=mx.float32) -> ExpertWeights:
-    """n stacked random affine experts (group 64), scales and biases at `dtype`, evaluated."""
+def random_experts(n: int, hidden: int, inter: int, bits: int, dtype=mx.float32, mode: str = "affine") -> ExpertWeights:
+    """n stacked random experts, evaluated: affine (group 64, scales and biases at `dtype`), or MXFP4 (group 32, uint8
+    scales) with per-expert projection biases at `dtype`, as gpt-oss's."""
+    group = 32 if mode == "mxfp4" else 64
+
     def quantized(shape, key):
-        wq, s, b = mx.quantize(mx.random.normal(shape, key=mx.random.key(key)) * 0.02, group_size=64, bits=bits)
-        return wq, s.astype(dtype), b.astype(dtype)
+        q = mx.quantize(mx.random.normal(shape, key=mx.random.key(key)) * 0.02, group_size=group, bits=bits, mode=mode)
+        if mode == "affine":
+            return q[0], q[1].astype(dtype), q[2].astype(dtype)
+        return q[0], q[1], None
+
+    def bias(rows, key):
+        return (mx.random.normal((n, rows), key=mx.random.key(key)) * 0.1).astype(dtype) if mode == "mxfp4" else None
 
     w = ExpertWeights(*quantized((n, inter, hidden), 1), *quantized((n, inter, hidden), 2),
-                      *quantized((n, hidden, inter), 3))
-    mx.eval(*w[:9])
+                      *quantized((n, hidden, inter), 3), bias(inter, 4), bias(inter, 5), bias(hidden, 6))
+    mx.eval([a for a in w if a is not None])
     return w
 
 

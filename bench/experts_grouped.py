@@ -1,12 +1,12 @@
-"""The routed experts of one prefill step on the device: the engine's `gather_qmm` over one batch per (token, pick)
-(MLX's CUDA kernel then runs a one-row GEMM per pair, each re-reading its expert's codes) against the same pairs
-grouped by expert, `rows` to a `gather_qmm` batch (each expert's codes read once per batch), grouped on the host
-(exactly as many batches as needed) or on the device (`kernels.group_by_expert`: a fixed number of batches, no
-host round trip). Random experts of a family's real shapes (default Qwen3.6: 256 experts of 2048 x 512, top-8),
-4- and 3-bit, random picks. Each variant's largest difference from the engine's path is reported, and whether its
-rows are bit-identical to it.
+"""The routed experts of one prefill step on the device: `gather_qmm` over one batch per (token, pick), the
+per-pair path (MLX's CUDA kernel then runs a one-row GEMM per pair, each re-reading its expert's codes), against
+the same pairs grouped by expert, `rows` to a `gather_qmm` batch (each expert's codes read once per batch), grouped
+on the host (exactly as many batches as needed) or on the device (`kernels.group_by_expert`: a fixed number of
+batches, no host round trip; the engine's path on CUDA). Random experts of a family's real shapes (default
+Qwen3.6: 256 experts of 2048 x 512, top-8), 4- and 3-bit affine or gpt-oss's MXFP4 with biases, random picks. Each
+variant's largest difference from the per-pair path is reported, and whether its rows are bit-identical to it.
 
-    python -m bench.experts_grouped [--tokens 256,1024] [--bits 4,3] [--rows 8,16,32] [--dtype bfloat16]
+    python -m bench.experts_grouped [--tokens 256,1024] [--formats q4,q3,mxfp4] [--rows 8,16,32] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     expert_shape_arguments(ap)
     ap.add_argument("--tokens", default="256,1024")
-    ap.add_argument("--bits", default="4,3")
+    ap.add_argument("--formats", default="q4,q3", help="q4, q3 (affine, group 64), mxfp4 (gpt-oss's, with biases)")
     ap.add_argument("--rows", default="8,16,32")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of each variant (the fastest counts)")
@@ -91,13 +91,15 @@ def main() -> None:
     E, H, inter, k, dt = a.experts, a.hidden, a.inter, a.top_k, getattr(mx, a.dtype)
     rng = np.random.default_rng(0)
     out = []
-    for bits in (int(b) for b in a.bits.split(",")):
-        w = random_experts(E, H, inter, bits, dt)
-        kernel = kernels.ExpertKernel(bits, 64)
+    for fmt in a.formats.split(","):
+        mode, bits = ("mxfp4", 4) if fmt == "mxfp4" else ("affine", int(fmt[1:]))
+        w = random_experts(E, H, inter, bits, dt, mode)
+        act = kernels.clamped_swiglu(1.702, 7.0) if mode == "mxfp4" else kernels.swiglu
+        kernel = kernels.ExpertKernel(bits, 32 if mode == "mxfp4" else 64, mode, act)
         for n in (int(t) for t in a.tokens.split(",")):
             x = (mx.random.normal((n, H), key=mx.random.key(n)) * 0.5).astype(dt)
             inds = random_picks(n, E, k, rng)
-            row = {"bits": bits, "tokens": n, **measure(x, w, inds, kernel, E, a.rows, a.repeats)}
+            row = {"format": fmt, "bits": bits, "tokens": n, **measure(x, w, inds, kernel, E, a.rows, a.repeats)}
             print(row, flush=True)
             out.append(row)
     write_result(a.name, "experts_grouped", [{"experts": E, "hidden": H, "inter": inter, "top_k": k,

@@ -166,6 +166,7 @@ case "$1" in
     ;;
   grouped)
     python3 -m bench.experts_grouped --tokens "${TOKENS:-256,1024,4096}" --rows "${ROWS:-8,16,32,64}" --dtype "${DTYPE:-bfloat16}" \
+      --formats "${FORMATS:-q4,q3}" \
       --name "$OUT/experts-grouped-h200-${DTYPE:-bfloat16}" | grep -v '^ '
     ;;
   compare)
