@@ -12,7 +12,8 @@ engine (raw tokens of a fixed English text, repeated to the length), and
   right before and right after the run and averaged (the disk drifts), and `of_disk_bound` = (bytes read / that
   speed) / prefill time: near 1, the prefill runs at the disk's speed;
 - the plan's chunk, hot tier and activation account, what the prefill allocated at its peak beyond what the
-  engine held before it (`prefill_work_mib`, against the activation account), and the peak resident set.
+  engine held before it (`prefill_work_mib`; `work_within_account`: no more than the activation account), MLX's
+  peak in all (`mlx_peak_gib`, against the cap) and the peak resident set.
 A cap is GiB, `slots:N` (the hot tier holds N experts at the smallest chunk), `quarter` (a quarter of every
 expert) or `resident` (every expert in memory: the prefill's compute alone). `--cgroup` also runs each case as
 `streamoe run` inside a cgroup-v1 memory group whose limit is the cap (root): `cgroup_peak` against the cap,
@@ -98,6 +99,8 @@ def one(model: Path, ids: list[int], cap: float, ctx: int, experts: str, dtype: 
                 "chunks": len(pre), "cap_gib": round(cap, 4), "resident": eng.experts.resident, "hot_slots": plan.hot_slots,
                 "activations_mib": round(plan.accounts["activations"] / 2**20, 1),
                 "prefill_work_mib": round(work / 2**20, 1),  # MLX's peak over the prefill beyond what the engine held
+                "work_within_account": work <= plan.accounts["activations"],
+                "mlx_peak_gib": round((held + work) / 2**30, 4),  # against the cap (the device's, on split memory)
                 "prefill_s": round(dt, 3), "tok_s": round(len(ids) / dt, 1), "bytes_read": read,
                 "sweeps": round(read / sweep, 3), "read_vs_needed": round(read / needed, 4) if needed else None,
                 "distinct_picks": sum(ly.picks for ly in lay), "read_ahead_picked": sum(ly.hits_prefetch for ly in lay),
