@@ -42,7 +42,9 @@
 #                                at the same expert budget and resident mlx-lm (bench/prefill_peers.py; PROMPTS=, ENGINES=)
 #   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile, as is and with MLX's CUDA graphs
 #                                cut by operation count only, or off: where a capped token's host time goes
-# A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`.
+# A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`. The
+# whole `gputest` takes over 500 s there (beside `setup`, more): cut it (GPUTEST_LIMIT) and run `gpurest` next. A
+# machine idle for 30 s between calls is given back (and everything installed on it lost): plan the next call first.
 # (Saving the compiled kernels for the next lease does not work: 55 MB compressed, more than a lease sends back.)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
