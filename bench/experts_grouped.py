@@ -38,12 +38,6 @@ def host_groups(inds: np.ndarray, rows: int) -> tuple[mx.array, mx.array, mx.arr
     return (mx.array(np.array(experts, dtype=np.uint32)), mx.array(np.array(src, dtype=np.uint32)), mx.array(back))
 
 
-def grouped(x: mx.array, w: ExpertWeights, groups, kernel: kernels.ExpertKernel, k: int) -> mx.array:
-    experts, src, back = groups
-    y = kernels.expert_glu(x[src].reshape(experts.size, -1, x.shape[-1]), w, experts, kernel)
-    return y.reshape(-1, x.shape[-1])[back].reshape(x.shape[0], k, x.shape[-1])
-
-
 def timed(f, repeats: int) -> float:
     mx.eval(f())
     best = float("inf")
@@ -56,7 +50,6 @@ def timed(f, repeats: int) -> float:
 
 def measure(x: mx.array, w: ExpertWeights, inds: mx.array, kernel: kernels.ExpertKernel, n_experts: int, rows: str,
             repeats: int) -> dict:
-    k = inds.shape[-1]
     ref = kernels._switch_glu(x, w, inds, kernel)
     row = {"per_pick_ms": timed(lambda: kernels._switch_glu(x, w, inds, kernel), repeats)}
     for r in (int(v) for v in rows.split(",")):
@@ -69,9 +62,9 @@ def measure(x: mx.array, w: ExpertWeights, inds: mx.array, kernel: kernels.Exper
         for name, make in ((f"host_rows{r}", by_host), (f"device_rows{r}", on_device)):
             groups = make()
             mx.eval(groups)
-            y = grouped(x, w, groups, kernel, k)
-            row[f"{name}_ms"] = timed(lambda groups=groups: grouped(x, w, groups, kernel, k), repeats)
-            row[f"{name}_with_grouping_ms"] = timed(lambda make=make: grouped(x, w, make(), kernel, k), repeats)
+            y = kernels.in_batches(x, w, groups, kernel)
+            row[f"{name}_ms"] = timed(lambda groups=groups: kernels.in_batches(x, w, groups, kernel), repeats)
+            row[f"{name}_with_grouping_ms"] = timed(lambda make=make: kernels.in_batches(x, w, make(), kernel), repeats)
             row[f"{name}_batches"] = groups[0].size
             row[f"{name}_max_abs_diff"] = mx.abs(y.astype(mx.float32) - ref.astype(mx.float32)).max().item()
             row[f"{name}_bit_identical"] = bool(mx.array_equal(y, ref).item())

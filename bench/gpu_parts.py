@@ -39,7 +39,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from bench.experts_grouped import grouped, host_groups
+from bench.experts_grouped import host_groups
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.models import delta_rule, kernels
 
@@ -116,8 +116,8 @@ def parts(eng: Engine, ref, ref_cache: list, tokens: int = 1) -> dict:
         x0 = (mx.random.normal((tokens, lm.args.hidden_size), key=mx.random.key(0)) * 0.5).astype(eng.dtype)
         inds = m.route(ours_l[g].mlp.gate(x0))[0]
         groups = host_groups(np.array(inds), 16)
-        w, k = ex.layer_weights[g], inds.shape[-1]
-        diff = mx.abs(kernels._switch_glu(x0, w, inds, ex.kernel) - grouped(x0, w, groups, ex.kernel, k)).max()
+        w = ex.layer_weights[g]
+        diff = mx.abs(kernels._switch_glu(x0, w, inds, ex.kernel) - kernels.in_batches(x0, w, groups, ex.kernel)).max()
         print("experts_grouped_max_abs_diff", diff.item(), "groups", groups[0].size, flush=True)
         return {
             "gdn_mixer": (lambda x: ours_l[g].mix(x, c[g], m.rope, None)[0], lambda x: ref_mix(g, x)),
@@ -126,7 +126,7 @@ def parts(eng: Engine, ref, ref_cache: list, tokens: int = 1) -> dict:
             "moe_block_and_residual": (lambda x: ours_l[g].mlp(g, x, ex, x), lambda x: x + refs_l[g].mlp(x)),
             "routed_experts_only": (lambda x: routed(g, x), lambda x: _ref_routed(refs_l[g].mlp, x)),
             "experts_per_pick": (lambda x: kernels._switch_glu(x.reshape(-1, x.shape[-1]), w, inds, ex.kernel), None),
-            "experts_grouped": (lambda x: grouped(x.reshape(-1, x.shape[-1]), w, groups, ex.kernel, k), None),
+            "experts_grouped": (lambda x: kernels.in_batches(x.reshape(-1, x.shape[-1]), w, groups, ex.kernel), None),
         }
     return {
         "gdn_mixer": (lambda x: ours_l[g].mix(x, c[g], m.rope, None)[0], lambda x: ref_mix(g, x)),

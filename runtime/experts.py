@@ -632,7 +632,7 @@ class StreamingExperts:
                 self.ahead[key] = f
                 continue
             entry = f.result()
-            copies.append((s, self.store.record(entry), lambda e=entry: self.store.release(e)))
+            copies.append((s, self.store.record(entry), functools.partial(self.store.release, entry)))
             self.copied[key] = s
             if st is not None:
                 st.bytes_host += self.lay.stride

@@ -592,11 +592,17 @@ def _switch_glu_grouped(x, w, slots, kernel: ExpertKernel):
     CUDA kernel ignores `sorted_indices`: one one-row GEMM per pair). Every row bit-identical to `_switch_glu`'s
     (affine 4- and 3-bit, bfloat16 and float32, on the H200: `bench/experts_grouped.py`); a Qwen3.6 step of 256
     tokens 2.8x (q4) and 3.6x (q3) faster there, 1,024 tokens 5.6x and 9x."""
-    n, k = slots.shape
-    rows, _ = grouped_batches(n * k, kernel.n_experts)
-    experts, src, back = group_by_expert(slots, rows, kernel.n_experts)
-    y = expert_glu(x[src].reshape(experts.size, rows, x.shape[-1]), w, experts, kernel)
-    return y.reshape(-1, x.shape[-1])[back].reshape(n, k, x.shape[-1])
+    rows, _ = grouped_batches(slots.size, kernel.n_experts)
+    return in_batches(x, w, group_by_expert(slots, rows, kernel.n_experts), kernel)
+
+
+def in_batches(x: mx.array, w: ExpertWeights, groups: tuple[mx.array, mx.array, mx.array],
+               kernel: ExpertKernel) -> mx.array:
+    """The routed experts [T, k, H] of tokens x [T, H] computed in the batches of `groups` (`group_by_expert`'s, or
+    any grouping of that form), one `gather_qmm` batch each, and put back in (token, pick) order."""
+    experts, src, back = groups
+    y = expert_glu(x[src].reshape(experts.size, -1, x.shape[-1]), w, experts, kernel)
+    return y.reshape(-1, x.shape[-1])[back].reshape(x.shape[0], -1, x.shape[-1])
 
 
 def _switch_glu(x, w, slots, kernel: ExpertKernel):
@@ -622,18 +628,23 @@ def grouped_batches(pairs: int, n_experts: int) -> tuple[int, int]:
     `bench/experts_grouped.py`); batches as `group_by_expert` makes them, fixed by the shapes."""
     per_expert = pairs / n_experts
     rows = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
-    return rows, -(-pairs // rows) + min(n_experts, pairs)
+    return rows, batch_bound(pairs, rows, n_experts)
+
+
+def batch_bound(pairs: int, rows: int, n_experts: int) -> int:
+    """The batches `group_by_expert` makes of `pairs` pairs, `rows` a batch: a layer's slots hold distinct experts,
+    and each expert's pairs fill all its batches but one."""
+    return -(-pairs // rows) + min(n_experts, pairs)
 
 
 def group_by_expert(slots: mx.array, rows: int, n_experts: int) -> tuple[mx.array, mx.array, mx.array]:
     """The (token, pick) pairs of `slots` [T, k] grouped by slot, `rows` pairs to a batch, on the device (no host
     round trip): (each batch's slot [G], each batch row's token [G * rows], each pair's batch row [T * k]). G is
-    fixed by the shapes, ceil(T k / rows) + min(n_experts, T k) (a layer's slots hold distinct experts, each with at
-    most one part-filled batch); the batches beyond those the picks need, and the rows beyond a slot's pairs, are
-    slot 0's and token 0's, computed and not used."""
+    fixed by the shapes (`batch_bound`); the batches beyond those the picks need, and the rows beyond a slot's
+    pairs, are slot 0's and token 0's, computed and not used."""
     t, k = slots.shape
     pairs = t * k
-    n_batches = -(-pairs // rows) + min(n_experts, pairs)  # each slot's pairs fill all its batches but one
+    n_batches = batch_bound(pairs, rows, n_experts)
     flat = slots.reshape(-1).astype(mx.uint32)
     order = mx.argsort(flat).astype(mx.uint32)
     by_slot = flat[order]
