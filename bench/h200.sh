@@ -27,7 +27,8 @@
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
 #   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy), 11 rounds: best runs
-#   bash bench/h200.sh prefill   # long prompts (2K, 8K, 32K tokens) resident (compute alone) and at --cap 4, q4 and q3: prefill time against the disk
+#   bash bench/h200.sh prefill   # long prompts (2K, 8K, 32K tokens; PROMPTS=) at --cap 4, q4 and q3 (EXPERTS=q4: q4 only), and q4 resident
+#                                (compute alone): prefill time against the disk
 #   bash bench/h200.sh longctx   # --ctx 131072 at --cap 4 with bf16, q8 and q4 KV side by side: plan, hot tier, decode
 #   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
 #   bash bench/h200.sh hosttier  # (after setup) --cap 4 without and with a host tier (--host-cap 24, 8), and 8 / 16: tok/s
@@ -49,6 +50,7 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 S=/root/bench
+EXPERTS=${EXPERTS:-q4,q3}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
 export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1
@@ -65,7 +67,7 @@ case "$1" in
     ;;
   setup)
     [ -f "$S/full-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/full-ckpt" --size full 2>/dev/null
-    [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts "${EXPERTS:-q4,q3}" 2>/dev/null
+    [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts "$EXPERTS" 2>/dev/null
     ;;
   gputest)
     python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=150 -m gpu tests/test_gpu_families.py \
@@ -108,10 +110,10 @@ case "$1" in
       --name "$OUT/sampling-resident-h200" | grep -v '^ '
     ;;
   prefill)
-    python3 -m bench.prefill --model "$S/full-conv" --caps resident,4 --experts q4 --prompts 2048,8192,32768 --warmup 512 \
-      --out "$OUT/prefill-h200-q4" | grep -v '^ '
-    python3 -m bench.prefill --model "$S/full-conv" --caps 4 --experts q3 --prompts 2048,8192 --warmup 512 \
-      --out "$OUT/prefill-h200-q3" | grep -v '^ '
+    for q in ${EXPERTS//,/ }; do
+      python3 -m bench.prefill --model "$S/full-conv" --caps "$([ $q = q4 ] && echo resident,4 || echo 4)" --experts $q \
+        --prompts "${PROMPTS:-2048,8192,32768}" --warmup 512 --out "$OUT/prefill-h200-$q" | grep -v '^ '
+    done
     ;;
   longctx)
     python3 -m bench.long_context "$S/full-conv" --cap 4 --ctx 131072 --kv bfloat16,q8,q4 --out "$OUT/long-context-h200.json" \
