@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # streamoe on the H200 machine with MLX's CUDA backend (shared/device/README.md installs MLX into /root/site;
 # the project runs from the repository root: no install needed). Writes results under $OUT. From the repo root:
+#   STEPS="..." bash bench/h200.sh lease  # a whole lease as one command, resent unchanged in every call (see `lease` below)
 #   bash bench/h200.sh stage     # (carry .whl1, then .whl2, made here by bench/h200_wheels.sh) a part of the wheels
 #   bash bench/h200.sh install   # (carry .whl3, the next call) the wheels joined and installed into /root/site
 #   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3; EXPERTS=q4: q4 only) into /root/bench
@@ -55,7 +56,42 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
 export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1
 cd "$REPO"
+PYTEST="python3 -m pytest -vv -rA --tb=short -p no:cacheprovider --timeout=${TEST_LIMIT:-240} -m gpu"  # a hung test: its stack
 case "$1" in
+  lease)
+    # The same command in every call of a lease, so nothing has to be decided between calls (an idle machine is
+    # given back after 30 s): `STEPS="gpurest rounds+VARIANTS=picks_by_four prefill+EXPERTS=q4" bash bench/h200.sh lease`,
+    # carrying .whl1, .whl2 and .whl3 in the first three calls. It stages and installs the wheels, runs `setup` beside
+    # the steps that need no checkpoint, then the steps in order (STEP+VAR=value+...: the step with those settings), each
+    # once per machine, each cut at the call's end (LIMIT seconds, 560). Resend it until it prints "lease: all done".
+    D=/root/lease; mkdir -p "$D"; end=$((SECONDS + ${LIMIT:-560}))
+    if [ ! -f "$D/installed" ]; then
+      bash "$0" stage
+      if ! ls /root/stage/*.whl.part.ac >/dev/null 2>&1; then echo "lease: staged; send the next wheels"; exit 0; fi
+      bash "$0" install && touch "$D/installed"
+    fi
+    setup=""
+    if [ ! -f "$D/setup.done" ]; then
+      { timeout $((end - SECONDS)) bash "$0" setup > "$OUT/setup.log" 2>&1 && touch "$D/setup.done"; } &
+      setup=$!
+    fi
+    for step in ${STEPS:?STEPS=the steps to run}; do
+      mark="$D/${step//[^A-Za-z0-9_.=-]/_}"
+      [ -f "$mark" ] && continue
+      case "${step%%+*}" in gputest|gpurest|gpuqmm|grouped|devcpu|sampling-small|family) ;;
+        *) [ -z "$setup" ] || wait "$setup" || true; setup=""
+           [ -f "$D/setup.done" ] || { echo "lease: $step skipped: no checkpoint (setup.log)"; continue; } ;;
+      esac
+      [ $((end - SECONDS)) -gt 20 ] || break
+      echo "lease: $step ($((end - SECONDS)) s left)"
+      name=${step%%+*}; settings=""; [ "$step" = "$name" ] || settings=${step#*+}
+      rc=0; timeout $((end - SECONDS)) env ${settings//+/ } bash "$0" "$name" || rc=$?
+      echo "$rc" > "$mark"; echo "lease: $step rc $rc"
+    done
+    [ -z "$setup" ] || wait "$setup" || true
+    for step in $STEPS; do [ -f "$D/${step//[^A-Za-z0-9_.=-]/_}" ] || { echo "lease: not done: $step"; exit 0; }; done
+    echo "lease: all done"
+    ;;
   stage)
     mkdir -p /root/stage && cp .whl?/* /root/stage/
     ;;
@@ -70,12 +106,10 @@ case "$1" in
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts "$EXPERTS" 2>/dev/null
     ;;
   gputest)
-    python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=150 -m gpu tests/test_gpu_families.py \
-      tests/test_gpu.py 2>&1 | tee "$OUT/gputest-h200.log"
+    $PYTEST tests/test_gpu_families.py tests/test_gpu.py 2>&1 | tee "$OUT/gputest-h200.log"
     ;;
   gpurest)
-    python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py \
-      -k "quantized_kv or float32_matmul or upload_ring or in_place or delta_rule or one_group or grouped or many_blocks" 2>&1 | tee "$OUT/gputest-rest-h200.log"
+    $PYTEST tests/test_gpu.py -k "quantized_kv or float32_matmul or upload_ring or in_place or delta_rule or one_group or grouped or many_blocks" 2>&1 | tee "$OUT/gputest-rest-h200.log"
     ;;
   gpuqmm)
     { python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=100 -m gpu tests/test_gpu.py -k "one_group or quantized_kv" || true
