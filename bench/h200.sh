@@ -185,11 +185,12 @@ case "$1" in
     # the checkpoint, mlx-vlm's repack of it and the q4 conversion: 57 GB of the 64 GiB disk, so the repack first
     # (it wants twice the checkpoint's size free) and the Qwen3.6 directories of `setup` are reused, not duplicated
     [ -f "$S/full-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/full-ckpt" --size full 2>/dev/null
+    [ ! -d "$S/full-conv/experts/q3" ] || rm -rf "$S/full-conv"  # no room for q3 beside the repack: q4 again, alone
     [ -f "$S/peers/offload/offload_index.json" ] || python3 -m mlx_vlm.moe_offload --build "$S/full-ckpt" --out "$S/peers/offload"
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts q4 2>/dev/null
     python3 -m bench.prefill_peers --ckpt "$S/full-ckpt" --model "$S/full-conv" --cap 4 --prompts "${PROMPTS:-2048,8192}" \
       --experts q4 --warmup 512 --work "$S/peers" --engines "${ENGINES:-streamoe,mlx-vlm,mlx-lm}" \
-      --out "$OUT/prefill-peers-h200" | grep -v '^ '
+      --out "$OUT/prefill-peers-h200-$(echo "${PROMPTS:-2048,8192}" | tr , -)" | grep -v '^ '
     ;;
   hostprof)
     python3 -m bench.host_tier --model "$S/full-conv" --tokens 24 --work /root --profile --name "$OUT/host-tier-variants-h200" \
