@@ -8,12 +8,16 @@ a layer's misses are, and on the CPU also written straight into the slot), then 
 (`runtime/managed.py`) off and on. A fill should cost a small fraction of the read it follows. (3) The path a host
 tier could take without a host copy: records held in MLX arrays advised to stay in host memory, moved into their
 slots by the device reading them over the bus (one scatter per segment for a layer's eight, evaluated per layer);
-and the bus itself: the device reading 256 MiB of such an array into its own memory.
+and the bus itself: the device reading 256 MiB of such an array into its own memory. (4) The path with neither a
+host copy nor a kernel: CUDA's copy engine moving each segment from host memory straight into its slot's address
+(`cuMemcpyHtoDAsync`), from page-locked and from plain pageable memory (as the host tier holds records), the
+slots' bytes checked, and a kernel's read of the pools timed against pools the host never touched.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -22,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from streamoe.formats.direct import aligned_buffer
 from streamoe.formats.manifest import load_manifest
 from streamoe.runtime import managed
 from streamoe.runtime.experts import SlotPools
@@ -117,6 +122,91 @@ def hosted_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: m
             "ms_per_fill": round(1000 * dt / n, 4)}
 
 
+def cuda_driver() -> ctypes.CDLL | None:
+    return managed._driver() if mx.default_device() == mx.gpu and mx.cuda.is_available() else None
+
+
+def _cuda_ok(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what}: CUDA error {rc}")
+
+
+def pools_read_ms(arrays: list[mx.array]) -> float:
+    """The best of four reads of every pool by a kernel (a max over its bytes), ms: slow where pages sit on the host."""
+    best = float("inf")
+    for _ in range(4):
+        t = time.perf_counter()
+        mx.eval([mx.max(a.view(mx.uint8)) for a in arrays])
+        mx.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return round(1000 * best, 3)
+
+
+def driver_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.Dtype, pinned: bool) -> dict:
+    """`n` fills by CUDA's copy engine: each segment of a record copied from host memory to its slot's address
+    (`cuMemcpyHtoDAsync` on a stream of its own), eight records to a layer and one stream sync each. `pinned`: the
+    records' buffer page-locked for the GPU (`cuMemHostRegister`), else pageable, as the host tier's records are
+    (the driver bounces them through its own pinned buffers). The address of a slot comes from a host view of its
+    pool, which makes an MLX CUDA buffer managed memory: so a kernel's read of the pools is timed before the view
+    and after the copies, and the slots' bytes are checked against the records."""
+    cuda = cuda_driver()
+    row = {"path": "driver", "pinned": pinned}
+    if cuda is None:
+        return {**row, "skipped": "no CUDA driver"}
+    lay, records = store.lay, private_records(store, keys)
+    pools = SlotPools(64, lay, dtype, 1, direct=False)
+    if pools.stored != pools.dtypes:
+        pools.close()
+        return {**row, "skipped": "a segment is widened into its pool (a copy cannot convert)"}
+    row["pools_read_ms_untouched"] = pools_read_ms(pools.arrays)
+    host = aligned_buffer(len(records) * lay.stride)
+    hv = np.frombuffer(host, dtype=np.uint8)
+    for r, rec in enumerate(records):
+        hv[r * lay.stride: r * lay.stride + len(rec)] = np.frombuffer(rec, dtype=np.uint8)
+    base = hv.ctypes.data
+    if pinned:
+        cuda.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        _cuda_ok(cuda.cuMemHostRegister_v2(base, hv.nbytes, 0), "cuMemHostRegister")
+    views = [np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8) for a in pools.arrays]
+    dst = [v.ctypes.data for v in views]
+    row["pools_advised_to_device"] = all(managed._advise(cuda, d, v.nbytes, managed._SET_PREFERRED_LOCATION, host=False)
+                                         for d, v in zip(dst, views, strict=True))
+    stream = ctypes.c_void_p()
+    _cuda_ok(cuda.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
+    copy = cuda.cuMemcpyHtoDAsync_v2
+    copy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    cuda.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+
+    def land(first: int) -> None:
+        for j in range(8):
+            slot, r = (first + j) % 64, (first + j) % len(records)
+            for d, sg in zip(dst, lay.segments, strict=True):
+                _cuda_ok(copy(d + slot * sg.nbytes, base + r * lay.stride + sg.offset, sg.nbytes, stream), "cuMemcpyHtoDAsync")
+        _cuda_ok(cuda.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    try:
+        mx.synchronize()
+        for i in range(0, 16, 8):  # warm-up
+            land(i)
+        t = time.perf_counter()
+        for i in range(0, n, 8):
+            land(i)
+        dt = time.perf_counter() - t
+        land(0)
+        got = pools.bytes_at(list(range(8)))
+        row["bytes_identical"] = all(g == bytes(records[r][:len(g)]) and len(g) == lay.raw_size
+                                     for r, g in enumerate(got))
+        row["pools_read_ms_after"] = pools_read_ms(pools.arrays)
+    finally:
+        cuda.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+        cuda.cuStreamDestroy_v2(stream)
+        if pinned:
+            cuda.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+            cuda.cuMemHostUnregister(base)
+        pools.close()
+    return {**row, "fill_gbs": round(n * lay.raw_size / dt / 1e9, 3), "ms_per_fill": round(1000 * dt / n, 4)}
+
+
 def bus_gbs(mib: int = 256) -> dict:
     """The device reading a host-mapped MLX array into its own memory (an elementwise copy), GB/s."""
     a = mx.zeros((mib << 20,), dtype=mx.uint8)
@@ -159,6 +249,11 @@ def main() -> None:
     r = hosted_gbs(store, keys[:32], a.records, mx_dtype(a.dtype))
     r["fill_vs_disk"] = round(r["fill_gbs"] / disk, 2)
     rows.append({"what": "fill", "dtype": a.dtype, **r})
+    for pinned in (True, False):
+        r = driver_gbs(store, keys[:32], a.records, mx_dtype(a.dtype), pinned)
+        if "fill_gbs" in r:
+            r["fill_vs_disk"] = round(r["fill_gbs"] / disk, 2)
+        rows.append({"what": "fill", "dtype": a.dtype, **r})
     rows.append(bus_gbs())
     store.close()
     write_result(a.name, "fill", rows)
