@@ -66,8 +66,11 @@ case "$1" in
     # once per machine, each cut at the call's end (LIMIT seconds, 560). Resend it until it prints "lease: all done".
     D=/root/lease; mkdir -p "$D"; end=$((SECONDS + ${LIMIT:-560}))
     if [ ! -f "$D/installed" ]; then
-      bash "$0" stage
-      if ! ls /root/stage/*.whl.part.ac >/dev/null 2>&1; then echo "lease: staged; send the next wheels"; exit 0; fi
+      bash "$0" stage 2>/dev/null || true  # a call without wheels stages nothing
+      if ! ls /root/stage/*.whl.part.ac >/dev/null 2>&1; then
+        echo "lease: not installed; wheel parts here: $(cd /root/stage && ls -- *.part.* 2>/dev/null | sed 's/.*part\.//' | tr '\n' ' ')(carry .whl1, .whl2, .whl3 in turn)"
+        exit 0
+      fi
       bash "$0" install && touch "$D/installed"
     fi
     setup=""
