@@ -115,8 +115,8 @@ case "$1" in
     $PYTEST tests/test_gpu.py -k "quantized_kv or float32_matmul or upload_ring or in_place or delta_rule or one_group or grouped or many_blocks" 2>&1 | tee "$OUT/gputest-rest-h200.log"
     ;;
   gpuqmm)
-    { python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=100 -m gpu tests/test_gpu.py -k "one_group or quantized_kv" || true
-      python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o faulthandler_timeout=100 -m gpu tests/test_gpu_families.py; } 2>&1 \
+    { $PYTEST tests/test_gpu.py -k "one_group or quantized_kv" || true
+      $PYTEST tests/test_gpu_families.py; } 2>&1 \
       | tee "$OUT/gputest-qmm-h200.log"
     ;;
   prepare)
