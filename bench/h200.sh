@@ -56,7 +56,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
 export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1
 cd "$REPO"
-PYTEST="python3 -m pytest -vv -rA --tb=short -p no:cacheprovider --timeout=${TEST_LIMIT:-240} -m gpu"  # a hung test: its stack
+# a test past TEST_LIMIT seconds: every thread's stack, then the run ends (a timer thread: a signal would wait for MLX)
+PYTEST="python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o timeout=${TEST_LIMIT:-240} -o timeout_method=thread -m gpu"
 case "$1" in
   lease)
     # The same command in every call of a lease, so nothing has to be decided between calls (an idle machine is
@@ -112,7 +113,9 @@ case "$1" in
     $PYTEST tests/test_gpu_families.py tests/test_gpu.py 2>&1 | tee "$OUT/gputest-h200.log"
     ;;
   gpurest)
-    $PYTEST tests/test_gpu.py -k "quantized_kv or float32_matmul or upload_ring or in_place or delta_rule or one_group or grouped or many_blocks" 2>&1 | tee "$OUT/gputest-rest-h200.log"
+    # quantized KV last: on code 16549e3 and 413b791 its q4 case ran past 400 s (a hang or a slow compile)
+    { $PYTEST tests/test_gpu.py -k "float32_matmul or upload_ring or in_place or delta_rule or one_group or grouped or many_blocks" || true
+      $PYTEST tests/test_gpu.py -k quantized_kv; } 2>&1 | tee "$OUT/gputest-rest-h200.log"
     ;;
   gpuqmm)
     { $PYTEST tests/test_gpu.py -k "one_group or quantized_kv" || true
