@@ -17,7 +17,8 @@
 #                                GPUTEST_LIMIT=seconds cuts gputest, not setup, so a call ends within its own limit)
 #   bash bench/h200.sh capped    # streamoe alone at --cap 4, q4 and q3 (when only the streamed path changed)
 #   bash bench/h200.sh fill      # a record's copy into its slot against the disk read (upload-ring advice off / on; from
-#                                host-mapped MLX arrays, the device reading them), and the bus
+#                                host-mapped MLX arrays, the device reading them; CUDA's copy engine from host memory straight
+#                                into the slots, no host copy, no kernel), and the bus
 #   bash bench/h200.sh parts     # a resident decode step part by part (mixers, MoE block, head) against mlx-lm's modules
 #   bash bench/h200.sh prefill-parts  # the same parts on a 256-token prefill block, and the routed experts per pick against
 #                                grouped by expert (one gather_qmm batch of up to 16 rows per expert)
