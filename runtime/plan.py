@@ -21,9 +21,9 @@ from .models.cache import KV_GROUP
 from .models.kernels import (
     BLAS_BLOCK,
     BLAS_TOKENS,
-    GROUP_PAIRS,
     dequantizes_one_group,
     grouped_batches,
+    groups_by_expert,
     score_rows,
 )
 
@@ -325,12 +325,12 @@ class MemoryPlan:
 
 
 def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool = True, kv_bits: int | None = None,
-                     grouped: bool = False) -> int:
+                     grouped: bool = False, expert_mode: str = "affine") -> int:
     """Working memory of one prefill chunk (the decode step is a chunk of one): a conservative sum of the
     largest live temporaries — attention scores over the whole context dominate for long contexts. `blas`:
     the CPU backend's prefill through numpy's BLAS (`QLinear._blas`), which only the CPU backend takes.
     `kv_bits`: a quantized KV cache (see `attention_elements`). `grouped`: CUDA's prefill experts grouped by
-    expert (`kernels._switch_glu_grouped`)."""
+    expert (`kernels._switch_glu_grouped`), where their codes (`expert_mode`) and the step's pairs take it."""
     H, nq, nkv, hd = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim
     inter = max(a.moe_intermediate_size, a.shared_expert_intermediate_size)
     hidden = 8 * chunk * H
@@ -351,7 +351,7 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool =
     # tokens of 64 experts of 2048 x 512, float32: 35.7 MB = these 31.5 + the [T, k, H] output counted in `moe`)
     pairs = chunk * a.num_experts_per_tok
     batch_rows = 0
-    if grouped and pairs >= GROUP_PAIRS * a.num_experts:
+    if grouped and groups_by_expert(pairs, a.num_experts, expert_mode):
         rows, batches = grouped_batches(pairs, a.num_experts)
         batch_rows = rows * batches * 2 * (H + a.moe_intermediate_size)
     return int(1.5 * (hidden + max(attn, gdn) + moe + batch_rows + logits) * item) + dequant
@@ -407,13 +407,14 @@ def slot_bytes(lay: RecordLayout, dtype: str) -> int:
 def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride: int, nonexpert_resident: int,
               vision_bytes: int = 0, runtime_bytes: int | None = None, dtype: str = "float32", kv_dtype: str = "float32",
               prefill_chunk: int | str = "auto", ring: int = 0, slot: int = 0, blas: bool | None = None,
-              grouped: bool | None = None,
+              grouped: bool | None = None, expert_mode: str = "affine",
               extra: tuple[tuple[str, int, str], ...] = (), rank: int = 0, ranks: int = 1,
               split: bool = False, host_cap: int | None = None) -> MemoryPlan:
     """`kv_dtype`: the KV format (a float dtype, or q8/q4 with scales and biases in `dtype`). `blas`: whether
     prefill goes through numpy's BLAS (None: where this process computes, the CPU backend). `prefill_chunk`: tokens,
     or "auto" (`choose_chunk`). `extra`: the caller's own accounts (name, bytes, note), fixed like the others.
-    `rank` of `ranks`: the plan of one rank of an expert-parallel group, for its share of every layer's experts
+    `grouped`: whether prefill experts of `expert_mode` codes go grouped by expert where enough pairs an expert
+    (None: where this process computes, CUDA). `rank` of `ranks`: the plan of one rank of an expert-parallel group, for its share of every layer's experts
     (`share_of`), plus the buffers the picks' outputs are gathered in. `split`: the device has its own memory
     (`split_memory`): `cap` is the device's, and the runtime, the read staging and the upload ring (host memory,
     mapped for the device) are host accounts, with the host tier in what `host_cap` leaves."""
@@ -435,7 +436,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         "non-expert": nonexpert_resident,
         "kv cache": kv,
         "linear state": lin,
-        "activations": activation_bytes(args, ctx, step, item, blas, bits, grouped),
+        "activations": activation_bytes(args, ctx, step, item, blas, bits, grouped, expert_mode),
         "allocator cache": lin + 32 * MiB,
         "prefill staging": n_exp * plan.slot_bytes,
         "read staging": 2 * ring * stride,
@@ -542,6 +543,7 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
     plan = plan_with_limits(native_context(m.config), args=ModelArgs.from_config(m.config, m.root / "manifest.json"),
                             cap=int(opts.cap_gib * GiB),
                      ctx=opts.ctx, expert_format=experts, stride=fmts[experts].layout.stride,
+                     expert_mode=fmts[experts].layout.mode,
                      slot=slot_bytes(fmts[experts].layout, dtype),
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
                      dtype=dtype, kv_dtype=kv_format(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,

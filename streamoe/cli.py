@@ -262,7 +262,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: 
                                     if not is_expert_tensor(name, args.model_type) and not name.startswith("vision_tower.")),
                                    itemsize(dtype))
         return plan_with_limits(native_context(config), args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts,
-                         stride=lay.stride, slot=slot_bytes(lay, dtype),
+                         stride=lay.stride, slot=slot_bytes(lay, dtype), expert_mode=lay.mode,
                          nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(Options(kv=kv, dtype=dtype)),
                          runtime_bytes=runtime_mib and runtime_mib << 20, prefill_chunk=prefill_chunk,
                          rank=rank, ranks=ranks, split=split, host_cap=host_bytes,

@@ -106,6 +106,8 @@ def test_only_the_cpu_backend_plans_for_blas_prefill(args):
     p = plan(args, 4, blas=False, grouped=True)
     assert p.accounts["activations"] == ACTIVATIONS - BLAS + GROUPED
     assert p.hot_slots == (4 * GiB - (FIXED - BLAS + GROUPED)) // SLOT_F32 == 758  # 73 fewer than the CPU plan
+    # MXFP4 experts (gpt-oss) keep the per-pair path on CUDA: nothing grouped to hold
+    assert plan(args, 4, blas=False, grouped=True, expert_mode="mxfp4").accounts["activations"] == ACTIVATIONS - BLAS
     on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
     assert make_plan(args=args, cap=4 * GiB, ctx=4096, expert_format="q4", stride=STRIDE_Q4, nonexpert_resident=NONEXPERT,
                      runtime_bytes=RUNTIME, ring=RING, slot=SLOT_F32, prefill_chunk=256).accounts["activations"] == (

@@ -568,13 +568,20 @@ def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
     Metal's, not measured, keep the per-pair path)."""
     if x.shape[0] >= kernel.blas_tokens and mx.default_device() == mx.cpu:
         return _switch_glu_blas(x, w, slots, kernel)
-    if kernel.n_experts and kernel.mode == "affine" and slots.size >= GROUP_PAIRS * kernel.n_experts and _on_cuda():
+    if groups_by_expert(slots.size, kernel.n_experts, kernel.mode) and _on_cuda():
         return _switch_glu_grouped(x, w, slots, kernel)
     if PICKS_PER_CALL and slots.shape[-1] > PICKS_PER_CALL and mx.default_device() != mx.cpu:
         return _by_picks(x, w, slots, kernel, -(-slots.shape[-1] // PICKS_PER_CALL))
     if not streams or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
         return _switch_glu(x, w, slots, kernel)
     return _by_picks(x, w, slots, kernel, min(len(streams), slots.shape[-1]), streams)
+
+
+def groups_by_expert(pairs: int, n_experts: int, mode: str) -> bool:
+    """Whether CUDA computes a call of `pairs` (token, pick) pairs grouped by expert (`_switch_glu_grouped`): affine
+    codes (measured bit-identical there; MXFP4 not measured), GROUP_PAIRS pairs an expert or more on average. The
+    plan counts the grouped batches by the same rule."""
+    return bool(n_experts) and mode == "affine" and pairs >= GROUP_PAIRS * n_experts
 
 
 def _by_picks(x, w, slots, kernel: ExpertKernel, n: int, streams: Streams = ()) -> mx.array:
