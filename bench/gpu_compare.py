@@ -114,8 +114,8 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     """`ablate`: run without one of the speed measures, to measure what it is worth: `cache32` (MLX's buffer
     cache held at 32 MiB, as before the plan had an allocator account), `kvf32` (a float32 KV cache), `gdnkernel`
     (the delta rule as the token loop of compiled steps, not the backend's form), `guesswait` (guesses read at the
-    demand reads' priority, side by side with them, as before session 8), `wastebudget` (a guess rank needs a fixed
-    0.8 precision, as before session 9, instead of following the waste budget)."""
+    demand reads' priority, side by side with them, the older schedule), `wastebudget` (a guess rank needs a fixed
+    0.8 precision, the older rule, instead of following the waste budget)."""
     from streamoe.runtime import experts as experts_mod
     from streamoe.runtime import store as store_mod
     from streamoe.runtime.models import delta_rule

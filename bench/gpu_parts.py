@@ -179,7 +179,7 @@ def variant(name: str, eng: Engine):
             with mx.stream(mx.new_stream(mx.default_device())):
                 yield
             return
-        if name == "whole_pool":  # as before session 7: every layer's gather_qmm over the whole model's pools
+        if name == "whole_pool":  # the older form: every layer's gather_qmm over the whole model's pools
             ex = eng.experts
             eng.experts = WholePool(ex)
             try:
@@ -187,7 +187,7 @@ def variant(name: str, eng: Engine):
             finally:
                 eng.experts = ex
             return
-        if name in ("gdn_ops", "gdn_fast"):  # the token loop's compiled step (session 6's CUDA form), MLX's op
+        if name in ("gdn_ops", "gdn_fast"):  # the token loop's compiled step (an older CUDA form), MLX's op
             delta_rule.GDN_FORM = name[4:]
         elif name == "picks_by_four":  # a decode step's picks in two gather_qmm calls of four (CUDA's mat-vec kernel)
             kernels.PICKS_PER_CALL = 4
@@ -273,7 +273,7 @@ def loops(eng: Engine, ref, tk, ids: list[int], n: int, variants: list[str], rou
             f()
         out[f"{name}_ms"] = round((time.perf_counter() - t) / 200 * 1e3, 4)
         print(name, out[f"{name}_ms"], "ms", flush=True)
-    # The machine's host speed drifts and bursts by 2x within minutes (session 7): the resident ratio is taken
+    # The machine's host speed drifts and bursts by 2x within minutes (docs/performance.md): the resident ratio is taken
     # over rounds of stock mlx-lm right before Engine.generate, and each variant is run between two as_is loops.
     ratios = []
     for r in range(rounds):
