@@ -7,7 +7,7 @@ A capped decode step is, per layer: the picks arrive (one sync); the guesses rea
 were picked are waited for (promoted if not started), the misses are read on demand, and guesses for the
 next layer are queued; once this layer's reads are in, the host lands them and computes (the gap) before the
 next layer's picks arrive. This replays that with real O_DIRECT reads through `ExpertStore` and a sleep for
-the gap (3.8 ms: the host and device time per layer of a full-size `--cap 4` step on the H200, 2026-12-02),
+the gap (3.8 ms: the host and device time per layer of a full-size `--cap 4` step on the H200, docs/performance.md),
 `--demand` misses and `--guesses` guesses per layer of which a fraction `--right` is picked, random records.
 Two schedules, interleaved over `--rounds`: guesses yield to demand reads (the store's default) and guesses
 at the demand reads' priority (the older schedule). Each reports ms per layer against the disk bound: the
