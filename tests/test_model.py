@@ -467,12 +467,15 @@ def test_plain_rope_is_mlx_lms_rope():
     assert mx.array_equal(partial(x, 3)[..., 32:], x[..., 32:]) and not mx.array_equal(partial(x, 3), x)
 
 
-def _stacked_experts(n_exp: int, hidden: int, inter: int, mode: str, bias: bool, key: int) -> ExpertWeights:
+def _stacked_experts(n_exp: int, hidden: int, inter: int, mode: str, bias: bool, key: int, bits: int = 4,
+                     dtype: mx.Dtype = mx.float32) -> ExpertWeights:
+    """Random stacked experts: affine (scales and biases at `dtype`) or MXFP4 (uint8 scales), `bias`: gpt-oss's
+    projection biases at `dtype`."""
     def proj(out_dim, in_dim, k):
         w = mx.random.normal((n_exp, out_dim, in_dim), key=mx.random.key(k)) / in_dim**0.5
-        q = mx.quantize(w, group_size=32 if mode == "mxfp4" else 64, bits=4, mode=mode)
-        b = mx.random.normal((n_exp, out_dim), key=mx.random.key(k + 50)) * 0.1 if bias else None
-        return (q[0], q[1], q[2] if mode == "affine" else None, b)
+        q = mx.quantize(w, group_size=32 if mode == "mxfp4" else 64, bits=bits, mode=mode)
+        b = (mx.random.normal((n_exp, out_dim), key=mx.random.key(k + 50)) * 0.1).astype(dtype) if bias else None
+        return (q[0], q[1].astype(dtype), q[2].astype(dtype), b) if mode == "affine" else (q[0], q[1], None, b)
     (gw, gs, gb, gbias), (uw, us, ub, ubias), (dw, ds, db, dbias) = (
         proj(inter, hidden, key), proj(inter, hidden, key + 1), proj(hidden, inter, key + 2))
     return ExpertWeights(gw, gs, gb, uw, us, ub, dw, ds, db, gbias, ubias, dbias)
