@@ -142,22 +142,23 @@ def expert_shape_arguments(ap) -> None:
     ap.add_argument("--top-k", type=int, default=8)
 
 
-def random_experts(n: int, hidden: int, inter: int, bits: int, dtype=mx.float32, mode: str = "affine") -> ExpertWeights:
-    """n stacked random experts, evaluated: affine (group 64, scales and biases at `dtype`), or MXFP4 (group 32, uint8
-    scales) with per-expert projection biases at `dtype`, as gpt-oss's."""
+def random_experts(n: int, hidden: int, inter: int, bits: int = 4, dtype=mx.float32, mode: str = "affine",
+                   bias: bool | None = None, key: int = 1) -> ExpertWeights:
+    """n stacked random experts (weights of unit-scale outputs), evaluated: affine (group 64, scales and biases at
+    `dtype`) or MXFP4 (group 32, uint8 scales); `bias`: per-expert projection biases at `dtype`, as gpt-oss's (None:
+    with MXFP4). For the benches and the tests alike."""
     group = 32 if mode == "mxfp4" else 64
+    bias = mode == "mxfp4" if bias is None else bias
 
-    def quantized(shape, key):
-        q = mx.quantize(mx.random.normal(shape, key=mx.random.key(key)) * 0.02, group_size=group, bits=bits, mode=mode)
-        if mode == "affine":
-            return q[0], q[1].astype(dtype), q[2].astype(dtype)
-        return q[0], q[1], None
+    def proj(out_dim, in_dim, k):
+        w = mx.random.normal((n, out_dim, in_dim), key=mx.random.key(k)) / in_dim**0.5
+        q = mx.quantize(w, group_size=group, bits=bits, mode=mode)
+        b = (mx.random.normal((n, out_dim), key=mx.random.key(k + 50)) * 0.1).astype(dtype) if bias else None
+        return (q[0], q[1].astype(dtype), q[2].astype(dtype), b) if mode == "affine" else (q[0], q[1], None, b)
 
-    def bias(rows, key):
-        return (mx.random.normal((n, rows), key=mx.random.key(key)) * 0.1).astype(dtype) if mode == "mxfp4" else None
-
-    w = ExpertWeights(*quantized((n, inter, hidden), 1), *quantized((n, inter, hidden), 2),
-                      *quantized((n, hidden, inter), 3), bias(inter, 4), bias(inter, 5), bias(hidden, 6))
+    (gw, gs, gb, gbias), (uw, us, ub, ubias), (dw, ds, db, dbias) = (
+        proj(inter, hidden, key), proj(inter, hidden, key + 1), proj(hidden, inter, key + 2))
+    w = ExpertWeights(gw, gs, gb, uw, us, ub, dw, ds, db, gbias, ubias, dbias)
     mx.eval([a for a in w if a is not None])
     return w
 

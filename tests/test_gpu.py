@@ -328,14 +328,13 @@ def test_gpu_experts_grouped_by_expert_are_the_per_pair_bits(dtype):
     a `gather_qmm` batch: an expert's codes read once per batch), which is only sound if each row comes out with
     the bits of the per-pair path (`_switch_glu`, one one-row batch per pair) that decode and small calls take:
     Qwen3.6's expert shapes at 4 and 3 bits, each step size's batch rows (16, 32, 64)."""
+    from bench.common import random_experts
     from streamoe.runtime.models import kernels
-
-    from .test_model import _stacked_experts
 
     dt = getattr(mx, dtype)
     n_exp, hidden, inter, k = 64, 2048, 512, 8
     for bits in (4, 3):
-        w = _stacked_experts(n_exp, hidden, inter, "affine", False, key=1, bits=bits, dtype=dt)
+        w = random_experts(n_exp, hidden, inter, bits, dt)
         kernel = kernels.ExpertKernel(bits, 64, n_experts=n_exp)
         for n in (16, 300, 700):  # 2, 37.5 and 87.5 pairs an expert: rows 16, 32, 64
             x = (mx.random.normal((n, hidden), key=mx.random.key(n)) * 0.5).astype(dt)

@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import qwen3_5_moe
 from mlx_lm.utils import quantize_model
 
+from bench.common import random_experts
 from streamoe.formats.config import PREFIX, ModelArgs
 from streamoe.formats.errors import StreamoeError
 from streamoe.formats.record import ExpertWeights
@@ -467,20 +468,6 @@ def test_plain_rope_is_mlx_lms_rope():
     assert mx.array_equal(partial(x, 3)[..., 32:], x[..., 32:]) and not mx.array_equal(partial(x, 3), x)
 
 
-def _stacked_experts(n_exp: int, hidden: int, inter: int, mode: str, bias: bool, key: int, bits: int = 4,
-                     dtype: mx.Dtype = mx.float32) -> ExpertWeights:
-    """Random stacked experts: affine (scales and biases at `dtype`) or MXFP4 (uint8 scales), `bias`: gpt-oss's
-    projection biases at `dtype`."""
-    def proj(out_dim, in_dim, k):
-        w = mx.random.normal((n_exp, out_dim, in_dim), key=mx.random.key(k)) / in_dim**0.5
-        q = mx.quantize(w, group_size=32 if mode == "mxfp4" else 64, bits=bits, mode=mode)
-        b = (mx.random.normal((n_exp, out_dim), key=mx.random.key(k + 50)) * 0.1).astype(dtype) if bias else None
-        return (q[0], q[1].astype(dtype), q[2].astype(dtype), b) if mode == "affine" else (q[0], q[1], None, b)
-    (gw, gs, gb, gbias), (uw, us, ub, ubias), (dw, ds, db, dbias) = (
-        proj(inter, hidden, key), proj(inter, hidden, key + 1), proj(hidden, inter, key + 2))
-    return ExpertWeights(gw, gs, gb, uw, us, ub, dw, ds, db, gbias, ubias, dbias)
-
-
 @pytest.mark.parametrize("mode,bias,block", [("affine", False, 1024), ("mxfp4", True, 1024), ("affine", False, 48)])
 def test_prefill_experts_through_blas_match_gather_qmm_and_ignore_slot_numbers(mode, bias, block, monkeypatch):
     """Many tokens on the CPU take the experts expert by expert through numpy's BLAS: the same values as the
@@ -489,7 +476,7 @@ def test_prefill_experts_through_blas_match_gather_qmm_and_ignore_slot_numbers(m
     dequantized block smaller than an expert's matrix (`block` 48 rows), each matrix goes in row blocks."""
     monkeypatch.setattr(kernels, "BLAS_BLOCK", block)
     n_exp, hidden, inter, k, n = 6, 64, 128, 2, 2 * BLAS_TOKENS + 3
-    w = _stacked_experts(n_exp, hidden, inter, mode, bias, key=11)
+    w = random_experts(n_exp, hidden, inter, mode=mode, bias=bias, key=11)
     kernel = ExpertKernel(4, 32 if mode == "mxfp4" else 64, mode, clamped_swiglu(1.702, 7.0) if bias else swiglu)
     x = mx.random.normal((n, hidden), key=mx.random.key(5))
     picks = mx.array(np.stack([np.random.default_rng(t).choice(n_exp - 1, k, replace=False) for t in range(n)]),
@@ -516,7 +503,7 @@ def test_experts_grouped_by_expert_give_the_per_pair_bits_whatever_the_picks(mod
     and clamped SwiGLU too, for picks spread over every expert, all on one, and another rank's picks filled with
     one expert (`ranks.RankExperts`); the batches never outnumber the bound."""
     n_exp, hidden, inter, k, n = 8, 64, 128, 2, 37
-    w = _stacked_experts(n_exp, hidden, inter, mode, bias, key=21)
+    w = random_experts(n_exp, hidden, inter, mode=mode, bias=bias, key=21)
     kernel = ExpertKernel(4, 32 if mode == "mxfp4" else 64, mode, clamped_swiglu(1.702, 7.0) if bias else swiglu,
                           n_experts=n_exp)
     x = mx.random.normal((n, hidden), key=mx.random.key(6))
