@@ -153,7 +153,8 @@ case "$1" in
   prefill)
     for q in ${EXPERTS//,/ }; do
       python3 -m bench.prefill --model "$S/full-conv" --caps "$([ $q = q4 ] && echo resident,4 || echo 4)" --experts $q \
-        --prompts "${PROMPTS:-2048,8192,32768}" --warmup 512 --out "$OUT/prefill-h200-$q" | grep -v '^ '
+        --prompts "${PROMPTS:-2048,8192,32768}" --warmup 512 \
+        --out "$OUT/prefill-h200-$q-$(echo "${PROMPTS:-2048,8192,32768}" | tr , -)" | grep -v '^ '
     done
     ;;
   longctx)
