@@ -17,7 +17,6 @@ slots' bytes checked, and a kernel's read of the pools timed against pools the h
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -29,6 +28,7 @@ import numpy as np
 from streamoe.formats.direct import aligned_buffer
 from streamoe.formats.manifest import load_manifest
 from streamoe.runtime import managed
+from streamoe.runtime.copy_engine import open_copy_engine
 from streamoe.runtime.experts import SlotPools
 from streamoe.runtime.store import ExpertStore
 from streamoe.runtime.weights import mx_dtype
@@ -122,15 +122,6 @@ def hosted_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: m
             "ms_per_fill": round(1000 * dt / n, 4)}
 
 
-def cuda_driver() -> ctypes.CDLL | None:
-    return managed._driver() if mx.default_device() == mx.gpu and mx.cuda.is_available() else None
-
-
-def _cuda_ok(rc: int, what: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"{what}: CUDA error {rc}")
-
-
 def pools_read_ms(arrays: list[mx.array]) -> float:
     """The best of four reads of every pool by a kernel (a max over its bytes), ms: slow where pages sit on the host."""
     best = float("inf")
@@ -143,49 +134,40 @@ def pools_read_ms(arrays: list[mx.array]) -> float:
 
 
 def driver_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.Dtype, pinned: bool) -> dict:
-    """`n` fills by CUDA's copy engine: each segment of a record copied from host memory to its slot's address
-    (`cuMemcpyHtoDAsync` on a stream of its own), eight records to a layer and one stream sync each. `pinned`: the
-    records' buffer page-locked for the GPU (`cuMemHostRegister`), else pageable, as the host tier's records are
-    (the driver bounces them through its own pinned buffers). The address of a slot comes from a host view of its
-    pool, which makes an MLX CUDA buffer managed memory: so a kernel's read of the pools is timed before the view
-    and after the copies, and the slots' bytes are checked against the records."""
-    cuda = cuda_driver()
+    """`n` fills by CUDA's copy engine (`runtime/copy_engine.py`): each segment of a record copied from host memory
+    to its slot's address, eight records to a layer and one wait each. `pinned`: the records' buffer page-locked
+    (as the engine holds the staging ring and the host tier), landed by `SlotPools.stage_many` as a run lands them;
+    else pageable (the driver bounces it through its own pinned buffers). The slots' addresses come from host views
+    of the pools, which make MLX's CUDA buffers managed memory: so a kernel's read of the pools is timed before the
+    views and after the copies, and the slots' bytes are checked against the records."""
     row = {"path": "driver", "pinned": pinned}
-    if cuda is None:
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available() or (engine := open_copy_engine()) is None:
         return {**row, "skipped": "no CUDA driver"}
     lay, records = store.lay, private_records(store, keys)
-    pools = SlotPools(64, lay, dtype, 1, direct=False)
-    if pools.stored != pools.dtypes:
+    untouched = SlotPools(64, lay, dtype, 1, direct=False)
+    row["pools_read_ms_untouched"] = pools_read_ms(untouched.arrays)
+    untouched.close()
+    pools = SlotPools(64, lay, dtype, 1, direct=False, engine=engine)
+    if pools.engine is None:
         pools.close()
+        engine.close()
         return {**row, "skipped": "a segment is widened into its pool (a copy cannot convert)"}
     host = aligned_buffer(len(records) * lay.stride)
     hv = np.frombuffer(host, dtype=np.uint8)
     for r, rec in enumerate(records):
         hv[r * lay.stride: r * lay.stride + len(rec)] = np.frombuffer(rec, dtype=np.uint8)
-    base, registered, stream = hv.ctypes.data, False, ctypes.c_void_p()
-    copy = cuda.cuMemcpyHtoDAsync_v2
-    copy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    for f in (cuda.cuStreamSynchronize, cuda.cuStreamDestroy_v2, cuda.cuMemHostUnregister):
-        f.argtypes = [ctypes.c_void_p]
-    cuda.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     try:
-        row["pools_read_ms_untouched"] = pools_read_ms(pools.arrays)
-        if pinned:
-            _cuda_ok(cuda.cuMemHostRegister_v2(base, hv.nbytes, 0), "cuMemHostRegister")
-            registered = True
-        views = [np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8) for a in pools.arrays]
-        dst = [v.ctypes.data for v in views]
-        row["pools_advised_to_device"] = all(managed._advise(cuda, d, v.nbytes, managed._SET_PREFERRED_LOCATION,
-                                                             host=False) for d, v in zip(dst, views, strict=True))
-        _cuda_ok(cuda.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
+        if pinned and not engine.lock(hv.ctypes.data, hv.nbytes, lay.stride):
+            return {**row, "error": "cuMemHostRegister refused"}
 
         def land(first: int) -> None:
-            for j in range(8):
-                slot, r = (first + j) % 64, (first + j) % len(records)
-                for d, sg in zip(dst, lay.segments, strict=True):
-                    _cuda_ok(copy(d + slot * sg.nbytes, base + r * lay.stride + sg.offset, sg.nbytes, stream),
-                             "cuMemcpyHtoDAsync")
-            _cuda_ok(cuda.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            batch = [((first + j) % 64, memoryview(host)[r * lay.stride:(r + 1) * lay.stride], lambda: None)
+                     for j in range(8) for r in [(first + j) % len(records)]]
+            if pinned:
+                pools.stage_many(batch)
+            else:  # not page-locked, so `stage_many` would take the ring: the engine's copies asked for directly
+                pools._copy_by_engine([(s, np.frombuffer(b, dtype=np.uint8), d) for s, b, d in batch])
+                pools._settle_engine()
 
         mx.synchronize()
         for i in range(0, 16, 8):  # warm-up
@@ -200,11 +182,8 @@ def driver_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: m
                                      for r, g in enumerate(got))
         row["pools_read_ms_after"] = pools_read_ms(pools.arrays)
     finally:
-        if stream.value:
-            cuda.cuStreamDestroy_v2(stream)
-        if registered:
-            cuda.cuMemHostUnregister(base)
         pools.close()
+        engine.close()
     return {**row, "fill_gbs": round(n * lay.raw_size / dt / 1e9, 3), "ms_per_fill": round(1000 * dt / n, 4)}
 
 

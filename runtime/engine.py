@@ -22,6 +22,7 @@ from ..formats.manifest import load_manifest, safe_path
 from . import ranks
 from .constrain import Constraint
 from .conversation import Conversation
+from .copy_engine import open_copy_engine
 from .experts import StreamingExperts
 from .host_tier import HostTier
 from .image import check_preprocessor
@@ -102,8 +103,9 @@ class Engine:
         k = a.num_experts_per_tok
         share = share_of(o.rank, o.ranks, a.num_experts) if self.group is not None else None
         n = a.num_experts if share is None else len(share)
-        host = (HostTier(self.plan.host_slots, self.plan.stride, a.num_hidden_layers, n, o.tier, cap=self.plan.host_cap)
-                if self.plan.host_slots else None)
+        engine = open_copy_engine() if self.plan.split else None  # CUDA: records copied by the GPU's copy engine
+        host = (HostTier(self.plan.host_slots, self.plan.stride, a.num_hidden_layers, n, o.tier, cap=self.plan.host_cap,
+                         engine=engine) if self.plan.host_slots else None)
         store = ExpertStore.open(self.root, m, o.experts, o.io_threads, share=share, host=host,
                                  ring=self.plan.read_staging)
         if host is not None and self.plan.host_slots == a.num_hidden_layers * n:
@@ -119,7 +121,7 @@ class Engine:
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, n, min(k, n), self.plan.hot_slots,
                                         o.tier, prefetch_width(o, k), guess, self.dtype,
                                         waste_budget=o.prefetch_waste, streams=self.model.streams,
-                                        kernel=expert_kernel(self.lay, a), uploads=self.plan.ring)
+                                        kernel=expert_kernel(self.lay, a), uploads=self.plan.ring, engine=engine)
         # what the model's MoE blocks call: across ranks, the exchange around this rank's share
         self.provider = (self.experts if share is None
                          else ranks.RankExperts(self.experts, self.group, a.num_experts, self.watchdog))

@@ -18,10 +18,12 @@ Otherwise each layer costs one small transfer (its top-k) and this sequence:
    thread, so this is plain Python over a few ints.
 3. Each record is written from staging toward its slot (`SlotPools.stage`): straight into the pool where
    the pools are host memory (the CPU backend, Metal's unified memory; the hits' kernels already run
-   meanwhile), else (CUDA) through an upload ring and one scatter per segment queued on the stream, so it
-   lands in device memory in stream order, before the layer's `gather_qmm` reads it. The scatter must
-   update the pool in place (a copy would be a whole pool's bytes outside the plan), so it is queued only
-   once MLX has let go of every earlier kernel's inputs (`release_pool_readers`).
+   meanwhile); else (CUDA), from page-locked host memory (the staging ring, the host tier), by the GPU's copy
+   engine straight into the slot, waited for before the layer's kernels are queued (`runtime/copy_engine.py`);
+   else through an upload ring and one scatter per segment queued on the stream, so it lands in device
+   memory in stream order, before the layer's `gather_qmm` reads it. The scatter must update the pool in
+   place (a copy would be a whole pool's bytes outside the plan), so it is queued only once MLX has let go of
+   every earlier kernel's inputs (`release_pool_readers`).
 4. The next layer's experts are guessed from its router on this layer's input and read ahead into
    staging (never into a slot: a wrong guess costs a read, never a slot or a copy), at a lower priority
    than demand reads: they take the disk while this layer lands and computes (`ExpertStore.guess_many`).
@@ -44,6 +46,7 @@ import numpy as np
 
 from ..formats.quant import f32_high_halves
 from ..formats.record import ExpertWeights, RecordLayout
+from .copy_engine import CopyEngine
 from .managed import keep_on_host
 from .models.cache import clear_for_in_place
 from .models.kernels import ExpertKernel, Streams, switch_glu
@@ -129,7 +132,9 @@ class SlotPools:
       reads it is pending."""
 
     def __init__(self, n_slots: int, lay: RecordLayout, dtype: mx.Dtype, uploads: int, direct: bool | None = None,
-                 streams: Streams = ()):
+                 streams: Streams = (), engine: CopyEngine | None = None):
+        """`engine`: CUDA's copy engine, which moves records held in page-locked host memory straight into their
+        slots (`runtime/copy_engine.py`); it cannot convert, so only where every segment is pooled as stored."""
         self.lay, self.n, self.streams = lay, n_slots, streams
         self.stored = [mx_dtype(s.dtype) for s in lay.segments]
         self.dtypes = [dtype if s.is_float else st for s, st in zip(lay.segments, self.stored, strict=True)]
@@ -155,6 +160,13 @@ class SlotPools:
                                                                   thread_name_prefix="streamoe-copy")
         self.copies: list[Future] = []
         self.copy_wait_s = self.sync_s = 0.0  # the host's waits in `flush`, summed (telemetry takes differences)
+        self.engine = engine if engine is not None and not self.direct and self.stored == self.dtypes else None
+        self.engine_done: list[Callable[[], None]] = []  # the `done` of each record the engine is copying
+        if self.engine is not None:
+            views = [np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8) for a in self.arrays]
+            self.engine.keep_on_device(views)
+            # per segment: (the pool's address, where the segment starts in a record, its bytes)
+            self.slot_at = [(v.ctypes.data, sg.offset, sg.nbytes) for v, sg in zip(views, lay.segments, strict=True)]
 
     def weights(self) -> ExpertWeights:
         return self.lay.weights(self.arrays)
@@ -163,15 +175,29 @@ class SlotPools:
         """Copy one record (host bytes) toward `slot` (`stage_many` of one)."""
         self.stage_many([(slot, record, done)])
 
-    def stage_many(self, records: list[tuple[int, memoryview, Callable[[], None]]]) -> None:
+    @property
+    def unsettled(self) -> bool:
+        """Records staged whose landing `flush` has not yet completed or queued."""
+        return bool(self.pending or self.copies or self.engine_done)
+
+    def stage_many(self, records: list[tuple[int, memoryview, Callable[[], None]]], settle: bool = True) -> None:
         """Copy records (slot, host bytes, done) toward their slots; each `done()` is called once its bytes are
         taken, so the staging entry they came from can be reused. Ring copies run on copy threads (numpy releases
         the GIL: a layer's records are copied side by side, off the thread that waits for the disk), at most one
         task per thread for all of `records` (a task per record cost this thread 0.16 ms a record on the H200, under
         cProfile: about the copy's own time). Direct writes run here (on the CPU backend the cores are busy
-        computing, and a thread hop costs more than a small copy)."""
+        computing, and a thread hop costs more than a small copy). Records in page-locked memory go by the copy engine
+        where there is one, each straight into its slot; with `settle` this waits for them before returning (their
+        `done` frees staging entries a later read may be waiting for), else `flush` does."""
         raws = [(slot, np.frombuffer(record, dtype=np.uint8, count=self.lay.raw_size), done)
                 for slot, record, done in records]
+        if self.engine is not None:
+            by_engine = [r for r in raws if self.engine.locked_at(r[1].ctypes.data)]
+            if by_engine:
+                raws = [r for r in raws if not self.engine.locked_at(r[1].ctypes.data)]
+                self._copy_by_engine(by_engine)
+                if settle:
+                    self._settle_engine()
         if self.direct:
             for slot, raw, done in raws:
                 self._copy(slot, raw, done)
@@ -206,9 +232,33 @@ class SlotPools:
         finally:
             done()
 
+    def _copy_by_engine(self, raws: list[tuple[int, np.ndarray, Callable[[], None]]]) -> None:
+        """Queue each record's segments on the copy engine, host bytes straight to the slot's address. Only after the
+        fence or into a pinned slot (`stage_many`'s callers), so no queued kernel reads a slot written here."""
+        for slot, raw, done in raws:
+            src = raw.ctypes.data
+            for base, offset, nbytes in self.slot_at:
+                self.engine.copy(base + slot * nbytes, src + offset, nbytes)
+            self.engine_done.append(done)
+
+    def _settle_engine(self) -> None:
+        """Wait for the copy engine's copies (so the kernels queued next read their slots' new bytes), then free
+        the records they came from."""
+        if not self.engine_done:
+            return
+        t = time.perf_counter()
+        try:
+            self.engine.wait()
+        finally:
+            for done in self.engine_done:
+                done()
+            self.engine_done.clear()
+            self.copy_wait_s += time.perf_counter() - t
+
     def flush(self) -> None:
         """Wait for the staged copies; on the ring, queue their rows' copies into their slots, in stream order
         (before any later kernel reads them)."""
+        self._settle_engine()
         if self.copies:
             t = time.perf_counter()
             for f in self.copies:
@@ -246,6 +296,7 @@ class SlotPools:
                                  f"(peak +{grew} bytes)")
 
     def close(self) -> None:
+        self._settle_engine()
         if self.copier is not None:
             self.copier.shutdown(wait=True)
 
@@ -268,11 +319,14 @@ class StreamingExperts:
     def __init__(self, store: ExpertStore, lay: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  hot_slots: int, tier: str, prefetch_width: int, guess: Callable[[int, mx.array], mx.array],
                  dtype: mx.Dtype = mx.float32, waste_budget: float = 0.05, streams: Streams = (),
-                 kernel: ExpertKernel | None = None, uploads: int | None = None):
+                 kernel: ExpertKernel | None = None, uploads: int | None = None, engine: CopyEngine | None = None):
         """`guess(i, x)`: layer i's router logits on x (the model's `router_logits`); `streams`: the CPU streams the
         picks' matmuls split over (the model's); `kernel`: how the experts compute (`kernels.expert_kernel`; default:
-        `lay`'s codes with SwiGLU); `uploads`: rows of the upload ring (default: as many as the store's ring)."""
+        `lay`'s codes with SwiGLU); `uploads`: rows of the upload ring (default: as many as the store's ring);
+        `engine`: CUDA's copy engine (`runtime/copy_engine.py`), which then lands records from page-locked host
+        memory (the staging ring is locked here, the host tier's slots as they fill)."""
         self.store, self.lay, self.guess, self.waste_budget = store, lay, guess, waste_budget
+        self.engine = engine  # closed with the rest: the host tier's slots are page-locked through it too
         self.streams = streams
         self.kernel = kernel or ExpertKernel(lay.bits, lay.group_size, lay.mode)
         self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
@@ -280,7 +334,11 @@ class StreamingExperts:
         # a streamed step on the CPU queues each layer's mixer as soon as it is built (`kernels.run_layers`)
         self.queue_input = self._queue_input if EAGER_MIXER and not self.resident and mx.default_device() == mx.cpu else None
         staging = 0 if self.resident else n_experts
-        self.pools = SlotPools(hot_slots + staging, lay, dtype, uploads or store.ring, streams=streams)
+        # resident, the engine would only speed up open, and its host views make the pools managed memory
+        self.pools = SlotPools(hot_slots + staging, lay, dtype, uploads or store.ring, streams=streams,
+                               engine=None if self.resident else engine)
+        if self.pools.engine is not None:  # records read from disk land from the staging ring by the engine too
+            self.pools.engine.lock(np.frombuffer(store.view, dtype=np.uint8).ctypes.data, len(store.view), lay.stride)
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
         self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
         # a discrete GPU's host tier: the next layer's guesses held there, copied into device slots while this
@@ -436,7 +494,9 @@ class StreamingExperts:
         t = time.perf_counter()
         self.fence(inds, *([order] if order is not None else []))
         st.compute_ms += 1000 * (time.perf_counter() - t)
-        if self.pools.pending:  # the copies `_copy_ahead` started while the previous layer computed land first
+        # the previous layer's slots stayed pinned while its kernels ran: `_copy_ahead` wrote no slot they read
+        self.tier.pinned.clear()
+        if self.pools.unsettled:  # the copies `_copy_ahead` started while the previous layer computed land first
             self._land_copied(i, st)
         # From here to the kernels' launch the device waits on this thread: the bookkeeping is plain Python over a
         # few ints (a numpy call here costs 5-150 us, its code cold after the layer's kernels, a Python step ~0.1 us).
@@ -462,7 +522,6 @@ class StreamingExperts:
         if order is not None:  # guesses start once no demand read waits: while this layer lands and computes
             self._prefetch(i + 1, order.tolist())
         self._land(land, reads, st)
-        self.tier.pinned.clear()
         st.bytes_read += self.store.bytes_read - read0
         if not split:
             return self._compute(x, mx.array(slots, dtype=mx.uint32))
@@ -605,10 +664,11 @@ class StreamingExperts:
 
     def _copy_ahead(self) -> None:
         """A discrete GPU with a host tier: the next layer's guesses found there are placed in device slots (a
-        scratch slot where the tier declines one) and their copies into the upload ring started, while this layer's kernels run;
-        the next layer queues their moves into the slots first (`_land_copied`), so a right guess is a hit there
-        and the ring's host copies overlap the device's compute. Through the ring only: its rows reach the
-        slots in stream order after this layer's kernels, where a direct write would race them."""
+        scratch slot where the tier declines one) and their copies started while this layer's kernels run: by the
+        copy engine straight into the slots, else into the upload ring; the next layer settles them first
+        (`_land_copied`), so a right guess is a hit there and the copies overlap the device's compute. Never a
+        direct write: this layer's kernels are in flight. They read only this layer's slots, which stay pinned
+        until the next fence, so no slot placed here is one they read."""
         if self.copy_next is None:
             return
         layer, keys = self.copy_next
@@ -636,7 +696,7 @@ class StreamingExperts:
             self.copied[key] = s
             if st is not None:
                 st.bytes_host += self.lay.stride
-        self.pools.stage_many(copies)
+        self.pools.stage_many(copies, settle=False)  # waited for when the next layer lands them
 
     def _land_copied(self, i: int, st: LayerStats) -> None:
         """Queue the moves of the records `_copy_ahead` staged into their slots (before any slot is placed): a
@@ -681,3 +741,5 @@ class StreamingExperts:
         self.drop_guesses()
         self.pools.close()
         self.store.close()
+        if self.engine is not None:
+            self.engine.close()

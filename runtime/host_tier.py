@@ -15,7 +15,8 @@ driver's and libraries' own buffers, compiled kernels) grows after open and is n
 pages are committed only when a record first lands in it and the process's host memory leaves room (`room`, given
 the resident set once per layer), and when the process nears the cap the least valuable records are given back
 to the system (their pages dropped) until it fits again. A committed slot is locked in memory where the limit
-allows (pinned: never swapped out).
+allows (pinned: never swapped out); on CUDA it is page-locked through the driver (`runtime/copy_engine.py`), so
+the GPU's copy engine moves it into a device slot with no host copy.
 
 The store (`runtime/store.py`) owns it: placement happens on the thread that queues reads, completion on the
 I/O threads, and release on the copy threads, so every change is under one lock. A slot is pinned from the
@@ -30,6 +31,7 @@ import mmap
 import threading
 
 from ..formats.direct import aligned_buffer
+from .copy_engine import CopyEngine
 from .tier import HotTier
 
 Key = tuple[int, int]  # (layer, expert)
@@ -49,9 +51,11 @@ def _libc() -> ctypes.CDLL | None:
 
 class HostTier:
     def __init__(self, n_slots: int, stride: int, n_layers: int, n_experts: int, policy: str = "freq",
-                 cap: int | None = None):
-        """`cap`: the host cap the process's host memory (`plan.host_rss`) must stay under; None: not checked."""
-        self.n, self.stride, self.cap = n_slots, stride, cap
+                 cap: int | None = None, engine: CopyEngine | None = None):
+        """`cap`: the host cap the process's host memory (`plan.host_rss`) must stay under; None: not checked.
+        `engine`: CUDA's copy engine: a filled slot is page-locked through it (registered with the driver), so the
+        engine copies it straight into a device slot, rather than locked with `mlock`."""
+        self.n, self.stride, self.cap, self.engine = n_slots, stride, cap, engine
         self.buf = aligned_buffer(n_slots * stride)
         self.view = memoryview(self.buf)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
@@ -102,7 +106,9 @@ class HostTier:
 
     def filled(self, slot: int) -> None:
         """The read into `slot` completed: later lookups find it. Its pages are locked where the limit allows."""
-        if self.locking and self.libc.mlock(ctypes.c_void_p(self.base + slot * self.stride), ctypes.c_size_t(self.stride)):
+        if self.engine is not None:
+            self.engine.lock(self.base + slot * self.stride, self.stride, self.stride)
+        elif self.locking and self.libc.mlock(ctypes.c_void_p(self.base + slot * self.stride), ctypes.c_size_t(self.stride)):
             self.locking = False  # RLIMIT_MEMLOCK: the rest stay unlocked (correct, only swappable)
         with self.lock:
             self.ready.add(slot)
@@ -128,7 +134,9 @@ class HostTier:
                 self.tier.evict(v)  # free again, its pages dropped below
                 self.ready.discard(v)
                 offset = v * self.stride
-                if self.libc is not None:
+                if self.engine is not None:
+                    self.engine.unlock(self.base + offset)
+                elif self.libc is not None:
                     self.libc.munlock(ctypes.c_void_p(self.base + offset), ctypes.c_size_t(self.stride))
                 self.buf.madvise(DROP, offset, self.stride)
                 self.headroom += self.stride

@@ -6,6 +6,7 @@ pools); on the H200 tests/test_gpu.py runs the same across caps on CUDA."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from streamoe.runtime import experts as experts_mod
+from streamoe.runtime.copy_engine import CopyEngine
 from streamoe.runtime.engine import Engine, Options, plan_for
 from streamoe.runtime.host_tier import MARGIN, HostTier
 from streamoe.runtime.plan import GiB, host_rss, read_ring
@@ -279,3 +281,86 @@ def test_both_caps_hold_in_a_cgroup_of_their_sum(small_conv, tmp_path, monkeypat
     assert failcnt == 0 and peak <= (cap + host_cap) * GiB
     decode = [json.loads(ln) for ln in stats.read_text().splitlines() if '"decode"' in ln]
     assert sum(ly["hits_host"] for r in decode for ly in r["layers"]) > 0
+
+
+class HostCopies(CopyEngine):
+    """CUDA's copy engine where there is none: the same bookkeeping (page-locked ranges, copies queued and then
+    waited for), each copy a `memmove` into the slot's address, done only at `wait`, so a slot read before its
+    copy is waited for holds its old bytes. On the CPU backend a pool's host view is its memory."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.queued: list[tuple[int, int, int]] = []
+        self.copied = self.locks = 0
+        self.pools = None
+        self.reading: set[int] = set()  # the slots kernels queued since the last fence read
+
+    def _register(self, ptr: int, nbytes: int) -> bool:
+        self.locks += 1
+        return True
+
+    def _unregister(self, ptr: int) -> None:
+        pass
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        assert self.slot_of(dst) not in self.reading, "a copy into a slot a queued kernel reads"
+        self.queued.append((dst, src, nbytes))
+
+    def slot_of(self, dst: int) -> int:
+        pools = self.pools
+        return next((dst - base) // n for base, _, n in pools.slot_at if base <= dst < base + pools.n * n)
+
+    def wait(self) -> None:
+        for dst, src, nbytes in self.queued:
+            ctypes.memmove(dst, src, nbytes)
+        self.copied += len(self.queued)
+        self.queued.clear()
+
+    def keep_on_device(self, views) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("hot,host", [(0, None), (0, 512), (24, 200)])
+def test_records_copied_by_the_copy_engine_change_no_bit(small_conv, split, monkeypatch, hot, host):
+    """With a copy engine (a discrete GPU's fast path; here a stand-in that copies at `wait`), records from the
+    page-locked staging ring and host tier are copied straight into their slots, the guesses copied ahead included,
+    none through the upload ring: every filled slot holds the file's bytes and the logits are those without a
+    host tier or an engine."""
+    import streamoe.runtime.engine as engine_mod
+
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    monkeypatch.setattr(experts_mod, "DIRECT_WRITES", False)
+    want, _ = logits_of(small_conv, caps_for(small_conv, 0, None, dtype="bfloat16"))
+    copies = HostCopies()
+    monkeypatch.setattr(engine_mod, "open_copy_engine", lambda: copies)
+    eng = Engine(small_conv, caps_for(small_conv, hot, host, dtype="bfloat16"))
+    x = eng.experts
+    assert x.pools.engine is copies
+    copies.pools = x.pools
+    compute, fence = x._compute, x.fence
+
+    def reads(xs, slots):
+        copies.reading.update(np.array(slots).reshape(-1).tolist())
+        return compute(xs, slots)
+
+    def fenced(*also):
+        fence(*also)
+        copies.reading.clear()
+
+    monkeypatch.setattr(x, "_compute", reads)
+    monkeypatch.setattr(x, "fence", fenced)
+    out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])).astype(mx.float32))]
+    x.precision = 0.0  # every guess passes: copies ahead on every layer
+    for _ in range(12):
+        out.append(np.array(eng.forward([int(out[-1].argmax())], "decode").astype(mx.float32)))
+    ring_rows = x.pools.next
+    eng.close()
+    layers = [ly for s in eng.steps for ly in s.layers]
+    landed = sum(ly.picks - ly.hits_hot - ly.hits_lent for ly in layers)
+    assert copies.copied >= landed * len(eng.lay.segments) > 0 and ring_rows == 0
+    assert copies.ranges == {} and copies.locks >= 1 + (host or 0) * (host == 512)
+    if host is not None:
+        assert sum(ly.hits_host for ly in layers) > 0
+    if host == 512:
+        assert sum(ly.hits_prefetch for ly in layers if ly.layer > 0) > 0
+    assert np.stack(out).tobytes() == want
