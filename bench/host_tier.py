@@ -14,10 +14,12 @@ and from disk. From its summary line: MLX's peak against --cap and the process's
 answers, the device memory it counts as used, polled through the run, less what it counted before: the process's
 whole footprint on the device (CUDA context and libraries included), against --cap.
 
-In the same run, two speeds: the disk's (random whole-record O_DIRECT reads, 8 in flight) and the copy of a
-record from host memory into its slot (`bench.fill`, the upload ring as the engine uses it). The bound of a run
-is its host-to-device bytes per token over the copy speed plus its disk bytes per token over the disk speed; a
-run at the bound spends nothing but those transfers (compute fully overlapped).
+In the same run, three speeds: the disk's (random whole-record O_DIRECT reads, 8 in flight) and the copy of a
+record from host memory into its slot (`bench.fill`), through the upload ring and by CUDA's copy engine from
+page-locked memory (`runtime/copy_engine.py`), as the engine lands them. The bound of a run is its host-to-device
+bytes per token over the speed of the path it copies by (the copy engine's where it has one and
+`STREAMOE_COPY_ENGINE` is not 0, else the ring's) plus its disk bytes per token over the disk speed; a run at the
+bound spends nothing but those transfers (compute fully overlapped).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from streamoe.runtime.store import ExpertStore
 from streamoe.runtime.weights import mx_dtype
 
 from .common import write_result
-from .fill import disk_gbs, fill_gbs
+from .fill import disk_gbs, driver_gbs, fill_gbs
 
 PROMPT = "import csv\nimport sys\n\n\ndef mean_of_columns(path):\n    "
 PEAKS = re.compile(r"peak ([\d.]+) of ([\d.]+) GiB on the device, host ([\d.]+)")
@@ -60,9 +62,11 @@ def speeds(model: Path, experts: str, records: int = 256) -> dict:
         disk = disk_gbs(store, keys)
         dtype = mx_dtype("bfloat16" if mx.default_device() == mx.gpu else "float32")
         fill = fill_gbs(store, keys[:64], 4 * records, dtype, direct=False, advise=True)
+        engine = driver_gbs(store, keys[:64], 4 * records, dtype, pinned=True)
     finally:
         store.close()
-    return {"disk_gbs": round(disk, 3), "copy_gbs": fill["fill_gbs"], "copy_path": fill}
+    return {"disk_gbs": round(disk, 3), "copy_gbs": fill["fill_gbs"], "copy_path": fill,
+            "engine_gbs": engine.get("fill_gbs") if engine.get("bytes_identical") else None, "engine_path": engine}
 
 
 class DeviceWatch:
@@ -169,11 +173,14 @@ def main() -> None:
             pstats.Stats(str(prof), stream=text).sort_stats("tottime").print_stats(40)
             Path(f"{a.name}-profile-{k}.txt").write_text(f"{spec}\n{r.get('summary')}\n{text.getvalue()}")
         if r.get("tok_s"):
-            bound_s = r["mib_host_token"] * 2**20 / (sp["copy_gbs"] * 1e9) + r["mib_disk_token"] * 2**20 / (sp["disk_gbs"] * 1e9)
+            by_engine = sp["engine_gbs"] is not None and os.environ.get("STREAMOE_COPY_ENGINE", "1") not in ("", "0") \
+                and r["env"].get("STREAMOE_COPY_ENGINE", "1") not in ("", "0")
+            r["copy_gbs_used"] = sp["engine_gbs"] if by_engine else sp["copy_gbs"]
+            bound_s = r["mib_host_token"] * 2**20 / (r["copy_gbs_used"] * 1e9) + r["mib_disk_token"] * 2**20 / (sp["disk_gbs"] * 1e9)
             r["bound_tok_s"] = round(1 / bound_s, 3) if bound_s else None
             r["of_bound"] = round(r["tok_s"] * bound_s, 3) if bound_s else None
         results.append({**r, **sp})
-        print(json.dumps({k: v for k, v in r.items() if k != "copy_path"}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("copy_path", "engine_path")}), flush=True)
     base = next((r["tok_s"] for r in results if r.get("host_cap_gib") is None and r.get("tok_s")), None)
     for r in results:
         if base and r.get("tok_s"):
