@@ -168,7 +168,7 @@ case "$1" in
       --name "$OUT/sampling-small-vocab-h200" | grep -v '^ '
     ;;
   hosttier)
-    python3 -m bench.host_tier --model "$S/full-conv" --runs "${RUNS:-4,4:24,4:24+STREAMOE_COPY_ENGINE=0,4:8,8:16}" --tokens 40 --work /root \
+    python3 -m bench.host_tier --model "$S/full-conv" --runs "${RUNS:-4,4:24,4:24+STREAMOE_COPY_ENGINE=1,4:8+STREAMOE_COPY_ENGINE=1,8:16+STREAMOE_COPY_ENGINE=1}" --tokens 40 --work /root \
       --name "$OUT/host-tier-h200" | grep -v '^ '
     ;;
   devcpu)
