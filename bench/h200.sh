@@ -11,6 +11,8 @@
 #                                runs twice, interleaved with a fixed guess gate (a 0.8 precision, no waste
 #                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
 #   bash bench/h200.sh gpurest   # test_gpu.py's last tests (quantized KV on; the ones a cut gputest run has not reached)
+#   bash bench/h200.sh gpuhost   # the GPU tests of the host tier (records by the copy engine and by the upload ring) and
+#                                of capped decode never copying a pool
 #   bash bench/h200.sh gpuqmm    # the GPU tests of one group spanning K (kernels.quantized_matmul: quantized_matmul against
 #                                the CPU, quantized KV across caps), then the families' (gpt_oss's tiny model has K = 64)
 #   bash bench/h200.sh prepare   # setup and gputest side by side (a fresh machine compiles kernels for minutes;
@@ -83,7 +85,7 @@ case "$1" in
     for step in ${STEPS:?STEPS=the steps to run}; do
       mark="$D/${step//[^A-Za-z0-9_.=-]/_}"
       [ -f "$mark" ] && continue
-      case "${step%%+*}" in gputest|gpurest|gpuqmm|grouped|devcpu|sampling-small|family) ;;
+      case "${step%%+*}" in gputest|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family) ;;
         *) [ -z "$setup" ] || wait "$setup" || true; setup=""
            [ -f "$D/setup.done" ] || { echo "lease: $step skipped: no checkpoint (setup.log)"; continue; } ;;
       esac
@@ -117,6 +119,9 @@ case "$1" in
     # quantized KV last: on code 16549e3 and 413b791 its q4 case ran past 400 s (a hang or a slow compile)
     { $PYTEST tests/test_gpu.py -k "float32_matmul or upload_ring or in_place or delta_rule or one_group or grouped or many_blocks" || true
       $PYTEST tests/test_gpu.py -k quantized_kv; } 2>&1 | tee "$OUT/gputest-rest-h200.log"
+    ;;
+  gpuhost)
+    $PYTEST tests/test_gpu.py -k "host_tier or never_copies" 2>&1 | tee "$OUT/gputest-host-h200.log"
     ;;
   gpuqmm)
     { $PYTEST tests/test_gpu.py -k "one_group or quantized_kv" || true
