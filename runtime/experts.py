@@ -444,9 +444,11 @@ class StreamingExperts:
     def fence(self, *also: mx.array) -> None:
         """Wait until every kernel that read a slot has completed (and `also` is computed): `mx.eval` of their
         outputs returns once each is, on every backend and stream, so no slot is refilled under a reader. An
-        output already computed costs nothing to wait for, unlike a round trip through every stream."""
+        output already computed costs nothing to wait for, unlike a round trip through every stream. A layer's
+        slots stay pinned until here, so `_copy_ahead` places no guess in a slot its kernels still read."""
         mx.eval(*also, *self.readers)
         self.readers.clear()
+        self.tier.pinned.clear()
 
     # ---- the provider
     def __call__(self, i: int, x: mx.array, inds: mx.array) -> mx.array:
@@ -494,8 +496,6 @@ class StreamingExperts:
         t = time.perf_counter()
         self.fence(inds, *([order] if order is not None else []))
         st.compute_ms += 1000 * (time.perf_counter() - t)
-        # the previous layer's slots stayed pinned while its kernels ran: `_copy_ahead` wrote no slot they read
-        self.tier.pinned.clear()
         if self.pools.unsettled:  # the copies `_copy_ahead` started while the previous layer computed land first
             self._land_copied(i, st)
         # From here to the kernels' launch the device waits on this thread: the bookkeeping is plain Python over a
