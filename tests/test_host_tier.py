@@ -320,8 +320,16 @@ class HostCopies(CopyEngine):
         return True
 
 
+@pytest.fixture(scope="module")
+def bf16_logits(small_conv) -> bytes:
+    """The logits of a bf16 run with neither a host tier nor a copy engine, planned as a discrete GPU's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STREAMOE_SPLIT_MEMORY", "1")
+        return logits_of(small_conv, caps_for(small_conv, 0, None, dtype="bfloat16"))[0]
+
+
 @pytest.mark.parametrize("hot,host", [(0, None), (0, 512), (24, 200)])
-def test_records_copied_by_the_copy_engine_change_no_bit(small_conv, split, monkeypatch, hot, host):
+def test_records_copied_by_the_copy_engine_change_no_bit(small_conv, split, monkeypatch, bf16_logits, hot, host):
     """With a copy engine (a discrete GPU's fast path; here a stand-in that copies at `wait`), records from the
     page-locked staging ring and host tier are copied straight into their slots, the guesses copied ahead included,
     none through the upload ring: every filled slot holds the file's bytes and the logits are those without a
@@ -330,7 +338,6 @@ def test_records_copied_by_the_copy_engine_change_no_bit(small_conv, split, monk
 
     monkeypatch.setattr(experts_mod, "VERIFY", True)
     monkeypatch.setattr(experts_mod, "DIRECT_WRITES", False)
-    want, _ = logits_of(small_conv, caps_for(small_conv, 0, None, dtype="bfloat16"))
     copies = HostCopies()
     monkeypatch.setattr(engine_mod, "open_copy_engine", lambda: copies)
     eng = Engine(small_conv, caps_for(small_conv, hot, host, dtype="bfloat16"))
@@ -363,4 +370,4 @@ def test_records_copied_by_the_copy_engine_change_no_bit(small_conv, split, monk
         assert sum(ly.hits_host for ly in layers) > 0
     if host == 512:
         assert sum(ly.hits_prefetch for ly in layers if ly.layer > 0) > 0
-    assert np.stack(out).tobytes() == want
+    assert np.stack(out).tobytes() == bf16_logits
