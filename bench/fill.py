@@ -135,9 +135,9 @@ def pools_read_ms(arrays: list[mx.array]) -> float:
 
 def driver_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: mx.Dtype, pinned: bool) -> dict:
     """`n` fills by CUDA's copy engine (`runtime/copy_engine.py`): each segment of a record copied from host memory
-    to its slot's address, eight records to a layer and one wait each. `pinned`: the records' buffer page-locked
-    (as the engine holds the staging ring and the host tier), landed by `SlotPools.stage_many` as a run lands them;
-    else pageable (the driver bounces it through its own pinned buffers). The slots' addresses come from host views
+    to its slot's address, eight records to a layer and one wait each, by `SlotPools.stage_many` as a run lands them.
+    `pinned`: the records' buffer page-locked (as the engine holds the staging ring and the host tier), else
+    pageable (the driver bounces it through its own pinned buffers). The slots' addresses come from host views
     of the pools, which make MLX's CUDA buffers managed memory: so a kernel's read of the pools is timed before the
     views and after the copies, and the slots' bytes are checked against the records."""
     row = {"path": "driver", "pinned": pinned}
@@ -157,17 +157,13 @@ def driver_gbs(store: ExpertStore, keys: list[tuple[int, int]], n: int, dtype: m
     for r, rec in enumerate(records):
         hv[r * lay.stride: r * lay.stride + len(rec)] = np.frombuffer(rec, dtype=np.uint8)
     try:
-        if pinned and not engine.lock(hv.ctypes.data, hv.nbytes, lay.stride):
+        if pinned and not engine.lock(hv.ctypes.data, hv.nbytes):
             return {**row, "error": "cuMemHostRegister refused"}
 
         def land(first: int) -> None:
             batch = [((first + j) % 64, memoryview(host)[r * lay.stride:(r + 1) * lay.stride], lambda: None)
                      for j in range(8) for r in [(first + j) % len(records)]]
-            if pinned:
-                pools.stage_many(batch)
-            else:  # not page-locked, so `stage_many` would take the ring: the engine's copies asked for directly
-                pools._copy_by_engine([(s, np.frombuffer(b, dtype=np.uint8), d) for s, b, d in batch])
-                pools._settle_engine()
+            pools.stage_many(batch)
 
         mx.synchronize()
         for i in range(0, 16, 8):  # warm-up

@@ -35,14 +35,13 @@ _ALREADY_REGISTERED = 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
 
 
 class CopyEngine:
-    """The driver's copy engine for one process: page-locking host ranges, copies into device addresses on its own
-    stream, and the one wait for them. Which host ranges are page-locked is kept here (`locked_at`), by the start
-    address of each record-sized piece, so a caller holding a record's bytes knows whether the engine can take it."""
+    """The driver's copy engine for one process: page-locking host ranges (kept here, so each is given back once),
+    copies into device addresses on its own stream, and the one wait for them. A copy from memory that is not
+    page-locked is still exact: the driver stages it before the call returns, only slower."""
 
     def __init__(self, cuda: ctypes.CDLL | None):
         self.cuda = cuda
-        self.ranges: dict[int, tuple[int, int]] = {}  # page-locked range start -> (bytes, piece bytes)
-        self.starts: set[int] = set()  # start addresses of the page-locked pieces
+        self.ranges: dict[int, int] = {}  # page-locked range start -> bytes
         self.guard = threading.Lock()
         if cuda is None:
             return
@@ -55,31 +54,25 @@ class CopyEngine:
         self.stream = ctypes.c_void_p()
         _ok(cuda.cuStreamCreate(ctypes.byref(self.stream), _NON_BLOCKING), "cuStreamCreate")
 
-    def lock(self, ptr: int, nbytes: int, piece: int) -> bool:
-        """Page-lock [ptr, ptr + nbytes) for the GPU, as pieces of `piece` bytes (records). False where the driver
-        refuses (the records there then go through the upload ring)."""
+    def lock(self, ptr: int, nbytes: int) -> bool:
+        """Page-lock [ptr, ptr + nbytes) for the GPU. False where the driver refuses (copies from there are then
+        staged by the driver: exact, slower)."""
         with self.guard:
             if ptr in self.ranges:
                 return True
         if not self._register(ptr, nbytes):
             return False
         with self.guard:
-            self.ranges[ptr] = (nbytes, piece)
-            self.starts.update(range(ptr, ptr + nbytes, piece))
+            self.ranges[ptr] = nbytes
         return True
 
     def unlock(self, ptr: int) -> None:
         """Give a range `lock` took back to pageable memory (before its pages are dropped). No copy from it may be
         in flight: its holders release it only after `wait`."""
         with self.guard:
-            if ptr not in self.ranges:
+            if self.ranges.pop(ptr, None) is None:
                 return
-            nbytes, piece = self.ranges.pop(ptr)
-            self.starts.difference_update(range(ptr, ptr + nbytes, piece))
         self._unregister(ptr)
-
-    def locked_at(self, ptr: int) -> bool:
-        return ptr in self.starts
 
     # ---- the driver's calls (a test stands in for them where there is no CUDA)
     def _register(self, ptr: int, nbytes: int) -> bool:

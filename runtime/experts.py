@@ -186,18 +186,18 @@ class SlotPools:
         the GIL: a layer's records are copied side by side, off the thread that waits for the disk), at most one
         task per thread for all of `records` (a task per record cost this thread 0.16 ms a record on the H200, under
         cProfile: about the copy's own time). Direct writes run here (on the CPU backend the cores are busy
-        computing, and a thread hop costs more than a small copy). Records in page-locked memory go by the copy engine
-        where there is one, each straight into its slot; with `settle` this waits for them before returning (their
-        `done` frees staging entries a later read may be waiting for), else `flush` does."""
+        computing, and a thread hop costs more than a small copy). Where there is a copy engine every record goes by
+        it, straight into its slot (from page-locked memory asynchronously, from pageable memory through the driver's
+        own staging), so no MLX operation ever replaces a pool and the slots' addresses stay those taken at open; with
+        `settle` this waits for them before returning (their `done` frees staging entries a later read may be
+        waiting for), else `flush` does."""
         raws = [(slot, np.frombuffer(record, dtype=np.uint8, count=self.lay.raw_size), done)
                 for slot, record, done in records]
         if self.engine is not None:
-            by_engine = [r for r in raws if self.engine.locked_at(r[1].ctypes.data)]
-            if by_engine:
-                raws = [r for r in raws if not self.engine.locked_at(r[1].ctypes.data)]
-                self._copy_by_engine(by_engine)
-                if settle:
-                    self._settle_engine()
+            self._copy_by_engine(raws)
+            if settle:
+                self._settle_engine()
+            return
         if self.direct:
             for slot, raw, done in raws:
                 self._copy(slot, raw, done)
@@ -338,7 +338,7 @@ class StreamingExperts:
         self.pools = SlotPools(hot_slots + staging, lay, dtype, uploads or store.ring, streams=streams,
                                engine=None if self.resident else engine)
         if self.pools.engine is not None:  # records read from disk land from the staging ring by the engine too
-            self.pools.engine.lock(np.frombuffer(store.view, dtype=np.uint8).ctypes.data, len(store.view), lay.stride)
+            self.pools.engine.lock(np.frombuffer(store.view, dtype=np.uint8).ctypes.data, len(store.view))
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
         self.ahead: dict[Key, Future] = {}  # guesses read ahead into staging, not yet picked
         # a discrete GPU's host tier: the next layer's guesses held there, copied into device slots while this

@@ -107,7 +107,7 @@ class HostTier:
     def filled(self, slot: int) -> None:
         """The read into `slot` completed: later lookups find it. Its pages are locked where the limit allows."""
         if self.engine is not None:
-            self.engine.lock(self.base + slot * self.stride, self.stride, self.stride)
+            self.engine.lock(self.base + slot * self.stride, self.stride)
         elif self.locking and self.libc.mlock(ctypes.c_void_p(self.base + slot * self.stride), ctypes.c_size_t(self.stride)):
             self.locking = False  # RLIMIT_MEMLOCK: the rest stay unlocked (correct, only swappable)
         with self.lock:
