@@ -365,7 +365,9 @@ def test_records_copied_by_the_copy_engine_change_no_bit(small_conv, split, monk
     layers = [ly for s in eng.steps for ly in s.layers]
     landed = sum(ly.picks - ly.hits_hot - ly.hits_lent for ly in layers)
     assert copies.copied >= landed * len(eng.lay.segments) > 0 and ring_rows == 0
-    assert copies.ranges == {} and copies.locks >= 1 + (host or 0) * (host == 512)
+    # the staging ring locked once, and each host slot as it fills (every one where the tier holds every record);
+    # all given back at close
+    assert copies.ranges == {} and copies.locks >= 1 + (512 if host == 512 else 0)
     if host is not None:
         assert sum(ly.hits_host for ly in layers) > 0
     if host == 512:

@@ -858,7 +858,7 @@ def _layers_of_one_block(layers: list, h: mx.array, cache: list, rope, rot, expe
         h, x = layer.mix(h, cache[i], rope, rot)
         inds, *routed = layer.mlp.route(x)
         if prepare is not None:
-            prepare(i, [inds], iter((x,)))
+            prepare(i, [inds], [x])
         settle(queued, experts, i)  # before this layer's experts are queued (a provider queues them when called)
         h = layer.mlp.finish(i, x, experts, h, inds, *routed)
         mx.async_eval(h)
