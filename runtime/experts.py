@@ -146,6 +146,7 @@ class SlotPools:
         self.uploads = 0 if self.direct else uploads
         self.rings = [mx.zeros((self.uploads, s.nbytes), dtype=mx.uint8) for s in lay.segments]
         mx.eval(self.arrays, self.rings)
+        self.fields = lay.weights(self.arrays)
         # writable host views: of the pools themselves (direct), else of the ring
         self.hosts = [np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(len(a), -1)
                       for a in (self.arrays if self.direct else self.rings)]
@@ -169,7 +170,9 @@ class SlotPools:
             self.slot_at = [(v.ctypes.data, sg.offset, sg.nbytes) for v, sg in zip(views, lay.segments, strict=True)]
 
     def weights(self) -> ExpertWeights:
-        return self.lay.weights(self.arrays)
+        """The pools as one record's fields. Made once: a scatter into a pool (`flush`) updates its array object in
+        place, so these stay the pools' current arrays."""
+        return self.fields
 
     def stage(self, slot: int, record: memoryview, done: Callable[[], None]) -> None:
         """Copy one record (host bytes) toward `slot` (`stage_many` of one)."""
@@ -494,8 +497,10 @@ class StreamingExperts:
         if self.width > 0 and i + 1 < self.L and x.shape[0] == 1:
             order = mx.argsort(-self.guess(i + 1, x).reshape(-1).astype(mx.float32))[: self.width]
         t = time.perf_counter()
-        self.fence(inds, *([order] if order is not None else []))
+        self.fence(inds)
         st.compute_ms += 1000 * (time.perf_counter() - t)
+        if order is not None:  # the guesses' ordering computes while this thread looks up the picks
+            mx.async_eval(order)
         if self.pools.unsettled:  # the copies `_copy_ahead` started while the previous layer computed land first
             self._land_copied(i, st)
         # From here to the kernels' launch the device waits on this thread: the bookkeeping is plain Python over a

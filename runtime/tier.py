@@ -134,10 +134,13 @@ class HotTier:
             return None
         if self.policy == "lru":
             return self._lru()
-        best = None
+        best, fewest = None, 0
+        freq, key_of, pinned = self.freq, self.key_of, self.pinned  # locals: this runs for every miss of a decode step
         for s in self._sample_occupied():
-            if self.usable(s) and (best is None or self.picks(self.key_of[s]) < self.picks(self.key_of[best])):
-                best = s
+            if s not in pinned:
+                layer, e = key_of[s]
+                if best is None or freq[layer][e] < fewest:
+                    best, fewest = s, freq[layer][e]
         return best if best is not None else self._lru()
 
     def _sample_occupied(self) -> list[int]:
@@ -147,8 +150,8 @@ class HotTier:
         if len(self.recency) <= 4 * self.sample:
             occupied = list(self.recency)
             return [occupied[int(u * len(occupied))] for u in self._uniforms(self.sample)]
-        draws = [int(u * self.n_slots) for u in self._uniforms(4 * self.sample)]
-        return [s for s in draws if s in self.recency][: self.sample]
+        n, occupied = self.n_slots, self.recency
+        return [s for s in [int(u * n) for u in self._uniforms(4 * self.sample)] if s in occupied][: self.sample]
 
     def _uniforms(self, n: int) -> list[float]:
         """n uniform numbers in [0, 1) from the seeded generator, drawn 4096 at a time (a generator call costs
