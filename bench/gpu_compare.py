@@ -29,6 +29,7 @@ import numpy as np
 from streamoe.formats.direct import aligned_buffer, open_uncached
 from streamoe.formats.manifest import load_manifest, safe_path
 from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.experts import EAGER_MIXER as DEFAULT_EAGER_MIXER
 from streamoe.runtime.experts import PRECISION_RANGE as DEFAULT_PRECISION_RANGE
 from streamoe.runtime.telemetry import summarize
 
@@ -115,7 +116,8 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     cache held at 32 MiB, as before the plan had an allocator account), `kvf32` (a float32 KV cache), `gdnkernel`
     (the delta rule as the token loop of compiled steps, not the backend's form), `guesswait` (guesses read at the
     demand reads' priority, side by side with them, the older schedule), `wastebudget` (a guess rank needs a fixed
-    0.8 precision, the older rule, instead of following the waste budget)."""
+    0.8 precision, the older rule, instead of following the waste budget); and one run with a measure added where it
+    is off: `eagermixer` (each layer's mixer queued as soon as it is built, on every backend, `experts.EAGER_MIXER`)."""
     from streamoe.runtime import experts as experts_mod
     from streamoe.runtime import store as store_mod
     from streamoe.runtime.models import delta_rule
@@ -123,6 +125,7 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     delta_rule.GDN_FORM = "ops" if ablate == "gdnkernel" else None
     store_mod.GUESSES_WAIT = ablate != "guesswait"
     experts_mod.PRECISION_RANGE = (0.8, 0.8) if ablate == "wastebudget" else DEFAULT_PRECISION_RANGE
+    experts_mod.EAGER_MIXER = ("cpu", "gpu") if ablate == "eagermixer" else DEFAULT_EAGER_MIXER
     cap_gib = cap_gib_for(model, cap, experts, dtype)
     gc.collect()  # the previous run's engine (its timing wrapper makes a cycle), so its memory is not counted here
     mx.clear_cache()
@@ -173,7 +176,7 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     picks = sum(ly.picks for ly in lay)
     eng.close()
     ms = float(np.median(times) * 1000)
-    tag = "" if not ablate else "-profiled" if ablate == "profile" else f"-no-{ablate}"
+    tag = "" if not ablate else "-profiled" if ablate == "profile" else "-eager-mixer" if ablate == "eagermixer" else f"-no-{ablate}"
     res = {"tag": f"streamoe-{cap}-{experts}" + tag + (f"-io{io_threads}" if io_threads != 8 else ""), "io_threads": io_threads, "cap_gib": cap_gib, "resident": eng.experts.resident, "open_s": round(open_s, 1),
             "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
             "build_ms": round(float(np.median([st.host_ms for st in dec[-tokens:]])), 2), "main_cpu_ms": round(main_cpu_ms, 2), "compute_ms": round(s["compute_ms"], 2), "io_wait_ms": round(s["io_wait_ms"], 2),
@@ -255,7 +258,7 @@ def main() -> None:
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--mlx-lm-tokenwise", action="store_true", help="feed mlx-lm's prompt one token at a time")
     ap.add_argument("--ablate", default="", help="also run without: cache32,kvf32,gdnkernel (resident), guesswait@CAP, wastebudget@CAP "
-                    "(capped); or profile@CAP (a capped run under cProfile, last); comma-separated")
+                    "(capped); with: eagermixer@CAP; or profile@CAP (a capped run under cProfile, last); comma-separated")
     ap.add_argument("--io-threads", default="8", help="capped runs: reads in flight, comma-separated for several runs")
     ap.add_argument("--rounds", type=int, default=1, help="capped runs (ablations included) repeated, interleaved")
     ap.add_argument("--mlx-lm-each-round", action="store_true", help="mlx-lm's run again before each round's capped "

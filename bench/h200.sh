@@ -189,10 +189,13 @@ case "$1" in
     [ -z "${FREE:-}" ] || rm -rf "$S/full-ckpt" "$S/full-conv"
     [ -f "$S/$F-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/$F-ckpt" --family "$F" --size full 2>/dev/null
     [ -f "$S/$F-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/$F-ckpt" "$S/$F-conv" 2>/dev/null
-    python3 -m bench.gpu_parts --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --experts $X --skip-parts --variants "${VARIANTS:-}" \
-      --rounds 5 --out "$OUT/family-rounds-h200-$F.json" | grep -v '^ '
+    # CAPPED_ONLY=1: only the capped runs; TAG names their file (e.g. with MLX_USE_CUDA_GRAPHS=0 as a setting)
+    [ -n "${CAPPED_ONLY:-}" ] || python3 -m bench.gpu_parts --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --experts $X \
+      --skip-parts --variants "${VARIANTS:-}" --rounds 5 --out "$OUT/family-rounds-h200-$F.json" | grep -v '^ '
+    # the capped runs twice, with each layer's mixer queued once built beside them, then one under cProfile: where a
+    # capped token's host time goes when nearly every pick is in memory
     python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps 4 --experts $X --skip-mlx-lm \
-      --out "$OUT/family-capped-h200-$F.json" | grep -v '^ '
+      --rounds 2 --ablate "${ABLATE-eagermixer@4,profile@4}" --out "$OUT/family-capped-h200-$F${TAG:-}.json" | grep -v '^ '
     ;;
   peers)
     # the checkpoint, mlx-vlm's repack of it and the q4 conversion: 57 GB of the 64 GiB disk, so the repack first

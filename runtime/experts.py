@@ -64,9 +64,11 @@ PRECISION_RANGE = (0.5, 0.95)
 VERIFY = os.environ.get("STREAMOE_VERIFY_SLOTS", "") not in ("", "0")  # check every filled slot against the file
 DIRECT_WRITES = True  # where the pools are host memory, records are written straight into their slots (tests turn it off)
 GPU_ALLOC_PAGE = 16384  # MLX's GPU allocators (CUDA, Metal) count a buffer of more than 8 bytes in whole pages of this size
-# measured 0.824 against 0.798 of mlx-lm's token time, medians of 4 paired runs on the small model at a quarter cap
-# (`bench.gpu_compare --paired`): the mixer computes while the host builds the routing and the experts' bookkeeping
-EAGER_MIXER = True
+# the backends on which a streamed decode step queues each layer's mixer as soon as it is built. On the CPU measured
+# 0.824 against 0.798 of mlx-lm's token time, medians of 4 paired runs on the small model at a quarter cap
+# (`bench.gpu_compare --paired`): the mixer computes while the host builds the routing and the experts' bookkeeping.
+# Not measured on a GPU (`bench.gpu_compare --ablate eagermixer@CAP` runs it there)
+EAGER_MIXER: tuple[str, ...] = ("cpu",)
 # measured 0.843 against 0.813 of mlx-lm's token time, medians of 4 paired runs (small model, quarter cap, CPU)
 LAND_IN_READERS = True  # with direct writes, the I/O thread that read a record copies it into its slot (_land_in_readers)
 HITS_FIRST = True  # with direct writes, a decode step's hits compute while its misses are read (StreamingExperts._streamed)
@@ -335,7 +337,8 @@ class StreamingExperts:
         self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
         self.resident = hot_slots >= n_layers * n_experts
         # a streamed step on the CPU queues each layer's mixer as soon as it is built (`kernels.run_layers`)
-        self.queue_input = self._queue_input if EAGER_MIXER and not self.resident and mx.default_device() == mx.cpu else None
+        eager = ("cpu" if mx.default_device() == mx.cpu else "gpu") in EAGER_MIXER
+        self.queue_input = self._queue_input if eager and not self.resident else None
         staging = 0 if self.resident else n_experts
         # resident, the engine would only speed up open, and its host views make the pools managed memory
         self.pools = SlotPools(hot_slots + staging, lay, dtype, uploads or store.ring, streams=streams,
