@@ -383,10 +383,13 @@ class StreamingExperts:
         """Read every key of `slots` not in `reads` yet, copy each record into its slot as it arrives; the time
         spent waiting for the disk and landing beyond it go to `st`. The staging ring bounds the bytes in flight."""
         missing = [key for key in slots if key not in reads]
-        reads.update(zip(missing, self.store.read_many(missing), strict=True))
+        if missing:
+            reads.update(zip(missing, self.store.read_many(missing), strict=True))
         copy0, sync0 = self.pools.copy_wait_s, self.pools.sync_s
         start = time.perf_counter()
-        if self.pools.direct and LAND_IN_READERS:
+        if not reads:  # every pick in memory (most layers, where the hot tier holds what the router likes)
+            waited = 0.0
+        elif self.pools.direct and LAND_IN_READERS:
             waited = self._land_in_readers(slots, reads)
         else:
             waited, t = 0.0, start
@@ -500,10 +503,8 @@ class StreamingExperts:
         if self.width > 0 and i + 1 < self.L and x.shape[0] == 1:
             order = mx.argsort(-self.guess(i + 1, x).reshape(-1).astype(mx.float32))[: self.width]
         t = time.perf_counter()
-        self.fence(inds)
+        self.fence(inds, *([order] if order is not None else []))
         st.compute_ms += 1000 * (time.perf_counter() - t)
-        if order is not None:  # the guesses' ordering computes while this thread looks up the picks
-            mx.async_eval(order)
         if self.pools.unsettled:  # the copies `_copy_ahead` started while the previous layer computed land first
             self._land_copied(i, st)
         # From here to the kernels' launch the device waits on this thread: the bookkeeping is plain Python over a
@@ -569,8 +570,9 @@ class StreamingExperts:
         """Slots for layer i's distinct picks: hits pinned, misses placed and their reads queued (guessed ones
         promoted). Returns (expert -> slot, the slots to land, the reads to land them from)."""
         slot_of: dict[int, int] = {}
+        lookup = self.tier.slot_of.get  # HotTier.lookup, without a method call per pick
         for e in experts:  # pin every hit first, so placing a miss cannot evict one
-            s = self.tier.lookup((i, e))
+            s = lookup((i, e))
             if s is not None:
                 slot_of[e] = s
                 self.tier.pinned.add(s)
@@ -595,7 +597,8 @@ class StreamingExperts:
                 st.hits_prefetch += 1
         cold = [key for key in land if key not in reads]
         host0 = self.store.host_hits
-        reads.update(zip(cold, self.store.read_many(cold), strict=True))
+        if cold:
+            reads.update(zip(cold, self.store.read_many(cold), strict=True))
         host = self.store.host_hits - host0  # copied from the host tier, not read
         st.hits_host += host
         st.bytes_host += host * self.lay.stride
@@ -659,14 +662,16 @@ class StreamingExperts:
         its `width` best, best first): each while its rank's precision and the waste budget allow."""
         st = self.stats[layer] if self.stats is not None else None
         self.candidates[layer] = order
+        lookup, right, seen, precision = self.tier.slot_of.get, self.rank_right, self.rank_seen, self.precision
         keys = [(layer, e) for r, e in enumerate(order)
-                if (layer, e) not in self.ahead and self.tier.lookup((layer, e)) is None
-                and (self.rank_right[r] + 1) / (self.rank_seen[r] + 2) >= self.precision]
+                if (right[r] + 1) / (seen[r] + 2) >= precision and (layer, e) not in self.ahead
+                and lookup((layer, e)) is None]
         host = [key for key in keys if self.store.in_host(key)]
         if host and not self.pools.direct:
             self.copy_next = (layer, host)
         keys = [key for key in keys if key not in host]  # a disk guess reads into staging; the host tier needs none
-        self.ahead.update(zip(keys, self.store.guess_many(keys), strict=True))
+        if keys:
+            self.ahead.update(zip(keys, self.store.guess_many(keys), strict=True))
         if st is not None:
             st.prefetch_issued += len(keys)
 

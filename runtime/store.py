@@ -202,6 +202,8 @@ class ExpertStore:
         return self._queue(self.guesses if GUESSES_WAIT else self.demand, keys)
 
     def _queue(self, queue: deque, keys: list[tuple[int, int]]) -> list[Future]:
+        if not keys:
+            return []
         futs: list[Future] = [Future() for _ in keys]
         jobs = []
         if self.host is not None and keys and queue is self.demand:  # once a layer: a /proc read, off the guesses
