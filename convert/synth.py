@@ -1,5 +1,5 @@
-"""`streamoe synth`: write a checkpoint shaped exactly like mlx-community/Qwen3.6-35B-A3B-4bit (or, with
-`--family qwen3_moe`, mlx-community/Qwen3-30B-A3B-4bit), random weights.
+"""`streamoe synth`: write a checkpoint shaped exactly like mlx-community/Qwen3.6-35B-A3B-4bit (or, with `--family`,
+like mlx-community's Qwen3-30B-A3B-4bit, gpt-oss-20b-MXFP4-Q8 or Mixtral-8x7B-Instruct-v0.1-4bit), random weights.
 
 Structure follows the real export: the mlx-vlm 0.4.4 `config.json` (top-level keys sorted,
 `quantization` == `quantization_config`, 8-bit router/shared-gate overrides), tensors in module order
@@ -36,6 +36,12 @@ tensors in mlx-lm's gpt_oss module order, the harmony tokenizer and a minimal ha
 Its MXFP4 experts are a real `mx.quantize(mode="mxfp4")` of bf16 normals at tiny/small; at full size random
 E2M1 codes with E8M0 scales 2^-8 .. 2^-6 (dequantized std ≈ 0.03, measured). `--size full` is the real table (`GPT_OSS_DIMS`).
 
+Mixtral (`--family mixtral`) is mlx-lm's 4-bit conversion of mistralai/Mixtral-8x7B-Instruct-v0.1 as mlx-community
+ships it: Hugging Face's config plus the quantization block and its copy (every module 4-bit, routers included),
+tensors in mlx-lm's mixtral module order, Llama's SentencePiece tokenizer (specials first) with the model's `[INST]`
+chat template in tokenizer_config.json. `--size full` is the real table (`MIXTRAL_DIMS`): 839 tensors,
+26,270,703,616 B, 6 shards.
+
 Writing streams: the tensor table fixes every header before any data exists, so each shard is written
 as header, then tensor after tensor; large tensors are generated in row chunks, so memory stays at
 one module (tiny, small) or one chunk (full). Output goes to a temporary sibling directory that is
@@ -61,8 +67,10 @@ from ..formats.export import Spec, specs
 from ..formats.safetensors import build_header, tensor_nbytes
 from .synth_tokenizer import (
     HARMONY_BASE,
+    MIXTRAL_VOCAB,
     QWEN3_BASE,
     REAL_BASE,
+    SPM_TRAINED,
     TRAINED_VOCAB,
     harmony_id,
     token_id,
@@ -75,7 +83,7 @@ TRANSFORMERS_VERSION = "4.57.0.dev0"
 SIZES = ("tiny", "small", "small-vocab", "full")
 # per family, its variants (the first is the default)
 VARIANTS_OF = {"qwen3_5_moe": ("qwen3.6", "qwen3.5"), "qwen3_moe": ("qwen3", "qwen3-gate8"),
-               "gpt_oss": ("mxfp4-q8", "mxfp4-q4")}
+               "gpt_oss": ("mxfp4-q8", "mxfp4-q4"), "mixtral": ("mixtral",)}
 FAMILIES = tuple(VARIANTS_OF)
 VARIANTS = VARIANTS_OF["qwen3_5_moe"]
 QWEN3_TRANSFORMERS_VERSION = "4.51.0"
@@ -192,6 +200,34 @@ GPT_OSS_DIMS: dict[str, GptOssDims] = {
 GPT_OSS_TRANSFORMERS_VERSION = "4.55.0.dev0"
 
 
+@dataclass(frozen=True)
+class MixtralDims:
+    hidden: int
+    layers: int
+    heads: int  # the head is hidden / heads wide
+    kv_heads: int
+    experts: int
+    top_k: int
+    inter: int  # each expert's width (the config's intermediate_size)
+    vocab: int  # the tokenizer's too: its specials come first, so there is no base vocabulary to place them after
+
+    @property
+    def token_base(self) -> int:
+        return self.vocab
+
+
+MIXTRAL_DIMS: dict[str, MixtralDims] = {
+    # every quantized input dim a multiple of 64: mlx-lm loads it and quantizes every module
+    "tiny": MixtralDims(hidden=128, layers=4, heads=2, kv_heads=1, experts=8, top_k=2, inter=64, vocab=SPM_TRAINED),
+    "small": MixtralDims(hidden=256, layers=8, heads=4, kv_heads=2, experts=8, top_k=2, inter=512, vocab=SPM_TRAINED),
+    "small-vocab": MixtralDims(hidden=256, layers=8, heads=4, kv_heads=2, experts=8, top_k=2, inter=512,
+                               vocab=MIXTRAL_VOCAB),
+    # the real Mixtral-8x7B (its config.json)
+    "full": MixtralDims(hidden=4096, layers=32, heads=32, kv_heads=8, experts=8, top_k=2, inter=14336, vocab=MIXTRAL_VOCAB),
+}
+MIXTRAL_TRANSFORMERS_VERSION = "4.36.0.dev0"
+
+
 # --------------------------------------------------------------------------------------------- config
 
 
@@ -211,6 +247,8 @@ def make_config(size: str, variant: str | None = None, text_only: bool = False, 
         return qwen3_moe_config(size, variant)
     if family == "gpt_oss":
         return gpt_oss_config(size, variant)
+    if family == "mixtral":
+        return mixtral_config(size)
     if size not in DIMS:
         raise StreamoeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
     if variant not in VARIANTS:
@@ -414,9 +452,49 @@ def gpt_oss_config(size: str, variant: str = "mxfp4-q8") -> dict:
     return dict(sorted(config.items()))
 
 
+def mixtral_config(size: str) -> dict:
+    """mistralai/Mixtral-8x7B-Instruct-v0.1's config.json as mlx-lm saves its 4-bit conversion (mlx-community's):
+    Hugging Face's config plus the quantization block and its copy, keys sorted."""
+    if size not in MIXTRAL_DIMS:
+        raise StreamoeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
+    d = MIXTRAL_DIMS[size]
+    quant = {"group_size": GROUP_SIZE, "bits": 4}
+    config = {
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": d.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": d.inter,
+        "max_position_embeddings": 32768,
+        "model_type": "mixtral",
+        "num_attention_heads": d.heads,
+        "num_experts_per_tok": d.top_k,
+        "num_hidden_layers": d.layers,
+        "num_key_value_heads": d.kv_heads,
+        "num_local_experts": d.experts,
+        "output_router_logits": False,
+        "quantization": quant,
+        "quantization_config": quant,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": MIXTRAL_TRANSFORMERS_VERSION,
+        "use_cache": True,
+        "vocab_size": d.vocab,
+    }
+    return dict(sorted(config.items()))
+
+
 def token_base(size: str, family: str = "qwen3_5_moe") -> int:
-    """The id of the first added token (the base BPE vocabulary's size) of a family's size."""
-    return {"qwen3_moe": QWEN3_DIMS, "gpt_oss": GPT_OSS_DIMS}.get(family, DIMS)[size].token_base
+    """The id of the first added token (the base BPE vocabulary's size) of a family's size (mixtral: its vocabulary's
+    size, the specials coming first)."""
+    return {"qwen3_moe": QWEN3_DIMS, "gpt_oss": GPT_OSS_DIMS, "mixtral": MIXTRAL_DIMS}.get(family, DIMS)[size].token_base
 
 
 # --------------------------------------------------------------------------------------------- tensors

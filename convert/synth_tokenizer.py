@@ -25,6 +25,13 @@ message with the reasoning effort and the valid channels, each message `<|start|
 an assistant's reasoning in the `analysis` channel and its answer in `final`, tool results as
 `<|start|>functions.NAME to=assistant<|channel|>commentary<|message|>...<|end|>`, and the generation prompt
 `<|start|>assistant`; not the full harmony format (no developer instructions' tool namespaces, no `<|constrain|>`).
+
+Mixtral (`mixtral`) has Llama's SentencePiece tokenizer as transformers converts it to tokenizer.json (`legacy`):
+`<unk>`, `<s>`, `</s>` at ids 0-2, the byte-fallback tokens `<0x00>`..`<0xFF>` at 3-258, then BPE pieces over text
+whose spaces are "▁" and which starts with one (the normalizer), no pre-tokenizer, a decoder that strips the first
+space; trained here to SPM_TRAINED entries and padded to the vocabulary (32,000 at full size). Its template is the
+published Mixtral-8x7B-Instruct-v0.1 one (`[INST] ... [/INST]`, answers closed by `</s>`), inside
+tokenizer_config.json; generation_config.json says only the bos and eos ids, no sampling defaults.
 """
 
 from __future__ import annotations
@@ -449,6 +456,81 @@ HARMONY_CHAT_TEMPLATE = r"""{#- A minimal harmony renderer for the streamoe synt
 """
 
 
+# Mixtral (`mixtral`): Llama's SentencePiece BPE as a tokenizer.json (transformers' conversion, `legacy`): <unk>, <s>
+# and </s> at ids 0-2, the 256 byte-fallback tokens <0x00>..<0xFF> at 3-258, then pieces; a space is "▁" and every
+# text is prefixed with one (the normalizer); no pre-tokenizer. The real vocabulary has 32,000 entries.
+SPM_SPECIALS = ("<unk>", "<s>", "</s>")
+SPM_TRAINED = 768  # specials, bytes and about 500 trained pieces
+MIXTRAL_VOCAB = 32000
+# Mixtral-8x7B-Instruct-v0.1's chat template (tokenizer_config.json), as published
+MIXTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+
+
+def build_spm_tokenizer(vocab_size: int):
+    """A Llama-style `tokenizers.Tokenizer` of `vocab_size` entries: SentencePiece BPE with byte fallback, trained
+    on a few files of the Python standard library to SPM_TRAINED entries, padded with filler pieces no merge makes."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    if vocab_size < SPM_TRAINED:
+        raise ValueError(f"vocabulary {vocab_size} is smaller than the {SPM_TRAINED} trained entries")
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trainer_tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    trainer_tok.normalizer = normalizer
+    trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")  # pieces in words
+    trainer = trainers.BpeTrainer(vocab_size=SPM_TRAINED, min_frequency=2, show_progress=False,
+                                  special_tokens=[*SPM_SPECIALS, *bytes_], limit_alphabet=100)
+    trainer_tok.train_from_iterator([line for text in _corpus() for line in text.splitlines()], trainer)
+    trained = json.loads(trainer_tok.to_str())["model"]
+    vocab: dict[str, int] = dict(trained["vocab"])
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
+    i = len(vocab)
+    while len(vocab) < vocab_size:
+        filler = f"<filler_{i}>"
+        if filler not in vocab:
+            vocab[filler] = len(vocab)
+        i += 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True,
+                               dropout=None))
+    tok.normalizer = normalizer
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1",
+                                                       special_tokens=[("<s>", 1)])
+    tok.add_special_tokens([AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
+                            for t in SPM_SPECIALS])
+    for j, t in enumerate(SPM_SPECIALS):
+        assert tok.token_to_id(t) == j, t
+    return tok
+
+
+def mixtral_tokenizer_config() -> dict:
+    """Mixtral-8x7B-Instruct-v0.1's tokenizer_config.json (its template inside, as transformers 4.36 saved it)."""
+    decoder = {str(j): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                        "special": True} for j, t in enumerate(SPM_SPECIALS)}
+    return {"add_bos_token": True, "add_eos_token": False, "added_tokens_decoder": decoder, "additional_special_tokens": [],
+            "bos_token": "<s>", "chat_template": MIXTRAL_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+            "eos_token": "</s>", "legacy": True, "model_max_length": 1000000000000000019884624838656, "pad_token": None,
+            "sp_model_kwargs": {}, "spaces_between_special_tokens": False, "tokenizer_class": "LlamaTokenizer",
+            "unk_token": "<unk>", "use_default_system_prompt": False}
+
+
 @dataclass(frozen=True)
 class TokenizerStyle:
     """What a family's tokenizer files look like (the real files' structure and special-token ids)."""
@@ -554,6 +636,12 @@ def preprocessor_config(vision_config: dict) -> dict:
 def write_tokenizer_files(out: Path, *, base: int, vision_config: dict | None, transformers_version: str,
                           family: str = "qwen3_5_moe") -> list[str]:
     """Write the tokenizer and its companions (in `family`'s style) into `out`; returns the file names written."""
+    if family == "mixtral":  # `base`: the vocabulary's size (its specials come first)
+        build_spm_tokenizer(base).save(str(out / "tokenizer.json"), pretty=True)
+        _dump(out / "tokenizer_config.json", mixtral_tokenizer_config())
+        _dump(out / "generation_config.json", {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2,
+                                               "transformers_version": transformers_version})
+        return ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
     style = STYLES[family]
     tok = build_tokenizer(base, style.n_added, style.split_pattern, style.added, style.nfc)
     tok.save(str(out / "tokenizer.json"), pretty=True)

@@ -20,6 +20,11 @@ Families (`model_type`), and what each config says:
   the clamped SwiGLU (alpha 1.702, limit 7: the constants mlx-lm computes with); MXFP4 routed experts
   (`mlp.experts.*`), the rest affine per the export's `quantization` block; `num_local_experts` and
   `intermediate_size` name the expert count and width. Tensors under `model.`/`lm_head`.
+- `mixtral` (Mixtral-8x7B/8x22B): every layer full attention (GQA, no biases, no per-head norms, plain RoPE over
+  the whole head, a head of `hidden_size / num_attention_heads` as mlx-lm computes it), every layer MoE with a
+  softmax over the top-k router logits and no shared expert, the routed experts under `block_sparse_moe.switch_mlp`
+  and the router at `block_sparse_moe.gate`; `num_local_experts` and `intermediate_size` name the expert count and
+  width. Tensors under `model.`/`lm_head`.
 """
 
 from __future__ import annotations
@@ -30,14 +35,15 @@ from .errors import StreamoeError, fail
 
 PREFIX = "language_model."  # where a qwen3_5_moe export keeps its language model's tensors
 LINEAR, FULL, SLIDING = "linear_attention", "full_attention", "sliding_attention"
-FAMILIES = ("qwen3_5_moe", "qwen3_moe", "gpt_oss")  # the model_types streamoe runs
-TENSOR_PREFIX = {"qwen3_5_moe": PREFIX, "qwen3_moe": "", "gpt_oss": ""}
+FAMILIES = ("qwen3_5_moe", "qwen3_moe", "gpt_oss", "mixtral")  # the model_types streamoe runs
+TENSOR_PREFIX = {"qwen3_5_moe": PREFIX, "qwen3_moe": "", "gpt_oss": "", "mixtral": ""}
 # where a layer's routed experts sit under `model.layers.N.` (mlx-lm's SwitchGLU, by the name its family gives it)
-EXPERTS_MODULE = {"qwen3_5_moe": "mlp.switch_mlp", "qwen3_moe": "mlp.switch_mlp", "gpt_oss": "mlp.experts"}
+EXPERTS_MODULE = {"qwen3_5_moe": "mlp.switch_mlp", "qwen3_moe": "mlp.switch_mlp", "gpt_oss": "mlp.experts",
+                  "mixtral": "block_sparse_moe.switch_mlp"}
 # families whose routed experts have biases on gate, up and down (mlx-lm's SwitchGLU(bias=True))
 EXPERT_BIAS = ("gpt_oss",)
 # the text-config keys that give the expert count and width, where a family names them otherwise
-EXPERT_KEYS = {"gpt_oss": ("num_local_experts", "intermediate_size")}
+EXPERT_KEYS = {"gpt_oss": ("num_local_experts", "intermediate_size"), "mixtral": ("num_local_experts", "intermediate_size")}
 DEFAULT_EXPERT_KEYS = ("num_experts", "moe_intermediate_size")
 
 
@@ -159,7 +165,8 @@ class ModelArgs:
         if model_type != "gpt_oss" and text.get("attention_bias", False):
             raise fail(path, "attention_bias = true is not supported")
         head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
-        family = {"qwen3_5_moe": _hybrid_fields, "qwen3_moe": _all_attention_fields, "gpt_oss": _gpt_oss_fields}
+        family = {"qwen3_5_moe": _hybrid_fields, "qwen3_moe": _all_attention_fields, "gpt_oss": _gpt_oss_fields,
+                  "mixtral": _mixtral_fields}
         fields = family[model_type](text, need, head_dim, path)
 
         quant = config.get("quantization") or config.get("quantization_config") or text.get("quantization")
@@ -396,3 +403,20 @@ def _gpt_oss_fields(text: dict, need, head_dim: int, path: object) -> dict:
         full_attention_interval=1, sliding_window=window, yarn=yarn,
         swiglu_limit=SWIGLU_LIMIT, swiglu_alpha=SWIGLU_ALPHA,
     )
+
+
+def _mixtral_fields(text: dict, need, head_dim: int, path: object) -> dict:
+    """mixtral: every layer full attention with plain RoPE over a head of hidden_size / num_attention_heads (mlx-lm's
+    mixtral computes that width whatever the config says). What mlx-lm's mixtral does not compute (RoPE scaling, a
+    sliding window, traditional RoPE pairing, another head width) is refused rather than run differently."""
+    width = int(need("hidden_size")) // int(need("num_attention_heads"))
+    if head_dim != width:
+        raise fail(path, f"head_dim {head_dim} is not supported for mixtral (mlx-lm computes with hidden_size / "
+                         f"num_attention_heads = {width})")
+    if text.get("rope_scaling"):
+        raise fail(path, "rope_scaling is not supported for mixtral (mlx-lm's mixtral computes plain RoPE)")
+    if text.get("sliding_window") is not None:
+        raise fail(path, "sliding_window is not supported for mixtral (mlx-lm's mixtral attends to the whole context)")
+    if text.get("rope_traditional", False):
+        raise fail(path, "rope_traditional = true is not supported (only RoPE's rotate-half pairing)")
+    return _all_attention_fields(text, need, head_dim, path)

@@ -100,6 +100,8 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
         _qwen3_moe_tensors(a, plain, linear)
     elif a.model_type == "gpt_oss":
         _gpt_oss_tensors(a, plain, linear)
+    elif a.model_type == "mixtral":
+        _mixtral_tensors(a, plain, linear)
     else:
         _qwen3_5_moe_tensors(a, plain, linear, a_log_dtype)
     return out
@@ -202,6 +204,32 @@ def _gpt_oss_tensors(a: ModelArgs, plain, linear) -> None:
         plain(f"{L}.input_layernorm.weight", (h,), "one")
         plain(f"{L}.post_attention_layernorm.weight", (h,), "one")
     linear("lm_head", vocab, h)
+
+
+def _mixtral_tensors(a: ModelArgs, plain, linear) -> None:
+    """mlx-lm's mixtral module order: the embedding, then per layer the attention (q, k, v, o), the MoE block (the
+    router, then the routed experts) and the two norms; the final norm; `lm_head` unless the embedding is tied."""
+    h, vocab = a.hidden_size, a.vocab_size
+    nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    e, inter = a.num_experts, a.moe_intermediate_size
+    linear("model.embed_tokens", vocab, h)
+    for i in range(a.num_hidden_layers):
+        L = f"model.layers.{i}"
+        p = f"{L}.self_attn"
+        linear(f"{p}.q_proj", nq * hd, h)
+        linear(f"{p}.k_proj", nkv * hd, h)
+        linear(f"{p}.v_proj", nkv * hd, h)
+        linear(f"{p}.o_proj", h, nq * hd)
+        m = f"{L}.block_sparse_moe"
+        linear(f"{m}.gate", e, h)
+        linear(f"{m}.switch_mlp.gate_proj", inter, h, (e,))
+        linear(f"{m}.switch_mlp.up_proj", inter, h, (e,))
+        linear(f"{m}.switch_mlp.down_proj", h, inter, (e,))
+        plain(f"{L}.input_layernorm.weight", (h,), "one")
+        plain(f"{L}.post_attention_layernorm.weight", (h,), "one")
+    plain("model.norm.weight", (h,), "one")
+    if not a.tie_word_embeddings:
+        linear("lm_head", vocab, h)
 
 
 def tensor_table(config: dict, *, a_log_dtype: str | None = None) -> list[tuple[str, str, tuple[int, ...]]]:

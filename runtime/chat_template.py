@@ -16,6 +16,7 @@ Control tokens are the special added tokens and the other added tokens the templ
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime
@@ -164,6 +165,18 @@ class ChatTemplate:
         """"xml" (`<tool_call>\\n<function=NAME>\\n<parameter=KEY>...`, the Qwen3.5/3.6 and Qwen3-Coder
         templates) when the template writes that form, else "json" (`<tool_call>\\n{"name": ...}`)."""
         return "xml" if XML_CALL_MARK in self.source or XML_CALL_MARK.replace("\n", "\\n") in self.source else "json"
+
+    @functools.cached_property
+    def takes_tools(self) -> bool:
+        """Whether the template shows a request's tools to the model: a probe tool's name appears in its rendering.
+        One that never reads `tools` (Mixtral-Instruct's) would leave them unseen, so a server refuses them there."""
+        probe = "streamoe_probe_tool"
+        tool = {"type": "function", "function": {"name": probe, "description": "a probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        try:
+            return probe in self.render([{"role": "user", "content": "."}], tools=[tool])
+        except TemplateFailure:  # it refuses the probe's messages: the request's own rendering then decides
+            return True
 
     def mark_text(self, s: str) -> str:
         return mark(s, self.tokens)

@@ -165,12 +165,13 @@ def main() -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--family", type=click.Choice(FAMILIES), default="qwen3_5_moe", show_default=True,
               help="The model family (model_type) whose mlx-community export to write: qwen3_5_moe Qwen3.6-35B-A3B, "
-                   "qwen3_moe Qwen3-30B-A3B, gpt_oss gpt-oss-20b (text only but the first).")
+                   "qwen3_moe Qwen3-30B-A3B, gpt_oss gpt-oss-20b, mixtral Mixtral-8x7B-Instruct-v0.1 (text only but the "
+                   "first).")
 @click.option("--size", type=click.Choice(["tiny", "small", "small-vocab", "full"]), default="tiny", show_default=True)
 @click.option("--variant", default=None,
               help="An export variant of the family (default: its first): qwen3_5_moe qwen3.6 (8-bit routers, bf16 "
                    "A_log) or qwen3.5; qwen3_moe qwen3 (every module 4-bit) or qwen3-gate8 (8-bit routers); gpt_oss "
-                   "mxfp4-q8 (MXFP4 experts, the rest 8-bit) or mxfp4-q4.")
+                   "mxfp4-q8 (MXFP4 experts, the rest 8-bit) or mxfp4-q4; mixtral mixtral (every module 4-bit).")
 @click.option("--text-only", is_flag=True, help="Write an mlx-lm style text-only export (no vision tower).")
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
 @click.option("--shard-mb", type=Finite(min=0.001, max=1 << 30), default=None, help="Shard cap in MiB (default: 5 GiB, as mlx-vlm).")
@@ -480,7 +481,8 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
               "from other machines (the API has no authentication).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True)
 @click.option("--model-name", default=None, help="The model id clients see (default: MODEL's directory name).")
-@click.option("--no-images", is_flag=True, help="Refuse image inputs and plan no vision account.")
+@click.option("--no-images", is_flag=True, help="Refuse image inputs and plan no vision account (a text-only model "
+                                               "always does).")
 @click.option("--no-think", is_flag=True, help="Thinking off when a request does not set chat_template_kwargs.enable_thinking.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None,
               help="Answer length when a request sets none (default: what the planned context holds).")
@@ -518,19 +520,23 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
           max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, sse_keepalive: float,
           log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
+    from .formats.manifest import load_manifest
     from .runtime.serve.openai_api import Limits
     from .runtime.serve.server import serve as run_server
     from .runtime.serve.worker import ServeOptions
 
+    vision = load_manifest(model).blob("vision") is not None  # a text-only model serves text, no flag needed
+    images = vision and not no_images
+    off = "" if images else "was started with --no-images" if vision else "serves a text-only model (no vision tower)"
     limits = Limits(max_body=int(max_body_mib * (1 << 20)), max_image_bytes=int(max_image_mib * (1 << 20)),
-                    max_images=0 if no_images else max_images)
+                    max_images=max_images if images else 0, images_off=off)
     so = ServeOptions(model_name=model_name or model.resolve().name, limits=limits, max_queue=max_queue,
                       prompt_cache_bytes=int(prompt_cache_mib * (1 << 20)), max_tokens=max_tokens, sampling=sampling,
                       think=not no_think, allow_hosts=allow_host, cors_origins=cors_origin,
                       max_connections=max_connections, head_timeout_s=head_timeout, body_timeout_s=body_timeout,
                       idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads,
-                          verify, not no_images, max_pixels, runtime_mib, host_cap)
+                          verify, images, max_pixels, runtime_mib, host_cap)
     run_server(model, opts, so, host, port, log_level)
 
 

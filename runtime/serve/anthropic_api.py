@@ -72,7 +72,7 @@ def _image(block: dict, where: str, so, images: list[bytes]) -> dict:
         raise bad(f"{where}.source.data is not valid base64", f"{where}.source.data") from None
     check_image(raw, so.limits, where)
     if len(images) >= so.limits.max_images:
-        raise bad(f"at most {so.limits.max_images} images per request", where)
+        raise bad(so.limits.too_many_images(), where)
     images.append(raw)
     return {"type": "image"}
 

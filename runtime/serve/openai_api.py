@@ -51,6 +51,13 @@ class Limits:
     max_decode_pixels: int = 1 << 24
     max_values: int = 1 << 16  # JSON values in one body (objects, arrays, strings, numbers...)
     max_depth: int = 64  # JSON nesting
+    images_off: str = ""  # why this server takes no images (max_images 0), as the refusal says it; "": it takes them
+
+    def too_many_images(self) -> str:
+        """The refusal of a request with more than `max_images` images."""
+        if self.images_off:
+            return f"this server takes no images: it {self.images_off}"
+        return f"at most {self.max_images} images per request"
 
     @property
     def max_kept(self) -> int:
@@ -311,7 +318,7 @@ def _content(content, role: str, where: str, limits: Limits, images: list[bytes]
             if not isinstance(url, str):
                 raise bad(f"{pw}.image_url.url must be a string", pw)
             if len(images) >= limits.max_images:
-                raise bad(f"at most {limits.max_images} images per request", pw)
+                raise bad(limits.too_many_images(), pw)
             images.append(decode_image(url, limits, pw))
             parts.append({"type": "image"})
         else:

@@ -129,7 +129,7 @@ def _user_content(content, where: str, so, images: list[bytes]):
             if not isinstance(url, str):
                 raise bad(f"{pw}.image_url must be a data: URL string", f"{pw}.image_url")
             if len(images) >= so.limits.max_images:
-                raise bad(f"at most {so.limits.max_images} images per request", pw)
+                raise bad(so.limits.too_many_images(), pw)
             images.append(decode_image(url, so.limits, f"{pw}.image_url"))
             parts.append({"type": "image"})
         else:

@@ -111,12 +111,13 @@ class PromptBound:
         for n in _parts(spec.get("normalizer")):
             if n.get("type") in ("NFC", "NFD", "NFKC", "NFKD"):
                 forms.append(n["type"])
-            elif n.get("type") != "Prepend":
+            elif n.get("type") != "Prepend" and not _grows(n):
                 self.token_bytes = None  # a normaliser that may remove text
         self.forms = forms
         drops = [p for p in _parts(spec.get("pre_tokenizer")) if p.get("type") in ("Whitespace", "WhitespaceSplit",
                  "BertPreTokenizer") or p.get("behavior") == "Removed"]
-        if drops or model.get("fuse_unk") or model.get("type") in ("WordPiece", "WordLevel"):
+        fused = model.get("fuse_unk") and not model.get("byte_fallback")  # byte fallback: no unknown run to fuse
+        if drops or fused or model.get("type") in ("WordPiece", "WordLevel"):
             self.token_bytes = None
 
     CHUNK = 1 << 16
@@ -165,6 +166,14 @@ def message_chars(messages: list[dict]) -> int:
             if isinstance(part.get("text"), str):
                 n += len(part["text"])
     return n
+
+
+def _grows(normalizer: dict) -> bool:
+    """Whether a normaliser only replaces a string by one at least as long in UTF-8 (SentencePiece's space to "▁"),
+    so the text it gives is no shorter than the text it was given."""
+    pattern = normalizer.get("pattern") or {}
+    return (normalizer.get("type") == "Replace" and isinstance(pattern.get("String"), str) and pattern["String"] != ""
+            and len(str(normalizer.get("content", "")).encode()) >= len(pattern["String"].encode()))
 
 
 def _parts(node) -> list[dict]:
@@ -256,6 +265,9 @@ class EngineWorker:
         """The prompt as the template renders it, the request's text marked as text (see `chat_template`)."""
         if self.eng.text.template is None:
             raise bad("the model has no chat template; use /v1/completions")
+        if req.tools and not self.eng.text.template.takes_tools:
+            raise bad(f"the model's chat template ({self.eng.text.template.path.name}) does not show tools to the "
+                      "model, so it cannot call them", "tools")
         kw = {"enable_thinking": self.so.think, **req.template_kwargs}
         if req.force_call is not None:  # a forced tool call is the whole answer: no thinking before it
             kw["enable_thinking"] = False
@@ -283,7 +295,8 @@ class EngineWorker:
                 raise bad("across ranks (mlx.launch) a request takes no images: they reach rank 0 alone, and every "
                           "rank must encode them; serve images on one host", "messages")
             if req.images and not self.eng.opts.images:
-                raise bad("this server was started without images (streamoe serve --no-images)", "messages")
+                raise bad(f"this server takes no images: it {self.so.limits.images_off or 'was started without them'}",
+                          "messages")
             if (least := self.bound.quick(message_chars(req.messages))) >= self.eng.opts.ctx:
                 raise self.too_long(least, "messages", "at least ")  # before the template copies the text
             prompt = self.render(req)
