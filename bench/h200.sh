@@ -40,8 +40,8 @@
 #   bash bench/h200.sh devcpu    # gpt-oss (float32, bfloat16) and qwen3_moe tiny through the engine, every kernel call
 #                                replayed on the CPU: the first that differs, with its inputs (bench/device_vs_cpu.py);
 #                                first quantized_matmul alone, GPU against CPU and against itself rerun, over dtypes, bits, modes, K and M (--qmm-sweep)
-#   FAMILY=qwen3_moe bash bench/h200.sh family  # (FREE=1: the Qwen3.6 checkpoint removed first, for disk room) a full-size
-#                                synthetic checkpoint of FAMILY (qwen3_moe, gpt_oss) in its own expert format: resident decode
+#   FAMILY=qwen3_moe bash bench/h200.sh family  # (FREE=1: every other checkpoint removed first, for disk room) a full-size
+#                                synthetic checkpoint of FAMILY (qwen3_moe, gpt_oss, mixtral) in its own expert format: resident decode
 #                                against stock mlx-lm in interleaved rounds, then --cap 4 against the disk
 #   bash bench/h200.sh peers     # (a fresh machine: before `setup`) long-prompt prefill at --cap 4 beside mlx-vlm's expert offload
 #                                at the same expert budget and resident mlx-lm (bench/prefill_peers.py; PROMPTS=, ENGINES=)
@@ -184,18 +184,23 @@ case "$1" in
     done
     ;;
   family)
-    F=${FAMILY:?FAMILY=qwen3_moe or gpt_oss}
+    F=${FAMILY:?FAMILY=qwen3_moe, gpt_oss or mixtral}
     X=$([ "$F" = gpt_oss ] && echo mxfp4 || echo q4)
-    [ -z "${FREE:-}" ] || rm -rf "$S/full-ckpt" "$S/full-conv"
+    # FREE=1: every other checkpoint and conversion removed first (Mixtral-8x7B's pair is 51 GB of the 64 GiB disk)
+    if [ -n "${FREE:-}" ]; then
+      for d in "$S"/*-ckpt "$S"/*-conv; do case "$d" in "$S/$F-"*) ;; *) rm -rf "$d" ;; esac; done
+    fi
     [ -f "$S/$F-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/$F-ckpt" --family "$F" --size full 2>/dev/null
     [ -f "$S/$F-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/$F-ckpt" "$S/$F-conv" 2>/dev/null
     # CAPPED_ONLY=1: only the capped runs; TAG names their file (e.g. with MLX_USE_CUDA_GRAPHS=0 as a setting)
     [ -n "${CAPPED_ONLY:-}" ] || python3 -m bench.gpu_parts --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --experts $X \
       --skip-parts --variants "${VARIANTS:-}" --rounds 5 --out "$OUT/family-rounds-h200-$F.json" | grep -v '^ '
-    # the capped runs twice, with each layer's mixer queued once built beside them, then one under cProfile: where a
-    # capped token's host time goes when nearly every pick is in memory
-    python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps 4 --experts $X --skip-mlx-lm \
-      --rounds 2 --ablate "${ABLATE-eagermixer@4,profile@4}" --out "$OUT/family-capped-h200-$F${TAG:-}.json" | grep -v '^ '
+    # the capped runs (at CAP, 4; Mixtral-8x7B's fixed accounts need more: CAP=12) twice, with each layer's mixer
+    # queued once built beside them, then one under cProfile: where a capped token's host time goes when nearly
+    # every pick is in memory
+    C=${CAP:-4}
+    python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps "$C" --experts $X --skip-mlx-lm \
+      --rounds 2 --ablate "${ABLATE-eagermixer@$C,profile@$C}" --out "$OUT/family-capped-h200-$F${TAG:-}.json" | grep -v '^ '
     ;;
   peers)
     # the checkpoint, mlx-vlm's repack of it and the q4 conversion: 57 GB of the 64 GiB disk, so the repack first

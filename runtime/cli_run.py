@@ -162,6 +162,8 @@ def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
                 raise StreamoeError(f"{path}: across ranks a chat takes no /image (give --image with --prompt)")
             if raw:
                 raise StreamoeError(f"{path}: an image needs the chat template; run the chat without --raw")
+            if not eng.opts.images:
+                raise StreamoeError(f"{path}: this model is text-only (no vision tower)")
             load_image(path, max_decode_pixels=eng.opts.max_decode_pixels)
         except StreamoeError as e:
             print(f"streamoe: error: {e} (not attached; the chat goes on)", file=sys.stderr, flush=True)

@@ -431,7 +431,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
         raise StreamoeError("a loaded session keeps its own system message; drop --system")
     check_run_paths(stats, logits_out, save_session, load_session)
     sampling = {**(generation_defaults_of(model)), **sampling, "seed": seed}
-    vision = bool(images) or (chat and not raw)
+    vision = bool(images) or (chat and not raw and has_vision(model))  # a text-only model's chat is text
     run_cli(model, options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk,
                               io_threads, verify, vision, max_pixels, runtime_mib, host_cap),
             prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
@@ -449,6 +449,18 @@ def options_of(cap: float, ctx: int, experts: str, kv: str, dtype: str | None, t
                    prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify,
                    images=images, max_pixels=max_pixels, runtime_bytes=runtime_mib and runtime_mib << 20,
                    host_cap_gib=host_cap)
+
+
+def has_vision(model: Path) -> bool:
+    """Whether a converted directory has a vision tower (a bad directory answers False: opening it fails in its
+    own words)."""
+    from .formats.errors import StreamoeError
+    from .formats.manifest import load_manifest
+
+    try:
+        return load_manifest(model).blob("vision") is not None
+    except StreamoeError:
+        return False
 
 
 def generation_defaults_of(model: Path) -> dict:
@@ -520,12 +532,11 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
           max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, sse_keepalive: float,
           log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
-    from .formats.manifest import load_manifest
     from .runtime.serve.openai_api import Limits
     from .runtime.serve.server import serve as run_server
     from .runtime.serve.worker import ServeOptions
 
-    vision = load_manifest(model).blob("vision") is not None  # a text-only model serves text, no flag needed
+    vision = has_vision(model)  # a text-only model serves text, no flag needed
     images = vision and not no_images
     off = "" if images else "was started with --no-images" if vision else "serves a text-only model (no vision tower)"
     limits = Limits(max_body=int(max_body_mib * (1 << 20)), max_image_bytes=int(max_image_mib * (1 << 20)),

@@ -233,3 +233,15 @@ def test_served_as_a_text_model_with_a_bounded_prompt_account(ckpt, conv, tmp_pa
                 {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}])
     finally:
         stop_server(served)
+
+
+def test_a_chat_with_a_text_only_model(conv, tmp_path):
+    """`run --chat` needs no flag on a text-only model; an `/image` line is refused in one line and the chat goes
+    on; a saved session continues the conversation."""
+    session = tmp_path / "chat.sess"
+    p = cli("run", conv, "--chat", "--cap", "1", "--temp", "0", "-n", "4", "--save-session", session,
+            input="Hello there\n/image picture.png\nAnd you?\n", check=True)
+    assert "picture.png: this model is text-only (no vision tower) (not attached; the chat goes on)" in p.stderr
+    assert p.stderr.count(" tokens, ") == 2 and "Traceback" not in p.stderr and session.is_file()
+    p = cli("run", conv, "--cap", "1", "--temp", "0", "-n", "4", "--load-session", session, "-p", "More?", check=True)
+    assert p.stderr.count(" tokens, ") == 1
