@@ -103,7 +103,7 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 if user is None:
                     break
             if raw:
-                ids = eng.text.encode(user)
+                ids = eng.text.encode(user) if fed else eng.text.encode_prompt(user)
             else:
                 # only the new turn: re-rendering the history would differ from what the cache holds (templates
                 # drop past thinking), and a Gated DeltaNet state cannot be rewound to a common prefix

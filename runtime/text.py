@@ -30,13 +30,23 @@ class TextIO:
         self.tokenizer_path = tok
         self.template_path, text = chat_template_text(root)
         added = [(t.content, t.special) for _, t in sorted(self.tokenizer.get_added_tokens_decoder().items())]
-        self.template = ChatTemplate(text, self.template_path, added, named_tokens(root)) if text else None
+        named = named_tokens(root)
+        self.template = ChatTemplate(text, self.template_path, added, named) if text else None
+        # the tokenizer's BOS where tokenizer_config.json asks for it (Llama, Mistral): a raw prompt gets it first
+        self.bos = self.tokenizer.token_to_id(named["bos_token"]) if bos_first(root) and "bos_token" in named else None
         self.newline = self.encode("\n")
         self.stop_ids = stop_tokens(root, config)
 
     def encode(self, text: str) -> list[int]:
         """Text whose special-token strings are control tokens (a raw prompt, the template's own markup)."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt that opens a conversation: `encode`, with the tokenizer's BOS first where its config adds one
+        (`add_bos_token`) and the text does not already start with it, as mlx-lm's `generate` and transformers'
+        `encode` give it."""
+        ids = self.encode(text)
+        return [self.bos, *ids] if self.bos is not None and ids[:1] != [self.bos] else ids
 
     def encode_plain(self, text: str) -> list[int]:
         """Text in which no added token is matched: `<|im_end|>` is the characters it is made of."""
@@ -104,6 +114,12 @@ def named_tokens(root: Path) -> dict[str, str]:
         if k.endswith("_token") and isinstance(v, str):
             out[k] = v
     return out
+
+
+def bos_first(root: Path) -> bool:
+    """Whether tokenizer_config.json says the tokenizer puts its BOS before a text (`add_bos_token`)."""
+    cfg = root / "tokenizer_config.json"
+    return os.path.lexists(cfg) and files.read_json(cfg, "tokenizer config").get("add_bos_token") is True
 
 
 def chat_template_text(root: Path) -> tuple[Path, str | None]:

@@ -118,6 +118,10 @@ def test_tokenizer_and_template_are_mixtrals(ckpt, conv):
     assert not text.template.takes_tools  # Mixtral-Instruct's template never reads `tools`
     qwen = TextIO(REPO / "models" / "tiny", json.loads((REPO / "models" / "tiny" / "config.json").read_text()))
     assert qwen.template.takes_tools
+    # a raw prompt opens with the BOS tokenizer_config.json asks for, as transformers' encode gives it; Qwen has none
+    assert text.encode_prompt("def f(x):") == [1, *text.encode("def f(x):")] == hf("def f(x):")["input_ids"]
+    assert text.encode_prompt("<s>def") == text.encode("<s>def") and text.encode("<s>def")[0] == 1
+    assert qwen.encode_prompt("def f(x):") == qwen.encode("def f(x):")
     assert text.chat_ids(chats[0])[:2] == [1, text.encode("[INST]")[0]]
     answer = text.encode("Hi, I am fine.\nAnd you?")  # what follows [/INST]: streamed as a whole decode gives it
     detok = Detokenizer(text)
@@ -224,6 +228,8 @@ def test_served_as_a_text_model_with_a_bounded_prompt_account(ckpt, conv, tmp_pa
         with pytest.raises(BadRequestError, match="does not show tools to the model") as e:
             client.chat.completions.create(model="m", messages=msgs, max_tokens=4, tools=tools)
         assert e.value.body["param"] == "tools"
+        done = client.completions.create(model="m", prompt="def f(x):", max_tokens=2, temperature=0)
+        assert done.usage.prompt_tokens == len(text.encode("def f(x):")) + 1  # the BOS first
         hidden = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0, tools=tools,
                                                 tool_choice="none")  # the tools hidden from the model: text as asked
         assert hidden.choices[0].message.content == want
@@ -237,7 +243,9 @@ def test_served_as_a_text_model_with_a_bounded_prompt_account(ckpt, conv, tmp_pa
 
 def test_a_chat_with_a_text_only_model(conv, tmp_path):
     """`run --chat` needs no flag on a text-only model; an `/image` line is refused in one line and the chat goes
-    on; a saved session continues the conversation."""
+    on; a saved session continues the conversation; a raw prompt opens with the BOS."""
+    from streamoe.runtime.text import TextIO
+
     session = tmp_path / "chat.sess"
     p = cli("run", conv, "--chat", "--cap", "1", "--temp", "0", "-n", "4", "--save-session", session,
             input="Hello there\n/image picture.png\nAnd you?\n", check=True)
@@ -245,3 +253,8 @@ def test_a_chat_with_a_text_only_model(conv, tmp_path):
     assert p.stderr.count(" tokens, ") == 2 and "Traceback" not in p.stderr and session.is_file()
     p = cli("run", conv, "--cap", "1", "--temp", "0", "-n", "4", "--load-session", session, "-p", "More?", check=True)
     assert p.stderr.count(" tokens, ") == 1
+    stats = tmp_path / "raw.jsonl"
+    cli("run", conv, "--raw", "-p", "def f(x):", "--cap", "1", "--temp", "0", "-n", "2", "--stats", stats, check=True)
+    prefill = json.loads(stats.read_text().splitlines()[0])
+    text = TextIO(conv, load_manifest(conv).config)
+    assert prefill["phase"] == "prefill" and prefill["n_tokens"] == 1 + len(text.encode("def f(x):"))  # <s> first

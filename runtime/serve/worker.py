@@ -315,7 +315,7 @@ class EngineWorker:
                           "images", "messages")
         elif isinstance(req.prompt, str):
             self.check_length(req.prompt, "prompt")
-            ids = self.eng.text.encode(req.prompt)
+            ids = self.eng.text.encode_prompt(req.prompt)
         else:
             ids = list(req.prompt or [])
             if any(not 0 <= t < self.vocab for t in ids):
