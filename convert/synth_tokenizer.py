@@ -137,6 +137,20 @@ def _corpus() -> list[str]:
     return texts
 
 
+def _trained(trainer_tok, size: int, filler: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """(vocabulary, merges) a trained BPE tokenizer learnt, the vocabulary padded to `size` entries with `filler`
+    pieces (numbered by id) that no merge produces."""
+    trained = json.loads(trainer_tok.to_str())["model"]
+    vocab: dict[str, int] = dict(trained["vocab"])
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
+    i = len(vocab)
+    while len(vocab) < size:
+        if filler.format(i) not in vocab:
+            vocab[filler.format(i)] = len(vocab)
+        i += 1
+    return vocab, merges
+
+
 def build_tokenizer(base: int, n_added: int = len(ADDED_TOKENS), split_pattern: str = SPLIT_PATTERN,
                     added: tuple[tuple[str, bool], ...] = ADDED_TOKENS, nfc: bool = True):
     """A byte-level BPE `tokenizers.Tokenizer` with `base` vocabulary entries followed by the first `n_added` of
@@ -172,16 +186,8 @@ def build_tokenizer(base: int, n_added: int = len(ADDED_TOKENS), split_pattern: 
     trainer = trainers.BpeTrainer(vocab_size=TRAINED_VOCAB, min_frequency=2, show_progress=False, special_tokens=[],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     trainer_tok.train_from_iterator(_corpus(), trainer)
-    trained = json.loads(trainer_tok.to_str())["model"]
-    vocab: dict[str, int] = dict(trained["vocab"])
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
-    # Pad to `base` with filler tokens no merge produces (short corpora, and the real-id layout of `full`).
-    i = len(vocab)
-    while len(vocab) < base:
-        filler = f"<|filler_{i}|>"
-        if filler not in vocab:
-            vocab[filler] = len(vocab)
-        i += 1
+    # padded to `base` (short corpora, and the real-id layout of `full`)
+    vocab, merges = _trained(trainer_tok, base, "<|filler_{}|>")
     tok = pipeline(Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
                                         fuse_unk=False, byte_fallback=False)))
     for content, special in added[:n_added]:  # one at a time so ids follow the real order
@@ -497,15 +503,7 @@ def build_spm_tokenizer(vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=SPM_TRAINED, min_frequency=2, show_progress=False,
                                   special_tokens=[*SPM_SPECIALS, *bytes_], limit_alphabet=100)
     trainer_tok.train_from_iterator([line for text in _corpus() for line in text.splitlines()], trainer)
-    trained = json.loads(trainer_tok.to_str())["model"]
-    vocab: dict[str, int] = dict(trained["vocab"])
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
-    i = len(vocab)
-    while len(vocab) < vocab_size:
-        filler = f"<filler_{i}>"
-        if filler not in vocab:
-            vocab[filler] = len(vocab)
-        i += 1
+    vocab, merges = _trained(trainer_tok, vocab_size, "<filler_{}>")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True,
                                dropout=None))
     tok.normalizer = normalizer

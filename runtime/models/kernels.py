@@ -5,8 +5,9 @@ Weights by name (`Loader`: presence, dtype and shape checked, floats cast once),
 embedding, rotary embeddings (`MRoPE`, plain `RoPE`), causal attention over a float or quantized KV cache
 (`attention`), the elementwise chains (`mx.compile`d on every backend: one kernel per chain; MLX builds the CPU's
 with the machine's C++ compiler once, runs them uncompiled without one), the routed experts over slots (`route`,
-`switch_glu`, `combine`, `ResidentExperts`) and the one layer loop (`run_layers`). Gated DeltaNet's kernels are
-`delta_rule.py`.
+`switch_glu`, `combine`, `ResidentExperts`), the one layer loop (`run_layers`), and what the attention-only families
+share around their own attention and router (`RoutedMoe`, `PreNormLayer`, `TextModel`). Gated DeltaNet's kernels
+are `delta_rule.py`.
 
 Every kernel is deterministic and depends on the shapes of its call only, never on where an expert's weights
 live, so a family built from them gives bit-identical results at every cap.
@@ -29,7 +30,7 @@ from ...formats.config import ModelArgs
 from ...formats.errors import StreamoeError
 from ...formats.layout import source_layout
 from ...formats.record import ExpertWeights, RecordLayout
-from .cache import KV_GROUP, KVCache
+from .cache import KV_GROUP, KVCache, QuantizedKVCache
 
 # --------------------------------------------------------------------------------------------------
 # weights
@@ -864,6 +865,80 @@ def _layers_of_one_block(layers: list, h: mx.array, cache: list, rope, rot, expe
         mx.async_eval(h)
         queued = h
     return h
+
+
+# --------------------------------------------------------------------------------------------------
+# what the attention-only families (qwen3_moe, gpt_oss, mixtral) share around their attention and router
+
+
+@mx.compile
+def moe_residual(h: mx.array, outs: mx.array, scores: mx.array) -> mx.array:
+    """h + the picks' outputs outs [..., k, H] combined by their scores (`combine`): one kernel on GPUs."""
+    return h + combine(outs, scores)
+
+
+class RoutedMoe:
+    """An MoE block of routed experts alone: the family's `route(x) -> (inds, scores)` picks them (router-rank order)
+    and an experts provider computes them (it owns where their weights live); their outputs, weighted by the
+    scores, are added to the residual stream."""
+
+    def __call__(self, i: int, x: mx.array, experts, residual: mx.array) -> mx.array:
+        return self.finish(i, x, experts, residual, *self.route(x))
+
+    def finish(self, i: int, x: mx.array, experts, residual: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
+        """residual + the routed experts' combination."""
+        return moe_residual(residual, experts(i, x, inds), scores)
+
+
+class PreNormLayer:
+    """A decoder layer of attention then the MoE block, each behind an RMSNorm and a residual. The family's layer
+    sets `i`, `eps`, `self_attn(x, cache, rope, rot)`, `input_layernorm`, `post_attention_layernorm` and `mlp`."""
+
+    def mix(self, h: mx.array, cache: KVCache, rope, rot: int) -> tuple[mx.array, mx.array]:
+        """(h + attention(norm(h)), x): the residual stream after attention and the MoE block's input."""
+        h = h + self.self_attn(mx.fast.rms_norm(h, self.input_layernorm, self.eps), cache, rope, rot)
+        return h, self.moe_input(h)
+
+    def moe_input(self, h: mx.array) -> mx.array:
+        """The MoE block's input from the residual stream after the mixer (a long prefill chunk recomputes it)."""
+        return mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
+
+    def __call__(self, h: mx.array, cache: KVCache, rope, rot: int, experts) -> mx.array:
+        h, x = self.mix(h, cache, rope, rot)
+        return self.mlp(self.i, x, experts, h)
+
+
+class TextModel:
+    """What the engine uses of a text-only family whose every layer keeps a KV cache (`models/__init__.py` lists the
+    interface). The family's `Model` sets `args`, `dtype`, `streams`, `layers`, `embed_tokens`, `norm`, `lm_head` and
+    `rope`, and gives its own `router_logits` and `route`."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def make_cache(self, max_tokens: int, kv_dtype=mx.float32, batch: int = 1, kv_bits: int | None = None) -> list:
+        """A KV cache per layer (a sliding-window layer's too: its mask reads the window), preallocated to
+        `max_tokens` (floats in `kv_dtype`, or `kv_bits`-bit codes with `kv_dtype` scales and biases)."""
+        a = self.args
+        if kv_bits:
+            return [QuantizedKVCache(batch, a.num_key_value_heads, a.head_dim, max_tokens, kv_bits, dtype=kv_dtype)
+                    for _ in self.layers]
+        return [KVCache(batch, a.num_key_value_heads, a.head_dim, max_tokens, dtype=kv_dtype) for _ in self.layers]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """[B, L] token ids -> [B, L, H]: the rows of the quantized embedding, dequantized."""
+        return self.embed_tokens(tokens, self.dtype)
+
+    def layers_forward(self, h: mx.array, cache: list, positions: int, experts, step: int | None = None) -> mx.array:
+        """Every decoder layer over h [B, L, H] (`run_layers`); positions: the int position of h's first token."""
+        if not isinstance(positions, int):
+            raise StreamoeError(f"{self.args.model_type} is a text model: its positions are the tokens' indices, "
+                                "not image positions")
+        return run_layers(self.layers, h, cache, positions, self.rope, experts, step)
+
+    def head(self, h: mx.array) -> mx.array:
+        return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps))
 
 
 def settle(x: mx.array, experts=None, i: int = 0) -> None:

@@ -17,25 +17,18 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ...formats.config import ModelArgs
-from ...formats.errors import StreamoeError
-from .cache import KVCache, QuantizedKVCache
 from .kernels import (
     Loader,
+    PreNormLayer,
     Projections,
     RoPE,
+    RoutedMoe,
     Streams,
+    TextModel,
     attention,
-    combine,
     route,
-    run_layers,
     weight_arrays,
 )
-
-
-@mx.compile
-def _moe_out(h: mx.array, outs: mx.array, scores: mx.array) -> mx.array:
-    """h + the picks' outputs outs [..., k, H] combined by their scores: one kernel on GPUs."""
-    return h + combine(outs, scores)
 
 
 class Attention:
@@ -51,7 +44,7 @@ class Attention:
         self.q_norm = ld.float(f"{p}q_norm.weight", (self.hd,))
         self.k_norm = ld.float(f"{p}k_norm.weight", (self.hd,))
 
-    def __call__(self, x: mx.array, cache: KVCache | None, rope: RoPE, rot: int) -> mx.array:
+    def __call__(self, x: mx.array, cache, rope: RoPE, rot: int) -> mx.array:
         B, L, _ = x.shape
         q, k, v = self.qkv_proj(x)
         q = mx.fast.rms_norm(q.reshape(B, L, self.nq, self.hd), self.q_norm, self.eps).transpose(0, 2, 1, 3)
@@ -61,27 +54,19 @@ class Attention:
         return self.o_proj(out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class SparseMoe:
-    """The MoE block: the router picks the top-k experts and an experts provider computes them (it owns where
-    their weights live); their outputs, weighted by the scores, are the block's output."""
+class SparseMoe(RoutedMoe):
+    """The MoE block: a softmax router, its top-k renormalised, weighing the routed experts."""
 
     def __init__(self, args: ModelArgs, ld: Loader, p: str):
         self.k, self.norm_topk = args.num_experts_per_tok, args.norm_topk_prob
         self.gate = ld.linear(f"{p}gate", args.num_experts, args.hidden_size)
 
-    def __call__(self, i: int, x: mx.array, experts, residual: mx.array) -> mx.array:
-        return self.finish(i, x, experts, residual, *self.route(x))
-
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """(inds, scores) of x's picks, router-rank order."""
         return route(self.gate(x), self.k, self.norm_topk)
 
-    def finish(self, i: int, x: mx.array, experts, residual: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
-        """residual + the routed experts' combination."""
-        return _moe_out(residual, experts(i, x, inds), scores)
 
-
-class DecoderLayer:
+class DecoderLayer(PreNormLayer):
     """Attention and the MoE block, each behind an RMSNorm and a residual."""
 
     def __init__(self, args: ModelArgs, ld: Loader, i: int):
@@ -92,21 +77,8 @@ class DecoderLayer:
         self.post_attention_layernorm = ld.float(f"{p}post_attention_layernorm.weight", (args.hidden_size,))
         self.mlp = SparseMoe(args, ld, f"{p}mlp.")
 
-    def mix(self, h: mx.array, cache: KVCache, rope: RoPE, rot: int) -> tuple[mx.array, mx.array]:
-        """(h + attention(norm(h)), x): the residual stream after attention and the MoE block's input."""
-        h = h + self.self_attn(mx.fast.rms_norm(h, self.input_layernorm, self.eps), cache, rope, rot)
-        return h, self.moe_input(h)
 
-    def moe_input(self, h: mx.array) -> mx.array:
-        """The MoE block's input from the residual stream after the mixer (a long prefill chunk recomputes it)."""
-        return mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
-
-    def __call__(self, h: mx.array, cache: KVCache, rope: RoPE, rot: int, experts) -> mx.array:
-        h, x = self.mix(h, cache, rope, rot)
-        return self.mlp(self.i, x, experts, h)
-
-
-class Model:
+class Model(TextModel):
     def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype: mx.Dtype = mx.float32,
                  streams: Streams = ()):
         """`weights`: every non-routed-expert tensor, keyed by its export name ("model.layers.0.self_attn.q_proj.
@@ -122,35 +94,8 @@ class Model:
         self.rope = RoPE(args.head_dim, args.rope_theta)
         mx.eval(weight_arrays([self.layers, self.embed_tokens, self.norm, self.lm_head]))
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def make_cache(self, max_tokens: int, kv_dtype=mx.float32, batch: int = 1, kv_bits: int | None = None) -> list:
-        """A KV cache per layer, preallocated to `max_tokens` (floats in `kv_dtype`, or `kv_bits`-bit codes with
-        `kv_dtype` scales and biases)."""
-        a = self.args
-        if kv_bits:
-            return [QuantizedKVCache(batch, a.num_key_value_heads, a.head_dim, max_tokens, kv_bits, dtype=kv_dtype)
-                    for _ in self.layers]
-        return [KVCache(batch, a.num_key_value_heads, a.head_dim, max_tokens, dtype=kv_dtype) for _ in self.layers]
-
-    def embed(self, tokens: mx.array) -> mx.array:
-        """[B, L] token ids -> [B, L, H]: the rows of the quantized embedding, dequantized."""
-        return self.embed_tokens(tokens, self.dtype)
-
-    def layers_forward(self, h: mx.array, cache: list, positions: int, experts, step: int | None = None) -> mx.array:
-        """Every decoder layer over h [B, L, H] (`kernels.run_layers`); positions: the int position of h's first
-        token (text only: this family has no image positions)."""
-        if not isinstance(positions, int):
-            raise StreamoeError("qwen3_moe is a text model: its positions are the tokens' indices, not image positions")
-        return run_layers(self.layers, h, cache, positions, self.rope, experts, step)
-
     def router_logits(self, i: int, x: mx.array) -> mx.array:
         return self.layers[i].mlp.gate(x)
 
     def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         return route(logits, self.args.num_experts_per_tok, self.args.norm_topk_prob)
-
-    def head(self, h: mx.array) -> mx.array:
-        return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps))
