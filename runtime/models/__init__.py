@@ -19,7 +19,8 @@ and the experts provider use of a `Model`:
 - `router_logits(i, x)`: layer i's router on x (the cross-layer guess), and `route(logits) -> (inds, scores)`:
   the top-k as the family defines it
 
-`forward` below runs any of them whole, for reference use.
+The attention-only families (`qwen3_moe`, `gpt_oss`, `mixtral`) take all of it but the router from
+`kernels.TextModel`. `forward` below runs any of them whole, for reference use.
 """
 
 from __future__ import annotations
