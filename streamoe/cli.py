@@ -179,8 +179,8 @@ def main() -> None:
 @user_errors
 def synth(out: Path, family: str, size: str, variant: str | None, text_only: bool, seed: int, shard_mb: float | None,
           dry_run: bool) -> None:
-    """Write a synthetic checkpoint shaped exactly like an mlx-community export (Qwen3.6-35B-A3B-4bit, or
-    Qwen3-30B-A3B-4bit with --family qwen3_moe)."""
+    """Write a synthetic checkpoint shaped exactly like an mlx-community export (Qwen3.6-35B-A3B-4bit; with
+    --family, Qwen3-30B-A3B-4bit, gpt-oss-20b-MXFP4-Q8 or Mixtral-8x7B-Instruct-v0.1-4bit)."""
     from .convert.synth import synth as run_synth
 
     run_synth(out, size=size, variant=variant, text_only=text_only, seed=seed, family=family,
