@@ -199,6 +199,7 @@ def test_served_as_a_text_model_with_a_bounded_prompt_account(ckpt, conv, tmp_pa
     and the plan's requests account bounds a prompt by the SentencePiece vocabulary (a space becomes the 3-byte
     "▁", which no normaliser check may take for a lossy one: an unbounded prompt account took 10.3 GiB)."""
     from openai import BadRequestError, OpenAI
+    from tokenizers import Tokenizer, normalizers
 
     from streamoe.runtime.engine import Engine, Options
     from streamoe.runtime.sampling import Sampler
@@ -214,6 +215,9 @@ def test_served_as_a_text_model_with_a_bounded_prompt_account(ckpt, conv, tmp_pa
     sample = "Two  spaces, a tab\tand é ü 中文 " * 40
     assert len(text.encode(sample)) >= bound.at_least(sample) > 0
     assert requests_bytes(ServeOptions("t"), conv, 4096) < (1 << 30)
+    shrinking = Tokenizer.from_str(text.tokenizer.to_str())
+    shrinking.normalizer = normalizers.Sequence([normalizers.Replace("  ", " ")])  # may shorten a text: no bound
+    assert PromptBound(shrinking).token_bytes is None
 
     msgs = [{"role": "user", "content": "Hello there"}]
     eng = Engine(conv, Options(cap_gib=1, ctx=512, runtime_bytes=RUNTIME))
