@@ -910,8 +910,23 @@ class PreNormLayer:
 
 class TextModel:
     """What the engine uses of a text-only family whose every layer keeps a KV cache (`models/__init__.py` lists the
-    interface). The family's `Model` sets `args`, `dtype`, `streams`, `layers`, `embed_tokens`, `norm`, `lm_head` and
-    `rope`, and gives its own `router_logits` and `route`."""
+    interface); the family's `Model` gives its own `router_logits` and `route`."""
+
+    def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype: mx.Dtype, streams: Streams, layer,
+                 rope):
+        """`weights`: every non-routed-expert tensor, keyed by its export name ("model.layers.0.self_attn.q_proj.
+        weight", ...), as stored; floats are cast once to `dtype`; the tensors used are taken out of the dict.
+        `layer(args, loader, i)` builds decoder layer i; the embedding (`model.embed_tokens`), the final norm
+        (`model.norm`) and the head (`lm_head`, or the embedding where tied) are named as mlx-lm's exports name
+        them. `streams`: the CPU streams the projections split their rows over (`cpu_streams`)."""
+        self.args, self.dtype, self.streams, self.rope = args, dtype, streams, rope
+        ld = Loader(args, weights, dtype, consume=True, streams=streams)
+        H, V = args.hidden_size, args.vocab_size
+        self.embed_tokens = ld.embedding("model.embed_tokens", V, H)
+        self.layers = [layer(args, ld, i) for i in range(args.num_hidden_layers)]
+        self.norm = ld.float("model.norm.weight", (H,))
+        self.lm_head = self.embed_tokens.as_linear(streams) if args.tie_word_embeddings else ld.linear("lm_head", V, H)
+        mx.eval(weight_arrays([self.layers, self.embed_tokens, self.norm, self.lm_head]))
 
     @property
     def num_layers(self) -> int:

@@ -27,7 +27,6 @@ from .kernels import (
     TextModel,
     attention,
     route,
-    weight_arrays,
 )
 
 
@@ -81,18 +80,7 @@ class DecoderLayer(PreNormLayer):
 class Model(TextModel):
     def __init__(self, args: ModelArgs, weights: dict[str, mx.array], dtype: mx.Dtype = mx.float32,
                  streams: Streams = ()):
-        """`weights`: every non-routed-expert tensor, keyed by its export name ("model.layers.0.self_attn.q_proj.
-        weight", ...), as stored; floats are cast once to `dtype`. The tensors used are taken out of the dict.
-        `streams`: the CPU streams the projections split their rows over (`kernels.cpu_streams`)."""
-        self.args, self.dtype, self.streams = args, dtype, streams
-        ld = Loader(args, weights, dtype, consume=True, streams=streams)
-        H, V = args.hidden_size, args.vocab_size
-        self.embed_tokens = ld.embedding("model.embed_tokens", V, H)
-        self.layers = [DecoderLayer(args, ld, i) for i in range(args.num_hidden_layers)]
-        self.norm = ld.float("model.norm.weight", (H,))
-        self.lm_head = self.embed_tokens.as_linear(streams) if args.tie_word_embeddings else ld.linear("lm_head", V, H)
-        self.rope = RoPE(args.head_dim, args.rope_theta)
-        mx.eval(weight_arrays([self.layers, self.embed_tokens, self.norm, self.lm_head]))
+        super().__init__(args, weights, dtype, streams, DecoderLayer, RoPE(args.head_dim, args.rope_theta))
 
     def router_logits(self, i: int, x: mx.array) -> mx.array:
         return self.layers[i].mlp.gate(x)
