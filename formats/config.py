@@ -20,7 +20,7 @@ Families (`model_type`), and what each config says:
   the clamped SwiGLU (alpha 1.702, limit 7: the constants mlx-lm computes with); MXFP4 routed experts
   (`mlp.experts.*`), the rest affine per the export's `quantization` block; `num_local_experts` and
   `intermediate_size` name the expert count and width. Tensors under `model.`/`lm_head`.
-- `mixtral` (Mixtral-8x7B/8x22B): every layer full attention (GQA, no biases, no per-head norms, plain RoPE over
+- `mixtral` (Mixtral-8x7B): every layer full attention (GQA, no biases, no per-head norms, plain RoPE over
   the whole head, a head of `hidden_size / num_attention_heads` as mlx-lm computes it), every layer MoE with a
   softmax over the top-k router logits and no shared expert, the routed experts under `block_sparse_moe.switch_mlp`
   and the router at `block_sparse_moe.gate`; `num_local_experts` and `intermediate_size` name the expert count and

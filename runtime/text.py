@@ -28,12 +28,14 @@ class TextIO:
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise fail(tok, f"does not load ({str(e).splitlines()[0]})") from None
         self.tokenizer_path = tok
-        self.template_path, text = chat_template_text(root)
+        cfg = tokenizer_config(root)  # read once: the template, the named tokens and the BOS rule are in it
+        self.template_path, text = chat_template_text(root, cfg)
         added = [(t.content, t.special) for _, t in sorted(self.tokenizer.get_added_tokens_decoder().items())]
-        named = named_tokens(root)
+        named = named_tokens(root, cfg)
         self.template = ChatTemplate(text, self.template_path, added, named) if text else None
         # the tokenizer's BOS where tokenizer_config.json asks for it (Llama, Mistral): a raw prompt gets it first
-        self.bos = self.tokenizer.token_to_id(named["bos_token"]) if bos_first(root) and "bos_token" in named else None
+        bos_first = cfg.get("add_bos_token") is True and "bos_token" in named
+        self.bos = self.tokenizer.token_to_id(named["bos_token"]) if bos_first else None
         self.newline = self.encode("\n")
         self.stop_ids = stop_tokens(root, config)
 
@@ -102,38 +104,34 @@ class TextIO:
         return s[s.rindex(mark) + len(mark):]
 
 
-def named_tokens(root: Path) -> dict[str, str]:
-    """tokenizer_config.json's named tokens (`eos_token`, `pad_token`, `image_token`...), which transformers
-    gives every template rendering; those set to null are left out."""
+def tokenizer_config(root: Path) -> dict:
+    """tokenizer_config.json ({} where there is none)."""
     cfg = root / "tokenizer_config.json"
-    if not os.path.lexists(cfg):
-        return {}
+    return files.read_json(cfg, "tokenizer config") if os.path.lexists(cfg) else {}
+
+
+def named_tokens(root: Path, cfg: dict | None = None) -> dict[str, str]:
+    """tokenizer_config.json's named tokens (`eos_token`, `pad_token`, `image_token`...), which transformers
+    gives every template rendering; those set to null are left out. `cfg`: the file, already read."""
     out = {}
-    for k, v in files.read_json(cfg, "tokenizer config").items():
+    for k, v in (tokenizer_config(root) if cfg is None else cfg).items():
         v = v.get("content") if isinstance(v, dict) else v
         if k.endswith("_token") and isinstance(v, str):
             out[k] = v
     return out
 
 
-def bos_first(root: Path) -> bool:
-    """Whether tokenizer_config.json says the tokenizer puts its BOS before a text (`add_bos_token`)."""
-    cfg = root / "tokenizer_config.json"
-    return os.path.lexists(cfg) and files.read_json(cfg, "tokenizer config").get("add_bos_token") is True
-
-
-def chat_template_text(root: Path) -> tuple[Path, str | None]:
-    """(file, template source): chat_template.jinja, else tokenizer_config.json's `chat_template`, else None."""
+def chat_template_text(root: Path, cfg: dict | None = None) -> tuple[Path, str | None]:
+    """(file, template source): chat_template.jinja, else tokenizer_config.json's `chat_template`, else None.
+    `cfg`: tokenizer_config.json, already read."""
     tpl = root / "chat_template.jinja"
     if os.path.lexists(tpl):
         return tpl, files.read_text(tpl, "chat template")
-    cfg = root / "tokenizer_config.json"
-    if os.path.lexists(cfg):
-        text = files.read_json(cfg, "tokenizer config").get("chat_template")
-        if text is not None and not isinstance(text, str):
-            raise fail(cfg, "chat_template must be a string")
-        return cfg, text
-    return tpl, None
+    path = root / "tokenizer_config.json"
+    text = (tokenizer_config(root) if cfg is None else cfg).get("chat_template")
+    if text is not None and not isinstance(text, str):
+        raise fail(path, "chat_template must be a string")
+    return (path, text) if text is not None or os.path.lexists(path) else (tpl, None)
 
 
 GREEDY = {"temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}

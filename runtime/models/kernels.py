@@ -845,8 +845,9 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
 
 
 def _layers_of_one_block(layers: list, h: mx.array, cache: list, rope, rot, experts, prepare) -> mx.array:
-    """Every layer over a chunk of one block (each chunk where every expert is resident), each layer's experts
-    queued only once the layer before it (for the first, the block's input) is settled. A GPU's host builds and
+    """Every layer over a chunk of one block (each chunk where every expert is resident, and a capped chunk no longer
+    than a step), each layer's experts queued only once the layer before it (for the first, the block's input) is
+    settled. A GPU's host builds and
     queues layers far faster than the device runs them, and MLX's CUDA backend holds every kernel's inputs and
     temporaries until the graph it was queued in completes, so a chunk whose layers nothing waited for held many
     layers' temporaries at once, several full-attention layers' scores among them (on the H200, a 32K-token prompt
