@@ -151,20 +151,26 @@ def _qwen3_5_moe_tensors(a: ModelArgs, plain, linear, a_log_dtype: str) -> None:
     linear("language_model.lm_head", vocab, h)
 
 
+def _gqa(a: ModelArgs, linear, p: str, bias: bool = False) -> None:
+    """Grouped-query attention's four projections under `p`, in mlx-lm's order: q, k, v, o."""
+    nq, nkv, hd, h = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size
+    linear(f"{p}.q_proj", nq * hd, h, bias=bias)
+    linear(f"{p}.k_proj", nkv * hd, h, bias=bias)
+    linear(f"{p}.v_proj", nkv * hd, h, bias=bias)
+    linear(f"{p}.o_proj", h, nq * hd, bias=bias)
+
+
 def _qwen3_moe_tensors(a: ModelArgs, plain, linear) -> None:
     """mlx-lm's qwen3_moe module order: attention (q, k, v, o, per-head q/k norms), the two norms, the router
     and the routed experts in every layer; `lm_head` unless the embedding is tied (mlx-lm then has none)."""
     h, vocab = a.hidden_size, a.vocab_size
-    nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    hd = a.head_dim
     e, inter = a.num_experts, a.moe_intermediate_size
     linear("model.embed_tokens", vocab, h)
     for i in range(a.num_hidden_layers):
         L = f"model.layers.{i}"
         p = f"{L}.self_attn"
-        linear(f"{p}.q_proj", nq * hd, h)
-        linear(f"{p}.k_proj", nkv * hd, h)
-        linear(f"{p}.v_proj", nkv * hd, h)
-        linear(f"{p}.o_proj", h, nq * hd)
+        _gqa(a, linear, p)
         plain(f"{p}.q_norm.weight", (hd,), "one")
         plain(f"{p}.k_norm.weight", (hd,), "one")
         plain(f"{L}.input_layernorm.weight", (h,), "one")
@@ -184,7 +190,7 @@ def _gpt_oss_tensors(a: ModelArgs, plain, linear) -> None:
     sinks, then q, k, v, o, each with its bias), the routed experts (gate, up, down: MXFP4 codes, uint8 scales,
     bias) and the router (with its bias), the two norms; `lm_head` last (mlx-lm's gpt_oss always has one)."""
     h, vocab = a.hidden_size, a.vocab_size
-    nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    nq = a.num_attention_heads
     e, inter = a.num_experts, a.moe_intermediate_size
     linear("model.embed_tokens", vocab, h)
     plain("model.norm.weight", (h,), "one")
@@ -192,10 +198,7 @@ def _gpt_oss_tensors(a: ModelArgs, plain, linear) -> None:
         L = f"model.layers.{i}"
         p = f"{L}.self_attn"
         plain(f"{p}.sinks", (nq,), "sink")
-        linear(f"{p}.q_proj", nq * hd, h, bias=True)
-        linear(f"{p}.k_proj", nkv * hd, h, bias=True)
-        linear(f"{p}.v_proj", nkv * hd, h, bias=True)
-        linear(f"{p}.o_proj", h, nq * hd, bias=True)
+        _gqa(a, linear, p, bias=True)
         m = f"{L}.mlp"
         linear(f"{m}.experts.gate_proj", inter, h, (e,), bias=True)
         linear(f"{m}.experts.up_proj", inter, h, (e,), bias=True)
@@ -210,16 +213,11 @@ def _mixtral_tensors(a: ModelArgs, plain, linear) -> None:
     """mlx-lm's mixtral module order: the embedding, then per layer the attention (q, k, v, o), the MoE block (the
     router, then the routed experts) and the two norms; the final norm; `lm_head` unless the embedding is tied."""
     h, vocab = a.hidden_size, a.vocab_size
-    nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
     e, inter = a.num_experts, a.moe_intermediate_size
     linear("model.embed_tokens", vocab, h)
     for i in range(a.num_hidden_layers):
         L = f"model.layers.{i}"
-        p = f"{L}.self_attn"
-        linear(f"{p}.q_proj", nq * hd, h)
-        linear(f"{p}.k_proj", nkv * hd, h)
-        linear(f"{p}.v_proj", nkv * hd, h)
-        linear(f"{p}.o_proj", h, nq * hd)
+        _gqa(a, linear, f"{L}.self_attn")
         m = f"{L}.block_sparse_moe"
         linear(f"{m}.gate", e, h)
         linear(f"{m}.switch_mlp.gate_proj", inter, h, (e,))
