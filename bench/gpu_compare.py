@@ -31,6 +31,7 @@ from streamoe.formats.manifest import load_manifest, safe_path
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.experts import EAGER_MIXER as DEFAULT_EAGER_MIXER
 from streamoe.runtime.experts import PRECISION_RANGE as DEFAULT_PRECISION_RANGE
+from streamoe.runtime.experts import QUEUE_OUTPUT as DEFAULT_QUEUE_OUTPUT
 from streamoe.runtime.telemetry import summarize
 
 TEXT = ("Explain, step by step, how a mixture-of-experts language model decides which experts to use for a token, "
@@ -116,7 +117,8 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     cache held at 32 MiB, as before the plan had an allocator account), `kvf32` (a float32 KV cache), `gdnkernel`
     (the delta rule as the token loop of compiled steps, not the backend's form), `guesswait` (guesses read at the
     demand reads' priority, side by side with them, the older schedule), `wastebudget` (a guess rank needs a fixed
-    0.8 precision, the older rule, instead of following the waste budget); and one run with a measure added where it
+    0.8 precision, the older rule, instead of following the waste budget), `queueoutput` (a layer's routed experts
+    queued with the next layer's mixer, one launch a layer, not on their own: `experts.QUEUE_OUTPUT`); and one run with a measure added where it
     is off: `eagermixer` (each layer's mixer queued as soon as it is built, on every backend, `experts.EAGER_MIXER`)."""
     from streamoe.runtime import experts as experts_mod
     from streamoe.runtime import store as store_mod
@@ -126,6 +128,7 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     store_mod.GUESSES_WAIT = ablate != "guesswait"
     experts_mod.PRECISION_RANGE = (0.8, 0.8) if ablate == "wastebudget" else DEFAULT_PRECISION_RANGE
     experts_mod.EAGER_MIXER = ("cpu", "gpu") if ablate == "eagermixer" else DEFAULT_EAGER_MIXER
+    experts_mod.QUEUE_OUTPUT = () if ablate == "queueoutput" else DEFAULT_QUEUE_OUTPUT
     cap_gib = cap_gib_for(model, cap, experts, dtype)
     gc.collect()  # the previous run's engine (its timing wrapper makes a cycle), so its memory is not counted here
     mx.clear_cache()
@@ -257,7 +260,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--mlx-lm-tokenwise", action="store_true", help="feed mlx-lm's prompt one token at a time")
-    ap.add_argument("--ablate", default="", help="also run without: cache32,kvf32,gdnkernel (resident), guesswait@CAP, wastebudget@CAP "
+    ap.add_argument("--ablate", default="", help="also run without: cache32,kvf32,gdnkernel (resident), guesswait@CAP, wastebudget@CAP, queueoutput@CAP "
                     "(capped); with: eagermixer@CAP; or profile@CAP (a capped run under cProfile, last); comma-separated")
     ap.add_argument("--io-threads", default="8", help="capped runs: reads in flight, comma-separated for several runs")
     ap.add_argument("--rounds", type=int, default=1, help="capped runs (ablations included) repeated, interleaved")

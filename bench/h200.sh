@@ -196,11 +196,11 @@ case "$1" in
     [ -n "${CAPPED_ONLY:-}" ] || python3 -m bench.gpu_parts --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --experts $X \
       --skip-parts --variants "${VARIANTS:-}" --rounds 5 --out "$OUT/family-rounds-h200-$F.json" | grep -v '^ '
     # the capped runs (at CAP, 4; Mixtral-8x7B's fixed accounts need more: CAP=12) twice, with each layer's mixer
-    # queued once built beside them, then one under cProfile: where a capped token's host time goes when nearly
+    # queued once built beside them, without the routed experts queued on their own, then one under cProfile: where a capped token's host time goes when nearly
     # every pick is in memory
     C=${CAP:-4}
     python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps "$C" --experts $X --skip-mlx-lm \
-      --rounds 2 --ablate "${ABLATE-eagermixer@$C,profile@$C}" --out "$OUT/family-capped-h200-$F${TAG:-}.json" | grep -v '^ '
+      --rounds 2 --ablate "${ABLATE-eagermixer@$C,queueoutput@$C,profile@$C}" --out "$OUT/family-capped-h200-$F${TAG:-}.json" | grep -v '^ '
     ;;
   peers)
     # the checkpoint, mlx-vlm's repack of it and the q4 conversion: 57 GB of the 64 GiB disk, so the repack first

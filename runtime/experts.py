@@ -69,6 +69,10 @@ GPU_ALLOC_PAGE = 16384  # MLX's GPU allocators (CUDA, Metal) count a buffer of m
 # (`bench.gpu_compare --paired`): the mixer computes while the host builds the routing and the experts' bookkeeping.
 # Not measured on a GPU (`bench.gpu_compare --ablate eagermixer@CAP` runs it there)
 EAGER_MIXER: tuple[str, ...] = ("cpu",)
+# the backends on which a streamed decode step queues a layer's routed experts on their own, before the next layer's
+# mixer is built; elsewhere they are queued with that mixer and router, in the next layer's fence: one launch a layer,
+# not two, where each launch costs the host more than the experts' kernels take (`--ablate queueoutput@CAP` measures it)
+QUEUE_OUTPUT: tuple[str, ...] = ("cpu", "gpu")
 # measured 0.843 against 0.813 of mlx-lm's token time, medians of 4 paired runs (small model, quarter cap, CPU)
 LAND_IN_READERS = True  # with direct writes, the I/O thread that read a record copies it into its slot (_land_in_readers)
 HITS_FIRST = True  # with direct writes, a decode step's hits compute while its misses are read (StreamingExperts._streamed)
@@ -337,8 +341,9 @@ class StreamingExperts:
         self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
         self.resident = hot_slots >= n_layers * n_experts
         # a streamed step on the CPU queues each layer's mixer as soon as it is built (`kernels.run_layers`)
-        eager = ("cpu" if mx.default_device() == mx.cpu else "gpu") in EAGER_MIXER
-        self.queue_input = self._queue_input if eager and not self.resident else None
+        backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
+        self.queue_input = self._queue_input if backend in EAGER_MIXER and not self.resident else None
+        self.queue_output = backend in QUEUE_OUTPUT
         staging = 0 if self.resident else n_experts
         # resident, the engine would only speed up open, and its host views make the pools managed memory
         self.pools = SlotPools(hot_slots + staging, lay, dtype, uploads or store.ring, streams=streams,
@@ -474,7 +479,8 @@ class StreamingExperts:
             mx.async_eval(y, self.readers[-1])
         else:
             y = self._streamed(i, xf, inds)
-            mx.async_eval(y)  # the device copies and computes while the host builds the next layer
+            if self.queue_output:
+                mx.async_eval(y)  # the device copies and computes while the host builds the next layer
             self._copy_ahead()
         return y.reshape(*shape[:-1], k, shape[-1])
 
