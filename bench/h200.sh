@@ -3,7 +3,7 @@
 # the project runs from the repository root: no install needed). Writes results under $OUT. From the repo root:
 #   STEPS="..." bash bench/h200.sh lease  # a whole lease as one command, resent unchanged in every call (see `lease` below)
 #   bash bench/h200.sh stage     # (carry .whl1, then .whl2, made here by bench/h200_wheels.sh) a part of the wheels
-#   bash bench/h200.sh install   # (carry .whl3, the next call) the wheels joined and installed into /root/site
+#   bash bench/h200.sh install   # (after both) MLX's CUDA build joined and extracted, the wheels installed into /root/site
 #   bash bench/h200.sh setup     # synth + convert the full-size checkpoint (q4,q3; EXPERTS=q4: q4 only) into /root/bench
 #   bash bench/h200.sh gputest   # the GPU exactness tests (pytest -m gpu) on tiny and small synthetic checkpoints, the families'
 #                                first (a run cut off by its time limit still names what passed and what failed)
@@ -65,17 +65,20 @@ case "$1" in
   lease)
     # The same command in every call of a lease, so nothing has to be decided between calls (an idle machine is
     # given back after 30 s): `STEPS="gpurest rounds+VARIANTS=picks_by_four prefill+EXPERTS=q4" bash bench/h200.sh lease`,
-    # carrying .whl1, .whl2 and .whl3 in the first three calls. It stages and installs the wheels, runs `setup` beside
+    # carrying .whl1 and .whl2 in the first two calls (.whl3 in any later one, for `peers`). It stages and installs the
+    # wheels (those that arrive later too), runs `setup` beside
     # the steps that need no checkpoint, then the steps in order (STEP+VAR=value+...: the step with those settings), each
     # once per machine, each cut at the call's end (LIMIT seconds, 560). Resend it until it prints "lease: all done".
     D=/root/lease; mkdir -p "$D"; end=$((SECONDS + ${LIMIT:-560}))
+    bash "$0" stage 2>/dev/null || true  # a call without wheels stages nothing
     if [ ! -f "$D/installed" ]; then
-      bash "$0" stage 2>/dev/null || true  # a call without wheels stages nothing
-      if ! ls /root/stage/*.whl.part.ac >/dev/null 2>&1; then
-        echo "lease: not installed; wheel parts here: $(cd /root/stage && ls -- *.part.* 2>/dev/null | sed 's/.*part\.//' | tr '\n' ' ')(carry .whl1, .whl2, .whl3 in turn)"
+      if ! ls /root/stage/mlx_cuda.tar.xz.part.ab >/dev/null 2>&1 || ! ls /root/stage/mlx_cuda.tar.xz.part.aa >/dev/null 2>&1; then
+        echo "lease: not installed; parts here: $(cd /root/stage && ls -- *.part.* 2>/dev/null | sed 's/.*part\.//' | tr '\n' ' ')(carry .whl1, then .whl2)"
         exit 0
       fi
       bash "$0" install && touch "$D/installed"
+    elif ls /root/stage/*.whl >/dev/null 2>&1; then  # wheels carried after the install (.whl3)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/stage/*.whl && rm /root/stage/*.whl
     fi
     setup=""
     if [ ! -f "$D/setup.done" ]; then
@@ -100,12 +103,14 @@ case "$1" in
     echo "lease: all done"
     ;;
   stage)
-    mkdir -p /root/stage && cp .whl?/* /root/stage/
+    mkdir -p /root/stage && { ! ls .whl?/* >/dev/null 2>&1 || cp .whl?/* /root/stage/; }
     ;;
   install)
-    mkdir -p /root/stage && cp .whl?/* /root/stage/
-    for part in /root/stage/*.whl.part.aa; do cat "${part%aa}"a? > "${part%.part.aa}" && rm "${part%aa}"a?; done
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/stage/*.whl
+    # the wheels first, then the CUDA build's tree over theirs (pip --target would skip a folder that exists)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/stage/*.whl && rm /root/stage/*.whl
+    cat /root/stage/mlx_cuda.tar.xz.part.a? | python3 -c "import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', filter='tar')"
+    rm /root/stage/mlx_cuda.tar.xz.part.a?
     python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mx.default_device())"
     ;;
   setup)
