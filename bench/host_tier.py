@@ -17,8 +17,8 @@ whole footprint on the device (CUDA context and libraries included), against --c
 In the same run, three speeds: the disk's (random whole-record O_DIRECT reads, 8 in flight) and the copy of a
 record from host memory into its slot (`bench.fill`), through the upload ring and by CUDA's copy engine from
 page-locked memory (`runtime/copy_engine.py`), as the engine lands them. The bound of a run is its host-to-device
-bytes per token over the speed of the path it copies by (the copy engine's where it has one and
-`STREAMOE_COPY_ENGINE=1` turns it on, else the ring's) plus its disk bytes per token over the disk speed; a run at the
+bytes per token over the speed of the path it copies by (the copy engine's where it has one, unless
+`STREAMOE_COPY_ENGINE=0` turns it off, else the ring's) plus its disk bytes per token over the disk speed; a run at the
 bound spends nothing but those transfers (compute fully overlapped).
 """
 
@@ -174,7 +174,7 @@ def main() -> None:
             Path(f"{a.name}-profile-{k}.txt").write_text(f"{spec}\n{r.get('summary')}\n{text.getvalue()}")
         if r.get("tok_s"):
             by_engine = sp["engine_gbs"] is not None and r["env"].get(
-                "STREAMOE_COPY_ENGINE", os.environ.get("STREAMOE_COPY_ENGINE", "0")) not in ("", "0")
+                "STREAMOE_COPY_ENGINE", os.environ.get("STREAMOE_COPY_ENGINE", "1")) not in ("", "0")
             r["copy_gbs_used"] = sp["engine_gbs"] if by_engine else sp["copy_gbs"]
             bound_s = r["mib_host_token"] * 2**20 / (r["copy_gbs_used"] * 1e9) + r["mib_disk_token"] * 2**20 / (sp["disk_gbs"] * 1e9)
             r["bound_tok_s"] = round(1 / bound_s, 3) if bound_s else None

@@ -145,10 +145,13 @@ class SlotPools:
         self.stored = [mx_dtype(s.dtype) for s in lay.segments]
         self.dtypes = [dtype if s.is_float else st for s, st in zip(lay.segments, self.stored, strict=True)]
         clear_for_in_place()
-        self.arrays = [mx.zeros((n_slots, *s.shape), dtype=dt) for s, dt in zip(lay.segments, self.dtypes, strict=True)]
         if direct is None:
             direct = DIRECT_WRITES and pools_in_host_memory()
         self.direct = direct and all(st == dt or (st, dt) in _WIDEN for st, dt in zip(self.stored, self.dtypes, strict=True))
+        self.engine = engine if engine is not None and not self.direct and self.stored == self.dtypes else None
+        shapes = [(n_slots, *s.shape) for s in lay.segments]
+        self.arrays = [self.engine.device_pool(sh, dt) if self.engine is not None else mx.zeros(sh, dtype=dt)
+                       for sh, dt in zip(shapes, self.dtypes, strict=True)]
         self.uploads = 0 if self.direct else uploads
         self.rings = [mx.zeros((self.uploads, s.nbytes), dtype=mx.uint8) for s in lay.segments]
         mx.eval(self.arrays, self.rings)
@@ -167,11 +170,9 @@ class SlotPools:
                                                                   thread_name_prefix="streamoe-copy")
         self.copies: list[Future] = []
         self.copy_wait_s = self.sync_s = 0.0  # the host's waits in `flush`, summed (telemetry takes differences)
-        self.engine = engine if engine is not None and not self.direct and self.stored == self.dtypes else None
         self.engine_done: list[Callable[[], None]] = []  # the `done` of each record the engine is copying
         if self.engine is not None:
             views = [np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8) for a in self.arrays]
-            self.engine.keep_on_device(views)
             # per segment: (the pool's address, where the segment starts in a record, its bytes)
             self.slot_at = [(v.ctypes.data, sg.offset, sg.nbytes) for v, sg in zip(views, lay.segments, strict=True)]
 

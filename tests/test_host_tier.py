@@ -291,7 +291,7 @@ class HostCopies(CopyEngine):
     def __init__(self):
         super().__init__(None)
         self.queued: list[tuple[int, int, int]] = []
-        self.copied = self.locks = 0
+        self.copied = self.locks = self.moved = 0
         self.pools = None
         self.reading: set[int] = set()  # the slots kernels queued since the last fence read
 
@@ -316,8 +316,8 @@ class HostCopies(CopyEngine):
         self.copied += len(self.queued)
         self.queued.clear()
 
-    def keep_on_device(self, views) -> bool:
-        return True
+    def to_device(self, ptr: int, nbytes: int) -> None:
+        self.moved += 1
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +342,7 @@ def test_records_copied_by_the_copy_engine_change_no_bit(small_conv, split, monk
     monkeypatch.setattr(engine_mod, "open_copy_engine", lambda: copies)
     eng = Engine(small_conv, caps_for(small_conv, hot, host, dtype="bfloat16"))
     x = eng.experts
-    assert x.pools.engine is copies
+    assert x.pools.engine is copies and copies.moved == len(eng.lay.segments)  # each pool moved as it was made
     copies.pools = x.pools
     compute, fence = x._compute, x.fence
 
