@@ -28,9 +28,10 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from .managed import _LOCATION_DEVICE, _SET_PREFERRED_LOCATION, _advise, _driver, _Location
+from .managed import _LOCATION_DEVICE, _LOCATION_HOST, _SET_PREFERRED_LOCATION, _advise, _driver, _Location
 
 ENABLED = os.environ.get("STREAMOE_COPY_ENGINE", "1") not in ("", "0")
+BATCH = os.environ.get("STREAMOE_COPY_BATCH", "1") not in ("", "0")  # a layer's copies in one driver call
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit ordering with the legacy default stream
 _ALREADY_REGISTERED = 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
 
@@ -44,6 +45,7 @@ class CopyEngine:
         self.cuda = cuda
         self.ranges: dict[int, int] = {}  # page-locked range start -> bytes
         self.guard = threading.Lock()
+        self.batch = None
         if cuda is None:
             return
         self.ctx = ctypes.c_void_p()
@@ -54,6 +56,7 @@ class CopyEngine:
             f.argtypes = [ctypes.c_void_p]
         self.stream = ctypes.c_void_p()
         _ok(cuda.cuStreamCreate(ctypes.byref(self.stream), _NON_BLOCKING), "cuStreamCreate")
+        self.batch = _batch_copy(cuda) if BATCH else None
 
     def lock(self, ptr: int, nbytes: int) -> bool:
         """Page-lock [ptr, ptr + nbytes) for the GPU. False where the driver refuses (copies from there are then
@@ -88,6 +91,19 @@ class CopyEngine:
         """Queue a copy of host bytes into device memory on the engine's stream (returns at once)."""
         _ok(self.cuda.cuMemcpyHtoDAsync_v2(dst, ctypes.c_void_p(src), nbytes, self.stream), "cuMemcpyHtoDAsync")
 
+    def copy_many(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+        """Queue the copies srcs[i] -> dsts[i] of sizes[i] bytes (uint64 arrays) on the engine's stream. In one
+        driver call where the driver has `cuMemcpyBatchAsync` (CUDA 12.8 on): a `--cap 4 --host-cap 24` token on
+        the H200 lands about 2,200 segments, and one `cuMemcpyHtoDAsync` each cost about 9 us of this thread. Else
+        (or where the driver refuses the batch) one call per copy."""
+        if self.batch is not None and len(dsts):
+            dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+            if self.batch(dsts, srcs, sizes, self.stream) == 0:
+                return
+            self.batch = None  # refused (an older driver, or memory it will not batch): one call each from now on
+        for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+            self.copy(d, s, n)
+
     def wait(self) -> None:
         """Return once every queued copy is in device memory."""
         _ok(self.cuda.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
@@ -117,6 +133,40 @@ class CopyEngine:
         if self.cuda is not None and self.stream.value:
             self.cuda.cuStreamDestroy_v2(self.stream)
             self.stream = ctypes.c_void_p()
+
+
+class _CopyAttributes(ctypes.Structure):  # CUmemcpyAttributes
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", _Location), ("dst_hint", _Location),
+                ("flags", ctypes.c_uint)]
+
+
+_SRC_IN_STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: the sources stay valid until the engine's `wait`
+
+
+def _batch_copy(cuda: ctypes.CDLL):
+    """The driver's batched copy as a function (dsts, srcs, sizes, stream) -> CUresult, or None where it has none.
+    CUDA 13 exports it as `cuMemcpyBatchAsync_v2`; 12.8 as `cuMemcpyBatchAsync`, with a failure index before the
+    stream."""
+    attrs = _CopyAttributes(_SRC_IN_STREAM_ORDER, _Location(_LOCATION_HOST, 0), _Location(_LOCATION_DEVICE, 0), 0)
+    first = (ctypes.c_size_t * 1)(0)
+    fail = ctypes.c_size_t(0)
+    u64p = ctypes.POINTER(ctypes.c_uint64)
+    head = [u64p, u64p, u64p, ctypes.c_size_t, ctypes.POINTER(_CopyAttributes), ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_size_t]
+
+    def ptr(a: np.ndarray):
+        return a.ctypes.data_as(u64p)
+
+    if hasattr(cuda, "cuMemcpyBatchAsync_v2"):
+        f = cuda.cuMemcpyBatchAsync_v2
+        f.argtypes = [*head, ctypes.c_void_p]
+        return lambda d, s, n, stream: f(ptr(d), ptr(s), ptr(n), len(d), ctypes.byref(attrs), first, 1, stream)
+    if hasattr(cuda, "cuMemcpyBatchAsync"):
+        f = cuda.cuMemcpyBatchAsync
+        f.argtypes = [*head, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p]
+        return lambda d, s, n, stream: f(ptr(d), ptr(s), ptr(n), len(d), ctypes.byref(attrs), first, 1,
+                                         ctypes.byref(fail), stream)
+    return None
 
 
 def _prefetch_to_device(cuda: ctypes.CDLL, ptr: int, nbytes: int, stream: ctypes.c_void_p) -> bool:

@@ -175,6 +175,7 @@ class SlotPools:
             views = [np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8) for a in self.arrays]
             # per segment: (the pool's address, where the segment starts in a record, its bytes)
             self.slot_at = [(v.ctypes.data, sg.offset, sg.nbytes) for v, sg in zip(views, lay.segments, strict=True)]
+            self.slot_bases, self.seg_offsets, self.seg_bytes = (np.array(c, dtype=np.uint64) for c in zip(*self.slot_at, strict=True))
 
     def weights(self) -> ExpertWeights:
         """The pools as one record's fields. Made once: a scatter into a pool (`flush`) updates its array object in
@@ -245,11 +246,13 @@ class SlotPools:
     def _copy_by_engine(self, raws: list[tuple[int, np.ndarray, Callable[[], None]]]) -> None:
         """Queue each record's segments on the copy engine, host bytes straight to the slot's address. Only after the
         fence or into a pinned slot (`stage_many`'s callers), so no queued kernel reads a slot written here."""
-        for slot, raw, done in raws:
-            src = raw.ctypes.data
-            for base, offset, nbytes in self.slot_at:
-                self.engine.copy(base + slot * nbytes, src + offset, nbytes)
-            self.engine_done.append(done)
+        if not raws:
+            return
+        slots = np.array([slot for slot, _, _ in raws], dtype=np.uint64)[:, None]
+        srcs = np.array([raw.ctypes.data for _, raw, _ in raws], dtype=np.uint64)[:, None]
+        self.engine.copy_many((self.slot_bases + slots * self.seg_bytes).ravel(), (srcs + self.seg_offsets).ravel(),
+                              np.broadcast_to(self.seg_bytes, (len(raws), len(self.seg_bytes))).ravel())
+        self.engine_done.extend(done for _, _, done in raws)
 
     def _settle_engine(self) -> None:
         """Wait for the copy engine's copies (so the kernels queued next read their slots' new bytes), then free
