@@ -69,8 +69,9 @@ def test_gpu_long_prefill_chunks_give_the_one_block_logits(small_conv, monkeypat
 
 def test_gpu_host_tier_logits_bit_identical_at_every_pair_of_caps(small_conv, monkeypatch):
     """A GPU with memory of its own (CUDA): no host tier, a part of the records, all of them, under a device tier of
-    none or some, records landed by the copy engine or the upload ring; the same bits, every filled slot checked
-    against the file, and a host tier that holds every record reads nothing from disk after open."""
+    none or some, records landed by the upload ring or the copy engine (a call per segment, or a layer's segments
+    in one batched call); the same bits, every filled slot checked against the file, and a host tier that holds
+    every record reads nothing from disk after open."""
     from streamoe.runtime import copy_engine
     from streamoe.runtime.plan import split_memory
 
@@ -80,16 +81,21 @@ def test_gpu_host_tier_logits_bit_identical_at_every_pair_of_caps(small_conv, mo
         pytest.skip("unified memory (Metal): --cap bounds all of it, no host tier")
     monkeypatch.setattr(experts_mod, "VERIFY", True)
     runs = {}
-    for hot, host, engine in [(0, None, False), (0, None, True), (0, 120, True), (0, 512, True), (24, 200, True),
-                              (24, 200, False)]:
-        monkeypatch.setattr(copy_engine, "ENABLED", engine)  # records by CUDA's copy engine, or the upload ring
+    for hot, host, path in [(0, None, "ring"), (0, None, "each"), (0, 120, "each"), (0, 512, "each"),
+                            (24, 200, "each"), (24, 200, "ring"), (0, None, "batch"), (0, 120, "batch"),
+                            (24, 200, "batch")]:
+        monkeypatch.setattr(copy_engine, "ENABLED", path != "ring")  # CUDA's copy engine, or the upload ring
+        monkeypatch.setattr(copy_engine, "BATCH", path == "batch")
         data, eng = logits_of(small_conv, caps_for(small_conv, hot, host, dtype="bfloat16"))
-        assert (eng.experts.pools.engine is not None) == engine
+        pools = eng.experts.pools
+        assert (pools.engine is not None) == (path != "ring")
+        if path == "batch":
+            assert pools.engine.batch is not None, "the driver has no cuMemcpyBatchAsync (or refused it)"
         layers = [ly for s in eng.steps for ly in s.layers]
-        runs[(hot, host, engine)] = (data, sum(ly.bytes_read for ly in layers), sum(ly.hits_host for ly in layers))
-    first = runs[(0, None, False)][0]
+        runs[(hot, host, path)] = (data, sum(ly.bytes_read for ly in layers), sum(ly.hits_host for ly in layers))
+    first = runs[(0, None, "ring")][0]
     assert all(data == first for data, *_ in runs.values()), {k: v[1:] for k, v in runs.items()}
-    assert runs[(0, 512, True)][1] == 0 and runs[(0, 512, True)][2] > 0 and runs[(0, 120, True)][2] > 0
+    assert runs[(0, 512, "each")][1] == 0 and runs[(0, 512, "each")][2] > 0 and runs[(0, 120, "each")][2] > 0
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
