@@ -29,6 +29,8 @@ import ctypes
 import ctypes.util
 import mmap
 import threading
+import time
+from collections.abc import Callable
 
 from ..formats.direct import aligned_buffer
 from .copy_engine import CopyEngine
@@ -40,6 +42,7 @@ Key = tuple[int, int]  # (layer, expert)
 # anonymous mmap memory is shared (shmem): on Linux only MADV_REMOVE frees its pages (elsewhere MADV_DONTNEED)
 DROP = getattr(mmap, "MADV_REMOVE", getattr(mmap, "MADV_DONTNEED", 0))
 MARGIN = 64 << 20  # bytes of the host cap the tier leaves to the process's own growth between two measurements
+MEASURE_S = 0.005  # the process's host memory is measured at most this often (a /proc read: 40-100 us each)
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -67,6 +70,7 @@ class HostTier:
         self.ready: set[int] = set()  # slots whose record has been read
         self.pins: dict[int, int] = {}  # slot -> holders (reads in flight, bytes not yet taken)
         self.lock = threading.Lock()
+        self.due = 0.0  # when `check` next measures
 
     def record(self, slot: int) -> memoryview:
         return self.view[slot * self.stride: (slot + 1) * self.stride]
@@ -119,6 +123,17 @@ class HostTier:
             self.ready.discard(slot)
             self.tier.evict(slot)
             self._unpin(slot)
+
+    def check(self, measure: Callable[[], int]) -> None:
+        """`room(measure())`, at most every MEASURE_S. Measured once a layer, a `--cap 4 --host-cap 24` token read
+        /proc 40 times; between two measurements the tier counts its own commits (`take`), and MARGIN is left for
+        the rest of the process's growth."""
+        if self.cap is None:
+            return
+        now = time.monotonic()
+        if now >= self.due:
+            self.due = now + MEASURE_S
+            self.room(measure())
 
     def room(self, host_bytes: int) -> None:
         """The process holds `host_bytes` of host memory now: more slots may be committed while that stays under

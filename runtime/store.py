@@ -206,8 +206,8 @@ class ExpertStore:
             return []
         futs: list[Future] = [Future() for _ in keys]
         jobs = []
-        if self.host is not None and keys and queue is self.demand:  # once a layer: a /proc read, off the guesses
-            self.host.room(host_rss())
+        if self.host is not None and queue is self.demand:  # off the guesses
+            self.host.check(host_rss)
         for f, (layer, e) in zip(futs, keys, strict=True):
             slot, ready = self.host.take((layer, e)) if self.host is not None else (None, False)
             if ready:  # in the host tier: no disk read

@@ -245,6 +245,27 @@ def test_the_host_cap_is_kept_by_measurement():
     assert {host.take((0, e))[0] for e in (5, 6)} == {slots[e] for e in set(range(3)) - set(kept)}
 
 
+def test_the_host_memory_is_measured_at_most_every_measure_s(monkeypatch):
+    """`check` measures at once, then not again until MEASURE_S has passed; without a cap, never."""
+    import streamoe.runtime.host_tier as host_tier_mod
+
+    now = [100.0]
+    monkeypatch.setattr(host_tier_mod.time, "monotonic", lambda: now[0])
+    measured = []
+
+    def measure() -> int:
+        measured.append(now[0])
+        return 0
+
+    host = HostTier(4, 4096, 1, 8, cap=MARGIN + 3 * 4096)
+    for t in (100.0, 100.001, 100.0049, 100.005, 100.006, 100.02):
+        now[0] = t
+        host.check(measure)
+    assert measured == [100.0, 100.005, 100.02] and host.headroom == 3 * 4096
+    HostTier(4, 4096, 1, 8).check(measure)
+    assert len(measured) == 3
+
+
 def test_a_fill_the_tier_cannot_hold_goes_through_the_ring(small_conv):
     """Filling a tier with room for a few records: the rest are read through a ring of 4 entries, released as they
     complete (waiting for them in order could leave a read waiting for an entry a later one holds), and the tier
