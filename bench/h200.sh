@@ -45,8 +45,8 @@
 #                                against stock mlx-lm in interleaved rounds, then --cap 4 against the disk
 #   bash bench/h200.sh peers     # (a fresh machine: before `setup`) long-prompt prefill at --cap 4 beside mlx-vlm's expert offload
 #                                at the same expert budget and resident mlx-lm (bench/prefill_peers.py; PROMPTS=, ENGINES=)
-#   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile, as is and with MLX's CUDA graphs
-#                                cut by operation count only, or off: where a capped token's host time goes
+#   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile, as is, with the copies batched, and with MLX's CUDA graphs
+#                                off: where a capped token's host time goes
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`. The
 # whole `gputest` takes over 500 s there (beside `setup`, more): cut it (GPUTEST_LIMIT) and run `gpurest` next. A
 # machine idle for 30 s between calls is given back (and everything installed on it lost): plan the next call first.
@@ -220,7 +220,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     ;;
   hostprof)
     python3 -m bench.host_tier --model "$S/full-conv" --tokens 24 --work /root --profile --name "$OUT/host-tier-variants-h200" \
-      --runs 4:24,4:24+MLX_MAX_MB_PER_BUFFER=1000000,4:24+MLX_USE_CUDA_GRAPHS=0 | grep -v '^ '
+      --runs 4:24,4:24+STREAMOE_COPY_BATCH=1,4:24+MLX_USE_CUDA_GRAPHS=0 | grep -v '^ '
     ;;
   parts)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-h200-q4.json"
