@@ -41,7 +41,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from streamoe.formats.manifest import load_manifest
-from streamoe.runtime.managed import device_memory_used
+from streamoe.runtime.nvml import device_memory_used
 from streamoe.runtime.store import ExpertStore
 from streamoe.runtime.weights import mx_dtype
 

@@ -71,28 +71,3 @@ def keep_on_host(views: list[np.ndarray]) -> bool:
         ok = ok and _advise(cuda, ptr, n, _SET_PREFERRED_LOCATION, host=True)
         ok = ok and _advise(cuda, ptr, n, _SET_ACCESSED_BY, host=False)
     return ok
-
-
-def _nvml() -> ctypes.CDLL | None:
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None
-    return nvml if nvml.nvmlInit_v2() == 0 else None
-
-
-class _NvmlMemory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
-
-
-def device_memory_used(index: int = 0) -> int | None:
-    """Bytes of GPU `index`'s memory in use, as the driver counts them (NVML: every process's allocations, CUDA
-    contexts and libraries included, which MLX's own counters leave out); None without an NVIDIA driver. It needs
-    no CUDA context, so a watcher process can poll it without taking device memory itself."""
-    nvml = _nvml()
-    if nvml is None:
-        return None
-    dev, mem = ctypes.c_void_p(), _NvmlMemory()
-    if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(dev)) or nvml.nvmlDeviceGetMemoryInfo(dev, ctypes.byref(mem)):
-        return None
-    return int(mem.used)

@@ -6,6 +6,7 @@ loaded and says the smallest cap that would. The plan is the contract the cgroup
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from ..formats.dtypes import itemsize
 from ..formats.errors import StreamoeError, fail
 from ..formats.manifest import Manifest, load_manifest
 from ..formats.record import RecordLayout
+from . import nvml
 from .models.cache import KV_GROUP
 from .models.kernels import (
     BLAS_BLOCK,
@@ -52,6 +54,7 @@ class Options:
     cpu_streams: int | None = None  # CPU streams for expert and large matmul work; None = one per core (CPU backend)
     verify: bool = False
     runtime_bytes: int | None = None  # the interpreter/runtime allowance; None = measured at open
+    driver_bytes: int | None = None  # a CUDA device's memory outside MLX's allocations; None = measured at open
     images: bool = False  # plan (and allow) image inputs: the vision account
     max_pixels: int = 640 * 640  # largest image after resizing
     max_decode_pixels: int = 1 << 24  # largest image file accepted (16 Mpx), decoded before resizing
@@ -71,6 +74,38 @@ def split_memory() -> bool:
     `--host-cap` the process's host memory. On unified memory (Metal, the CPU backend) one cap bounds both.
     `STREAMOE_SPLIT_MEMORY=1` plans the CPU backend as if it were split (the tests run the host tier that way)."""
     return own_device_memory() or os.environ.get("STREAMOE_SPLIT_MEMORY", "") not in ("", "0")
+
+
+# Kernel modules and library workspaces a CUDA process loads after open: its device memory outside MLX's rose by
+# 0.19-0.33 GiB after the context on the H200 (`--cap 4`, bench/results/host-tier-h200-code-6fde6fc.json: the
+# driver's count at the end less MLX's peak and the 0.51 GiB counted at start).
+DRIVER_GROWTH = 384 * MiB
+
+
+@functools.cache
+def driver_context() -> int | None:
+    """This process's GPU memory outside MLX's allocations now, as the driver counts it: the device's count less
+    its count when streamoe was imported (`nvml.AT_IMPORT`, before MLX's context) and less MLX's own (in use and
+    cached). Measured once a process, so every plan it makes agrees; None without NVML or that first reading."""
+    now = nvml.device_memory_used()
+    if now is None or nvml.AT_IMPORT is None:
+        return None
+    return max(0, now - nvml.AT_IMPORT - mx.get_active_memory() - mx.get_cache_memory())
+
+
+def driver_bytes(opts: Options) -> tuple[int, str | None]:
+    """The plan's `driver` account on a CUDA device, and its note: the context measured at open and what loads
+    later (DRIVER_GROWTH); the caller's own figure where given; 0 elsewhere (nothing outside MLX's allocations)."""
+    if opts.driver_bytes is not None:
+        return opts.driver_bytes, "as given"
+    if not own_device_memory():
+        return 0, None
+    mx.eval(mx.zeros(1))  # the context and MLX's libraries exist before the reading
+    context = driver_context()
+    if context is None:
+        return 0, "not measured (no NVML reading from before MLX's context: import streamoe first)"
+    return context + DRIVER_GROWTH, (f"the CUDA context and libraries, {context / MiB:.0f} MiB measured at open, "
+                                     f"+ {DRIVER_GROWTH // MiB} MiB for kernel modules loaded on first use")
 
 
 def memories(host_cap_gib: float | None) -> tuple[bool, int | None]:
@@ -409,7 +444,7 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
               prefill_chunk: int | str = "auto", ring: int = 0, slot: int = 0, blas: bool | None = None,
               grouped: bool | None = None, expert_mode: str = "affine",
               extra: tuple[tuple[str, int, str], ...] = (), rank: int = 0, ranks: int = 1,
-              split: bool = False, host_cap: int | None = None) -> MemoryPlan:
+              split: bool = False, host_cap: int | None = None, driver: tuple[int, str | None] = (0, None)) -> MemoryPlan:
     """`kv_dtype`: the KV format (a float dtype, or q8/q4 with scales and biases in `dtype`). `blas`: whether
     prefill goes through numpy's BLAS (None: where this process computes, the CPU backend). `prefill_chunk`: tokens,
     or "auto" (`choose_chunk`). `extra`: the caller's own accounts (name, bytes, note), fixed like the others.
@@ -417,7 +452,8 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
     (None: where this process computes, CUDA). `rank` of `ranks`: the plan of one rank of an expert-parallel group, for its share of every layer's experts
     (`share_of`), plus the buffers the picks' outputs are gathered in. `split`: the device has its own memory
     (`split_memory`): `cap` is the device's, and the runtime, the read staging and the upload ring (host memory,
-    mapped for the device) are host accounts, with the host tier in what `host_cap` leaves."""
+    mapped for the device) are host accounts, with the host tier in what `host_cap` leaves; `driver` (bytes, note)
+    is the device's memory outside MLX's allocations (`driver_bytes`), a device account where it is not 0."""
     bits = KV_BITS.get(kv_dtype)
     item, kv_item = itemsize(dtype), itemsize(dtype if bits else kv_dtype)
     blas = mx.default_device() == mx.cpu if blas is None else blas
@@ -452,6 +488,8 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
                               "read staging": plan.read_staging * stride, "upload ring": ring * stride}
         plan.accounts["upload ring"] = ring * stride  # an MLX allocation, so MLX counts it too, though it lives on the host
         plan.notes["upload ring"] = f"{ring} records the device copies from: host memory mapped for it"
+        if driver[0]:
+            plan.accounts["driver"], plan.notes["driver"] = driver[0], driver[1]
     plan.notes.update({name: note for name, _, note in extra})
     plan.notes["non-expert"] = f"weights as computed ({dtype} floats, packed codes)"
     plan.notes["kv cache"] = f"{ctx} tokens, {kv_dtype}" + (f" codes, {dtype} scales and biases per {KV_GROUP}" if bits else "")
@@ -548,7 +586,8 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
                      dtype=dtype, kv_dtype=kv_format(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
                      vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])), extra=opts.extra_accounts,
-                     rank=opts.rank, ranks=opts.ranks, split=split, host_cap=host_cap)
+                     rank=opts.rank, ranks=opts.ranks, split=split, host_cap=host_cap,
+                     driver=driver_bytes(opts) if split else (0, None))
     if opts.images:
         plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
                                 f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")

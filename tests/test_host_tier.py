@@ -69,6 +69,39 @@ def test_the_plan_splits_into_the_devices_and_the_hosts_accounts(small_conv, spl
     assert uncapped.split and uncapped.host_cap is None and uncapped.host_slots == 0 and uncapped.host_fits
 
 
+def test_a_cuda_devices_memory_outside_mlx_is_a_device_account(small_conv, split, monkeypatch):
+    """On CUDA the driver counts the context and libraries in the GPU's memory beside MLX's allocations: the plan
+    measures what the device's count grew by since streamoe was imported, less MLX's own, adds DRIVER_GROWTH, and
+    gives the hot tier that much less. Elsewhere (or unmeasured) there is no such account."""
+    import streamoe.runtime.plan as plan_mod
+
+    base = plan_for(small_conv, Options(cap_gib=64, ctx=256, runtime_bytes=RUNTIME))
+    context = 300 << 20
+    opts = Options(cap_gib=(base.fixed + context + plan_mod.DRIVER_GROWTH + 100 * base.slot_bytes + 1) / GiB, ctx=256,
+                   runtime_bytes=RUNTIME)
+    plain = plan_for(small_conv, opts)
+    assert "driver" not in plain.accounts and plain.hot_slots == 8 * 64  # the CPU backend: nothing outside MLX's
+    monkeypatch.setattr(plan_mod, "own_device_memory", lambda: True)
+    monkeypatch.setattr(plan_mod.nvml, "AT_IMPORT", 1 << 30)
+    monkeypatch.setattr(plan_mod.nvml, "device_memory_used",
+                        lambda: (1 << 30) + context + mx.get_active_memory() + mx.get_cache_memory())
+    plan_mod.driver_context.cache_clear()
+    try:
+        p = plan_for(small_conv, opts)
+        assert p.accounts["driver"] == context + plan_mod.DRIVER_GROWTH
+        assert "300 MiB measured at open" in p.notes["driver"] and "driver" in p.render()
+        assert p.fixed == plain.fixed + p.accounts["driver"]
+        assert p.hot_slots == 100
+        assert p.to_json()["accounts"]["driver"] == p.accounts["driver"]
+        given = plan_for(small_conv, Options(cap_gib=opts.cap_gib, ctx=256, runtime_bytes=RUNTIME, driver_bytes=5 << 20))
+        assert given.accounts["driver"] == 5 << 20 and given.notes["driver"] == "as given"
+        monkeypatch.setattr(plan_mod.nvml, "AT_IMPORT", None)  # no reading from before MLX's context
+        plan_mod.driver_context.cache_clear()
+        assert "driver" not in plan_for(small_conv, opts).accounts
+    finally:
+        plan_mod.driver_context.cache_clear()
+
+
 def test_host_cap_cli(small_conv, monkeypatch):
     """Refused on unified memory in one line; with a device of its own, printed (JSON too) and checked."""
     refused = cli("plan", str(small_conv), "--cap", "1", "--host-cap", "2")
