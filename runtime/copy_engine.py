@@ -35,6 +35,7 @@ ENABLED = os.environ.get("STREAMOE_COPY_ENGINE", "1") not in ("", "0")
 BATCH = os.environ.get("STREAMOE_COPY_BATCH", "0") not in ("", "0")
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit ordering with the legacy default stream
 _ALREADY_REGISTERED = 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+_CONCURRENT_MANAGED_ACCESS = 89  # CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS
 
 
 class CopyEngine:
@@ -188,11 +189,16 @@ def _ok(rc: int, what: str) -> None:
 
 
 def open_copy_engine() -> CopyEngine | None:
-    """The copy engine of a CUDA device, or None (another backend, no driver, or not turned on)."""
+    """The copy engine of a CUDA device, or None (another backend, no driver, not turned on, or a device whose
+    managed memory cannot stay in device memory: without concurrent managed access, as on Windows and WSL, MLX
+    makes a buffer the host touches page-locked host memory, and pools there would be read over the bus)."""
     if not ENABLED or mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return None
     cuda = _driver()
     if cuda is None:
+        return None
+    managed = ctypes.c_int(0)
+    if cuda.cuDeviceGetAttribute(ctypes.byref(managed), _CONCURRENT_MANAGED_ACCESS, 0) != 0 or not managed.value:
         return None
     try:
         return CopyEngine(cuda)
