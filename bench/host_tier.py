@@ -46,7 +46,7 @@ from streamoe.runtime.store import ExpertStore
 from streamoe.runtime.weights import mx_dtype
 
 from .common import write_result
-from .fill import disk_gbs, driver_gbs, fill_gbs
+from .fill import disk_gbs, driver_gbs, fill_gbs, hosted_gbs
 
 PROMPT = "import csv\nimport sys\n\n\ndef mean_of_columns(path):\n    "
 PEAKS = re.compile(r"peak ([\d.]+) of ([\d.]+) GiB on the device, host ([\d.]+)")
@@ -63,10 +63,12 @@ def speeds(model: Path, experts: str, records: int = 256) -> dict:
         dtype = mx_dtype("bfloat16" if mx.default_device() == mx.gpu else "float32")
         fill = fill_gbs(store, keys[:64], 4 * records, dtype, direct=False, advise=True)
         engine = driver_gbs(store, keys[:64], 4 * records, dtype, pinned=True)
+        hosted = hosted_gbs(store, keys[:32], 4 * records, dtype)
     finally:
         store.close()
     return {"disk_gbs": round(disk, 3), "copy_gbs": fill["fill_gbs"], "copy_path": fill,
-            "engine_gbs": engine.get("fill_gbs") if engine.get("bytes_identical") else None, "engine_path": engine}
+            "engine_gbs": engine.get("fill_gbs") if engine.get("bytes_identical") else None, "engine_path": engine,
+            "hosted_gbs": hosted["fill_gbs"], "stride": store.lay.stride}
 
 
 class DeviceWatch:
@@ -136,6 +138,7 @@ def run_one(model: Path, cap: float, host_cap: float | None, tokens: int, expert
     return {**out, "decode_tokens": len(dec), "tok_s": round((len(dec) - 1) / span, 3) if span else None,
             "device_tier_hit": round(share["hits_hot"] + share["hits_lent"], 4) if picks else None,
             "read_ahead": share["hits_prefetch"], "host_tier_hit": share["hits_host"], "disk_miss": share["misses"],
+            "picks_token": round(picks / n, 2),
             "mib_host_token": round(sum(ly["bytes_host"] for ly in lay) / n / 2**20, 2),
             "mib_disk_token": round(sum(ly["bytes_read"] for ly in lay) / n / 2**20, 2),
             "device_peak_gib": float(peaks.group(1)) if peaks else None,
@@ -172,7 +175,14 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(str(prof), stream=text).sort_stats("tottime").print_stats(40)
             Path(f"{a.name}-profile-{k}.txt").write_text(f"{spec}\n{r.get('summary')}\n{text.getvalue()}")
-        if r.get("tok_s"):
+        reads = r["env"].get("STREAMOE_HOST_READS", os.environ.get("STREAMOE_HOST_READS", "0")) not in ("", "0")
+        if r.get("tok_s") and reads and r.get("host_cap_gib"):
+            r["mib_bus_token"] = round(r.pop("picks_token") * sp["stride"] / 2**20, 2)
+            for name in ("hosted", "engine"):
+                if sp[f"{name}_gbs"]:
+                    bound_s = r["mib_bus_token"] * 2**20 / (sp[f"{name}_gbs"] * 1e9)
+                    r[f"bound_tok_s_{name}"], r[f"of_bound_{name}"] = round(1 / bound_s, 3), round(r["tok_s"] * bound_s, 3)
+        elif r.get("tok_s"):
             by_engine = sp["engine_gbs"] is not None and r["env"].get(
                 "STREAMOE_COPY_ENGINE", os.environ.get("STREAMOE_COPY_ENGINE", "1")) not in ("", "0")
             r["copy_gbs_used"] = sp["engine_gbs"] if by_engine else sp["copy_gbs"]

@@ -118,10 +118,15 @@ class Engine:
         n, guess = a.num_experts, self.model.router_logits
         if share is not None:  # this rank's experts are local experts 0..len(share)-1
             n, guess = len(share), ranks.local_router(guess, share)
-        self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, n, min(k, n), self.plan.hot_slots,
+        self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, n, min(k, n), self.plan.expert_slots,
                                         o.tier, prefetch_width(o, k), guess, self.dtype,
                                         waste_budget=o.prefetch_waste, streams=self.model.streams,
-                                        kernel=expert_kernel(self.lay, a), uploads=self.plan.ring, engine=engine)
+                                        kernel=expert_kernel(self.lay, a), uploads=self.plan.ring, engine=engine,
+                                        host_pools=self.plan.host_reads)
+        self.memory_limit = None  # MLX's limit before open, where open raised it
+        if self.experts.pools.host_bytes:  # MLX counts the host's pools as its own: its limit is the device's + them
+            self.memory_limit = mx.set_memory_limit(0)
+            mx.set_memory_limit(self.memory_limit + self.experts.pools.host_bytes)
         # what the model's MoE blocks call: across ranks, the exchange around this rank's share
         self.provider = (self.experts if share is None
                          else ranks.RankExperts(self.experts, self.group, a.num_experts, self.watchdog))
@@ -134,7 +139,8 @@ class Engine:
         device has memory of its own, MLX's peak against --cap and the process's against --host-cap."""
         if not self.plan.split:
             return summarize(steps, self.peak_rss, self.plan.cap)
-        return summarize(steps, mx.get_peak_memory(), self.plan.cap, host=(self.peak_rss, self.plan.host_cap))
+        device_peak = mx.get_peak_memory() - self.experts.pools.host_bytes  # pools in host memory: the host's
+        return summarize(steps, device_peak, self.plan.cap, host=(self.peak_rss, self.plan.host_cap))
 
     @property
     def offset(self) -> int:
@@ -321,5 +327,8 @@ class Engine:
     def close(self) -> None:
         if getattr(self, "experts", None) is not None:
             self.experts.close()
+        if getattr(self, "memory_limit", None) is not None:
+            mx.set_memory_limit(self.memory_limit)
+            self.memory_limit = None
         if self.group is not None:
             self.watchdog.close()

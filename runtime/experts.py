@@ -47,7 +47,7 @@ import numpy as np
 from ..formats.quant import f32_high_halves
 from ..formats.record import ExpertWeights, RecordLayout
 from .copy_engine import CopyEngine
-from .managed import keep_on_host
+from .managed import host_pool, keep_on_host
 from .models.cache import clear_for_in_place
 from .models.kernels import ExpertKernel, Streams, switch_glu
 from .store import ExpertStore
@@ -138,20 +138,23 @@ class SlotPools:
       reads it is pending."""
 
     def __init__(self, n_slots: int, lay: RecordLayout, dtype: mx.Dtype, uploads: int, direct: bool | None = None,
-                 streams: Streams = (), engine: CopyEngine | None = None):
+                 streams: Streams = (), engine: CopyEngine | None = None, host_memory: bool = False):
         """`engine`: CUDA's copy engine, which moves records held in page-locked host memory straight into their
-        slots (`runtime/copy_engine.py`); it cannot convert, so only where every segment is pooled as stored."""
+        slots (`runtime/copy_engine.py`); it cannot convert, so only where every segment is pooled as stored.
+        `host_memory`: the pools are host memory whatever the device (`managed.host_pool`), written directly."""
         self.lay, self.n, self.streams = lay, n_slots, streams
         self.stored = [mx_dtype(s.dtype) for s in lay.segments]
         self.dtypes = [dtype if s.is_float else st for s, st in zip(lay.segments, self.stored, strict=True)]
         clear_for_in_place()
         if direct is None:
-            direct = DIRECT_WRITES and pools_in_host_memory()
+            direct = DIRECT_WRITES and (pools_in_host_memory() or host_memory)
         self.direct = direct and all(st == dt or (st, dt) in _WIDEN for st, dt in zip(self.stored, self.dtypes, strict=True))
         self.engine = engine if engine is not None and not self.direct and self.stored == self.dtypes else None
         shapes = [(n_slots, *s.shape) for s in lay.segments]
-        self.arrays = [self.engine.device_pool(sh, dt) if self.engine is not None else mx.zeros(sh, dtype=dt)
-                       for sh, dt in zip(shapes, self.dtypes, strict=True)]
+        make = self.engine.device_pool if self.engine is not None else host_pool if host_memory else mx.zeros
+        self.arrays = [make(sh, dt) for sh, dt in zip(shapes, self.dtypes, strict=True)]
+        # MLX counts the pools as its own, though on a discrete GPU they are then the host's memory
+        self.host_bytes = sum(a.nbytes for a in self.arrays) if host_memory else 0
         self.uploads = 0 if self.direct else uploads
         self.rings = [mx.zeros((self.uploads, s.nbytes), dtype=mx.uint8) for s in lay.segments]
         mx.eval(self.arrays, self.rings)
@@ -332,12 +335,14 @@ class StreamingExperts:
     def __init__(self, store: ExpertStore, lay: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  hot_slots: int, tier: str, prefetch_width: int, guess: Callable[[int, mx.array], mx.array],
                  dtype: mx.Dtype = mx.float32, waste_budget: float = 0.05, streams: Streams = (),
-                 kernel: ExpertKernel | None = None, uploads: int | None = None, engine: CopyEngine | None = None):
+                 kernel: ExpertKernel | None = None, uploads: int | None = None, engine: CopyEngine | None = None,
+                 host_pools: bool = False):
         """`guess(i, x)`: layer i's router logits on x (the model's `router_logits`); `streams`: the CPU streams the
         picks' matmuls split over (the model's); `kernel`: how the experts compute (`kernels.expert_kernel`; default:
         `lay`'s codes with SwiGLU); `uploads`: rows of the upload ring (default: as many as the store's ring);
         `engine`: CUDA's copy engine (`runtime/copy_engine.py`), which then lands records from page-locked host
-        memory (the staging ring is locked here, the host tier's slots as they fill)."""
+        memory (the staging ring is locked here, the host tier's slots as they fill); `host_pools`: every expert in
+        host memory the device reads in place (the plan's `host_reads`; `hot_slots` then holds them all)."""
         self.store, self.lay, self.guess, self.waste_budget = store, lay, guess, waste_budget
         self.engine = engine  # closed with the rest: the host tier's slots are page-locked through it too
         self.streams = streams
@@ -351,7 +356,9 @@ class StreamingExperts:
         staging = 0 if self.resident else n_experts
         # resident, the engine would only speed up open, and its host views make the pools managed memory
         self.pools = SlotPools(hot_slots + staging, lay, dtype, uploads or store.ring, streams=streams,
-                               engine=None if self.resident else engine)
+                               engine=None if self.resident else engine, host_memory=host_pools)
+        # host_pools: a prefill chunk's layer (its index, its experts copied into device memory), see `prepare`
+        self.staged: tuple[int, ExpertWeights] | None = None
         if self.pools.engine is not None:  # records read from disk land from the staging ring by the engine too
             self.pools.engine.lock(np.frombuffer(store.view, dtype=np.uint8).ctypes.data, len(store.view))
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
@@ -474,7 +481,8 @@ class StreamingExperts:
         shape, k = x.shape, inds.shape[-1]
         xf, inds = x.reshape(-1, shape[-1]), inds.reshape(-1, k)
         if self.resident:  # on the device: no round trip
-            y = switch_glu(xf, self.layer_weights[i], inds, self.kernel, self.streams)
+            w = self.staged[1] if self.staged is not None and self.staged[0] == i else self.layer_weights[i]
+            y = switch_glu(xf, w, inds, self.kernel, self.streams)
         elif self.prepared is not None and self.prepared[0] == i:  # a prefill block: its experts already landed
             y = switch_glu(xf, self.pools.weights(), mx.take(self.prepared[1], inds), self.kernel, self.streams)
             # the fence waits for one value computed from y, not for y itself: a chunk's blocks' outputs (top-k rows
@@ -621,8 +629,15 @@ class StreamingExperts:
         blocks' calls then only map experts to slots, on the device). Right after this layer's reads are queued,
         the next layer's likely experts are queued as guesses, most likely first (its router on this layer's
         input: how many of the chunk's tokens would pick each), so the disk reads them while this layer lands
-        and computes; those the next layer does not pick are withdrawn if not started (`_gather`)."""
+        and computes; those the next layer does not pick are withdrawn if not started (`_gather`).
+
+        Where the pools are host memory on a discrete GPU (`host_pools`), nothing is read: the layer's experts are
+        copied into device memory once for the chunk, so its blocks' kernels read them there, not each over the bus."""
         if self.resident:
+            if self.pools.host_bytes:
+                self.staged = None  # the layer before's copy is let go of once its kernels are done
+                idx, E = mx.arange(self.E, dtype=mx.uint32), self.E
+                self.staged = (i, self.lay.weights([mx.take(a[i * E:(i + 1) * E], idx, axis=0) for a in self.pools.arrays]))
             return
         st = self.stats[i] if self.stats is not None else LayerStats(layer=i)
         likely = self._likely(i + 1, xs) if PREFILL_AHEAD and self.width > 0 and i + 1 < self.L else ()
@@ -740,13 +755,13 @@ class StreamingExperts:
     # ---- prompts and lifetime
     def begin_prompt(self) -> None:
         """A prompt takes the staging slots back from the tier (prefill streams each expert through them)."""
-        self.prepared = None
+        self.prepared = self.staged = None
         self.drop_guesses()
         self.tier.reclaim_staging()
 
     def end_prompt(self) -> None:
         """Decode begins: the idle staging slots are lent to the tier."""
-        self.prepared = None
+        self.prepared = self.staged = None
         self.drop_guesses()
         self.tier.lend_staging()
 

@@ -71,3 +71,14 @@ def keep_on_host(views: list[np.ndarray]) -> bool:
         ok = ok and _advise(cuda, ptr, n, _SET_PREFERRED_LOCATION, host=True)
         ok = ok and _advise(cuda, ptr, n, _SET_ACCESSED_BY, host=False)
     return ok
+
+
+def host_pool(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """A zeroed array in host memory that the device's kernels read in place: on CUDA, made on MLX's CPU stream
+    (managed memory from its allocation, never a device buffer) and advised to stay on the host, mapped for the
+    GPU, so a kernel reading it pulls the bytes over the bus and no page migrates into device memory. Elsewhere
+    a plain array (the CPU backend's and Metal's are host memory already)."""
+    pool = mx.zeros(shape, dtype=dtype, stream=mx.cpu)
+    mx.eval(pool)
+    keep_on_host([np.frombuffer(memoryview(pool).cast("B"), dtype=np.uint8)])
+    return pool

@@ -67,6 +67,16 @@ class Options:
     # a discrete GPU's second memory (`split_memory`): the host's cap in GiB, which holds the runtime, the read
     # staging, the upload ring and the host tier of expert records; None: host memory is planned, not capped
     host_cap_gib: float | None = None
+    # a discrete GPU whose --host-cap holds every expert: the pools in host memory, read in place by the device
+    # (`MemoryPlan.host_reads`); None: STREAMOE_HOST_READS (off until measured on a GPU)
+    host_reads: bool | None = None
+
+
+def host_reads_wanted(opts: Options) -> bool:
+    """Whether the plan may put every expert in host memory for the device to read over the bus (`host_reads`)."""
+    if opts.host_reads is not None:
+        return opts.host_reads
+    return os.environ.get("STREAMOE_HOST_READS", "0") not in ("", "0")
 
 
 def split_memory() -> bool:
@@ -234,6 +244,12 @@ class MemoryPlan:
     host_cap: int | None = None
     host_accounts: dict[str, int] = field(default_factory=dict)
     ring: int = 0  # records of read staging a decode step needs (`read_ring`); the upload ring's rows on a GPU
+    # a discrete GPU whose host cap holds every expert and whose device does not: the slot pools are host memory
+    # (an account of the host's), every expert in them, and the device's kernels read the picks' weights there in
+    # place, over the bus. Decode then needs no round trip a layer (the run is resident: nothing is read or copied
+    # after open), at the cost of each pick's bytes crossing the bus as the kernel reads them; a prefill chunk
+    # copies each layer's experts into device memory once (`StreamingExperts.prepare`). The device's hot tier is empty.
+    host_reads: bool = False
 
     @property
     def fixed(self) -> int:
@@ -245,7 +261,14 @@ class MemoryPlan:
 
     @property
     def hot_slots(self) -> int:
+        if self.host_reads:
+            return 0
         return min(self.hot_bytes // self.slot_bytes, self.n_layers * self.n_experts)  # more would hold nothing
+
+    @property
+    def expert_slots(self) -> int:
+        """Slots of the pools: the device's hot tier, or every expert where the pools are host memory (`host_reads`)."""
+        return self.n_layers * self.n_experts if self.host_reads else self.hot_slots
 
     @property
     def slot_bytes(self) -> int:
@@ -272,7 +295,7 @@ class MemoryPlan:
     def host_slots(self) -> int:
         """Records the host tier holds: what `host_cap` leaves beside the host accounts, none where the device
         holds every expert (nothing would be read) or no host cap is set."""
-        if self.host_cap is None or self.hot_slots >= self.n_layers * self.n_experts:
+        if self.host_cap is None or self.host_reads or self.hot_slots >= self.n_layers * self.n_experts:
             return 0
         return min(max(0, self.host_cap - self.host_fixed) // self.stride, self.n_layers * self.n_experts)
 
@@ -307,8 +330,11 @@ class MemoryPlan:
         for name, n in self.accounts.items():
             note = f"  ({self.notes[name]})" if name in self.notes else ""
             rows.append(f"  {name:<16} {size(n)}{note}")
-        rows.append(f"  {'hot tier':<16} {size(self.hot_slots * self.slot_bytes)}  ({self.hot_slots} expert slots of "
-                    f"{self.n_layers * self.n_experts}; +{self.staging_slots} lent staging slots during decode)")
+        if self.host_reads:
+            rows.append(f"  {'hot tier':<16} {size(0)}  (none: every expert is in host memory, read in place by the device)")
+        else:
+            rows.append(f"  {'hot tier':<16} {size(self.hot_slots * self.slot_bytes)}  ({self.hot_slots} expert slots of "
+                        f"{self.n_layers * self.n_experts}; +{self.staging_slots} lent staging slots during decode)")
         rows.append(f"  {'prefill chunk':<16} {self.prefill_chunk:>8} tokens  (experts read once per chunk; "
                     f"kernels over {self.prefill_step} tokens at a time)")
         rows.append(f"  {'total':<16} {size(self.fixed + self.hot_slots * self.slot_bytes)} of {self.cap / GiB:.2f} GiB"
@@ -324,8 +350,9 @@ class MemoryPlan:
             for name, n in self.host_accounts.items():
                 note = f"  ({self.notes[name]})" if name in self.notes else ""
                 rows.append(f"  {name:<16} {size(n)}{note}")
-            rows.append(f"  {'host tier':<16} {size(self.host_slots * self.stride)}  ({self.host_slots} expert records of "
-                        f"{self.n_layers * self.n_experts}, as on disk; a device miss found here is copied, not read)")
+            if not self.host_reads:
+                rows.append(f"  {'host tier':<16} {size(self.host_slots * self.stride)}  ({self.host_slots} expert records "
+                            f"of {self.n_layers * self.n_experts}, as on disk; a device miss found here is copied, not read)")
             total = self.host_fixed + self.host_slots * self.stride
             rows.append(f"  {'total':<16} {size(total)}" + (f" of {self.host_cap / GiB:.2f} GiB" if self.host_cap is not None else ""))
         return "\n".join(rows)
@@ -339,7 +366,7 @@ class MemoryPlan:
             out.update(rank=self.rank, ranks=self.ranks, all_experts=self.all_experts)
         if self.split:
             out["host"] = {"cap": self.host_cap, "accounts": dict(self.host_accounts), "fixed": self.host_fixed,
-                           "tier_slots": self.host_slots, "fits": self.host_fits}
+                           "tier_slots": self.host_slots, "fits": self.host_fits, "host_reads": self.host_reads}
         if self.kv_formats:  # planned with `plan_with_limits`
             out.update(kv_formats={f: dict(k) for f, k in self.kv_formats.items()}, native_ctx=self.native_ctx)
         return out
@@ -444,7 +471,8 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
               prefill_chunk: int | str = "auto", ring: int = 0, slot: int = 0, blas: bool | None = None,
               grouped: bool | None = None, expert_mode: str = "affine",
               extra: tuple[tuple[str, int, str], ...] = (), rank: int = 0, ranks: int = 1,
-              split: bool = False, host_cap: int | None = None, driver: tuple[int, str | None] = (0, None)) -> MemoryPlan:
+              split: bool = False, host_cap: int | None = None, driver: tuple[int, str | None] = (0, None),
+              host_reads: bool = False) -> MemoryPlan:
     """`kv_dtype`: the KV format (a float dtype, or q8/q4 with scales and biases in `dtype`). `blas`: whether
     prefill goes through numpy's BLAS (None: where this process computes, the CPU backend). `prefill_chunk`: tokens,
     or "auto" (`choose_chunk`). `extra`: the caller's own accounts (name, bytes, note), fixed like the others.
@@ -453,7 +481,9 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
     (`share_of`), plus the buffers the picks' outputs are gathered in. `split`: the device has its own memory
     (`split_memory`): `cap` is the device's, and the runtime, the read staging and the upload ring (host memory,
     mapped for the device) are host accounts, with the host tier in what `host_cap` leaves; `driver` (bytes, note)
-    is the device's memory outside MLX's allocations (`driver_bytes`), a device account where it is not 0."""
+    is the device's memory outside MLX's allocations (`driver_bytes`), a device account where it is not 0.
+    `host_reads`: where the host cap holds every expert and the device does not, plan the pools in host memory
+    (`MemoryPlan.host_reads`)."""
     bits = KV_BITS.get(kv_dtype)
     item, kv_item = itemsize(dtype), itemsize(dtype if bits else kv_dtype)
     blas = mx.default_device() == mx.cpu if blas is None else blas
@@ -490,11 +520,26 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         plan.notes["upload ring"] = f"{ring} records the device copies from: host memory mapped for it"
         if driver[0]:
             plan.accounts["driver"], plan.notes["driver"] = driver[0], driver[1]
+        every = plan.n_layers * n_exp
+        if host_reads and host_cap is not None and plan.hot_slots < every:
+            pools = every * plan.slot_bytes
+            # the host holds them all, and the device a prefill chunk's layer twice (the hot tier would hold no more)
+            if host_cap - plan.host_fixed >= pools and plan.cap - plan.fixed >= plan.accounts["prefill staging"]:
+                plan.host_reads = True
+                plan.host_accounts["expert pools"] = pools
+                for accounts in (plan.accounts, plan.host_accounts):  # records are written straight into the pools
+                    accounts.pop("upload ring")
+                plan.notes["expert pools"] = (f"all {every} experts as computed, host memory the device's kernels read "
+                                              "in place over the bus (nothing read or copied after open)")
+                # a prefill chunk's layer copied into device memory, and the one before it while its kernels finish
+                plan.accounts["prefill staging"] *= 2
     plan.notes.update({name: note for name, _, note in extra})
     plan.notes["non-expert"] = f"weights as computed ({dtype} floats, packed codes)"
     plan.notes["kv cache"] = f"{ctx} tokens, {kv_dtype}" + (f" codes, {dtype} scales and biases per {KV_GROUP}" if bits else "")
     plan.notes["allocator cache"] = "freed buffers MLX keeps for reuse: a decode step's new linear state + 32 MiB"
-    plan.notes["prefill staging"] = f"{n_exp} slots, one per expert of a layer"
+    plan.notes["prefill staging"] = (f"{n_exp} slots, one per expert of a layer" if not plan.host_reads else
+                                     f"2 x {n_exp} slots: a layer's experts copied from host memory for a prefill chunk, "
+                                     "and the layer's before it")
     plan.notes["read staging"] = (f"{ring} records the disk reads into, + {n_exp}: a layer's experts read ahead in "
                                   f"prefill" if split else
                                   f"{ring} records of host staging + their copies in flight")
@@ -587,7 +632,7 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
                      dtype=dtype, kv_dtype=kv_format(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
                      vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])), extra=opts.extra_accounts,
                      rank=opts.rank, ranks=opts.ranks, split=split, host_cap=host_cap,
-                     driver=driver_bytes(opts) if split else (0, None))
+                     driver=driver_bytes(opts) if split else (0, None), host_reads=host_reads_wanted(opts))
     if opts.images:
         plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
                                 f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")

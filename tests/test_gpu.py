@@ -98,6 +98,30 @@ def test_gpu_host_tier_logits_bit_identical_at_every_pair_of_caps(small_conv, mo
     assert runs[(0, 512, "each")][1] == 0 and runs[(0, 512, "each")][2] > 0 and runs[(0, 120, "each")][2] > 0
 
 
+def test_gpu_host_tier_read_in_place_by_the_device(small_conv, monkeypatch):
+    """Every expert in host memory (`host_reads`: managed memory advised to stay on the host), read in place by the
+    device's kernels: the same bits as records landed in device slots, with a prefill chunk of several blocks whose
+    layers are copied into device memory, and nothing read from disk after open."""
+    from dataclasses import replace
+
+    from streamoe.runtime import plan as plan_mod
+    from streamoe.runtime.plan import split_memory
+
+    from .test_host_tier import caps_for, logits_of
+
+    if not split_memory():
+        pytest.skip("unified memory (Metal): --cap bounds all of it, no host tier")
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    monkeypatch.setattr(plan_mod, "PREFILL_STEP", 8)
+    want, _ = logits_of(small_conv, replace(caps_for(small_conv, 0, None, dtype="bfloat16"), prefill_chunk="auto"))
+    got, eng = logits_of(small_conv, replace(caps_for(small_conv, 80, 580, dtype="bfloat16"), prefill_chunk="auto",
+                                             host_reads=True))
+    assert eng.plan.host_reads and eng.experts.resident and eng.experts.pools.host_bytes > 0
+    assert eng.plan.prefill_chunk > eng.plan.prefill_step
+    assert sum(ly.bytes_read for s in eng.steps for ly in s.layers) == 0
+    assert got == want
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_sampled_decode_identical_across_caps_and_loops(small_conv, dtype, monkeypatch):
     """The checkpoint's sampling defaults with penalties, chosen on the device: resident (each step queued from

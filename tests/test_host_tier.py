@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import streamoe.runtime.plan as plan_mod
 from streamoe.runtime import experts as experts_mod
 from streamoe.runtime.copy_engine import CopyEngine
 from streamoe.runtime.engine import Engine, Options, plan_for
@@ -73,8 +74,6 @@ def test_a_cuda_devices_memory_outside_mlx_is_a_device_account(small_conv, split
     """On CUDA the driver counts the context and libraries in the GPU's memory beside MLX's allocations: the plan
     measures what the device's count grew by since streamoe was imported, less MLX's own, adds DRIVER_GROWTH, and
     gives the hot tier that much less. Elsewhere (or unmeasured) there is no such account."""
-    import streamoe.runtime.plan as plan_mod
-
     base = plan_for(small_conv, Options(cap_gib=64, ctx=256, runtime_bytes=RUNTIME))
     context = 300 << 20
     opts = Options(cap_gib=(base.fixed + context + plan_mod.DRIVER_GROWTH + 100 * base.slot_bytes + 1) / GiB, ctx=256,
@@ -427,3 +426,51 @@ def test_records_copied_by_the_copy_engine_change_no_bit(small_conv, split, monk
     if host == 512:
         assert sum(ly.hits_prefetch for ly in layers if ly.layer > 0) > 0
     assert np.stack(out).tobytes() == bf16_logits
+
+
+def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_conv, split, monkeypatch):
+    """Where the host cap holds every expert and the device does not (`host_reads`), the pools are host memory with
+    every expert in them: the run is resident (no round trip a layer, nothing read after open), the device's hot tier
+    and upload ring are gone from its plan, and the logits are those of a run without a host tier, a prefill chunk
+    of several blocks included (each layer's experts copied for the chunk). Off unless asked for, and never where
+    the host cap is short of every expert."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    want, _ = logits_of(small_conv, caps_for(small_conv, 0, None))
+    opts = replace(caps_for(small_conv, 80, 580), host_reads=True)  # 512 slots (float32 scales) of 569 records
+    assert not plan_for(small_conv, replace(opts, host_reads=None)).host_reads  # STREAMOE_HOST_READS is not set
+    short = plan_for(small_conv, replace(caps_for(small_conv, 80, 400), host_reads=True))
+    assert not short.host_reads and short.host_slots == 400 and short.hot_slots == 80
+    p = plan_for(small_conv, opts)
+    assert p.host_reads and p.hot_slots == 0 and p.expert_slots == 512 and p.host_slots == 0
+    assert p.host_accounts["expert pools"] == 512 * p.slot_bytes
+    assert "upload ring" not in p.accounts and "upload ring" not in p.host_accounts
+    assert p.accounts["prefill staging"] == 2 * 64 * p.slot_bytes and p.fits
+    assert p.to_json()["host"]["host_reads"] and "read in place by the device" in p.render()
+    got, eng = logits_of(small_conv, opts)
+    assert eng.experts.resident and eng.experts.pools.host_bytes == 512 * p.slot_bytes
+    assert sum(ly.bytes_read for s in eng.steps for ly in s.layers) == 0
+    assert got == want
+    # a prompt of several blocks in one chunk: each layer's experts copied once for its blocks
+    monkeypatch.setattr(plan_mod, "PREFILL_STEP", 8)
+    staged = []
+    prepare = experts_mod.StreamingExperts.prepare
+
+    def spy(self, i, inds, xs):
+        prepare(self, i, inds, xs)
+        if self.pools.host_bytes:
+            staged.append((i, len(inds), self.staged[0]))
+
+    monkeypatch.setattr(experts_mod.StreamingExperts, "prepare", spy)
+    eng = Engine(small_conv, replace(opts, prefill_chunk="auto"))
+    assert eng.plan.host_reads and eng.plan.prefill_step == 8 and eng.plan.prefill_chunk >= 32
+    ids = eng.text.encode(PROMPTS[2])
+    lg = np.array(eng.prefill(ids).astype(mx.float32))
+    eng.close()
+    ref = Engine(small_conv, replace(caps_for(small_conv, 0, None), prefill_chunk="auto"))
+    assert ref.plan.prefill_step == 8
+    assert np.array_equal(lg, np.array(ref.prefill(ids).astype(mx.float32)))
+    ref.close()
+    assert len(ids) > 8 and {n for _, n, _ in staged} == {-(-len(ids) // 8)} and [i for i, _, _ in staged] == list(range(8))
+    assert all(i == j for i, _, j in staged)
