@@ -178,7 +178,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
       --name "$OUT/sampling-small-vocab-h200" | grep -v '^ '
     ;;
   hosttier)
-    python3 -m bench.host_tier --model "$S/full-conv" --runs "${RUNS:-4,4:24+STREAMOE_HOST_READS=1,4:24,4:24+STREAMOE_COPY_BATCH=1,4:24+STREAMOE_COPY_ENGINE=0,4:8,8:16}" --tokens 40 --work /root \
+    python3 -m bench.host_tier --model "$S/full-conv" --runs "${RUNS:-4,4:24+STREAMOE_HOST_READS=1,4:24+STREAMOE_HOST_READS=1+STREAMOE_HOST_READS_FORM=take,4:24,4:24+STREAMOE_COPY_BATCH=1,4:24+STREAMOE_COPY_ENGINE=0,4:8,8:16}" --tokens 40 --work /root \
       --name "$OUT/host-tier-h200" | grep -v '^ '
     ;;
   devcpu)

@@ -68,7 +68,7 @@ def speeds(model: Path, experts: str, records: int = 256) -> dict:
         store.close()
     return {"disk_gbs": round(disk, 3), "copy_gbs": fill["fill_gbs"], "copy_path": fill,
             "engine_gbs": engine.get("fill_gbs") if engine.get("bytes_identical") else None, "engine_path": engine,
-            "hosted_gbs": hosted["fill_gbs"], "stride": store.lay.stride}
+            "hosted_gbs": hosted["fill_gbs"], "stride": store.lay.stride, "layers": n, "top_k": int(m.model["top_k"])}
 
 
 class DeviceWatch:
@@ -177,7 +177,8 @@ def main() -> None:
             Path(f"{a.name}-profile-{k}.txt").write_text(f"{spec}\n{r.get('summary')}\n{text.getvalue()}")
         reads = r["env"].get("STREAMOE_HOST_READS", os.environ.get("STREAMOE_HOST_READS", "0")) not in ("", "0")
         if r.get("tok_s") and reads and r.get("host_cap_gib"):
-            r["mib_bus_token"] = round(r.pop("picks_token") * sp["stride"] / 2**20, 2)
+            # a resident run keeps no per-layer picks: each token's are top-k of every layer
+            r["mib_bus_token"] = round(sp["layers"] * sp["top_k"] * sp["stride"] / 2**20, 2)
             for name in ("hosted", "engine"):
                 if sp[f"{name}_gbs"]:
                     bound_s = r["mib_bus_token"] * 2**20 / (sp[f"{name}_gbs"] * 1e9)
@@ -191,11 +192,13 @@ def main() -> None:
             r["of_bound"] = round(r["tok_s"] * bound_s, 3) if bound_s else None
         results.append({**r, **sp})
         print(json.dumps({k: v for k, v in r.items() if k not in ("copy_path", "engine_path")}), flush=True)
-    base = next((r["tok_s"] for r in results if r.get("host_cap_gib") is None and r.get("tok_s")), None)
-    for r in results:
-        if base and r.get("tok_s"):
-            r["vs_no_host_tier"] = round(r["tok_s"] / base, 3)
-    print(write_result(a.name, "host_tier", results, out=Path(a.name + ".json") if "/" in a.name else None))
+        base = next((r["tok_s"] for r in results if r.get("host_cap_gib") is None and r.get("tok_s")), None)
+        for done in results:
+            if base and done.get("tok_s"):
+                done["vs_no_host_tier"] = round(done["tok_s"] / base, 3)
+        # after every run: a call cut short keeps the runs it finished
+        path = write_result(a.name, "host_tier", results, out=Path(a.name + ".json") if "/" in a.name else None)
+    print(path)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,11 @@ QUEUE_OUTPUT: tuple[str, ...] = ("cpu", "gpu")
 LAND_IN_READERS = True  # with direct writes, the I/O thread that read a record copies it into its slot (_land_in_readers)
 HITS_FIRST = True  # with direct writes, a decode step's hits compute while its misses are read (StreamingExperts._streamed)
 PREFILL_AHEAD = True  # prefill reads the next layer's likely experts while this one computes (StreamingExperts.prepare)
+# Where the pools are host memory (the plan's `host_reads`), how a decode step's kernels reach its picks: "direct",
+# the expert matmuls read them in place over the bus; "take", one gather a segment copies the picks' rows into device
+# memory first (a plain copy kernel, many loads in flight) and the matmuls read them there. The same bytes either
+# way, so the same bits. Not yet measured on a GPU (`bench/host_tier.py` runs both).
+HOST_READ_FORM = os.environ.get("STREAMOE_HOST_READS_FORM", "direct")
 
 
 # stored dtype -> compute dtype conversions numpy does exactly as MLX's astype does (widening), for direct writes
@@ -382,7 +387,8 @@ class StreamingExperts:
             # bytes toward a graph's limit (1000 MB on an H200) and launches the graph once it is passed: inputs
             # of the whole model's pools (GBs) would launch one graph per expert matmul, 120 per token.
             E = n_experts
-            self.layer_weights = [lay.weights([a[i * E:(i + 1) * E] for a in self.pools.arrays]) for i in range(n_layers)]
+            self.layer_views = [[a[i * E:(i + 1) * E] for a in self.pools.arrays] for i in range(n_layers)]
+            self.layer_weights = [lay.weights(views) for views in self.layer_views]
             mx.eval(self.layer_weights)
 
     # ---- reading and filling
@@ -481,8 +487,14 @@ class StreamingExperts:
         shape, k = x.shape, inds.shape[-1]
         xf, inds = x.reshape(-1, shape[-1]), inds.reshape(-1, k)
         if self.resident:  # on the device: no round trip
-            w = self.staged[1] if self.staged is not None and self.staged[0] == i else self.layer_weights[i]
-            y = switch_glu(xf, w, inds, self.kernel, self.streams)
+            if self.staged is not None and self.staged[0] == i:  # a prefill chunk's layer, copied for its blocks
+                y = switch_glu(xf, self.staged[1], inds, self.kernel, self.streams)
+            elif self.pools.host_bytes and HOST_READ_FORM == "take":
+                rows = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)
+                picked = [mx.take(a, inds.reshape(-1), axis=0) for a in self.layer_views[i]]
+                y = switch_glu(xf, self.lay.weights(picked), rows, self.kernel, self.streams)
+            else:
+                y = switch_glu(xf, self.layer_weights[i], inds, self.kernel, self.streams)
         elif self.prepared is not None and self.prepared[0] == i:  # a prefill block: its experts already landed
             y = switch_glu(xf, self.pools.weights(), mx.take(self.prepared[1], inds), self.kernel, self.streams)
             # the fence waits for one value computed from y, not for y itself: a chunk's blocks' outputs (top-k rows
@@ -636,8 +648,8 @@ class StreamingExperts:
         if self.resident:
             if self.pools.host_bytes:
                 self.staged = None  # the layer before's copy is let go of once its kernels are done
-                idx, E = mx.arange(self.E, dtype=mx.uint32), self.E
-                self.staged = (i, self.lay.weights([mx.take(a[i * E:(i + 1) * E], idx, axis=0) for a in self.pools.arrays]))
+                idx = mx.arange(self.E, dtype=mx.uint32)
+                self.staged = (i, self.lay.weights([mx.take(a, idx, axis=0) for a in self.layer_views[i]]))
             return
         st = self.stats[i] if self.stats is not None else LayerStats(layer=i)
         likely = self._likely(i + 1, xs) if PREFILL_AHEAD and self.width > 0 and i + 1 < self.L else ()

@@ -98,10 +98,12 @@ def test_gpu_host_tier_logits_bit_identical_at_every_pair_of_caps(small_conv, mo
     assert runs[(0, 512, "each")][1] == 0 and runs[(0, 512, "each")][2] > 0 and runs[(0, 120, "each")][2] > 0
 
 
-def test_gpu_host_tier_read_in_place_by_the_device(small_conv, monkeypatch):
+@pytest.mark.parametrize("form", ["direct", "take"])
+def test_gpu_host_tier_read_in_place_by_the_device(small_conv, monkeypatch, form):
     """Every expert in host memory (`host_reads`: managed memory advised to stay on the host), read in place by the
-    device's kernels: the same bits as records landed in device slots, with a prefill chunk of several blocks whose
-    layers are copied into device memory, and nothing read from disk after open."""
+    device's kernels (or their rows gathered into device memory first: `take`): the same bits as records landed in
+    device slots, with a prefill chunk of several blocks whose layers are copied into device memory, and nothing
+    read from disk after open."""
     from dataclasses import replace
 
     from streamoe.runtime import plan as plan_mod
@@ -112,6 +114,7 @@ def test_gpu_host_tier_read_in_place_by_the_device(small_conv, monkeypatch):
     if not split_memory():
         pytest.skip("unified memory (Metal): --cap bounds all of it, no host tier")
     monkeypatch.setattr(experts_mod, "VERIFY", True)
+    monkeypatch.setattr(experts_mod, "HOST_READ_FORM", form)
     monkeypatch.setattr(plan_mod, "PREFILL_STEP", 8)
     want, _ = logits_of(small_conv, replace(caps_for(small_conv, 0, None, dtype="bfloat16"), prefill_chunk="auto"))
     got, eng = logits_of(small_conv, replace(caps_for(small_conv, 80, 580, dtype="bfloat16"), prefill_chunk="auto",

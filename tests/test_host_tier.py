@@ -431,8 +431,9 @@ def test_records_copied_by_the_copy_engine_change_no_bit(small_conv, split, monk
 def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_conv, split, monkeypatch):
     """Where the host cap holds every expert and the device does not (`host_reads`), the pools are host memory with
     every expert in them: the run is resident (no round trip a layer, nothing read after open), the device's hot tier
-    and upload ring are gone from its plan, and the logits are those of a run without a host tier, a prefill chunk
-    of several blocks included (each layer's experts copied for the chunk). Off unless asked for, and never where
+    and upload ring are gone from its plan, and the logits are those of a run without a host tier, decode reading
+    the picks in place or through a gather of their rows, and a prefill chunk of several blocks (each layer's
+    experts copied for the chunk). Off unless asked for, and never where
     the host cap is short of every expert."""
     from dataclasses import replace
 
@@ -452,6 +453,9 @@ def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_c
     assert eng.experts.resident and eng.experts.pools.host_bytes == 512 * p.slot_bytes
     assert sum(ly.bytes_read for s in eng.steps for ly in s.layers) == 0
     assert got == want
+    monkeypatch.setattr(experts_mod, "HOST_READ_FORM", "take")  # the picks' rows copied to the device first
+    assert logits_of(small_conv, opts)[0] == want
+    monkeypatch.setattr(experts_mod, "HOST_READ_FORM", "direct")
     # a prompt of several blocks in one chunk: each layer's experts copied once for its blocks
     monkeypatch.setattr(plan_mod, "PREFILL_STEP", 8)
     staged = []
