@@ -35,7 +35,7 @@
 #                                (compute alone): prefill time against the disk
 #   bash bench/h200.sh longctx   # --ctx 131072 at --cap 4 with bf16, q8 and q4 KV side by side: plan, hot tier, decode
 #   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
-#   bash bench/h200.sh hosttier  # (after setup) --cap 4 without and with a host tier (--host-cap 24: every expert in host memory read in place by the device, by the copy engine a call per segment, batched, through the upload ring; 8), and 8 / 16: tok/s
+#   bash bench/h200.sh hosttier  # (after setup) --cap 4 without and with a host tier (--host-cap 24: every expert in host memory read in place by the device, by the copy engine a call per segment, batched, through the upload ring; RUNS=...,4:8,8:16 adds the curve): tok/s
 #                                against the disk and the host->slot copy speed of the same run (bench/host_tier.py)
 #   bash bench/h200.sh devcpu    # gpt-oss (float32, bfloat16) and qwen3_moe tiny through the engine, every kernel call
 #                                replayed on the CPU: the first that differs, with its inputs (bench/device_vs_cpu.py);
@@ -178,7 +178,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
       --name "$OUT/sampling-small-vocab-h200" | grep -v '^ '
     ;;
   hosttier)
-    python3 -m bench.host_tier --model "$S/full-conv" --runs "${RUNS:-4,4:24+STREAMOE_HOST_READS=1,4:24+STREAMOE_HOST_READS=1+STREAMOE_HOST_READS_FORM=take,4:24,4:24+STREAMOE_COPY_BATCH=1,4:24+STREAMOE_COPY_ENGINE=0,4:8,8:16}" --tokens 40 --work /root \
+    python3 -m bench.host_tier --model "$S/full-conv" --runs "${RUNS:-4,4:24+STREAMOE_HOST_READS=1,4:24+STREAMOE_HOST_READS=1+STREAMOE_HOST_READS_FORM=take,4:24,4:24+STREAMOE_COPY_BATCH=1,4:24+STREAMOE_COPY_ENGINE=0}" --tokens 40 --work /root \
       --name "$OUT/host-tier-h200" | grep -v '^ '
     ;;
   devcpu)
