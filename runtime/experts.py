@@ -643,11 +643,12 @@ class StreamingExperts:
         input: how many of the chunk's tokens would pick each), so the disk reads them while this layer lands
         and computes; those the next layer does not pick are withdrawn if not started (`_gather`).
 
-        Where the pools are host memory on a discrete GPU (`host_pools`), nothing is read: the layer's experts are
-        copied into device memory once for the chunk, so its blocks' kernels read them there, not each over the bus."""
+        Where the pools are host memory on a discrete GPU (`host_pools`), nothing is read: a chunk of several blocks
+        has the layer's experts copied into device memory once, so its blocks' kernels read them there, not each
+        over the bus (a chunk of one block reads what it picks in place, as decode does: no more than a copy would)."""
         if self.resident:
-            if self.pools.host_bytes:
-                self.staged = None  # the layer before's copy is let go of once its kernels are done
+            self.staged = None  # the layer before's copy is let go of once its kernels are done
+            if self.pools.host_bytes and len(inds) > 1:
                 idx = mx.arange(self.E, dtype=mx.uint32)
                 self.staged = (i, self.lay.weights([mx.take(a, idx, axis=0) for a in self.layer_views[i]]))
             return

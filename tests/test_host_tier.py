@@ -433,7 +433,7 @@ def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_c
     every expert in them: the run is resident (no round trip a layer, nothing read after open), the device's hot tier
     and upload ring are gone from its plan, and the logits are those of a run without a host tier, decode reading
     the picks in place or through a gather of their rows, and a prefill chunk of several blocks (each layer's
-    experts copied for the chunk). Off unless asked for, and never where
+    experts copied for the chunk; a chunk of one block reads them in place). Off unless asked for, and never where
     the host cap is short of every expert."""
     from dataclasses import replace
 
@@ -464,7 +464,7 @@ def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_c
     def spy(self, i, inds, xs):
         prepare(self, i, inds, xs)
         if self.pools.host_bytes:
-            staged.append((i, len(inds), self.staged[0]))
+            staged.append((i, len(inds), self.staged[0] if self.staged is not None else None))
 
     monkeypatch.setattr(experts_mod.StreamingExperts, "prepare", spy)
     eng = Engine(small_conv, replace(opts, prefill_chunk="auto"))
