@@ -35,7 +35,7 @@
 #                                (compute alone): prefill time against the disk
 #   bash bench/h200.sh longctx   # --ctx 131072 at --cap 4 with bf16, q8 and q4 KV side by side: plan, hot tier, decode
 #   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
-#   bash bench/h200.sh hosttier  # (after setup) --cap 4 without and with a host tier (--host-cap 24: every expert in host memory read in place by the device, by the copy engine a call per segment, batched, through the upload ring; RUNS=...,4:8,8:16 adds the curve): tok/s
+#   bash bench/h200.sh hosttier  # (after setup) --cap 4 without and with a host tier (--host-cap 24: every expert in host memory read by the device, gathered first and in place; the host tier by the copy engine and through the upload ring; RUNS=...,4:8,8:16 adds the curve): tok/s
 #                                against the disk and the host->slot copy speed of the same run (bench/host_tier.py)
 #   bash bench/h200.sh devcpu    # gpt-oss (float32, bfloat16) and qwen3_moe tiny through the engine, every kernel call
 #                                replayed on the CPU: the first that differs, with its inputs (bench/device_vs_cpu.py);
@@ -45,7 +45,7 @@
 #                                against stock mlx-lm in interleaved rounds, then --cap 4 against the disk
 #   bash bench/h200.sh peers     # (a fresh machine: before `setup`) long-prompt prefill at --cap 4 beside mlx-vlm's expert offload
 #                                at the same expert budget and resident mlx-lm (bench/prefill_peers.py; PROMPTS=, ENGINES=)
-#   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile, as is, with the copies batched, and with MLX's CUDA graphs
+#   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile: host reads, the host tier, and the host tier with MLX's CUDA graphs
 #                                off: where a capped token's host time goes
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`. The
 # whole `gputest` takes over 500 s there (beside `setup`, more): cut it (GPUTEST_LIMIT) and run `gpurest` next. A
@@ -178,7 +178,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
       --name "$OUT/sampling-small-vocab-h200" | grep -v '^ '
     ;;
   hosttier)
-    python3 -m bench.host_tier --model "$S/full-conv" --runs "${RUNS:-4,4:24+STREAMOE_HOST_READS=1,4:24+STREAMOE_HOST_READS=1+STREAMOE_HOST_READS_FORM=take,4:24,4:24+STREAMOE_COPY_BATCH=1,4:24+STREAMOE_COPY_ENGINE=0}" --tokens 40 --work /root \
+    python3 -m bench.host_tier --model "$S/full-conv" --runs "${RUNS:-4,4:24,4:24+STREAMOE_HOST_READS_FORM=direct,4:24+STREAMOE_HOST_READS=0,4:24+STREAMOE_HOST_READS=0+STREAMOE_COPY_ENGINE=0}" --tokens 40 --work /root \
       --name "$OUT/host-tier-h200" | grep -v '^ '
     ;;
   devcpu)
@@ -220,7 +220,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     ;;
   hostprof)
     python3 -m bench.host_tier --model "$S/full-conv" --tokens 24 --work /root --profile --name "$OUT/host-tier-variants-h200" \
-      --runs 4:24,4:24+STREAMOE_COPY_BATCH=1,4:24+MLX_USE_CUDA_GRAPHS=0 | grep -v '^ '
+      --runs 4:24,4:24+STREAMOE_HOST_READS=0,4:24+STREAMOE_HOST_READS=0+MLX_USE_CUDA_GRAPHS=0 | grep -v '^ '
     ;;
   parts)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-h200-q4.json"

@@ -20,6 +20,11 @@ page-locked memory (`runtime/copy_engine.py`), as the engine lands them. The bou
 bytes per token over the speed of the path it copies by (the copy engine's where it has one, unless
 `STREAMOE_COPY_ENGINE=0` turns it off, else the ring's) plus its disk bytes per token over the disk speed; a run at the
 bound spends nothing but those transfers (compute fully overlapped).
+
+A run whose host cap holds every expert keeps them all in host memory, where the device reads the picks' weights
+(the plan's `host_reads`, unless `STREAMOE_HOST_READS=0`): nothing lands in slots, every pick's bytes cross the
+bus. Its bound is those bytes per token (`mib_bus_token`) over the copy engine's speed (the bus's best), and over
+that of a kernel reading host-mapped memory (`hosted_gbs`, `bench.fill`'s hosted path).
 """
 
 from __future__ import annotations
@@ -175,8 +180,9 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(str(prof), stream=text).sort_stats("tottime").print_stats(40)
             Path(f"{a.name}-profile-{k}.txt").write_text(f"{spec}\n{r.get('summary')}\n{text.getvalue()}")
-        reads = r["env"].get("STREAMOE_HOST_READS", os.environ.get("STREAMOE_HOST_READS", "0")) not in ("", "0")
-        if r.get("tok_s") and reads and r.get("host_cap_gib"):
+        # host reads (the plan's, where the host cap holds every expert): resident, so no picks counted per layer
+        reads = r.get("host_cap_gib") and r.get("picks_token") == 0
+        if r.get("tok_s") and reads:
             # a resident run keeps no per-layer picks: each token's are top-k of every layer
             r["mib_bus_token"] = round(sp["layers"] * sp["top_k"] * sp["stride"] / 2**20, 2)
             for name in ("hosted", "engine"):

@@ -134,6 +134,11 @@ class Engine:
         self.steps: list[StepStats] = []
         self.rss = self.peak_rss = current_rss()  # the last sample, and the peak of every sample
 
+    def device_memory(self) -> int:
+        """MLX's memory in use now, less the pools where they are host memory (the plan's `host_reads`): on a GPU with
+        memory of its own, the part of it under --cap."""
+        return mx.get_active_memory() - self.experts.pools.host_bytes
+
     def summary(self, steps: list[StepStats]) -> dict:
         """`telemetry.summarize` of these steps against the plan: the process's peak against the cap, or, where the
         device has memory of its own, MLX's peak against --cap and the process's against --host-cap."""

@@ -77,11 +77,12 @@ QUEUE_OUTPUT: tuple[str, ...] = ("cpu", "gpu")
 LAND_IN_READERS = True  # with direct writes, the I/O thread that read a record copies it into its slot (_land_in_readers)
 HITS_FIRST = True  # with direct writes, a decode step's hits compute while its misses are read (StreamingExperts._streamed)
 PREFILL_AHEAD = True  # prefill reads the next layer's likely experts while this one computes (StreamingExperts.prepare)
-# Where the pools are host memory (the plan's `host_reads`), how a decode step's kernels reach its picks: "direct",
-# the expert matmuls read them in place over the bus; "take", one gather a segment copies the picks' rows into device
-# memory first (a plain copy kernel, many loads in flight) and the matmuls read them there. The same bytes either
-# way, so the same bits. Not yet measured on a GPU (`bench/host_tier.py` runs both).
-HOST_READ_FORM = os.environ.get("STREAMOE_HOST_READS_FORM", "direct")
+# Where the pools are host memory (the plan's `host_reads`), how a decode step's kernels reach its picks: "take", one
+# gather a segment copies the picks' rows into device memory (a plain copy kernel, many loads in flight) and the
+# matmuls read them there; "direct", the expert matmuls read them in place over the bus. The same bytes either way,
+# so the same bits. On the H200 (full size, q4, `--cap 4 --host-cap 24`): 47.5 tok/s by take, 33.7 direct
+# (bench/results/host-tier-h200-code-efce39e.json).
+HOST_READ_FORM = os.environ.get("STREAMOE_HOST_READS_FORM", "take")
 
 
 # stored dtype -> compute dtype conversions numpy does exactly as MLX's astype does (widening), for direct writes

@@ -34,7 +34,9 @@ def split(monkeypatch):
 def caps_for(conv: Path, hot: int, host: int | None, **opts) -> Options:
     """Options whose device hot tier holds `hot` experts and host tier `host` records (None: no --host-cap). The
     host's runtime allowance is this process's host memory now and room to grow: the tier commits only what the
-    measured memory leaves under the host cap (the device's plan does not depend on it)."""
+    measured memory leaves under the host cap (the device's plan does not depend on it). A host tier, not host
+    reads, unless `host_reads` is given."""
+    opts = {"host_reads": False, **opts}
     runtime = host_rss() + (192 << 20)
     base = plan_for(conv, Options(cap_gib=64, ctx=256, prefill_chunk=16, runtime_bytes=runtime, **opts))
     cap = (base.fixed + hot * base.slot_bytes + 1) / GiB
@@ -108,6 +110,7 @@ def test_host_cap_cli(small_conv, monkeypatch):
     run = cli("run", str(small_conv), "--cap", "1", "--host-cap", "2", "-p", "hi", "-n", "1")
     assert "--host-cap" in one_error_line(run)
     monkeypatch.setenv("STREAMOE_SPLIT_MEMORY", "1")
+    monkeypatch.setenv("STREAMOE_HOST_READS", "0")  # the host tier (host reads: their own test)
     ok = cli("plan", str(small_conv), "--cap", "0.13", "--ctx", "512", "--host-cap", "1", "--runtime-mib", "300", "--json")
     assert ok.returncode == 0, ok.stderr
     host = json.loads(ok.stdout)["host"]
@@ -317,13 +320,15 @@ def test_a_fill_the_tier_cannot_hold_goes_through_the_ring(small_conv):
         store.close()
 
 
-def test_both_caps_hold_in_a_cgroup_of_their_sum(small_conv, tmp_path, monkeypatch):
+@pytest.mark.parametrize("reads", ["0", "1"])
+def test_both_caps_hold_in_a_cgroup_of_their_sum(small_conv, tmp_path, monkeypatch, reads):
     """On the CPU both memories are the host's, so a run planned as split (a device tier of about 120 slots, a host
     tier that may hold every record) stays inside a cgroup whose limit is --cap + --host-cap, page cache included,
-    with misses copied from the host tier."""
+    with misses copied from the host tier; or, host reads on, every expert in host memory and none copied."""
     from .conftest import run_capped
 
     monkeypatch.setenv("STREAMOE_SPLIT_MEMORY", "1")
+    monkeypatch.setenv("STREAMOE_HOST_READS", reads)
     p = plan_for(small_conv, Options(cap_gib=8, ctx=512, runtime_bytes=160 << 20))
     cap = round((p.fixed + 120 * p.slot_bytes) / GiB, 3)
     host_cap = round((p.host_fixed + 512 * p.stride + (100 << 20)) / GiB, 3)
@@ -333,7 +338,8 @@ def test_both_caps_hold_in_a_cgroup_of_their_sum(small_conv, tmp_path, monkeypat
     assert proc.returncode == 0, proc.stderr
     assert failcnt == 0 and peak <= (cap + host_cap) * GiB
     decode = [json.loads(ln) for ln in stats.read_text().splitlines() if '"decode"' in ln]
-    assert sum(ly["hits_host"] for r in decode for ly in r["layers"]) > 0
+    assert (sum(ly["hits_host"] for r in decode for ly in r["layers"]) > 0) == (reads == "0")
+    assert ("hit rate 100.0%" in proc.stderr) == (reads == "1")  # every pick in memory: nothing copied
 
 
 class HostCopies(CopyEngine):
@@ -433,14 +439,17 @@ def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_c
     every expert in them: the run is resident (no round trip a layer, nothing read after open), the device's hot tier
     and upload ring are gone from its plan, and the logits are those of a run without a host tier, decode reading
     the picks in place or through a gather of their rows, and a prefill chunk of several blocks (each layer's
-    experts copied for the chunk; a chunk of one block reads them in place). Off unless asked for, and never where
-    the host cap is short of every expert."""
+    experts copied for the chunk; a chunk of one block reads them in place). On by default (STREAMOE_HOST_READS=0:
+    off), never where the host cap is short of every expert."""
     from dataclasses import replace
 
     monkeypatch.setattr(experts_mod, "VERIFY", True)
     want, _ = logits_of(small_conv, caps_for(small_conv, 0, None))
     opts = replace(caps_for(small_conv, 80, 580), host_reads=True)  # 512 slots (float32 scales) of 569 records
-    assert not plan_for(small_conv, replace(opts, host_reads=None)).host_reads  # STREAMOE_HOST_READS is not set
+    assert plan_for(small_conv, replace(opts, host_reads=None)).host_reads  # the default
+    monkeypatch.setenv("STREAMOE_HOST_READS", "0")
+    assert not plan_for(small_conv, replace(opts, host_reads=None)).host_reads
+    monkeypatch.delenv("STREAMOE_HOST_READS")
     short = plan_for(small_conv, replace(caps_for(small_conv, 80, 400), host_reads=True))
     assert not short.host_reads and short.host_slots == 400 and short.hot_slots == 80
     p = plan_for(small_conv, opts)
@@ -453,9 +462,9 @@ def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_c
     assert eng.experts.resident and eng.experts.pools.host_bytes == 512 * p.slot_bytes
     assert sum(ly.bytes_read for s in eng.steps for ly in s.layers) == 0
     assert got == want
-    monkeypatch.setattr(experts_mod, "HOST_READ_FORM", "take")  # the picks' rows copied to the device first
+    monkeypatch.setattr(experts_mod, "HOST_READ_FORM", "direct")  # the picks read where they are
     assert logits_of(small_conv, opts)[0] == want
-    monkeypatch.setattr(experts_mod, "HOST_READ_FORM", "direct")
+    monkeypatch.setattr(experts_mod, "HOST_READ_FORM", "take")
     # a prompt of several blocks in one chunk: each layer's experts copied once for its blocks
     monkeypatch.setattr(plan_mod, "PREFILL_STEP", 8)
     staged = []

@@ -254,7 +254,7 @@ def test_two_memories_on_the_page(conv, browser, tmp_path, monkeypatch):
                                extra_accounts=serve_accounts(conv, 1024, so)))
     cap = (p.fixed + p.n_layers * p.n_experts // 4 * p.slot_bytes + p.slot_bytes // 2) / 2**30
     s = start_server(conv, tmp_path / "split.log", "--cap", cap, "--host-cap", 2, "--ctx", 1024, "--runtime-mib", 256,
-                     "--prompt-cache-mib", 8, env={"STREAMOE_SPLIT_MEMORY": "1"})
+                     "--prompt-cache-mib", 8, env={"STREAMOE_SPLIT_MEMORY": "1", "STREAMOE_HOST_READS": "0"})
     try:
         plan = fetch(s.url + "/v1/plan").json()
         assert plan["host"]["cap"] == 2 << 30 and plan["host"]["accounts"]["runtime"] == 256 * MiB
@@ -271,5 +271,21 @@ def test_two_memories_on_the_page(conv, browser, tmp_path, monkeypatch):
         metrics = dict(ln.rsplit(" ", 1) for ln in fetch(s.url + "/metrics").text.splitlines() if not ln.startswith("#"))
         assert float(metrics["streamoe_host_memory_cap_bytes"]) == 2 << 30 and float(metrics["streamoe_device_memory_bytes"]) > 0
         assert float(metrics["streamoe_host_tier_hits_total"]) > 0 and float(metrics["streamoe_expert_bytes_read_total"]) == 0
+    finally:
+        stop_server(s)
+    # host reads (the default where --host-cap holds every expert): the pools are a host account, the page says so,
+    # and the device's memory in /v1/stats leaves them out
+    s = start_server(conv, tmp_path / "reads.log", "--cap", cap, "--host-cap", 2, "--ctx", 1024, "--runtime-mib", 256,
+                     "--prompt-cache-mib", 8, env={"STREAMOE_SPLIT_MEMORY": "1"})
+    try:
+        plan = fetch(s.url + "/v1/plan").json()
+        assert plan["host"]["host_reads"] and plan["host"]["tier_slots"] == 0 and plan["hot_slots"] == 0
+        assert plan["host"]["accounts"]["expert pools"] == plan["n_layers"] * plan["n_experts"] * plan["slot"]
+        stats = fetch(s.url + "/v1/stats").json()
+        assert 0 < stats["device"] <= stats["cap"]
+        browser.get(s.url + "/")
+        WebDriverWait(browser, 30).until(lambda d: "expert pools" in d.find_element(By.ID, "plan").text)
+        assert "host tier" not in browser.find_element(By.ID, "plan").text
+        assert "read by the GPU over the bus" in browser.find_element(By.ID, "plan-note").text
     finally:
         stop_server(s)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import mlx.core as mx
-
 from ..plan import current_rss
 
 
@@ -54,7 +52,7 @@ def exposition(worker, queued: int, requests: dict) -> str:
     plan = worker.eng.plan
     if plan.split:  # a GPU with memory of its own: memory_bytes is the host's, --cap the device's
         out += family("device_memory_bytes", "gauge", "MLX's memory on the device now (under memory_cap_bytes).",
-                      [({}, mx.get_active_memory())])
+                      [({}, worker.eng.device_memory())])
         if plan.host_cap is not None:
             out += family("host_memory_cap_bytes", "gauge", "The host cap (--host-cap) the process is kept under.",
                           [({}, plan.host_cap)])

@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-import mlx.core as mx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -169,7 +168,7 @@ class API:
         if live.get("state") == "idle":
             live["rss"] = current_rss()
         p = self.worker.eng.plan
-        split = {"device": mx.get_active_memory(), "host_cap": p.host_cap} if p.split else {}
+        split = {"device": self.worker.eng.device_memory(), "host_cap": p.host_cap} if p.split else {}
         return JSONResponse({**live, **split, "cap": p.cap, "queue": self.server.queue.qsize(),
                              "served": self.worker.served})
 

@@ -31,11 +31,12 @@ async function loadPlan() {
     head.className = "section";
     head.insertCell().outerHTML = `<th colspan="2">host memory${p.host.cap ? " · cap " + mib(p.host.cap) : " (not capped)"}</th>`;
     for (const [name, bytes] of Object.entries(p.host.accounts)) row(name, bytes, p.notes[name]);
-    row("host tier", p.host.tier_slots * p.stride, `${p.host.tier_slots} expert records copied, not read`);
+    if (!p.host.host_reads) row("host tier", p.host.tier_slots * p.stride, `${p.host.tier_slots} expert records copied, not read`);
     row("total", p.host.fixed + p.host.tier_slots * p.stride, "", "total");
   }
   const all = p.n_layers * p.n_experts;
-  $("plan-note").textContent = (p.hot_slots >= all ? "Every expert is resident." :
+  $("plan-note").textContent = (p.host && p.host.host_reads ? "Every expert is in host memory, read by the GPU over the bus." :
+    p.hot_slots >= all ? "Every expert is resident." :
     `${p.hot_slots} of ${all} experts fit the hot tier; the rest ` + (!p.host || !p.host.tier_slots ? "stream from the SSD." :
       p.host.tier_slots >= all ? "are copied from the host tier." : "are copied from the host tier or read from the SSD.")) + (p.images ? "" : " Images are off.");
   $("image").disabled = !p.images;
