@@ -67,7 +67,7 @@ class Options:
     # a discrete GPU's second memory (`split_memory`): the host's cap in GiB, which holds the runtime, the read
     # staging, the upload ring and the host tier of expert records; None: host memory is planned, not capped
     host_cap_gib: float | None = None
-    # a discrete GPU whose --host-cap holds every expert: the pools in host memory, read in place by the device
+    # a discrete GPU whose --host-cap holds every expert: the pools in host memory, read by the device over the bus
     # (`MemoryPlan.host_reads`); None: STREAMOE_HOST_READS (on unless 0)
     host_reads: bool | None = None
 
@@ -333,7 +333,7 @@ class MemoryPlan:
             note = f"  ({self.notes[name]})" if name in self.notes else ""
             rows.append(f"  {name:<16} {size(n)}{note}")
         if self.host_reads:
-            rows.append(f"  {'hot tier':<16} {size(0)}  (none: every expert is in host memory, read in place by the device)")
+            rows.append(f"  {'hot tier':<16} {size(0)}  (none: every expert is in host memory, read by the device over the bus)")
         else:
             rows.append(f"  {'hot tier':<16} {size(self.hot_slots * self.slot_bytes)}  ({self.hot_slots} expert slots of "
                         f"{self.n_layers * self.n_experts}; +{self.staging_slots} lent staging slots during decode)")
@@ -531,8 +531,8 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
                 plan.host_accounts["expert pools"] = pools
                 for accounts in (plan.accounts, plan.host_accounts):  # records are written straight into the pools
                     accounts.pop("upload ring")
-                plan.notes["expert pools"] = (f"all {every} experts as computed, host memory the device's kernels read "
-                                              "in place over the bus (nothing read or copied after open)")
+                plan.notes["expert pools"] = (f"all {every} experts as computed, host memory the device reads over "
+                                              "the bus (nothing read from disk after open)")
                 # a prefill chunk's layer copied into device memory, and the one before it while its kernels finish
                 plan.accounts["prefill staging"] *= 2
     plan.notes.update({name: note for name, _, note in extra})

@@ -457,7 +457,7 @@ def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_c
     assert p.host_accounts["expert pools"] == 512 * p.slot_bytes
     assert "upload ring" not in p.accounts and "upload ring" not in p.host_accounts
     assert p.accounts["prefill staging"] == 2 * 64 * p.slot_bytes and p.fits
-    assert p.to_json()["host"]["host_reads"] and "read in place by the device" in p.render()
+    assert p.to_json()["host"]["host_reads"] and "read by the device over the bus" in p.render()
     got, eng = logits_of(small_conv, opts)
     assert eng.experts.resident and eng.experts.pools.host_bytes == 512 * p.slot_bytes
     assert sum(ly.bytes_read for s in eng.steps for ly in s.layers) == 0
