@@ -125,8 +125,7 @@ class Engine:
                                         host_pools=self.plan.host_reads)
         self.memory_limit = None  # MLX's limit before open, where open raised it
         if self.experts.pools.host_bytes:  # MLX counts the host's pools as its own: its limit is the device's + them
-            self.memory_limit = mx.set_memory_limit(0)
-            mx.set_memory_limit(self.memory_limit + self.experts.pools.host_bytes)
+            self.memory_limit = mx.set_memory_limit(mx.get_memory_limit() + self.experts.pools.host_bytes)
         # what the model's MoE blocks call: across ranks, the exchange around this rank's share
         self.provider = (self.experts if share is None
                          else ranks.RankExperts(self.experts, self.group, a.num_experts, self.watchdog))

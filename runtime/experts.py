@@ -365,6 +365,7 @@ class StreamingExperts:
                                engine=None if self.resident else engine, host_memory=host_pools)
         # host_pools: a prefill chunk's layer (its index, its experts copied into device memory), see `prepare`
         self.staged: tuple[int, ExpertWeights] | None = None
+        self.take_rows: dict[tuple[int, ...], mx.array] = {}  # host pools, "take": the gathered picks' rows by shape
         if self.pools.engine is not None:  # records read from disk land from the staging ring by the engine too
             self.pools.engine.lock(np.frombuffer(store.view, dtype=np.uint8).ctypes.data, len(store.view))
         self.tier = HotTier(hot_slots, staging, n_layers, n_experts, scratch=2 * top_k + prefetch_width, policy=tier)
@@ -491,7 +492,9 @@ class StreamingExperts:
             if self.staged is not None and self.staged[0] == i:  # a prefill chunk's layer, copied for its blocks
                 y = switch_glu(xf, self.staged[1], inds, self.kernel, self.streams)
             elif self.pools.host_bytes and HOST_READ_FORM == "take":
-                rows = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)
+                rows = self.take_rows.get(inds.shape)
+                if rows is None:  # made once a shape: not a kernel a layer
+                    rows = self.take_rows[inds.shape] = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)
                 picked = [mx.take(a, inds.reshape(-1), axis=0) for a in self.layer_views[i]]
                 y = switch_glu(xf, self.lay.weights(picked), rows, self.kernel, self.streams)
             else:
