@@ -459,11 +459,11 @@ def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_c
     assert p.accounts["prefill staging"] == 2 * 64 * p.slot_bytes and p.fits
     assert p.to_json()["host"]["host_reads"] and "read by the device over the bus" in p.render()
     mx.reset_peak_memory()
+    before = mx.get_active_memory()  # what other tests of this process still hold
     got, eng = logits_of(small_conv, opts)
     assert eng.experts.resident and eng.experts.pools.host_bytes == 512 * p.slot_bytes
-    # MLX counts the host's pools as its own, past --cap here; the device's peak and memory leave them out
-    assert mx.get_peak_memory() > p.cap >= eng.summary(eng.steps)["peak_gib"] * GiB
-    assert eng.device_memory() < p.cap < mx.get_active_memory()
+    # MLX counts the host's pools as its own, past --cap at its peak here; the device's peak leaves them out
+    assert mx.get_peak_memory() - before > p.cap >= eng.summary(eng.steps)["peak_gib"] * GiB - before
     assert sum(ly.bytes_read for s in eng.steps for ly in s.layers) == 0
     assert got == want
     monkeypatch.setattr(experts_mod, "HOST_READ_FORM", "direct")  # the picks read where they are
