@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from ...formats.config import SLIDING, ModelArgs
 from .kernels import (
+    GroupedAttention,
     Loader,
     PreNormLayer,
     Projections,
@@ -32,12 +33,11 @@ from .kernels import (
     Streams,
     TextModel,
     YarnRoPE,
-    attention,
     route_topk_softmax,
 )
 
 
-class Attention:
+class Attention(GroupedAttention):
     """Grouped-query attention with biased projections, YaRN RoPE, per-head sinks and an optional sliding window."""
 
     def __init__(self, args: ModelArgs, ld: Loader, p: str, window: int):
@@ -49,14 +49,9 @@ class Attention:
                                          (f"{p}v_proj", self.nkv * self.hd)], H, bias=True)
         self.o_proj = ld.linear(f"{p}o_proj", H, self.nq * self.hd, bias=True)
 
-    def __call__(self, x: mx.array, cache, rope, rot: int) -> mx.array:
+    def project(self, x: mx.array) -> list[mx.array]:
         B, L, _ = x.shape
-        q, k, v = self.qkv_proj(x)
-        q = q.reshape(B, L, self.nq, self.hd).transpose(0, 2, 1, 3)
-        k = k.reshape(B, L, self.nkv, self.hd).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.nkv, self.hd).transpose(0, 2, 1, 3)
-        out = attention(rope(q, rot), rope(k, rot), v, cache, self.scale, self.window, self.sinks)
-        return self.o_proj(out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return [t.reshape(B, L, -1, self.hd).transpose(0, 2, 1, 3) for t in self.qkv_proj(x)]
 
 
 class SparseMoe(RoutedMoe):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -36,6 +37,10 @@ from .cache import KV_GROUP, KVCache, QuantizedKVCache
 # weights
 
 
+# A one-token call (decode) runs each layer's work before and after its KV cache as compiled functions
+# (`compiled`, `PreNormLayer.front`): the GPU's host, which bounds decode there, then builds a few graph nodes a
+# layer instead of dozens, and MLX fuses the elementwise ops between them. `STREAMOE_COMPILED_STEP=0`: as built.
+COMPILED_STEP = os.environ.get("STREAMOE_COMPILED_STEP", "1") != "0"
 SPLIT_ROWS = 1024  # CPU streams split a matrix only from this many output rows per stream
 BLAS_TOKENS = 16  # CPU: from this many tokens a quantized linear layer runs through numpy's BLAS (QLinear._blas)
 BLAS_BLOCK = 1024  # rows dequantized at a time there (the plan's activation account holds one block)
@@ -778,8 +783,9 @@ class ResidentExperts:
 def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array, rope, experts,
                step: int | None = None) -> mx.array:
     """Every decoder layer over h [B, L, H] with its cache entry. A layer has `mix(h, cache, rope, rot) -> (h, x)`
-    (the residual stream after its mixer, the MoE block's input) and `mlp` with `route(x) -> routed` and
-    `finish(i, x, experts, h, *routed)` (the block's output added to h); `__call__` does both. positions: the
+    (the residual stream after its mixer, the MoE block's input), `front(h, cache, rope, rot) -> (h, x, routed)`
+    (the same and x's routing; compiled for one token) and `mlp` with `route(x) -> routed` and
+    `finish(i, x, experts, h, *routed)` (the block's output added to h). positions: the
     int position of h's first token, or positions as the family's `rope.prepare` takes them (None: no layer
     rotates). `experts(i, x, inds)` gives layer i's picks' outputs [..., k, H]; a provider with `queue_input(i, x)`
     (one decode step waiting per layer for its picks) gets each layer's MoE input as soon as it is built.
@@ -804,10 +810,10 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
         rot = rope.prepare(positions) if rope is not None else None
         queue_input = getattr(experts, "queue_input", None)  # a provider may queue each MoE input once built
         for i, layer in enumerate(layers):
-            h, x = layer.mix(h, cache[i], rope, rot)
+            h, x, routed = layer.front(h, cache[i], rope, rot)
             if queue_input is not None:
                 queue_input(i, x)
-            h = layer.mlp(i, x, experts, h)
+            h = layer.mlp.finish(i, x, experts, h, *routed)
         return h
     spans = [(a, min(a + step, h.shape[1])) for a in range(0, h.shape[1], step)]
     rots = [(positions + a if isinstance(positions, int) else positions[..., a:b]) for a, b in spans]
@@ -857,8 +863,7 @@ def _layers_of_one_block(layers: list, h: mx.array, cache: list, rope, rot, expe
     host's work overlaps the device's run of the layer before."""
     queued = h
     for i, layer in enumerate(layers):
-        h, x = layer.mix(h, cache[i], rope, rot)
-        inds, *routed = layer.mlp.route(x)
+        h, x, (inds, *routed) = layer.front(h, cache[i], rope, rot)
         if prepare is not None:
             prepare(i, [inds], [x])
         settle(queued, experts, i)  # before this layer's experts are queued (a provider queues them when called)
@@ -891,22 +896,76 @@ class RoutedMoe:
         return moe_residual(residual, experts(i, x, inds), scores)
 
 
+class GroupedAttention:
+    """What the families' attention shares around its projections: rotation, the KV cache and attention (`core`),
+    the output projection over the heads (`out`). The family sets `scale` and `o_proj`, where it has them `window`
+    and `sinks`, and `project(x) -> [q, k, v, *rest]`."""
+
+    window: int = 0
+    sinks: mx.array | None = None
+
+    def core(self, q: mx.array, k: mx.array, v: mx.array, cache, rope, rot) -> mx.array:
+        return attention(rope(q, rot), rope(k, rot), v, cache, self.scale, self.window, self.sinks)
+
+    def out(self, o: mx.array, dtype: mx.Dtype) -> mx.array:
+        B, _, L, _ = o.shape
+        return self.o_proj(o.astype(dtype).transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
 class PreNormLayer:
     """A decoder layer of attention then the MoE block, each behind an RMSNorm and a residual. The family's layer
-    sets `i`, `eps`, `self_attn(x, cache, rope, rot)`, `input_layernorm`, `post_attention_layernorm` and `mlp`."""
+    sets `i`, `eps`, `self_attn`, `input_layernorm`, `post_attention_layernorm` and `mlp`; its attention has
+    `project(x) -> (q, k, v, *rest)` (heads first, before rotation), `core(q, k, v, cache, rope, rot)` (rotation,
+    the KV cache, attention) and `out(o, dtype, *rest)` (the output projection)."""
 
-    def mix(self, h: mx.array, cache: KVCache, rope, rot: int) -> tuple[mx.array, mx.array]:
+    def mix(self, h: mx.array, cache: KVCache, rope, rot) -> tuple[mx.array, mx.array]:
         """(h + attention(norm(h)), x): the residual stream after attention and the MoE block's input."""
-        h = h + self.self_attn(mx.fast.rms_norm(h, self.input_layernorm, self.eps), cache, rope, rot)
+        q, k, v, *rest = self.pre(h)
+        return self.mixed(h, self.self_attn.core(q, k, v, cache, rope, rot), *rest)
+
+    def pre(self, h: mx.array) -> list[mx.array]:
+        return self.self_attn.project(mx.fast.rms_norm(h, self.input_layernorm, self.eps))
+
+    def mixed(self, h: mx.array, o: mx.array, *rest: mx.array) -> tuple[mx.array, mx.array]:
+        h = h + self.self_attn.out(o, h.dtype, *rest)
         return h, self.moe_input(h)
+
+    def post(self, h: mx.array, o: mx.array, *rest: mx.array) -> tuple[mx.array, ...]:
+        h, x = self.mixed(h, o, *rest)
+        return (h, x, *self.mlp.route(x))
 
     def moe_input(self, h: mx.array) -> mx.array:
         """The MoE block's input from the residual stream after the mixer (a long prefill chunk recomputes it)."""
         return mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
 
-    def __call__(self, h: mx.array, cache: KVCache, rope, rot: int, experts) -> mx.array:
-        h, x = self.mix(h, cache, rope, rot)
-        return self.mlp(self.i, x, experts, h)
+    def front(self, h: mx.array, cache: KVCache, rope, rot) -> tuple[mx.array, mx.array, tuple]:
+        """(h after the mixer, the MoE block's input x, x's routing): everything before the routed experts. A
+        one-token call runs what comes before and after the KV cache as two compiled functions (`COMPILED_STEP`)."""
+        if not compiles(h):
+            h, x = self.mix(h, cache, rope, rot)
+            return h, x, self.mlp.route(x)
+        q, k, v, *rest = compiled(self, "pre", self.pre)(h)
+        h, x, *routed = compiled(self, "post", self.post)(h, self.self_attn.core(q, k, v, cache, rope, rot), *rest)
+        return h, x, routed
+
+    def __call__(self, h: mx.array, cache: KVCache, rope, rot, experts) -> mx.array:
+        h, x, routed = self.front(h, cache, rope, rot)
+        return self.mlp.finish(self.i, x, experts, h, *routed)
+
+
+def compiles(h: mx.array) -> bool:
+    """Whether a layer's call over h [B, L, H] runs compiled: one token (`COMPILED_STEP`)."""
+    return h.shape[1] == 1 and COMPILED_STEP
+
+
+def compiled(owner, name: str, fn: Callable) -> Callable:
+    """`mx.compile(fn)`, made once per `owner` (a layer: its weights are the compiled graph's constants) and kept
+    on it as `compiled_{name}`; MLX traces it again only for a new input shape."""
+    key = f"compiled_{name}"
+    f = owner.__dict__.get(key)
+    if f is None:
+        f = owner.__dict__[key] = mx.compile(fn)
+    return f
 
 
 class TextModel:

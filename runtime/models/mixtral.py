@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from ...formats.config import ModelArgs
 from .kernels import (
+    GroupedAttention,
     Loader,
     PreNormLayer,
     Projections,
@@ -25,7 +26,6 @@ from .kernels import (
     RoutedMoe,
     Streams,
     TextModel,
-    attention,
 )
 
 
@@ -37,7 +37,7 @@ def route(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return inds.astype(mx.uint32), scores
 
 
-class Attention:
+class Attention(GroupedAttention):
     """Grouped-query attention with RoPE over the whole head."""
 
     def __init__(self, args: ModelArgs, ld: Loader, p: str):
@@ -48,14 +48,9 @@ class Attention:
                                          (f"{p}v_proj", self.nkv * self.hd)], H)
         self.o_proj = ld.linear(f"{p}o_proj", H, self.nq * self.hd)
 
-    def __call__(self, x: mx.array, cache, rope: RoPE, rot: int) -> mx.array:
+    def project(self, x: mx.array) -> list[mx.array]:
         B, L, _ = x.shape
-        q, k, v = self.qkv_proj(x)
-        q = q.reshape(B, L, self.nq, self.hd).transpose(0, 2, 1, 3)
-        k = k.reshape(B, L, self.nkv, self.hd).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.nkv, self.hd).transpose(0, 2, 1, 3)
-        out = attention(rope(q, rot), rope(k, rot), v, cache, self.scale)
-        return self.o_proj(out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return [t.reshape(B, L, -1, self.hd).transpose(0, 2, 1, 3) for t in self.qkv_proj(x)]
 
 
 class SparseMoe(RoutedMoe):

@@ -20,12 +20,15 @@ from ...formats.config import PREFIX, ModelArgs
 from .cache import GDNCache, KVCache, QuantizedKVCache
 from .delta_rule import conv_silu, gated_delta
 from .kernels import (
+    GroupedAttention,
     Loader,
     MRoPE,
+    PreNormLayer,
     Projections,
     Streams,
-    attention,
     combine,
+    compiled,
+    compiles,
     route,
     run_layers,
     sigmoid_gate,
@@ -77,33 +80,35 @@ class GatedDeltaNet:
 
     def __call__(self, x: mx.array, cache: GDNCache | None) -> mx.array:
         B, L, _ = x.shape
+        if cache is None:
+            conv = mx.zeros((B, self.kernel - 1, self.conv.shape[0]), dtype=x.dtype)
+            return self.step(x, conv, mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32))[0]
+        out, cache.conv, cache.state = self.step(x, cache.conv, cache.state)
+        cache.offset += L
+        return out
+
+    def step(self, x: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(the mixer's output, the new convolution window, the new state) of x [B, L, H] after `conv` (the last
+        K-1 inputs of the convolution) and `state`: a pure function of its inputs, so a decode step compiles."""
+        B, L, _ = x.shape
         qkv, z, b, a = self.in_proj(x)
         z = z.reshape(B, L, self.hv, self.dv)
 
         # causal depthwise convolution over [last K-1 inputs | this call's inputs], then SiLU
-        K = self.kernel
-        past = cache.conv if cache is not None else mx.zeros((B, K - 1, qkv.shape[-1]), dtype=qkv.dtype)
-        seq = mx.concatenate([past, qkv.astype(past.dtype)], axis=1)
-        if cache is not None:
-            cache.conv = mx.contiguous(seq[:, L:, :])
-        conv = conv_silu(seq, self.conv)
+        seq = mx.concatenate([conv, qkv.astype(conv.dtype)], axis=1)
+        conv = mx.contiguous(seq[:, L:, :])
+        mixed = conv_silu(seq, self.conv)
 
-        qk = conv[..., : 2 * self.hk * self.dk]
+        qk = mixed[..., : 2 * self.hk * self.dk]
         qk = mx.fast.rms_norm(qk.reshape(B, L, 2 * self.hk, self.dk), None, self.qk_eps) * self.qk_scale
 
         log_g, beta = _gdn_gates(a, b, self.A_log, self.dt_bias)
-        state = (
-            cache.state if cache is not None else mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
-        )
-        y, state = gated_delta(qk, conv, log_g, beta, state, self.hk, self.hv, self.dk, self.dv, self.chunked)
-        if cache is not None:
-            cache.state = state
-            cache.offset += L
+        y, state = gated_delta(qk, mixed, log_g, beta, state, self.hk, self.hv, self.dk, self.dv, self.chunked)
         y = _gated_out(mx.fast.rms_norm(y, self.norm, self.eps), z)  # gated RMSNorm per head
-        return self.out_proj(y.reshape(B, L, -1))
+        return self.out_proj(y.reshape(B, L, -1)), conv, state
 
 
-class Attention:
+class Attention(GroupedAttention):
     """Full attention with q/k RMSNorm, partial M-RoPE and an output gate: q_proj gives per head [query | gate]."""
 
     def __init__(self, args: ModelArgs, ld: Loader, p: str):
@@ -116,7 +121,8 @@ class Attention:
         self.q_norm = ld.float(f"{p}q_norm.weight", (self.hd,))
         self.k_norm = ld.float(f"{p}k_norm.weight", (self.hd,))
 
-    def __call__(self, x: mx.array, cache: KVCache | None, rope: MRoPE, rot) -> mx.array:
+    def project(self, x: mx.array) -> list[mx.array]:
+        """[q, k, v, the output gate]: q and k normalised per head, heads first, not yet rotated."""
         B, L, _ = x.shape
         q, k, v = self.qkv_proj(x)
         q, gate = mx.split(q.reshape(B, L, self.nq, 2 * self.hd), 2, axis=-1)
@@ -124,11 +130,11 @@ class Attention:
         v = v.reshape(B, L, self.nkv, self.hd)
         q = mx.fast.rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3)
         k = mx.fast.rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3)
-        v = v.transpose(0, 2, 1, 3)
-        q, k = rope(q, rot), rope(k, rot)
-        out = attention(q, k, v, cache, self.scale)
-        out = out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(sigmoid_gate(out, gate.reshape(B, L, -1)))
+        return [q, k, v.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)]
+
+    def out(self, o: mx.array, dtype: mx.Dtype, gate: mx.array) -> mx.array:
+        B, _, L, _ = o.shape
+        return self.o_proj(sigmoid_gate(o.astype(dtype).transpose(0, 2, 1, 3).reshape(B, L, -1), gate))
 
 
 class SparseMoe:
@@ -162,7 +168,7 @@ class SparseMoe:
         return _moe_out(residual, experts(i, x, inds), scores, down, out_gate)
 
 
-class DecoderLayer:
+class DecoderLayer(PreNormLayer):
     """Token mixer (Gated DeltaNet or gated attention) and MoE block, each behind an RMSNorm and a residual."""
 
     def __init__(self, args: ModelArgs, ld: Loader, i: int, gdn_chunked: bool | None):
@@ -178,19 +184,24 @@ class DecoderLayer:
         self.mlp = SparseMoe(args, ld, f"{p}mlp.")
 
     def mix(self, h: mx.array, cache, rope: MRoPE, rot) -> tuple[mx.array, mx.array]:
-        """(h + mixer(norm(h)), x): the residual stream after the mixer and the MoE block's input."""
-        x = mx.fast.rms_norm(h, self.input_layernorm, self.eps)
-        r = self.linear_attn(x, cache) if self.is_linear else self.self_attn(x, cache, rope, rot)
-        h = h + r
+        if not self.is_linear:
+            return super().mix(h, cache, rope, rot)
+        h = h + self.linear_attn(mx.fast.rms_norm(h, self.input_layernorm, self.eps), cache)
         return h, self.moe_input(h)
 
-    def moe_input(self, h: mx.array) -> mx.array:
-        """The MoE block's input from the residual stream after the mixer (a long prefill chunk recomputes it)."""
-        return mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
+    def front(self, h: mx.array, cache, rope: MRoPE, rot) -> tuple[mx.array, mx.array, tuple]:
+        """A Gated DeltaNet layer's one-token call is one compiled function of (h, its cache's two arrays)."""
+        if not self.is_linear or not compiles(h):
+            return super().front(h, cache, rope, rot)
+        h, x, *routed, cache.conv, cache.state = compiled(self, "gdn", self.gdn_front)(h, cache.conv, cache.state)
+        cache.offset += 1
+        return h, x, routed
 
-    def __call__(self, h: mx.array, cache, rope: MRoPE, rot, experts) -> mx.array:
-        h, x = self.mix(h, cache, rope, rot)
-        return self.mlp(self.i, x, experts, h)
+    def gdn_front(self, h: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, ...]:
+        r, conv, state = self.linear_attn.step(mx.fast.rms_norm(h, self.input_layernorm, self.eps), conv, state)
+        h = h + r
+        x = self.moe_input(h)
+        return (h, x, *self.mlp.route(x), conv, state)
 
 
 class Model:

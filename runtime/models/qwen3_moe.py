@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from ...formats.config import ModelArgs
 from .kernels import (
+    GroupedAttention,
     Loader,
     PreNormLayer,
     Projections,
@@ -25,12 +26,11 @@ from .kernels import (
     RoutedMoe,
     Streams,
     TextModel,
-    attention,
     route,
 )
 
 
-class Attention:
+class Attention(GroupedAttention):
     """Grouped-query attention with q/k RMSNorm per head and RoPE over the whole head."""
 
     def __init__(self, args: ModelArgs, ld: Loader, p: str):
@@ -43,14 +43,12 @@ class Attention:
         self.q_norm = ld.float(f"{p}q_norm.weight", (self.hd,))
         self.k_norm = ld.float(f"{p}k_norm.weight", (self.hd,))
 
-    def __call__(self, x: mx.array, cache, rope: RoPE, rot: int) -> mx.array:
+    def project(self, x: mx.array) -> list[mx.array]:
         B, L, _ = x.shape
         q, k, v = self.qkv_proj(x)
         q = mx.fast.rms_norm(q.reshape(B, L, self.nq, self.hd), self.q_norm, self.eps).transpose(0, 2, 1, 3)
         k = mx.fast.rms_norm(k.reshape(B, L, self.nkv, self.hd), self.k_norm, self.eps).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.nkv, self.hd).transpose(0, 2, 1, 3)
-        out = attention(rope(q, rot), rope(k, rot), v, cache, self.scale)
-        return self.o_proj(out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return [q, k, v.reshape(B, L, self.nkv, self.hd).transpose(0, 2, 1, 3)]
 
 
 class SparseMoe(RoutedMoe):
