@@ -173,7 +173,7 @@ def pipelined(step, first: mx.array, n: int) -> dict:
 @contextlib.contextmanager
 def variant(name: str, eng: Engine):
     """One setting changed around a streamoe loop (`as_is`: none)."""
-    limit = eng.plan.cache_limit
+    limit, compiled_step = eng.plan.cache_limit, kernels.COMPILED_STEP
     try:
         if name == "own_stream":  # as mlx-lm's generate_step: its own stream
             with mx.stream(mx.new_stream(mx.default_device())):
@@ -189,6 +189,8 @@ def variant(name: str, eng: Engine):
             return
         if name in ("gdn_ops", "gdn_fast"):  # the token loop's compiled step (an older CUDA form), MLX's op
             delta_rule.GDN_FORM = name[4:]
+        elif name == "uncompiled_step":  # each layer's one-token call built op by op, as before `COMPILED_STEP`
+            kernels.COMPILED_STEP = False
         elif name == "picks_by_four":  # a decode step's picks in two gather_qmm calls of four (CUDA's mat-vec kernel)
             kernels.PICKS_PER_CALL = 4
         elif name == "cache_account_only":  # the allocator cache as before plan.cache_limit
@@ -201,6 +203,7 @@ def variant(name: str, eng: Engine):
     finally:
         delta_rule.GDN_FORM = None
         kernels.PICKS_PER_CALL = None
+        kernels.COMPILED_STEP = compiled_step
         mx.set_cache_limit(limit)
 
 
