@@ -49,7 +49,7 @@ from ..formats.record import ExpertWeights, RecordLayout
 from .copy_engine import CopyEngine
 from .managed import host_pool, keep_on_host
 from .models.cache import clear_for_in_place
-from .models.kernels import ExpertKernel, Streams, switch_glu
+from .models.kernels import ExpertKernel, Streams, compiled, compiles, switch_glu
 from .store import ExpertStore
 from .telemetry import LayerStats
 from .tier import HotTier
@@ -497,6 +497,8 @@ class StreamingExperts:
                     rows = self.take_rows[inds.shape] = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)
                 picked = [mx.take(a, inds.reshape(-1), axis=0) for a in self.layer_views[i]]
                 y = switch_glu(xf, self.lay.weights(picked), rows, self.kernel, self.streams)
+            elif compiles(x):  # one compiled function for every layer: its views are inputs
+                y = compiled(self, "resident", self._resident)(xf, inds, *self.layer_views[i])
             else:
                 y = switch_glu(xf, self.layer_weights[i], inds, self.kernel, self.streams)
         elif self.prepared is not None and self.prepared[0] == i:  # a prefill block: its experts already landed
@@ -511,6 +513,9 @@ class StreamingExperts:
                 mx.async_eval(y)  # the device copies and computes while the host builds the next layer
             self._copy_ahead()
         return y.reshape(*shape[:-1], k, shape[-1])
+
+    def _resident(self, x: mx.array, inds: mx.array, *views: mx.array) -> mx.array:
+        return switch_glu(x, self.lay.weights(list(views)), inds, self.kernel, self.streams)
 
     def _queue_input(self, i: int, x: mx.array) -> None:
         """Queue layer i's MoE input (its mixer) as soon as it is built. On the CPU `mx.async_eval` of small

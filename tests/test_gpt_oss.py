@@ -22,7 +22,7 @@ from streamoe.formats.layout import source_layout
 from streamoe.formats.manifest import load_manifest
 
 from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line
-from .test_runtime import PROMPTS, reference, run_logits, teacher_forced
+from .test_runtime import PROMPTS, compiled_step_bits, reference, run_logits, teacher_forced
 
 FULL_TOTAL = 12_076_119_168  # gpt-oss-20b-MXFP4-Q8: MXFP4 experts, every other module 8-bit, vocab 201,088
 FULL_TENSORS = 775
@@ -288,6 +288,13 @@ def test_the_window_and_the_sinks_change_the_logits(ckpt, conv):
     assert np.abs(ours - real).max() < LOGIT_ATOL
     for edit in (no_window, no_sinks):
         assert np.abs(ref_logits(edit) - real).max() > 100 * LOGIT_ATOL, edit.__name__
+
+
+def test_a_compiled_decode_step_is_the_step_built_op_by_op(conv, monkeypatch):
+    """Each layer's one-token call compiled (attention's projections, then its output, norm and router) gives the
+    bits of the step built op by op."""
+    on, off = compiled_step_bits(conv, monkeypatch, None)
+    assert on == off
 
 
 @pytest.mark.parametrize("kv", ["auto", "q8"])

@@ -19,7 +19,7 @@ from streamoe.formats.export import tensor_table
 from streamoe.formats.manifest import load_manifest
 
 from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line
-from .test_runtime import PROMPTS, run_logits, teacher_forced
+from .test_runtime import PROMPTS, compiled_step_bits, run_logits, teacher_forced
 
 FULL_TOTAL = 17_174_622_208  # the real export's tensors: 48 layers of 128 experts, vocab 151,936, every module 4-bit
 FULL_TENSORS = 1351
@@ -163,6 +163,13 @@ def test_greedy_tokens_equal_mlx_lm_with_8_bit_routers_at_a_cap(tmp_path):
     base = plan_for(out, Options(cap_gib=8, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME))
     ref, ours, worst = teacher_forced(ck, out, PROMPTS[2], 24, cap_gib=(base.fixed + 4 * base.slot_bytes) / 2**30)
     assert ours == ref and worst < LOGIT_ATOL
+
+
+def test_a_compiled_decode_step_is_the_step_built_op_by_op(conv, monkeypatch):
+    """Each layer's one-token call compiled (attention's projections, then its output, norm and router) gives the
+    bits of the step built op by op."""
+    on, off = compiled_step_bits(conv, monkeypatch, None)
+    assert on == off
 
 
 @pytest.mark.parametrize("kv", ["auto", "q8"])

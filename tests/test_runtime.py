@@ -102,6 +102,28 @@ def run_logits(conv: Path, cap_slots: int | None, steps: int = 24, chunk: int | 
     return logits.tobytes(), eng
 
 
+def compiled_step_bits(conv: Path, monkeypatch, slots: int | None) -> tuple[bytes, bytes]:
+    """`run_logits` with each layer's one-token call compiled (the default) and built op by op; the compiled run must
+    have taken the compiled functions (its layers keep them)."""
+    from streamoe.runtime.models import kernels
+
+    on, eng = run_logits(conv, slots, steps=8)
+    kept = {k for layer in eng.model.layers for k in vars(layer) if k.startswith("compiled_")}
+    assert kept and (slots is not None or "compiled_resident" in vars(eng.experts)), kept
+    monkeypatch.setattr(kernels, "COMPILED_STEP", False)
+    off, eng = run_logits(conv, slots, steps=8)
+    assert not {k for layer in eng.model.layers for k in vars(layer) if k.startswith("compiled_")}
+    return on, off
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_a_compiled_decode_step_is_the_step_built_op_by_op(tiny_conv, monkeypatch, slots):
+    """A one-token call runs each layer's work around its cache (and, resident, its experts) as compiled functions:
+    the same logits' bits as the same step built op by op, resident and capped."""
+    on, off = compiled_step_bits(tiny_conv, monkeypatch, slots)
+    assert on == off
+
+
 CASES = [(0, 6, "freq"), (0, 0, "lru"), (24, 6, "lru"), (24, 0, "freq"), (200, 6, "freq"), (None, 6, "freq")]
 
 
