@@ -203,8 +203,9 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     # the capped runs (at CAP, 4; Mixtral-8x7B's fixed accounts need more: CAP=12) twice, with each layer's mixer
     # queued once built beside them, without the routed experts queued on their own, then one under cProfile: where a capped token's host time goes when nearly
     # every pick is in memory
+    # ROUNDS_ONLY=1: the rounds alone
     C=${CAP:-4}
-    python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps "$C" --experts $X --skip-mlx-lm \
+    [ -n "${ROUNDS_ONLY:-}" ] || python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps "$C" --experts $X --skip-mlx-lm \
       --rounds 2 --ablate "${ABLATE-eagermixer@$C,queueoutput@$C,profile@$C}" --out "$OUT/family-capped-h200-$F${TAG:-}.json" | grep -v '^ '
     ;;
   peers)
