@@ -5,8 +5,9 @@ Weights by name (`Loader`: presence, dtype and shape checked, floats cast once),
 embedding, rotary embeddings (`MRoPE`, plain `RoPE`), causal attention over a float or quantized KV cache
 (`attention`), the elementwise chains (`mx.compile`d on every backend: one kernel per chain; MLX builds the CPU's
 with the machine's C++ compiler once, runs them uncompiled without one), the routed experts over slots (`route`,
-`switch_glu`, `combine`, `ResidentExperts`), the one layer loop (`run_layers`), and what the attention-only families
-share around their own attention and router (`RoutedMoe`, `PreNormLayer`, `TextModel`). Gated DeltaNet's kernels
+`switch_glu`, `combine`, `ResidentExperts`), the one layer loop (`run_layers`), what the families share around their
+own attention and router (`GroupedAttention`, `RoutedMoe`, `PreNormLayer`, `TextModel`), and a one-token call's layer
+work compiled around its cache (`compiled`, `COMPILED_STEP`). Gated DeltaNet's kernels
 are `delta_rule.py`.
 
 Every kernel is deterministic and depends on the shapes of its call only, never on where an expert's weights
