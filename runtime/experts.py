@@ -498,7 +498,7 @@ class StreamingExperts:
                 picked = [mx.take(a, inds.reshape(-1), axis=0) for a in self.layer_views[i]]
                 y = switch_glu(xf, self.lay.weights(picked), rows, self.kernel, self.streams)
             elif compiles(x):  # one compiled function for every layer: its views are inputs
-                y = compiled(self, "resident", self._resident)(xf, inds, *self.layer_views[i])
+                y = compiled(self.resident_experts)(xf, inds, *self.layer_views[i])
             else:
                 y = switch_glu(xf, self.layer_weights[i], inds, self.kernel, self.streams)
         elif self.prepared is not None and self.prepared[0] == i:  # a prefill block: its experts already landed
@@ -514,7 +514,7 @@ class StreamingExperts:
             self._copy_ahead()
         return y.reshape(*shape[:-1], k, shape[-1])
 
-    def _resident(self, x: mx.array, inds: mx.array, *views: mx.array) -> mx.array:
+    def resident_experts(self, x: mx.array, inds: mx.array, *views: mx.array) -> mx.array:
         return switch_glu(x, self.lay.weights(list(views)), inds, self.kernel, self.streams)
 
     def _queue_input(self, i: int, x: mx.array) -> None:

@@ -21,6 +21,7 @@ import functools
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -945,8 +946,8 @@ class PreNormLayer:
         if not compiles(h):
             h, x = self.mix(h, cache, rope, rot)
             return h, x, self.mlp.route(x)
-        q, k, v, *rest = compiled(self, "pre", self.pre)(h)
-        h, x, *routed = compiled(self, "post", self.post)(h, self.self_attn.core(q, k, v, cache, rope, rot), *rest)
+        q, k, v, *rest = compiled(self.pre)(h)
+        h, x, *routed = compiled(self.post)(h, self.self_attn.core(q, k, v, cache, rope, rot), *rest)
         return h, x, routed
 
     def __call__(self, h: mx.array, cache: KVCache, rope, rot, experts) -> mx.array:
@@ -959,13 +960,17 @@ def compiles(h: mx.array) -> bool:
     return h.shape[1] == 1 and COMPILED_STEP
 
 
-def compiled(owner, name: str, fn: Callable) -> Callable:
-    """`mx.compile(fn)`, made once per `owner` (a layer: its weights are the compiled graph's constants) and kept
-    on it as `compiled_{name}`; MLX traces it again only for a new input shape."""
-    key = f"compiled_{name}"
+def compiled(method: Callable) -> Callable:
+    """`mx.compile` of a bound method, made once per object (a layer: its weights are the compiled graph's constants)
+    and kept on it as `compiled_{name}`; MLX traces it again only for a new input shape. The compiled function reaches
+    its object through a weak reference: a strong one would make a cycle, and the object's weights would outlive the
+    engine that closed them until Python's cycle collector ran."""
+    owner, func = method.__self__, method.__func__
+    key = f"compiled_{func.__name__}"
     f = owner.__dict__.get(key)
     if f is None:
-        f = owner.__dict__[key] = mx.compile(fn)
+        ref = weakref.ref(owner)
+        f = owner.__dict__[key] = mx.compile(lambda *args: func(ref(), *args))
     return f
 
 

@@ -193,7 +193,7 @@ class DecoderLayer(PreNormLayer):
         """A Gated DeltaNet layer's one-token call is one compiled function of (h, its cache's two arrays)."""
         if not self.is_linear or not compiles(h):
             return super().front(h, cache, rope, rot)
-        h, x, *routed, cache.conv, cache.state = compiled(self, "gdn", self.gdn_front)(h, cache.conv, cache.state)
+        h, x, *routed, cache.conv, cache.state = compiled(self.gdn_front)(h, cache.conv, cache.state)
         cache.offset += 1
         return h, x, routed
 
