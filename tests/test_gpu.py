@@ -51,6 +51,18 @@ def test_gpu_logits_bit_identical_across_caps_prefetch_tiers_and_runs(small_conv
             assert data == first, f"logits differ at {key}"
 
 
+@pytest.mark.parametrize("slots", [None, 0])
+def test_gpu_compiled_decode_step_is_the_step_built_op_by_op(small_conv, slots, monkeypatch):
+    """Each layer's one-token call compiled (`kernels.COMPILED_STEP`; MLX fuses its elementwise ops into kernels of
+    its own on the GPU) gives the logits' bits of the same step built op by op, resident and streamed."""
+    from streamoe.runtime.models import kernels
+
+    on, _ = run(small_conv, slots, "bfloat16")
+    monkeypatch.setattr(kernels, "COMPILED_STEP", False)
+    off, _ = run(small_conv, slots, "bfloat16")
+    assert on == off
+
+
 def test_gpu_long_prefill_chunks_give_the_one_block_logits(small_conv, monkeypatch):
     """The plan's longer chunks run their layers block by block, each block's MoE input and routing recomputed
     when its experts run (`kernels.run_layers`): the logits of one-block chunks bit for bit on the GPU too (the
