@@ -78,18 +78,10 @@ class GatedDeltaNet:
         self.qk_scale = mx.array([inv**2] * self.hk + [inv] * self.hk, dtype=ld.dtype)[:, None]
         self.qk_eps = 1e-6 * inv**2  # 1e-6 on the sum of squares, as rms_norm's eps on their mean
 
-    def __call__(self, x: mx.array, cache: GDNCache | None) -> mx.array:
-        B, L, _ = x.shape
-        if cache is None:
-            conv = mx.zeros((B, self.kernel - 1, self.conv.shape[0]), dtype=x.dtype)
-            return self.step(x, conv, mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32))[0]
-        out, cache.conv, cache.state = self.step(x, cache.conv, cache.state)
-        cache.offset += L
-        return out
-
     def step(self, x: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(the mixer's output, the new convolution window, the new state) of x [B, L, H] after `conv` (the last
-        K-1 inputs of the convolution) and `state`: a pure function of its inputs, so a decode step compiles."""
+        K-1 inputs of the convolution, a `GDNCache`'s) and `state` (its recurrent state): a pure function of its
+        inputs, so a decode step compiles."""
         B, L, _ = x.shape
         qkv, z, b, a = self.in_proj(x)
         z = z.reshape(B, L, self.hv, self.dv)
@@ -186,8 +178,9 @@ class DecoderLayer(PreNormLayer):
     def mix(self, h: mx.array, cache, rope: MRoPE, rot) -> tuple[mx.array, mx.array]:
         if not self.is_linear:
             return super().mix(h, cache, rope, rot)
-        h = h + self.linear_attn(mx.fast.rms_norm(h, self.input_layernorm, self.eps), cache)
-        return h, self.moe_input(h)
+        h, x, cache.conv, cache.state = self.gdn_mix(h, cache.conv, cache.state)
+        cache.offset += h.shape[1]
+        return h, x
 
     def front(self, h: mx.array, cache, rope: MRoPE, rot) -> tuple[mx.array, mx.array, tuple]:
         """A Gated DeltaNet layer's one-token call is one compiled function of (h, its cache's two arrays)."""
@@ -197,10 +190,14 @@ class DecoderLayer(PreNormLayer):
         cache.offset += 1
         return h, x, routed
 
-    def gdn_front(self, h: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, ...]:
+    def gdn_mix(self, h: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, ...]:
+        """(h + Gated DeltaNet(norm(h)), the MoE block's input, the cache's new conv window and state)."""
         r, conv, state = self.linear_attn.step(mx.fast.rms_norm(h, self.input_layernorm, self.eps), conv, state)
         h = h + r
-        x = self.moe_input(h)
+        return h, self.moe_input(h), conv, state
+
+    def gdn_front(self, h: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, ...]:
+        h, x, conv, state = self.gdn_mix(h, conv, state)
         return (h, x, *self.mlp.route(x), conv, state)
 
 
