@@ -49,6 +49,7 @@ def logits_of(conv: Path, opts: Options, steps: int = 12) -> tuple[bytes, Engine
     out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])).astype(mx.float32))]
     for _ in range(steps):
         out.append(np.array(eng.forward([int(out[-1].argmax())], "decode").astype(mx.float32)))
+    eng.memory_when_open = mx.get_active_memory(), eng.device_memory()  # (MLX's, the device's: servers report it)
     eng.close()
     return np.stack(out).tobytes(), eng
 
@@ -464,6 +465,9 @@ def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_c
     assert eng.experts.resident and eng.experts.pools.host_bytes == 512 * p.slot_bytes
     # MLX counts the host's pools as its own, past --cap at its peak here; the device's peak leaves them out
     assert mx.get_peak_memory() - before > p.cap >= eng.summary(eng.steps)["peak_gib"] * GiB - before
+    active, device = eng.memory_when_open  # and so does the device's memory now (`/v1/stats`, `/metrics`)
+    pools = eng.experts.pools.host_bytes  # more than all else the engine holds (its non-expert weights, caches)
+    assert 0 < device - before < pools < active - before and device - before <= p.fixed
     assert sum(ly.bytes_read for s in eng.steps for ly in s.layers) == 0
     assert got == want
     monkeypatch.setattr(experts_mod, "HOST_READ_FORM", "direct")  # the picks read where they are
