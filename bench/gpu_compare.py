@@ -29,6 +29,7 @@ import numpy as np
 from streamoe.formats.direct import aligned_buffer, open_uncached
 from streamoe.formats.manifest import load_manifest, safe_path
 from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.experts import DECODE_AHEAD as DEFAULT_DECODE_AHEAD
 from streamoe.runtime.experts import EAGER_MIXER as DEFAULT_EAGER_MIXER
 from streamoe.runtime.experts import PRECISION_RANGE as DEFAULT_PRECISION_RANGE
 from streamoe.runtime.experts import QUEUE_OUTPUT as DEFAULT_QUEUE_OUTPUT
@@ -118,7 +119,8 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     (the delta rule as the token loop of compiled steps, not the backend's form), `guesswait` (guesses read at the
     demand reads' priority, side by side with them, the older schedule), `wastebudget` (a guess rank needs a fixed
     0.8 precision, the older rule, instead of following the waste budget), `queueoutput` (a layer's routed experts
-    queued with the next layer's mixer, one launch a layer, not on their own: `experts.QUEUE_OUTPUT`); and one run with a measure added where it
+    queued with the next layer's mixer, one launch a layer, not on their own: `experts.QUEUE_OUTPUT`), `decodeahead` (each
+    decode layer waits for its picks: no layers run ahead of them, `experts.DECODE_AHEAD`); and one run with a measure added where it
     is off: `eagermixer` (each layer's mixer queued as soon as it is built, on every backend, `experts.EAGER_MIXER`)."""
     from streamoe.runtime import experts as experts_mod
     from streamoe.runtime import store as store_mod
@@ -129,6 +131,7 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     experts_mod.PRECISION_RANGE = (0.8, 0.8) if ablate == "wastebudget" else DEFAULT_PRECISION_RANGE
     experts_mod.EAGER_MIXER = ("cpu", "gpu") if ablate == "eagermixer" else DEFAULT_EAGER_MIXER
     experts_mod.QUEUE_OUTPUT = () if ablate == "queueoutput" else DEFAULT_QUEUE_OUTPUT
+    experts_mod.DECODE_AHEAD = () if ablate == "decodeahead" else DEFAULT_DECODE_AHEAD
     cap_gib = cap_gib_for(model, cap, experts, dtype)
     gc.collect()  # the previous run's engine (its timing wrapper makes a cycle), so its memory is not counted here
     mx.clear_cache()
@@ -186,6 +189,8 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
             "mib_read_token": round(read / 2**20 / max(1, len(dec)), 2),
             "hit_in_memory": round(sum(ly.hits_hot + ly.hits_lent for ly in lay) / picks, 4) if picks else None,
             "hit_read_ahead": round(sum(ly.hits_prefetch for ly in lay) / picks, 4) if picks else None,
+            "layers_run_ahead_frac": round(sum(ly.ran_ahead for ly in lay) / max(1, len(lay)), 4),
+            "layers_thrown_frac": round(sum(ly.thrown for ly in lay) / max(1, len(lay)), 4),
             "prefetch_wasted_frac": round(sum(ly.prefetch_wasted for ly in lay) * stride / read, 4) if read else 0.0,
             "hot_slots": eng.plan.hot_slots, "peak_mlx_gib": round(mx.get_peak_memory() / 2**30, 2),
             "plan_total_gib": round((eng.plan.fixed + eng.plan.hot_slots * stride) / 2**30, 2)}

@@ -122,7 +122,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     ;;
   gpurest)
     # quantized KV last: on code 16549e3 and 413b791 its q4 case ran past 400 s (a hang or a slow compile)
-    { $PYTEST tests/test_gpu.py -k "compiled_decode_step or float32_matmul or upload_ring or in_place or delta_rule or one_group or grouped or many_blocks or hidden_states or never_copies" || true
+    { $PYTEST tests/test_gpu.py -k "run_ahead or compiled_decode_step or float32_matmul or upload_ring or in_place or delta_rule or one_group or grouped or many_blocks or hidden_states or never_copies" || true
       $PYTEST tests/test_gpu.py -k quantized_kv; } 2>&1 | tee "$OUT/gputest-rest-h200.log"
     ;;
   gpuhost)
@@ -206,7 +206,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     # ROUNDS_ONLY=1: the rounds alone
     C=${CAP:-4}
     [ -n "${ROUNDS_ONLY:-}" ] || python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps "$C" --experts $X --skip-mlx-lm \
-      --rounds 2 --ablate "${ABLATE-eagermixer@$C,queueoutput@$C,profile@$C}" --out "$OUT/family-capped-h200-$F${TAG:-}.json" | grep -v '^ '
+      --rounds 2 --ablate "${ABLATE-decodeahead@$C,eagermixer@$C,queueoutput@$C,profile@$C}" --out "$OUT/family-capped-h200-$F${TAG:-}.json" | grep -v '^ '
     ;;
   peers)
     # the checkpoint, mlx-vlm's repack of it and the q4 conversion: 57 GB of the 64 GiB disk, so the repack first

@@ -77,6 +77,12 @@ QUEUE_OUTPUT: tuple[str, ...] = ("cpu", "gpu")
 LAND_IN_READERS = True  # with direct writes, the I/O thread that read a record copies it into its slot (_land_in_readers)
 HITS_FIRST = True  # with direct writes, a decode step's hits compute while its misses are read (StreamingExperts._streamed)
 PREFILL_AHEAD = True  # prefill reads the next layer's likely experts while this one computes (StreamingExperts.prepare)
+# the backends on which a capped decode step runs several layers on the hot tier's slots before it reads their picks,
+# where a layer seldom misses (`StreamingExperts.layers_ahead`): one wait for several layers, not one each. Not on the
+# CPU, where a wait costs little and a thrown-away layer its whole compute: measured 16.5-17.3 against 14.2-14.5 ms a
+# token (qwen3_moe small synthetic, 200 of 512 experts held, about 1 pick in 240 missed);
+# `bench.gpu_compare --ablate decodeahead@CAP` measures it on a GPU)
+DECODE_AHEAD: tuple[str, ...] = ("gpu",)
 # Where the pools are host memory (the plan's `host_reads`), how a decode step's kernels reach its picks: "take", one
 # gather a segment copies the picks' rows into device memory (a plain copy kernel, many loads in flight) and the
 # matmuls read them there; "direct", the expert matmuls read them in place over the bus. The same bytes either way,
@@ -356,7 +362,7 @@ class StreamingExperts:
         self.L, self.E, self.k, self.width = n_layers, n_experts, top_k, prefetch_width
         self.resident = hot_slots >= n_layers * n_experts
         # a streamed step on the CPU queues each layer's mixer as soon as it is built (`kernels.run_layers`)
-        backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
+        self.backend = backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
         self.queue_input = self._queue_input if backend in EAGER_MIXER and not self.resident else None
         self.queue_output = backend in QUEUE_OUTPUT
         staging = 0 if self.resident else n_experts
@@ -378,6 +384,7 @@ class StreamingExperts:
         self.rank_seen, self.rank_right = [0] * max(1, prefetch_width), [0] * max(1, prefetch_width)
         self.candidates: dict[int, list[int]] = {}
         self.precision = 0.8
+        self.miss_rate = 0.5  # the share of recent decode layers that missed a pick (decaying): `layers_ahead`
         self.reads_recent, self.wrong_recent = 0.0, 0.0  # records read in decode, wrong guesses among them (decaying)
         self.stats: list[LayerStats] | None = None  # the current step's per-layer records (set by the engine)
         self.readers: list[mx.array] = []  # outputs of kernels that read the pools, not yet waited for (fence)
@@ -549,14 +556,11 @@ class StreamingExperts:
         # From here to the kernels' launch the device waits on this thread: the bookkeeping is plain Python over a
         # few ints (a numpy call here costs 5-150 us, its code cold after the layer's kernels, a Python step ~0.1 us).
         rows: list[list[int]] = inds.tolist()
-        picked = {e for row in rows for e in row}
-        experts = sorted(picked)
-        for r, e in enumerate(self.candidates.pop(i, [])):
-            self.rank_seen[r] += 1
-            self.rank_right[r] += e in picked
-        self._withdraw(i, experts, picked, st)
+        experts = self._note_picks(i, rows, st)
         read0 = self.store.bytes_read
         slot_of, land, reads = self._gather(i, experts, st)
+        if len(rows) == 1:
+            self.miss_rate = 0.98 * self.miss_rate + 0.02 * bool(land)
         slots = [[slot_of[e] for e in row] for row in rows]
         split = HITS_FIRST and self.pools.direct and 0 < len(land) < len(experts) and len(rows) == 1
         if split:
@@ -578,6 +582,68 @@ class StreamingExperts:
         for j, r in enumerate(hit + miss):
             back[r] = j
         return mx.concatenate([early, late], axis=1)[:, mx.array(back)]
+
+    def _note_picks(self, i: int, rows: list[list[int]], st: LayerStats) -> list[int]:
+        """Layer i's picks `rows` into the guesses' precision and the tier; its guesses not picked withdrawn. Returns
+        the distinct experts picked, sorted."""
+        picked = {e for row in rows for e in row}
+        experts = sorted(picked)
+        for r, e in enumerate(self.candidates.pop(i, [])):
+            self.rank_seen[r] += 1
+            self.rank_right[r] += e in picked
+        self._withdraw(i, experts, picked, st)
+        return experts
+
+    # ---- a decode step's layers run ahead of their picks
+    def layers_ahead(self, i: int, h: mx.array) -> int:
+        """How many layers from layer i a decode step over h runs on the experts the hot tier holds (`on_hot`) before
+        reading their picks (`check_ahead`); 0 or 1: layer i alone, the usual way. A layer that misses a pick throws
+        the rest of the run away, so the run is long where misses are rare: sqrt(2 / miss rate) layers keeps the waits
+        saved ahead of the layers computed twice (one wait a run against, per miss, half a run recomputed), and
+        nothing runs ahead above a miss rate of 2/9. Never while records are still landing in slots."""
+        if (self.backend not in DECODE_AHEAD or self.resident or h.shape[1] != 1 or self.pools.unsettled or self.copy_next is not None
+                or self.miss_rate > 2 / 9):
+            return 0
+        return min(int((2 / max(self.miss_rate, 1e-3)) ** 0.5), self.L - i)
+
+    def on_hot(self) -> Callable[[int, mx.array, mx.array], mx.array]:
+        """The provider of a run ahead: layer i's picks each computed from the slot the hot tier's table gives it on
+        the device, no wait. A pick the tier holds is computed by the same kernel over the same slot as the usual way,
+        so bit for bit the same; any other pick reads whatever slot its stale entry names, and `check_ahead` throws
+        its layer away. No slot is written until then (nothing lands in a run), so no reader races a refill."""
+        table = mx.array(self.tier.table)
+
+        def call(i: int, x: mx.array, inds: mx.array) -> mx.array:
+            shape, k = x.shape, inds.shape[-1]
+            slots = mx.take(table, inds.reshape(-1, k) + i * self.E)
+            return self._compute(x.reshape(-1, shape[-1]), slots).reshape(*shape[:-1], k, shape[-1])
+
+        return call
+
+    def check_ahead(self, start: int, inds: list[mx.array], h: mx.array) -> int | None:
+        """The picks of a run ahead from layer `start` (`inds`, a layer each; h its output), waited for at once: each
+        layer whose every pick the tier held is counted as the usual way would; returns the first that missed one
+        (from there the run is thrown away), or None."""
+        t = time.perf_counter()
+        self.fence(h, *inds)
+        end = start + len(inds) - 1
+        if self.stats is not None:
+            self.stats[end].compute_ms += 1000 * (time.perf_counter() - t)
+        held = self.tier.slot_of
+        for i, a in enumerate(inds, start):
+            st = self.stats[i] if self.stats is not None else LayerStats(layer=i)
+            st.ran_ahead += 1
+            rows: list[list[int]] = a.reshape(-1, a.shape[-1]).tolist()
+            if any((i, e) not in held for row in rows for e in row):
+                if self.stats is not None:
+                    for later in self.stats[i:end + 1]:
+                        later.thrown += 1
+                return i
+            self._gather(i, self._note_picks(i, rows, st), st)
+            self._follow_waste(st.hits_prefetch + st.prefetch_wasted, st.prefetch_wasted)
+            self.miss_rate *= 0.98
+        self.tier.pinned.clear()
+        return None
 
     def _withdraw(self, i: int, experts: list[int], picked: set[int], st: LayerStats) -> None:
         """Layer i picked `experts` (sorted; `picked` as a set): count the picks, withdraw the layer's guesses

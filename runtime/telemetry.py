@@ -27,6 +27,8 @@ class LayerStats:
     landing_ms: float = 0.0  # landing records in their slots beyond the disk wait (copies, the ring's sync, scatters)
     copy_wait_ms: float = 0.0  # of which: waiting for the copy threads (the upload ring)
     sync_ms: float = 0.0  # of which: waiting for MLX to let go of the pools before the ring's scatters
+    ran_ahead: int = 0  # times run ahead of its picks on the hot tier's slots (`StreamingExperts.layers_ahead`)
+    thrown: int = 0  # of those, thrown away and run again: it or a layer before it in the run missed a pick
     experts: list[int] = field(default_factory=list)  # distinct experts picked: the routing trace
 
 

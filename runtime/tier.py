@@ -31,6 +31,10 @@ class HotTier:
         self.n_slots = hot + staging
         self.key_of: list[Key | None] = [None] * self.n_slots
         self.slot_of: dict[Key, int] = {}
+        # slot_of as a flat array, layer * E + expert -> slot, for a decode step run on the device's lookups
+        # (`StreamingExperts.on_hot`); an entry outlives its eviction, so only keys in slot_of are read from it
+        self.E = n_experts
+        self.table = np.zeros(n_layers * n_experts, dtype=np.uint32)
         # picks per (layer, expert) as Python ints: a decode step touches a few of them per layer, where a numpy
         # fancy update cost ~150 us (its code paths cold after each layer's kernels) against ~1 us for the loop
         self.freq: list[list[int]] = [[0] * n_experts for _ in range(n_layers)]
@@ -96,6 +100,7 @@ class HotTier:
             self.evict(old)
         self.key_of[slot] = key
         self.slot_of[key] = slot
+        self.table[key[0] * self.E + key[1]] = slot
         if self.in_tier(slot):
             self.recency[slot] = None
             self.recency.move_to_end(slot)

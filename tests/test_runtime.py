@@ -124,6 +124,24 @@ def test_a_compiled_decode_step_is_the_step_built_op_by_op(tiny_conv, monkeypatc
     assert on == off
 
 
+def test_decode_layers_run_ahead_of_their_picks_give_the_same_bits(small_conv, monkeypatch):
+    """A capped decode step that runs layers on the hot tier's slots before reading their picks (on by default on GPUs,
+    forced on here) gives the logits' bits of the step that waits for each layer's picks, and of the resident run;
+    some runs missed a pick and were thrown away and run again (their caches rewound: Gated DeltaNet and KV)."""
+    from streamoe.runtime import experts as experts_mod
+
+    monkeypatch.setattr(experts_mod, "DECODE_AHEAD", ("cpu", "gpu"))
+    ahead, eng = run_logits(small_conv, 460, steps=40)
+    layers = [ly for s in eng.steps if s.phase == "decode" for ly in s.layers]
+    assert sum(ly.ran_ahead for ly in layers) > 100 and sum(ly.thrown for ly in layers) > 0
+    # each layer's picks counted once, however often it ran: hits and misses of the run kept
+    assert all(ly.picks == ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.hits_host + ly.misses > 0 for ly in layers)
+    monkeypatch.setattr(experts_mod, "DECODE_AHEAD", ())
+    usual, eng = run_logits(small_conv, 460, steps=40)
+    assert not any(ly.ran_ahead for s in eng.steps for ly in s.layers)
+    assert ahead == usual == run_logits(small_conv, None, steps=40)[0]
+
+
 def test_a_closed_engine_frees_its_memory_without_the_cycle_collector(tiny_conv):
     """The compiled step's functions hold their layers weakly: once closed and dropped, an engine's arrays are freed
     at once (a server or a bench opening one engine after another must not hold two models' weights)."""

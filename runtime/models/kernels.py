@@ -811,11 +811,18 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     if step is None:
         rot = rope.prepare(positions) if rope is not None else None
         queue_input = getattr(experts, "queue_input", None)  # a provider may queue each MoE input once built
-        for i, layer in enumerate(layers):
-            h, x, routed = layer.front(h, cache[i], rope, rot)
+        layers_ahead = getattr(experts, "layers_ahead", None)  # and run layers ahead of their picks
+        i = 0
+        while i < len(layers):
+            n = layers_ahead(i, h) if layers_ahead is not None else 0
+            if n > 1:
+                h, i = _run_ahead(layers, h, cache, rope, rot, experts, i, i + n)
+                continue
+            h, x, routed = layers[i].front(h, cache[i], rope, rot)
             if queue_input is not None:
                 queue_input(i, x)
-            h = layer.mlp.finish(i, x, experts, h, *routed)
+            h = layers[i].mlp.finish(i, x, experts, h, *routed)
+            i += 1
         return h
     spans = [(a, min(a + step, h.shape[1])) for a in range(0, h.shape[1], step)]
     rots = [(positions + a if isinstance(positions, int) else positions[..., a:b]) for a, b in spans]
@@ -850,6 +857,29 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
             mx.async_eval(hs[-1])
             queued = hs[-1]
     return mx.concatenate(hs, axis=1)
+
+
+def _run_ahead(layers: list, h: mx.array, cache: list, rope, rot, experts, start: int, end: int) -> tuple[mx.array, int]:
+    """Decode layers start..end-1 over h with each layer's experts computed from the slots the provider's hot tier
+    holds (`experts.on_hot()`), no wait for their picks, then one wait for them all (`experts.check_ahead`). Every
+    layer whose picks were all held computed exactly what it would have the usual way. From the first that missed a
+    pick the run is thrown away: the caches of the layers after it are rewound, and its experts run the usual way
+    (its front, right, is kept). Returns (h after the last layer kept, the next layer to run)."""
+    marks = [cache[i].mark() for i in range(start, end)]
+    on_hot = experts.on_hot()
+    fronts = []
+    for i in range(start, end):
+        hi, x, routed = layers[i].front(h, cache[i], rope, rot)
+        fronts.append((hi, x, routed))
+        h = layers[i].mlp.finish(i, x, on_hot, hi, *routed)
+        mx.async_eval(h)
+    missed = experts.check_ahead(start, [routed[0] for _, _, routed in fronts], h)
+    if missed is None:
+        return h, end
+    for i in range(missed + 1, end):
+        cache[i].rewind(marks[i - start])
+    hi, x, routed = fronts[missed - start]
+    return layers[missed].mlp.finish(missed, x, experts, hi, *routed), missed + 1
 
 
 def _layers_of_one_block(layers: list, h: mx.array, cache: list, rope, rot, experts, prepare) -> mx.array:
