@@ -601,8 +601,9 @@ class StreamingExperts:
         the rest of the run away, so the run is long where misses are rare: sqrt(2 / miss rate) layers keeps the waits
         saved ahead of the layers computed twice (one wait a run against, per miss, half a run recomputed), and
         nothing runs ahead above a miss rate of 2/9. Never while records are still landing in slots."""
-        if (self.backend not in DECODE_AHEAD or self.resident or h.shape[1] != 1 or self.pools.unsettled or self.copy_next is not None
-                or self.miss_rate > 2 / 9):
+        if self.backend not in DECODE_AHEAD or self.resident or h.shape[1] != 1 or self.miss_rate > 2 / 9:
+            return 0
+        if self.pools.unsettled or self.copy_next is not None:
             return 0
         return min(int((2 / max(self.miss_rate, 1e-3)) ** 0.5), self.L - i)
 
@@ -629,15 +630,16 @@ class StreamingExperts:
         end = start + len(inds) - 1
         if self.stats is not None:
             self.stats[end].compute_ms += 1000 * (time.perf_counter() - t)
+        run = self.stats[start:end + 1] if self.stats is not None else []
+        for st in run:
+            st.ran_ahead += 1
         held = self.tier.slot_of
         for i, a in enumerate(inds, start):
             st = self.stats[i] if self.stats is not None else LayerStats(layer=i)
-            st.ran_ahead += 1
             rows: list[list[int]] = a.reshape(-1, a.shape[-1]).tolist()
             if any((i, e) not in held for row in rows for e in row):
-                if self.stats is not None:
-                    for later in self.stats[i:end + 1]:
-                        later.thrown += 1
+                for later in run[i - start:]:
+                    later.thrown += 1
                 return i
             self._gather(i, self._note_picks(i, rows, st), st)
             self._follow_waste(st.hits_prefetch + st.prefetch_wasted, st.prefetch_wasted)

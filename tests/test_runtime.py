@@ -134,6 +134,7 @@ def test_decode_layers_run_ahead_of_their_picks_give_the_same_bits(small_conv, m
     ahead, eng = run_logits(small_conv, 460, steps=40)
     layers = [ly for s in eng.steps if s.phase == "decode" for ly in s.layers]
     assert sum(ly.ran_ahead for ly in layers) > 100 and sum(ly.thrown for ly in layers) > 0
+    assert all(ly.thrown <= ly.ran_ahead for ly in layers)
     # each layer's picks counted once, however often it ran: hits and misses of the run kept
     assert all(ly.picks == ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.hits_host + ly.misses > 0 for ly in layers)
     monkeypatch.setattr(experts_mod, "DECODE_AHEAD", ())
