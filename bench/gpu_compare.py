@@ -119,8 +119,9 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     (the delta rule as the token loop of compiled steps, not the backend's form), `guesswait` (guesses read at the
     demand reads' priority, side by side with them, the older schedule), `wastebudget` (a guess rank needs a fixed
     0.8 precision, the older rule, instead of following the waste budget), `queueoutput` (a layer's routed experts
-    queued with the next layer's mixer, one launch a layer, not on their own: `experts.QUEUE_OUTPUT`), `decodeahead` (each
-    decode layer waits for its picks: no layers run ahead of them, `experts.DECODE_AHEAD`); and one run with a measure added where it
+    queued with the next layer's mixer, one launch a layer, not on their own: `experts.QUEUE_OUTPUT`), `decodeahead` (the other
+    setting of `experts.DECODE_AHEAD` on this backend: on a GPU each decode layer waits for its picks, none runs ahead
+    of them; on the CPU layers run ahead); and one run with a measure added where it
     is off: `eagermixer` (each layer's mixer queued as soon as it is built, on every backend, `experts.EAGER_MIXER`)."""
     from streamoe.runtime import experts as experts_mod
     from streamoe.runtime import store as store_mod
@@ -131,7 +132,9 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     experts_mod.PRECISION_RANGE = (0.8, 0.8) if ablate == "wastebudget" else DEFAULT_PRECISION_RANGE
     experts_mod.EAGER_MIXER = ("cpu", "gpu") if ablate == "eagermixer" else DEFAULT_EAGER_MIXER
     experts_mod.QUEUE_OUTPUT = () if ablate == "queueoutput" else DEFAULT_QUEUE_OUTPUT
-    experts_mod.DECODE_AHEAD = () if ablate == "decodeahead" else DEFAULT_DECODE_AHEAD
+    backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
+    ahead_here = backend in DEFAULT_DECODE_AHEAD
+    experts_mod.DECODE_AHEAD = DEFAULT_DECODE_AHEAD if ablate != "decodeahead" else () if ahead_here else (backend,)
     cap_gib = cap_gib_for(model, cap, experts, dtype)
     gc.collect()  # the previous run's engine (its timing wrapper makes a cycle), so its memory is not counted here
     mx.clear_cache()
@@ -182,7 +185,8 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     picks = sum(ly.picks for ly in lay)
     eng.close()
     ms = float(np.median(times) * 1000)
-    tag = "" if not ablate else "-profiled" if ablate == "profile" else "-eager-mixer" if ablate == "eagermixer" else f"-no-{ablate}"
+    tag = ("" if not ablate else "-profiled" if ablate == "profile" else "-eager-mixer" if ablate == "eagermixer"
+           else f"-decode-ahead-{'off' if ahead_here else 'on'}" if ablate == "decodeahead" else f"-no-{ablate}")
     res = {"tag": f"streamoe-{cap}-{experts}" + tag + (f"-io{io_threads}" if io_threads != 8 else ""), "io_threads": io_threads, "cap_gib": cap_gib, "resident": eng.experts.resident, "open_s": round(open_s, 1),
             "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
             "build_ms": round(float(np.median([st.host_ms for st in dec[-tokens:]])), 2), "main_cpu_ms": round(main_cpu_ms, 2), "compute_ms": round(s["compute_ms"], 2), "io_wait_ms": round(s["io_wait_ms"], 2),

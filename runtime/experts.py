@@ -78,10 +78,11 @@ LAND_IN_READERS = True  # with direct writes, the I/O thread that read a record 
 HITS_FIRST = True  # with direct writes, a decode step's hits compute while its misses are read (StreamingExperts._streamed)
 PREFILL_AHEAD = True  # prefill reads the next layer's likely experts while this one computes (StreamingExperts.prepare)
 # the backends on which a capped decode step runs several layers on the hot tier's slots before it reads their picks,
-# where a layer seldom misses (`StreamingExperts.layers_ahead`): one wait for several layers, not one each. Not on the
-# CPU, where a wait costs little and a thrown-away layer its whole compute: measured 16.5-17.3 against 14.2-14.5 ms a
-# token (qwen3_moe small synthetic, 200 of 512 experts held, about 1 pick in 240 missed);
-# `bench.gpu_compare --ablate decodeahead@CAP` measures it on a GPU)
+# where a layer seldom misses (`StreamingExperts.layers_ahead`): one wait for several layers, not one each. On an H100
+# (qwen3_moe full-size synthetic, --cap 4, 98.5 % of picks held): 28.7-37.7 against 40.0-48.7 ms a token waiting for
+# each layer, 4 interleaved pairs. Not on the CPU, where a wait costs little and a thrown-away layer its whole compute:
+# 15.6-15.8 against 14.6-15.0 ms (qwen3_moe small synthetic, 200 of 512 experts held, 3 interleaved pairs).
+# `bench.gpu_compare --ablate decodeahead@CAP` runs the other setting (docs/performance.md)
 DECODE_AHEAD: tuple[str, ...] = ("gpu",)
 # Where the pools are host memory (the plan's `host_reads`), how a decode step's kernels reach its picks: "take", one
 # gather a segment copies the picks' rows into device memory (a plain copy kernel, many loads in flight) and the
@@ -363,7 +364,7 @@ class StreamingExperts:
         self.resident = hot_slots >= n_layers * n_experts
         # a streamed step on the CPU queues each layer's mixer as soon as it is built (`kernels.run_layers`)
         self.backend = backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
-        self.queue_input = self._queue_input if backend in EAGER_MIXER and not self.resident else None
+        self.queue_input = self.queue if backend in EAGER_MIXER and not self.resident else None
         self.queue_output = backend in QUEUE_OUTPUT
         staging = 0 if self.resident else n_experts
         # resident, the engine would only speed up open, and its host views make the pools managed memory
@@ -524,9 +525,10 @@ class StreamingExperts:
     def resident_experts(self, x: mx.array, inds: mx.array, *views: mx.array) -> mx.array:
         return switch_glu(x, self.lay.weights(list(views)), inds, self.kernel, self.streams)
 
-    def _queue_input(self, i: int, x: mx.array) -> None:
-        """Queue layer i's MoE input (its mixer) as soon as it is built. On the CPU `mx.async_eval` of small
-        kernels holds the calling thread for about their compute, so that time is the layer's compute."""
+    def queue(self, i: int, x: mx.array) -> None:
+        """Queue layer i's MoE input (its mixer) as soon as it is built, or its output in a run ahead. On the CPU
+        `mx.async_eval` of small kernels holds the calling thread for about their compute, so that time is the
+        layer's compute."""
         t = time.perf_counter()
         mx.async_eval(x)
         if self.stats is not None:

@@ -790,7 +790,9 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     `finish(i, x, experts, h, *routed)` (the block's output added to h). positions: the
     int position of h's first token, or positions as the family's `rope.prepare` takes them (None: no layer
     rotates). `experts(i, x, inds)` gives layer i's picks' outputs [..., k, H]; a provider with `queue_input(i, x)`
-    (one decode step waiting per layer for its picks) gets each layer's MoE input as soon as it is built.
+    (one decode step waiting per layer for its picks) gets each layer's MoE input as soon as it is built, and one
+    with `layers_ahead(i, h)` runs as many decode layers from i ahead of their picks (`_run_ahead`: its `on_hot`,
+    `queue` and `check_ahead`).
 
     `step` (prefill): each layer runs over h in blocks of `step` tokens, one after another, before the next
     layer starts. Block j of layer i then sees exactly what it would in a call of its own (its input, the
@@ -872,7 +874,7 @@ def _run_ahead(layers: list, h: mx.array, cache: list, rope, rot, experts, start
         hi, x, routed = layers[i].front(h, cache[i], rope, rot)
         fronts.append((hi, x, routed))
         h = layers[i].mlp.finish(i, x, on_hot, hi, *routed)
-        mx.async_eval(h)
+        experts.queue(i, h)  # each layer queued as built: the device computes while the host builds the next
     missed = experts.check_ahead(start, [routed[0] for _, _, routed in fronts], h)
     if missed is None:
         return h, end
