@@ -866,7 +866,9 @@ def _run_ahead(layers: list, h: mx.array, cache: list, rope, rot, experts, start
     holds (`experts.on_hot()`), no wait for their picks, then one wait for them all (`experts.check_ahead`). Every
     layer whose picks were all held computed exactly what it would have the usual way. From the first that missed a
     pick the run is thrown away: the caches of the layers after it are rewound, and its experts run the usual way
-    (its front, right, is kept). Returns (h after the last layer kept, the next layer to run)."""
+    (its front, right, is kept). Returns (h after the last layer kept, the next layer to run). The marks hold each
+    Gated DeltaNet layer's previous state until the wait (2 MiB a layer at Qwen3.6's full size, a few dozen MiB for
+    a whole run), inside an activation account sized for a prefill step (hundreds of MiB)."""
     marks = [cache[i].mark() for i in range(start, end)]
     on_hot = experts.on_hot()
     fronts = []
