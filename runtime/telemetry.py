@@ -81,6 +81,9 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int, host: tuple[int
         "hit_rate": hits / picks if picks else (1.0 if work and not read else 0.0),
         "read_ahead_rate": ahead / picks if picks else 0.0, "mib_read_token": read / MiB / max(1, len(work)),
         "host_hit_rate": from_host / picks if picks else 0.0,
+        # decode layers run ahead of their picks, and thrown away and run again, per layer a token needs
+        "ran_ahead": sum(ly.ran_ahead for s in work for ly in s.layers) / max(1, sum(len(s.layers) for s in work)),
+        "thrown": sum(ly.thrown for s in work for ly in s.layers) / max(1, sum(len(s.layers) for s in work)),
         "mib_host_token": sum(ly.bytes_host for s in work for ly in s.layers) / MiB / max(1, len(work)),
         "disk_busy": busy / work_ms if work_ms else 0.0,  # near 1: the disk is what bounds decode
         "peak_gib": peak_bytes / (1 << 30), "cap_gib": cap / (1 << 30),
@@ -105,6 +108,7 @@ def summary_line(s: dict) -> str:
             + (f", +{100 * s['host_hit_rate']:.1f}% from the host tier, {s['mib_host_token']:.2f} MiB/token"
                if s.get("mib_host_token") else "") + "), "
             f"{s['mib_read_token']:.2f} MiB read/token" + (f", disk busy {100 * s['disk_busy']:.0f}%" if s["mib_read_token"] else "")
+            + (f", layers run ahead {100 * s['ran_ahead']:.0f}% ({100 * s['thrown']:.0f}% thrown)" if s.get("ran_ahead") else "")
             + f"; peak {s['peak_gib']:.2f} of {s['cap_gib']:.2f} GiB"
             + (f" on the device, host {s['host_peak_gib']:.2f}" + (f" of {s['host_cap_gib']:.2f} GiB" if s["host_cap_gib"] else " GiB")
                if "host_peak_gib" in s else "") + "; "

@@ -135,11 +135,15 @@ def test_decode_layers_run_ahead_of_their_picks_give_the_same_bits(small_conv, m
     layers = [ly for s in eng.steps if s.phase == "decode" for ly in s.layers]
     assert sum(ly.ran_ahead for ly in layers) > 100 and sum(ly.thrown for ly in layers) > 0
     assert all(ly.thrown <= ly.ran_ahead for ly in layers)
+    summary = summarize(eng.steps, eng.peak_rss, eng.plan.cap)
+    assert summary["thrown"] == sum(ly.thrown for ly in layers) / len(layers) > 0
+    assert f"layers run ahead {100 * summary['ran_ahead']:.0f}% (" in summary_line(summary)
     # each layer's picks counted once, however often it ran: hits and misses of the run kept
     assert all(ly.picks == ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.hits_host + ly.misses > 0 for ly in layers)
     monkeypatch.setattr(experts_mod, "DECODE_AHEAD", ())
     usual, eng = run_logits(small_conv, 460, steps=40)
     assert not any(ly.ran_ahead for s in eng.steps for ly in s.layers)
+    assert "run ahead" not in summary_line(summarize(eng.steps, eng.peak_rss, eng.plan.cap))
     assert ahead == usual == run_logits(small_conv, None, steps=40)[0]
 
 
