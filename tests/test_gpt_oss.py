@@ -22,7 +22,7 @@ from streamoe.formats.layout import source_layout
 from streamoe.formats.manifest import load_manifest
 
 from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line
-from .test_runtime import PROMPTS, compiled_step_bits, reference, run_logits, teacher_forced
+from .test_runtime import PROMPTS, compiled_step_bits, reference, run_ahead_bits, run_logits, teacher_forced
 
 FULL_TOTAL = 12_076_119_168  # gpt-oss-20b-MXFP4-Q8: MXFP4 experts, every other module 8-bit, vocab 201,088
 FULL_TENSORS = 775
@@ -295,6 +295,13 @@ def test_a_compiled_decode_step_is_the_step_built_op_by_op(conv, monkeypatch):
     bits of the step built op by op."""
     on, off = compiled_step_bits(conv, monkeypatch, None)
     assert on == off
+
+
+def test_decode_layers_run_ahead_of_their_picks_give_the_same_bits(conv, monkeypatch):
+    """Decode layers run ahead of their picks, thrown away and rewound where one missed, over sliding-window and
+    full layers with sinks and a q8 KV cache: the bits of each layer waiting for its picks, and of the resident run."""
+    ahead, usual, resident = run_ahead_bits(conv, monkeypatch, 16, kv="q8")
+    assert ahead == usual == resident
 
 
 @pytest.mark.parametrize("kv", ["auto", "q8"])
