@@ -42,7 +42,8 @@
 #                                first quantized_matmul alone, GPU against CPU and against itself rerun, over dtypes, bits, modes, K and M (--qmm-sweep)
 #   FAMILY=qwen3_moe bash bench/h200.sh family  # (FREE=1: every other checkpoint removed first, for disk room) a full-size
 #                                synthetic checkpoint of FAMILY (qwen3_moe, gpt_oss, mixtral) in its own expert format: resident decode
-#                                against stock mlx-lm in interleaved rounds, then --cap 4 against the disk
+#                                against stock mlx-lm in interleaved rounds, then --cap 4 against the disk and against
+#                                each layer waiting for its picks (`decodeahead`; ABLATE=, CAPPED_ONLY=1, ROUNDS_ONLY=1)
 #   bash bench/h200.sh peers     # (a fresh machine: before `setup`) long-prompt prefill at --cap 4 beside mlx-vlm's expert offload
 #                                at the same expert budget and resident mlx-lm (bench/prefill_peers.py; PROMPTS=, ENGINES=)
 #   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile: host reads, the host tier, and the host tier with MLX's CUDA graphs
