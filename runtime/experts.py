@@ -528,10 +528,10 @@ class StreamingExperts:
     def queue(self, i: int, x: mx.array) -> None:
         """Queue layer i's MoE input (its mixer) as soon as it is built, or its output in a run ahead. On the CPU
         `mx.async_eval` of small kernels holds the calling thread for about their compute, so that time is the
-        layer's compute."""
+        layer's compute; on a GPU it is the host's, encoding the kernels (the wait for them is the next fence's)."""
         t = time.perf_counter()
         mx.async_eval(x)
-        if self.stats is not None:
+        if self.stats is not None and self.backend == "cpu":
             self.stats[i].compute_ms += 1000 * (time.perf_counter() - t)
 
     def _compute(self, x: mx.array, slots: mx.array) -> mx.array:
@@ -618,7 +618,7 @@ class StreamingExperts:
 
         def call(i: int, x: mx.array, inds: mx.array) -> mx.array:
             shape, k = x.shape, inds.shape[-1]
-            slots = mx.take(table, inds.reshape(-1, k) + i * self.E)
+            slots = mx.take(table[i * self.E:(i + 1) * self.E], inds.reshape(-1, k))  # a view: one kernel, the take
             return self._compute(x.reshape(-1, shape[-1]), slots).reshape(*shape[:-1], k, shape[-1])
 
         return call
