@@ -364,7 +364,9 @@ class StreamingExperts:
         self.resident = hot_slots >= n_layers * n_experts
         # a streamed step on the CPU queues each layer's mixer as soon as it is built (`kernels.run_layers`)
         self.backend = backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
-        self.queue_input = self.queue if backend in EAGER_MIXER and not self.resident else None
+        # (a flag, not the bound method: that kept on self would make a cycle, and a closed engine's pools would
+        # outlive it until Python's cycle collector ran)
+        self.eager_mixer = backend in EAGER_MIXER and not self.resident
         self.queue_output = backend in QUEUE_OUTPUT
         staging = 0 if self.resident else n_experts
         # resident, the engine would only speed up open, and its host views make the pools managed memory

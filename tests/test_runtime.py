@@ -154,16 +154,22 @@ def test_decode_layers_run_ahead_of_their_picks_give_the_same_bits(small_conv, m
     assert ahead == usual == resident
 
 
-def test_a_closed_engine_frees_its_memory_without_the_cycle_collector(tiny_conv):
-    """The compiled step's functions hold their layers weakly: once closed and dropped, an engine's arrays are freed
-    at once (a server or a bench opening one engine after another must not hold two models' weights)."""
+@pytest.mark.parametrize("slots", [None, 24])
+def test_a_closed_engine_frees_its_memory_without_the_cycle_collector(tiny_conv, slots):
+    """Nothing an engine keeps refers back to it: the compiled step's functions hold their layers weakly, the experts
+    provider keeps no bound method of its own. Once closed and dropped, an engine's arrays are freed at once, resident
+    and capped (a server or a bench opening one engine after another must not hold two models' weights)."""
     import gc
 
     gc.collect()
     gc.disable()
     try:
         base = mx.get_active_memory()
-        eng = Engine(tiny_conv, Options(cap_gib=64, ctx=64, runtime_bytes=RUNTIME))
+        o = dict(ctx=64, runtime_bytes=RUNTIME)
+        p = plan_for(tiny_conv, Options(cap_gib=64, **o))
+        cap = 64.0 if slots is None else (p.fixed + slots * p.slot_bytes + 1) / 2**30
+        eng = Engine(tiny_conv, Options(cap_gib=cap, **o))
+        assert eng.experts.resident == (slots is None)
         tok = int(np.array(eng.prefill(eng.text.encode(PROMPTS[0]))).argmax())
         for _ in range(2):
             tok = int(np.array(eng.forward([tok], "decode")).argmax())

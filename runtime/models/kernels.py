@@ -789,8 +789,9 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     (the same and x's routing; compiled for one token) and `mlp` with `route(x) -> routed` and
     `finish(i, x, experts, h, *routed)` (the block's output added to h). positions: the
     int position of h's first token, or positions as the family's `rope.prepare` takes them (None: no layer
-    rotates). `experts(i, x, inds)` gives layer i's picks' outputs [..., k, H]; a provider with `queue_input(i, x)`
-    (one decode step waiting per layer for its picks) gets each layer's MoE input as soon as it is built, and one
+    rotates). `experts(i, x, inds)` gives layer i's picks' outputs [..., k, H]; a provider whose `eager_mixer` is set
+    (one decode step waiting per layer for its picks) gets each layer's MoE input as soon as it is built
+    (`queue(i, x)`), and one
     with `layers_ahead(i, h)` runs as many decode layers from i ahead of their picks (`_run_ahead`: its `on_hot`,
     `queue` and `check_ahead`).
 
@@ -812,7 +813,7 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     the host's part, still overlaps the device's run of the block before it."""
     if step is None:
         rot = rope.prepare(positions) if rope is not None else None
-        queue_input = getattr(experts, "queue_input", None)  # a provider may queue each MoE input once built
+        queue_input = experts.queue if getattr(experts, "eager_mixer", False) else None  # each MoE input once built
         layers_ahead = getattr(experts, "layers_ahead", None)  # and run layers ahead of their picks
         i = 0
         while i < len(layers):
