@@ -16,6 +16,10 @@ fixed picks two ways: as the engine calls them (`gather_qmm` over one batch per 
 kernel then runs 16-row tiles of one row each) and grouped by expert (one batch of up to 16 rows per expert,
 padded), the grouping made on the host from the picks' expert ids. Their largest difference is reported.
 
+`step_ops`: the primitives of one decode step's graph, by kind, for each engine (views, which launch nothing,
+counted apart): on a GPU nearly every other primitive is a kernel that `mx.async_eval` encodes, most of a
+resident token's host time there.
+
 Then greedy decode loops, pipelined as stock mlx-lm's `generate_step` is (the next step is queued before
 this token is read), each token split into `build_ms` (the host builds the next step), `async_ms` (the
 `mx.async_eval` call: launches, and any wait hidden inside it) and `wait_ms` (reading this token). The host's
@@ -33,6 +37,7 @@ import cProfile
 import io
 import json
 import pstats
+import re
 import time
 from pathlib import Path
 
@@ -226,6 +231,41 @@ class WholePool:
 VARIANTS = ("whole_pool", "gdn_ops", "own_stream")
 
 
+VIEWS = {"Reshape", "Broadcast", "ExpandDims", "Squeeze", "AsStrided", "Transpose", "StopGradient", "Depends", "Slice",
+         "Split"}
+
+
+def graph_ops(out: mx.array) -> dict:
+    """The primitives of out's graph (unevaluated), by kind: {"kernels": n, "views": n, "by_kind": {...}}."""
+    text = io.StringIO()
+    mx.export_to_dot(text, out)
+    kinds: dict = {}
+    for label in re.findall(r'\d+ \[label ="([^"]*)"', text.getvalue()):
+        kind = label.split()[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    views = sum(n for k, n in kinds.items() if k in VIEWS)
+    return {"kernels": sum(kinds.values()) - views, "views": views,
+            "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
+
+
+def step_ops(eng: Engine, ref, ids: list[int]) -> dict:
+    """One decode step's primitives for each engine, after the same prompt fed token by token."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    rc = make_prompt_cache(ref)
+    for t in ids:
+        mx.eval(ref(mx.array([[t]]), cache=rc))
+    theirs = graph_ops(ref(mx.array([[ids[-1]]]), cache=rc))
+    eng.reset()
+    for t in ids:
+        mx.eval(eng.decode(t))
+    logits = eng._step(eng.model.embed(mx.array([[ids[-1]]], dtype=mx.uint32)), "decode")
+    ours = graph_ops(logits)
+    eng._finish(logits)
+    eng.reset()
+    return {"streamoe": ours, "mlx_lm": theirs}
+
+
 def loops(eng: Engine, ref, tk, ids: list[int], n: int, variants: list[str], rounds: int = 3) -> dict:
     """`stock_generate_ms`: mlx-lm's own `stream_generate` on the same prompt, right after its loop here;
     `engine_generate_ms`: streamoe's own `Engine.generate` (greedy), right after its loop."""
@@ -331,6 +371,8 @@ def main() -> None:
             res["parts"][name] = row
     for name, row in res["parts"].items():
         print(name, json.dumps(row), flush=True)
+    res["step_ops"] = step_ops(eng, ref, list(range(100, 108)))
+    print("step_ops", {k: (v["kernels"], v["views"]) for k, v in res["step_ops"].items()}, flush=True)
     res["loops"] = loops(eng, ref, load_tokenizer(a.ckpt), list(range(100, 116)), a.tokens, [v for v in a.variants.split(",") if v],
                          a.rounds) if a.rounds else {}
     eng.close()
