@@ -630,12 +630,25 @@ def expert_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
     `rhs_indices`), each projection followed by its bias where the experts have them."""
     def qmm(a, wq, s, b, bias):
         # scales/biases at x's dtype (the pools hold them so): mixed dtypes would cast the whole stacked array
-        y = mx.gather_qmm(a, wq, s, b, rhs_indices=slots, transpose=True, group_size=kernel.group_size,
-                          bits=kernel.bits, mode=kernel.mode)
+        y = mx.gather_qmm(a, wq, s, b, lhs_indices=batch_indices(a.shape[:-2]), rhs_indices=slots, transpose=True,
+                          group_size=kernel.group_size, bits=kernel.bits, mode=kernel.mode)
         return y if bias is None else y + mx.expand_dims(bias[slots], -2)
 
     h = kernel.act(qmm(x, w.gate_w, w.gate_s, w.gate_b, w.gate_bias), qmm(x, w.up_w, w.up_s, w.up_b, w.up_bias))
     return qmm(h, w.down_w, w.down_s, w.down_b, w.down_bias)
+
+
+BATCH_INDICES_MAX = 4096  # a decode step's batches and small prefill blocks; beyond, `gather_qmm` makes its own
+
+
+@functools.lru_cache(maxsize=64)
+def batch_indices(shape: tuple[int, ...]) -> mx.array | None:
+    """The indices `gather_qmm` takes x's batch dimensions by when given none (0, 1, ... over `shape`), as a constant
+    made once per shape. Left out, they are an `arange` in every call: on CUDA a kernel of its own, three a layer
+    of a decode step (120 of a Qwen3.6 token's 1,356 kernels, `bench/gpu_parts.py`'s `step_ops`). The same
+    values either way, so the same bits. None for shapes past BATCH_INDICES_MAX (a prefill's: the default)."""
+    n = math.prod(shape)
+    return mx.array(np.arange(n, dtype=np.uint32).reshape(shape)) if n <= BATCH_INDICES_MAX else None
 
 
 def grouped_batches(pairs: int, n_experts: int) -> tuple[int, int]:
