@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from ...formats.config import PREFIX, ModelArgs
 from .cache import GDNCache, KVCache, QuantizedKVCache
-from .delta_rule import conv_silu, gated_delta
+from .delta_rule import causal_conv, gated_delta
 from .kernels import (
     GroupedAttention,
     Loader,
@@ -86,10 +86,7 @@ class GatedDeltaNet:
         qkv, z, b, a = self.in_proj(x)
         z = z.reshape(B, L, self.hv, self.dv)
 
-        # causal depthwise convolution over [last K-1 inputs | this call's inputs], then SiLU
-        seq = mx.concatenate([conv, qkv.astype(conv.dtype)], axis=1)
-        conv = mx.contiguous(seq[:, L:, :])
-        mixed = conv_silu(seq, self.conv)
+        mixed, conv = causal_conv(conv, qkv.astype(conv.dtype), self.conv)
 
         qk = mixed[..., : 2 * self.hk * self.dk]
         qk = mx.fast.rms_norm(qk.reshape(B, L, 2 * self.hk, self.dk), None, self.qk_eps) * self.qk_scale
