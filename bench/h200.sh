@@ -10,6 +10,8 @@
 #   bash bench/h200.sh compare   # streamoe vs stock mlx-lm side by side: resident and --cap 4 (q4), --cap 4 (q3); the capped
 #                                runs twice, interleaved with a fixed guess gate (a 0.8 precision, no waste
 #                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
+#   bash bench/h200.sh gpuexact  # the GPU tests a change to the decode step's kernels must pass first (bits across caps,
+#                                compiled against op by op, the run ahead, hidden states, grouped experts, the families)
 #   bash bench/h200.sh gpurest   # test_gpu.py's last tests (quantized KV on; the ones a cut gputest run has not reached)
 #   bash bench/h200.sh gpuhost   # the GPU tests of the host tier (records by the copy engine and by the upload ring) and
 #                                of capped decode never copying a pool
@@ -61,7 +63,7 @@ mkdir -p "$S" "$OUT"
 export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1
 cd "$REPO"
 # a test past TEST_LIMIT seconds: every thread's stack, then the run ends (a timer thread: a signal would wait for MLX)
-PYTEST="python3 -m pytest -vv -rA --tb=short -p no:cacheprovider -o timeout=${TEST_LIMIT:-240} -o timeout_method=thread -m gpu"
+PYTEST="python3 -m pytest -vv -rA --durations=0 --tb=short -p no:cacheprovider -o timeout=${TEST_LIMIT:-240} -o timeout_method=thread -m gpu"
 case "$1" in
   lease)
     # The same command in every call of a lease, so nothing has to be decided between calls (an idle machine is
@@ -120,6 +122,13 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     ;;
   gputest)
     $PYTEST tests/test_gpu_families.py tests/test_gpu.py 2>&1 | tee "$OUT/gputest-h200.log"
+    ;;
+  gpuexact)
+    # what a change to the decode step's kernels must keep, first: logits across caps, tiers and runs, the compiled
+    # step against the step built op by op, the run ahead, hidden states against mlx-lm, the grouped experts' bits,
+    # and every family's bits and tokens
+    { $PYTEST tests/test_gpu.py -k "logits_bit_identical_across_caps_prefetch or compiled_decode_step or run_ahead or hidden_states or grouped" || true
+      $PYTEST tests/test_gpu_families.py; } 2>&1 | tee "$OUT/gputest-exact-h200.log"
     ;;
   gpurest)
     # quantized KV last: on code 16549e3 and 413b791 its q4 case ran past 400 s (a hang or a slow compile)
