@@ -70,7 +70,7 @@ gpu_tests() {
   local passed=/root/lease/passed-$STEP skip=()
   mkdir -p /root/lease
   if [ -f "$passed" ]; then while read -r t; do skip+=(--deselect "$t"); done < "$passed"; fi
-  $PYTEST "$@" ${skip[@]+"${skip[@]}"} 2>&1 | tee >(grep -oE '^[^ ]+::[^ ]+ PASSED' | awk '{print $1}' >> "$passed")
+  $PYTEST "$@" ${skip[@]+"${skip[@]}"} 2>&1 | tee >(grep --line-buffered -oE '^[^ ]+::[^ ]+ PASSED' | awk '{print $1; fflush()}' >> "$passed")
 }
 STEP=${1:-}
 case "$1" in

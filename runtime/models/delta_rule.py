@@ -39,12 +39,13 @@ def gdn_form() -> str:
 
 
 @mx.compile
-def causal_conv(window: mx.array, x: mx.array, w: mx.array) -> tuple[mx.array, mx.array]:
+def causal_conv(window: mx.array, x: mx.array, w: list[mx.array]) -> tuple[mx.array, mx.array]:
     """Causal depthwise convolution of x [B, L, C] after `window` [B, K-1, C] (the last K-1 inputs before it) with
-    w [C, K], taps summed left to right, then SiLU; and the next window. One token (a decode step) reads its taps
-    straight from the window and x: no [window | x] copy, and the next window is a new array rather than a copy of
-    part of one (two kernels a layer fewer on a GPU, the same arithmetic)."""
-    K, L = w.shape[1], x.shape[1]
+    the K taps' weights w (each [C], contiguous: `conv_taps`), summed left to right, then SiLU; and the next
+    window. One token (a decode step) reads its taps straight from the window and x: no [window | x] copy, and
+    the next window is a new array rather than a copy of part of one (two kernels a layer fewer on a GPU, the
+    same arithmetic)."""
+    K, L = len(w), x.shape[1]
     if L == 1:
         taps = [window[:, j : j + 1] for j in range(K - 1)] + [x]
         nxt = mx.concatenate([window[:, 1:], x], axis=1) if K > 1 else window
@@ -52,10 +53,16 @@ def causal_conv(window: mx.array, x: mx.array, w: mx.array) -> tuple[mx.array, m
         seq = mx.concatenate([window, x], axis=1)
         taps = [seq[:, j : j + L] for j in range(K)]
         nxt = mx.contiguous(seq[:, L:])
-    conv = taps[0] * w[:, 0]
+    conv = taps[0] * w[0]
     for j in range(1, K):
-        conv = conv + taps[j] * w[:, j]
+        conv = conv + taps[j] * w[j]
     return nn.silu(conv), nxt
+
+
+def conv_taps(w: mx.array) -> list[mx.array]:
+    """A depthwise convolution's weights w [C, K] as K contiguous [C] arrays, made once at load: each step's
+    `w[:, j]` would be two graph nodes a tap (a slice and a squeeze), 240 of a Qwen3.6 decode token's."""
+    return [mx.contiguous(w[:, j]) for j in range(w.shape[1])]
 
 
 def gated_delta(qk: mx.array, conv: mx.array, log_g: mx.array, beta: mx.array, state: mx.array,

@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from ...formats.config import PREFIX, ModelArgs
 from .cache import GDNCache, KVCache, QuantizedKVCache
-from .delta_rule import causal_conv, gated_delta
+from .delta_rule import causal_conv, conv_taps, gated_delta
 from .kernels import (
     GroupedAttention,
     Loader,
@@ -69,7 +69,7 @@ class GatedDeltaNet:
         value_dim, conv_dim = self.hv * self.dv, args.conv_dim
         self.in_proj = Projections(ld, [(f"{p}in_proj_qkv", conv_dim), (f"{p}in_proj_z", value_dim),
                                         (f"{p}in_proj_b", self.hv), (f"{p}in_proj_a", self.hv)], H)
-        self.conv = ld.float(f"{p}conv1d.weight", (conv_dim, self.kernel, 1))[..., 0]  # [C, K]
+        self.conv = conv_taps(ld.float(f"{p}conv1d.weight", (conv_dim, self.kernel, 1))[..., 0])  # K of [C]
         self.dt_bias = ld.float(f"{p}dt_bias", (self.hv,))
         self.A_log = ld.float(f"{p}A_log", (self.hv,), dtype=mx.float32)
         self.norm = ld.float(f"{p}norm.weight", (self.dv,))
