@@ -147,10 +147,11 @@ class GDNCache:
     """State of one Gated DeltaNet layer.
 
     conv:  [B, K-1, conv_dim] the last K-1 inputs of the causal depthwise convolution (zeros at the start),
-           in the activation dtype.
+           in the activation dtype; held as `rows`, one [B, 1, conv_dim] array each, oldest first, so a decode
+           step reads its taps and hands on its window without copying either (`delta_rule.causal_conv`).
     state: [B, Hv, dv, dk] the recurrent (delta-rule) state, always float32.
 
-    The layer replaces both arrays on every call (never writes into them), so a mark is the two arrays.
+    The layer replaces the rows and the state on every call (never writes into them), so a mark is the arrays.
     """
 
     fields = ("conv", "state")
@@ -159,10 +160,20 @@ class GDNCache:
     def __init__(
         self, batch: int, conv_kernel: int, conv_dim: int, n_v_heads: int, dv: int, dk: int, dtype=mx.float32
     ):
-        self.conv = mx.zeros((batch, conv_kernel - 1, conv_dim), dtype=dtype)
+        self.empty_window = mx.zeros((batch, 0, conv_dim), dtype=dtype)  # a kernel of one tap keeps no window
+        self.rows = tuple(mx.zeros((batch, 1, conv_dim), dtype=dtype) for _ in range(conv_kernel - 1))
         self.state = mx.zeros((batch, n_v_heads, dv, dk), dtype=mx.float32)
-        mx.eval(self.conv, self.state)
+        mx.eval(self.rows, self.state, self.empty_window)
         self.offset = 0
+
+    @property
+    def conv(self) -> mx.array:
+        """The window as one array [B, K-1, conv_dim] (lazy: what sessions and snapshots save)."""
+        return mx.concatenate(self.rows, axis=1) if self.rows else self.empty_window
+
+    @conv.setter
+    def conv(self, value: mx.array) -> None:
+        self.rows = tuple(mx.split(value, value.shape[1], axis=1)) if value.shape[1] else ()
 
     def state_tensors(self) -> list[tuple[str, mx.array]]:
         return [(f, getattr(self, f)) for f in self.fields]
@@ -175,13 +186,14 @@ class GDNCache:
         setattr(self, field, value)
         mx.eval(value)
 
-    def mark(self) -> tuple[int, mx.array, mx.array]:
-        return self.offset, self.conv, self.state
+    def mark(self) -> tuple[int, tuple[mx.array, ...], mx.array]:
+        return self.offset, self.rows, self.state
 
-    def rewind(self, mark: tuple[int, mx.array, mx.array]) -> None:
-        self.offset, self.conv, self.state = mark
+    def rewind(self, mark: tuple[int, tuple[mx.array, ...], mx.array]) -> None:
+        self.offset, self.rows, self.state = mark
 
     def clear(self) -> None:
-        self.conv, self.state = mx.zeros_like(self.conv), mx.zeros_like(self.state)
-        mx.eval(self.conv, self.state)
+        self.rows = tuple(mx.zeros_like(r) for r in self.rows)
+        self.state = mx.zeros_like(self.state)
+        mx.eval(self.rows, self.state)
         self.offset = 0

@@ -39,20 +39,20 @@ def gdn_form() -> str:
 
 
 @mx.compile
-def causal_conv(window: mx.array, x: mx.array, w: list[mx.array]) -> tuple[mx.array, mx.array]:
-    """Causal depthwise convolution of x [B, L, C] after `window` [B, K-1, C] (the last K-1 inputs before it) with
-    the K taps' weights w (each [C], contiguous: `conv_taps`), summed left to right, then SiLU; and the next
-    window. One token (a decode step) reads its taps straight from the window and x: no [window | x] copy, and
-    the next window is a new array rather than a copy of part of one (two kernels a layer fewer on a GPU, the
-    same arithmetic)."""
+def causal_conv(window: tuple[mx.array, ...], x: mx.array, w: list[mx.array]) -> tuple[mx.array, tuple[mx.array, ...]]:
+    """Causal depthwise convolution of x [B, L, C] after `window` (the last K-1 inputs before it, one [B, 1, C]
+    array each, oldest first: `GDNCache.rows`) with the K taps' weights w (each [C], contiguous: `conv_taps`),
+    summed left to right, then SiLU; and the next window. One token (a decode step) reads its taps straight from
+    the window and x, and the next window is the last K-2 rows and x: no copy of either (on a GPU a concatenation
+    and a contiguous copy a layer fewer than through a [window | x] array, the same arithmetic)."""
     K, L = len(w), x.shape[1]
     if L == 1:
-        taps = [window[:, j : j + 1] for j in range(K - 1)] + [x]
-        nxt = mx.concatenate([window[:, 1:], x], axis=1) if K > 1 else window
+        taps = [*window, x]
+        nxt = (*window[1:], x) if K > 1 else ()
     else:
-        seq = mx.concatenate([window, x], axis=1)
+        seq = mx.concatenate([*window, x], axis=1)
         taps = [seq[:, j : j + L] for j in range(K)]
-        nxt = mx.contiguous(seq[:, L:])
+        nxt = tuple(mx.split(mx.contiguous(seq[:, L:]), K - 1, axis=1)) if K > 1 else ()
     conv = taps[0] * w[0]
     for j in range(1, K):
         conv = conv + taps[j] * w[j]

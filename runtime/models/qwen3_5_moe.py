@@ -78,15 +78,15 @@ class GatedDeltaNet:
         self.qk_scale = mx.array([inv**2] * self.hk + [inv] * self.hk, dtype=ld.dtype)[:, None]
         self.qk_eps = 1e-6 * inv**2  # 1e-6 on the sum of squares, as rms_norm's eps on their mean
 
-    def step(self, x: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def step(self, x: mx.array, conv: tuple[mx.array, ...], state: mx.array) -> tuple[mx.array, tuple, mx.array]:
         """(the mixer's output, the new convolution window, the new state) of x [B, L, H] after `conv` (the last
-        K-1 inputs of the convolution, a `GDNCache`'s) and `state` (its recurrent state): a pure function of its
-        inputs, so a decode step compiles."""
+        K-1 inputs of the convolution, a `GDNCache`'s rows) and `state` (its recurrent state): a pure function of
+        its inputs, so a decode step compiles."""
         B, L, _ = x.shape
         qkv, z, b, a = self.in_proj(x)
         z = z.reshape(B, L, self.hv, self.dv)
 
-        mixed, conv = causal_conv(conv, qkv.astype(conv.dtype), self.conv)
+        mixed, conv = causal_conv(conv, qkv.astype(self.conv[0].dtype), self.conv)
 
         qk = mixed[..., : 2 * self.hk * self.dk]
         qk = mx.fast.rms_norm(qk.reshape(B, L, 2 * self.hk, self.dk), None, self.qk_eps) * self.qk_scale
@@ -175,7 +175,7 @@ class DecoderLayer(PreNormLayer):
     def mix(self, h: mx.array, cache, rope: MRoPE, rot) -> tuple[mx.array, mx.array]:
         if not self.is_linear:
             return super().mix(h, cache, rope, rot)
-        h, x, cache.conv, cache.state = self.gdn_mix(h, cache.conv, cache.state)
+        h, x, cache.rows, cache.state = self.gdn_mix(h, cache.rows, cache.state)
         cache.offset += h.shape[1]
         return h, x
 
@@ -183,17 +183,17 @@ class DecoderLayer(PreNormLayer):
         """A Gated DeltaNet layer's one-token call is one compiled function of (h, its cache's two arrays)."""
         if not self.is_linear or not compiles(h):
             return super().front(h, cache, rope, rot)
-        h, x, *routed, cache.conv, cache.state = compiled(self.gdn_front)(h, cache.conv, cache.state)
+        h, x, *routed, cache.rows, cache.state = compiled(self.gdn_front)(h, cache.rows, cache.state)
         cache.offset += 1
         return h, x, routed
 
-    def gdn_mix(self, h: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, ...]:
+    def gdn_mix(self, h: mx.array, conv: tuple[mx.array, ...], state: mx.array) -> tuple:
         """(h + Gated DeltaNet(norm(h)), the MoE block's input, the cache's new conv window and state)."""
         r, conv, state = self.linear_attn.step(mx.fast.rms_norm(h, self.input_layernorm, self.eps), conv, state)
         h = h + r
         return h, self.moe_input(h), conv, state
 
-    def gdn_front(self, h: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, ...]:
+    def gdn_front(self, h: mx.array, conv: tuple[mx.array, ...], state: mx.array) -> tuple:
         h, x, conv, state = self.gdn_mix(h, conv, state)
         return (h, x, *self.mlp.route(x), conv, state)
 
