@@ -458,7 +458,9 @@ def state_bytes(a: ModelArgs, ctx: int, kv_item: int, kv_bits: int | None = None
     row = hd * kv_item if kv_bits is None else hd * kv_bits // 8 + 2 * (hd // KV_GROUP) * kv_item
     kv = n_full * 2 * a.num_key_value_heads * row * ctx
     rec = a.value_dim * a.linear_key_head_dim
-    lin = (a.num_hidden_layers - n_full) * ((a.linear_conv_kernel_dim - 1) * a.conv_dim + rec) * 4
+    # a Gated DeltaNet window's K-1 rows are each a view of its token's whole input projection row (`GDNCache.rows`)
+    window = (a.linear_conv_kernel_dim - 1) * (a.conv_dim + a.value_dim + 2 * a.linear_num_value_heads)
+    lin = (a.num_hidden_layers - n_full) * (window + rec) * 4
     return kv, lin
 
 

@@ -48,9 +48,10 @@ RUNTIME = 256 * MiB  # given: the interpreter allowance (measured at open when n
 # Hand-computed accounts at ctx 4096, prefill chunk 256, float32 activations and KV cache.
 # 10 full-attention layers x (K, V) x 2 KV heads x head_dim 256 x 4096 tokens x 4 bytes
 KV = 10 * 2 * 2 * 256 * 4096 * 4
-# 30 Gated DeltaNet layers x (conv window (K-1) x conv_dim + recurrent state value_dim x key_dim) x 4 bytes,
+# 30 Gated DeltaNet layers x (conv window + recurrent state value_dim x key_dim) x 4 bytes; the window's K-1 rows
+# each hold their token's input projection row: conv_dim + value_dim + 2 x 32 value heads (the b and a gates),
 # conv_dim = 2 x 16 key heads x 128 + 32 value heads x 128 = 8192, value_dim = 32 x 128 = 4096
-LINEAR = 30 * (3 * 8192 + 4096 * 128) * 4
+LINEAR = 30 * (3 * (8192 + 4096 + 64) + 4096 * 128) * 4
 # one chunk of 256 tokens: hidden 8·T·H, attention max(T·(2·nq·hd + 2·nkv·hd) + 2·nq·T·ctx, GDN temporaries
 # 3·T·(conv_dim + value_dim) + 48·value_dim·key_dim), MoE 3·T·k·H + 4·T·inter, logits 2·V; x 1.5 x 4 bytes
 HIDDEN = 8 * 256 * 2048
@@ -88,7 +89,7 @@ def plan(args: ModelArgs, cap: float, **kw) -> MemoryPlan:
 
 
 def test_hand_computed_values_are_the_ones_above():
-    assert (KV, LINEAR, ACTIVATIONS, STAGING, READ_STAGING) == (167_772_160, 65_863_680, 368_539_648, 503_316_480,
+    assert (KV, LINEAR, ACTIVATIONS, STAGING, READ_STAGING) == (167_772_160, 67_361_280, 368_539_648, 503_316_480,
                                                                 113_246_208)
     assert read_ring(Options(), top_k=8) == RING
     assert RecordLayout.make(2048, 512, 4, 64).stride == STRIDE_Q4
@@ -102,10 +103,10 @@ def test_only_the_cpu_backend_plans_for_blas_prefill(args):
     CUDA's holds its experts grouped by expert instead (`kernels._switch_glu_grouped`)."""
     p = plan(args, 4, blas=False)
     assert p.accounts["activations"] == ACTIVATIONS - BLAS
-    assert p.hot_slots == (4 * GiB - (FIXED - BLAS)) // SLOT_F32 == 854  # 23 more than the CPU plan
+    assert p.hot_slots == (4 * GiB - (FIXED - BLAS)) // SLOT_F32 == 853  # 24 more than the CPU plan
     p = plan(args, 4, blas=False, grouped=True)
     assert p.accounts["activations"] == ACTIVATIONS - BLAS + GROUPED
-    assert p.hot_slots == (4 * GiB - (FIXED - BLAS + GROUPED)) // SLOT_F32 == 758  # 73 fewer than the CPU plan
+    assert p.hot_slots == (4 * GiB - (FIXED - BLAS + GROUPED)) // SLOT_F32 == 757  # 72 fewer than the CPU plan
     # MXFP4 experts (gpt-oss) keep the per-pair path on CUDA: nothing grouped to hold
     assert plan(args, 4, blas=False, grouped=True, expert_mode="mxfp4").accounts["activations"] == ACTIVATIONS - BLAS
     on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
@@ -120,9 +121,9 @@ def test_accounts_exact(args):
                           "allocator cache": ALLOC_CACHE, "prefill staging": STAGING, "read staging": READ_STAGING, "vision": 0, "runtime": RUNTIME}
     assert state_bytes(args, 4096, 4) == (KV, LINEAR)
     assert activation_bytes(args, 4096, 256, 4) == ACTIVATIONS
-    assert p.fixed == FIXED == 2_660_333_568
+    assert p.fixed == FIXED == 2_663_328_768
     assert p.hot_bytes == 4 * GiB - FIXED
-    assert p.hot_slots == (4 * GiB - FIXED) // SLOT_F32 == 831
+    assert p.hot_slots == (4 * GiB - FIXED) // SLOT_F32 == 829
     assert p.staging_slots == 256 and p.n_layers == 40 and p.n_experts == 256
     assert p.fits and p.min_cap == FIXED
     p.require_fit()
@@ -136,7 +137,7 @@ def test_a_callers_accounts_are_fixed_before_the_hot_tier_is_sized(args):
     assert list(p.accounts)[-3:] == ["prompt cache", "requests", "runtime"]
     assert p.accounts["prompt cache"] == 64 * MiB and p.notes["requests"] == "bodies"
     assert p.fixed == FIXED + 64 * MiB + 100 * SLOT_F32
-    assert p.hot_slots == (4 * GiB - FIXED - 64 * MiB) // SLOT_F32 - 100 == 697
+    assert p.hot_slots == (4 * GiB - FIXED - 64 * MiB) // SLOT_F32 - 100 == 695
 
 
 def test_dtypes_and_context_scale_their_accounts(args):
@@ -190,11 +191,11 @@ def test_render_and_json(args):
     assert "   1.000 GiB" in text[1] and "(4096 tokens, float32)" in text[2]
     assert "(256 slots, one per expert of a layer)" in text[6]
     assert "(32 records of host staging + their copies in flight)" in text[7]
-    assert f"(831 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[10]
+    assert f"(829 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[10]
     assert text[11] == "  prefill chunk         256 tokens  (experts read once per chunk; kernels over 256 tokens at a time)"
-    assert text[12].endswith(f"{(FIXED + 831 * SLOT_F32) / GiB:8.3f} GiB of 4.00 GiB")
+    assert text[12].endswith(f"{(FIXED + 829 * SLOT_F32) / GiB:8.3f} GiB of 4.00 GiB")
     assert p.to_json() == {"cap": 4 * GiB, "ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4, "slot": SLOT_F32,
-                           "accounts": p.accounts, "fixed": FIXED, "hot_slots": 831, "staging_slots": 256,
+                           "accounts": p.accounts, "fixed": FIXED, "hot_slots": 829, "staging_slots": 256,
                            "n_layers": 40, "n_experts": 256, "fits": True, "prefill_chunk": 256, "prefill_step": 256}
 
 
