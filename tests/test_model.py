@@ -14,8 +14,11 @@ token loop by ~1e-6 relative. The asserted bounds leave headroom over those figu
 
 from __future__ import annotations
 
+import collections
 import copy
+import io
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -400,6 +403,38 @@ def test_route_and_resident_experts_match_mlx_lm(tiny):
     want = (block.switch_mlp(x, want_inds) * scores[..., None]).sum(axis=-2)
     got = combine(tiny.experts(1, x, inds), scores)
     assert rel_diff(got, want) <= 1e-6
+
+
+def graph_kinds(*outs: mx.array) -> collections.Counter:
+    """The primitives of the outputs' graph (built, not evaluated), by kind."""
+    text = io.StringIO()
+    mx.export_to_dot(text, *outs)
+    return collections.Counter(label.split()[0] for label in re.findall(r'\d+ \[label ="([^"]*)"', text.getvalue()))
+
+
+def test_a_decode_step_builds_no_batch_indices_and_no_window_copies(tiny, monkeypatch):
+    """One token through a Gated DeltaNet layer and its routed experts: `gather_qmm` is handed its batch indices
+    (left out, each of its three calls builds an `arange`: a kernel on a GPU), and the convolution's window is
+    handed on as rows, neither joined to the token nor copied; a call of several tokens still joins them. The
+    kernels a step encodes are a GPU's decode time (docs/performance.md); the values are the same either way."""
+    m, experts = tiny.model, tiny.experts
+    layer = next(lay for lay in m.layers if lay.is_linear)
+    cache = m.make_cache(16)[layer.i]
+
+    def step(tokens: int) -> collections.Counter:
+        h = mx.random.normal((1, tokens, tiny.args.hidden_size), key=mx.random.key(tokens))
+        h, x, inds, *_, rows, state = layer.gdn_front(h, cache.rows, cache.state)
+        return graph_kinds(experts(layer.i, x, inds), h, *rows, state)
+
+    one = step(1)
+    assert one["GatherQMM"] == 3 and one["Arange"] == 0
+    assert one["Concatenate"] == 0 and one["Contiguous"] == 0
+    several = step(3)
+    assert several["Concatenate"] >= 1 and several["Contiguous"] == 1  # a prefill joins the window to its tokens
+    kernels.batch_indices.cache_clear()
+    monkeypatch.setattr(kernels, "BATCH_INDICES_MAX", 0)  # gather_qmm left to make its own
+    assert step(1)["Arange"] == 3
+    kernels.batch_indices.cache_clear()
 
 
 def test_combine_is_reproducible():
