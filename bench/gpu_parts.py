@@ -235,10 +235,10 @@ VIEWS = {"Reshape", "Broadcast", "ExpandDims", "Squeeze", "AsStrided", "Transpos
          "Split"}
 
 
-def graph_ops(out: mx.array) -> dict:
-    """The primitives of out's graph (unevaluated), by kind: {"kernels": n, "views": n, "by_kind": {...}}."""
+def graph_ops(*outs: mx.array) -> dict:
+    """The primitives of the outputs' graph (unevaluated), by kind: {"kernels": n, "views": n, "by_kind": {...}}."""
     text = io.StringIO()
-    mx.export_to_dot(text, out)
+    mx.export_to_dot(text, *outs)
     kinds: dict = {}
     for label in re.findall(r'\d+ \[label ="([^"]*)"', text.getvalue()):
         kind = label.split()[0]

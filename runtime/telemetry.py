@@ -73,6 +73,7 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int, host: tuple[int
     from_host = sum(ly.hits_host for s in work for ly in s.layers)
     busy, work_ms = sum(s.disk_busy_ms for s in work), sum(s.ms for s in work)
     pre_tokens, pre_ms = sum(s.n_tokens for s in pre), sum(s.ms for s in pre)
+    layer_steps = max(1, sum(len(s.layers) for s in work))  # the layers decode ran, once each a token
     return {
         "tokens": len(timed) + (first is not None), "tok_s": len(timed) / (tot_ms / 1000) if tot_ms else 0.0,
         "ms_token": tot_ms / n, "compute_ms": comp / n, "io_wait_ms": io / n, "other_ms": (tot_ms - comp - io) / n,
@@ -82,8 +83,8 @@ def summarize(steps: list[StepStats], peak_bytes: int, cap: int, host: tuple[int
         "read_ahead_rate": ahead / picks if picks else 0.0, "mib_read_token": read / MiB / max(1, len(work)),
         "host_hit_rate": from_host / picks if picks else 0.0,
         # decode layers run ahead of their picks, and thrown away and run again, per layer a token needs
-        "ran_ahead": sum(ly.ran_ahead for s in work for ly in s.layers) / max(1, sum(len(s.layers) for s in work)),
-        "thrown": sum(ly.thrown for s in work for ly in s.layers) / max(1, sum(len(s.layers) for s in work)),
+        "ran_ahead": sum(ly.ran_ahead for s in work for ly in s.layers) / layer_steps,
+        "thrown": sum(ly.thrown for s in work for ly in s.layers) / layer_steps,
         "mib_host_token": sum(ly.bytes_host for s in work for ly in s.layers) / MiB / max(1, len(work)),
         "disk_busy": busy / work_ms if work_ms else 0.0,  # near 1: the disk is what bounds decode
         "peak_gib": peak_bytes / (1 << 30), "cap_gib": cap / (1 << 30),

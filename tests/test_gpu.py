@@ -67,15 +67,11 @@ def test_gpu_decode_layers_run_ahead_of_their_picks_give_the_same_bits(small_con
     """A capped decode step runs layers on the hot tier's slots before reading their picks (`experts.DECODE_AHEAD`,
     on by default on GPUs): the logits' bits of the step that waits for each layer's picks and of the resident run,
     in bf16, every filled slot checked; some runs missed a pick and were thrown away (their caches rewound)."""
-    from .test_runtime import run_logits
+    from .test_runtime import run_ahead_bits
 
     monkeypatch.setattr(experts_mod, "VERIFY", True)
-    ahead, eng = run_logits(small_conv, 460, steps=40, dtype="bfloat16")
-    layers = [ly for s in eng.steps if s.phase == "decode" for ly in s.layers]
-    assert sum(ly.ran_ahead for ly in layers) > 100 and sum(ly.thrown for ly in layers) > 0
-    monkeypatch.setattr(experts_mod, "DECODE_AHEAD", ())
-    usual, _ = run_logits(small_conv, 460, steps=40, dtype="bfloat16")
-    assert ahead == usual == run_logits(small_conv, None, steps=40, dtype="bfloat16")[0]
+    ahead, usual, resident = run_ahead_bits(small_conv, monkeypatch, 460, dtype="bfloat16")
+    assert ahead == usual == resident
 
 
 def test_gpu_long_prefill_chunks_give_the_one_block_logits(small_conv, monkeypatch):

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import collections
 import copy
-import io
 import json
-import re
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +26,7 @@ from mlx_lm.models import qwen3_5_moe
 from mlx_lm.utils import quantize_model
 
 from bench.common import random_experts
+from bench.gpu_parts import graph_ops
 from streamoe.formats.config import PREFIX, ModelArgs
 from streamoe.formats.errors import StreamoeError
 from streamoe.formats.record import ExpertWeights
@@ -405,13 +404,6 @@ def test_route_and_resident_experts_match_mlx_lm(tiny):
     assert rel_diff(got, want) <= 1e-6
 
 
-def graph_kinds(*outs: mx.array) -> collections.Counter:
-    """The primitives of the outputs' graph (built, not evaluated), by kind."""
-    text = io.StringIO()
-    mx.export_to_dot(text, *outs)
-    return collections.Counter(label.split()[0] for label in re.findall(r'\d+ \[label ="([^"]*)"', text.getvalue()))
-
-
 def test_a_decode_step_builds_no_batch_indices_and_no_window_copies(tiny, monkeypatch):
     """One token through a Gated DeltaNet layer and its routed experts: `gather_qmm` is handed its batch indices
     (left out, each of its three calls builds an `arange`: a kernel on a GPU), and the convolution's window is
@@ -424,7 +416,7 @@ def test_a_decode_step_builds_no_batch_indices_and_no_window_copies(tiny, monkey
     def step(tokens: int) -> collections.Counter:
         h = mx.random.normal((1, tokens, tiny.args.hidden_size), key=mx.random.key(tokens))
         h, x, inds, *_, rows, state = layer.gdn_front(h, cache.rows, cache.state)
-        return graph_kinds(experts(layer.i, x, inds), h, *rows, state)
+        return collections.Counter(graph_ops(experts(layer.i, x, inds), h, *rows, state)["by_kind"])
 
     one = step(1)
     assert one["GatherQMM"] == 3 and one["Arange"] == 0
