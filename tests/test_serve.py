@@ -359,6 +359,8 @@ def test_bad_requests_get_their_status_and_an_openai_error(server, triangle):
         ("POST", "/v1/chat/completions", {"messages": "hi"}, 400),
         ("POST", "/v1/chat/completions", {"messages": msgs, "temperature": "warm"}, 400),
         ("POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": -1}, 400),
+        ("POST", "/v1/chat/completions", {"messages": msgs, "max_token": 5}, 400),  # a misspelt field
+        ("POST", "/v1/completions", {"prompt": "x", "max_token": 5}, 400),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}, 400),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [

@@ -20,6 +20,7 @@ import numpy as np
 import openai
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
+from openai.types.chat import ChatCompletion
 from openai.types.responses import Response, ResponseStreamEvent
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,6 +30,7 @@ from streamoe.runtime.sampling import Sampler
 from streamoe.runtime.serve import anthropic_api, responses_api
 from streamoe.runtime.serve.chat_output import ChatOutput
 from streamoe.runtime.serve.openai_api import APIError, GenRequest, Limits, parse_chat, parse_completion
+from streamoe.runtime.serve.server import OpenAIOutput
 from streamoe.runtime.serve.worker import EngineWorker, Job, ServeOptions
 from streamoe.runtime.text import TextIO
 
@@ -191,6 +193,88 @@ def test_responses_parallel_calls_off_and_strict_schemas(text):
         got = Response.model_validate(out.result())
         assert [i.type for i in got.output] == want
     assert '"name": "get_weather"' in got.output_text
+
+
+def test_chat_parallel_calls_off_and_strict_schemas(text):
+    """Chat Completions' `parallel_tool_calls: false` keeps the first call, and a `strict` tool's call whose
+    arguments break its schema comes back as text, as the Responses and Anthropic layers answer them."""
+    strict = [{"type": "function", "function": {**CHAT_TOOLS[0]["function"], "strict": True,
+                                                 "parameters": {**WEATHER, "properties": {"city": {"type": "integer"}}}}}]
+    for body, want_calls in (({"tools": CHAT_TOOLS}, ["Paris", "Oslo"]),
+                             ({"tools": CHAT_TOOLS, "parallel_tool_calls": False}, ["Paris"]),
+                             ({"tools": strict}, [])):  # "Paris" is no integer: both calls stay text
+        out = OpenAIOutput(job_for(parse_chat({"messages": [{"role": "user", "content": "?"}], **body}, Limits())), "m")
+        for ev in answer_events(text, rendered(text, "", "", 2)):
+            out.feed(ev)
+        msg = ChatCompletion.model_validate(out.result()).choices[0].message
+        assert [json.loads(c.function.arguments)["city"] for c in msg.tool_calls or []] == want_calls
+        assert (msg.content or "").count('"name": "get_weather"') == (2 if body["tools"] is strict else 0)
+
+
+def chat(**kw) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+@pytest.mark.parametrize("body, param", [
+    (chat(foo=1), "foo"),
+    (chat(store=True), "store"),
+    (chat(service_tier="flex"), "service_tier"),
+    (chat(prompt_cache_retention="24h"), "prompt_cache_retention"),
+    (chat(modalities=["text", "audio"]), "modalities"),
+    (chat(audio={"voice": "alloy", "format": "mp3"}), "audio"),
+    (chat(prediction={"type": "content", "content": "x"}), "prediction"),
+    (chat(verbosity="low"), "verbosity"),
+    (chat(web_search_options={}), "web_search_options"),
+    (chat(functions=[{"name": "f"}]), "functions"),
+    (chat(function_call="auto"), "function_call"),
+    (chat(metadata={"a": 1}), "metadata"),
+    (chat(user=7), "user"),
+    (chat(parallel_tool_calls="no"), "parallel_tool_calls"),
+    (chat(reasoning_effort="huge"), "reasoning_effort"),
+    (chat(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}), "reasoning_effort"),
+    (chat(stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
+    (chat(stream_options={"include_usage": True, "extra": 1}), "stream_options.extra"),
+    (chat(messages=[{"role": "user", "content": "hi", "foo": 1}]), "messages[0].foo"),
+    (chat(messages=[{"role": "user", "content": "hi", "name": 3}]), "messages[0].name"),
+    (chat(messages=[{"role": "assistant", "content": None, "refusal": "no"}]), "messages[0].refusal"),
+    (chat(messages=[{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]),
+     "messages[0].function_call"),
+    (chat(messages=[{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}, "x": 1}]}]),
+     "messages[0].tool_calls[0].x"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "paramters": {}}}]), "tools[0].function.paramters"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}, "cache_control": {}}]), "tools[0].cache_control"),
+])
+def test_chat_fields_refused_with_400_naming_them(body, param):
+    with pytest.raises(APIError) as e:
+        parse_chat(body, Limits())
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+@pytest.mark.parametrize("body, param", [({"prompt": "x", "foo": 1}, "foo"), ({"prompt": "x", "messages": []}, "messages"),
+                                         ({"prompt": "x", "user": 7}, "user"),
+                                         ({"prompt": "x", "stream_options": {"x": 1}}, "stream_options.x")])
+def test_completion_fields_refused_with_400_naming_them(body, param):
+    with pytest.raises(APIError) as e:
+        parse_completion(body)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_chat_fields_honoured():
+    """What the Chat Completions fields this server takes do to the request: the reasoning effort is the
+    template's thinking switch (and the effort itself, for templates that read it), a message's name reaches
+    the template, and the fields that only label a request are accepted as they are."""
+    r = parse_chat(chat(reasoning_effort="minimal"), Limits())
+    assert r.template_kwargs == {"enable_thinking": False, "reasoning_effort": "minimal"}
+    r = parse_chat(chat(reasoning_effort="low", chat_template_kwargs={"enable_thinking": True}), Limits())
+    assert r.template_kwargs == {"enable_thinking": True, "reasoning_effort": "low"}
+    r = parse_chat(chat(messages=[{"role": "user", "content": "hi", "name": "bob"}], store=False, metadata={"k": "v"},
+                        user="u", safety_identifier="s", prompt_cache_key="p", prompt_cache_retention="in_memory",
+                        service_tier="auto", modalities=["text"], parallel_tool_calls=True, logit_bias={},
+                        stream_options={"include_usage": True, "include_obfuscation": False}), Limits())
+    assert r.messages == [{"role": "user", "content": "hi", "name": "bob"}] and r.include_usage
+    assert r.api == {"strict": {}, "parallel": True}
+    strict = {"type": "function", "function": {"name": "f", "strict": True}}
+    assert parse_chat(chat(tools=[strict]), Limits()).api["strict"] == {"f": {"type": "object", "properties": {}}}
 
 
 def test_anthropic_stream_blocks_thinking_text_and_tool_use(text):

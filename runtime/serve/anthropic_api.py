@@ -12,8 +12,17 @@ import base64
 import binascii
 import json
 
-from .openai_api import APIError, GenRequest, _number, bad, check_image, parse_tools
-from .responses_api import call_text, check_fields, valid_arguments
+from .openai_api import (
+    APIError,
+    GenRequest,
+    _number,
+    bad,
+    call_text,
+    call_verdict,
+    check_fields,
+    check_image,
+    parse_tools,
+)
 
 FIELDS = {"max_tokens", "messages", "model", "cache_control", "container", "context_management", "diagnostics",
           "inference_geo", "mcp_servers", "metadata", "output_config", "service_tier", "speed", "stop_sequences",
@@ -341,12 +350,10 @@ class Output:
         return out + [self._ev("content_block_delta", index=len(self.blocks) - 1, delta=delta)]
 
     def _call(self, call: dict) -> list[str]:
-        schema = self.api["strict"].get(call["name"])
         calls = sum(b["type"] == "tool_use" for b in self.blocks)
-        if schema is not None and not valid_arguments(call, schema):
-            return self._text("content", call_text(call))
-        if calls and not self.api["parallel"]:
-            return []  # disable_parallel_tool_use: the first call only
+        verdict = call_verdict(self.api, call, calls)
+        if verdict != "call":
+            return self._text("content", call_text(call)) if verdict == "text" else []
         out = self._close()
         block = {"type": "tool_use", "id": f"toolu_{self.job.id[:12]}{calls}", "name": call["name"], "input": {}}
         self.blocks.append(block)

@@ -17,6 +17,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 
+import jsonschema
 import numpy as np
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -39,6 +40,75 @@ class APIError(Exception):
 
 def bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+def check_fields(body: dict, fields: set[str], honoured: set[str], where: str = "", api: str = "this API") -> None:
+    """Refuse (400 naming it) a field the API does not define, or one it defines that is not implemented
+    here; null counts as not set."""
+    for key, value in body.items():
+        name = f"{where}{key}"
+        if key not in fields:
+            raise bad(f"unknown field '{name}' ({api} defines no such field)", name)
+        if key not in honoured and value is not None:
+            raise bad(f"'{name}' is not supported by this server", name)
+
+
+def _choice(body: dict, key: str, allowed: tuple, where: str | None = None):
+    v = body.get(key)
+    if v is not None and v not in allowed:
+        name = where or key
+        raise bad(f"'{name}' must be one of {', '.join(map(repr, allowed))}; this server implements no other", name)
+    return v
+
+
+def _string(body: dict, key: str, where: str | None = None) -> str | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, str):
+        raise bad(f"'{where or key}' must be a string", where or key)
+    return v
+
+
+def _metadata(body: dict) -> dict | None:
+    """`metadata`: at most 16 string values (OpenAI's limit), kept as the API echoes them."""
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
+                                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise bad("'metadata' must be an object of at most 16 string values", "metadata")
+    return metadata
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def thinks_at(effort: str) -> bool:
+    """A reasoning effort as the one switch Qwen's templates have: thinking off at "none" and "minimal"."""
+    return effort not in ("none", "minimal")
+
+
+def valid_arguments(call: dict, schema) -> bool:
+    """Whether a parsed call's arguments satisfy its tool's parameter schema (strict tools)."""
+    try:
+        jsonschema.validate(json.loads(call["arguments"]), schema)
+    except (jsonschema.ValidationError, jsonschema.SchemaError, ValueError):
+        return False
+    return True
+
+
+def call_text(call: dict) -> str:
+    """A call refused as a call (its arguments break a strict schema), given back as text: the block in its JSON
+    form (as the XML form's parser read it, where the template writes that)."""
+    return '<tool_call>\n{"name": ' + json.dumps(call["name"]) + ', "arguments": ' + call["arguments"] + "}\n</tool_call>"
+
+
+def call_verdict(api: dict, call: dict, calls: int) -> str:
+    """What an answer's tool call becomes, `calls` calls having been made before it: "text" where its tool is strict
+    and the arguments break the tool's schema (given back as text, `call_text`), "drop" where the
+    request allows one call and it was made, else "call". `api` holds the request's "strict" schemas by tool name
+    and whether "parallel" calls are allowed."""
+    schema = api.get("strict", {}).get(call["name"])
+    if schema is not None and not valid_arguments(call, schema):
+        return "text"
+    return "drop" if calls and not api.get("parallel", True) else "call"
 
 
 @dataclass
@@ -178,6 +248,24 @@ def _flag(body: dict, key: str) -> bool:
     return v
 
 
+# The fields of each API's body (OpenAI's, as its client types them, and the extensions of vLLM's and mlx-lm's
+# servers this one implements); a field not in the API's HONOURED set is refused whenever it is set (not null).
+EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "return_token_ids"}
+COMPLETION_FIELDS = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "model", "n",
+                     "presence_penalty", "prompt", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
+                     "top_p", "user"} | EXTENSIONS
+CHAT_FIELDS = {"audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+               "max_completion_tokens", "max_tokens", "messages", "metadata", "modalities", "model", "moderation", "n",
+               "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key", "prompt_cache_options",
+               "prompt_cache_retention", "reasoning_effort", "response_format", "safety_identifier", "seed",
+               "service_tier", "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools",
+               "top_logprobs", "top_p", "user", "verbosity", "web_search_options", "chat_template_kwargs"} | EXTENSIONS
+CHAT_HONOURED = CHAT_FIELDS - {"audio", "function_call", "functions", "moderation", "prediction", "prompt_cache_options",
+                               "verbosity", "web_search_options"}
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call",
+                  "reasoning_content", "reasoning"}  # the last two: vLLM's, a tool loop's earlier thinking
+MESSAGE_HONOURED = MESSAGE_FIELDS - {"refusal", "audio", "function_call"}
+
 # (field, Sampler's name, range): OpenAI's fields and the ones vLLM and mlx-lm's server add
 SAMPLING_FIELDS = (("temperature", "temp", 0, 2), ("top_p", "top_p", 0, 1), ("min_p", "min_p", 0, 1),
                    ("presence_penalty", "presence_penalty", -2, 2), ("frequency_penalty", "frequency_penalty", -2, 2),
@@ -195,6 +283,11 @@ def _common(body: dict, req: GenRequest) -> None:
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad("'stream_options' must be an object", "stream_options")
+        check_fields(opts, {"include_usage", "include_obfuscation"}, {"include_usage", "include_obfuscation"},
+                     "stream_options.", "the OpenAI API")
+        if opts.get("include_obfuscation"):
+            raise bad("'stream_options.include_obfuscation': this server adds no obfuscation",
+                      "stream_options.include_obfuscation")
         if not isinstance(opts.get("include_usage", False), bool | None):
             raise bad("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
         req.include_usage = _flag(opts, "include_usage")
@@ -227,6 +320,7 @@ def _common(body: dict, req: GenRequest) -> None:
             raise bad(f"'{key}' is not supported by this server", key)
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' is not supported by this server", "best_of")
+    _string(body, "user")
     parse_response_format(body.get("response_format"), req)
 
 
@@ -352,6 +446,8 @@ def _tool_calls(calls, where: str) -> list[dict]:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad(f"{cw} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", cw)
+        check_fields(c, {"id", "type", "function"}, {"id", "type", "function"}, f"{cw}.", "the OpenAI API")
+        check_fields(fn, {"name", "arguments"}, {"name", "arguments"}, f"{cw}.function.", "the OpenAI API")
         call = {"type": "function", "function": {"name": fn["name"],
                                                  "arguments": _arguments(fn.get("arguments"), f"{cw}.function.arguments")}}
         if isinstance(c.get("id"), str):
@@ -371,8 +467,11 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+        check_fields(m, MESSAGE_FIELDS, MESSAGE_HONOURED, f"{where}.", "the OpenAI API")
         msg = {"role": "system" if role == "developer" else role,
                "content": _content(m.get("content"), role, where, limits, images)}
+        if _string(m, "name", f"{where}.name") is not None:  # given to the template, which renders it or not
+            msg["name"] = m["name"]
         key = next((k for k in ("reasoning_content", "reasoning") if m.get(k) is not None), None)
         if role == "assistant" and key:  # templates that keep a tool loop's thinking render it
             if not isinstance(m[key], str):
@@ -388,6 +487,9 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
+
+
+TOOL_FIELDS = {"name", "description", "parameters", "strict"}
 
 
 def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
@@ -406,6 +508,10 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", f"tools[{j}]")
+        check_fields(t, {"type", "function"}, {"type", "function"}, f"tools[{j}].", "the OpenAI API")
+        check_fields(fn, TOOL_FIELDS, TOOL_FIELDS, f"tools[{j}].function.", "the OpenAI API")
+        if not isinstance(fn.get("parameters", {}), dict | None):
+            raise bad(f"tools[{j}].function.parameters must be a JSON schema object", f"tools[{j}].function.parameters")
         names.append(fn["name"])
     if choice is None or choice in ("auto", "required"):
         return tools, True, "" if choice == "required" else None
@@ -434,11 +540,26 @@ def _chat_logprobs(body: dict, req: GenRequest) -> None:
 
 
 def parse_chat(body: dict, limits: Limits) -> GenRequest:
+    check_fields(body, CHAT_FIELDS, CHAT_HONOURED, api="the Chat Completions API")
     req = GenRequest(kind="chat", model=None)
     _common(body, req)
     _chat_logprobs(body, req)
+    if body.get("store"):
+        raise bad("'store': this server is stateless and keeps no completions; send store: false", "store")
+    _choice(body, "service_tier", ("auto", "default"))
+    _choice(body, "prompt_cache_retention", ("in_memory",))  # the prompt cache is in memory, LRU within its account
+    for key in ("safety_identifier", "prompt_cache_key"):
+        _string(body, key)
+    _metadata(body)
+    if body.get("modalities") not in (None, ["text"]):
+        raise bad("'modalities': this server answers in text only (['text'])", "modalities")
     req.messages = parse_messages(body.get("messages"), limits, req.images)
     req.tools, req.parse_tools, req.force_call = parse_tools(body)
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    strict = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
+              for t in req.tools or [] if t["function"].get("strict")}
+    req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False}
     kw = body.get("chat_template_kwargs")
     if kw is not None:
         if not isinstance(kw, dict):
@@ -449,10 +570,18 @@ def parse_chat(body: dict, limits: Limits) -> GenRequest:
         if "enable_thinking" in kw and not isinstance(kw["enable_thinking"], bool):
             raise bad("'chat_template_kwargs.enable_thinking' must be true or false", "chat_template_kwargs")
         req.template_kwargs = dict(kw)
+    effort = _choice(body, "reasoning_effort", EFFORTS)
+    if effort is not None:
+        if req.template_kwargs.get("enable_thinking", thinks_at(effort)) != thinks_at(effort):
+            raise bad(f"'reasoning_effort' {effort!r} contradicts 'chat_template_kwargs.enable_thinking'",
+                      "reasoning_effort")
+        req.template_kwargs["enable_thinking"] = thinks_at(effort)
+        req.template_kwargs.setdefault("reasoning_effort", effort)  # gpt-oss's template takes the effort itself
     return req
 
 
 def parse_completion(body: dict) -> GenRequest:
+    check_fields(body, COMPLETION_FIELDS, COMPLETION_FIELDS, api="the Completions API")
     req = GenRequest(kind="completion", model=None)
     _common(body, req)
     if body.get("top_logprobs") is not None:

@@ -11,9 +11,23 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
-
-from .openai_api import APIError, GenRequest, _number, bad, decode_image, parse_response_format, parse_tools
+from .openai_api import (
+    EFFORTS,
+    APIError,
+    GenRequest,
+    _choice,
+    _metadata,
+    _number,
+    _string,
+    bad,
+    call_text,
+    call_verdict,
+    check_fields,
+    decode_image,
+    parse_response_format,
+    parse_tools,
+    thinks_at,
+)
 
 # every field of the API's request body; those not in HONOURED are refused whenever they are set (not null)
 FIELDS = {"access_programs", "background", "background_options", "context_management", "conversation", "image",
@@ -38,32 +52,6 @@ ITEM_FIELDS = {
 }
 
 
-def check_fields(body: dict, fields: set[str], honoured: set[str], where: str = "", api: str = "this API") -> None:
-    """Refuse (400 naming it) a field the API does not define, or one it defines that is not implemented
-    here; null counts as not set."""
-    for key, value in body.items():
-        name = f"{where}{key}"
-        if key not in fields:
-            raise bad(f"unknown field '{name}' ({api} defines no such field)", name)
-        if key not in honoured and value is not None:
-            raise bad(f"'{name}' is not supported by this server", name)
-
-
-def _choice(body: dict, key: str, allowed: tuple, where: str | None = None):
-    v = body.get(key)
-    if v is not None and v not in allowed:
-        name = where or key
-        raise bad(f"'{name}' must be one of {', '.join(map(repr, allowed))}; this server implements no other", name)
-    return v
-
-
-def _string(body: dict, key: str, where: str | None = None) -> str | None:
-    v = body.get(key)
-    if v is not None and not isinstance(v, str):
-        raise bad(f"'{where or key}' must be a string", where or key)
-    return v
-
-
 def arguments(args, where: str):
     """A call's arguments as the object templates iterate (`arguments|items`); a string that is not a JSON
     object is kept as written (the template renders it verbatim)."""
@@ -76,15 +64,6 @@ def arguments(args, where: str):
     except ValueError:
         return args
     return obj if isinstance(obj, dict) else args
-
-
-def valid_arguments(call: dict, schema) -> bool:
-    """Whether a parsed call's arguments satisfy its tool's parameter schema (strict tools)."""
-    try:
-        jsonschema.validate(json.loads(call["arguments"]), schema)
-    except (jsonschema.ValidationError, jsonschema.SchemaError, ValueError):
-        return False
-    return True
 
 
 def _text_of(parts, where: str, kinds: tuple[str, ...]) -> str:
@@ -312,19 +291,17 @@ def parse(body: dict, so) -> GenRequest:
             raise bad("'reasoning' must be an object", "reasoning")
         check_fields(reasoning, {"effort", "summary", "generate_summary", "context"}, {"effort"}, "reasoning.",
                      "the Responses API")
-        effort = _choice(reasoning, "effort", ("none", "minimal", "low", "medium", "high", "xhigh"), "reasoning.effort")
+        effort = _choice(reasoning, "effort", EFFORTS, "reasoning.effort")
         if effort is not None:
-            req.template_kwargs["enable_thinking"] = effort not in ("none", "minimal")
+            req.template_kwargs["enable_thinking"] = thinks_at(effort)
+            req.template_kwargs["reasoning_effort"] = effort  # gpt-oss's template takes the effort itself
     instructions = _string(body, "instructions")
     if "input" not in body:
         raise bad("'input' is required", "input")
     msgs = parse_input(body["input"], so, req.images)
     req.messages = ([{"role": "system", "content": instructions}] if instructions else []) + msgs
     req.tools, req.parse_tools, req.force_call, strict = parse_tools_choice(body)
-    metadata = body.get("metadata")
-    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
-                                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise bad("'metadata' must be an object of at most 16 string values", "metadata")
+    metadata = _metadata(body)
     for key in ("user", "safety_identifier", "prompt_cache_key"):
         _string(body, key)
     req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False,
@@ -339,9 +316,6 @@ def parse(body: dict, so) -> GenRequest:
     return req
 
 
-def call_text(call: dict) -> str:
-    """A call refused as a call (its arguments break a strict schema), given back as the text it was."""
-    return '<tool_call>\n{"name": ' + json.dumps(call["name"]) + ', "arguments": ' + call["arguments"] + "}\n</tool_call>"
 
 
 class Output:
@@ -426,12 +400,10 @@ class Output:
         return out + [self._ev("response.output_text.delta", **self._where(), delta=text, logprobs=lps)]
 
     def _call(self, call: dict) -> list[str]:
-        schema = self.api["strict"].get(call["name"])
         calls = sum(i["type"] == "function_call" for i in self.items)
-        if schema is not None and not valid_arguments(call, schema):
-            return self._text("content", call_text(call))
-        if calls and not self.api["parallel"]:
-            return []  # parallel_tool_calls false: the first call only
+        verdict = call_verdict(self.api, call, calls)
+        if verdict != "call":
+            return self._text("content", call_text(call)) if verdict == "text" else []
         out = self._close()
         n = len(self.items)
         item = {"id": f"fc_{self.job.id}{n}", "type": "function_call", "call_id": f"call_{self.job.id[:8]}{calls}",

@@ -56,6 +56,8 @@ from .openai_api import (
     GenRequest,
     Limits,
     bad,
+    call_text,
+    call_verdict,
     check_shape,
     kept_bytes,
     parse_chat,
@@ -335,6 +337,22 @@ class OpenAIOutput:
     def start(self) -> list[str]:
         return [self._chunk({"role": "assistant", "content": ""})] if self.chat else []
 
+    def _honour(self, events: list) -> list:
+        """The answer's events under the request's tool options (`call_verdict`): a strict tool's call whose
+        arguments break its schema becomes text, a call past the first is dropped without parallel calls."""
+        out, calls = [], sum(what == "tool_call" for what, _ in self.evs)
+        for what, x in events:
+            if what == "tool_call":
+                verdict = call_verdict(self.job.req.api, x, calls)
+                if verdict == "drop":
+                    continue
+                if verdict == "text":
+                    what, x = "content", call_text(x)
+                else:
+                    calls += 1
+            out.append((what, x))
+        return out
+
     def feed(self, ev: tuple) -> list[str]:
         kind, v = ev
         if kind == "logprobs":
@@ -342,6 +360,7 @@ class OpenAIOutput:
             self.lps += v
             return []
         if kind == "delta":
+            v = self._honour(v)
             self.evs += v
             out = []
             for what, x in v:
