@@ -242,6 +242,12 @@ def chat(**kw) -> dict:
     (chat(messages=[{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}, "x": 1}]}]),
      "messages[0].tool_calls[0].x"),
     (chat(tools=[{"type": "function", "function": {"name": "f", "paramters": {}}}]), "tools[0].function.paramters"),
+    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]),
+     "messages[0].content[0].cache_control"),
+    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi", "prompt_cache_breakpoint": {}}]}]),
+     "messages[0].content[0].prompt_cache_breakpoint"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,", "detail": "low"}}]}]),
+     "messages[0].content[0].image_url.detail"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}, "cache_control": {}}]), "tools[0].cache_control"),
 ])
 def test_chat_fields_refused_with_400_naming_them(body, param):

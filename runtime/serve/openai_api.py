@@ -400,6 +400,8 @@ def _content(content, role: str, where: str, limits: Limits, images: list[bytes]
         if not isinstance(part, dict):
             raise bad(f"{pw} must be an object", pw)
         kind = part.get("type")
+        if kind in ("text", "image_url"):
+            check_fields(part, {"type", kind, "prompt_cache_breakpoint"}, {"type", kind}, f"{pw}.", "the OpenAI API")
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise bad(f"{pw}.text must be a string", pw)
@@ -408,6 +410,9 @@ def _content(content, role: str, where: str, limits: Limits, images: list[bytes]
             if role != "user":
                 raise bad(f"{pw}: images are accepted in user messages only", pw)
             iu = part.get("image_url")
+            if isinstance(iu, dict):  # "high" is what every image gets: up to --max-pixels after resizing
+                check_fields(iu, {"url", "detail"}, {"url", "detail"}, f"{pw}.image_url.", "the OpenAI API")
+                _choice(iu, "detail", ("auto", "high"), f"{pw}.image_url.detail")
             url = iu.get("url") if isinstance(iu, dict) else iu
             if not isinstance(url, str):
                 raise bad(f"{pw}.image_url.url must be a string", pw)
