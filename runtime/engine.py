@@ -266,7 +266,10 @@ class Engine:
                     snap = self._snapshot()
                     nxt = self._step(self.model.embed(y.reshape(1, 1)), "decode")
                     y_next, pen_next = (None, None) if constraint else draw(nxt, pen, drawn + 1)
+                    tq = time.perf_counter()
                     mx.async_eval(nxt if y_next is None else y_next)
+                    if self.experts.backend == "cpu" and made_by.phase == "decode":  # the CPU computes it in the call
+                        made_by.layers[-1].compute_ms += 1000 * (time.perf_counter() - tq)
                     ahead = (snap, nxt, y_next, pen_next, self.steps[-1])
                 tw = time.perf_counter()
                 tok = int(y.item())  # waits for this token only; a resident run's next step is already queued

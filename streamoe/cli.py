@@ -396,7 +396,10 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @click.argument("model", type=click.Path(path_type=Path))
 @common
 @engine_options
-@click.option("--prompt", "-p", default=None, callback=utf8_text, help="One prompt; answered, then exit.")
+@click.option("--prompt", "-p", default=None, callback=utf8_text,
+              help="One prompt; answered, then exit. '-' reads it from stdin.")
+@click.option("--prompt-file", "-f", type=click.Path(path_type=Path), default=None,
+              help="Read the prompt from this UTF-8 file (a prompt too long for a command line).")
 @click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="An image for the prompt (repeatable).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
@@ -416,15 +419,18 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @user_errors
 def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
         runtime_mib: int | None,
-        prompt: str | None, chat: bool,
+        prompt: str | None, prompt_file: Path | None, chat: bool,
         images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, sampling: dict, seed: int,
         tier: str, prefetch_width: int | None, prefetch_waste: float, prefill_chunk: int | str, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
     from .runtime.cli_run import run_cli
 
+    if prompt == "-" and chat:
+        raise StreamoeError("--chat reads its turns from stdin, so '-p -' cannot read a prompt from it")
+    prompt = read_prompt(prompt, prompt_file)
     if prompt is None and not chat:
-        raise StreamoeError("give --prompt TEXT or --chat")
+        raise StreamoeError("give --prompt TEXT, --prompt-file PATH or --chat")
     if images and raw:
         raise StreamoeError("--image needs the chat template; drop --raw")
     if load_session and system is not None:
@@ -469,6 +475,37 @@ def generation_defaults_of(model: Path) -> dict:
     from .runtime.text import GREEDY, generation_defaults
 
     return generation_defaults(model) if model.is_dir() else dict(GREEDY)
+
+
+PROMPT_FILE_MAX = 64 << 20  # bytes: far more text than any context holds
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
+    """The prompt: --prompt's text, stdin where it is '-' (as mlx-lm's generate reads it), or --prompt-file's (as
+    llama.cpp's -f reads it); UTF-8, at most `PROMPT_FILE_MAX` bytes."""
+    from .formats.errors import fail
+    from .formats.files import check_input_file, os_fail
+
+    if prompt is not None and prompt_file is not None:
+        raise StreamoeError("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        where, size = prompt_file, check_input_file(prompt_file, "prompt file").st_size
+        if size > PROMPT_FILE_MAX:
+            raise fail(where, f"a prompt file of {size:,} bytes; at most {PROMPT_FILE_MAX >> 20} MiB")
+        try:
+            raw = prompt_file.read_bytes()
+        except OSError as e:
+            raise os_fail(where, e, "cannot read the prompt file") from None
+    elif prompt == "-":
+        where, raw = "stdin", sys.stdin.buffer.read(PROMPT_FILE_MAX + 1)
+        if len(raw) > PROMPT_FILE_MAX:
+            raise fail(where, f"a prompt of more than {PROMPT_FILE_MAX >> 20} MiB")
+    else:
+        return prompt
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fail(where, f"the prompt is not UTF-8 text (byte {e.start:,})") from None
 
 
 def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: Path | None,

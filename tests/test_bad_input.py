@@ -700,6 +700,23 @@ def _(tmp, ck, conv):
     return run_args(c), (str(fifo(c / "tokenizer.json")), "FIFO")
 
 
+@case("prompt-file-is-a-fifo")
+def _(tmp, ck, conv):
+    return ["run", conv, "--cap", "1", "-f", fifo(tmp / "p")], (str(tmp / "p"), "FIFO")
+
+
+@case("prompt-file-not-utf8")
+def _(tmp, ck, conv):
+    (tmp / "p.txt").write_bytes(b"caf\xe9")
+    return ["run", conv, "--cap", "1", "-f", tmp / "p.txt"], (str(tmp / "p.txt"), "not UTF-8 text (byte 3)")
+
+
+@case("prompt-and-prompt-file")
+def _(tmp, ck, conv):
+    (tmp / "p.txt").write_text("hi")
+    return ["run", conv, "--cap", "1", "-f", tmp / "p.txt", "-p", "hi"], ("not both",)
+
+
 @case("image-is-a-fifo")
 def _(tmp, ck, conv):
     return ["run", conv, "--cap", "1", "-p", "hi", "--image", fifo(tmp / "p")], (str(tmp / "p"),)

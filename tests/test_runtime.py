@@ -486,6 +486,20 @@ def test_cap_too_small_names_smallest_cap(tiny_conv):
     assert p.returncode == 2 and "memory plan" in p.stdout
 
 
+def test_a_prompt_from_stdin_or_a_file_is_the_prompt(tiny_conv, tmp_path):
+    """`-p -` reads the prompt from stdin (mlx-lm's convention), `--prompt-file` from a file (llama.cpp's -f): the
+    same tokens as the text given with -p, newlines and all."""
+    text = PROMPTS[1] + "\n\n# é\n"
+    (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
+    run = ("run", tiny_conv, "--cap", "1", "--ctx", "256", "--raw", "--temp", "0", "-n", "6", "-q")
+    want = cli(*run, "-p", text, check=True).stdout
+    assert want.strip()
+    assert cli(*run, "-p", "-", input=text, check=True).stdout == want
+    assert cli(*run, "-f", tmp_path / "prompt.txt", check=True).stdout == want
+    one_error_line(cli(*run, "-p", "-", input="caf\udce9", errors="surrogateescape"), "stdin", "not UTF-8")
+    one_error_line(cli(*run, "-p", "-", "--chat", input="hi"), "--chat reads its turns from stdin")
+
+
 def test_prompt_longer_than_ctx(tiny_conv):
     one_error_line(cli("run", tiny_conv, "--cap", "1", "--ctx", "8", "-p", "a b c d e f g h i j k l m n o p", "--raw"),
                    "longer than the planned context --ctx 8")

@@ -166,6 +166,8 @@ def test_summary_tok_s_is_the_rate_tokens_reach_the_caller(small_conv, slots, sa
     assert st["tokens"] == len(seen) == 24
     assert abs(st["tok_s"] / wall - 1) < 0.05, (st["tok_s"], wall)
     assert st["compute_ms"] > 0 and st["other_ms"] > 0  # measured, not left at zero
+    if mx.default_device() == mx.cpu:  # the CPU computes a queued step inside `mx.async_eval`: that is compute too
+        assert st["compute_ms"] > 0.25 * st["ms_token"], st
     assert 0 < st["ttft_s"] <= seen[0] - t_call and st["prefill_tok_s"] > 0
     eng.close()
 
