@@ -33,32 +33,45 @@ def guide_tokenizer(tokenizer, vocab: int, stop_ids: set[int]):
     return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab, eos_token=sorted(stop_ids))
 
 
-def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer) -> str:
+def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer, free: frozenset[str] = frozenset(),
+                      opened: bool = False) -> str:
     """The grammar (Lark, llguidance's dialect) of what the model writes after a forced call's prefix
     (`tool_calls.call_prefix`) up to the end of the block: the arguments of tool `name` (JSON: an object valid
     against its parameters; XML: its `<parameter=KEY>` blocks, the required ones in the schema's order, the
     others optional), or with name None one call of any of the tools, its name included; then the block's
-    close. After it only a stop token is allowed: a forced answer is one call."""
+    close. After it only a stop token is allowed: a forced answer is one call.
+
+    For the calls a model opens itself (`opened`: from the newline after its `<tool_call>` token, the grammar of a
+    lazy `Constraint`), the tools named in `free` (not strict) take any arguments: any JSON object, or any
+    `<parameter=...>` blocks."""
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
 
     def params(fn: dict) -> dict:
         p = fn.get("parameters")
-        return p if isinstance(p, dict) and p else {"type": "object"}
+        return p if isinstance(p, dict) and p and fn["name"] not in free else {"type": "object"}
 
     def js(schema: dict) -> str:
         return "%json" + json.dumps({**schema, "x-guidance": COMPACT}, ensure_ascii=False)
 
     close = _literal(tokenizer, "\n") + " " + _literal(tokenizer, CALL_CLOSE)
+    start = "start: " + (_literal(tokenizer, "\n") + " " if opened else "")
     if fmt == "json":
         if name is not None:
-            return f"start: {js(params(fns[0]))} {_literal(tokenizer, '}')} {close}\n"
+            return f"{start}{js(params(fns[0]))} {_literal(tokenizer, '}')} {close}\n"
         calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params(fn)},
                             "required": ["name", "arguments"], "additionalProperties": False} for fn in fns]}
-        return f"start: {js(calls)} {close}\n"
+        return f"{start}{js(calls)} {close}\n"
     end_param = json.dumps(f"\n{PARAM_CLOSE}\n")
     end_re = r"\n" + PARAM_CLOSE.replace("/", r"\/") + r"\n"  # the same, inside a /regex/
     rules, calls = [f"text[lazy]: /(?s:.*){end_re}/"], []  # a raw string value, up to its close
+    key_close = json.dumps(">\n")
+    rules.append(f"anyparam: {json.dumps(PARAM_OPEN)} /[^>\\n]+/ {key_close} text")  # a free tool's parameter
     for i, fn in enumerate(fns):
+        if fn["name"] in free:
+            opening = json.dumps(f"{FUNCTION_OPEN}{fn['name']}>\n", ensure_ascii=False)
+            rules.append(f"call{i}: {opening} anyparam* {json.dumps(FUNCTION_CLOSE)} {close}")
+            calls.append(f"call{i}")
+            continue
         props, required, parts = params(fn).get("properties") or {}, set(params(fn).get("required") or []), []
         for j, (key, sub) in enumerate(props.items()):
             head, sub = json.dumps(f"{PARAM_OPEN}{key}>\n", ensure_ascii=False), sub if isinstance(sub, dict) else {}
@@ -75,7 +88,7 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer) 
         opening = "" if name is not None else json.dumps(f"{FUNCTION_OPEN}{fn['name']}>\n", ensure_ascii=False) + " "
         rules.append(f"call{i}: {opening}{' '.join(parts)} {json.dumps(FUNCTION_CLOSE)} {close}")
         calls.append(f"call{i}")
-    return "start: " + " | ".join(calls) + "\n" + "\n".join(rules) + "\n"
+    return start + " | ".join(calls) + "\n" + "\n".join(rules) + "\n"
 
 
 def _literal(tokenizer, text: str) -> str:
@@ -98,16 +111,22 @@ def json_grammar(schema: dict | None) -> str:
 
 
 class Constraint:
-    """The grammar an answer follows, from the token after `after` (None: from the first token)."""
+    """The grammar an answer follows, from the token after `after` (None: from the first token). With a `trigger`
+    the grammar is lazy, as llama.cpp's lazy grammars and vLLM's structural tags apply a strict tool's schema:
+    the answer runs free, and from each `trigger` token the model writes (past `after`) to the grammar's end the
+    grammar holds (a call block the model opened, `tool_call_grammar(..., opened=True)`), then it runs free again."""
 
-    def __init__(self, tokens, grammar: str, vocab: int, after: int | None = None):
+    def __init__(self, tokens, grammar: str, vocab: int, after: int | None = None, trigger: int | None = None):
         import llguidance
 
         err = llguidance.LLMatcher.validate_grammar(grammar, tokens)
         if err and not err.startswith("WARNING"):
             raise StreamoeError(f"the grammar does not compile ({err.splitlines()[0][:200]})")
         self.matcher = llguidance.LLMatcher(tokens, grammar, log_level=0)
-        self.vocab, self.after, self.active = vocab, after, after is None
+        self.fresh = self.matcher.deep_copy() if trigger is not None else None  # each block starts from it
+        self.vocab, self.after, self.trigger = vocab, after, trigger
+        self.armed = after is None  # past `after`: the grammar starts here (or at the next trigger)
+        self.active = self.armed and trigger is None
 
     def allowed(self) -> mx.array | None:
         """[V] bool of the tokens the grammar allows next; None while the answer runs free."""
@@ -121,8 +140,14 @@ class Constraint:
         """Feed the token drawn. A token the grammar refuses cannot be drawn from its mask; it would leave the
         matcher in its error state, which ends the constraint rather than the answer."""
         if not self.active:
-            self.active = tok == self.after
+            if not self.armed:
+                self.armed = tok == self.after
+                self.active = self.armed and self.trigger is None
+            elif self.trigger is not None:
+                self.active = tok == self.trigger
             return
         self.matcher.consume_token(tok)
-        if self.matcher.is_error():
-            self.active = False
+        if self.matcher.is_error() or (self.trigger is not None and self.matcher.is_accepting()):
+            self.active = False  # a lazy grammar's block closed (or broke): free until the next trigger
+            if self.fresh is not None:  # (llguidance's `reset` keeps a grammar's forced first token consumed)
+                self.matcher = self.fresh.deep_copy()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import mlx.core as mx
 import pytest
 
 from streamoe.formats.errors import StreamoeError
@@ -93,3 +94,89 @@ def test_a_schema_that_does_not_compile_is_refused(tiny_conv):
     guide = guide_tokenizer(Tokenizer.from_file(str(tiny_conv / "tokenizer.json")), 576, {1})
     with pytest.raises(StreamoeError, match="does not compile .*no-such-type"):
         Constraint(guide, json_grammar({"type": "no-such-type"}), 576)
+
+
+def _lazy(tok, fmt: str, free: frozenset[str] = frozenset(), after: int | None = None) -> Constraint:
+    guide = guide_tokenizer(tok, tok.get_vocab_size(), {1})
+    grammar = tool_call_grammar(fmt, TOOLS, None, tok, free=free, opened=True)
+    return Constraint(guide, grammar, tok.get_vocab_size(), after=after, trigger=tok.token_to_id("<tool_call>"))
+
+
+def _allows(c: Constraint, tok, text: str) -> bool:
+    """Whether the constraint's mask allows the first token of `text`."""
+    m = c.allowed()
+    return m is None or bool(m[tok.encode(text, add_special_tokens=False).ids[0]].item())
+
+
+@pytest.mark.parametrize("fmt", ["json", "xml"])
+def test_a_lazy_constraint_holds_each_call_block_the_model_opens_and_nothing_else(tiny_conv, fmt):
+    """A strict tool's schema holds from each `<tool_call>` token to its block's close, after the reasoning
+    closes; the text before, between and after the blocks runs free (no mask), and a tool not strict takes any
+    arguments."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_conv / "tokenizer.json"))
+    ids = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    call = {"json": '\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>',
+            "xml": "\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+                   "</function>\n</tool_call>"}[fmt]
+    c = _lazy(tok, fmt, after=tok.token_to_id("</think>"))
+    for t in ids("thinking <tool_call> inside the reasoning is free</think>\n\nLet me look."):
+        assert c.allowed() is None
+        c.advance(t)
+    for block in range(2):  # a second block is held as the first
+        c.advance(tok.token_to_id("<tool_call>"))
+        for t in ids(call):
+            assert c.allowed() is not None and bool(c.allowed()[t].item()), (block, tok.decode([t]))
+            c.advance(t)
+        assert c.allowed() is None  # closed: free again
+        for t in ids(" And the next."):
+            c.advance(t)
+    c.advance(tok.token_to_id("<tool_call>"))
+    for t in ids(call.split("Oslo")[0] + "Oslo" + ('", "days": ' if fmt == "json" else "\n</parameter>\n<parameter=days>\n")):
+        c.advance(t)
+    assert not _allows(c, tok, "x") and _allows(c, tok, "3")  # "days" is an integer
+    free = _lazy(tok, fmt, free=frozenset({"get_weather"}))
+    free.advance(tok.token_to_id("<tool_call>"))
+    for t in ids(call.split("Oslo")[0] + "Oslo" + ('", "days": ' if fmt == "json" else "\n</parameter>\n<parameter=days>\n")):
+        free.advance(t)
+    assert _allows(free, tok, '"x' if fmt == "json" else "x")  # not strict: any value
+
+
+class _OpensACall(Constraint):
+    """The lazy constraint, with the model made to open a call block at its third token: the tiny model never
+    opens one by itself."""
+
+    n = 0
+
+    def allowed(self):
+        self.n += 1
+        if self.n == 3:
+            return mx.arange(self.vocab) == self.trigger
+        return super().allowed()
+
+
+@pytest.mark.parametrize("fmt", ["json", "xml"])
+def test_a_call_the_model_opens_has_schema_valid_arguments_at_every_cap(tiny_conv, fmt):
+    from streamoe.runtime.tool_calls import parse_call
+
+    outs = []
+    for slots in (None, 6):
+        eng = _engine(tiny_conv, slots)
+        guide = guide_tokenizer(eng.text.tokenizer, eng.args.vocab_size, eng.text.stop_ids)
+        tok = eng.text.tokenizer
+        for seed in range(2):
+            c = _OpensACall(guide, tool_call_grammar(fmt, TOOLS, None, tok, opened=True), eng.args.vocab_size,
+                            trigger=tok.token_to_id("<tool_call>"))
+            eng.reset()
+            toks = [t for t, _ in eng.generate(eng.text.encode("Call a tool:"), 200, Sampler(temp=1.0, top_k=50, seed=seed),
+                                               constraint=c)]
+            text = eng.text.decode(toks)
+            outs.append(text)
+            body = text.split("<tool_call>", 1)[1].split("</tool_call>", 1)[0]
+            parsed = parse_call(body.strip(), fmt, TOOLS)
+            assert parsed is not None, text
+            tool = next(t for t in TOOLS if t["function"]["name"] == parsed["name"])
+            jsonschema.validate(json.loads(parsed["arguments"]), tool["function"]["parameters"])
+        eng.close()
+    assert outs[:2] == outs[2:]  # the same tokens resident and at a cap

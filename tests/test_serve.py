@@ -463,6 +463,36 @@ def test_max_tokens_is_clamped_to_what_the_planned_context_holds(conv):
     eng.close()
 
 
+def test_strict_tools_constrain_each_call_the_model_opens(conv):
+    """A strict tool (Chat Completions' `function.strict`, the Responses API's `strict`, Anthropic's) gives the answer a
+    lazy constraint: free until the model writes `<tool_call>` after its reasoning (tests/test_constrain.py: the
+    block then holds the schema); without a strict tool, or with a call forced, the constraint is as before."""
+    from streamoe.runtime.serve import anthropic_api, responses_api
+
+    eng = open_engine(conv, Options(cap_gib=8, ctx=256, runtime_bytes=RUNTIME_MIB * MiB), so := ServeOptions("t"))
+    w, tok = EngineWorker(eng, so), eng.text.tokenizer
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    fn = {"name": "get_weather", "parameters": params}
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+    for strict, req in ((True, parse_chat({"messages": msgs, "tools": [{"type": "function", "function": {**fn, "strict": True}}]},
+                                          Limits())),
+                        (True, responses_api.parse({"input": "?", "tools": [{"type": "function", **fn, "strict": True}]}, so)),
+                        (True, anthropic_api.parse({"model": "t", "max_tokens": 8, "messages": msgs, "tools": [
+                            {"name": "get_weather", "input_schema": params, "strict": True}]}, so)),
+                        (False, parse_chat({"messages": msgs, "tools": [{"type": "function", "function": fn}]}, Limits()))):
+        job = w.prepare(req)
+        if not strict:
+            assert job.constraint is None
+            continue
+        c = job.constraint
+        assert c.trigger == tok.token_to_id("<tool_call>") and not c.active and c.allowed() is None
+        assert c.after == (tok.token_to_id("</think>") if job.thinking else None)
+    forced = w.prepare(parse_chat({"messages": msgs, "tool_choice": "required",
+                                   "tools": [{"type": "function", "function": {**fn, "strict": True}}]}, Limits()))
+    assert forced.constraint.trigger is None and forced.constraint.active  # the prompt opened the block
+    eng.close()
+
+
 def test_only_loopback_binds_quietly():
     from streamoe.runtime.serve.server import exposure
 

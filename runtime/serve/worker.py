@@ -38,7 +38,7 @@ from ..image_prompt import image_config, prefill_images
 from ..plan import MiB, current_rss
 from ..sampling import Sampler
 from ..text import Detokenizer, generation_defaults
-from ..tool_calls import call_prefix
+from ..tool_calls import CALL_OPEN, call_prefix
 from .chat_output import ChatOutput
 from .door import SOCKET_BUFFER, socket_bytes
 from .lockstep import Lockstep, rank_summary, snapshot_id
@@ -331,20 +331,31 @@ class EngineWorker:
 
     def constraint(self, req: GenRequest, thinking: bool) -> Constraint | None:
         """The grammar a request asks for: the JSON of `response_format` (after the reasoning closes, with
-        thinking on), or a forced call's arguments, valid against the tool's schema."""
+        thinking on), a forced call's arguments, valid against the tool's schema, or, with strict tools, each
+        call block the model opens after its reasoning: a strict tool's arguments valid against its schema (the
+        other tools' free), the text around the calls free."""
         if req.json_output and req.force_call is not None:
             raise bad("'response_format' JSON and a forced tool call ('tool_choice') cannot both shape one answer",
                       "response_format")
-        if not req.json_output and req.force_call is None:
+        tok = self.eng.text.tokenizer
+        trigger = tok.token_to_id(CALL_OPEN)
+        strict = set(req.api.get("strict") or {})
+        lazy = (not req.json_output and req.force_call is None and req.parse_tools and bool(req.tools) and bool(strict)
+                and trigger in tok.get_added_tokens_decoder())  # a template whose calls open with one token
+        if not req.json_output and req.force_call is None and not lazy:
             return None
         if self.guide is None:
-            self.guide = guide_tokenizer(self.eng.text.tokenizer, self.vocab, self.eng.text.stop_ids)
+            self.guide = guide_tokenizer(tok, self.vocab, self.eng.text.stop_ids)
         where = "response_format" if req.json_output else "tools"
+        after = tok.token_to_id("</think>") if thinking else None
         try:
             if req.json_output:
-                after = self.eng.text.tokenizer.token_to_id("</think>") if thinking else None
                 return Constraint(self.guide, json_grammar(req.json_schema), self.vocab, after=after)
-            grammar = tool_call_grammar(self.tool_format, req.tools, req.force_call or None, self.eng.text.tokenizer)
+            if lazy:
+                free = frozenset(t["function"]["name"] for t in req.tools) - strict
+                grammar = tool_call_grammar(self.tool_format, req.tools, None, tok, free=free, opened=True)
+                return Constraint(self.guide, grammar, self.vocab, after=after, trigger=trigger)
+            grammar = tool_call_grammar(self.tool_format, req.tools, req.force_call or None, tok)
             return Constraint(self.guide, grammar, self.vocab)
         except StreamoeError as e:
             raise bad(str(e), where) from None
