@@ -12,7 +12,7 @@ gives the same tokens at every cap, prefetch width and tier policy (the logits a
 pipelined or a step-by-step loop, and a saved conversation goes on drawing where it stopped.
 
 Order, as vLLM and transformers apply them: repetition, presence and frequency penalties on the raw logits;
-then temperature, top-k, top-p (on the top-k renormalised), min-p (against the most likely token); then the
+then OpenAI's `logit_bias` (added to the chosen ids' logits, greedy or not; -100 bans a token); then temperature, top-k, top-p (on the top-k renormalised), min-p (against the most likely token); then the
 draw. The repetition penalty (transformers' form: a positive logit divided by it, a negative one multiplied)
 counts the prompt and the answer; the presence and frequency penalties (OpenAI's form) count the answer.
 """
@@ -53,7 +53,7 @@ class Sampler:
 
     def __init__(self, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                 seed: int = 0):
+                 seed: int = 0, logit_bias: dict[int, float] | list | None = None):
         checks = [(temp, temp >= 0, "--temp must be >= 0"), (top_p, 0 < top_p <= 1, "--top-p must be in (0, 1]"),
                   (top_k, top_k >= 0, "--top-k must be >= 0"), (min_p, 0 <= min_p <= 1, "--min-p must be in [0, 1]"),
                   (presence_penalty, -2 <= presence_penalty <= 2, "--presence-penalty must be in [-2, 2]"),
@@ -66,6 +66,10 @@ class Sampler:
         self.presence, self.frequency = float(presence_penalty), float(frequency_penalty)
         self.repetition = float(repetition_penalty)
         self.seed, self.drawn = int(seed) & MASK, 0
+        self.bias = sorted((int(t), float(b)) for t, b in dict(logit_bias or {}).items())  # OpenAI's logit_bias
+        if any(t < 0 or not -100 <= b <= 100 for t, b in self.bias):
+            raise StreamoeError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
+        self._bias: tuple[mx.array, mx.array] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -79,7 +83,7 @@ class Sampler:
         """The arguments that make this sampler anew: what another rank needs to draw as this one does."""
         return {"temp": self.temp, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                 "presence_penalty": self.presence, "frequency_penalty": self.frequency,
-                "repetition_penalty": self.repetition, "seed": self.seed}
+                "repetition_penalty": self.repetition, "seed": self.seed, "logit_bias": [list(p) for p in self.bias]}
 
     # ---- state a conversation keeps
     def state(self) -> dict:
@@ -104,6 +108,10 @@ class Sampler:
         `allowed` tokens ([V] bool, a grammar's; None: all), and the penalties' state with it added. Nothing
         here waits for the device."""
         x = self._penalise(logits.astype(mx.float32), pen)
+        if self.bias:
+            if self._bias is None:
+                self._bias = (mx.array([t for t, _ in self.bias], mx.uint32), mx.array([b for _, b in self.bias], mx.float32))
+            x = x.at[self._bias[0]].add(self._bias[1])
         if allowed is not None:
             x = mx.where(allowed, x, -math.inf)
         tok = (mx.argmax(x) if self.greedy else self._draw(x, drawn)).astype(mx.uint32)

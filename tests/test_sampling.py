@@ -90,6 +90,26 @@ def test_penalties_follow_their_formulas():
     assert len(seen) > 20  # the penalties moved the argmax from token to token
 
 
+def test_logit_bias_is_added_to_the_logits_before_the_draw():
+    """OpenAI's `logit_bias`: greedy takes the argmax of the biased logits (-100 bans the likeliest token), a draw
+    is the unbiased sampler's draw from the biased logits (same key), and the setting crosses to another rank."""
+    import json
+
+    V = 512
+    x = np.random.default_rng(3).standard_normal(V).astype(np.float32) * 3
+    bias = {int(np.argmax(x)): -100.0, 7: 5.0, 300: 2.5}
+    dense = np.zeros(V, np.float32)
+    for t, b in bias.items():
+        dense[t] = b
+    s = Sampler(logit_bias=bias)
+    assert s(mx.array(x), s.start([], V), 0)[0].item() == int(np.argmax(x + dense)) != int(np.argmax(x))
+    biased, plain = Sampler(temp=1.0, top_k=20, seed=5, logit_bias=bias), Sampler(temp=1.0, top_k=20, seed=5)
+    got = [biased(mx.array(x), biased.start([], V), i)[0].item() for i in range(40)]
+    assert got == [plain(mx.array(x + dense), plain.start([], V), i)[0].item() for i in range(40)]
+    assert int(np.argmax(x)) not in got and len(set(got)) > 3  # banned; the draws still choose
+    assert Sampler(**json.loads(json.dumps(biased.params()))).bias == biased.bias
+
+
 def test_a_temperature_too_small_to_divide_by_is_greedy():
     x = mx.array(np.random.default_rng(2).standard_normal(1000).astype(np.float32))
     for t in (1e-308, 1e-45, 0.0):

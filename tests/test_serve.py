@@ -331,6 +331,21 @@ def test_a_client_that_disconnects_stops_its_generation(server, client, ref):
     assert r.choices[0].text == ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 8))  # nothing leaked
 
 
+def test_logit_bias_steers_the_answer(client, ref):
+    """OpenAI's `logit_bias` on both routes: +100 makes a greedy answer that token, -100 bans the greedy one."""
+    zebra = ref.text.tokenizer.encode("zebra", add_special_tokens=False).ids[0]
+    r = client.completions.create(model="tiny", prompt=CODE[1], temperature=0, max_tokens=4, logit_bias={str(zebra): 100})
+    assert r.choices[0].text == ref.text.decode([zebra] * 4)
+    first = greedy(ref, ref.text.encode(CODE[1]), 1)[0]
+    r = client.completions.create(model="tiny", prompt=CODE[1], temperature=0, max_tokens=1, logit_bias={str(first): -100},
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids != [first]
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=3,
+                                       logit_bias={str(zebra): 100}, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == [zebra] * 3
+
+
 def test_a_full_queue_is_503_and_hung_up_requests_leave_it(server, client, ref):
     body = json.dumps({"prompt": CODE[2], "temperature": 0, "max_tokens": 600, "stream": True}).encode()
     socks = [raw_request(server.port, "/v1/completions", body)]
@@ -361,6 +376,7 @@ def test_bad_requests_get_their_status_and_an_openai_error(server, triangle):
         ("POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": -1}, 400),
         ("POST", "/v1/chat/completions", {"messages": msgs, "max_token": 5}, 400),  # a misspelt field
         ("POST", "/v1/completions", {"prompt": "x", "max_token": 5}, 400),
+        ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 5}}, 400),  # beyond the vocabulary
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}, 400),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [

@@ -249,6 +249,10 @@ def chat(**kw) -> dict:
     (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,", "detail": "low"}}]}]),
      "messages[0].content[0].image_url.detail"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}, "cache_control": {}}]), "tools[0].cache_control"),
+    (chat(logit_bias={"x": 1}), "logit_bias"),
+    (chat(logit_bias={"5": 101}), "logit_bias"),
+    (chat(logit_bias={"5": True}), "logit_bias"),
+    (chat(logit_bias=[5]), "logit_bias"),
 ])
 def test_chat_fields_refused_with_400_naming_them(body, param):
     with pytest.raises(APIError) as e:

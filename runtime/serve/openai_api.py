@@ -266,6 +266,8 @@ MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refu
                   "reasoning_content", "reasoning"}  # the last two: vLLM's, a tool loop's earlier thinking
 MESSAGE_HONOURED = MESSAGE_FIELDS - {"refusal", "audio", "function_call"}
 
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+
 # (field, Sampler's name, range): OpenAI's fields and the ones vLLM and mlx-lm's server add
 SAMPLING_FIELDS = (("temperature", "temp", 0, 2), ("top_p", "top_p", 0, 1), ("min_p", "min_p", 0, 1),
                    ("presence_penalty", "presence_penalty", -2, 2), ("frequency_penalty", "frequency_penalty", -2, 2),
@@ -315,9 +317,18 @@ def _common(body: dict, req: GenRequest) -> None:
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4):
         raise bad("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
     req.stop = stop or []
-    for key in ("echo", "suffix", "logit_bias"):
+    for key in ("echo", "suffix"):
         if body.get(key):
             raise bad(f"'{key}' is not supported by this server", key)
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise bad(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+        for k, v in bias.items():
+            if not k.isdigit() or isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+                raise bad(f"'logit_bias' maps token ids (\"123\") to numbers in [-100, 100]; got {k!r}: {v!r}",
+                          "logit_bias")
+        req.sampling["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' is not supported by this server", "best_of")
     _string(body, "user")

@@ -326,6 +326,10 @@ class EngineWorker:
         room = ctx - len(ids)
         want = req.max_tokens or self.so.max_tokens or room
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
+        words = min(self.vocab, self.eng.text.tokenizer.get_vocab_size())  # not the embedding's padding rows
+        beyond = [t for t in req.sampling.get("logit_bias", {}) if t >= words]
+        if beyond:
+            raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
         return Job(req, ids, thinking, min(want, room), Sampler(**{**self.defaults, **req.sampling}, seed=seed),
                    prefix=given, constraint=self.constraint(req, thinking))
 
