@@ -8,7 +8,8 @@ tokens drawn route to other experts than greedy's, so hit rate and bytes read pe
 the rates: resident runs show the sampler's own cost. `json` samples inside a JSON schema (constrained
 decoding: llguidance's mask computed on the host and applied on the device every token). Sampled uses
 the checkpoint's defaults (temperature 1.0, top-p 0.95, top-k 20), `tool` a call forced by `tool_choice` (its
-arguments in Qwen3.6's XML call form, one long string parameter), and a penalised variant adds Qwen's
+arguments in Qwen3.6's XML call form, one long string parameter), `strict` a strict tool's lazy grammar that the
+answer never triggers (random weights open no call: what holding it costs decode, tokens drawn ahead unmasked), and a penalised variant adds Qwen's
 suggested presence penalty (1.5) and a repetition penalty. The vocabulary matters: choosing a token at the
 real model's 248,320 rows is what the `small-vocab` synthetic checkpoint (the small model's layers with that
 vocabulary) shows on the CPU; `--model` takes any converted directory (full size on a GPU).
@@ -30,7 +31,8 @@ PROMPT = "import csv\nimport sys\n\n\ndef mean_of_columns(path):\n    "
 MODES = {"greedy": {}, "sampled": dict(temp=1.0, top_p=0.95, top_k=20),
          "penalised": dict(temp=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, repetition_penalty=1.05),
          "json": dict(temp=1.0, top_p=0.95, top_k=20),  # sampled, inside a JSON schema (llguidance's mask per token)
-         "tool": dict(temp=1.0, top_p=0.95, top_k=20)}  # sampled, a forced call's arguments in the XML call form
+         "tool": dict(temp=1.0, top_p=0.95, top_k=20),  # sampled, a forced call's arguments in the XML call form
+         "strict": dict(temp=1.0, top_p=0.95, top_k=20)}  # sampled, a strict tool's lazy grammar waiting for a call
 # a string long enough that every timed token is drawn under the grammar's mask
 JSON_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 4000}}, "required": ["text"],
                "additionalProperties": False}
@@ -69,11 +71,14 @@ def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
     eng.text.stop_ids = set()  # every answer runs its full length: rates over the same number of tokens
     try:
         one_answer(eng, Sampler(), 4)  # first-call compiles out of the timed rounds
-        grammars = {"json": json_grammar(JSON_SCHEMA), "tool": tool_call_grammar("xml", TOOLS, "write", eng.text.tokenizer)}
+        tok = eng.text.tokenizer
+        grammars = {"json": json_grammar(JSON_SCHEMA), "tool": tool_call_grammar("xml", TOOLS, "write", tok),
+                    "strict": tool_call_grammar("xml", TOOLS, None, tok, opened=True)}
+        trigger = {"strict": tok.token_to_id("<tool_call>")}
         runs = {m: [] for m in MODES}
         for r in range(rounds):
             for m in list(MODES)[r % len(MODES):] + list(MODES)[: r % len(MODES)]:  # each mode leads a round in turn
-                c = Constraint(guide, grammars[m], eng.args.vocab_size) if m in grammars else None
+                c = Constraint(guide, grammars[m], eng.args.vocab_size, trigger=trigger.get(m)) if m in grammars else None
                 runs[m].append(one_answer(eng, Sampler(seed=r, **MODES[m]), tokens, c))
         keys = ("wall_tok_s", "summary_tok_s", "ttft_s", "hit_rate", "mib_read_token")
         med = {m: {k: statistics.median(x[k] for x in v) for k in keys} for m, v in runs.items()}
@@ -85,6 +90,7 @@ def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
                 "penalised_vs_greedy_wall": round(med["penalised"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 3),
                 "json_vs_sampled_wall": round(med["json"]["wall_tok_s"] / med["sampled"]["wall_tok_s"], 3),
                 "tool_vs_sampled_wall": round(med["tool"]["wall_tok_s"] / med["sampled"]["wall_tok_s"], 3),
+                "strict_vs_sampled_wall": round(med["strict"]["wall_tok_s"] / med["sampled"]["wall_tok_s"], 3),
                 "summary_vs_wall": {m: round(med[m]["summary_tok_s"] / med[m]["wall_tok_s"], 3) for m in MODES},
                 "runs": runs}
     finally:

@@ -242,7 +242,10 @@ class Engine:
         are exactly those of a run at any other cap. `context` is the whole prompt the repetition penalty
         counts (default `prompt`: a continued conversation passes what the cache holds too). Under a
         `constraint` the next token's mask needs this one, so a resident step is still queued ahead but its
-        token is drawn once this one is read and fed to the grammar (the device computes the step meanwhile).
+        token is drawn once this one is read and fed to the grammar (the device computes the step meanwhile);
+        while the grammar is off (a lazy one between calls, or the reasoning before a JSON answer) the token is
+        drawn ahead unmasked as without one, and drawn again, masked and with the same key, where this token
+        switches the grammar on. Across ranks a constrained token is always drawn once the previous one is read.
 
         Timing (`StepStats.t_token`, `ms`): a step that gives a token is stamped when the token reaches the
         caller, and a decode step's `ms` is the interval since the previous token did, so the summary's
@@ -265,7 +268,8 @@ class Engine:
                 if self.pipelined and self.offset < self.opts.ctx:  # the loop feeds every token it yields
                     snap = self._snapshot()
                     nxt = self._step(self.model.embed(y.reshape(1, 1)), "decode")
-                    y_next, pen_next = (None, None) if constraint else draw(nxt, pen, drawn + 1)
+                    held = constraint is not None and (self.group is not None or constraint.active)
+                    y_next, pen_next = (None, None) if held else draw(nxt, pen, drawn + 1)
                     tq = time.perf_counter()
                     mx.async_eval(nxt if y_next is None else y_next)
                     if self.experts.backend == "cpu" and made_by.phase == "decode":  # the CPU computes it in the call
@@ -290,7 +294,7 @@ class Engine:
                 if ahead is not None:
                     _, logits, y, pen_ahead, made_by = ahead
                     ahead = None
-                    if y is None:
+                    if y is None or (constraint is not None and constraint.active):  # tok switched its grammar on
                         y, pen = draw(logits, pen, drawn)
                         mx.async_eval(y)
                     else:

@@ -144,14 +144,23 @@ def test_a_lazy_constraint_holds_each_call_block_the_model_opens_and_nothing_els
 
 
 class _OpensACall(Constraint):
-    """The lazy constraint, with the model made to open a call block at its third token: the tiny model never
-    opens one by itself."""
+    """The lazy constraint, with the model made to open a call block at its third token (the tiny model never opens
+    one by itself): a state of the constraint, as the engine's draws ahead assume (`allowed` is None only while
+    `active` is off)."""
 
-    n = 0
+    seen, forcing = 0, False
+
+    def advance(self, tok: int) -> None:
+        self.seen += 1
+        if self.forcing:  # the trigger, drawn under the mask below: from here on the lazy grammar's own way
+            self.forcing = self.active = False
+            return super().advance(tok)
+        super().advance(tok)
+        if self.seen == 2:
+            self.active = self.forcing = True
 
     def allowed(self):
-        self.n += 1
-        if self.n == 3:
+        if self.forcing:
             return mx.arange(self.vocab) == self.trigger
         return super().allowed()
 

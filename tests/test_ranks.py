@@ -334,6 +334,8 @@ def test_two_ranks_serve_one_hosts_answers_each_reading_about_half(served):
     answers = [(answer(c1, temperature=0), answer(c2, temperature=0)),
                (answer(c1, True, temperature=0), answer(c2, True, temperature=0)),
                (answer(c1, temperature=0.9, seed=7, top_p=0.95), answer(c2, temperature=0.9, seed=7, top_p=0.95))]
+    json_object = {"response_format": {"type": "json_object"}}  # constrained: each token drawn once the last is read
+    answers.append((answer(c1, temperature=0.9, seed=3, **json_object), answer(c2, temperature=0.9, seed=3, **json_object)))
     for (want, _), (got, _) in answers:
         assert got == want and len(want) > 0
     time.sleep(IDLE_TIMEOUT + 1)  # idle past the watchdog's limit: neither rank may stop

@@ -48,6 +48,8 @@ class Unseen:
     """A follower's stand-in for rank 0's constraint: the same path through `Engine.generate` (each token drawn
     once the previous one is read), no mask (the token every rank takes is rank 0's)."""
 
+    active = True  # so every token is drawn once the previous one is read, as on rank 0
+
     def allowed(self) -> None:
         return None
 
