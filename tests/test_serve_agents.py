@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 
 import anthropic
+import jsonschema
 import mlx.core as mx
 import mlx.nn
 import numpy as np
@@ -427,7 +428,9 @@ PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}, "model"),
     (am(thinking={"type": "enabled", "budget_tokens": 2048}), "thinking.budget_tokens"),
-    (am(output_config={"effort": "low"}), "output_config"),
+    (am(output_config={"effort": "low"}), "output_config.effort"),
+    (am(output_config={"format": {"type": "text"}}), "output_config.format"),
+    (am(output_config={"format": {"type": "json_schema", "schema": {}, "name": "x"}}), "output_config.format.name"),
     (am(container="c"), "container"),
     (am(mcp_servers=[{"type": "url"}]), "mcp_servers"),
     (am(inference_geo="us"), "inference_geo"),
@@ -646,6 +649,22 @@ def test_anthropic_tools_and_tool_choice(ac, ref):
                                tool_choice=choice)
         assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ref.text.encode(rendered + start))
         assert m.content[0].type == "tool_use" or m.content[0].text.startswith(start)  # the call forced
+
+
+def test_anthropic_structured_outputs_follow_the_schema(ac):
+    """`output_config.format` constrains the text block to the schema, as `response_format` does a chat answer."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    m = ac.messages.create(model="tiny", max_tokens=60, messages=[{"role": "user", "content": "Weather plan?"}],
+                           thinking={"type": "disabled"}, output_config={"format": {"type": "json_schema", "schema": schema}},
+                           extra_body={"temperature": 1.0})
+    Message.model_validate(m.model_dump())
+    (block,) = m.content
+    jsonschema.validate(json.loads(block.text), schema)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "?"}],
+                           output_config={"format": {"type": "json_schema", "schema": {"type": "no-such-type"}}})
+    assert e.value.body["error"]["type"] == "invalid_request_error" and "does not compile" in e.value.message
 
 
 def test_anthropic_errors_have_anthropics_shape(server, ac):

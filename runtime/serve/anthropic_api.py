@@ -28,8 +28,8 @@ FIELDS = {"max_tokens", "messages", "model", "cache_control", "container", "cont
           "inference_geo", "mcp_servers", "metadata", "output_config", "service_tier", "speed", "stop_sequences",
           "stream", "system", "temperature", "thinking", "tool_choice", "tools", "top_k", "top_p", "user_profile_id",
           "workspace_id"}
-HONOURED = {"max_tokens", "messages", "model", "cache_control", "metadata", "service_tier", "stop_sequences", "stream",
-            "system", "temperature", "thinking", "tool_choice", "tools", "top_k", "top_p"}
+HONOURED = {"max_tokens", "messages", "model", "cache_control", "metadata", "output_config", "service_tier",
+            "stop_sequences", "stream", "system", "temperature", "thinking", "tool_choice", "tools", "top_k", "top_p"}
 COUNT_FIELDS = {"messages", "model", "cache_control", "context_management", "mcp_servers", "output_config", "speed",
                 "system", "thinking", "tool_choice", "tools", "user_profile_id", "workspace_id"}
 API = "the Anthropic Messages API"
@@ -300,10 +300,29 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
         if kind not in ("adaptive", "disabled"):
             raise bad("'thinking.type' must be 'adaptive' or 'disabled'", "thinking.type")
         req.template_kwargs["enable_thinking"] = kind == "adaptive"
+    _output_config(body, req)
     req.messages = _system(body.get("system")) + parse_messages(body.get("messages"), so, req.images)
     req.tools, req.parse_tools, req.force_call, strict, parallel = _tools(body)
-    req.api = {"strict": strict, "parallel": parallel}
+    req.api = {"strict": strict, "parallel": parallel, "format_field": "output_config.format"}
     return req
+
+
+def _output_config(body: dict, req: GenRequest) -> None:
+    """`output_config.format` (structured outputs: a JSON schema the answer's text follows, constrained as a chat
+    request's `response_format` is); `effort` is refused (no setting of this server spends it)."""
+    oc = body.get("output_config")
+    if oc is None:
+        return
+    if not isinstance(oc, dict):
+        raise bad("'output_config' must be an object", "output_config")
+    check_fields(oc, {"effort", "format"}, {"format"}, "output_config.", API)
+    fmt = oc.get("format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad("'output_config.format' must be {'type': 'json_schema', 'schema': {...}}", "output_config.format")
+    check_fields(fmt, {"type", "schema"}, {"type", "schema"}, "output_config.format.", API)
+    req.json_output, req.json_schema = True, fmt["schema"]
 
 
 class Output:

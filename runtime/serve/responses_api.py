@@ -304,7 +304,7 @@ def parse(body: dict, so) -> GenRequest:
     metadata = _metadata(body)
     for key in ("user", "safety_identifier", "prompt_cache_key"):
         _string(body, key)
-    req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False,
+    req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False, "format_field": "text.format",
                "echo": {"instructions": instructions, "max_output_tokens": req.max_tokens, "metadata": metadata or {},
                         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
                         "temperature": req.sampling.get("temp"), "top_p": req.sampling.get("top_p"),

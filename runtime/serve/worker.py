@@ -338,9 +338,9 @@ class EngineWorker:
         thinking on), a forced call's arguments, valid against the tool's schema, or, with strict tools, each
         call block the model opens after its reasoning: a strict tool's arguments valid against its schema (the
         other tools' free), the text around the calls free."""
+        fmt = req.api.get("format_field", "response_format")  # the field that asked for JSON, in the request's API
         if req.json_output and req.force_call is not None:
-            raise bad("'response_format' JSON and a forced tool call ('tool_choice') cannot both shape one answer",
-                      "response_format")
+            raise bad(f"'{fmt}' JSON and a forced tool call ('tool_choice') cannot both shape one answer", fmt)
         tok = self.eng.text.tokenizer
         trigger = tok.token_to_id(CALL_OPEN)
         strict = set(req.api.get("strict") or {})
@@ -350,7 +350,7 @@ class EngineWorker:
             return None
         if self.guide is None:
             self.guide = guide_tokenizer(tok, self.vocab, self.eng.text.stop_ids)
-        where = "response_format" if req.json_output else "tools"
+        where = fmt if req.json_output else "tools"
         after = tok.token_to_id("</think>") if thinking else None
         try:
             if req.json_output:
