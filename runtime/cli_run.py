@@ -143,15 +143,31 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             write_outputs(records, stats, logits_out, logits)
 
 
+def read_line(prompt: str) -> str | None:
+    """One line of stdin (None at its end)."""
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+    except UnicodeDecodeError:
+        raise fail("<stdin>", "the input is not valid UTF-8 text") from None
+
+
 def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
-    """The chat's next turn from stdin (None: the chat ends); `/image PATH` lines attach images to it."""
+    """The chat's next turn from stdin (None: the chat ends); `/image PATH` lines attach images to it. A turn of
+    several lines (pasted code) is written between two lines of three double quotes (ollama's form), or as lines
+    that end in a backslash (llama.cpp's), which joins them with a newline."""
     while True:
-        try:
-            user = input("> ")
-        except EOFError:
+        user = read_line("> ")
+        if user is None:
             return None
-        except UnicodeDecodeError:
-            raise fail("<stdin>", "the input is not valid UTF-8 text") from None
+        if user.strip() == '"""':
+            lines = []
+            while (line := read_line(". ")) is not None and line.strip() != '"""':
+                lines.append(line)
+            return "\n".join(lines)
+        while user.endswith("\\") and (line := read_line(". ")) is not None:
+            user = user[:-1] + "\n" + line
         if user.strip() in ("/quit", "/exit"):
             return None
         if not user.startswith("/image "):

@@ -500,6 +500,17 @@ def test_a_prompt_from_stdin_or_a_file_is_the_prompt(tiny_conv, tmp_path):
     one_error_line(cli(*run, "-p", "-", "--chat", input="hi"), "--chat reads its turns from stdin")
 
 
+def test_a_chat_turn_of_several_lines_is_one_turn(tiny_conv):
+    """Pasted lines between two lines of three double quotes (ollama's form), or lines ending in a backslash
+    (llama.cpp's), are one turn: the answer is the one-shot prompt's."""
+    run = ("run", tiny_conv, "--cap", "1", "--ctx", "256", "--raw", "--temp", "0", "-n", "6", "-q")
+    want = cli(*run, "-p", "def f(x):\n    return x", check=True).stdout.strip()
+    assert want
+    for typed in ('"""\ndef f(x):\n    return x\n"""\n', "def f(x):\\\n    return x\n"):
+        got = cli(*run, "--chat", input=typed, check=True).stdout
+        assert want in got and got.count("> ") == 2, got  # one answer, then the prompt the input's end closes
+
+
 def test_prompt_longer_than_ctx(tiny_conv):
     one_error_line(cli("run", tiny_conv, "--cap", "1", "--ctx", "8", "-p", "a b c d e f g h i j k l m n o p", "--raw"),
                    "longer than the planned context --ctx 8")
