@@ -114,9 +114,11 @@ class Constraint:
     """The grammar an answer follows, from the token after `after` (None: from the first token). With a `trigger`
     the grammar is lazy, as llama.cpp's lazy grammars and vLLM's structural tags apply a strict tool's schema:
     the answer runs free, and from each `trigger` token the model writes (past `after`) to the grammar's end the
-    grammar holds (a call block the model opened, `tool_call_grammar(..., opened=True)`), then it runs free again."""
+    grammar holds (a call block the model opened, `tool_call_grammar(..., opened=True)`), then it runs free again;
+    or, `once`, only a stop token may follow the first block (one call: `parallel_tool_calls` false)."""
 
-    def __init__(self, tokens, grammar: str, vocab: int, after: int | None = None, trigger: int | None = None):
+    def __init__(self, tokens, grammar: str, vocab: int, after: int | None = None, trigger: int | None = None,
+                 once: bool = False):
         import llguidance
 
         err = llguidance.LLMatcher.validate_grammar(grammar, tokens)
@@ -124,7 +126,7 @@ class Constraint:
             raise StreamoeError(f"the grammar does not compile ({err.splitlines()[0][:200]})")
         self.matcher = llguidance.LLMatcher(tokens, grammar, log_level=0)
         self.fresh = self.matcher.deep_copy() if trigger is not None else None  # each block starts from it
-        self.vocab, self.after, self.trigger = vocab, after, trigger
+        self.vocab, self.after, self.trigger, self.once = vocab, after, trigger, once
         self.armed = after is None  # past `after`: the grammar starts here (or at the next trigger)
         self.active = self.armed and trigger is None
 
@@ -147,6 +149,8 @@ class Constraint:
                 self.active = tok == self.trigger
             return
         self.matcher.consume_token(tok)
+        if self.once and self.matcher.is_accepting():
+            return  # the call is made: the grammar, complete, allows only a stop token
         if self.matcher.is_error() or (self.trigger is not None and self.matcher.is_accepting()):
             self.active = False  # a lazy grammar's block closed (or broke): free until the next trigger
             if self.fresh is not None:  # (llguidance's `reset` keeps a grammar's forced first token consumed)

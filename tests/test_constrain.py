@@ -8,6 +8,7 @@ import json
 
 import jsonschema
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from streamoe.formats.errors import StreamoeError
@@ -96,10 +97,10 @@ def test_a_schema_that_does_not_compile_is_refused(tiny_conv):
         Constraint(guide, json_grammar({"type": "no-such-type"}), 576)
 
 
-def _lazy(tok, fmt: str, free: frozenset[str] = frozenset(), after: int | None = None) -> Constraint:
-    guide = guide_tokenizer(tok, tok.get_vocab_size(), {1})
+def _lazy(tok, fmt: str, free: frozenset[str] = frozenset(), after: int | None = None, once: bool = False) -> Constraint:
+    guide = guide_tokenizer(tok, tok.get_vocab_size(), {1})  # token 1: the stop token here
     grammar = tool_call_grammar(fmt, TOOLS, None, tok, free=free, opened=True)
-    return Constraint(guide, grammar, tok.get_vocab_size(), after=after, trigger=tok.token_to_id("<tool_call>"))
+    return Constraint(guide, grammar, tok.get_vocab_size(), after=after, trigger=tok.token_to_id("<tool_call>"), once=once)
 
 
 def _allows(c: Constraint, tok, text: str) -> bool:
@@ -141,6 +142,13 @@ def test_a_lazy_constraint_holds_each_call_block_the_model_opens_and_nothing_els
     for t in ids(call.split("Oslo")[0] + "Oslo" + ('", "days": ' if fmt == "json" else "\n</parameter>\n<parameter=days>\n")):
         free.advance(t)
     assert _allows(free, tok, '"x' if fmt == "json" else "x")  # not strict: any value
+    one = _lazy(tok, fmt, free=frozenset({"get_weather", "now"}), once=True)  # parallel_tool_calls false
+    for t in ids("Let me look."):
+        assert one.allowed() is None
+        one.advance(t)
+    for t in [tok.token_to_id("<tool_call>")] + ids(call):
+        one.advance(t)
+    assert np.flatnonzero(np.array(one.allowed())).tolist() == [1]  # one call made: only a stop may follow
 
 
 class _OpensACall(Constraint):

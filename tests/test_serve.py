@@ -482,7 +482,8 @@ def test_max_tokens_is_clamped_to_what_the_planned_context_holds(conv):
 def test_strict_tools_constrain_each_call_the_model_opens(conv):
     """A strict tool (Chat Completions' `function.strict`, the Responses API's `strict`, Anthropic's) gives the answer a
     lazy constraint: free until the model writes `<tool_call>` after its reasoning (tests/test_constrain.py: the
-    block then holds the schema); without a strict tool, or with a call forced, the constraint is as before."""
+    block then holds the schema); so does `parallel_tool_calls: false`, with only a stop after the first call;
+    without either, or with a call forced, the constraint is as before."""
     from streamoe.runtime.serve import anthropic_api, responses_api
 
     eng = open_engine(conv, Options(cap_gib=8, ctx=256, runtime_bytes=RUNTIME_MIB * MiB), so := ServeOptions("t"))
@@ -495,14 +496,17 @@ def test_strict_tools_constrain_each_call_the_model_opens(conv):
                         (True, responses_api.parse({"input": "?", "tools": [{"type": "function", **fn, "strict": True}]}, so)),
                         (True, anthropic_api.parse({"model": "t", "max_tokens": 8, "messages": msgs, "tools": [
                             {"name": "get_weather", "input_schema": params, "strict": True}]}, so)),
-                        (False, parse_chat({"messages": msgs, "tools": [{"type": "function", "function": fn}]}, Limits()))):
+                        (False, parse_chat({"messages": msgs, "tools": [{"type": "function", "function": fn}]}, Limits())),
+                        (None, parse_chat({"messages": msgs, "tools": [{"type": "function", "function": fn}],
+                                           "parallel_tool_calls": False}, Limits()))):
         job = w.prepare(req)
-        if not strict:
+        if strict is False:
             assert job.constraint is None
             continue
         c = job.constraint
         assert c.trigger == tok.token_to_id("<tool_call>") and not c.active and c.allowed() is None
         assert c.after == (tok.token_to_id("</think>") if job.thinking else None)
+        assert c.once == (strict is None)  # parallel_tool_calls false: only a stop after the one call
     forced = w.prepare(parse_chat({"messages": msgs, "tool_choice": "required",
                                    "tools": [{"type": "function", "function": {**fn, "strict": True}}]}, Limits()))
     assert forced.constraint.trigger is None and forced.constraint.active  # the prompt opened the block

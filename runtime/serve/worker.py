@@ -337,15 +337,15 @@ class EngineWorker:
         """The grammar a request asks for: the JSON of `response_format` (after the reasoning closes, with
         thinking on), a forced call's arguments, valid against the tool's schema, or, with strict tools, each
         call block the model opens after its reasoning: a strict tool's arguments valid against its schema (the
-        other tools' free), the text around the calls free."""
+        other tools' free), the text around the calls free; without parallel calls, only a stop after the first."""
         fmt = req.api.get("format_field", "response_format")  # the field that asked for JSON, in the request's API
         if req.json_output and req.force_call is not None:
             raise bad(f"'{fmt}' JSON and a forced tool call ('tool_choice') cannot both shape one answer", fmt)
         tok = self.eng.text.tokenizer
         trigger = tok.token_to_id(CALL_OPEN)
-        strict = set(req.api.get("strict") or {})
-        lazy = (not req.json_output and req.force_call is None and req.parse_tools and bool(req.tools) and bool(strict)
-                and trigger in tok.get_added_tokens_decoder())  # a template whose calls open with one token
+        strict, once = set(req.api.get("strict") or {}), not req.api.get("parallel", True)
+        lazy = (not req.json_output and req.force_call is None and req.parse_tools and bool(req.tools)
+                and bool(strict or once) and trigger in tok.get_added_tokens_decoder())  # calls open with one token
         if not req.json_output and req.force_call is None and not lazy:
             return None
         if self.guide is None:
@@ -358,7 +358,7 @@ class EngineWorker:
             if lazy:
                 free = frozenset(t["function"]["name"] for t in req.tools) - strict
                 grammar = tool_call_grammar(self.tool_format, req.tools, None, tok, free=free, opened=True)
-                return Constraint(self.guide, grammar, self.vocab, after=after, trigger=trigger)
+                return Constraint(self.guide, grammar, self.vocab, after=after, trigger=trigger, once=once)
             grammar = tool_call_grammar(self.tool_format, req.tools, req.force_call or None, tok)
             return Constraint(self.guide, grammar, self.vocab)
         except StreamoeError as e:
