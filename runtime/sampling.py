@@ -12,7 +12,8 @@ gives the same tokens at every cap, prefetch width and tier policy (the logits a
 pipelined or a step-by-step loop, and a saved conversation goes on drawing where it stopped.
 
 Order, as vLLM and transformers apply them: repetition, presence and frequency penalties on the raw logits;
-then OpenAI's `logit_bias` (added to the chosen ids' logits, greedy or not; -100 bans a token); then temperature, top-k, top-p (on the top-k renormalised), min-p (against the most likely token); then the
+then OpenAI's `logit_bias` (added to the chosen ids' logits, greedy or not; -100 bans a token); then
+temperature, top-k, top-p (on the top-k renormalised), min-p (against the most likely token); then the
 draw. The repetition penalty (transformers' form: a positive logit divided by it, a negative one multiplied)
 counts the prompt and the answer; the presence and frequency penalties (OpenAI's form) count the answer.
 """

@@ -263,6 +263,7 @@ def test_chat_fields_refused_with_400_naming_them(body, param):
 
 @pytest.mark.parametrize("body, param", [({"prompt": "x", "foo": 1}, "foo"), ({"prompt": "x", "messages": []}, "messages"),
                                          ({"prompt": "x", "user": 7}, "user"),
+                                         ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
                                          ({"prompt": "x", "stream_options": {"x": 1}}, "stream_options.x")])
 def test_completion_fields_refused_with_400_naming_them(body, param):
     with pytest.raises(APIError) as e:

@@ -597,11 +597,11 @@ def parse_chat(body: dict, limits: Limits) -> GenRequest:
 
 
 def parse_completion(body: dict) -> GenRequest:
+    if body.get("top_logprobs") is not None:
+        raise bad("'top_logprobs' is chat's; on /v1/completions 'logprobs' is the number of top tokens", "top_logprobs")
     check_fields(body, COMPLETION_FIELDS, COMPLETION_FIELDS, api="the Completions API")
     req = GenRequest(kind="completion", model=None)
     _common(body, req)
-    if body.get("top_logprobs") is not None:
-        raise bad("'top_logprobs' is chat's; on /v1/completions 'logprobs' is the number of top tokens", "top_logprobs")
     top = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)  # completions: how many top ones
     req.logprobs, req.top_logprobs = top is not None, top or 0
     p = body.get("prompt")
