@@ -503,15 +503,20 @@ def test_responses_thinking_counts_reasoning_tokens(oc, ref):
 
 def test_responses_image_and_tool_result_items_render_as_chat(oc, ref, triangle):
     img = {"type": "input_image", "image_url": serve_util.data_url(triangle), "detail": "auto"}
-    r = oc.responses.create(model="tiny", temperature=0, max_output_tokens=16, reasoning={"effort": "none"},
-                            input=[{"role": "user", "content": [img, {"type": "input_text", "text": "What shape is in the image?"}]}])
+    asked = [{"role": "user", "content": [img, {"type": "input_text", "text": "What shape is in the image?"}]}]
+    r = oc.responses.create(model="tiny", temperature=0, max_output_tokens=16, reasoning={"effort": "none"}, input=asked)
     assert r.output_text == "triangle"
+    counted = oc.responses.input_tokens.count(model="tiny", reasoning={"effort": "none"}, input=asked)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == r.usage.input_tokens  # the image's too
     items = [{"role": "user", "content": CONVO[0]["content"]},
              {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
              {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"}]
     ids = chat_ids(ref, CONVO, tools=CHAT_TOOLS)
     r = oc.responses.create(model="tiny", input=items, tools=RESP_TOOLS, temperature=0, max_output_tokens=6)
-    assert r.usage.input_tokens == len(ids)
+    assert r.usage.input_tokens == len(ids) == oc.responses.input_tokens.count(input=items, tools=RESP_TOOLS).input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.responses.input_tokens.count(input=items, conversation="conv_1")
+    assert e.value.body["param"] == "conversation"
     said = ref.text.decode(greedy(ref, ids, 6))
     assert r.output_text == said.split("</think>")[-1].lstrip("\n")
 

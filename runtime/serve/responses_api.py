@@ -40,6 +40,8 @@ HONOURED = {"background", "include", "input", "instructions", "max_output_tokens
             "parallel_tool_calls", "previous_response_id", "prompt_cache_key", "reasoning", "safety_identifier",
             "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
             "top_logprobs", "top_p", "truncation", "user"}
+COUNT_FIELDS = {"conversation", "input", "instructions", "model", "parallel_tool_calls", "personality",
+                "previous_response_id", "reasoning", "text", "tool_choice", "tools", "truncation"}
 LOGPROBS = "message.output_text.logprobs"
 # the fields of each input item: (defined, honoured); `id` and `status` name an item a client got back
 ITEM_FIELDS = {
@@ -230,9 +232,10 @@ def parse_tools_choice(body: dict) -> tuple[list[dict] | None, bool, str | None,
     return (*got, strict)
 
 
-def parse(body: dict, so) -> GenRequest:
-    """A Responses request -> the chat `GenRequest` that answers it (or a 400 naming the field)."""
-    check_fields(body, FIELDS, HONOURED, api="the Responses API")
+def parse(body: dict, so, counting: bool = False) -> GenRequest:
+    """A Responses request (or, `counting`, an input-token count's: `POST /v1/responses/input_tokens`) -> the chat
+    `GenRequest` that answers it (or a 400 naming the field)."""
+    check_fields(body, COUNT_FIELDS if counting else FIELDS, HONOURED, api="the Responses API")
     if body.get("store"):
         raise bad("'store': this server is stateless and keeps no responses; send store: false", "store")
     if body.get("previous_response_id") is not None:

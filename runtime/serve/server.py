@@ -282,6 +282,11 @@ class API:
         job, first = await self.submit(request, "messages", lambda body: anthropic_api.parse(body, self.so))
         return await self.answer(job, first, request, anthropic_api.Output(job, self.so.model_name))
 
+    async def input_tokens(self, request: Request) -> Response:
+        n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
+            self.worker.prepare(responses_api.parse(body, self.so, counting=True))))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": n})
+
     async def count_tokens(self, request: Request) -> Response:
         n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
             self.worker.prepare(anthropic_api.parse(body, self.so, counting=True))))
@@ -445,6 +450,7 @@ def create_app(server: Server, host: str = "127.0.0.1") -> Starlette:
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/responses", api.responses, methods=["POST"]),
+        Route("/v1/responses/input_tokens", api.input_tokens, methods=["POST"]),
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
