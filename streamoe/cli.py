@@ -527,7 +527,10 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
 @common
 @engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback is reachable "
-              "from other machines (the API has no authentication).")
+              "from other machines (give them --api-key).")
+@click.option("--api-key", envvar="STREAMOE_API_KEY", default=None, metavar="KEY",
+              help="Every /v1/ route and /metrics need this key (Authorization: Bearer KEY, or x-api-key: KEY); the chat "
+                   "page asks for it. Also read from STREAMOE_API_KEY, which keeps it out of the process list.")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True)
 @click.option("--model-name", default=None, help="The model id clients see (default: MODEL's directory name).")
 @click.option("--no-images", is_flag=True, help="Refuse image inputs and plan no vision account (a text-only model "
@@ -561,7 +564,7 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @user_errors
 def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
-          runtime_mib: int | None, host: str,
+          runtime_mib: int | None, host: str, api_key: str | None,
           port: int, model_name: str | None, no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
           sampling: dict, tier: str, prefetch_width: int | None,
           prefetch_waste: float, prefill_chunk: int | str, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
@@ -580,7 +583,7 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
                     max_images=max_images if images else 0, images_off=off)
     so = ServeOptions(model_name=model_name or model.resolve().name, limits=limits, max_queue=max_queue,
                       prompt_cache_bytes=int(prompt_cache_mib * (1 << 20)), max_tokens=max_tokens, sampling=sampling,
-                      think=not no_think, allow_hosts=allow_host, cors_origins=cors_origin,
+                      think=not no_think, allow_hosts=allow_host, cors_origins=cors_origin, api_key=api_key or None,
                       max_connections=max_connections, head_timeout_s=head_timeout, body_timeout_s=body_timeout,
                       idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads,

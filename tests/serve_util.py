@@ -103,13 +103,15 @@ class Reply:
         return json.loads(self.text)
 
 
-def fetch(url: str, method: str = "GET", body: bytes | dict | None = None, timeout: float = 60) -> Reply:
+def fetch(url: str, method: str = "GET", body: bytes | dict | None = None, timeout: float = 60,
+          headers: dict[str, str] | None = None) -> Reply:
     """One plain HTTP request (the standard library's client: no second HTTP stack beside openai's)."""
     host, _, path = url.removeprefix("http://").partition("/")
     conn = http.client.HTTPConnection(host, timeout=timeout)
     data = json.dumps(body).encode() if isinstance(body, dict) else body
     try:
-        conn.request(method, "/" + path, body=data, headers={"Content-Type": "application/json"} if data is not None else {})
+        conn.request(method, "/" + path, body=data,
+                     headers={**({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})})
         r = conn.getresponse()
         return Reply(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode("utf-8", "replace"))
     finally:

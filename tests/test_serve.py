@@ -518,6 +518,7 @@ def test_only_loopback_binds_quietly():
 
     assert exposure("127.0.0.1") is None and exposure("localhost") is None and exposure("::1") is None
     assert "reachable from other machines" in exposure("0.0.0.0") and "192.168.1.4" in exposure("192.168.1.4")
+    assert exposure("0.0.0.0", keyed=True) is None
 
 
 def test_snapshots_beyond_the_budget_are_evicted(conv):

@@ -170,6 +170,34 @@ def test_chat_page_answers_streams_and_shows_the_plan(server, browser, conv, tmp
     screenshot(browser, Path(os.environ.get("STREAMOE_SCREENSHOT") or tmp_path / "chat-page.png"))
 
 
+def test_the_page_asks_for_the_api_key_once(endless, browser, tiny_conv, tmp_path):
+    """A server started with --api-key: the page asks for the key when the API first answers 401, then loads the
+    plan and answers with it (every later call sends it)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    cap = quarter_cap(tiny_conv, 1024, 256, cache_mib=8)
+    s = start_server(tiny_conv, tmp_path / "keyed.log", "--cap", cap, "--ctx", 1024, "--runtime-mib", 256,
+                     "--prompt-cache-mib", 8, "--api-key", "page-key-7")
+    try:
+        browser.get(s.url + "/")
+        WebDriverWait(browser, 30).until(expected_conditions.alert_is_present())
+        alert = browser.switch_to.alert
+        assert "API key" in alert.text
+        alert.send_keys("page-key-7")
+        alert.accept()
+        WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "status").text == "ready")
+        assert browser.find_elements(By.CSS_SELECTOR, "#plan tr")
+        browser.find_element(By.ID, "max-tokens").send_keys("4")
+        ask(browser, "hi", 1)  # the streamed answer (and the stats polled beside it) with the key, no question asked
+        after = s.text().split('"GET /v1/plan HTTP/1.1" 200', 1)[1]  # from the plan's load with the key on
+        assert '" 401' not in after and '"POST /v1/chat/completions HTTP/1.1" 200' in after, after
+    finally:
+        browser.execute_script("sessionStorage.clear()")
+        stop_server(s)
+
+
 def test_stop_cancels_the_generation_on_the_server(endless, browser):
     """Stop aborts the stream; the server stops generating at its next token (its log says so, /v1/stats is
     idle again) and the page can ask again at once."""

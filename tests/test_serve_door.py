@@ -169,3 +169,39 @@ def test_sigterm_while_idle_exits_cleanly(conv, tmp_path):
     assert s.proc.wait(30) == 0 and time.monotonic() - t0 < 10
     assert "Traceback" not in s.text() and "streamoe: stopped" in s.text()
 
+
+
+def test_an_api_key_guards_the_api_and_not_the_page(conv, tmp_path):
+    """`--api-key` (here from STREAMOE_API_KEY): every /v1/ route and /metrics answer 401 without it, in the shape of
+    the route's API, and take it as OpenAI's and Anthropic's clients send it; /health, the page and CORS preflights
+    need none; a wrong key is refused like a missing one."""
+    import anthropic
+    import openai
+
+    key = "sk-test-5f0c"
+    s = start_server(conv, tmp_path / "keyed.log", "--cap", 2, "--ctx", 1024, "--runtime-mib", 256, "--prompt-cache-mib", 0,
+                     "--cors-origin", "http://app.test", env={"STREAMOE_API_KEY": key})
+    try:
+        assert fetch(s.url + "/health").status == 200 and fetch(s.url + "/").status == 200
+        for path in ("/v1/models", "/v1/plan", "/metrics"):
+            r = fetch(s.url + path)
+            assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"
+        status, _, body = post(s.port, "/v1/messages", {"model": "m", "max_tokens": 1, "messages": []})
+        assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"  # Anthropic's shape
+        status, _, _ = post(s.port, "/v1/chat/completions", {"messages": []}, authorization="Bearer sk-wrong")
+        assert status == 401
+        ask = (f"OPTIONS /v1/chat/completions HTTP/1.1\nHost: 127.0.0.1:{s.port}\nOrigin: http://app.test\n"
+               "Connection: close\nAccess-Control-Request-Method: POST\nAccess-Control-Request-Headers: authorization\n")
+        assert raw(s.port, ask)[0] == 200
+        oc = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=120)
+        r = oc.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+        ac = anthropic.Anthropic(base_url=s.url, api_key=key, max_retries=0, timeout=120)
+        assert ac.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}]).usage.output_tokens == 2
+        assert fetch(s.url + "/metrics", headers={"Authorization": f"Bearer {key}"}).status == 200
+        assert "no authentication" not in s.text()
+    finally:
+        stop_server(s)

@@ -1,17 +1,21 @@
 """What stands between the network and `streamoe serve`'s handlers: the Host and Origin guard, admission of
 request bodies within the plan's `requests` account, and the connections uvicorn may hold.
 
-The API has no authentication, so a web page the user visits must not be able to use it: a `Host` other
+Without `--api-key` the API has no authentication, so a web page the user visits must not be able to use it: a
+`Host` other
 than the names this server answers to (loopback names, the bound address, `--allow-host`) is a DNS-rebinding
 attempt and is refused with 421; a request carrying an `Origin` other than the page's own is refused with 403
 before anything runs (a `text/plain` POST needs no preflight, so omitting CORS headers is not enough), unless
 `--cors-origin` allows it, in which case Starlette's CORSMiddleware answers its preflight and tags its
-responses. Every refusal is OpenAI's error object.
+responses. With `--api-key` every `/v1/` route and `/metrics` also needs the key, as `Authorization: Bearer KEY`
+(OpenAI's clients) or `x-api-key: KEY` (Anthropic's), else 401; the chat page and `/health` stay open. Every
+refusal is OpenAI's error object (Anthropic's under `/v1/messages`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import json
 import resource
@@ -24,14 +28,17 @@ LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD = ("0.0.0.0", "::", "")
 
 
-def error_body(status: int, message: str, code: str | None = None, kind: str = "invalid_request_error") -> bytes:
+def error_body(status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
+               anthropic: bool = False) -> bytes:
+    if anthropic:
+        return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
 
 async def refuse(send, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
-                 headers: tuple = ()) -> None:
+                 headers: tuple = (), anthropic: bool = False) -> None:
     """An error response sent straight from ASGI, the request's body left unread."""
-    body = error_body(status, message, code, kind)
+    body = error_body(status, message, code, kind, anthropic)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), *headers]})
@@ -63,8 +70,9 @@ def is_ip(name: str) -> bool:
 class Door:
     """ASGI middleware: the Host check, then the Origin check (see the module's docstring)."""
 
-    def __init__(self, app, bound: str, allow_hosts=(), cors_origins=()):
+    def __init__(self, app, bound: str, allow_hosts=(), cors_origins=(), api_key: str | None = None):
         self.app = app
+        self.key = api_key.encode() if api_key else None
         self.any_host = "*" in allow_hosts
         self.hosts = {h.lower().strip("[]") for h in (*LOCAL_NAMES, bound, *allow_hosts)}
         self.wildcard = bound in WILDCARD  # every address of this machine is bound: any IP literal names it
@@ -77,7 +85,7 @@ class Door:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k: v for k, v in scope["headers"] if k in (b"host", b"origin")}
+        headers = {k: v for k, v in scope["headers"] if k in (b"host", b"origin", b"authorization", b"x-api-key")}
         raw_host = headers.get(b"host", b"").decode("latin-1")
         name = host_name(raw_host) if raw_host else None
         if name is None:
@@ -92,7 +100,21 @@ class Door:
             if not same and not self.any_origin and o not in self.origins:
                 return await refuse(send, 403, f"cross-origin requests from {o} are refused (start the server "
                                     "with --cors-origin ORIGIN to allow one)", "cross_origin", "permission_error")
+        if self.key is not None and not self.key_ok(scope, headers):
+            anthropic = scope["path"].startswith("/v1/messages")
+            return await refuse(send, 401, "this server needs its API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                                "invalid_api_key", "authentication_error" if anthropic else "invalid_request_error",
+                                ((b"www-authenticate", b"Bearer"),), anthropic)
         await self.app(scope, receive, send)
+
+    def key_ok(self, scope, headers: dict) -> bool:
+        """Whether the request may pass the API key check: the page, /health and CORS preflights need no key."""
+        path = scope["path"]
+        if not (path.startswith("/v1/") or path == "/metrics") or scope["method"] == "OPTIONS":
+            return True
+        auth = headers.get(b"authorization", b"")
+        given = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        return hmac.compare_digest(given, self.key)
 
 
 class Admission:

@@ -455,7 +455,8 @@ def create_app(server: Server, host: str = "127.0.0.1") -> Starlette:
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    middleware = [Middleware(Door, bound=host, allow_hosts=so.allow_hosts, cors_origins=so.cors_origins)]
+    middleware = [Middleware(Door, bound=host, allow_hosts=so.allow_hosts, cors_origins=so.cors_origins,
+                             api_key=so.api_key)]
     if so.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(so.cors_origins), allow_methods=["GET", "POST"],
                                      allow_headers=["*"], max_age=600))
@@ -471,11 +472,12 @@ def create_app(server: Server, host: str = "127.0.0.1") -> Starlette:
                      exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
 
 
-def exposure(host: str) -> str | None:
-    """The warning for an address other machines can reach (the API has no authentication)."""
-    if host in LOOPBACK or host.startswith("127."):
+def exposure(host: str, keyed: bool = False) -> str | None:
+    """The warning for an address other machines can reach, where the API has no key (`--api-key`)."""
+    if host in LOOPBACK or host.startswith("127.") or keyed:
         return None
-    return f"streamoe: warning: listening on {host}, reachable from other machines; the API has no authentication"
+    return (f"streamoe: warning: listening on {host}, reachable from other machines; the API has no authentication "
+            "(give it --api-key)")
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -544,7 +546,7 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
         return follow_rank0(root, opts, so, group)
     server = Server(root, opts, so, group)
     print(server.worker.eng.plan.render(), file=sys.stderr)
-    if (notice := exposure(host)) is not None:
+    if (notice := exposure(host, so.api_key is not None)) is not None:
         print(notice, file=sys.stderr)
     # the event loop accepts what is queued at once, before the guarded protocol evicts any idle one: the
     # connection bound leaves room for such a burst within the file limit (`door.connection_limit`);

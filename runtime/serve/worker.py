@@ -59,6 +59,7 @@ class ServeOptions:
     # the door: Host names accepted besides loopback names and the bound address; origins allowed cross-origin
     allow_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
+    api_key: str | None = None  # every /v1/ route and /metrics need it (door.Door)
     # connections: how many at once, how long a request head and body may take, how long one may idle
     max_connections: int = 512
     head_timeout_s: float = 10.0

@@ -9,10 +9,29 @@ let model = null, imageURL = null, busy = false;
 let running = null;  // the AbortController of the answer streaming now: Stop and New chat abort its fetch
 let chatId = 0;      // bumped by New chat: an answer of an earlier chat never writes into this one's history
 
+// A server started with --api-key answers its API 401 without the key: ask for it, keep it for this tab (asked
+// again after a wrong one; never again once the question is cancelled).
+let keyDeclined = false;
+async function api(path, opts = {}) {
+  for (let asked = false; ; asked = true) {
+    const key = sessionStorage.getItem("streamoe-key");
+    const headers = {...(opts.headers || {}), ...(key ? {Authorization: "Bearer " + key} : {})};
+    const r = await fetch(path, {...opts, headers});
+    if (r.status !== 401 || asked || keyDeclined) return r;
+    if (sessionStorage.getItem("streamoe-key") !== key) continue;  // another call was given the key meanwhile
+    const typed = window.prompt("This server needs its API key:");
+    if (!typed) {
+      keyDeclined = true;
+      return r;
+    }
+    sessionStorage.setItem("streamoe-key", typed);
+  }
+}
+
 function mib(n) { return n >= 1 << 30 ? (n / (1 << 30)).toFixed(2) + " GiB" : (n / MiB).toFixed(1) + " MiB"; }
 
 async function loadPlan() {
-  const p = await (await fetch("/v1/plan")).json();
+  const p = await (await api("/v1/plan")).json();
   model = p.model;
   $("model").textContent = `${p.model} · cap ${mib(p.cap)} · ctx ${p.ctx} · experts ${p.expert_format}`;
   const body = $("plan").tBodies[0];
@@ -62,7 +81,7 @@ function showStats(s) {
 }
 
 async function poll() {
-  try { showStats(await (await fetch("/v1/stats")).json()); } catch (e) { /* the next poll will tell */ }
+  try { showStats(await (await api("/v1/stats")).json()); } catch (e) { /* the next poll will tell */ }
 }
 
 function bubble(cls) {
@@ -105,8 +124,8 @@ async function send(text) {
   let answer = "", reasoning = "", calls = [], usage = null, tele = null, chunks = 0;
   try {
     // aborting closes the connection, and the server stops generating at its next token
-    const r = await fetch("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
-                                                  body: JSON.stringify(req), signal: abort.signal});
+    const r = await api("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
+                                                body: JSON.stringify(req), signal: abort.signal});
     if (!r.ok) throw new Error((await r.json()).error.message);
     out.dataset.state = "streaming";
     const reader = r.body.getReader(), dec = new TextDecoder();
