@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from ..formats.errors import StreamoeError, fail
 from ..formats.files import os_fail
 from ..formats.manifest import load_manifest
 from . import ranks, session
+from .constrain import Constraint, guide_tokenizer, json_grammar
 from .engine import Engine, Options
 from .image import check_preprocessor, load_image
 from .sampling import Sampler
@@ -21,10 +23,11 @@ from .text import Detokenizer
 
 
 def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler, logits: list | None,
-           images: list | None = None, context: list[int] | None = None) -> list[int]:
+           images: list | None = None, context: list[int] | None = None,
+           constraint: Constraint | None = None) -> list[int]:
     detok = Detokenizer(eng.text)
     out = []
-    for tok, lg in eng.generate(prompt_ids, max_tokens, sampler, images=images, context=context):
+    for tok, lg in eng.generate(prompt_ids, max_tokens, sampler, images=images, context=context, constraint=constraint):
         if logits is not None:
             logits.append(lg)
         out.append(tok)
@@ -36,7 +39,7 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
 
 def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
-            save_session: Path | None = None, load_session: Path | None = None) -> None:
+            save_session: Path | None = None, load_session: Path | None = None, json_schema: dict | None = None) -> None:
     sampler = Sampler(**sampling)
     group = ranks.find_group()
     if group is None:
@@ -53,7 +56,8 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         eng = Engine(model, opts, group)
         _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
              max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
-             save_session=save_session, load_session=load_session)
+             save_session=save_session, load_session=load_session,
+             constrained=json_constraint(eng, json_schema, think and not raw) if json_schema is not None else None)
     except RuntimeError as e:
         lost = ranks.lost_peer(e, group) if group is not None else None
         if lost is None:
@@ -65,9 +69,25 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         raise StreamoeError(f"{ranks.where(group)}: {e}") from None  # which rank said it, beside rank 0's line
 
 
+def json_constraint(eng: Engine, schema: dict, thinking: bool) -> Callable[[], Constraint]:
+    """A fresh constraint for each answer: JSON valid against `schema`, after the reasoning closes where the
+    template leaves the model thinking. A schema llguidance cannot compile fails here, in one line, the engine
+    closed."""
+    guide = guide_tokenizer(eng.text.tokenizer, eng.args.vocab_size, eng.text.stop_ids)
+    after = eng.text.tokenizer.token_to_id("</think>") if thinking else None
+    try:
+        grammar = json_grammar(schema)
+        Constraint(guide, grammar, eng.args.vocab_size)
+    except StreamoeError as e:
+        eng.close()
+        raise StreamoeError(f"--json-schema: {e}") from None
+    return lambda: Constraint(guide, grammar, eng.args.vocab_size, after=after)
+
+
 def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
          max_tokens: int, sampler: Sampler, stats: Path | None, logits_out: Path | None, quiet: bool,
-         save_session: Path | None, load_session: Path | None) -> None:
+         save_session: Path | None, load_session: Path | None,
+         constrained: Callable[[], Constraint] | None = None) -> None:
     logits: list | None = [] if logits_out else None
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     fed: list[int] = []  # every token fed so far, as rendered: the history a saved session keeps
@@ -114,7 +134,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 messages.append(msg)
             n0 = len(eng.steps)
             turn_images, images = list(images), []
-            out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids)
+            out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids,
+                         constraint=constrained() if constrained is not None else None)
             fed += ids + out  # as rendered (one pad per image); the cache holds the expanded run, same history
             if not raw:
                 messages.append({"role": "assistant", "content": eng.text.decode(out)})

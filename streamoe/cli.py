@@ -401,6 +401,9 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @click.option("--prompt-file", "-f", type=click.Path(path_type=Path), default=None,
               help="Read the prompt from this UTF-8 file (a prompt too long for a command line).")
 @click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
+@click.option("--json-schema", default=None, metavar="SCHEMA|FILE",
+              help="Constrain each answer (after its thinking) to JSON valid against this schema, given inline or as a "
+                   "file holding it ('{}': any JSON object), by llguidance.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="An image for the prompt (repeatable).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
@@ -419,7 +422,7 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @user_errors
 def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
         runtime_mib: int | None,
-        prompt: str | None, prompt_file: Path | None, chat: bool,
+        prompt: str | None, prompt_file: Path | None, chat: bool, json_schema: str | None,
         images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, sampling: dict, seed: int,
         tier: str, prefetch_width: int | None, prefetch_waste: float, prefill_chunk: int | str, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
@@ -429,6 +432,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     if prompt == "-" and chat:
         raise StreamoeError("--chat reads its turns from stdin, so '-p -' cannot read a prompt from it")
     prompt = read_prompt(prompt, prompt_file)
+    schema = read_schema(json_schema) if json_schema is not None else None
     if prompt is None and not chat:
         raise StreamoeError("give --prompt TEXT, --prompt-file PATH or --chat")
     if images and raw:
@@ -442,7 +446,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
                               io_threads, verify, vision, max_pixels, runtime_mib, host_cap),
             prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
             sampling=sampling, stats=stats, logits_out=logits_out, quiet=quiet,
-            save_session=save_session, load_session=load_session)
+            save_session=save_session, load_session=load_session, json_schema=schema)
 
 
 def options_of(cap: float, ctx: int, experts: str, kv: str, dtype: str | None, tier: str, prefetch_width: int,
@@ -506,6 +510,31 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise fail(where, f"the prompt is not UTF-8 text (byte {e.start:,})") from None
+
+
+def read_schema(value: str) -> dict:
+    """--json-schema's schema: the value itself where it is JSON, else the file it names (UTF-8 JSON, at most
+    `PROMPT_FILE_MAX` bytes); it must be an object. `{}` asks for any JSON object."""
+    import json
+
+    from .formats.errors import fail
+    from .formats.files import check_input_file, os_fail
+
+    try:
+        schema, where = json.loads(value), "--json-schema"
+    except ValueError:
+        path = Path(value)
+        if check_input_file(path, "JSON schema file (--json-schema)").st_size > PROMPT_FILE_MAX:
+            raise fail(path, f"a schema file of more than {PROMPT_FILE_MAX >> 20} MiB") from None
+        try:
+            schema, where = json.loads(path.read_bytes()), path
+        except OSError as e:
+            raise os_fail(path, e, "cannot read the JSON schema") from None
+        except ValueError as e:
+            raise fail(path, f"not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise fail(where, f"a JSON schema is an object, not {type(schema).__name__}")
+    return schema or {"type": "object"}
 
 
 def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: Path | None,

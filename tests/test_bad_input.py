@@ -717,6 +717,22 @@ def _(tmp, ck, conv):
     return ["run", conv, "--cap", "1", "-f", tmp / "p.txt", "-p", "hi"], ("not both",)
 
 
+@case("json-schema-not-an-object")
+def _(tmp, ck, conv):
+    return run_args(conv, "--json-schema", "[1, 2]"), ("--json-schema", "not list")
+
+
+@case("json-schema-file-not-json")
+def _(tmp, ck, conv):
+    (tmp / "s.json").write_text("{nope")
+    return run_args(conv, "--json-schema", tmp / "s.json"), (str(tmp / "s.json"), "not JSON")
+
+
+@case("json-schema-does-not-compile")
+def _(tmp, ck, conv):
+    return run_args(conv, "--json-schema", '{"type": "no-such-type"}'), ("--json-schema", "does not compile")
+
+
 @case("image-is-a-fifo")
 def _(tmp, ck, conv):
     return ["run", conv, "--cap", "1", "-p", "hi", "--image", fifo(tmp / "p")], (str(tmp / "p"),)

@@ -197,3 +197,26 @@ def test_a_call_the_model_opens_has_schema_valid_arguments_at_every_cap(tiny_con
             jsonschema.validate(json.loads(parsed["arguments"]), tool["function"]["parameters"])
         eng.close()
     assert outs[:2] == outs[2:]  # the same tokens resident and at a cap
+
+
+def test_run_json_schema_constrains_each_answer(tiny_conv, tmp_path):
+    """`streamoe run --json-schema`, inline or from a file: the answer is JSON valid against the schema, sampled from
+    random weights, and the same at a cap as resident; in a chat every turn's answer is."""
+    from .conftest import cli
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    run = ("run", tiny_conv, "--ctx", "256", "--raw", "--temp", "1", "--seed", "5", "-n", "40", "-q",
+           "--runtime-mib", RUNTIME >> 20)
+    base = plan_for(tiny_conv, Options(cap_gib=64, ctx=256, runtime_bytes=RUNTIME >> 20 << 20))
+    capped = f"{(base.fixed + 6 * base.slot_bytes) / 2**30 + 1e-4:.4f}"  # 6 of the experts in slots
+    outs = [cli(*run, "--cap", cap, "-p", "Give JSON:", "--json-schema", given, check=True).stdout.strip()
+            for cap, given in (("8", json.dumps(schema)), (capped, str(tmp_path / "s.json")))]
+    jsonschema.validate(json.loads(outs[0]), schema)
+    assert outs[0] == outs[1]
+    chat = cli(*run, "--cap", "8", "--chat", "--json-schema", json.dumps(schema), input="one\ntwo\n", check=True).stdout
+    answers = [ln.removeprefix("> ") for ln in chat.splitlines() if ln.removeprefix("> ").startswith("{")]
+    assert len(answers) == 2
+    for a in answers:
+        jsonschema.validate(json.loads(a), schema)
