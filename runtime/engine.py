@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -132,6 +133,9 @@ class Engine:
         self.conversation = self._new_conversation()
         self.steps: list[StepStats] = []
         self.rss = self.peak_rss = current_rss()  # the last sample, and the peak of every sample
+        # called with (model, hidden states [1, T, H], offset) by each prefill step while set: what reads every
+        # position's prediction (a server's prompt logprobs, `serve.logprobs.PromptScores`), within the activations
+        self.scorer: Callable[[object, mx.array, int], None] | None = None
 
     def device_memory(self) -> int:
         """MLX's memory in use now, less the pools where they are host memory (the plan's `host_reads`): on a GPU with
@@ -179,7 +183,10 @@ class Engine:
         conv = self.conversation
         pos = positions if positions is not None else conv.offset + conv.rope_delta
         block = self.plan.prefill_step if phase == "prefill" else None  # prefill: layer by layer, in steps
-        logits = self.model.head(self.model.layers_forward(h, conv.caches, pos, self.provider, block)[:, -1:, :])
+        hs = self.model.layers_forward(h, conv.caches, pos, self.provider, block)
+        if self.scorer is not None and phase == "prefill":  # every position's prediction, not only the last
+            self.scorer(self.model, hs, conv.offset)
+        logits = self.model.head(hs[:, -1:, :])
         step.host_ms = 1000 * (time.perf_counter() - step.t0)
         conv.offset += T
         self.steps.append(step)

@@ -356,6 +356,9 @@ def test_two_ranks_serve_one_hosts_answers_each_reading_about_half(served):
 
 def test_a_request_with_an_image_is_refused_across_ranks(served, tmp_path):
     _, two, (_, c2) = served
+    with pytest.raises(openai.BadRequestError) as e:  # the prompt's logprobs: one host's
+        c2.completions.create(model="small", prompt="def f(x):", max_tokens=1, echo=True, logprobs=1)
+    assert "needs one host" in e.value.message
     png = triangle_png(tmp_path / "t.png")
     with pytest.raises(openai.BadRequestError) as e:
         c2.chat.completions.create(model="small", max_tokens=4, messages=[{"role": "user", "content": [

@@ -513,6 +513,59 @@ def test_strict_tools_constrain_each_call_the_model_opens(conv):
     eng.close()
 
 
+def prompt_logprobs(conv: Path, prompt, slots: int | None = None, top: int = 3) -> list[dict]:
+    """The `echo` + `logprobs` entries of a completion of `prompt` (max_tokens 0), in process: every expert resident,
+    or `slots` of them in the hot tier."""
+    from streamoe.runtime.serve.openai_api import parse_completion
+
+    so = ServeOptions("t", prompt_cache_bytes=8 * MiB)
+    opts = Options(cap_gib=8, ctx=CTX, runtime_bytes=RUNTIME_MIB * MiB)
+    if slots is not None:
+        import dataclasses
+
+        resident = open_engine(conv, opts, so)
+        plan = resident.plan
+        resident.close()
+        opts = dataclasses.replace(opts, cap_gib=(plan.fixed + slots * plan.slot_bytes + 1) / 2**30)
+    w = EngineWorker(open_engine(conv, opts, so), so)
+    assert w.eng.experts.resident == (slots is None)
+    job = w.prepare(parse_completion({"prompt": prompt, "echo": True, "logprobs": top, "max_tokens": 0}))
+    job.sink = []
+    w.run(job)
+    w.eng.close()
+    (echoed,) = [v for k, v in job.sink if k == "prompt"]
+    assert [v for k, v in job.sink if k == "done"][0]["usage"]["completion_tokens"] == 0
+    return echoed["logprobs"]
+
+
+def test_echo_gives_each_prompt_tokens_logprob_as_mlx_lm_computes_it(conv, ref):
+    """`echo` with `logprobs` (how lm-evaluation-harness scores a text): each prompt token's log-probability
+    given the tokens before it, against log_softmax of mlx-lm's logits over the whole prompt (float32), and the
+    same bits resident and at a cap (the prompt cache is not used for them)."""
+    import mlx.core as mx
+    import mlx.nn
+    from mlx_lm.utils import load_model
+
+    from .conftest import TINY_MODEL
+
+    ids = ref.text.encode(CODE[0] + CODE[1])
+    got = prompt_logprobs(conv, ids)
+    assert got[0]["logprob"] is None and got[0]["top_logprobs"] is None and len(got) == len(ids)
+    model, _ = load_model(TINY_MODEL)
+    model.set_dtype(mx.float32)
+    lp = mlx.nn.log_softmax(model(mx.array([ids]))[0].astype(mx.float32), axis=-1)
+    worst = max(abs(e["logprob"] - lp[i - 1, t].item()) for i, (e, t) in enumerate(zip(got, ids, strict=True)) if i)
+    assert worst < 1e-4, worst
+    from streamoe.runtime.serve.logprobs import TokenText
+
+    text_of = TokenText(ref.text)
+    best = [text_of(int(t))[0] for t in mx.argmax(lp[:-1], axis=-1).tolist()]
+    assert [e["top_logprobs"][0]["token"] for e in got[1:]] == best
+    assert all(len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][2]["logprob"]
+               for e in got[1:])
+    assert prompt_logprobs(conv, ids, slots=24) == got  # bit for bit, a quarter of the experts in slots
+
+
 def test_only_loopback_binds_quietly():
     from streamoe.runtime.serve.server import exposure
 

@@ -779,6 +779,32 @@ def test_completion_logprobs_whole_and_streamed(oc, ref):
     assert [v for g in got for v in g.token_logprobs] == lp.token_logprobs
 
 
+def test_completion_echo_gives_the_prompt_with_its_logprobs_then_the_answer(oc, ref):
+    """`echo` (with `logprobs`, as lm-evaluation-harness asks, `max_tokens` 0 or more): the text is the prompt and
+    then the answer, the logprobs the prompt's tokens (the first null: nothing comes before it) and then the
+    answer's, whole and streamed alike; the answer's entries are those of the same request without `echo`."""
+    prompt = "def fibonacci(n):\n"
+    ids = ref.text.encode(prompt)
+    plain = oc.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=3, logprobs=2).choices[0]
+    r = oc.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=3, logprobs=2, echo=True).choices[0]
+    lp = r.logprobs
+    assert r.text == prompt + plain.text and len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
+    assert lp.token_logprobs[len(ids):] == plain.logprobs.token_logprobs
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    zero = oc.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=1, echo=True)
+    assert zero.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)] and zero.usage.completion_tokens == 0
+    chunks = list(oc.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=3, logprobs=2, echo=True,
+                                        stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.text
+    assert [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] \
+        == lp.token_logprobs
+    assert oc.completions.create(model="tiny", prompt=prompt, max_tokens=2, echo=True, temperature=0).choices[0].text \
+        == prompt + oc.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        oc.completions.create(model="tiny", prompt=prompt, max_tokens=0)  # 0 only with echo
+
+
 def test_models_by_id(oc):
     assert oc.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError) as e:

@@ -32,6 +32,40 @@ def token_logprobs(logits, token: int, k: int) -> tuple[float, list[tuple[int, f
     return lp[token].item(), pairs
 
 
+SCORE_ROWS = 16  # prompt positions a head call scores: 16 rows of logits (16 MB in float32 at the real vocabulary)
+
+
+class PromptScores:
+    """Each prompt token's log-probability given the tokens before it, and the `k` likeliest tokens there (the
+    prompt logprobs of `echo` with `logprobs`, which lm-evaluation-harness scores with), read off each prefill
+    step's hidden states as the engine computes them (`Engine.scorer`), once the step's layers are done (so
+    inside its activations account). The head runs over `SCORE_ROWS` positions a call, a short block padded to
+    that many rows: every row is computed by the same kernel shape wherever the chunks fall, so the scores are
+    the same bits at every cap and prefill chunk, and a chunk's full logits are never held. The first token's
+    score stays None (nothing comes before it); the prompt's last position predicts the answer, whose logprobs
+    come as a generated token's."""
+
+    def __init__(self, ids: list[int], k: int):
+        self.ids, self.k = ids, k
+        self.scores: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(ids)
+
+    def __call__(self, model, hs: mx.array, offset: int) -> None:
+        n = min(hs.shape[1], len(self.ids) - 1 - offset)
+        for a in range(0, max(n, 0), SCORE_ROWS):
+            rows = min(n - a, SCORE_ROWS)
+            x = hs[0, a:a + rows]
+            if rows < SCORE_ROWS:
+                x = mx.concatenate([x, mx.zeros((SCORE_ROWS - rows, x.shape[-1]), x.dtype)])
+            lp = nn.log_softmax(model.head(x).astype(mx.float32), axis=-1)[:rows]
+            nxt = mx.array(self.ids[offset + a + 1:offset + a + 1 + rows])[:, None]
+            chosen = mx.take_along_axis(lp, nxt, axis=-1)[:, 0]
+            top = mx.argpartition(-lp, self.k - 1, axis=-1)[:, :self.k] if self.k else mx.zeros((rows, 0), mx.int32)
+            vals = mx.take_along_axis(lp, top, axis=-1)
+            mx.eval(chosen, top, vals)
+            for i, (c, t, v) in enumerate(zip(chosen.tolist(), top.tolist(), vals.tolist(), strict=True)):
+                self.scores[offset + a + 1 + i] = (c, sorted(zip(t, v, strict=True), key=lambda p: (-p[1], p[0])))
+
+
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet reversed: the printable character that stands for each byte in a
@@ -71,7 +105,13 @@ class TokenText:
 
     def entry(self, logits, token: int, k: int) -> dict:
         """The OpenAI chat logprobs entry of one generated token."""
-        lp, top = token_logprobs(logits, token, k)
+        return self.scored(token, token_logprobs(logits, token, k))
+
+    def scored(self, token: int, score: tuple[float, list[tuple[int, float]]] | None) -> dict:
+        """The entry of a token with its (log-probability, top pairs); None (a prompt's first token): both null."""
         text, raw = self(token)
+        if score is None:
+            return {"token": text, "logprob": None, "bytes": raw, "top_logprobs": None}
+        lp, top = score
         return {"token": text, "logprob": lp, "bytes": raw,
                 "top_logprobs": [{"token": self(t)[0], "logprob": v, "bytes": self(t)[1]} for t, v in top]}

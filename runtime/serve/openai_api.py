@@ -223,6 +223,7 @@ class GenRequest:
     images: list[bytes] = field(default_factory=list)
     # completion
     prompt: str | list[int] | None = None
+    echo: bool = False  # the prompt comes back before the answer (with its tokens' logprobs where asked)
     # what another API's translation layer keeps for its answer (fields it echoes, tools' strictness)
     api: dict = field(default_factory=dict)
 
@@ -296,8 +297,8 @@ def _common(body: dict, req: GenRequest) -> None:
     n = body.get("n")
     if n is not None and n != 1:
         raise bad("only n=1 is supported (one engine answers one request at a time)", "n")
-    for key in ("max_tokens", "max_completion_tokens"):
-        v = _number(body, key, 1, 1 << 30, integer=True)
+    for key in ("max_tokens", "max_completion_tokens"):  # 0: the echoed prompt alone (completions' `echo`)
+        v = _number(body, key, 0 if req.kind == "completion" and body.get("echo") else 1, 1 << 30, integer=True)
         if v is not None:
             req.max_tokens = v if req.max_tokens is None else min(req.max_tokens, v)
     for key, name, lo, hi in SAMPLING_FIELDS:
@@ -317,9 +318,8 @@ def _common(body: dict, req: GenRequest) -> None:
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4):
         raise bad("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
     req.stop = stop or []
-    for key in ("echo", "suffix"):
-        if body.get(key):
-            raise bad(f"'{key}' is not supported by this server", key)
+    if body.get("suffix"):
+        raise bad("'suffix' is not supported by this server", "suffix")
     bias = body.get("logit_bias")
     if bias:
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
@@ -604,6 +604,7 @@ def parse_completion(body: dict) -> GenRequest:
     _common(body, req)
     top = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)  # completions: how many top ones
     req.logprobs, req.top_logprobs = top is not None, top or 0
+    req.echo = _flag(body, "echo")
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]

@@ -317,6 +317,7 @@ class OpenAIOutput:
                      "created": job.created, "model": model}
         self.evs, self.lps, self.pending, self.n_calls, self.info = [], [], [], 0, {}
         self.offset = 0  # completions' text_offset of the next token
+        self.echoed = ""  # completions' `echo`: the prompt, before the answer
 
     def _logprobs(self, entries: list[dict], whole: bool = False) -> dict | None:
         if not self.job.req.logprobs:
@@ -330,7 +331,8 @@ class OpenAIOutput:
         if not whole:
             self.offset = at
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                                 for e in entries],
                 "text_offset": offsets}
 
     def _chunk(self, delta: dict | None = None, finish=None, text: str | None = None, **extra) -> str:
@@ -364,6 +366,10 @@ class OpenAIOutput:
             self.pending += v
             self.lps += v
             return []
+        if kind == "prompt":  # completions' `echo`: the prompt's text and its tokens' logprobs come first
+            self.echoed = v["text"]
+            self.pending, self.lps = v["logprobs"] + self.pending, v["logprobs"] + self.lps
+            return [self._chunk(text=v["text"])]
         if kind == "delta":
             v = self._honour(v)
             self.evs += v
@@ -401,7 +407,7 @@ class OpenAIOutput:
             choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": lps}
             kind = "chat.completion"
         else:
-            text = "".join(str(v) for _, v in self.evs)
+            text = self.echoed + "".join(str(v) for _, v in self.evs)
             choice = {"index": 0, "text": text, "finish_reason": info.get("finish_reason"), "logprobs": lps}
             kind = "text_completion"
         return {**self.base, "object": kind, **token_ids(job, info, choice), "choices": [choice],

@@ -42,7 +42,7 @@ from ..tool_calls import CALL_OPEN, call_prefix
 from .chat_output import ChatOutput
 from .door import SOCKET_BUFFER, socket_bytes
 from .lockstep import Lockstep, rank_summary, snapshot_id
-from .logprobs import TokenText
+from .logprobs import PromptScores, TokenText
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
 
@@ -325,8 +325,10 @@ class EngineWorker:
         if len(ids) >= ctx:
             raise self.too_long(len(ids), "messages" if req.kind == "chat" else "prompt")
         room = ctx - len(ids)
-        want = req.max_tokens or self.so.max_tokens or room
+        want = req.max_tokens if req.max_tokens is not None else self.so.max_tokens or room
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
+        if req.kind == "completion" and req.echo and req.logprobs and self.lock is not None:
+            raise bad("'echo' with 'logprobs' (the prompt's logprobs) needs one host, not ranks", "echo")
         words = min(self.vocab, self.eng.text.tokenizer.get_vocab_size())  # not the embedding's padding rows
         beyond = [t for t in req.sampling.get("logit_bias", {}) if t >= words]
         if beyond:
@@ -402,6 +404,7 @@ class EngineWorker:
                 job.emit(("error", APIError(500, f"internal error: {type(e).__name__}")))
         finally:
             self._paths = []
+            self.eng.scorer = None
             self.live = {"state": "idle", "last": self.live.get("last"), "prompt_cache": self.cache.to_json()}
             if self.lock is not None:
                 self.eng.watchdog.idle()  # the next request may come hours later: only a step waits on the peers
@@ -414,7 +417,11 @@ class EngineWorker:
         del eng.steps[:]  # telemetry is per request; the list must not grow for the server's lifetime
         hashes = [image_hash(b) for b in req.images]
         key = key_items(ids, self.pad, hashes)
-        snap = self.cache.lookup(key) if self.cache.budget else None
+        echo = req.kind == "completion" and req.echo
+        scores = None
+        if echo and req.logprobs:  # every prompt position's prediction: the whole prompt prefilled, none restored
+            scores = PromptScores(ids, req.top_logprobs)
+        snap = self.cache.lookup(key) if self.cache.budget and scores is None else None
         with self.told("begin", restore=None if snap is None else snapshot_id(snap.key)):
             if snap is not None:
                 restore(eng, snap)
@@ -431,6 +438,7 @@ class EngineWorker:
         self.live = {"state": "prefill", "id": job.id, "prompt_tokens": len(ids), "cached_tokens": cached,
                      "rss": current_rss(), "cap": eng.plan.cap}
         a = start
+        eng.scorer = scores  # taken off by `run`, however the answer ends
         for b in cuts:
             if job.cancel.is_set():
                 return {"finish_reason": None, "cancelled": True}
@@ -447,6 +455,15 @@ class EngineWorker:
             if self.lock is not None:  # every rank keeps the same snapshots, each its own copy
                 self.lock.tell("capture", id=snapshot_id(key[:a]), keep=[snapshot_id(k) for k in self.cache.snaps])
         out = ChatOutput(job.thinking, (req.tools or True) if req.parse_tools else None, req.stop, self.tool_format)
+        echoed = not echo  # completions' `echo`: the prompt, and its tokens' logprobs, go out before the answer
+
+        def echo_prompt() -> None:
+            nonlocal echoed
+            if not echoed:
+                echoed = True
+                text = req.prompt if isinstance(req.prompt, str) else eng.text.decode(ids)
+                entries = [self.token_text.scored(t, s) for t, s in zip(ids, scores.scores, strict=True)] if scores else []
+                job.emit(("prompt", {"text": text, "logprobs": entries}))
         evs = out.given(job.prefix)  # the forced start of a tool call is part of the answer the client gets
         if evs:
             job.emit(("delta", evs))
@@ -474,6 +491,7 @@ class EngineWorker:
                 if out.phase == "reasoning":  # the token is fed before it can close the thinking
                     reasoning += 1
                 evs = out.feed(detok.add(tok))
+                echo_prompt()
                 if evs:
                     if lps:  # a token's logprobs go out just before the first text it is part of
                         job.emit(("logprobs", lps))
@@ -485,6 +503,7 @@ class EngineWorker:
                     finish = "stop"
                     break
         evs = out.flush()
+        echo_prompt()
         if lps:
             job.emit(("logprobs", lps))
         if evs:
