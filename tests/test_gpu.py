@@ -51,6 +51,27 @@ def test_gpu_logits_bit_identical_across_caps_prefetch_tiers_and_runs(small_conv
             assert data == first, f"logits differ at {key}"
 
 
+def test_gpu_prompt_logprobs_bit_identical_across_caps(small_conv):
+    """A prompt's logprobs (completions' `echo`), read off each prefill step's hidden states 16 rows of logits at a
+    time (`logprobs.PromptScores`): the same bits resident and at caps that stream, in bf16, chunked as the plan
+    chooses."""
+    from streamoe.runtime.serve.logprobs import PromptScores
+
+    o = dict(ctx=256, runtime_bytes=RUNTIME, dtype="bfloat16")
+    base = plan_for(small_conv, Options(cap_gib=64, **o))
+    got = []
+    for slots in (None, 24, 200):
+        cap = 64.0 if slots is None else (base.fixed + slots * base.slot_bytes + 1) / 2**30
+        eng = Engine(small_conv, Options(cap_gib=cap, **o))
+        ids = eng.text.encode(PROMPT)
+        eng.scorer = scores = PromptScores(ids, 5)
+        eng.prefill(ids)
+        eng.close()
+        assert scores.scores[0] is None and all(s is not None for s in scores.scores[1:])
+        got.append(scores.scores)
+    assert got[1] == got[0] and got[2] == got[0]
+
+
 @pytest.mark.parametrize("slots", [None, 0])
 def test_gpu_compiled_decode_step_is_the_step_built_op_by_op(small_conv, slots, monkeypatch):
     """Each layer's one-token call compiled (`kernels.COMPILED_STEP`; MLX fuses its elementwise ops into kernels of
