@@ -488,52 +488,34 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
     """The prompt: --prompt's text, stdin where it is '-' (as mlx-lm's generate reads it), or --prompt-file's (as
     llama.cpp's -f reads it); UTF-8, at most `PROMPT_FILE_MAX` bytes."""
     from .formats.errors import fail
-    from .formats.files import check_input_file, os_fail
+    from .formats.files import read_text
 
     if prompt is not None and prompt_file is not None:
         raise StreamoeError("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
-        where, size = prompt_file, check_input_file(prompt_file, "prompt file").st_size
-        if size > PROMPT_FILE_MAX:
-            raise fail(where, f"a prompt file of {size:,} bytes; at most {PROMPT_FILE_MAX >> 20} MiB")
-        try:
-            raw = prompt_file.read_bytes()
-        except OSError as e:
-            raise os_fail(where, e, "cannot read the prompt file") from None
-    elif prompt == "-":
-        where, raw = "stdin", sys.stdin.buffer.read(PROMPT_FILE_MAX + 1)
-        if len(raw) > PROMPT_FILE_MAX:
-            raise fail(where, f"a prompt of more than {PROMPT_FILE_MAX >> 20} MiB")
-    else:
+        return read_text(prompt_file, "prompt file", PROMPT_FILE_MAX)
+    if prompt != "-":
         return prompt
+    raw = sys.stdin.buffer.read(PROMPT_FILE_MAX + 1)
+    if len(raw) > PROMPT_FILE_MAX:
+        raise fail("stdin", f"a prompt of more than {PROMPT_FILE_MAX >> 20} MiB")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise fail(where, f"the prompt is not UTF-8 text (byte {e.start:,})") from None
+        raise fail("stdin", f"is not UTF-8 text (byte {e.start})") from None
 
 
 def read_schema(value: str) -> dict:
-    """--json-schema's schema: the value itself where it is JSON, else the file it names (UTF-8 JSON, at most
-    `PROMPT_FILE_MAX` bytes); it must be an object. `{}` asks for any JSON object."""
-    import json
-
+    """--json-schema's schema: the value itself where it is JSON (it starts with `{` or `[`), else the JSON file it
+    names; it must be an object. `{}` asks for any JSON object."""
     from .formats.errors import fail
-    from .formats.files import check_input_file, os_fail
+    from .formats.files import parse_json, read_json
 
-    try:
-        schema, where = json.loads(value), "--json-schema"
-    except ValueError:
-        path = Path(value)
-        if check_input_file(path, "JSON schema file (--json-schema)").st_size > PROMPT_FILE_MAX:
-            raise fail(path, f"a schema file of more than {PROMPT_FILE_MAX >> 20} MiB") from None
-        try:
-            schema, where = json.loads(path.read_bytes()), path
-        except OSError as e:
-            raise os_fail(path, e, "cannot read the JSON schema") from None
-        except ValueError as e:
-            raise fail(path, f"not JSON ({e})") from None
+    if not value.lstrip().startswith(("{", "[")):
+        return read_json(value, "JSON schema file (--json-schema)") or {"type": "object"}
+    schema = parse_json("--json-schema", value)
     if not isinstance(schema, dict):
-        raise fail(where, f"a JSON schema is an object, not {type(schema).__name__}")
+        raise fail("--json-schema", f"is not a JSON object ({type(schema).__name__} at the top level)")
     return schema or {"type": "object"}
 
 

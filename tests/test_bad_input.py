@@ -719,13 +719,13 @@ def _(tmp, ck, conv):
 
 @case("json-schema-not-an-object")
 def _(tmp, ck, conv):
-    return run_args(conv, "--json-schema", "[1, 2]"), ("--json-schema", "not list")
+    return run_args(conv, "--json-schema", "[1, 2]"), ("--json-schema", "is not a JSON object")
 
 
 @case("json-schema-file-not-json")
 def _(tmp, ck, conv):
     (tmp / "s.json").write_text("{nope")
-    return run_args(conv, "--json-schema", tmp / "s.json"), (str(tmp / "s.json"), "not JSON")
+    return run_args(conv, "--json-schema", tmp / "s.json"), (str(tmp / "s.json"), "does not parse as JSON")
 
 
 @case("json-schema-does-not-compile")

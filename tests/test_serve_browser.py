@@ -170,7 +170,7 @@ def test_chat_page_answers_streams_and_shows_the_plan(server, browser, conv, tmp
     screenshot(browser, Path(os.environ.get("STREAMOE_SCREENSHOT") or tmp_path / "chat-page.png"))
 
 
-def test_the_page_asks_for_the_api_key_once(endless, browser, tiny_conv, tmp_path):
+def test_the_page_asks_for_the_api_key_once(browser, tiny_conv, tmp_path):
     """A server started with --api-key: the page asks for the key when the API first answers 401, then loads the
     plan and answers with it (every later call sends it)."""
     from selenium.webdriver.common.by import By

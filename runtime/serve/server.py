@@ -318,6 +318,7 @@ class OpenAIOutput:
         self.evs, self.lps, self.pending, self.n_calls, self.info = [], [], [], 0, {}
         self.offset = 0  # completions' text_offset of the next token
         self.echoed = ""  # completions' `echo`: the prompt, before the answer
+        self.kept_calls = 0  # tool calls the answer keeps so far (`_honour`)
 
     def _logprobs(self, entries: list[dict], whole: bool = False) -> dict | None:
         if not self.job.req.logprobs:
@@ -347,16 +348,16 @@ class OpenAIOutput:
     def _honour(self, events: list) -> list:
         """The answer's events under the request's tool options (`call_verdict`): a strict tool's call whose
         arguments break its schema becomes text, a call past the first is dropped without parallel calls."""
-        out, calls = [], sum(what == "tool_call" for what, _ in self.evs)
+        out = []
         for what, x in events:
             if what == "tool_call":
-                verdict = call_verdict(self.job.req.api, x, calls)
+                verdict = call_verdict(self.job.req.api, x, self.kept_calls)
                 if verdict == "drop":
                     continue
                 if verdict == "text":
                     what, x = "content", call_text(x)
                 else:
-                    calls += 1
+                    self.kept_calls += 1
             out.append((what, x))
         return out
 

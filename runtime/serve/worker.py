@@ -329,10 +329,11 @@ class EngineWorker:
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
         if req.kind == "completion" and req.echo and req.logprobs and self.lock is not None:
             raise bad("'echo' with 'logprobs' (the prompt's logprobs) needs one host, not ranks", "echo")
-        words = min(self.vocab, self.eng.text.tokenizer.get_vocab_size())  # not the embedding's padding rows
-        beyond = [t for t in req.sampling.get("logit_bias", {}) if t >= words]
-        if beyond:
-            raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
+        if req.sampling.get("logit_bias"):
+            words = min(self.vocab, self.eng.text.tokenizer.get_vocab_size())  # not the embedding's padding rows
+            beyond = [t for t in req.sampling["logit_bias"] if t >= words]
+            if beyond:
+                raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
         return Job(req, ids, thinking, min(want, room), Sampler(**{**self.defaults, **req.sampling}, seed=seed),
                    prefix=given, constraint=self.constraint(req, thinking))
 
