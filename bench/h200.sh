@@ -137,10 +137,11 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     gpu_tests tests/test_gpu_families.py tests/test_gpu.py | tee -a "$OUT/gputest-h200.log"
     ;;
   gpuexact)
-    # what a change to the decode step's kernels must keep, first: logits across caps, tiers and runs, the compiled
-    # step against the step built op by op, the run ahead, hidden states against mlx-lm, the grouped experts' bits,
-    # and every family's bits and tokens
-    { gpu_tests tests/test_gpu.py -k "logits_bit_identical_across_caps_prefetch or compiled_decode_step or run_ahead or hidden_states or grouped" || true
+    # what a change to the decode step's kernels must keep, first: logits across caps, tiers and runs (the host tier
+    # at every pair of caps, a prompt's logprobs, long prefill chunks), sampled tokens across caps, the compiled step
+    # against the step built op by op, the run ahead, hidden states against mlx-lm, the grouped experts' bits, and
+    # every family's bits and tokens
+    { gpu_tests tests/test_gpu.py -k "logits_bit_identical or compiled_decode_step or run_ahead or hidden_states or grouped or sampled_decode or long_prefill or host_tier" || true
       gpu_tests tests/test_gpu_families.py; } | tee -a "$OUT/gputest-exact-h200.log"
     ;;
   gpurest)
