@@ -121,8 +121,8 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     0.8 precision, the older rule, instead of following the waste budget), `queueoutput` (a layer's routed experts
     queued with the next layer's mixer, one launch a layer, not on their own: `experts.QUEUE_OUTPUT`), `decodeahead` (the other
     setting of `experts.DECODE_AHEAD` on this backend: on a GPU each decode layer waits for its picks, none runs ahead
-    of them; on the CPU layers run ahead); and one run with a measure added where it
-    is off: `eagermixer` (each layer's mixer queued as soon as it is built, on every backend, `experts.EAGER_MIXER`)."""
+    of them; on the CPU layers run ahead), `eagermixer` (the other setting of `experts.EAGER_MIXER` on this backend:
+    each layer's mixer queued as soon as it is built, or with the layer's experts)."""
     from streamoe.runtime import experts as experts_mod
     from streamoe.runtime import store as store_mod
     from streamoe.runtime.models import delta_rule
@@ -130,9 +130,11 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     delta_rule.GDN_FORM = "ops" if ablate == "gdnkernel" else None
     store_mod.GUESSES_WAIT = ablate != "guesswait"
     experts_mod.PRECISION_RANGE = (0.8, 0.8) if ablate == "wastebudget" else DEFAULT_PRECISION_RANGE
-    experts_mod.EAGER_MIXER = ("cpu", "gpu") if ablate == "eagermixer" else DEFAULT_EAGER_MIXER
     experts_mod.QUEUE_OUTPUT = () if ablate == "queueoutput" else DEFAULT_QUEUE_OUTPUT
     backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
+    eager_here = backend in DEFAULT_EAGER_MIXER
+    experts_mod.EAGER_MIXER = (DEFAULT_EAGER_MIXER if ablate != "eagermixer" else
+                               tuple(b for b in DEFAULT_EAGER_MIXER if b != backend) if eager_here else (backend,))
     ahead_here = backend in DEFAULT_DECODE_AHEAD
     experts_mod.DECODE_AHEAD = DEFAULT_DECODE_AHEAD if ablate != "decodeahead" else () if ahead_here else (backend,)
     cap_gib = cap_gib_for(model, cap, experts, dtype)
@@ -185,7 +187,7 @@ def streamoe_run(model: Path, ids: list[int], tokens: int, cap: str, experts: st
     picks = sum(ly.picks for ly in lay)
     eng.close()
     ms = float(np.median(times) * 1000)
-    tag = ("" if not ablate else "-profiled" if ablate == "profile" else "-eager-mixer" if ablate == "eagermixer"
+    tag = ("" if not ablate else "-profiled" if ablate == "profile" else f"-eager-mixer-{'off' if eager_here else 'on'}" if ablate == "eagermixer"
            else f"-decode-ahead-{'off' if ahead_here else 'on'}" if ablate == "decodeahead" else f"-no-{ablate}")
     res = {"tag": f"streamoe-{cap}-{experts}" + tag + (f"-io{io_threads}" if io_threads != 8 else ""), "io_threads": io_threads, "cap_gib": cap_gib, "resident": eng.experts.resident, "open_s": round(open_s, 1),
             "prefill_s": round(prefill, 3), "ms_token": round(ms, 2), "tok_s": round(1000 / ms, 2),
@@ -270,7 +272,7 @@ def main() -> None:
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--mlx-lm-tokenwise", action="store_true", help="feed mlx-lm's prompt one token at a time")
     ap.add_argument("--ablate", default="", help="also run without: cache32,kvf32,gdnkernel (resident), guesswait@CAP, wastebudget@CAP, queueoutput@CAP "
-                    "(capped); with: eagermixer@CAP; or profile@CAP (a capped run under cProfile, last); comma-separated")
+                    "(capped); the other setting: decodeahead@CAP, eagermixer@CAP; or profile@CAP (a capped run under cProfile, last); comma-separated")
     ap.add_argument("--io-threads", default="8", help="capped runs: reads in flight, comma-separated for several runs")
     ap.add_argument("--rounds", type=int, default=1, help="capped runs (ablations included) repeated, interleaved")
     ap.add_argument("--mlx-lm-each-round", action="store_true", help="mlx-lm's run again before each round's capped "

@@ -223,9 +223,10 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     # CAPPED_ONLY=1: only the capped runs; TAG names their file (e.g. with MLX_USE_CUDA_GRAPHS=0 as a setting)
     [ -n "${CAPPED_ONLY:-}" ] || python3 -m bench.gpu_parts --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --experts $X \
       --skip-parts --variants "${VARIANTS:-}" --rounds 5 --out "$OUT/family-rounds-h200-$F.json" | grep -v '^ '
-    # the capped runs (at CAP, 4; Mixtral-8x7B's fixed accounts need more: CAP=12) twice, with each layer's mixer
-    # queued once built beside them, without the routed experts queued on their own, then one under cProfile: where a capped token's host time goes when nearly
-    # every pick is in memory
+    # the capped runs (at CAP, 4; Mixtral-8x7B's fixed accounts need more: CAP=12) twice, each beside the other setting
+    # of running layers ahead of their picks and of queueing each layer's mixer once built, and without the routed
+    # experts queued on their own; then one under cProfile: where a capped token's host time goes when nearly every
+    # pick is in memory
     # ROUNDS_ONLY=1: the rounds alone
     C=${CAP:-4}
     [ -n "${ROUNDS_ONLY:-}" ] || python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps "$C" --experts $X --skip-mlx-lm \
