@@ -5,7 +5,10 @@ from a sampled token before the host has seen it, exactly as from a greedy one, 
 token is the chosen id. Top-k needs no sort of the vocabulary: the k largest logits lie in the k blocks with
 the largest maxima (a logit outside those blocks has k blocks' maxima above it), so the vocabulary is cut in
 blocks of `BLOCK`, the k best blocks are kept, and only their `k * BLOCK` logits are partitioned. Only top-p
-without top-k sorts the whole vocabulary.
+without top-k sorts the whole vocabulary. A draw with top-k is one compiled function (`_top_k_draw`): on a GPU
+each kernel costs the host its encoding, and a decode step's sampler would otherwise add some 40 kernels to a
+greedy step's one; without penalties, a bias or a grammar the logits stay in the model's dtype until the k are
+chosen (a float's widening keeps its order, so the same k are chosen).
 
 Each draw's key comes from the seed and the number of tokens drawn before it (`Sampler.drawn`), so a seed
 gives the same tokens at every cap, prefetch width and tier policy (the logits are the same bits), in a
@@ -20,6 +23,7 @@ counts the prompt and the answer; the presence and frequency penalties (OpenAI's
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -71,6 +75,7 @@ class Sampler:
         if any(t < 0 or not -100 <= b <= 100 for t, b in self.bias):
             raise StreamoeError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
         self._bias: tuple[mx.array, mx.array] | None = None
+        self._filters: tuple[mx.array, mx.array, mx.array] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -108,7 +113,9 @@ class Sampler:
         """The next token (a lazy uint32 scalar) from logits [V], the `drawn`-th draw of this sampler, among the
         `allowed` tokens ([V] bool, a grammar's; None: all), and the penalties' state with it added. Nothing
         here waits for the device."""
-        x = self._penalise(logits.astype(mx.float32), pen)
+        x = logits
+        if pen.seen is not None or pen.debt is not None or self.bias or allowed is not None:
+            x = self._penalise(x.astype(mx.float32), pen)
         if self.bias:
             if self._bias is None:
                 self._bias = (mx.array([t for t, _ in self.bias], mx.uint32), mx.array([b for _, b in self.bias], mx.float32))
@@ -137,24 +144,44 @@ class Sampler:
         return x
 
     def _draw(self, x: mx.array, drawn: int) -> mx.array:
-        ids, z = top_k(x, self.top_k) if self.top_k else (None, x)
-        z = (z - z.max()) * (1.0 / self.temp)  # max first: a tiny temperature sends the rest to -inf, never nan
-        keep = None
-        if self.min_p > 0:
-            keep = z >= math.log(self.min_p)
-        if self.top_p < 1:
-            if ids is None:  # no top-k: the one case that sorts the vocabulary
-                order = mx.argsort(-z)
-                ids, z = order, z[order]
-                keep = None if keep is None else keep[order]
-            p = mx.softmax(z)
-            nucleus = (mx.cumsum(p) - p) < self.top_p  # the smallest prefix whose mass reaches top_p
-            keep = nucleus if keep is None else keep & nucleus
-        if keep is not None:
-            z = mx.where(keep, z, -math.inf)
         key = mx.random.key(_mix(self.seed ^ _mix(drawn)))
-        choice = mx.random.categorical(z, key=key)
-        return choice if ids is None else ids[choice]
+        if self._filters is None:  # the settings as arrays, so one compiled draw serves every temperature
+            self._filters = (mx.array(1.0 / self.temp, mx.float32), mx.array(math.log(self.min_p) if self.min_p else 0.0,
+                             mx.float32), mx.array(self.top_p, mx.float32))
+        if self.top_k:
+            return _top_k_draw(self.top_k, self.min_p > 0, self.top_p < 1)(x, key, *self._filters)
+        z = x.astype(mx.float32)
+        ids = None
+        if self.top_p < 1:  # no top-k: the one case that sorts the vocabulary
+            ids = mx.argsort(-z)
+            z = z[ids]
+        return _filtered_draw(z, key, *self._filters, self.min_p > 0, self.top_p < 1, ids)
+
+
+def _filtered_draw(z: mx.array, key: mx.array, inv_temp: mx.array, log_min_p: mx.array, top_p: mx.array,
+                   min_p: bool, nucleus: bool, ids: mx.array | None) -> mx.array:
+    """Temperature, min-p and (z sorted largest first) top-p on float32 logits z, then the seeded draw: an id of z,
+    or of `ids` where z holds the logits of those ids."""
+    z = (z - z.max()) * inv_temp  # max first: a tiny temperature sends the rest to -inf, never nan
+    keep = z >= log_min_p if min_p else None
+    if nucleus:
+        p = mx.softmax(z)
+        inside = (mx.cumsum(p) - p) < top_p  # the smallest prefix whose mass reaches top_p
+        keep = inside if keep is None else keep & inside
+    if keep is not None:
+        z = mx.where(keep, z, -math.inf)
+    choice = mx.random.categorical(z, key=key)
+    return choice if ids is None else ids[choice]
+
+
+@functools.lru_cache(maxsize=64)
+def _top_k_draw(k: int, min_p: bool, nucleus: bool):
+    """The draw from the k largest logits as one compiled function of (logits, key, 1/temp, log min-p, top-p):
+    the elementwise steps fused, no kernel for what is known when it is traced."""
+    def draw(x, key, inv_temp, log_min_p, top_p):
+        ids, v = top_k(x, k)
+        return _filtered_draw(v.astype(mx.float32), key, inv_temp, log_min_p, top_p, min_p, nucleus, ids)
+    return mx.compile(draw)
 
 
 def top_k(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
@@ -162,14 +189,15 @@ def top_k(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
     V = x.shape[0]
     k = min(k, V)
     if k * BLOCK * 2 > V:
-        ids = mx.argpartition(-x, k - 1)[:k]
+        ids = mx.argpartition(x, V - k)[V - k:]
+        v = x[ids]
     else:
-        pad = -V % BLOCK
+        pad = -V % BLOCK  # a pad's id is never drawn: its logit is -inf
         xb = (mx.concatenate([x, mx.full((pad,), -math.inf, x.dtype)]) if pad else x).reshape(-1, BLOCK)
-        best = mx.argpartition(-xb.max(axis=1), k - 1)[:k]
-        cand = (best[:, None] * BLOCK + mx.arange(BLOCK)).reshape(-1)
-        ids = cand[mx.argpartition(-xb[best].reshape(-1), k - 1)[:k]]
-        x = xb.reshape(-1)  # a pad's id is never drawn: its logit is -inf
-    v = x[ids]
-    order = mx.argsort(-v)
+        best = mx.argpartition(xb.max(axis=1), xb.shape[0] - k)[-k:]
+        cand = xb[best].reshape(-1)  # the k best blocks' logits, block after block
+        at = mx.argpartition(cand, cand.size - k)[-k:]
+        v = cand[at]
+        ids = best[at // BLOCK] * BLOCK + at % BLOCK
+    order = mx.argsort(v)[::-1]
     return ids[order], v[order]
