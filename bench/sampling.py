@@ -60,6 +60,24 @@ def one_answer(eng, sampler, tokens: int, constraint=None) -> dict:
             "hit_rate": s["hit_rate"], "mib_read_token": s["mib_read_token"]}
 
 
+def draw_kernels(vocab: int, dtype) -> dict:
+    """The kernels and views one draw adds to a decode step's graph, by mode (no grammar), over logits [vocab] of the
+    compute dtype: on a GPU each kernel is the host's to encode, every token."""
+    import mlx.core as mx
+
+    from bench.gpu_parts import graph_ops
+    from streamoe.runtime.sampling import Sampler
+
+    logits = mx.zeros((vocab,), dtype)
+    mx.eval(logits)
+    out = {}
+    for m in ("greedy", "sampled", "penalised"):
+        s = Sampler(**MODES[m])
+        ops = graph_ops(s(logits, s.start([1, 2, 3], vocab), 0)[0])
+        out[m] = {"kernels": ops["kernels"], "views": ops["views"]}
+    return out
+
+
 def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
     from streamoe.runtime.constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
     from streamoe.runtime.engine import Engine, Options
@@ -84,7 +102,8 @@ def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int) -> dict:
         med = {m: {k: statistics.median(x[k] for x in v) for k in keys} for m, v in runs.items()}
         best = {m: max(x["wall_tok_s"] for x in v) for m, v in runs.items()}
         return {"cap": cap, "cap_gib": round(cap_gib, 4), "resident": eng.experts.resident, "vocab": eng.args.vocab_size,
-                "tokens": tokens, "rounds": rounds, "median": med, "best_wall_tok_s": best,
+                "tokens": tokens, "rounds": rounds, "draw_kernels": draw_kernels(eng.args.vocab_size, eng.dtype),
+                "median": med, "best_wall_tok_s": best,
                 "best_vs_sampled_wall": {m: round(best[m] / best["sampled"], 3) for m in MODES},
                 "sampled_vs_greedy_wall": round(med["sampled"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 3),
                 "penalised_vs_greedy_wall": round(med["penalised"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 3),
