@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from bench.gpu_parts import graph_ops
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.plan import plan_for
 from streamoe.runtime.sampling import BLOCK, Sampler, top_k
@@ -28,6 +29,17 @@ def test_top_k_is_the_k_largest_in_order(V, k):
     want = np.argsort(-x, kind="stable")[:k]
     assert np.array(ids).tolist() == want.tolist()
     assert np.array(vals).tobytes() == x[want].tobytes()
+
+
+def test_a_draw_adds_few_kernels_to_the_step():
+    """On a GPU the host encodes each kernel of a decode step every token: greedy adds one (argmax of the logits as
+    the model left them), a draw with the checkpoint's defaults one compiled function's 20 over the real vocabulary
+    (it was 41 as separate operations: docs/performance.md, Sampling)."""
+    logits = mx.zeros((248320,), mx.bfloat16)
+    mx.eval(logits)
+    for kw, most in (({}, 1), (CHECKPOINT_DEFAULTS, 20)):
+        s = Sampler(**kw)
+        assert graph_ops(s(logits, s.start([], 248320), 0)[0])["kernels"] <= most, kw
 
 
 def _keep_set(x: np.ndarray, s: Sampler) -> tuple[np.ndarray, np.ndarray]:
