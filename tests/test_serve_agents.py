@@ -658,14 +658,18 @@ def test_anthropic_tools_and_tool_choice(ac, ref):
 
 
 def test_anthropic_structured_outputs_follow_the_schema(ac):
-    """`output_config.format` constrains the text block to the schema, as `response_format` does a chat answer."""
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+    """`output_config.format` constrains the text block to the schema, as `response_format` does a chat answer. The
+    schema bounds every field, so a sampled answer (its seed random) ends inside `max_tokens`: an unbounded integer
+    could take every token as digits."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 30}},
               "required": ["city", "days"], "additionalProperties": False}
     m = ac.messages.create(model="tiny", max_tokens=60, messages=[{"role": "user", "content": "Weather plan?"}],
                            thinking={"type": "disabled"}, output_config={"format": {"type": "json_schema", "schema": schema}},
                            extra_body={"temperature": 1.0})
     Message.model_validate(m.model_dump())
     (block,) = m.content
+    assert m.stop_reason == "end_turn"
     jsonschema.validate(json.loads(block.text), schema)
     with pytest.raises(anthropic.BadRequestError) as e:
         ac.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "?"}],
