@@ -7,8 +7,8 @@ the largest maxima (a logit outside those blocks has k blocks' maxima above it),
 blocks of `BLOCK`, the k best blocks are kept, and only their `k * BLOCK` logits are partitioned. Only top-p
 without top-k sorts the whole vocabulary. A draw with top-k is one compiled function (`_top_k_draw`): on a GPU
 each kernel costs the host its encoding, and a decode step's sampler would otherwise add some 40 kernels to a
-greedy step's one; without penalties, a bias or a grammar the logits stay in the model's dtype until the k are
-chosen (a float's widening keeps its order, so the same k are chosen).
+greedy step's one; without penalties or a bias (a grammar's mask included) the logits stay in the model's dtype
+until the k are chosen (a float's widening keeps its order, so the same k are chosen).
 
 Each draw's key comes from the seed and the number of tokens drawn before it (`Sampler.drawn`), so a seed
 gives the same tokens at every cap, prefetch width and tier policy (the logits are the same bits), in a
@@ -113,13 +113,11 @@ class Sampler:
         """The next token (a lazy uint32 scalar) from logits [V], the `drawn`-th draw of this sampler, among the
         `allowed` tokens ([V] bool, a grammar's; None: all), and the penalties' state with it added. Nothing
         here waits for the device."""
-        x = logits
-        if pen.seen is not None or pen.debt is not None or self.bias or allowed is not None:
-            x = self._penalise(x.astype(mx.float32), pen)
+        x = self._penalise(logits, pen)
         if self.bias:
             if self._bias is None:
                 self._bias = (mx.array([t for t, _ in self.bias], mx.uint32), mx.array([b for _, b in self.bias], mx.float32))
-            x = x.at[self._bias[0]].add(self._bias[1])
+            x = x.astype(mx.float32).at[self._bias[0]].add(self._bias[1])
         if allowed is not None:
             x = mx.where(allowed, x, -math.inf)
         tok = (mx.argmax(x) if self.greedy else self._draw(x, drawn)).astype(mx.uint32)
@@ -134,7 +132,9 @@ class Sampler:
 
     def _penalise(self, x: mx.array, pen: Penalties) -> mx.array:
         """Repetition on the ids seen (gathered and scattered back: a repeated id gets the same value), then the
-        presence and frequency debt; a few kernels over the vocabulary at most."""
+        presence and frequency debt, in float32; a few kernels over the vocabulary at most, none without them."""
+        if pen.seen is not None or pen.debt is not None:
+            x = x.astype(mx.float32)
         if pen.seen is not None and pen.seen.size:
             g, r = x[pen.seen], self.repetition
             x = (x.at[pen.seen].minimum(mx.minimum(g / r, g * r)) if r > 1
