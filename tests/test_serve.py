@@ -168,6 +168,12 @@ def test_forced_tool_calls_have_arguments_valid_against_the_schema(client, choic
         call = r.choices[0].message.tool_calls[0]
         assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
         jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+    # the tool loop as OpenAI's guide writes it: the reply's message sent back as it came, then the tool's result
+    msgs = [{"role": "user", "content": "Weather in Paris?"}, r.choices[0].message,
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+    assert "index" not in r.choices[0].message.model_dump()["tool_calls"][0]  # only a stream's deltas carry one
+    after = client.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=2, seed=1)
+    assert after.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
 def test_raw_completions_equal_streamoe_run_and_stream_ends_in_done(client, ref, conv, server):

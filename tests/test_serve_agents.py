@@ -233,7 +233,7 @@ def chat(**kw) -> dict:
     (chat(parallel_tool_calls="no"), "parallel_tool_calls"),
     (chat(reasoning_effort="huge"), "reasoning_effort"),
     (chat(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}), "reasoning_effort"),
-    (chat(stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
+    (chat(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
     (chat(stream_options={"include_usage": True, "extra": 1}), "stream_options.extra"),
     (chat(messages=[{"role": "user", "content": "hi", "foo": 1}]), "messages[0].foo"),
     (chat(messages=[{"role": "user", "content": "hi", "name": 3}]), "messages[0].name"),
@@ -282,7 +282,7 @@ def test_chat_fields_honoured():
     r = parse_chat(chat(messages=[{"role": "user", "content": "hi", "name": "bob"}], store=False, metadata={"k": "v"},
                         user="u", safety_identifier="s", prompt_cache_key="p", prompt_cache_retention="in_memory",
                         service_tier="auto", modalities=["text"], parallel_tool_calls=True, logit_bias={},
-                        stream_options={"include_usage": True, "include_obfuscation": False}), Limits())
+                        stream=True, stream_options={"include_usage": True, "include_obfuscation": False}), Limits())
     assert r.messages == [{"role": "user", "content": "hi", "name": "bob"}] and r.include_usage
     assert r.api == {"strict": {}, "parallel": True}
     strict = {"type": "function", "function": {"name": "f", "strict": True}}
@@ -382,7 +382,7 @@ def rq(**kw) -> dict:
     (rq(text={"verbosity": "low"}), "text.verbosity"),
     (rq(reasoning={"summary": "auto"}), "reasoning.summary"),
     (rq(reasoning={"effort": "huge"}), "reasoning.effort"),
-    (rq(stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
+    (rq(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
     (rq(max_output_tokens=0), "max_output_tokens"),
     (rq(temperature=2.5), "temperature"),
     (rq(frequency_penalty=1), "frequency_penalty"),  # a chat field, not the Responses API's
@@ -393,6 +393,7 @@ def rq(**kw) -> dict:
     (rq(input=[]), "input"),
     (rq(input=[{"type": "item_reference", "id": "x"}]), "input[0]"),
     (rq(input=[{"role": "user", "content": "hi", "name": "bob"}]), "input[0].name"),
+    (rq(stream_options={"include_obfuscation": False}), "stream_options"),  # only beside stream: true
     (rq(input=[{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "x"}, "hi"]),
      "input[0].encrypted_content"),
     (rq(input=[{"type": "web_search_call", "id": "x"}]), "input[0].type"),
@@ -411,8 +412,11 @@ def test_responses_text_format_is_a_response_format():
     """The Responses API's flat `text.format` json_schema becomes the chat request's constrained JSON."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     so = ServeOptions("m", limits=Limits())
-    r = responses_api.parse(rq(text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}), so)
+    fmt = {"type": "json_schema", "name": "x", "schema": schema, "strict": True}
+    r = responses_api.parse(rq(text={"format": fmt}), so)
     assert r.json_output and r.json_schema == schema
+    assert r.api["echo"]["text"] == {"format": fmt}  # the response echoes the format it follows
+    assert responses_api.parse(rq(), so).api["echo"]["text"] == {"format": {"type": "text"}}
     r = responses_api.parse(rq(text={"format": {"type": "json_object"}}), so)
     assert r.json_output and r.json_schema is None
     assert not responses_api.parse(rq(text={"format": {"type": "text"}}), so).json_output
@@ -429,6 +433,9 @@ PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}, "model"),
     (am(thinking={"type": "enabled", "budget_tokens": 2048}), "thinking.budget_tokens"),
+    (am(thinking={"type": "adaptive", "budget_tokens": 2048}), "thinking.budget_tokens"),  # not a field of theirs
+    (am(thinking={"type": "disabled", "budget_tokens": 2048}), "thinking.budget_tokens"),
+    (am(tools=[{"name": "t", "input_schema": {"type": "string"}}]), "tools"),  # a call's input is an object
     (am(output_config={"effort": "low"}), "output_config.effort"),
     (am(output_config={"format": {"type": "text"}}), "output_config.format"),
     (am(output_config={"format": {"type": "json_schema", "schema": {}, "name": "x"}}), "output_config.format.name"),

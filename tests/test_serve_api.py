@@ -145,6 +145,23 @@ def test_stop_strings_cut_before_the_match_at_any_split():
         assert got == "def f(x):\n    return x" and m.stopped
 
 
+@pytest.mark.parametrize("answer, stops, reasoning, content, stopped", [
+    ("\n</think>\n\nstar\n\nmore", ["\n\n"], None, "star", True),  # not the template's newlines after </think>
+    ("\n</think>\n\nstar\nmore", ["\n"], None, "star", True),
+    ("One.\n\nTwo.\n</think>\n\nstar\n\nmore", ["\n\n"], "One.\n\nTwo.", "star", True),  # nor the reasoning
+    ("One.\n\nTwo.\n</think>\n\nstar", ["\n\n"], "One.\n\nTwo.", "star", False),
+    ("Hm\n</think>\n\nno.</think>x", ["</think>"], "Hm", "no.", True),
+])
+def test_stop_strings_match_the_content_not_the_thinking(text, answer, stops, reasoning, content, stopped):
+    for evs in (whole(answer, thinking=True, tools=False, stops=stops),
+                streamed(text, answer, thinking=True, tools=False, stops=stops)):
+        got = collect(evs)
+        assert (got["reasoning_content"], got["content"]) == (reasoning, content)
+    out = ChatOutput(True, False, stops)
+    out.feed(answer)
+    assert out.stopped == stopped
+
+
 def test_parse_call_gives_arguments_as_a_json_string():
     assert parse_call('{"name": "f", "arguments": {"a": "é"}}') == {"name": "f", "arguments": '{"a": "é"}'}
     assert parse_call('{"name": "f"}') == {"name": "f", "arguments": "{}"}
@@ -204,6 +221,14 @@ def chat(**kw) -> dict:
      "messages[1].tool_calls[0]"),
     (chat(messages=[{"role": "assistant", "content": "a", "reasoning_content": 3}]), "messages[0].reasoning_content"),
     (chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+    (chat(stream_options={"include_usage": True}), "stream_options"),  # only beside stream: true
+    (chat(logit_bias={"\u00b2": 1}), "logit_bias"),  # a digit to str.isdigit, not to int()
+    (chat(logit_bias={"\uff11\uff12": 1}), "logit_bias"),  # full-width digits
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+     "tools[0].function.parameters"),
+    (chat(tools=TOOLS + TOOLS), "tools[1].function.name"),
+    (chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {**CALLS[0], "index": 1}]}]), "messages[1].tool_calls[0].index"),
     (chat(chat_template_kwargs={"enable_thinking": "no"}), "chat_template_kwargs"),
 ])
 def test_bad_fields_are_400_naming_the_field(body, param):
@@ -235,7 +260,7 @@ def test_a_good_request_normalised():
     body = chat(messages=[{"role": "developer", "content": "be brief"},
                           {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}},
                                                        {"type": "text", "text": "shape?"}]},
-                          {"role": "assistant", "content": None, "tool_calls": CALLS[:1]},
+                          {"role": "assistant", "content": None, "tool_calls": [{**CALLS[0], "index": 0}]},
                           {"role": "tool", "tool_call_id": "a", "content": "18 C"}],
                 max_tokens=50, max_completion_tokens=20, stop="\n", top_k=-1, tools=TOOLS, tool_choice="auto",
                 chat_template_kwargs={"enable_thinking": False}, stream=True, stream_options={"include_usage": True})

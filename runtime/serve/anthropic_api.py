@@ -291,14 +291,14 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
     if thinking is not None:
         if not isinstance(thinking, dict):
             raise bad("'thinking' must be an object", "thinking")
-        check_fields(thinking, {"type", "budget_tokens", "display"}, {"type", "budget_tokens"}, "thinking.", API)
         kind = thinking.get("type")
-        if kind == "enabled":
+        if kind == "enabled":  # before the fields: its budget is why it is refused
             raise bad("'thinking.budget_tokens': a thinking budget is not enforced by this server; send "
                       "{'type': 'adaptive'} (thinking on, the model decides its length) or {'type': 'disabled'}",
                       "thinking.budget_tokens")
         if kind not in ("adaptive", "disabled"):
             raise bad("'thinking.type' must be 'adaptive' or 'disabled'", "thinking.type")
+        check_fields(thinking, {"type", "budget_tokens", "display"}, {"type"}, "thinking.", API)
         req.template_kwargs["enable_thinking"] = kind == "adaptive"
     _output_config(body, req)
     req.messages = _system(body.get("system")) + parse_messages(body.get("messages"), so, req.images)

@@ -41,8 +41,11 @@ class StopMatcher:
 
 
 class ChatOutput:
-    """The whole pipeline for one answer: stop strings, then thinking, then tool calls (when tools were given:
-    the request's tools, or True for calls without schemas to type them, in the template's `tool_format`).
+    """The whole pipeline for one answer: thinking, then stop strings on the content, then tool calls (when tools
+    were given: the request's tools, or True for calls without schemas to type them, in the template's
+    `tool_format`). Stop strings match the content the client is given, not the reasoning nor the template's
+    markup around it (`</think>` and the newlines after it): a stop of "\n\n" ends the answer's text, not its
+    thinking.
 
     `thinking` says the prompt left the model inside `<think>`: text up to `</think>` is reasoning (newlines
     around it trimmed), the rest is content (leading newlines trimmed). Otherwise an answer that opens with
@@ -55,6 +58,7 @@ class ChatOutput:
         self.tools = ToolCallStream(tool_format, tools if isinstance(tools, list) else None) if tools else None
         self.pending, self.newlines, self.started = "", "", False
         self.opening = not thinking  # the answer's start may still be the model's own `<think>`
+        self.matching = True  # whether content goes through the stop strings (not text `given`)
 
     @property
     def stopped(self) -> bool:
@@ -101,7 +105,7 @@ class ChatOutput:
                 if not text:
                     return
                 self.started = True
-            self._content(text, out)
+            self._content(self.stop.feed(text) if self.matching else text, out)
             return
         self.pending += text
         i = self.pending.find(THINK_END)
@@ -117,22 +121,25 @@ class ChatOutput:
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
-        self._split(self.stop.feed(text), out)
+        if not self.stop.stopped:
+            self._split(text, out)
         return out
 
     def given(self, text: str) -> list[Event]:
         """Text the answer starts with that the model did not generate (a forced tool call's opening, written
         into the prompt): content, past the stop strings, which match generated text only."""
         out: list[Event] = []
+        self.matching = False
         self._split(text, out)
+        self.matching = True
         return out
 
     def flush(self) -> list[Event]:
         out: list[Event] = []
-        self._split(self.stop.flush(), out)
-        if self.opening and self.pending:  # the whole answer was a start of `<think>`: content after all
+        if self.opening and self.pending and not self.stop.stopped:  # the answer was a start of `<think>`: content
             text, self.pending, self.opening = self.pending, "", False
-            self._content(text, out)
+            self._content(self.stop.feed(text), out)
+        self._content(self.stop.flush(), out)
         if self.phase == "reasoning" and self.pending:
             self._reasoning(self.pending, out)
             self.pending = ""

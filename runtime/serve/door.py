@@ -50,11 +50,11 @@ def host_name(header: str) -> str | None:
     h = header.strip().lower()
     if h.startswith("["):
         end, rest = h.find("]"), h[h.find("]") + 1:]
-        if end < 0 or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
+        if end < 0 or (rest and not (rest[0] == ":" and rest[1:].isascii() and rest[1:].isdigit())):
             return None
         return h[1:end] or None
     name, sep, port = h.partition(":")
-    if sep and not port.isdigit():
+    if sep and not (port.isascii() and port.isdigit()):
         return None
     return name or None
 

@@ -294,6 +294,8 @@ def _common(body: dict, req: GenRequest) -> None:
         if not isinstance(opts.get("include_usage", False), bool | None):
             raise bad("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
         req.include_usage = _flag(opts, "include_usage")
+        if not req.stream:
+            raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     n = body.get("n")
     if n is not None and n != 1:
         raise bad("only n=1 is supported (one engine answers one request at a time)", "n")
@@ -325,7 +327,7 @@ def _common(body: dict, req: GenRequest) -> None:
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
             raise bad(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
         for k, v in bias.items():
-            if not k.isdigit() or isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+            if not (k.isascii() and k.isdigit()) or isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
                 raise bad(f"'logit_bias' maps token ids (\"123\") to numbers in [-100, 100]; got {k!r}: {v!r}",
                           "logit_bias")
         req.sampling["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
@@ -462,7 +464,10 @@ def _tool_calls(calls, where: str) -> list[dict]:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad(f"{cw} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", cw)
-        check_fields(c, {"id", "type", "function"}, {"id", "type", "function"}, f"{cw}.", "the OpenAI API")
+        # `index`: a streamed call's place, kept by clients that rebuild the message from its deltas
+        check_fields(c, {"id", "type", "function", "index"}, {"id", "type", "function", "index"}, f"{cw}.", "the OpenAI API")
+        if "index" in c and (type(c["index"]) is not int or c["index"] != j):
+            raise bad(f"{cw}.index must be {j}, the call's place in the list", f"{cw}.index")
         check_fields(fn, {"name", "arguments"}, {"name", "arguments"}, f"{cw}.function.", "the OpenAI API")
         call = {"type": "function", "function": {"name": fn["name"],
                                                  "arguments": _arguments(fn.get("arguments"), f"{cw}.function.arguments")}}
@@ -526,8 +531,14 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
             raise bad(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", f"tools[{j}]")
         check_fields(t, {"type", "function"}, {"type", "function"}, f"tools[{j}].", "the OpenAI API")
         check_fields(fn, TOOL_FIELDS, TOOL_FIELDS, f"tools[{j}].function.", "the OpenAI API")
-        if not isinstance(fn.get("parameters", {}), dict | None):
+        params = fn.get("parameters")
+        if not isinstance(params, dict | None):
             raise bad(f"tools[{j}].function.parameters must be a JSON schema object", f"tools[{j}].function.parameters")
+        if params and params.get("type", "object") != "object":  # a call's arguments are an object
+            raise bad(f"tools[{j}]: a tool's parameters must be a JSON schema of type 'object', got type "
+                      f"{params['type']!r}", f"tools[{j}].function.parameters")
+        if fn["name"] in names:
+            raise bad(f"tools[{j}]: the tool name {fn['name']!r} is given twice", f"tools[{j}].function.name")
         names.append(fn["name"])
     if choice is None or choice in ("auto", "required"):
         return tools, True, "" if choice == "required" else None

@@ -258,6 +258,8 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
         if opts.get("include_obfuscation"):
             raise bad("'stream_options.include_obfuscation': this server adds no obfuscation",
                       "stream_options.include_obfuscation")
+        if not req.stream:
+            raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     req.max_tokens = _number(body, "max_output_tokens", 1, 1 << 30, integer=True)
     for key, name, hi in (("temperature", "temp", 2), ("top_p", "top_p", 1)):
         v = _number(body, key, 0, hi)
@@ -277,11 +279,13 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
         raise bad(f"'top_logprobs' needs 'include': [{LOGPROBS!r}]", "top_logprobs")
     req.top_logprobs = top or 0
     text = body.get("text")
+    echoed_format = None
     if text is not None:
         if not isinstance(text, dict):
             raise bad("'text' must be an object", "text")
         check_fields(text, {"format", "verbosity"}, {"format"}, "text.", "the Responses API")
         fmt = text.get("format")
+        echoed_format = fmt
         if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # Responses puts the schema's fields flat
             fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
         try:
@@ -311,7 +315,7 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
                "echo": {"instructions": instructions, "max_output_tokens": req.max_tokens, "metadata": metadata or {},
                         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
                         "temperature": req.sampling.get("temp"), "top_p": req.sampling.get("top_p"),
-                        "top_logprobs": req.top_logprobs,
+                        "top_logprobs": req.top_logprobs, "text": {"format": echoed_format or {"type": "text"}},
                         "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
                         "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": None},
                         "user": body.get("user"), "safety_identifier": body.get("safety_identifier"),
@@ -344,7 +348,7 @@ class Output:
                 "max_output_tokens": e["max_output_tokens"], "metadata": e["metadata"],
                 "parallel_tool_calls": e["parallel_tool_calls"], "previous_response_id": None,
                 "reasoning": e["reasoning"], "store": False, "background": False, "temperature": e["temperature"],
-                "top_p": e["top_p"], "top_logprobs": e["top_logprobs"], "text": {"format": {"type": "text"}},
+                "top_p": e["top_p"], "top_logprobs": e["top_logprobs"], "text": e["text"],
                 "tool_choice": e["tool_choice"], "tools": e["tools"], "truncation": "disabled", "user": e["user"],
                 "safety_identifier": e["safety_identifier"], "prompt_cache_key": e["prompt_cache_key"],
                 "usage": self.usage}

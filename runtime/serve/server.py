@@ -73,7 +73,7 @@ async def read_body(request: Request, limits: Limits, timeout_s: float) -> bytea
     """The raw body, read no further than the size limit and no longer than `timeout_s` (a stalled body
     would hold its admission)."""
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limits.max_body:
+    if declared and declared.isascii() and declared.isdigit() and int(declared) > limits.max_body:
         raise APIError(413, f"request body of {int(declared):,} bytes; at most {limits.max_body:,} are accepted")
     raw = bytearray()
     try:
@@ -128,9 +128,12 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def tool_call(call: dict, i: int, job: Job) -> dict:
-    return {"index": i, "id": f"call_{job.id[:8]}{i}", "type": "function",
+def tool_call(call: dict, i: int, job: Job, streamed: bool = False) -> dict:
+    """The i-th call of an answer as OpenAI writes it: `index` only in a stream's delta, where it says which call
+    the delta belongs to (a non-streamed message has none, and one sent back with it would be refused)."""
+    body = {"id": f"call_{job.id[:8]}{i}", "type": "function",
             "function": {"name": call["name"], "arguments": call["arguments"]}}
+    return {"index": i, **body} if streamed else body
 
 
 class API:
@@ -379,7 +382,7 @@ class OpenAIOutput:
                 if not self.chat:
                     out.append(self._chunk(text=str(x)))
                 elif what == "tool_call":
-                    out.append(self._chunk({"tool_calls": [tool_call(x, self.n_calls, self.job)]}))
+                    out.append(self._chunk({"tool_calls": [tool_call(x, self.n_calls, self.job, streamed=True)]}))
                     self.n_calls += 1
                 else:
                     out.append(self._chunk({"reasoning_content" if what == "reasoning" else "content": x}))
@@ -441,6 +444,12 @@ async def on_http_error(request: Request, exc: Exception) -> Response:
     return error_response(APIError(status, str(getattr(exc, "detail", "error")), kind="invalid_request_error"), request)
 
 
+async def on_internal_error(request: Request, exc: Exception) -> Response:
+    """A bug in streamoe, not a bad request: the API's error object all the same (Starlette then logs the
+    traceback and the server goes on)."""
+    return error_response(APIError(500, "internal error in streamoe (the server's log has its traceback)"), request)
+
+
 def create_app(server: Server, host: str = "127.0.0.1") -> Starlette:
     """The routes behind the door: the Host/Origin guard (`door.Door`), CORS for the origins allowed, and
     admission of bodies within the `requests` account (`door.Admission`), outermost first."""
@@ -476,7 +485,8 @@ def create_app(server: Server, host: str = "127.0.0.1") -> Starlette:
         api.prep.shutdown(wait=False, cancel_futures=True)
 
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                     exception_handlers={APIError: on_api_error, HTTPException: on_http_error})
+                     exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                                         Exception: on_internal_error})
 
 
 def exposure(host: str, keyed: bool = False) -> str | None:
