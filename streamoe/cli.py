@@ -229,9 +229,9 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
 
 def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: str, dtype: str,
                      runtime_mib: int | None = None, prefill_chunk: int | str = "auto", rank: int = 0, ranks: int = 1,
-                     host_cap: float | None = None):
+                     host_cap: float | None = None, extra: tuple = ()):
     """A plan from a bare config.json, before any download or conversion (`experts` None: the format its checkpoint
-    holds, as `convert` writes it by default)."""
+    holds, as `convert` writes it by default; `extra`: the caller's own accounts, as `Options.extra_accounts`)."""
     from .convert.source import read_json
     from .formats.config import ModelArgs, is_expert_tensor
     from .formats.dtypes import itemsize
@@ -267,7 +267,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: 
                          nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(Options(kv=kv, dtype=dtype)),
                          runtime_bytes=runtime_mib and runtime_mib << 20, prefill_chunk=prefill_chunk,
                          rank=rank, ranks=ranks, split=split, host_cap=host_bytes,
-                         ring=read_ring(Options(), args.num_experts_per_tok))
+                         ring=read_ring(Options(), args.num_experts_per_tok), extra=extra)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
     except StreamoeError as e:
@@ -360,28 +360,41 @@ def engine_options(fn):
 @common
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes per account).")
 @click.option("--images", is_flag=True, help="Include the vision account (runs with --image or --chat).")
+@click.option("--serve", "serving", is_flag=True,
+              help="Plan `serve` with its default options: its prompt cache and requests accounts, and images where "
+                   "MODEL has a vision tower (serve plans them unless --no-images).")
 @PREFILL_CHUNK
 @click.option("--ranks", type=click.IntRange(min=1, max=1 << 10), default=1, show_default=True,
               help="Plan each rank of an expert-parallel group of this many hosts (mlx.launch; --cap is per host).")
 @user_errors
 def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
-         runtime_mib: int | None, as_json: bool, images: bool, prefill_chunk: int | str, ranks: int) -> None:
+         runtime_mib: int | None, as_json: bool, images: bool, serving: bool, prefill_chunk: int | str, ranks: int) -> None:
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
 
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
     from .runtime.plan import Options, default_dtype, plan_for
 
     dtype = dtype or default_dtype()
+    bare = model.is_file() and model.suffix == ".json"
     plans = []
     for rank in range(ranks):
-        if model.is_file() and model.suffix == ".json":
+        extra: tuple = ()
+        if serving:
+            import uvicorn  # noqa: F401  (imported as serve imports them before it opens: the runtime account measures them)
+
+            from .runtime.serve import server  # noqa: F401
+            from .runtime.serve.worker import ServeOptions, serve_accounts
+
+            extra = serve_accounts(model.parent if bare else model, ctx, ServeOptions(model_name=""), rank, ranks)
+            images = images or (not bare and has_vision(model))
+        if bare:
             plans.append(plan_from_config(model, cap, ctx, experts, kv, dtype, runtime_mib, prefill_chunk, rank, ranks,
-                                          host_cap))
+                                          host_cap, extra))
         else:
             plans.append(plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, images=images,
                                                  runtime_bytes=runtime_mib and runtime_mib << 20,
                                                  prefill_chunk=prefill_chunk, rank=rank, ranks=ranks,
-                                                 host_cap_gib=host_cap)))
+                                                 host_cap_gib=host_cap, extra_accounts=extra)))
     if as_json:
         import json
 

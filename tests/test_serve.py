@@ -637,3 +637,18 @@ def test_ctrl_c_stops_a_server_started_with_sigint_ignored(conv, tmp_path):
     assert stop_server(s) == 0, s.text()
     assert "streamoe: stopped" in s.text()
 
+
+
+def test_plan_serve_plans_what_serve_opens(conv):
+    """`plan --serve` adds serve's accounts (prompt cache, requests, images where the model sees): at a cap too
+    small it names the smallest cap that fits, the one `serve` itself names, and at that cap it fits."""
+    args = ["--cap", "0.5", "--ctx", str(CTX), "--runtime-mib", "200"]
+    planned = one_error_line(cli("plan", conv, *args, "--serve"), "too small", "smallest cap that fits: --cap")
+    served = one_error_line(cli("serve", conv, *args, "--port", "0"), "too small", "smallest cap that fits: --cap")
+    assert planned == served
+    smallest = re.search(r"--cap (\S+)$", planned).group(1)
+    p = cli("plan", conv, *args[2:], "--cap", smallest, "--serve", "--json", check=True)
+    accounts = json.loads(p.stdout)["accounts"]
+    assert accounts["prompt cache"] == 256 * MiB and accounts["requests"] > 0 and accounts["vision"] > 0
+    bare = json.loads(cli("plan", conv, *args[2:], "--cap", smallest, "--json", check=True).stdout)["accounts"]
+    assert not {"prompt cache", "requests"} & set(bare) and bare["vision"] == 0
