@@ -564,12 +564,12 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
               help="Answer length when a request sets none (default: what the planned context holds).")
 @sampling_options
 @click.option("--verify", is_flag=True, help="Check every file's checksum before serving.")
-@click.option("--prompt-cache-mib", type=click.FloatRange(min=0), default=256, show_default=True,
+@click.option("--prompt-cache-mib", type=Finite(min=0, max=1 << 20), default=256, show_default=True,
               help="Plan account for snapshots of repeated conversations (LRU); 0 = no prompt cache.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests that may wait behind the running one; more are answered 503.")
-@click.option("--max-body-mib", type=click.FloatRange(min=0.01), default=4, show_default=True, help="Largest request body.")
-@click.option("--max-image-mib", type=click.FloatRange(min=0.01), default=3, show_default=True, help="Largest image (decoded bytes).")
+@click.option("--max-body-mib", type=Finite(min=0.01, max=1024), default=4, show_default=True, help="Largest request body.")
+@click.option("--max-image-mib", type=Finite(min=0.01, max=1024), default=3, show_default=True, help="Largest image (decoded bytes).")
 @click.option("--max-images", type=click.IntRange(min=0), default=4, show_default=True, help="Images per request.")
 @click.option("--allow-host", multiple=True, metavar="NAME", help="Another name clients reach this server by (the Host "
               "header); loopback names and the bound address always work; '*' allows any. Repeatable.")
@@ -577,13 +577,13 @@ def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: P
               "the API; other cross-origin requests are refused with 403. Repeatable; '*' allows any.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
               help="Connections held at once (within the open-file limit); at the bound, the oldest idle one is closed.")
-@click.option("--head-timeout", type=click.FloatRange(min=0.1), default=10, show_default=True,
+@click.option("--head-timeout", type=Finite(min=0.1, max=86400), default=10, show_default=True,
               help="Seconds a connection may take to send a request's head.")
-@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=30, show_default=True,
+@click.option("--body-timeout", type=Finite(min=0.1, max=86400), default=30, show_default=True,
               help="Seconds a request may take to send its body.")
-@click.option("--idle-timeout", type=click.FloatRange(min=1), default=5, show_default=True,
+@click.option("--idle-timeout", type=Finite(min=1, max=86400), default=5, show_default=True,
               help="Seconds an idle keep-alive connection stays open.")
-@click.option("--sse-keepalive", type=click.FloatRange(min=0.1), default=5, show_default=True,
+@click.option("--sse-keepalive", type=Finite(min=0.1, max=86400), default=5, show_default=True,
               help="Seconds between keep-alive comments while a streamed request waits or prefills.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @user_errors

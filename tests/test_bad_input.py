@@ -590,6 +590,21 @@ for _name, _opts, _needle in [
     CASES[_name] = _build
 
 
+for _name, _opts, _needle in [
+    ("serve-prompt-cache-nan", ["--prompt-cache-mib", "nan"], "--prompt-cache-mib"),
+    ("serve-max-body-inf", ["--max-body-mib", "inf"], "--max-body-mib"),
+    ("serve-max-image-nan", ["--max-image-mib", "nan"], "--max-image-mib"),
+    ("serve-head-timeout-nan", ["--head-timeout", "nan"], "--head-timeout"),
+    ("serve-body-timeout-inf", ["--body-timeout", "inf"], "--body-timeout"),
+    ("serve-idle-timeout-nan", ["--idle-timeout", "nan"], "--idle-timeout"),
+    ("serve-sse-keepalive-nan", ["--sse-keepalive", "nan"], "--sse-keepalive"),
+    ("serve-prompt-cache-huge", ["--prompt-cache-mib", "1e300"], "--prompt-cache-mib"),
+]:
+    def _build(tmp, ck, conv, o=_opts, n=_needle):
+        return ["serve", conv, "--port", "0", *o], (n,)
+    CASES[_name] = _build
+
+
 @case("plan-more-than-the-machine")
 def _(tmp, ck, conv):
     return ["plan", conv, "--cap", "1e6", "--ctx", "100000000"], ("this machine has",)
