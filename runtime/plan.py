@@ -667,6 +667,8 @@ def require_machine(plan: MemoryPlan) -> None:
     have, what = machine_bytes()
     if total > have:
         big = max(plan.accounts, key=plan.accounts.get)
-        raise StreamoeError(f"the plan needs {total / GiB:.2f} GiB but this machine has {have / GiB:.2f} GiB {what} "
-                            f"(largest account: {big}, {plan.accounts[big] / GiB:.2f} GiB at ctx {plan.ctx}); "
-                            "lower --ctx or --cap")
+        # fixed accounts beyond the cap fit at no cap this machine holds: only a shorter context helps
+        beyond = not plan.split and plan.fixed > plan.cap
+        need, advice = (plan.fixed, "lower --ctx") if beyond else (total, "lower --ctx or --cap")
+        raise StreamoeError(f"the plan needs {need / GiB:.2f} GiB but this machine has {have / GiB:.2f} GiB {what} "
+                            f"(largest account: {big}, {plan.accounts[big] / GiB:.2f} GiB at ctx {plan.ctx}); {advice}")
