@@ -13,9 +13,10 @@ import fcntl
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import StreamoeError, fail
 
@@ -144,6 +145,23 @@ def check_output_file(path: str | os.PathLike, what: str = "output file") -> Pat
     if st is not None and not os.access(path, os.W_OK):
         raise fail(path, f"cannot write the {what}: permission denied")
     return path
+
+
+def write_whole(path: str | os.PathLike, write: Callable[[BinaryIO], None], what: str) -> None:
+    """Write `path` through a temporary file beside it, renamed over it once whole and on disk: a full disk or an
+    interrupted write leaves the earlier file as it was and nothing half-written."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise os_fail(path, e, f"cannot write the {what}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _no_constants(name: str) -> object:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..formats.errors import StreamoeError, fail
-from ..formats.files import os_fail
+from ..formats.files import write_whole
 from ..formats.manifest import load_manifest
 from . import ranks, session
 from .constrain import Constraint, guide_tokenizer, json_grammar
@@ -210,16 +210,10 @@ def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
 
 
 def write_outputs(records: list[dict], stats: Path | None, logits_out: Path | None, logits: list | None) -> None:
-    """The telemetry and logits files, after the answer; a full disk is one line naming the file."""
-    try:
-        if stats:
-            with open(stats, "w") as f:
-                for r in records:
-                    f.write(json.dumps(r) + "\n")
-    except OSError as e:
-        raise os_fail(stats, e, "cannot write the telemetry") from None
-    try:
-        if logits_out is not None and logits:
-            np.savez(logits_out, logits=np.stack([np.array(lg) for lg in logits]))
-    except OSError as e:
-        raise os_fail(logits_out, e, "cannot write the logits") from None
+    """The telemetry and logits files, after the answer, each whole or not at all (`write_whole`): a full disk is
+    one line naming the file, and an earlier file there stays as it was."""
+    if stats:
+        write_whole(stats, lambda f: f.writelines((json.dumps(r) + "\n").encode() for r in records), "telemetry")
+    if logits_out is not None and logits:
+        stacked = np.stack([np.array(lg) for lg in logits])
+        write_whole(logits_out, lambda f: np.savez(f, logits=stacked), "logits")

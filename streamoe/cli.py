@@ -452,7 +452,9 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
         raise StreamoeError("--image needs the chat template; drop --raw")
     if load_session and system is not None:
         raise StreamoeError("a loaded session keeps its own system message; drop --system")
-    check_run_paths(stats, logits_out, save_session, load_session)
+    check_run_paths(model, stats, logits_out, save_session, load_session,
+                    ((prompt_file, "prompt file (--prompt-file)"), *((p, "image (--image)") for p in images),
+                     *(((Path(json_schema), "schema file (--json-schema)"),) if json_schema and os.path.isfile(json_schema) else ())))
     sampling = {**(generation_defaults_of(model)), **sampling, "seed": seed}
     vision = bool(images) or (chat and not raw and has_vision(model))  # a text-only model's chat is text
     run_cli(model, options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk,
@@ -532,18 +534,36 @@ def read_schema(value: str) -> dict:
     return schema or {"type": "object"}
 
 
-def check_run_paths(stats: Path | None, logits_out: Path | None, save_session: Path | None,
-                    load_session: Path | None) -> None:
-    """Before the model opens: every output can be written (so the answer is never lost at the end) and the
-    session to load is a regular file (a FIFO would block the open)."""
+def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, save_session: Path | None,
+                    load_session: Path | None, inputs: tuple[tuple[Path, str], ...] = ()) -> None:
+    """Before the model opens: every output can be written (so the answer is never lost at the end), no output is
+    another output, one of the run's inputs (`inputs`: (path, what it is)) or a file of the model, and the session
+    to load is a regular file (a FIFO would block the open). A session saved where it was loaded from is the one
+    overwrite asked for."""
+    from .formats.errors import fail
     from .formats.files import check_input_file, check_output_file
 
-    for path, what in ((stats, "telemetry file (--stats)"), (logits_out, "logits file (--logits-out)"),
-                       (save_session, "session file (--save-session)")):
-        if path is not None:
-            check_output_file(path, what)
+    outputs = [(path, flag, what) for path, flag, what in ((stats, "--stats", "telemetry file"),
+                                                           (logits_out, "--logits-out", "logits file"),
+                                                           (save_session, "--save-session", "session file"))
+               if path is not None]
+    for path, flag, what in outputs:
+        check_output_file(path, f"{what} ({flag})")
     if load_session is not None:
         check_input_file(load_session, "session file")
+    taken: dict[Path, str] = {}
+    root = model.resolve()
+    for path, flag, _ in outputs:
+        real = path.resolve()
+        if real in taken:
+            raise fail(path, f"is given as both {taken[real]} and {flag}: each output needs a file of its own")
+        taken[real] = flag
+        if real.is_relative_to(root):
+            raise fail(path, f"is inside the model directory {model}: {flag} would change the model")
+        read = [*inputs, *(((load_session, "session loaded (--load-session)"),) if flag != "--save-session" else ())]
+        for given, what in read:
+            if given is not None and given.resolve() == real:
+                raise fail(path, f"is the {what}: {flag} would overwrite it")
 
 
 @main.command()

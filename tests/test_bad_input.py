@@ -605,6 +605,31 @@ for _name, _opts, _needle in [
     CASES[_name] = _build
 
 
+@case("run-one-file-for-two-outputs")
+def _(tmp, ck, conv):
+    return run_args(conv, "--stats", tmp / "out", "--save-session", tmp / "out"), (
+        str(tmp / "out"), "both --stats and --save-session")
+
+
+@case("run-stats-over-the-prompt-file")
+def _(tmp, ck, conv):
+    (tmp / "prompt.txt").write_text("hi")
+    return ["run", conv, "--cap", "1", "-f", tmp / "prompt.txt", "-q", "--stats", tmp / "prompt.txt"], (
+        str(tmp / "prompt.txt"), "is the prompt file")
+
+
+@case("run-logits-over-the-loaded-session")
+def _(tmp, ck, conv):
+    (tmp / "s.zst").write_bytes(b"not read: refused before")
+    return run_args(conv, "--load-session", tmp / "s.zst", "--logits-out", tmp / "s.zst"), (
+        str(tmp / "s.zst"), "is the session loaded")
+
+
+@case("run-stats-inside-the-model")
+def _(tmp, ck, conv):
+    return run_args(conv, "--stats", conv / "tokenizer.json"), (str(conv / "tokenizer.json"), "inside the model directory")
+
+
 @case("plan-more-than-the-machine")
 def _(tmp, ck, conv):
     return ["plan", conv, "--cap", "1e6", "--ctx", "100000000"], ("this machine has",)

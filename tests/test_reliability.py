@@ -160,6 +160,10 @@ def test_convert_onto_a_small_disk_says_the_numbers(tiny_ckpt, small_fs):
 
 
 def test_stats_onto_a_full_disk_names_the_file(tiny_conv, small_fs):
+    """... and the telemetry and logits files there before are left as they were, with nothing half-written."""
+    earlier = {"s.jsonl": b'{"step": 0}\n', "l.npz": b"earlier logits"}
+    for name, data in earlier.items():
+        (small_fs / name).write_bytes(data)
     fd = os.open(small_fs / "filler", os.O_WRONLY | os.O_CREAT)
     try:
         while os.write(fd, bytes(4096)):
@@ -170,6 +174,10 @@ def test_stats_onto_a_full_disk_names_the_file(tiny_conv, small_fs):
         os.close(fd)
     p = cli("run", tiny_conv, "--cap", "1", "-p", "hi", "-n", "4", "-q", "--stats", small_fs / "s.jsonl")
     one_error_line(p, str(small_fs / "s.jsonl"), "no space left on device")
+    p = cli("run", tiny_conv, "--cap", "1", "-p", "hi", "-n", "40", "-q", "--logits-out", small_fs / "l.npz")
+    one_error_line(p, str(small_fs / "l.npz"), "no space left on device")
+    assert {name: (small_fs / name).read_bytes() for name in earlier} == earlier
+    assert sorted(os.listdir(small_fs)) == ["filler", "l.npz", "s.jsonl"]
 
 
 def test_read_only_output_is_refused_before_work(tiny_ckpt, tiny_conv, small_fs):
