@@ -35,7 +35,7 @@ from ..formats.direct import RangeReader, UncachedWriter, aligned_buffer
 from ..formats.errors import StreamoeError, fail
 from ..formats.files import check_writable_dir, exclusive_lock, kind, os_fail
 from ..formats.layout import FORMATS, derived_formats, format_layout, layer_file
-from ..formats.manifest import MANIFEST, format_json, write_manifest
+from ..formats.manifest import MANIFEST, format_json, load_manifest, write_manifest
 from ..formats.record import PARTS, PROJS, RecordLayout
 from .source import Checkpoint, open_checkpoint
 
@@ -330,7 +330,28 @@ def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
     if not ours:
         raise fail(out, "is not a streamoe conversion (no streamoe manifest.json): --force only replaces "
                         "an earlier conversion, never other files")
+    others = not_ours(out)
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise fail(out, f"holds files its conversion does not ({shown}): --force replaces only an earlier conversion, "
+                        "never other files; move them out first")
     return True
+
+
+def not_ours(out: Path) -> list[str]:
+    """The files in conversion OUT that its manifest does not list (a user's notes, runs...), sorted; a manifest that
+    does not load lists none of them, so then every file is named (`.DS_Store` aside: Finder's, not the user's)."""
+    try:
+        owned = {f["path"] for f in load_manifest(out).all_files()} | {MANIFEST, JOURNAL}
+    except StreamoeError:
+        owned = set()
+    found = []
+    for top, _dirs, files in os.walk(out):
+        for name in files:
+            rel = Path(top, name).relative_to(out).as_posix()
+            if rel not in owned and name != ".DS_Store":
+                found.append(rel)
+    return sorted(found)
 
 
 def convert(

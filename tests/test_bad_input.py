@@ -383,6 +383,15 @@ def _(tmp, ck, conv):
     return ["convert", ck, tmp / "home", "--force"], (str(tmp / "home"), "not a streamoe conversion")
 
 
+@case("force-onto-a-conversion-holding-user-files")
+def _(tmp, ck, conv):
+    c = copy(conv, tmp / "conv")
+    (c / "NOTES.md").write_text("my notes")
+    (c / "runs").mkdir()
+    (c / "runs" / "run1.jsonl").write_text("{}")
+    return ["convert", ck, c, "--force"], (str(c), "NOTES.md, runs/run1.jsonl", "never other files")
+
+
 @case("force-onto-a-fake-manifest")
 def _(tmp, ck, conv):
     (tmp / "d").mkdir()
