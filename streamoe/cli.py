@@ -32,6 +32,7 @@ def user_errors(fn):
     """Turn every failure into one clear stderr line (no traceback) and keep library warnings off stderr.
 
     - `StreamoeError` (a bad input, its message names the file): exit 2.
+    - `BrokenPipeError` (stdout's reader went away, `| head`): no line, exit 141 (128 + SIGPIPE), as a shell tool.
     - `OSError` that escaped a check (the OS refused a path): the same one line, naming the path, exit 2.
     - `RecursionError`, `MemoryError` (an input too deep or too large to hold): one line, exit 2.
     - anything else is a bug in streamoe: one line saying so, exit 70, and the traceback only when
@@ -48,6 +49,9 @@ def user_errors(fn):
         except StreamoeError as e:
             click.echo(_line(f"streamoe: error: {e}"), err=True)
             sys.exit(2)
+        except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as a shell tool does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+            sys.exit(141)
         except OSError as e:
             from .formats.files import os_fail
 

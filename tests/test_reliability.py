@@ -185,3 +185,14 @@ def test_read_only_output_is_refused_before_work(tiny_ckpt, tiny_conv, small_fs)
     one_error_line(cli("convert", tiny_ckpt, small_fs / "out"), str(small_fs / "out"), "read-only file system")
     one_error_line(cli("run", tiny_conv, "--cap", "1", "-p", "hi", "--stats", small_fs / "s.jsonl"),
                    str(small_fs / "s.jsonl"), "read-only file system")
+
+
+def test_a_reader_that_leaves_stdout_ends_the_run_quietly(tiny_conv):
+    """`streamoe run ... | head -1`: the answer's reader goes away mid-answer; no error line, exit 141 (as a shell
+    tool killed by SIGPIPE), not a 'broken pipe' bad input."""
+    p = subprocess.Popen([sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--raw", "-p",
+                          "import os", "-n", "200", "--temp", "0", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(1)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
