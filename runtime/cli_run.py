@@ -132,10 +132,18 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 text = eng.text.chat_prompt([msg] if fed else messages + [msg], think=think)
                 ids = eng.text.encode_chat(eng.text.turn_close() + text if fed else text)
                 messages.append(msg)
-            n0 = len(eng.steps)
+            n0, offset0 = len(eng.steps), eng.offset
             turn_images, images = list(images), []
-            out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids,
-                         constraint=constrained() if constrained is not None else None)
+            try:
+                out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids,
+                             constraint=constrained() if constrained is not None else None)
+            except StreamoeError as e:  # a chat's turn refused before it changed the conversation: the chat goes on
+                if not chat or group is not None or eng.offset != offset0 or len(eng.steps) != n0:
+                    raise
+                print(f"streamoe: error: {e} (not sent; the chat goes on)", file=sys.stderr, flush=True)
+                if not raw:
+                    messages.pop()
+                continue
             fed += ids + out  # as rendered (one pad per image); the cache holds the expanded run, same history
             if not raw:
                 messages.append({"role": "assistant", "content": eng.text.decode(out)})

@@ -122,6 +122,25 @@ def test_cli_chat_split_by_a_saved_session_is_the_same_chat(trained, tmp_path):
     assert f"prefill {len(new)} tokens" in second
 
 
+def test_a_chat_turn_too_long_for_the_context_is_refused_and_the_chat_goes_on(trained, tmp_path):
+    """The long turn is said in one line and sent nowhere: the turns around it give the logits and the saved
+    session a chat without it gives."""
+    common = [sys.executable, "-m", "streamoe.cli", "run", str(trained), "--cap", "1", "--ctx", "64", "--no-think",
+              "-n", "4", "--temp", "0", "-q", "--chat"]
+    long = " ".join(["shape"] * 80)
+    runs = {}
+    for name, turns in (("with", ["What shape?", long, "What colour?"]), ("without", ["What shape?", "What colour?"])):
+        p = subprocess.run([*common, "--logits-out", tmp_path / f"{name}.npz", "--save-session", tmp_path / f"{name}.zst"],
+                           input="\n".join(turns) + "\n", capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        runs[name] = p
+    refused = [ln for ln in runs["with"].stderr.splitlines() if "longer than the planned context" in ln]
+    assert len(refused) == 1 and refused[0].endswith("(not sent; the chat goes on)")
+    la, lb = (np.load(tmp_path / f"{k}.npz")["logits"] for k in ("with", "without"))
+    assert la.tobytes() == lb.tobytes()
+    assert (tmp_path / "with.zst").read_bytes() == (tmp_path / "without.zst").read_bytes()
+
+
 def test_a_sampled_chat_split_by_a_saved_session_draws_the_same_tokens(tiny_conv, tmp_path):
     """Sampling (random weights: every draw matters) with a presence penalty: the second turn, loaded from the
     first's session in a new process, draws what the unbroken chat draws (seed and draws counted are saved)."""
