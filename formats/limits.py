@@ -79,6 +79,22 @@ def check_int(v: object, lo: int, hi: int, what: str, path: object) -> int:
     return v
 
 
+# the real numbers a config states: (exclusive low, inclusive high); a norm's epsilon of 0 or below, or a rope base
+# of 0, makes every logit nan or inf
+CONFIG_REALS: dict[str, tuple[float, float]] = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e15),
+                                                "partial_rotary_factor": (0.0, 1.0)}
+
+
+def check_real(v: object, lo: float, hi: float, what: str, path: object) -> float:
+    """`v` as a finite JSON number in (lo, hi], else one error naming `path` and `what`."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        shown = "" if v is None else " " + json.dumps(v, default=str)[:40]
+        raise fail(path, f"{what} must be a number, got {json_type(v)}{shown}")
+    if not (lo < v <= hi):  # nan fails it too
+        raise fail(path, f"{what} = {v} is out of range ({lo:g}, {hi:g}]")
+    return float(v)
+
+
 def _check_block(block: dict, bounds: dict[str, tuple[int, int]], where: str, path: object,
                  null_ok: bool = True) -> None:
     """Each bounded key present is an int in range; `null_ok`: null stands for "absent" (a config's head_dim)."""
@@ -105,6 +121,11 @@ def check_config_sizes(config: object, path: object) -> None:
         x, y = text.get(a), text.get(b)
         if is_int(x) and is_int(y) and x % y:
             raise fail(path, f"{a} = {x} is not a multiple of {b} = {y}")
+    where = "text_config." if text is not config else ""
+    for block, at in ((text, where), (text.get("rope_parameters"), f"{where}rope_parameters.")):
+        for key, (lo, hi) in CONFIG_REALS.items():
+            if isinstance(block, dict) and block.get(key) is not None:
+                check_real(block[key], lo, hi, f"{at}{key}", path)
     types = text.get("layer_types")
     if types is not None and (not isinstance(types, list) or len(types) > CONFIG_INTS["num_hidden_layers"][1]):
         raise fail(path, "layer_types must be a list of at most 1024 names")
