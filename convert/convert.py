@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from ..formats import quant
 from ..formats.blobs import BlobTensor, plan_blob
+from ..formats.checks import source_problem
 from ..formats.config import is_expert_tensor, quant_for
 from ..formats.direct import RangeReader, UncachedWriter, aligned_buffer
 from ..formats.errors import StreamoeError, fail
@@ -402,6 +403,9 @@ def convert(
 
 def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: bool) -> None:
     lay4 = ckpt.layer_layout()
+    problem = source_problem(ckpt.config, {name: t.shape for name, t in ckpt.tensors.items()})
+    if problem:
+        raise fail(ckpt.root / "config.json", f"the checkpoint does not match its config: {problem}")
     lays: dict[str, RecordLayout] = {}
     for f in formats:
         if f not in derived_formats(lay4):

@@ -74,6 +74,20 @@ def tensor_problem(m: Manifest, kind: str) -> str | None:
     return None
 
 
+def source_problem(config: dict, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The first non-expert tensor the model needs that a source checkpoint (`shapes`: name -> shape) lacks or
+    holds in another shape than its config implies, or None: checked before `convert` writes anything, so it
+    never publishes a directory that `validate` and `run` refuse."""
+    have = {_strip(name): shape for name, shape in shapes.items()}
+    for spec in expected_tensors(config, vision=True):
+        shape = have.get(_strip(spec.name))
+        if shape is None:
+            return f"tensor {spec.name} is missing"
+        if tuple(shape) != tuple(spec.shape):
+            return f"tensor {spec.name} has shape {list(shape)}, the config implies {list(spec.shape)}"
+    return None
+
+
 def file_problem(m: Manifest, f: dict) -> str | None:
     """What is wrong with the file a manifest entry {"path", "size", ...} names: missing, not a regular file,
     or not the manifest's size (None: nothing a stat can see)."""

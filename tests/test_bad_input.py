@@ -205,6 +205,8 @@ for _name, _mutate, _needle in [
     ("config-billion-layers", lambda d: d["text_config"].update(num_hidden_layers=10**9), "out of range"),
     ("config-float-hidden", lambda d: d["text_config"].update(hidden_size=64.0), "must be an integer"),
     ("config-bool-experts", lambda d: d["text_config"].update(num_experts=True), "must be an integer"),
+    ("config-shared-expert-width-not-the-tensors", lambda d: d["text_config"].update(shared_expert_intermediate_size=128),
+     "does not match its config"),
     ("config-negative-norm-eps", lambda d: d["text_config"].update(rms_norm_eps=-1), "rms_norm_eps = -1 is out of range"),
     ("config-string-norm-eps", lambda d: d["text_config"].update(rms_norm_eps="8"), "rms_norm_eps must be a number"),
     ("config-zero-rope-theta", lambda d: d["text_config"].update(rope_theta=0), "rope_theta = 0 is out of range"),
