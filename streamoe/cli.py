@@ -454,6 +454,8 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
         raise StreamoeError("give --prompt TEXT, --prompt-file PATH or --chat")
     if images and raw:
         raise StreamoeError("--image needs the chat template; drop --raw")
+    if system is not None and raw:
+        raise StreamoeError("--system needs the chat template; drop --raw")
     if load_session and system is not None:
         raise StreamoeError("a loaded session keeps its own system message; drop --system")
     check_run_paths(model, stats, logits_out, save_session, load_session,

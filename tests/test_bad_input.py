@@ -619,6 +619,11 @@ for _name, _opts, _needle in [
     CASES[_name] = _build
 
 
+@case("run-raw-with-a-system-message")
+def _(tmp, ck, conv):
+    return run_args(conv, "--raw", "--system", "be brief"), ("--system needs the chat template",)
+
+
 @case("run-one-file-for-two-outputs")
 def _(tmp, ck, conv):
     return run_args(conv, "--stats", tmp / "out", "--save-session", tmp / "out"), (
