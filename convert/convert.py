@@ -542,8 +542,9 @@ def remove_old(out: Path) -> None:
         elif old.is_dir() and is_ours(old):
             try:
                 remove_ours(old)
-            except OSError:
-                pass  # the new conversion is in place; a leftover we cannot remove is not its failure
+            except OSError as e:  # the new conversion is in place: a leftover is not its failure, but it is said
+                sys.stderr.write(f"streamoe: could not remove the earlier conversion moved aside to {old} "
+                                 f"({e.strerror or e}); remove it yourself\n")
 
 
 def finish_interrupted(out: Path, fp: str) -> bool:
