@@ -585,37 +585,31 @@ def _(tmp, ck, conv):
 
 # ---------------------------------------------------------------------------------------------- run: options and side files
 
-for _name, _opts, _needle in [
-    ("cap-nan", ["--cap", "nan"], "--cap"),
-    ("cap-inf", ["--cap", "inf"], "--cap"),
-    ("cap-negative", ["--cap", "-1"], "--cap"),
-    ("temp-nan", ["--temp", "nan"], "--temp"),
-    ("top-p-nan", ["--top-p", "nan"], "--top-p"),
-    ("min-p-over-one", ["--min-p", "1.5"], "--min-p"),
-    ("presence-penalty-out-of-range", ["--presence-penalty", "3"], "--presence-penalty"),
-    ("repetition-penalty-zero", ["--repetition-penalty", "0"], "--repetition-penalty"),
-    ("ctx-zero", ["--ctx", "0"], "--ctx"),
-    ("prefetch-waste-nan", ["--prefetch-waste", "nan"], "--prefetch-waste"),
-    ("prefetch-waste-over-one", ["--prefetch-waste", "1.5"], "--prefetch-waste"),
-    ("prompt-not-utf8", ["--prompt", os.fsdecode(b"caf\xe9")], "--prompt"),
+RUN, SERVE = ("run", "-p", "hi"), ("serve", "--port", "0")  # a command and what it needs besides the option
+for _cmd, _name, _opts, _needle in [
+    (RUN, "cap-nan", ["--cap", "nan"], "--cap"),
+    (RUN, "cap-inf", ["--cap", "inf"], "--cap"),
+    (RUN, "cap-negative", ["--cap", "-1"], "--cap"),
+    (RUN, "temp-nan", ["--temp", "nan"], "--temp"),
+    (RUN, "top-p-nan", ["--top-p", "nan"], "--top-p"),
+    (RUN, "min-p-over-one", ["--min-p", "1.5"], "--min-p"),
+    (RUN, "presence-penalty-out-of-range", ["--presence-penalty", "3"], "--presence-penalty"),
+    (RUN, "repetition-penalty-zero", ["--repetition-penalty", "0"], "--repetition-penalty"),
+    (RUN, "ctx-zero", ["--ctx", "0"], "--ctx"),
+    (RUN, "prefetch-waste-nan", ["--prefetch-waste", "nan"], "--prefetch-waste"),
+    (RUN, "prefetch-waste-over-one", ["--prefetch-waste", "1.5"], "--prefetch-waste"),
+    (RUN, "prompt-not-utf8", ["--prompt", os.fsdecode(b"caf\xe9")], "--prompt"),
+    (SERVE, "serve-prompt-cache-nan", ["--prompt-cache-mib", "nan"], "--prompt-cache-mib"),
+    (SERVE, "serve-max-body-inf", ["--max-body-mib", "inf"], "--max-body-mib"),
+    (SERVE, "serve-max-image-nan", ["--max-image-mib", "nan"], "--max-image-mib"),
+    (SERVE, "serve-head-timeout-nan", ["--head-timeout", "nan"], "--head-timeout"),
+    (SERVE, "serve-body-timeout-inf", ["--body-timeout", "inf"], "--body-timeout"),
+    (SERVE, "serve-idle-timeout-nan", ["--idle-timeout", "nan"], "--idle-timeout"),
+    (SERVE, "serve-sse-keepalive-nan", ["--sse-keepalive", "nan"], "--sse-keepalive"),
+    (SERVE, "serve-prompt-cache-huge", ["--prompt-cache-mib", "1e300"], "--prompt-cache-mib"),
 ]:
-    def _build(tmp, ck, conv, o=_opts, n=_needle):
-        return ["run", conv, "-p", "hi", *o], (n,)
-    CASES[_name] = _build
-
-
-for _name, _opts, _needle in [
-    ("serve-prompt-cache-nan", ["--prompt-cache-mib", "nan"], "--prompt-cache-mib"),
-    ("serve-max-body-inf", ["--max-body-mib", "inf"], "--max-body-mib"),
-    ("serve-max-image-nan", ["--max-image-mib", "nan"], "--max-image-mib"),
-    ("serve-head-timeout-nan", ["--head-timeout", "nan"], "--head-timeout"),
-    ("serve-body-timeout-inf", ["--body-timeout", "inf"], "--body-timeout"),
-    ("serve-idle-timeout-nan", ["--idle-timeout", "nan"], "--idle-timeout"),
-    ("serve-sse-keepalive-nan", ["--sse-keepalive", "nan"], "--sse-keepalive"),
-    ("serve-prompt-cache-huge", ["--prompt-cache-mib", "1e300"], "--prompt-cache-mib"),
-]:
-    def _build(tmp, ck, conv, o=_opts, n=_needle):
-        return ["serve", conv, "--port", "0", *o], (n,)
+    def _build(tmp, ck, conv, c=_cmd, o=_opts, n=_needle):
+        return [c[0], conv, *c[1:], *o], (n,)
     CASES[_name] = _build
 
 
