@@ -130,7 +130,7 @@ def sse(obj) -> str:
 
 def tool_call(call: dict, i: int, job: Job, streamed: bool = False) -> dict:
     """The i-th call of an answer as OpenAI writes it: `index` only in a stream's delta, where it says which call
-    the delta belongs to (a non-streamed message has none, and one sent back with it would be refused)."""
+    the delta belongs to; a non-streamed message has none, as OpenAI's."""
     body = {"id": f"call_{job.id[:8]}{i}", "type": "function",
             "function": {"name": call["name"], "arguments": call["arguments"]}}
     return {"index": i, **body} if streamed else body
