@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,17 +27,47 @@ from .text import Detokenizer
 
 def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler, logits: list | None,
            images: list | None = None, context: list[int] | None = None,
-           constraint: Constraint | None = None) -> list[int]:
+           constraint: Constraint | None = None, stop: threading.Event | None = None) -> list[int]:
+    """The answer's tokens, streamed to stdout. Once `stop` is set (Ctrl-C in a chat) it ends after the token in
+    hand, which is then fed as the last token of an answer cut by --max-tokens is: the conversation holds what
+    was shown (unless the context is full, where that token is left out of it and of what is returned)."""
     detok = Detokenizer(eng.text)
     out = []
-    for tok, lg in eng.generate(prompt_ids, max_tokens, sampler, images=images, context=context, constraint=constraint):
+    tokens = eng.generate(prompt_ids, max_tokens, sampler, images=images, context=context, constraint=constraint)
+    for tok, lg in tokens:
         if logits is not None:
             logits.append(lg)
         out.append(tok)
         sys.stdout.write(detok.add(tok))
         sys.stdout.flush()
+        if stop is not None and stop.is_set():
+            break
+    else:
+        stop = None
+    tokens.close()  # a step queued past the last token is taken back
     sys.stdout.write("\n")
+    if stop is not None and out:
+        print("(stopped)", file=sys.stderr, flush=True)
+        if eng.offset < eng.opts.ctx:
+            eng.decode(out[-1])
+        else:
+            out.pop()
     return out
+
+
+@contextlib.contextmanager
+def ctrl_c_stops_the_answer(on: bool) -> Iterator[threading.Event | None]:
+    """While `on` (a chat's answer streams), Ctrl-C sets the event the token loop reads instead of raising in
+    whatever the engine is doing, so the answer ends between two tokens and the chat goes on."""
+    if not on or threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    stop = threading.Event()
+    before = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
@@ -135,8 +168,9 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             n0, offset0 = len(eng.steps), eng.offset
             turn_images, images = list(images), []
             try:
-                out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids,
-                             constraint=constrained() if constrained is not None else None)
+                with ctrl_c_stops_the_answer(chat and group is None) as stop:
+                    out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids,
+                                 constraint=constrained() if constrained is not None else None, stop=stop)
             except StreamoeError as e:  # a chat's turn refused before it changed the conversation: the chat goes on
                 if not chat or group is not None or eng.offset != offset0 or len(eng.steps) != n0:
                     raise

@@ -3,6 +3,9 @@ bit-identical logits; every bad session file is one line naming it."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -139,6 +142,31 @@ def test_a_chat_turn_too_long_for_the_context_is_refused_and_the_chat_goes_on(tr
     la, lb = (np.load(tmp_path / f"{k}.npz")["logits"] for k in ("with", "without"))
     assert la.tobytes() == lb.tobytes()
     assert (tmp_path / "with.zst").read_bytes() == (tmp_path / "without.zst").read_bytes()
+
+
+def test_ctrl_c_stops_a_chats_answer_and_the_chat_goes_on_from_what_was_shown(tiny_conv, tmp_path):
+    """Ctrl-C mid-answer ends that answer after K tokens; the next turn's logits are those of a chat whose
+    answers are cut at K by -n (random weights: the answers never end on their own)."""
+    common = [sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--ctx", "1024", "--chat",
+              "--temp", "0"]
+    p = subprocess.Popen([*common, "-n", "400", "--logits-out", tmp_path / "cut.npz"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdin.write(b"Tell me a long story.\n")
+    p.stdin.flush()
+    shown = b""
+    while len(shown) < 200:
+        shown += os.read(p.stdout.fileno(), 256)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(b"And then?\n", timeout=300)
+    assert p.returncode == 0 and "(stopped)" in err.decode(), err.decode()
+    k = int(re.search(r"\[(\d+) tokens", err.decode()).group(1))
+    assert 0 < k < 400
+    ref = subprocess.run([*common, "-n", str(k), "--logits-out", tmp_path / "ref.npz"],
+                         input=b"Tell me a long story.\nAnd then?\n", capture_output=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr.decode()
+    cut, want = (np.load(tmp_path / f"{name}.npz")["logits"] for name in ("cut", "ref"))
+    assert cut.shape[0] == k + 400 and want.shape[0] == 2 * k
+    assert cut[:2 * k].tobytes() == want.tobytes()
 
 
 def test_a_sampled_chat_split_by_a_saved_session_draws_the_same_tokens(tiny_conv, tmp_path):
