@@ -15,6 +15,7 @@ from streamoe.convert.convert import convert
 from streamoe.convert.synth import layout, make_config, synth
 from streamoe.convert.validate import validate
 from streamoe.formats.config import ModelArgs
+from streamoe.formats.errors import StreamoeError
 from streamoe.formats.export import tensor_table
 from streamoe.formats.manifest import load_manifest
 
@@ -229,7 +230,7 @@ def test_configs_it_cannot_run_are_refused(tmp_path, change, needle):
 
 
 def test_a_checkpoint_missing_a_head_norm_is_named(ckpt, tmp_path):
-    """An export whose index and shards lack a tensor the config implies: convert writes it, validate names it."""
+    """An export whose index and shards lack a tensor the config implies: convert names it before writing anything."""
     import shutil
 
     bad = tmp_path / "ckpt"
@@ -237,6 +238,7 @@ def test_a_checkpoint_missing_a_head_norm_is_named(ckpt, tmp_path):
     index = json.loads((bad / "model.safetensors.index.json").read_text())
     del index["weight_map"]["model.layers.2.self_attn.k_norm.weight"]
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    convert(bad, tmp_path / "conv", progress=False)
-    p = cli("validate", tmp_path / "conv")
-    one_error_line(p, "tensor model.layers.2.self_attn.k_norm.weight is missing from the nonexpert blob")
+    with pytest.raises(StreamoeError, match="does not match its config: tensor model.layers.2.self_attn.k_norm.weight "
+                                             "is missing"):
+        convert(bad, tmp_path / "conv", progress=False)
+    assert not (tmp_path / "conv").exists()
