@@ -154,8 +154,9 @@ def test_ctrl_c_stops_a_chats_answer_and_the_chat_goes_on_from_what_was_shown(ti
     p.stdin.write(b"Tell me a long story.\n")
     p.stdin.flush()
     shown = b""
-    while len(shown) < 200:
-        shown += os.read(p.stdout.fileno(), 256)
+    while len(shown) < 200 and (more := os.read(p.stdout.fileno(), 256)):
+        shown += more
+    assert len(shown) >= 200, (shown, p.stderr.read() if p.poll() is not None else "")
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(b"And then?\n", timeout=300)
     assert p.returncode == 0 and "(stopped)" in err.decode(), err.decode()
