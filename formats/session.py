@@ -19,7 +19,7 @@ from pathlib import Path
 import zstandard
 
 from .errors import fail
-from .files import check_input_file, exclusive_lock, os_fail, parse_json
+from .files import check_input_file, exclusive_lock, os_fail, parse_json, write_whole
 from .safetensors import TensorInfo, build_header, parse_header, tensor_nbytes
 
 META_KEY = "streamoe_session"
@@ -51,28 +51,22 @@ def _write_locked(path: Path, meta: dict, entries: list[tuple[str, str, tuple[in
                   blocks: Iterable[bytes | memoryview], level: int) -> int:
     header, _ = build_header(entries, {META_KEY: json.dumps({"version": VERSION, **meta}, separators=(",", ":"))})
     expected = sum(tensor_nbytes(d, s) for _, d, s in entries)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            # the frame declares its content size, so a reader can check it against the header before trusting it
-            # closed only when whole: an interrupted frame is abandoned (the temporary file goes), never finished
-            w = zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(
-                f, size=len(header) + expected, closefd=False)
-            w.write(header)
-            written = 0
-            for b in blocks:
-                w.write(b)
-                written += memoryview(b).nbytes
-            if written != expected:
-                raise AssertionError(f"session data is {written} bytes, its header says {expected}")
-            w.close()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise os_fail(path, e, "cannot write the session") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    def write(f) -> None:
+        # the frame declares its content size, so a reader can check it against the header before trusting it
+        # closed only when whole: an interrupted frame is abandoned (the temporary file goes), never finished
+        w = zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(
+            f, size=len(header) + expected, closefd=False)
+        w.write(header)
+        written = 0
+        for b in blocks:
+            w.write(b)
+            written += memoryview(b).nbytes
+        if written != expected:
+            raise AssertionError(f"session data is {written} bytes, its header says {expected}")
+        w.close()
+
+    write_whole(path, write, "session")
     return path.stat().st_size
 
 

@@ -52,6 +52,8 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
             eng.decode(out[-1])
         else:
             out.pop()
+            if logits is not None:
+                logits.pop()
     return out
 
 
