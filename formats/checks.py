@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 from .config import family_of, is_expert_tensor, text_config
 from .direct import file_checksum
@@ -47,45 +48,51 @@ def expected_tensors(config: dict, vision: bool) -> list:
             and not (tied and s.name.endswith("lm_head." + s.name.rsplit(".", 1)[1]))]
 
 
+def _first_mismatch(specs: list, have: dict, where: str, check=None) -> str | None:
+    """The first of `specs` that `have` (name without the VLM prefix -> an object with `.shape`) lacks, holds in
+    another shape, or that `check(spec, found)` faults, as one line; None if all are there as implied."""
+    for spec in specs:
+        t = have.get(_strip(spec.name))
+        if t is None:
+            return f"tensor {spec.name} is missing{where}"
+        if tuple(t.shape) != tuple(spec.shape):
+            return f"tensor {spec.name} has shape {list(t.shape)}, the config implies {list(spec.shape)}"
+        problem = check(spec, t) if check else None
+        if problem:
+            return problem
+    return None
+
+
+def _dtype_problem(spec, t) -> str | None:
+    """A quantized module's parts at the config's bits and group size (the module's own); anything else a float."""
+    if spec.bits:
+        want = "U32" if spec.kind == "qweight" else t.dtype if t.dtype in FLOATS else "BF16"
+        if t.dtype != want or t.bits != spec.bits or t.group_size != spec.group:
+            return (f"tensor {t.name} is {t.dtype} at {t.bits} bits, group {t.group_size}; the config says "
+                    f"{want} at {spec.bits} bits, group {spec.group}")
+    elif t.dtype not in FLOATS:
+        return f"tensor {t.name} is {t.dtype}, expected a float dtype"
+    return None
+
+
 def tensor_problem(m: Manifest, kind: str) -> str | None:
     """The first tensor the model needs that the `kind` blob lacks, or holds with the wrong dtype, shape or
     quantization (bits and group size as the config's quantization block says), or None."""
     blob = m.blob(kind)
     if blob is None:
         return None
-    _, table = blob
-    have = {_strip(t.name): t for t in table}
-    for spec in expected_tensors(m.config, vision=kind == "vision"):
-        if (kind == "vision") != spec.name.startswith("vision_tower."):
-            continue
-        t = have.get(_strip(spec.name))
-        if t is None:
-            return f"tensor {spec.name} is missing from the {kind} blob"
-        if t.shape != spec.shape:
-            return f"tensor {t.name} has shape {list(t.shape)}, the config implies {list(spec.shape)}"
-        if spec.bits:
-            group = spec.group  # the module's own, as the config's quantization block says
-            want_dtype = "U32" if spec.kind == "qweight" else t.dtype if t.dtype in FLOATS else "BF16"
-            if t.dtype != want_dtype or t.bits != spec.bits or t.group_size != group:
-                return (f"tensor {t.name} is {t.dtype} at {t.bits} bits, group {t.group_size}; the config says "
-                        f"{want_dtype} at {spec.bits} bits, group {group}")
-        elif t.dtype not in FLOATS:
-            return f"tensor {t.name} is {t.dtype}, expected a float dtype"
-    return None
+    have = {_strip(t.name): t for t in blob[1]}
+    specs = [s for s in expected_tensors(m.config, vision=kind == "vision")
+             if (kind == "vision") == s.name.startswith("vision_tower.")]
+    return _first_mismatch(specs, have, f" from the {kind} blob", _dtype_problem)
 
 
 def source_problem(config: dict, shapes: dict[str, tuple[int, ...]]) -> str | None:
     """The first non-expert tensor the model needs that a source checkpoint (`shapes`: name -> shape) lacks or
     holds in another shape than its config implies, or None: checked before `convert` writes anything, so it
     never publishes a directory that `validate` and `run` refuse."""
-    have = {_strip(name): shape for name, shape in shapes.items()}
-    for spec in expected_tensors(config, vision=True):
-        shape = have.get(_strip(spec.name))
-        if shape is None:
-            return f"tensor {spec.name} is missing"
-        if tuple(shape) != tuple(spec.shape):
-            return f"tensor {spec.name} has shape {list(shape)}, the config implies {list(spec.shape)}"
-    return None
+    have = {_strip(name): SimpleNamespace(shape=shape) for name, shape in shapes.items()}
+    return _first_mismatch(expected_tensors(config, vision=True), have, "")
 
 
 def file_problem(m: Manifest, f: dict) -> str | None:

@@ -278,6 +278,37 @@ def test_bad_config(tiny_ckpt, tmp_path, edit, needle):
     assert not (tmp_path / "o").exists()
 
 
+def _edit_table(conv: Path, dst: Path, kind: str, edit) -> Path:
+    """A copy of a conversion whose manifest's `kind` blob table is edited by `edit(tensors)` (the bytes unchanged)."""
+    out = broken_copy(conv, dst)
+    doc = json.loads((out / "manifest.json").read_text())
+    edit(doc["blobs"][kind]["tensors"])
+    (out / "manifest.json").write_text(json.dumps(doc))
+    return out
+
+
+def _named(tensors: list, suffix: str) -> dict:
+    return next(t for t in tensors if t["name"].endswith(suffix))
+
+
+@pytest.mark.parametrize("kind,edit,detail", [
+    ("nonexpert", lambda ts: ts.remove(_named(ts, "layers.1.input_layernorm.weight")),
+     "tensor language_model.model.layers.1.input_layernorm.weight is missing from the nonexpert blob"),
+    ("nonexpert", lambda ts: _named(ts, "model.norm.weight").update(shape=[2, 32]),
+     "tensor language_model.model.norm.weight has shape [2, 32], the config implies [64]"),
+    ("nonexpert", lambda ts: _named(ts, "layers.0.mlp.gate.weight").update(bits=4),
+     "mlp.gate.weight is U32 at 4 bits, group 64; the config says U32 at 8 bits, group 64"),
+    ("nonexpert", lambda ts: _named(ts, "model.norm.weight").update(dtype="I16"),
+     "tensor language_model.model.norm.weight is I16, expected a float dtype"),
+    ("vision", lambda ts: ts.remove(_named(ts, "vision_tower.patch_embed.proj.weight")),
+     "vision_tower.patch_embed.proj.weight is missing from the vision blob"),
+])
+def test_validate_names_a_blob_table_the_config_does_not_imply(tiny_conv, tmp_path, kind, edit, detail):
+    rep = validate(_edit_table(tiny_conv, tmp_path / "c", kind, edit))
+    bad = [c for c in rep["checks"] if not c["ok"]]
+    assert [c["name"] for c in bad] == [f"tensors:{kind}"] and detail in bad[0]["detail"], bad
+
+
 def test_validate_catches_size_checksum_and_schema(tiny_conv, tmp_path):
     out = broken_copy(tiny_conv, tmp_path / "c")
     layer = out / "experts" / "q4" / "layer-03.bin"
