@@ -319,12 +319,14 @@ def target_index(world: World, raw: bytes) -> None:
 
 def target_config(world: World, raw: bytes) -> None:
     from streamoe.cli import plan_from_config
+    from streamoe.runtime.plan import Options
 
     d = world.case_dir("config")
     (d / "config.json").write_bytes(raw)
     refusals = []
     for step in (lambda: open_and_plan(d),
-                 lambda: plan_from_config(d / "config.json", 4.0, 4096, "q4", "float32", "float32", runtime_mib=100)):
+                 lambda: plan_from_config(d / "config.json", Options(cap_gib=4.0, ctx=4096, experts="q4", kv="float32",
+                                                           dtype="float32", runtime_bytes=100 << 20))):
         try:  # both paths see every input; any other exception leaves at once (a refusal never masks it)
             step()
         except StreamoeError as e:

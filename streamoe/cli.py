@@ -6,6 +6,7 @@ and exit status 2; heavy imports happen inside the commands so `--help` stays in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -231,11 +232,10 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
         raise StreamoeError(f"{bad['detail']}")
 
 
-def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: str, dtype: str,
-                     runtime_mib: int | None = None, prefill_chunk: int | str = "auto", rank: int = 0, ranks: int = 1,
-                     host_cap: float | None = None, extra: tuple = ()):
-    """A plan from a bare config.json, before any download or conversion (`experts` None: the format its checkpoint
-    holds, as `convert` writes it by default; `extra`: the caller's own accounts, as `Options.extra_accounts`)."""
+def plan_from_config(path: Path, opts: Options, rank: int = 0, ranks: int = 1, extra: tuple = ()):
+    """A plan from a bare config.json, before any download or conversion (`opts.experts` None: the format its
+    checkpoint holds, as `convert` writes it by default; `extra`: the caller's own accounts, as
+    `Options.extra_accounts`)."""
     from .convert.source import read_json
     from .formats.config import ModelArgs, is_expert_tensor
     from .formats.dtypes import itemsize
@@ -245,7 +245,7 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: 
     from .formats.safetensors import tensor_nbytes
     from .runtime.plan import (
         GiB,
-        Options,
+        default_dtype,
         kv_format,
         memories,
         native_context,
@@ -253,25 +253,30 @@ def plan_from_config(path: Path, cap: float, ctx: int, experts: str | None, kv: 
         read_ring,
         slot_bytes,
     )
+    from .runtime.vision import vision_account
     from .runtime.weights import resident_bytes
 
-    split, host_bytes = memories(host_cap)
+    split, host_bytes = memories(opts.host_cap_gib)
     config = read_json(path)
     check_config_sizes(config, path)
     args = ModelArgs.from_config(config, path)
+    dtype = opts.dtype or default_dtype()
+    if opts.images and not isinstance(config.get("vision_config"), dict):
+        raise StreamoeError(f"{path}: the model has no vision tower (no vision_config); images are not supported")
     try:
         table = tensor_table(config)
-        experts = experts or args.expert_format
+        experts = opts.experts or args.expert_format
         lay = format_layout(experts, source_layout(args))
         nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
                                     if not is_expert_tensor(name, args.model_type) and not name.startswith("vision_tower.")),
                                    itemsize(dtype))
-        return plan_with_limits(native_context(config), args=args, cap=int(cap * GiB), ctx=ctx, expert_format=experts,
-                         stride=lay.stride, slot=slot_bytes(lay, dtype), expert_mode=lay.mode,
-                         nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(Options(kv=kv, dtype=dtype)),
-                         runtime_bytes=runtime_mib and runtime_mib << 20, prefill_chunk=prefill_chunk,
-                         rank=rank, ranks=ranks, split=split, host_cap=host_bytes,
-                         ring=read_ring(Options(), args.num_experts_per_tok), extra=extra)
+        vision = vision_account(config, opts.max_pixels, opts.max_decode_pixels) if opts.images else 0
+        return plan_with_limits(native_context(config), args=args, cap=int(opts.cap_gib * GiB), ctx=opts.ctx,
+                                expert_format=experts, stride=lay.stride, slot=slot_bytes(lay, dtype), expert_mode=lay.mode,
+                                nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(opts),
+                                runtime_bytes=opts.runtime_bytes, prefill_chunk=opts.prefill_chunk, rank=rank,
+                                ranks=ranks, split=split, host_cap=host_bytes, vision_bytes=vision,
+                                ring=read_ring(opts, args.num_experts_per_tok), extra=extra)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
     except StreamoeError as e:
@@ -299,19 +304,39 @@ COMMON = [
 ]
 
 
-# how the engine streams and what it plans for: `run` and `serve` take the same ones (defaults as runtime.plan.Options)
+# how the engine streams and what it plans for: `run` and `serve` take the same ones (defaults as runtime.plan.Options);
+# those that size an account of the plan, `plan` takes too
+PREFETCH_WIDTH = click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None,
+                              help="Cross-layer guesses per layer (default: the model's top-k); 0 = off. Sizes the read "
+                                   "staging.")
+IO_THREADS = click.option("--io-threads", type=click.IntRange(min=1, max=256), default=8, show_default=True,
+                          help="Expert reads in flight. Sizes the read staging.")
+MAX_PIXELS = click.option("--max-pixels", type=click.IntRange(min=1024, max=1 << 28), default=640 * 640, show_default=True,
+                          help="Largest image after resizing, in pixels (the vision account is planned for it).")
 ENGINE = [
     click.option("--tier", type=click.Choice(["freq", "lru"]), default="freq", show_default=True, help="Hot-tier admission policy."),
-    click.option("--prefetch-width", type=click.IntRange(min=0, max=1 << 14), default=None,
-                 help="Cross-layer guesses per layer (default: the model's top-k); 0 = off."),
+    PREFETCH_WIDTH,
     click.option("--prefetch-waste", type=Finite(min=0, max=1), default=0.05, show_default=True,
                  help="Share of the bytes read in decode that wrong guesses may cost: more guesses fill a disk that "
                       "idles between layers (0 = only guesses that are nearly always right)."),
     PREFILL_CHUNK,
-    click.option("--io-threads", type=click.IntRange(min=1, max=256), default=8, show_default=True, help="Expert reads in flight."),
-    click.option("--max-pixels", type=click.IntRange(min=1024, max=1 << 28), default=640 * 640, show_default=True,
-                 help="Largest image after resizing, in pixels (the vision account is planned for it)."),
+    IO_THREADS,
+    MAX_PIXELS,
 ]
+
+# what `serve` adds to the plan besides the engine's: `serve` and `plan --serve` take the same ones
+SERVE_PLAN = [
+    click.option("--no-images", is_flag=True, help="Refuse image inputs and plan no vision account (a text-only model "
+                                                   "always does)."),
+    click.option("--prompt-cache-mib", type=Finite(min=0, max=1 << 20), default=256, show_default=True,
+                 help="Plan account for snapshots of repeated conversations (LRU); 0 = no prompt cache."),
+    click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
+                 help="Requests that may wait behind the running one; more are answered 503."),
+    click.option("--max-body-mib", type=Finite(min=0.01, max=1024), default=4, show_default=True, help="Largest request body."),
+    click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
+                 help="Connections held at once (within the open-file limit); at the bound, the oldest idle one is closed."),
+]
+SERVE_PLAN_KEYS = ("no_images", "prompt_cache_mib", "max_queue", "max_body_mib", "max_connections")
 
 
 # how tokens are chosen: `run` samples its answer with them, `serve` uses them for requests that set none; each
@@ -359,27 +384,63 @@ def engine_options(fn):
     return fn
 
 
+def serve_plan_options(fn):
+    for opt in reversed(SERVE_PLAN):
+        fn = opt(fn)
+    return fn
+
+
+def serve_sizes(prompt_cache_mib: float, max_queue: int, max_body_mib: float, max_connections: int) -> dict:
+    """The `ServeOptions` fields the plan's serve accounts are sized from, from the SERVE_PLAN options: `serve` and
+    `plan --serve` make them by this one function, so both plan the same accounts."""
+    from .runtime.serve.openai_api import Limits
+
+    return {"limits": Limits(max_body=int(max_body_mib * (1 << 20))), "max_queue": max_queue,
+            "prompt_cache_bytes": int(prompt_cache_mib * (1 << 20)), "max_connections": max_connections}
+
+
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @common
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes per account).")
 @click.option("--images", is_flag=True, help="Include the vision account (runs with --image or --chat).")
 @click.option("--serve", "serving", is_flag=True,
-              help="Plan `serve` with its default options: its prompt cache and requests accounts, and images where "
-                   "MODEL has a vision tower (serve plans them unless --no-images).")
+              help="Plan `serve`: its prompt cache and requests accounts, and images where MODEL has a vision tower "
+                   "(serve plans them unless --no-images); the serve options below size them as they do for serve.")
 @PREFILL_CHUNK
+@PREFETCH_WIDTH
+@IO_THREADS
+@MAX_PIXELS
+@serve_plan_options
 @click.option("--ranks", type=click.IntRange(min=1, max=1 << 10), default=1, show_default=True,
               help="Plan each rank of an expert-parallel group of this many hosts (mlx.launch; --cap is per host).")
+@click.pass_context
 @user_errors
-def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
-         runtime_mib: int | None, as_json: bool, images: bool, serving: bool, prefill_chunk: int | str, ranks: int) -> None:
-    """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit.
+def plan(ctx_: click.Context, model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str,
+         dtype: str | None, runtime_mib: int | None, as_json: bool, images: bool, serving: bool, prefill_chunk: int | str,
+         prefetch_width: int | None, io_threads: int, max_pixels: int, no_images: bool, prompt_cache_mib: float,
+         max_queue: int, max_body_mib: float, max_connections: int, ranks: int) -> None:
+    """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit. Given the options a
+    `run` or `serve` is given (those that size an account), it is the plan that one opens with.
 
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
-    from .runtime.plan import Options, default_dtype, plan_for
+    from .runtime.plan import default_dtype, plan_for
 
+    given = {k for k in ("max_pixels", *SERVE_PLAN_KEYS)
+             if ctx_.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
+    if not serving and (serve_only := [k for k in SERVE_PLAN_KEYS if k in given]):
+        raise StreamoeError(f"--{serve_only[0].replace('_', '-')} sizes what `serve` plans: add --serve")
+    if images and no_images:
+        raise StreamoeError("give --images or --no-images, not both")
     dtype = dtype or default_dtype()
     bare = model.is_file() and model.suffix == ".json"
+    if serving and not no_images and not bare:
+        images = images or has_vision(model)
+    if "max_pixels" in given and not images:
+        why = "(--no-images)" if no_images else "(a text-only model)" if serving and not bare else ": add --images"
+        raise StreamoeError(f"--max-pixels sizes the vision account, which this plan has none of {why}")
+    opts = options_of(cap, ctx, experts, kv, dtype, "freq", prefetch_width, 0.05, prefill_chunk, io_threads, False, images,
+                      max_pixels, runtime_mib, host_cap)
     plans = []
     for rank in range(ranks):
         extra: tuple = ()
@@ -389,16 +450,12 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
             from .runtime.serve import server  # noqa: F401
             from .runtime.serve.worker import ServeOptions, serve_accounts
 
-            extra = serve_accounts(model.parent if bare else model, ctx, ServeOptions(model_name=""), rank, ranks)
-            images = images or (not bare and has_vision(model))
+            so = ServeOptions(model_name="", **serve_sizes(prompt_cache_mib, max_queue, max_body_mib, max_connections))
+            extra = serve_accounts(model.parent if bare else model, ctx, so, rank, ranks)
         if bare:
-            plans.append(plan_from_config(model, cap, ctx, experts, kv, dtype, runtime_mib, prefill_chunk, rank, ranks,
-                                          host_cap, extra))
+            plans.append(plan_from_config(model, opts, rank, ranks, extra))
         else:
-            plans.append(plan_for(model, Options(cap_gib=cap, ctx=ctx, experts=experts, kv=kv, dtype=dtype, images=images,
-                                                 runtime_bytes=runtime_mib and runtime_mib << 20,
-                                                 prefill_chunk=prefill_chunk, rank=rank, ranks=ranks,
-                                                 host_cap_gib=host_cap, extra_accounts=extra)))
+            plans.append(plan_for(model, dataclasses.replace(opts, rank=rank, ranks=ranks, extra_accounts=extra)))
     if as_json:
         import json
 
@@ -583,26 +640,18 @@ def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, sa
                    "page asks for it. Also read from STREAMOE_API_KEY, which keeps it out of the process list.")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True)
 @click.option("--model-name", default=None, help="The model id clients see (default: MODEL's directory name).")
-@click.option("--no-images", is_flag=True, help="Refuse image inputs and plan no vision account (a text-only model "
-                                               "always does).")
+@serve_plan_options
 @click.option("--no-think", is_flag=True, help="Thinking off when a request does not set chat_template_kwargs.enable_thinking.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None,
               help="Answer length when a request sets none (default: what the planned context holds).")
 @sampling_options
 @click.option("--verify", is_flag=True, help="Check every file's checksum before serving.")
-@click.option("--prompt-cache-mib", type=Finite(min=0, max=1 << 20), default=256, show_default=True,
-              help="Plan account for snapshots of repeated conversations (LRU); 0 = no prompt cache.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Requests that may wait behind the running one; more are answered 503.")
-@click.option("--max-body-mib", type=Finite(min=0.01, max=1024), default=4, show_default=True, help="Largest request body.")
 @click.option("--max-image-mib", type=Finite(min=0.01, max=1024), default=3, show_default=True, help="Largest image (decoded bytes).")
 @click.option("--max-images", type=click.IntRange(min=0), default=4, show_default=True, help="Images per request.")
 @click.option("--allow-host", multiple=True, metavar="NAME", help="Another name clients reach this server by (the Host "
               "header); loopback names and the bound address always work; '*' allows any. Repeatable.")
 @click.option("--cors-origin", multiple=True, metavar="ORIGIN", help="An origin (https://app.example) whose pages may call "
               "the API; other cross-origin requests are refused with 403. Repeatable; '*' allows any.")
-@click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Connections held at once (within the open-file limit); at the bound, the oldest idle one is closed.")
 @click.option("--head-timeout", type=Finite(min=0.1, max=86400), default=10, show_default=True,
               help="Seconds a connection may take to send a request's head.")
 @click.option("--body-timeout", type=Finite(min=0.1, max=86400), default=30, show_default=True,
@@ -622,19 +671,18 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
           max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, sse_keepalive: float,
           log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
-    from .runtime.serve.openai_api import Limits
     from .runtime.serve.server import serve as run_server
     from .runtime.serve.worker import ServeOptions
 
     vision = has_vision(model)  # a text-only model serves text, no flag needed
     images = vision and not no_images
     off = "" if images else "was started with --no-images" if vision else "serves a text-only model (no vision tower)"
-    limits = Limits(max_body=int(max_body_mib * (1 << 20)), max_image_bytes=int(max_image_mib * (1 << 20)),
-                    max_images=max_images if images else 0, images_off=off)
-    so = ServeOptions(model_name=model_name or model.resolve().name, limits=limits, max_queue=max_queue,
-                      prompt_cache_bytes=int(prompt_cache_mib * (1 << 20)), max_tokens=max_tokens, sampling=sampling,
-                      think=not no_think, allow_hosts=allow_host, cors_origins=cors_origin, api_key=api_key or None,
-                      max_connections=max_connections, head_timeout_s=head_timeout, body_timeout_s=body_timeout,
+    sizes = serve_sizes(prompt_cache_mib, max_queue, max_body_mib, max_connections)
+    limits = dataclasses.replace(sizes.pop("limits"), max_image_bytes=int(max_image_mib * (1 << 20)),
+                                 max_images=max_images if images else 0, images_off=off)
+    so = ServeOptions(model_name=model_name or model.resolve().name, limits=limits, **sizes, max_tokens=max_tokens,
+                      sampling=sampling, think=not no_think, allow_hosts=allow_host, cors_origins=cors_origin,
+                      api_key=api_key or None, head_timeout_s=head_timeout, body_timeout_s=body_timeout,
                       idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads,
                           verify, images, max_pixels, runtime_mib, host_cap)

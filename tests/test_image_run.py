@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -100,6 +101,33 @@ def test_image_prompt_in_auto_chunks_equals_steps(tiny_conv, picture, monkeypatc
         eng.close()
     assert out[1][1] > 16 and out[1][2] > 16  # a chunk of several steps
     assert out[0][0] == out[1][0]
+
+
+def test_plan_with_runs_options_is_the_plan_run_opens(tiny_conv, tiny_ckpt, picture):
+    """`plan` takes every option of `run` that sizes an account (--prefetch-width and --io-threads: the read staging,
+    --max-pixels: the vision account): given the same ones, at a cap 2 KiB below its need it refuses in the very line
+    `run` refuses with, the need to the KiB. A bare config.json plans the same vision account."""
+    opts = ["--ctx", "512", "--runtime-mib", "64", "--prefetch-width", "30", "--io-threads", "3", "--max-pixels", "40000"]
+    planned = json.loads(cli("plan", tiny_conv, *opts, "--images", "--json", check=True).stdout)
+    default = json.loads(cli("plan", tiny_conv, "--ctx", "512", "--runtime-mib", "64", "--images", "--json", check=True).stdout)
+    for name in ("read staging", "vision"):
+        assert planned["accounts"][name] != default["accounts"][name], name
+    cap = f"{(planned['fixed'] - 2048) / 2**30:.9f}"
+    refused = one_error_line(cli("plan", tiny_conv, "--cap", cap, *opts, "--images"), "too small", "fixed accounts need")
+    ran = one_error_line(cli("run", tiny_conv, "--cap", cap, *opts, "--image", picture, "-p", "What colour?"), "too small")
+    assert ran == refused
+    need = re.search(r"need (\d+\.(\d+)) GiB", ran)
+    assert need.group(1) == f"{planned['fixed'] / 2**30:.{len(need.group(2))}f}" and len(need.group(2)) >= 5
+    bare = json.loads(cli("plan", tiny_ckpt / "config.json", *opts, "--images", "--json", check=True).stdout)
+    assert bare["accounts"]["vision"] == planned["accounts"]["vision"] > 0
+    assert bare["accounts"]["read staging"] == planned["accounts"]["read staging"]
+
+
+@pytest.mark.parametrize("args, needle", [(["--max-pixels", "40000"], "--max-pixels sizes the vision account"),
+                                          (["--max-queue", "2"], "--max-queue sizes what `serve` plans: add --serve"),
+                                          (["--images", "--no-images", "--serve"], "not both")])
+def test_plan_refuses_an_option_that_would_size_nothing(tiny_conv, args, needle):
+    one_error_line(cli("plan", tiny_conv, *args), needle)
 
 
 def test_chat_turns_and_cli_image(tiny_conv, picture):

@@ -639,6 +639,29 @@ def test_ctrl_c_stops_a_server_started_with_sigint_ignored(conv, tmp_path):
 
 
 
+def test_plan_serve_with_serves_options_is_the_plan_serve_opens(conv, tmp_path):
+    """Every option of `serve` that sizes an account (the engine's read staging and vision account, the prompt cache,
+    the requests bound by the queue, the body size and the connections) `plan --serve` takes too: the same options
+    give the very plan the server opens with (`/v1/plan`), account for account and line for line."""
+    opts = ["--cap", "2", "--ctx", "512", "--runtime-mib", "200", "--prefetch-width", "2", "--io-threads", "3",
+            "--max-pixels", "40000", "--prompt-cache-mib", "3", "--max-queue", "2", "--max-body-mib", "0.25",
+            "--max-connections", "40"]
+    planned = json.loads(cli("plan", conv, *opts, "--serve", "--json", check=True).stdout)
+    text = cli("plan", conv, *opts, "--serve", check=True).stdout
+    default = json.loads(cli("plan", conv, *opts[:6], "--serve", "--json", check=True).stdout)
+    for name in ("read staging", "vision", "prompt cache", "requests"):
+        assert planned["accounts"][name] != default["accounts"][name], name
+    s = start_server(conv, tmp_path / "serve.log", *opts)
+    try:
+        served = fetch(s.url + "/v1/plan").json()
+    finally:
+        assert stop_server(s) == 0, s.text()
+    assert {k: served[k] for k in planned} == planned
+    assert served["text"] == text.rstrip("\n")
+    off = json.loads(cli("plan", conv, *opts[:-10], *opts[-8:], "--serve", "--no-images", "--json", check=True).stdout)
+    assert off["accounts"]["vision"] == 0 and off["accounts"]["requests"] == planned["accounts"]["requests"]
+
+
 def test_plan_serve_plans_what_serve_opens(conv):
     """`plan --serve` adds serve's accounts (prompt cache, requests, images where the model sees): at a cap too
     small it names the smallest cap that fits, the one `serve` itself names, and at that cap it fits."""
