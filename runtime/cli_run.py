@@ -74,7 +74,9 @@ def ctrl_c_stops_the_answer(on: bool) -> Iterator[threading.Event | None]:
 
 def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
-            save_session: Path | None = None, load_session: Path | None = None, json_schema: dict | None = None) -> None:
+            save_session: Path | None = None, load_session: Path | None = None, json_schema: dict | None = None) -> int:
+    """Answer the prompt or chat; the exit status: 0, or 1 where an answer's constrained format (--json-schema) was
+    cut short (its line already said so)."""
     sampler = Sampler(**sampling)
     group = ranks.find_group()
     if group is None:
@@ -89,10 +91,10 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
             save_session = None
     try:
         eng = Engine(model, opts, group)
-        _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
-             max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
-             save_session=save_session, load_session=load_session,
-             constrained=json_constraint(eng, json_schema, think and not raw) if json_schema is not None else None)
+        return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
+                    max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
+                    save_session=save_session, load_session=load_session,
+                    constrained=json_constraint(eng, json_schema, think and not raw) if json_schema is not None else None)
     except RuntimeError as e:
         lost = ranks.lost_peer(e, group) if group is not None else None
         if lost is None:
@@ -122,8 +124,9 @@ def json_constraint(eng: Engine, schema: dict, thinking: bool) -> Callable[[], C
 def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
          max_tokens: int, sampler: Sampler, stats: Path | None, logits_out: Path | None, quiet: bool,
          save_session: Path | None, load_session: Path | None,
-         constrained: Callable[[], Constraint] | None = None) -> None:
+         constrained: Callable[[], Constraint] | None = None) -> int:
     logits: list | None = [] if logits_out else None
+    status = 0
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     fed: list[int] = []  # every token fed so far, as rendered: the history a saved session keeps
     if load_session:
@@ -169,10 +172,11 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 messages.append(msg)
             n0, offset0 = len(eng.steps), eng.offset
             turn_images, images = list(images), []
+            constraint = constrained() if constrained is not None else None
             try:
                 with ctrl_c_stops_the_answer(chat and group is None) as stop:
                     out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids,
-                                 constraint=constrained() if constrained is not None else None, stop=stop)
+                                 constraint=constraint, stop=stop)
             except StreamoeError as e:  # a chat's turn refused before it changed the conversation: the chat goes on
                 if not chat or group is not None or eng.offset != offset0 or len(eng.steps) != n0:
                     raise
@@ -190,6 +194,10 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                     line = line[:-1] + "; " + ranks.ranks_line(ranks.rank_summaries(group, s)) + "]"
                 if eng.opts.rank == 0:
                     print(line, file=sys.stderr)
+            if constraint is not None and not constraint.complete and not (stop is not None and stop.is_set()):
+                status = 1
+                if eng.opts.rank == 0:
+                    print(f"streamoe: error: {cut_short(len(out), max_tokens, eng)}", file=sys.stderr, flush=True)
             if stats is None:  # kept only for --stats: a long chat must not grow them outside the plan
                 del eng.steps[:]
             if not chat:
@@ -206,6 +214,16 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
         records = ranks.gather_steps(group, [st.to_json() for st in eng.steps] if stats else [])
         if group.rank() == 0:  # its file holds every rank's records
             write_outputs(records, stats, logits_out, logits)
+    return status
+
+
+def cut_short(n: int, max_tokens: int, eng: Engine) -> str:
+    """Why an answer held to --json-schema stopped before its JSON closed (what stdout holds does not parse)."""
+    if n >= max_tokens:
+        return f"the answer was cut by -n {max_tokens} before its JSON ended (give a larger -n)"
+    if eng.offset >= eng.opts.ctx:
+        return f"the answer was cut by the context (--ctx {eng.opts.ctx}) before its JSON ended"
+    return "the answer ended in its thinking, before its JSON began"
 
 
 def read_line(prompt: str) -> str | None:

@@ -130,6 +130,12 @@ class Constraint:
         self.armed = after is None  # past `after`: the grammar starts here (or at the next trigger)
         self.active = self.armed and trigger is None
 
+    @property
+    def complete(self) -> bool:
+        """Whether the answer so far ends a whole match of the grammar (a JSON value closed): an answer that stops
+        anywhere else was cut short, and what it wrote does not parse."""
+        return self.armed and self.matcher.is_accepting()
+
     def allowed(self) -> mx.array | None:
         """[V] bool of the tokens the grammar allows next; None while the answer runs free."""
         if not self.active:

@@ -477,7 +477,8 @@ def plan(ctx_: click.Context, model: Path, cap: float, host_cap: float | None, c
 @click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
 @click.option("--json-schema", default=None, metavar="SCHEMA|FILE",
               help="Constrain each answer (after its thinking) to JSON valid against this schema, given inline or as a "
-                   "file holding it ('{}': any JSON object), by llguidance.")
+                   "file holding it ('{}': any JSON object), by llguidance. An answer cut before its JSON ends (by "
+                   "-n or the context) is printed as far as it got, one line says so, and the exit status is 1.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="An image for the prompt (repeatable).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
@@ -520,11 +521,13 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
                      *(((Path(json_schema), "schema file (--json-schema)"),) if json_schema and os.path.isfile(json_schema) else ())))
     sampling = {**(generation_defaults_of(model)), **sampling, "seed": seed}
     vision = bool(images) or (chat and not raw and has_vision(model))  # a text-only model's chat is text
-    run_cli(model, options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk,
-                              io_threads, verify, vision, max_pixels, runtime_mib, host_cap),
-            prompt=prompt, images=list(images), chat=chat, raw=raw, system=system, think=not no_think, max_tokens=max_tokens,
-            sampling=sampling, stats=stats, logits_out=logits_out, quiet=quiet,
-            save_session=save_session, load_session=load_session, json_schema=schema)
+    opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads, verify,
+                      vision, max_pixels, runtime_mib, host_cap)
+    status = run_cli(model, opts, prompt=prompt, images=list(images), chat=chat, raw=raw, system=system,
+                     think=not no_think, max_tokens=max_tokens, sampling=sampling, stats=stats, logits_out=logits_out,
+                     quiet=quiet, save_session=save_session, load_session=load_session, json_schema=schema)
+    if status:
+        sys.exit(status)
 
 
 def options_of(cap: float, ctx: int, experts: str, kv: str, dtype: str | None, tier: str, prefetch_width: int,

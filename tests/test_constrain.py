@@ -199,6 +199,26 @@ def test_a_call_the_model_opens_has_schema_valid_arguments_at_every_cap(tiny_con
     assert outs[:2] == outs[2:]  # the same tokens resident and at a cap
 
 
+def test_run_json_schema_cut_by_max_tokens_says_so_and_exits_1(tiny_conv):
+    """An answer held to --json-schema that -n cuts before its JSON closes: stdout holds what was written (the
+    start of the same seed's whole answer, which does not parse), one stderr line says -n cut it, exit status 1.
+    The whole answer: valid JSON, nothing on stderr, exit status 0."""
+    from .conftest import cli
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n", "s"]}
+    run = ("run", tiny_conv, "--ctx", "256", "--raw", "--temp", "1", "--seed", "5", "-q", "--runtime-mib", RUNTIME >> 20,
+           "-p", "Give JSON:", "--json-schema", json.dumps(schema))
+    whole = cli(*run, "-n", "60")
+    assert (whole.returncode, whole.stderr) == (0, "")
+    jsonschema.validate(json.loads(whole.stdout), schema)
+    cut = cli(*run, "-n", "5")
+    assert cut.returncode == 1 and "Traceback" not in cut.stderr
+    assert cut.stderr == "streamoe: error: the answer was cut by -n 5 before its JSON ended (give a larger -n)\n"
+    assert cut.stdout.endswith("\n") and whole.stdout.startswith(cut.stdout[:-1]) and len(cut.stdout) < len(whole.stdout)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.stdout)
+
+
 def test_run_json_schema_constrains_each_answer(tiny_conv, tmp_path):
     """`streamoe run --json-schema`, inline or from a file: the answer is JSON valid against the schema, sampled from
     random weights, and the same at a cap as resident; in a chat every turn's answer is."""
