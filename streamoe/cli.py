@@ -643,6 +643,10 @@ def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, sa
                    "page asks for it. Also read from STREAMOE_API_KEY, which keeps it out of the process list.")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True)
 @click.option("--model-name", default=None, help="The model id clients see (default: MODEL's directory name).")
+@click.option("--served-model-name", "aliases", multiple=True, metavar="NAME",
+              help="Another name a request's `model` may give (repeatable; vLLM's flag): a client that asks for a "
+                   "model of its own (Claude Code: claude-sonnet-4-5, claude-haiku-4-5) is answered by this one. "
+                   "Any other name is refused with 404; /v1/models lists them all.")
 @serve_plan_options
 @click.option("--no-think", is_flag=True, help="Thinking off when a request does not set chat_template_kwargs.enable_thinking.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None,
@@ -667,7 +671,7 @@ def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, sa
 @user_errors
 def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
           runtime_mib: int | None, host: str, api_key: str | None,
-          port: int, model_name: str | None, no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
+          port: int, model_name: str | None, aliases: tuple[str, ...], no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
           sampling: dict, tier: str, prefetch_width: int | None,
           prefetch_waste: float, prefill_chunk: int | str, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
           max_image_mib: float, max_images: int, allow_host: tuple[str, ...], cors_origin: tuple[str, ...],
@@ -683,10 +687,12 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
     sizes = serve_sizes(prompt_cache_mib, max_queue, max_body_mib, max_connections)
     limits = dataclasses.replace(sizes.pop("limits"), max_image_bytes=int(max_image_mib * (1 << 20)),
                                  max_images=max_images if images else 0, images_off=off)
-    so = ServeOptions(model_name=model_name or model.resolve().name, limits=limits, **sizes, max_tokens=max_tokens,
-                      sampling=sampling, think=not no_think, allow_hosts=allow_host, cors_origins=cors_origin,
-                      api_key=api_key or None, head_timeout_s=head_timeout, body_timeout_s=body_timeout,
-                      idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
+    if any(not a.strip() for a in aliases):
+        raise StreamoeError("--served-model-name: a name must not be empty")
+    so = ServeOptions(model_name=model_name or model.resolve().name, aliases=aliases, limits=limits, **sizes,
+                      max_tokens=max_tokens, sampling=sampling, think=not no_think, allow_hosts=allow_host,
+                      cors_origins=cors_origin, api_key=api_key or None, head_timeout_s=head_timeout,
+                      body_timeout_s=body_timeout, idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads,
                           verify, images, max_pixels, runtime_mib, host_cap)
     run_server(model, opts, so, host, port, log_level)

@@ -233,20 +233,20 @@ def test_served_as_a_text_model_with_a_bounded_prompt_account(ckpt, conv, tmp_pa
     served = start_server(conv, tmp_path / "serve.log", "--cap", "1", "--ctx", "512")
     try:
         client = OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
-        r = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0)
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
         assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(text.chat_ids(msgs))
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
         with pytest.raises(BadRequestError, match="does not show tools to the model") as e:
-            client.chat.completions.create(model="m", messages=msgs, max_tokens=4, tools=tools)
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, tools=tools)
         assert e.value.body["param"] == "tools"
-        done = client.completions.create(model="m", prompt="def f(x):", max_tokens=2, temperature=0)
+        done = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=2, temperature=0)
         assert done.usage.prompt_tokens == len(text.encode("def f(x):")) + 1  # the BOS first
-        hidden = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0, tools=tools,
+        hidden = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, tools=tools,
                                                 tool_choice="none")  # the tools hidden from the model: text as asked
         assert hidden.choices[0].message.content == want
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
         with pytest.raises(BadRequestError, match="serves a text-only model"):
-            client.chat.completions.create(model="m", max_tokens=4, messages=[
+            client.chat.completions.create(model="tiny", max_tokens=4, messages=[
                 {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}])
     finally:
         stop_server(served)

@@ -36,11 +36,14 @@ from streamoe.runtime.serve.worker import EngineWorker, Job, ServeOptions
 from streamoe.runtime.text import TextIO
 
 from . import serve_util
+from .conftest import cli, one_error_line
 from .serve_util import TINY, chat_ids, fetch, greedy, start_server, stop_server, triangle_png
 
 CTX = 1024
 RUNTIME_MIB = 256
-SERVE = ["--ctx", CTX, "--runtime-mib", RUNTIME_MIB, "--prompt-cache-mib", 8, "--max-body-mib", 0.5, "--max-image-mib", 0.1]
+ALIASES = ["claude-sonnet-4-5", "claude-haiku-4-5"]  # the names Claude Code asks for
+SERVE = ["--ctx", CTX, "--runtime-mib", RUNTIME_MIB, "--prompt-cache-mib", 8, "--max-body-mib", 0.5, "--max-image-mib", 0.1,
+         *(x for a in ALIASES for x in ("--served-model-name", a))]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                                 "parameters": WEATHER}}]
@@ -213,7 +216,7 @@ def test_chat_parallel_calls_off_and_strict_schemas(text):
 
 
 def chat(**kw) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **kw}
 
 
 @pytest.mark.parametrize("body, param", [
@@ -361,7 +364,7 @@ def test_anthropic_blocks_become_the_chat_messages():
 
 
 def rq(**kw) -> dict:
-    return {"model": "m", "input": "hi", **kw}
+    return {"model": "tiny", "input": "hi", **kw}
 
 
 @pytest.mark.parametrize("body, param", [
@@ -423,14 +426,14 @@ def test_responses_text_format_is_a_response_format():
 
 
 def am(**kw) -> dict:
-    return {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **kw}
+    return {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **kw}
 
 
 PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}, "model"),
     (am(thinking={"type": "enabled", "budget_tokens": 2048}), "thinking.budget_tokens"),
     (am(thinking={"type": "adaptive", "budget_tokens": 2048}), "thinking.budget_tokens"),  # not a field of theirs
@@ -817,10 +820,46 @@ def test_completion_echo_gives_the_prompt_with_its_logprobs_then_the_answer(oc, 
 
 
 def test_models_by_id(oc):
-    assert oc.models.retrieve("tiny").id == "tiny"
+    assert [m.id for m in oc.models.list().data] == ["tiny", *ALIASES]
+    assert [oc.models.retrieve(name).id for name in ("tiny", *ALIASES)] == ["tiny", *ALIASES]
     with pytest.raises(openai.NotFoundError) as e:
         oc.models.retrieve("gpt-5")
     assert e.value.body["code"] == "model_not_found" and "gpt-5" in e.value.body["message"]
+
+
+NOT_SERVED = "the model 'gpt-5' does not exist; this server serves 'tiny', 'claude-sonnet-4-5', 'claude-haiku-4-5'"
+
+
+def test_a_model_not_served_is_404_in_each_apis_shape(server, oc, ac):
+    """Every route that answers or counts for a model refuses a name it does not serve: 404 with OpenAI's error
+    (code model_not_found, param model) or Anthropic's (not_found_error), naming the model and the served names,
+    and the server goes on. A `--served-model-name` alias is answered, under that name; OpenAI's routes may leave
+    `model` out (the served model)."""
+    hi = [{"role": "user", "content": "hi"}]
+    for call in (lambda m: oc.chat.completions.create(model=m, messages=hi, max_tokens=2),
+                 lambda m: oc.completions.create(model=m, prompt="def", max_tokens=2),
+                 lambda m: oc.responses.create(model=m, input="hi", max_output_tokens=2),
+                 lambda m: oc.responses.input_tokens.count(model=m, input="hi")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call("gpt-5")
+        assert e.value.status_code == 404
+        assert e.value.body == {"message": NOT_SERVED, "type": "invalid_request_error", "param": "model",
+                                "code": "model_not_found"}
+    for call in (lambda m: ac.messages.create(model=m, max_tokens=2, messages=hi),
+                 lambda m: ac.messages.count_tokens(model=m, messages=hi)):
+        with pytest.raises(anthropic.NotFoundError) as e:
+            call("gpt-5")
+        assert e.value.body == {"type": "error", "error": {"type": "not_found_error", "message": NOT_SERVED}}
+    r = ac.messages.create(model="claude-haiku-4-5", max_tokens=2, messages=hi, extra_body=GREEDY)
+    assert r.model == "claude-haiku-4-5" and r.usage.output_tokens == 2
+    assert oc.chat.completions.create(model="claude-sonnet-4-5", messages=hi, max_tokens=2).model == "claude-sonnet-4-5"
+    plain = fetch(server.url + "/v1/chat/completions", "POST", {"messages": hi, "max_tokens": 2})
+    assert plain.status == 200 and plain.json()["model"] == "tiny"
+    assert fetch(server.url + "/health").json()["status"] == "ok"
+
+
+def test_served_model_name_must_not_be_empty(conv):
+    one_error_line(cli("serve", conv, "--served-model-name", " ", "--port", 0), "--served-model-name", "empty")
 
 
 def metrics(server) -> dict:

@@ -293,7 +293,7 @@ def test_two_memories_on_the_page(conv, browser, tmp_path, monkeypatch):
         WebDriverWait(browser, 30).until(lambda d: "host tier" in d.find_element(By.ID, "plan").text)
         text = browser.find_element(By.ID, "plan").text
         assert "host memory · cap 2.00 GiB" in text and "upload ring" in text and "read staging" in text
-        answer = fetch(s.url + "/v1/chat/completions", "POST", {"model": "x", "max_tokens": 8, "temperature": 0,
+        answer = fetch(s.url + "/v1/chat/completions", "POST", {"model": "tiny", "max_tokens": 8, "temperature": 0,
                                                                 "messages": [{"role": "user", "content": "Hello"}]})
         assert answer.status == 200, answer.text
         metrics = dict(ln.rsplit(" ", 1) for ln in fetch(s.url + "/metrics").text.splitlines() if not ln.startswith("#"))

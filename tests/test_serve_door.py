@@ -187,7 +187,7 @@ def test_an_api_key_guards_the_api_and_not_the_page(conv, tmp_path):
             r = fetch(s.url + path)
             assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
             assert r.headers["www-authenticate"] == "Bearer"
-        status, _, body = post(s.port, "/v1/messages", {"model": "m", "max_tokens": 1, "messages": []})
+        status, _, body = post(s.port, "/v1/messages", {"model": "tiny", "max_tokens": 1, "messages": []})
         assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"  # Anthropic's shape
         status, _, _ = post(s.port, "/v1/chat/completions", {"messages": []}, authorization="Bearer sk-wrong")
         assert status == 401
@@ -195,12 +195,12 @@ def test_an_api_key_guards_the_api_and_not_the_page(conv, tmp_path):
                "Connection: close\nAccess-Control-Request-Method: POST\nAccess-Control-Request-Headers: authorization\n")
         assert raw(s.port, ask)[0] == 200
         oc = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=120)
-        r = oc.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        r = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert r.usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
         ac = anthropic.Anthropic(base_url=s.url, api_key=key, max_retries=0, timeout=120)
-        assert ac.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}]).usage.output_tokens == 2
+        assert ac.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}]).usage.output_tokens == 2
         assert fetch(s.url + "/metrics", headers={"Authorization": f"Bearer {key}"}).status == 200
         assert "no authentication" not in s.text()
     finally:

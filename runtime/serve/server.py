@@ -147,6 +147,16 @@ class API:
         # loop (which then only moves bytes, and answers /health between them)
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="streamoe-prepare")
 
+    def served(self, req: GenRequest) -> GenRequest:
+        """The request, if its `model` is one this server serves (absent, where the API lets it be: the served
+        model); another name is a 404 naming it and the served ones, as vLLM and Anthropic's API answer it."""
+        names = self.so.served_names
+        if req.model is not None and req.model not in names:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, names))}", "model", kind="invalid_request_error",
+                           code="model_not_found")
+        return req
+
     async def prepared(self, request: Request, make: Callable[[dict], object]):
         """`make(body)` run on the prepare thread, once the body is read (here, within the size limit and the
         body deadline) and decoded there (`decode_json`)."""
@@ -158,10 +168,12 @@ class API:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "queue": self.server.queue.qsize()})
 
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "streamoe",
+                "max_model_len": self.worker.eng.opts.ctx}
+
     async def models(self, request: Request) -> Response:
-        eng = self.worker.eng
-        return JSONResponse({"object": "list", "data": [{"id": self.so.model_name, "object": "model", "created": 0,
-                                                         "owned_by": "streamoe", "max_model_len": eng.opts.ctx}]})
+        return JSONResponse({"object": "list", "data": [self.model_card(n) for n in self.so.served_names]})
 
     async def plan(self, request: Request) -> Response:
         p = self.worker.eng.plan
@@ -182,11 +194,8 @@ class API:
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        if name != self.so.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.so.model_name!r}",
-                           "model", kind="invalid_request_error", code="model_not_found")
-        return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": "streamoe",
-                             "max_model_len": self.worker.eng.opts.ctx})
+        self.served(GenRequest(kind="chat", model=name))
+        return JSONResponse(self.model_card(name))
 
     async def metrics(self, request: Request) -> Response:
         return Response(exposition(self.worker, self.server.queue.qsize(), self.requests),
@@ -197,7 +206,7 @@ class API:
         """Read and check the body, parse it with `parse`, prepare and queue the job; returns the job and its
         first event (None for a stream whose first event is not there within the keep-alive interval: the
         response then starts without it)."""
-        job = await self.prepared(request, lambda body: self.worker.prepare(parse(body)))  # the body goes once parsed
+        job = await self.prepared(request, lambda body: self.worker.prepare(self.served(parse(body))))  # the body goes once parsed
         req = job.req
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self.server.submit(job)
@@ -269,30 +278,34 @@ class API:
         finally:
             self.server.withdraw(job)  # a client that went away: out of the queue, or stopped at its next token
 
+    def answered_by(self, job: Job) -> str:
+        """The `model` an answer names: the name its request gave (one of the served names), else the model's."""
+        return job.req.model or self.so.model_name
+
     async def chat(self, request: Request) -> Response:
         job, first = await self.submit(request, "chat", lambda body: parse_chat(body, self.so.limits))
-        return await self.answer(job, first, request, OpenAIOutput(job, self.so.model_name))
+        return await self.answer(job, first, request, OpenAIOutput(job, self.answered_by(job)))
 
     async def completions(self, request: Request) -> Response:
         job, first = await self.submit(request, "completions", parse_completion)
-        return await self.answer(job, first, request, OpenAIOutput(job, self.so.model_name))
+        return await self.answer(job, first, request, OpenAIOutput(job, self.answered_by(job)))
 
     async def responses(self, request: Request) -> Response:
         job, first = await self.submit(request, "responses", lambda body: responses_api.parse(body, self.so))
-        return await self.answer(job, first, request, responses_api.Output(job, self.so.model_name))
+        return await self.answer(job, first, request, responses_api.Output(job, self.answered_by(job)))
 
     async def messages(self, request: Request) -> Response:
         job, first = await self.submit(request, "messages", lambda body: anthropic_api.parse(body, self.so))
-        return await self.answer(job, first, request, anthropic_api.Output(job, self.so.model_name))
+        return await self.answer(job, first, request, anthropic_api.Output(job, self.answered_by(job)))
 
     async def input_tokens(self, request: Request) -> Response:
         n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
-            self.worker.prepare(responses_api.parse(body, self.so, counting=True))))
+            self.worker.prepare(self.served(responses_api.parse(body, self.so, counting=True)))))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": n})
 
     async def count_tokens(self, request: Request) -> Response:
         n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
-            self.worker.prepare(anthropic_api.parse(body, self.so, counting=True))))
+            self.worker.prepare(self.served(anthropic_api.parse(body, self.so, counting=True)))))
         return JSONResponse({"input_tokens": n})
 
 

@@ -50,6 +50,7 @@ from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, re
 @dataclass
 class ServeOptions:
     model_name: str
+    aliases: tuple[str, ...] = ()  # more names requests may give the model (`--served-model-name`)
     limits: Limits = field(default_factory=Limits)
     max_queue: int = 8
     prompt_cache_bytes: int = 256 * MiB
@@ -66,6 +67,11 @@ class ServeOptions:
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 5.0
     keepalive_s: float = 5.0  # an SSE comment this often while a streamed request waits or prefills
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names a request's `model` may give (`/v1/models` lists them): the model's, then its aliases."""
+        return tuple(dict.fromkeys((self.model_name, *self.aliases)))
 
     @property
     def admitted(self) -> int:
