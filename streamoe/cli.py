@@ -648,7 +648,11 @@ def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, sa
                    "model of its own (Claude Code: claude-sonnet-4-5, claude-haiku-4-5) is answered by this one. "
                    "Any other name is refused with 404; /v1/models lists them all.")
 @serve_plan_options
-@click.option("--no-think", is_flag=True, help="Thinking off when a request does not set chat_template_kwargs.enable_thinking.")
+@click.option("--think/--no-think", default=None,
+              help="Thinking on or off where a request does not say (chat_template_kwargs.enable_thinking, "
+                   "reasoning_effort, reasoning.effort, Anthropic's thinking). Neither given: on, except on the "
+                   "Anthropic Messages API, where a request without `thinking` does not think (as Anthropic's API); "
+                   "given, it holds there too.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None,
               help="Answer length when a request sets none (default: what the planned context holds).")
 @sampling_options
@@ -671,7 +675,8 @@ def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, sa
 @user_errors
 def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
           runtime_mib: int | None, host: str, api_key: str | None,
-          port: int, model_name: str | None, aliases: tuple[str, ...], no_images: bool, max_pixels: int, no_think: bool, max_tokens: int | None,
+          port: int, model_name: str | None, aliases: tuple[str, ...], no_images: bool, max_pixels: int, think: bool | None,
+          max_tokens: int | None,
           sampling: dict, tier: str, prefetch_width: int | None,
           prefetch_waste: float, prefill_chunk: int | str, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
           max_image_mib: float, max_images: int, allow_host: tuple[str, ...], cors_origin: tuple[str, ...],
@@ -690,7 +695,7 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
     if any(not a.strip() for a in aliases):
         raise StreamoeError("--served-model-name: a name must not be empty")
     so = ServeOptions(model_name=model_name or model.resolve().name, aliases=aliases, limits=limits, **sizes,
-                      max_tokens=max_tokens, sampling=sampling, think=not no_think, allow_hosts=allow_host,
+                      max_tokens=max_tokens, sampling=sampling, think=think, allow_hosts=allow_host,
                       cors_origins=cors_origin, api_key=api_key or None, head_timeout_s=head_timeout,
                       body_timeout_s=body_timeout, idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads,

@@ -33,7 +33,7 @@ from streamoe.runtime.serve.chat_output import ChatOutput
 from streamoe.runtime.serve.openai_api import APIError, GenRequest, Limits, parse_chat, parse_completion
 from streamoe.runtime.serve.server import OpenAIOutput
 from streamoe.runtime.serve.worker import EngineWorker, Job, ServeOptions
-from streamoe.runtime.text import TextIO
+from streamoe.runtime.text import Detokenizer, TextIO
 
 from . import serve_util
 from .conftest import cli, one_error_line
@@ -642,21 +642,58 @@ def test_anthropic_stop_sequences_images_and_thinking(ac, ref, triangle):
     assert m.content[-1].text == answer.lstrip("\n")
 
 
+def test_anthropic_thinks_only_when_asked_unless_the_operator_says(tiny_conv, tmp_path):
+    """Anthropic's API does no extended thinking unless a request sends `thinking`: without it the prompt is rendered
+    with thinking off (the prompt `run --no-think` feeds) and the answer is text alone, whole, streamed and counted;
+    with `{"type": "adaptive"}` it thinks (the random model never closes its thought: one thinking block). The OpenAI
+    route keeps the model's default, thinking on. An operator's --think holds on the Anthropic route too."""
+    eng = Engine(tiny_conv, Options(cap_gib=8, ctx=512, runtime_bytes=64 * MiB))
+    msgs = [{"role": "user", "content": "What shape is it?"}]
+    off, on = chat_ids(eng, msgs, think=False), chat_ids(eng, msgs, think=True)
+    detok = [Detokenizer(eng.text) for _ in range(2)]  # as the server writes it: an incomplete last character held
+    said_off, said_on = ("".join(map(d.add, greedy(eng, ids, 8))) for d, ids in zip(detok, (off, on), strict=True))
+    eng.close()
+    assert "</think>" not in said_on
+    kw = {"model": "tiny", "max_tokens": 8, "messages": msgs, "extra_body": GREEDY}
+    for flag in ((), ("--think",)):
+        s = start_server(tiny_conv, tmp_path / f"serve{len(flag)}.log", "--cap", 8, "--ctx", 512, "--runtime-mib", 64,
+                         *flag)
+        try:
+            ac = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
+            absent = ac.messages.create(**kw)
+            with ac.messages.stream(**kw) as st:
+                starts = [ev.content_block.type for ev in st if ev.type == "content_block_start"]
+            counted = ac.messages.count_tokens(model="tiny", messages=msgs).input_tokens
+            adaptive = ac.messages.create(**kw, thinking={"type": "adaptive"})
+            oc = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            chat = oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0).choices[0].message
+        finally:
+            assert stop_server(s) == 0, s.text()
+        prompt, said, blocks = (on, said_on, ["thinking"]) if flag else (off, said_off, ["text"])
+        assert [b.type for b in absent.content] == starts == blocks
+        assert absent.usage.input_tokens + absent.usage.cache_read_input_tokens == counted == len(prompt)
+        assert (absent.content[0].thinking if flag else absent.content[0].text) == said.lstrip("\n")
+        assert absent.usage.output_tokens == 8
+        assert [b.type for b in adaptive.content] == ["thinking"] and adaptive.content[0].thinking == said_on.lstrip("\n")
+        assert adaptive.usage.input_tokens + adaptive.usage.cache_read_input_tokens == len(on)
+        assert chat.reasoning_content == said_on.lstrip("\n") and chat.content == ""
+
+
 def test_anthropic_tools_and_tool_choice(ac, ref):
     convo = [{"role": "user", "content": CONVO[0]["content"]},
              {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather",
                                                 "input": {"city": "Paris"}}]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
                                            "content": [{"type": "text", "text": "18 degrees, sunny"}]}]}]
-    ids = chat_ids(ref, CONVO, tools=CHAT_TOOLS)
+    ids = chat_ids(ref, CONVO, think=False, tools=CHAT_TOOLS)  # no `thinking`: none
     m = ac.messages.create(model="tiny", max_tokens=6, extra_body=GREEDY, tools=ANTH_TOOLS, messages=convo)
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids)
-    assert m.content[-1].text == ref.text.decode(greedy(ref, ids, 6)).split("</think>")[-1].lstrip("\n")
+    assert m.content[-1].text == ref.text.decode(greedy(ref, ids, 6))
     assert ac.messages.count_tokens(model="tiny", tools=ANTH_TOOLS, messages=convo).input_tokens == len(ids)
     first = [{"role": "user", "content": CONVO[0]["content"]}]
     m = ac.messages.create(model="tiny", max_tokens=1, extra_body=GREEDY, tools=ANTH_TOOLS, messages=first,
                            tool_choice={"type": "none"})
-    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(chat_ids(ref, first))  # tools hidden
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(chat_ids(ref, first, think=False))  # tools hidden
     rendered = ref.text.template.render(messages=first, tools=CHAT_TOOLS, add_generation_prompt=True,
                                         enable_thinking=False, bos_token="", eos_token="")
     for choice, start in (({"type": "any"}, "<tool_call>\n"),

@@ -288,7 +288,9 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
             raise bad("'service_tier' must be 'auto' or 'standard_only'", "service_tier")
     _cache_control(body, "")
     thinking = body.get("thinking")
-    if thinking is not None:
+    if thinking is None:  # Anthropic's API thinks only when asked; the operator's --think/--no-think, where given
+        req.template_kwargs["enable_thinking"] = bool(so.think)
+    else:
         if not isinstance(thinking, dict):
             raise bad("'thinking' must be an object", "thinking")
         kind = thinking.get("type")

@@ -56,7 +56,9 @@ class ServeOptions:
     prompt_cache_bytes: int = 256 * MiB
     max_tokens: int | None = None  # when a request sets none; None = what the planned context holds
     sampling: dict = field(default_factory=dict)  # Sampler arguments overriding generation_config.json
-    think: bool = True  # enable_thinking when a request does not say
+    # enable_thinking where a request does not say; None (the operator did not say either): on, but off where a
+    # request's API means no thinking by leaving it out (Anthropic's Messages: `thinking` absent)
+    think: bool | None = None
     # the door: Host names accepted besides loopback names and the bound address; origins allowed cross-origin
     allow_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
@@ -275,7 +277,7 @@ class EngineWorker:
         if req.tools and not self.eng.text.template.takes_tools:
             raise bad(f"the model's chat template ({self.eng.text.template.path.name}) does not show tools to the "
                       "model, so it cannot call them", "tools")
-        kw = {"enable_thinking": self.so.think, **req.template_kwargs}
+        kw = {"enable_thinking": self.so.think is not False, **req.template_kwargs}
         if req.force_call is not None:  # a forced tool call is the whole answer: no thinking before it
             kw["enable_thinking"] = False
         try:
