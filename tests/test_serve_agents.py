@@ -148,7 +148,8 @@ def rendered(text: TextIO, thought: str, content: str, n_calls: int) -> str:
 
 
 def job_for(req: GenRequest) -> Job:
-    return Job(req, [1, 2, 3], thinking=True, max_tokens=64, sampler=Sampler())
+    return Job(req, [1, 2, 3], thinking=True, max_tokens=64, sampler=Sampler(),
+               started={"prompt_tokens": 3, "cached_tokens": 0})  # as the worker has looked it up
 
 
 def test_responses_stream_items_reasoning_text_and_calls(text):
@@ -617,6 +618,26 @@ def test_anthropic_text_whole_and_streamed_equal_the_engine(server, ac, ref):
         validate(MESSAGE_EVENTS, e)
     assert ac.messages.count_tokens(model="tiny", system=kw["system"], messages=kw["messages"],
                                     thinking={"type": "disabled"}).input_tokens == len(ids)
+
+
+def test_anthropic_message_start_carries_the_prompt_caches_hit(ac, ref):
+    """message_start's usage holds the input side as Anthropic sends it there, the same numbers the final
+    message_delta gives: the prompt's tokens, and on a second request sharing its prefix, the tokens the prompt
+    cache held (nonzero), not a 0 written before the cache was looked up."""
+    msgs = [{"role": "user", "content": "Which shape is on the left, and which colour is it?"}]
+    ids = chat_ids(ref, msgs, think=False)
+    input_side = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    seen = []
+    for _ in range(2):
+        with ac.messages.stream(model="tiny", max_tokens=4, messages=msgs, extra_body=GREEDY) as st:
+            evs = list(st)
+        start = evs[0].message.usage.model_dump()
+        delta = next(e for e in evs if e.type == "message_delta").usage.model_dump()
+        assert evs[0].type == "message_start" and start["output_tokens"] == 0
+        assert {k: start[k] for k in input_side} == {k: delta[k] for k in input_side}
+        assert start["input_tokens"] + start["cache_read_input_tokens"] == len(ids)
+        seen.append(start["cache_read_input_tokens"])
+    assert seen[1] > seen[0] and seen[1] == len(ids) - start["input_tokens"]
 
 
 def test_anthropic_stop_sequences_images_and_thinking(ac, ref, triangle):

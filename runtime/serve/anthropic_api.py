@@ -338,6 +338,7 @@ class Output:
         self.stop_reason = self.stop_sequence = None
         self.usage = {"input_tokens": len(job.ids), "output_tokens": 0, "cache_read_input_tokens": 0,
                       "cache_creation_input_tokens": 0}
+        self.started = False  # message_start sent
 
     @staticmethod
     def _ev(kind: str, **fields) -> str:
@@ -349,6 +350,14 @@ class Output:
                 "stop_sequence": self.stop_sequence, "usage": dict(self.usage)}
 
     def start(self) -> list[str]:
+        """message_start, with the input side of the usage as Anthropic sends it there: the prompt's tokens and how
+        many the prompt cache held. Those are known once the worker looked the prompt up ("started"): until
+        then (a request still queued when the stream began) it waits for that event."""
+        if self.job.started is None or self.started:
+            return []
+        u, self.started = self.job.started, True
+        cached = u["cached_tokens"]
+        self.usage.update(input_tokens=u["prompt_tokens"] - cached, cache_read_input_tokens=cached)
         return [self._ev("message_start", message=self.message())]
 
     def _close(self) -> list[str]:
@@ -388,6 +397,8 @@ class Output:
 
     def feed(self, ev: tuple) -> list[str]:
         kind, v = ev
+        if kind == "started":
+            return self.start()
         if kind == "logprobs":
             return []  # not requested by this API: the parser never asks for them
         if kind == "delta":

@@ -427,6 +427,8 @@ class Output:
 
     def feed(self, ev: tuple) -> list[str]:
         kind, v = ev
+        if kind == "started":
+            return []
         if kind == "logprobs":
             self.lps += v
             return []

@@ -211,7 +211,14 @@ class API:
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self.server.submit(job)
         self.requests[api] += 1
-        ev = await next_event(job, request, self.so.keepalive_s if req.stream else None)
+        wait = self.so.keepalive_s if req.stream else None
+        deadline = None if wait is None else time.monotonic() + wait
+        ev = await next_event(job, request, wait)
+        # the prompt's usage, kept for the answer's start; the wait goes on, so that a refusal before the first
+        # token is still the response's status
+        while ev is not None and ev[0] == "started":
+            job.started = ev[1]
+            ev = await next_event(job, request, None if deadline is None else max(0.0, deadline - time.monotonic()))
         if ev is None:
             self.server.withdraw(job)
             return job, ("done", {"finish_reason": None, "cancelled": True})
@@ -229,6 +236,8 @@ class API:
         ev = first
         while True:
             if ev is not None:
+                if ev[0] == "started":
+                    job.started = ev[1]
                 yield ev
                 if ev[0] in ("done", "error"):
                     return
@@ -316,7 +325,7 @@ class Output(Protocol):
 
     def start(self) -> list[str]: ...
 
-    def feed(self, ev: tuple) -> list[str]: ...
+    def feed(self, ev: tuple) -> list[str]: ...  # "started" too, where it came after the stream began
 
     def result(self) -> dict: ...
 
@@ -379,6 +388,8 @@ class OpenAIOutput:
 
     def feed(self, ev: tuple) -> list[str]:
         kind, v = ev
+        if kind == "started":
+            return []
         if kind == "logprobs":
             self.pending += v
             self.lps += v

@@ -221,6 +221,7 @@ class Job:
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
     constraint: Constraint | None = None  # the grammar the answer follows (structured output, forced call)
     logits: list | None = None  # kept when a test asks for them
+    started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
 
     def emit(self, ev: tuple) -> None:
@@ -395,7 +396,8 @@ class EngineWorker:
         return self.lock.call(op, **fields) if self.lock is not None else contextlib.nullcontext()
 
     def run(self, job: Job) -> None:
-        """Answer one job, sending ("delta", events), then ("done", info) or ("error", APIError)."""
+        """Answer one job, sending ("started", the prompt's usage) once the prompt cache was looked up, ("logprobs",
+        entries) and ("delta", events), then ("done", info) or ("error", APIError)."""
         try:
             with image_files(job.req.images) as paths:
                 info = self._answer(job, paths)
@@ -438,6 +440,7 @@ class EngineWorker:
                 clear(eng)
         start = 0 if snap is None else len(snap.key)
         cached = eng.offset
+        job.emit(("started", {"prompt_tokens": self.prompt_tokens(job), "cached_tokens": cached}))
         where = [i for i, t in enumerate(ids) if t == self.pad][:len(paths)]  # image i sits at ids[where[i]]
 
         def images(a: int, b: int) -> list[str]:
