@@ -168,19 +168,29 @@ def partial_suffix(text: str, marks: list[str]) -> int:
 
 class ToolCallStream:
     """Content text in, content text and parsed tool calls out, for the tools of one request (their schemas
-    type the XML form's values)."""
+    type the XML form's values). `spans` says where each content event's text lies in the text fed (offset,
+    length), so a caller can tell which of its tokens the content holds (logprobs cover those alone)."""
 
     def __init__(self, fmt: str = "json", tools: list[dict] | None = None):
         self.fmt, self.tools = fmt, tools or []
         self.buf, self.newlines, self.in_call, self.after_call = "", "", False, False
+        self.at = 0  # where buf starts in the text fed
+        self.call_at = 0  # where the open call block's CALL_OPEN starts
+        self.held_at = 0  # where the newlines held back start
+        self.spans: list[tuple[int, int]] = []
 
-    def _text(self, s: str, out: list) -> None:
+    def _text(self, s: str, at: int, out: list) -> None:
         if self.after_call:
-            s = s.lstrip("\n")
+            n = len(s) - len(s.lstrip("\n"))
+            s, at = s[n:], at + n
             if not s:
                 return
             self.after_call = False
+        start, events = at - len(self.newlines), len(out)  # the held newlines come first
         hold_newlines(self, s, "content", out)
+        if len(out) > events:
+            self.spans.append((start, len(out[-1][1])))
+        self.held_at = at + len(s) - len(self.newlines)
 
     def feed(self, text: str) -> list:
         out: list = []
@@ -190,19 +200,21 @@ class ToolCallStream:
                 i = self.buf.find(CALL_OPEN)
                 if i < 0:
                     keep = partial_suffix(self.buf, [CALL_OPEN])
-                    self._text(self.buf[:len(self.buf) - keep], out)
-                    self.buf = self.buf[len(self.buf) - keep:]
+                    self._text(self.buf[:len(self.buf) - keep], self.at, out)
+                    self.buf, self.at = self.buf[len(self.buf) - keep:], self.at + len(self.buf) - keep
                     return out
-                self._text(self.buf[:i], out)
-                self.buf, self.in_call = self.buf[i + len(CALL_OPEN):], True
+                self._text(self.buf[:i], self.at, out)
+                self.call_at = self.at + i
+                self.buf, self.at, self.in_call = self.buf[i + len(CALL_OPEN):], self.at + i + len(CALL_OPEN), True
             else:
                 j = self.buf.find(CALL_CLOSE)
                 if j < 0:
                     return out
                 body, self.buf, self.in_call = self.buf[:j], self.buf[j + len(CALL_CLOSE):], False
+                self.at += j + len(CALL_CLOSE)
                 call = parse_call(body.strip(), self.fmt, self.tools)
                 if call is None:
-                    self._text(CALL_OPEN + body + CALL_CLOSE, out)
+                    self._text(CALL_OPEN + body + CALL_CLOSE, self.call_at, out)
                 else:
                     self.newlines, self.after_call = "", True
                     out.append(("tool_call", call))
@@ -210,10 +222,12 @@ class ToolCallStream:
     def flush(self) -> list:
         out: list = []
         rest = (CALL_OPEN if self.in_call else "") + self.buf  # an unclosed block is content
-        self.buf, self.in_call = "", False
+        at = self.call_at if self.in_call else self.at
+        self.buf, self.in_call, self.at = "", False, at + len(rest)
         if rest:
-            self._text(rest, out)
+            self._text(rest, at, out)
         if self.newlines and not self.after_call:
+            self.spans.append((self.held_at, len(self.newlines)))
             out.append(("content", self.newlines))
         self.newlines = ""
         return out

@@ -781,7 +781,8 @@ def top(lp: mx.array, k: int) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_logprobs_are_log_softmax_of_the_engines_logits(ref, kind):
-    """Exactly: the value the worker sends for each token is log_softmax of the logits the engine yielded."""
+    """Exactly: the value the worker sends for each token is log_softmax of the logits the engine yielded (a chat
+    answer's content tokens have entries, the thinking's before them none)."""
     body = {"temperature": 0.8, "seed": 3, "max_tokens": 6}
     if kind == "chat":
         req = parse_chat({**body, "messages": [{"role": "user", "content": "What shape is it?"}], "logprobs": True,
@@ -789,7 +790,10 @@ def test_logprobs_are_log_softmax_of_the_engines_logits(ref, kind):
     else:
         req = parse_completion({**body, "prompt": "def fibonacci(n):\n", "logprobs": 4})
     entries, logits, toks = in_process(ref, req)
-    assert len(entries) == len(logits) == len(toks) >= 4
+    k = len(entries)
+    assert len(logits) == len(toks) == k + (3 if kind == "chat" else 0) and k >= 2  # "\n", "</think>", "\n\n"
+    assert ref.text.decode(toks[:len(toks) - k]) == ("\n</think>\n\n" if kind == "chat" else "")
+    logits, toks = logits[len(toks) - k:], toks[len(toks) - k:]
     for e, lg, tok in zip(entries, logits, toks, strict=True):
         lp = mlx.nn.log_softmax(mx.array(np.asarray(lg, dtype=np.float32)))
         assert e["logprob"] == lp[tok].item() and e["token"] == ref.text.decode([tok])
@@ -832,6 +836,38 @@ def test_chat_logprobs_whole_and_streamed(oc, ref):
     assert streamed == got
     plain = oc.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_logprobs_cover_the_content_tokens_alone(oc, ref, think):
+    """OpenAI's `logprobs.content` covers the tokens of `message.content`: with thinking on, not the reasoning nor
+    `</think>` and the newlines after it. Each entry's token joins to the content, whole and streamed, on the chat
+    route and the Responses route; they are the entries of the answer's last tokens, the content's."""
+    msgs = [{"role": "user", "content": "Where is the shape?"}]
+    said = greedy(ref, chat_ids(ref, msgs, think=think), 8)
+    text = ref.text.decode(said)
+    assert ("</think>" in text) == think  # the tiny model's thought: empty, then its answer
+    kw = {"model": "tiny", "messages": msgs, "temperature": 0, "max_tokens": 8, "logprobs": True, "top_logprobs": 2,
+          "extra_body": {"chat_template_kwargs": {"enable_thinking": think}}}
+    r = oc.chat.completions.create(**kw)
+    msg, got = r.choices[0].message, [e.model_dump() for e in r.choices[0].logprobs.content]
+    assert msg.content == text.split("</think>")[-1].lstrip("\n") and len(msg.content) > 0
+    assert "".join(e["token"] for e in got) == msg.content
+    tail = said[len(said) - len(got):]
+    assert [e["token"] for e in got] == [ref.text.decode([t]) for t in tail]
+    assert len(got) < len(said) if think else len(got) == len(said)
+    chunks = list(oc.chat.completions.create(**kw, stream=True))
+    streamed = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == got
+    assert all(not c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].delta.model_extra.get("reasoning_content"))
+    rkw = {"model": "tiny", "input": msgs, "temperature": 0, "max_output_tokens": 8, "top_logprobs": 2,
+           "reasoning": {"effort": "medium" if think else "none"}, "include": ["message.output_text.logprobs"]}
+    resp = oc.responses.create(**rkw)
+    message = next(i for i in resp.output if i.type == "message")
+    assert message.content[0].text == msg.content
+    assert [e.model_dump() for e in message.content[0].logprobs] == got
+    evs = list(oc.responses.create(**rkw, stream=True))
+    assert [e.model_dump() for ev in evs if ev.type == "response.output_text.delta" for e in ev.logprobs] == got
 
 
 def test_completion_logprobs_whole_and_streamed(oc, ref):

@@ -111,6 +111,40 @@ def test_thinking_becomes_reasoning_content(text, answer, reasoning, content):
         assert (got["reasoning_content"], got["content"]) == (reasoning, content)
 
 
+@pytest.mark.parametrize("answer, kw", [
+    ("Two shapes?\nNo, one.\n</think>\n\nstar\n\n", {"thinking": True}),
+    ("  <think>hmm</think>\n\nHello world", {"thinking": False}),  # the model's own <think>
+    ("<thin", {"thinking": False}),  # a start of <think> that never was one
+    ("Hello\n\nSTOP more", {"thinking": False, "tools": True, "stops": ["STOP"]}),
+    ("abcab cabd, then more", {"thinking": False, "stops": ["abcd", "bd"]}),  # a stop inside another's start
+    ("I will.\n</think>\n\nSure.\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n\nDone\n",
+     {"thinking": True, "tools": True}),
+    ("x\n<tool_call>\nnot json\n</tool_call>\ny", {"thinking": False, "tools": True}),  # a block kept as content
+    ('A\n<tool_call>\n{"name": "f", "arguments": {}}', {"thinking": False, "tools": True}),  # never closed
+])
+def test_spans_say_which_text_fed_became_content(answer, kw):
+    """`ChatOutput.spans` (what logprobs are chosen by): the text fed at each content span joins to the content,
+    however the answer is cut into pieces, past the reasoning, markup, tool calls and stop strings."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(answer)), rng.randint(0, len(answer) - 1)))
+        out = ChatOutput(**{"tools": None, "stops": [], **kw})
+        evs = [e for a, b in zip([0, *cuts], [*cuts, len(answer)], strict=True) for e in out.feed(answer[a:b])]
+        evs += out.flush()
+        content = "".join(v for k, v in evs if k == "content")
+        assert "".join(answer[a:a + n] for a, n in out.spans) == content
+        assert all(a + n <= b for (a, n), (b, _) in zip(out.spans, out.spans[1:], strict=False))  # in order
+
+
+def test_spans_of_a_forced_call_lie_before_the_answer():
+    out = ChatOutput(thinking=False, tools=True, stops=[])
+    evs = out.given('<tool_call>\n{"name": "f", "arguments": ') + out.feed("not json}\n</tool_call>") + out.flush()
+    assert collect(evs)["content"] == '<tool_call>\n{"name": "f", "arguments": not json}\n</tool_call>'
+    assert out.spans == [(-len('<tool_call>\n{"name": "f", "arguments": '), len(collect(evs)["content"]))]
+
+
 def test_thinking_then_a_tool_call(text):
     body = rendered_answer(text, "", CALLS[:1])
     got = collect(streamed(text, "I need the weather.\n</think>\n\n" + body, thinking=True, tools=True, stops=[]))

@@ -50,7 +50,11 @@ class ChatOutput:
     `thinking` says the prompt left the model inside `<think>`: text up to `</think>` is reasoning (newlines
     around it trimmed), the rest is content (leading newlines trimmed). Otherwise an answer that opens with
     `<think>` itself (Qwen3's template leaves the tag to the model) is reasoning up to `</think>` just the same,
-    as vLLM's and mlx-lm's reasoning parsers read it."""
+    as vLLM's and mlx-lm's reasoning parsers read it.
+
+    `spans` says which of the text fed became content: (offset, length) in the text fed (text `given` lies before
+    it, at negative offsets), one per content event, in order; so the tokens whose text the content holds, and no
+    reasoning or markup, are the ones a caller gives logprobs for."""
 
     def __init__(self, thinking: bool, tools: list[dict] | bool | None, stops: list[str], tool_format: str = "json"):
         self.stop = StopMatcher(stops)
@@ -59,18 +63,41 @@ class ChatOutput:
         self.pending, self.newlines, self.started = "", "", False
         self.opening = not thinking  # the answer's start may still be the model's own `<think>`
         self.matching = True  # whether content goes through the stop strings (not text `given`)
+        self.fed = 0  # characters fed (`feed`): where the next text fed starts
+        self.spans: list[tuple[int, int]] = []
+        self.pieces: list[tuple[int, int, int]] = []  # (offset in the tool stream's input, offset fed, length)
+        self.piped = 0  # characters given to the tool stream
 
     @property
     def stopped(self) -> bool:
         return self.stop.stopped
 
-    def _content(self, s: str, out: list[Event]) -> None:
+    def _content(self, s: str, at: int, out: list[Event]) -> None:
         if not s:
             return
-        if self.tools is not None:
-            out += self.tools.feed(s)
-        else:
+        if self.tools is None:
+            self.spans.append((at, len(s)))
             out.append(("content", s))
+            return
+        if self.pieces and self.pieces[-1][1] + self.pieces[-1][2] == at:  # it goes on where the last piece ended
+            p, a, m = self.pieces[-1]
+            self.pieces[-1] = (p, a, m + len(s))
+        else:
+            self.pieces.append((self.piped, at, len(s)))
+        self.piped += len(s)
+        seen = len(self.tools.spans)
+        out += self.tools.feed(s)
+        self._spans_of_tools(seen)
+
+    def _spans_of_tools(self, seen: int) -> None:
+        """The tool stream's new content spans (offsets in its input) as offsets in the text fed."""
+        for u, n in self.tools.spans[seen:]:
+            while len(self.pieces) > 1 and self.pieces[0][0] + self.pieces[0][2] <= u:  # spans come in order
+                self.pieces.pop(0)
+            for p, at, m in self.pieces:
+                lo, hi = max(u, p), min(u + n, p + m)
+                if lo < hi:
+                    self.spans.append((at + lo - p, hi - lo))
 
     def _reasoning(self, s: str, out: list[Event]) -> None:
         if not self.started:
@@ -80,40 +107,50 @@ class ChatOutput:
             self.started = True
         hold_newlines(self, s, "reasoning", out)
 
-    def _open(self, text: str, out: list[Event]) -> str | None:
+    def _open(self, text: str, at: int, out: list[Event]) -> tuple[str, int] | None:
         """The answer's first text while it may still be `<think>` (after whitespace): held; once it is, the
-        reasoning starts after it; once it cannot be, the held text is returned as the content's start."""
+        reasoning starts after it; once it cannot be, the held text is returned as the content's start (with
+        where it starts)."""
         self.pending += text
+        at += len(text) - len(self.pending)  # where the held text starts
         head = self.pending.lstrip()
         if head.startswith(THINK_START):
+            skipped = len(self.pending) - len(head) + len(THINK_START)
             self.pending, self.opening, self.phase = "", False, "reasoning"
-            self._split(head[len(THINK_START):], out)
+            self._split(head[len(THINK_START):], at + skipped, out)
             return None
         if THINK_START.startswith(head):
             return None
         text, self.pending, self.opening = self.pending, "", False
-        return text
+        return text, at
 
-    def _split(self, text: str, out: list[Event]) -> None:
+    def _split(self, text: str, at: int, out: list[Event]) -> None:
+        """`text`, which starts at offset `at` of the text fed, through the pipeline."""
         if self.opening and text:
-            text = self._open(text, out)
-            if text is None:
+            opened = self._open(text, at, out)
+            if opened is None:
                 return
+            text, at = opened
         if self.phase == "content":
             if self.started is None:  # just after </think>: leading newlines are the template's
-                text = text.lstrip("\n")
+                n = len(text) - len(text.lstrip("\n"))
+                text, at = text[n:], at + n
                 if not text:
                     return
                 self.started = True
-            self._content(self.stop.feed(text) if self.matching else text, out)
+            if self.matching:  # what the stop strings let through starts where their held text did
+                at -= len(self.stop.buf)
+                text = self.stop.feed(text)
+            self._content(text, at, out)
             return
         self.pending += text
+        at += len(text) - len(self.pending)  # where the held text starts
         i = self.pending.find(THINK_END)
         if i >= 0:
             self._reasoning(self.pending[:i], out)
             rest, self.pending, self.newlines = self.pending[i + len(THINK_END):], "", ""
             self.phase, self.started = "content", None
-            self._split(rest, out)
+            self._split(rest, at + i + len(THINK_END), out)
             return
         keep = partial_suffix(self.pending, [THINK_END])
         self._reasoning(self.pending[:len(self.pending) - keep], out)
@@ -122,15 +159,17 @@ class ChatOutput:
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
         if not self.stop.stopped:
-            self._split(text, out)
+            self._split(text, self.fed, out)
+        self.fed += len(text)
         return out
 
     def given(self, text: str) -> list[Event]:
         """Text the answer starts with that the model did not generate (a forced tool call's opening, written
-        into the prompt): content, past the stop strings, which match generated text only."""
+        into the prompt): content, past the stop strings, which match generated text only; it lies just before
+        the text fed (at negative offsets: no token of the answer holds it)."""
         out: list[Event] = []
         self.matching = False
-        self._split(text, out)
+        self._split(text, self.fed - len(text), out)
         self.matching = True
         return out
 
@@ -138,13 +177,16 @@ class ChatOutput:
         out: list[Event] = []
         if self.opening and self.pending and not self.stop.stopped:  # the answer was a start of `<think>`: content
             text, self.pending, self.opening = self.pending, "", False
-            self._content(self.stop.feed(text), out)
-        self._content(self.stop.flush(), out)
+            self._content(self.stop.feed(text), self.fed - len(text), out)
+        self._content(self.stop.buf, self.fed - len(self.stop.buf), out)
+        self.stop.flush()
         if self.phase == "reasoning" and self.pending:
             self._reasoning(self.pending, out)
             self.pending = ""
         if self.tools is not None:
+            seen = len(self.tools.spans)
             out += self.tools.flush()
+            self._spans_of_tools(seen)
         return out
 
 

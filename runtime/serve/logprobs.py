@@ -6,6 +6,7 @@ temperature), and only when a request asks for them. One entry per token, in Ope
 from __future__ import annotations
 
 import json
+from collections import deque
 from functools import lru_cache
 
 import mlx.core as mx
@@ -115,3 +116,42 @@ class TokenText:
         lp, top = score
         return {"token": text, "logprob": lp, "bytes": raw,
                 "top_logprobs": [{"token": self(t)[0], "logprob": v, "bytes": self(t)[1]} for t, v in top]}
+
+
+class ContentTokens:
+    """Which generated tokens an answer's content holds, so that logprobs cover them alone, as OpenAI's
+    `choices[].logprobs.content` covers the tokens of `message.content`: not the reasoning, nor `</think>` and the
+    newlines the template writes after it, nor a tool call's block, nor text past a stop string. Each token's text
+    lies at a known place in the text fed to `ChatOutput`, which reports where its content came from (`spans`): a
+    token is the content's if any of its text is (so the entries' text joins to the content wherever the tokens
+    fall on its edges), and one whose text is still held back (part of a character) goes with the next."""
+
+    def __init__(self):
+        self.queue: deque = deque()  # (entry, start, end) of tokens not yet placed, in order
+        self.at = 0  # characters of text the tokens gave so far
+        self.seen = 0  # spans already read
+
+    def add(self, entry: dict, text: str) -> None:
+        """A generated token's entry, and the text it gave (as fed to the output)."""
+        self.queue.append((entry, self.at, self.at + len(text)))
+        self.at += len(text)
+
+    def place(self, spans: list[tuple[int, int]], settled: bool = False) -> list[dict]:
+        """The entries of the tokens the new content `spans` hold, in order; tokens before them are dropped.
+        `settled`: none of the tokens added so far can become content any more (the answer is in its reasoning,
+        or over): they are dropped too."""
+        out = []
+        for a, n in spans[self.seen:]:
+            b = a + n
+            while self.queue:
+                entry, s, t = self.queue[0]
+                if (t <= a) if t > s else (s < a):  # wholly before the span (held text: before its start)
+                    self.queue.popleft()
+                elif s < b:
+                    out.append(self.queue.popleft()[0])
+                else:
+                    break
+        self.seen = len(spans)
+        if settled:
+            self.queue.clear()
+        return out

@@ -362,8 +362,11 @@ class OpenAIOutput:
                 "text_offset": offsets}
 
     def _chunk(self, delta: dict | None = None, finish=None, text: str | None = None, **extra) -> str:
+        """One chunk; the logprobs waiting go on a chunk of content (the tokens they are of), or on the last."""
         choice = {"index": 0, "delta": delta or {}} if self.chat else {"index": 0, "text": text or ""}
-        lps, self.pending = self.pending, []
+        lps = []
+        if not self.chat or "content" in choice["delta"] or finish is not None:
+            lps, self.pending = self.pending, []
         choice["logprobs"] = self._logprobs(lps) if lps else None
         return sse({**self.base, "choices": [{**choice, "finish_reason": finish}], **extra})
 

@@ -42,7 +42,7 @@ from ..tool_calls import CALL_OPEN, call_prefix
 from .chat_output import ChatOutput
 from .door import SOCKET_BUFFER, socket_bytes
 from .lockstep import Lockstep, rank_summary, snapshot_id
-from .logprobs import PromptScores, TokenText
+from .logprobs import ContentTokens, PromptScores, TokenText
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
 
@@ -481,7 +481,8 @@ class EngineWorker:
             job.emit(("delta", evs))
         detok = Detokenizer(eng.text)
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
-        finish, reasoning, lps = None, 0, []  # lps: logprobs entries of tokens whose text is not sent yet
+        finish, reasoning = None, 0
+        content = ContentTokens() if req.logprobs else None  # the tokens logprobs are given for
         if self.lock is not None:  # every rank runs the same loop; closing it early ends it there on every rank
             gen = self.lock.generate(ids, a, job.max_tokens, job.sampler, job.constraint)
         else:
@@ -498,16 +499,16 @@ class EngineWorker:
                     job.logits.append(lg)
                 if n == 1:
                     self.live["ttft_s"] = time.perf_counter() - t0
-                if req.logprobs:
-                    lps.append(self.token_text.entry(lg, tok, req.top_logprobs))
                 if out.phase == "reasoning":  # the token is fed before it can close the thinking
                     reasoning += 1
-                evs = out.feed(detok.add(tok))
+                piece = detok.add(tok)
+                evs = out.feed(piece)
                 echo_prompt()
-                if evs:
-                    if lps:  # a token's logprobs go out just before the first text it is part of
+                if content is not None:  # a token's logprobs go out just before the content text it is part of
+                    content.add(self.token_text.entry(lg, tok, req.top_logprobs), piece)
+                    if lps := content.place(out.spans, settled=out.phase == "reasoning"):
                         job.emit(("logprobs", lps))
-                        lps = []
+                if evs:
                     job.emit(("delta", evs))
                 seen = dec.add(eng.steps, seen)
                 self.live = {**self.live, "state": "decode", "tokens": n, **dec.stats(), "rss": eng.rss}
@@ -516,7 +517,7 @@ class EngineWorker:
                     break
         evs = out.flush()
         echo_prompt()
-        if lps:
+        if content is not None and (lps := content.place(out.spans, settled=True)):
             job.emit(("logprobs", lps))
         if evs:
             job.emit(("delta", evs))
