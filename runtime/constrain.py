@@ -161,3 +161,39 @@ class Constraint:
             self.active = False  # a lazy grammar's block closed (or broke): free until the next trigger
             if self.fresh is not None:  # (llguidance's `reset` keeps a grammar's forced first token consumed)
                 self.matcher = self.fresh.deep_copy()
+
+
+class ThinkingBudget:
+    """A cap on the reasoning (Anthropic's `thinking.budget_tokens`): the answer runs as it would until `budget`
+    tokens were written without the reasoning's `close` token; the next token is then `close`, forced, and the
+    answer goes on from there under `then` (the request's own constraint, if any), as Qwen's model card closes a
+    budgeted thought. The same interface as `Constraint`, so `Engine.generate` draws a forced token once the
+    previous one is read, like any masked one."""
+
+    def __init__(self, close: int, budget: int, vocab: int, then: Constraint | None = None):
+        self.close, self.budget, self.vocab, self.then = close, budget, vocab, then
+        self.written, self.closed = 0, False
+
+    @property
+    def forcing(self) -> bool:
+        return not self.closed and self.written >= self.budget
+
+    @property
+    def active(self) -> bool:
+        return self.forcing or (self.then is not None and self.then.active)
+
+    @property
+    def complete(self) -> bool:
+        return self.then.complete if self.then is not None else True
+
+    def allowed(self) -> mx.array | None:
+        if self.forcing:
+            return mx.arange(self.vocab) == self.close
+        return self.then.allowed() if self.then is not None else None
+
+    def advance(self, tok: int) -> None:
+        if not self.closed:
+            self.written += 1
+            self.closed = tok == self.close
+        if self.then is not None:
+            self.then.advance(tok)

@@ -436,7 +436,10 @@ PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
 @pytest.mark.parametrize("body, param", [
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}, "model"),
-    (am(thinking={"type": "enabled", "budget_tokens": 2048}), "thinking.budget_tokens"),
+    (am(thinking={"type": "enabled", "budget_tokens": 2048}), "thinking.budget_tokens"),  # not below max_tokens
+    (am(max_tokens=4096, thinking={"type": "enabled", "budget_tokens": 1023}), "thinking.budget_tokens"),  # < 1024
+    (am(max_tokens=4096, thinking={"type": "enabled"}), "thinking.budget_tokens"),
+    (am(max_tokens=4096, thinking={"type": "enabled", "budget_tokens": 2048, "display": "omitted"}), "thinking.display"),
     (am(thinking={"type": "adaptive", "budget_tokens": 2048}), "thinking.budget_tokens"),  # not a field of theirs
     (am(thinking={"type": "disabled", "budget_tokens": 2048}), "thinking.budget_tokens"),
     (am(tools=[{"name": "t", "input_schema": {"type": "string"}}]), "tools"),  # a call's input is an object
@@ -698,6 +701,39 @@ def test_anthropic_thinks_only_when_asked_unless_the_operator_says(tiny_conv, tm
         assert [b.type for b in adaptive.content] == ["thinking"] and adaptive.content[0].thinking == said_on.lstrip("\n")
         assert adaptive.usage.input_tokens + adaptive.usage.cache_read_input_tokens == len(on)
         assert chat.reasoning_content == said_on.lstrip("\n") and chat.content == ""
+
+
+def test_anthropic_thinking_budget_closes_the_thought_at_its_tokens(tiny_conv, tmp_path):
+    """`thinking: {"type": "enabled", "budget_tokens": N}`: on a prompt where the random model does not close its
+    thought, after N tokens of it the server writes `</think>` and the answer goes on as text: the thinking block is
+    the first N tokens greedy decoding writes, the text what the model writes after that close, as the engine
+    continues it. A budget not below `max_tokens` is refused, as Anthropic's API refuses it."""
+    budget, n = 1024, 1030
+    eng = Engine(tiny_conv, Options(cap_gib=8, ctx=1280, runtime_bytes=64 * MiB))
+    msgs = [{"role": "user", "content": "Why?"}]  # a prompt whose greedy thought runs past 1,100 tokens
+    on = chat_ids(eng, msgs, think=True)
+    thought = greedy(eng, on, budget)
+    close = eng.text.tokenizer.token_to_id("</think>")
+    after = [t for t, _ in eng.generate([close], n - budget - 1, Sampler(), context=on + thought)]
+    eng.close()
+    assert close not in thought and len(after) == n - budget - 1
+    detok = Detokenizer(eng.text)
+    want_thought = "".join(map(detok.add, thought)).lstrip("\n")
+    want_text = "".join(map(Detokenizer(eng.text).add, after)).lstrip("\n")
+    s = start_server(tiny_conv, tmp_path / "serve.log", "--cap", 8, "--ctx", 1280, "--runtime-mib", 64)
+    try:
+        ac = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0, timeout=300)
+        kw = {"model": "tiny", "max_tokens": n, "messages": msgs, "extra_body": GREEDY,
+              "thinking": {"type": "enabled", "budget_tokens": budget}}
+        m = ac.messages.create(**kw)
+        with pytest.raises(anthropic.BadRequestError) as e:
+            ac.messages.create(**{**kw, "max_tokens": budget})
+    finally:
+        assert stop_server(s) == 0, s.text()
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking == want_thought and m.content[1].text == want_text
+    assert m.usage.output_tokens == n and m.stop_reason == "max_tokens"
+    assert "must be less than 'max_tokens'" in e.value.message
 
 
 def test_anthropic_tools_and_tool_choice(ac, ref):

@@ -294,14 +294,20 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
         if not isinstance(thinking, dict):
             raise bad("'thinking' must be an object", "thinking")
         kind = thinking.get("type")
-        if kind == "enabled":  # before the fields: its budget is why it is refused
-            raise bad("'thinking.budget_tokens': a thinking budget is not enforced by this server; send "
-                      "{'type': 'adaptive'} (thinking on, the model decides its length) or {'type': 'disabled'}",
-                      "thinking.budget_tokens")
-        if kind not in ("adaptive", "disabled"):
-            raise bad("'thinking.type' must be 'adaptive' or 'disabled'", "thinking.type")
-        check_fields(thinking, {"type", "budget_tokens", "display"}, {"type"}, "thinking.", API)
-        req.template_kwargs["enable_thinking"] = kind == "adaptive"
+        if kind not in ("enabled", "adaptive", "disabled"):
+            raise bad("'thinking.type' must be 'enabled', 'adaptive' or 'disabled'", "thinking.type")
+        check_fields(thinking, {"type", "budget_tokens", "display"}, {"type"} | ({"budget_tokens"} if kind == "enabled"
+                                                                                else set()), "thinking.", API)
+        if kind == "enabled":  # as Anthropic's API checks it: at least 1,024 tokens, fewer than max_tokens
+            budget = thinking.get("budget_tokens")
+            if isinstance(budget, bool) or not isinstance(budget, int) or not 1024 <= budget <= 1 << 30:
+                raise bad("'thinking.budget_tokens' must be an integer of at least 1024 with 'type': 'enabled'",
+                          "thinking.budget_tokens")
+            if not counting and budget >= req.max_tokens:
+                raise bad(f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({req.max_tokens})",
+                          "thinking.budget_tokens")
+            req.thinking_budget = budget
+        req.template_kwargs["enable_thinking"] = kind != "disabled"
     _output_config(body, req)
     req.messages = _system(body.get("system")) + parse_messages(body.get("messages"), so, req.images)
     req.tools, req.parse_tools, req.force_call, strict, parallel = _tools(body)

@@ -220,6 +220,7 @@ class GenRequest:
     json_output: bool = False  # response_format json_object / json_schema: the answer is constrained to JSON
     json_schema: dict | None = None  # ... valid against this schema (None: any JSON object)
     template_kwargs: dict = field(default_factory=dict)
+    thinking_budget: int | None = None  # the most tokens the reasoning may take (Anthropic's thinking.budget_tokens)
     images: list[bytes] = field(default_factory=list)
     # completion
     prompt: str | list[int] | None = None

@@ -31,7 +31,7 @@ from PIL import Image
 
 from ...formats.errors import StreamoeError
 from ..chat_template import TemplateFailure
-from ..constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
+from ..constrain import Constraint, ThinkingBudget, guide_tokenizer, json_grammar, tool_call_grammar
 from ..engine import Engine, Options
 from ..image import num_image_tokens
 from ..image_prompt import image_config, prefill_images
@@ -219,7 +219,7 @@ class Job:
     events: asyncio.Queue | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
-    constraint: Constraint | None = None  # the grammar the answer follows (structured output, forced call)
+    constraint: Constraint | ThinkingBudget | None = None  # what shapes the answer (structured output, forced call, thinking budget)
     logits: list | None = None  # kept when a test asks for them
     started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
@@ -346,7 +346,19 @@ class EngineWorker:
         return Job(req, ids, thinking, min(want, room), Sampler(**{**self.defaults, **req.sampling}, seed=seed),
                    prefix=given, constraint=self.constraint(req, thinking))
 
-    def constraint(self, req: GenRequest, thinking: bool) -> Constraint | None:
+    def constraint(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | None:
+        """What shapes the answer: the request's grammar (`grammar`), under a cap on its reasoning where the request
+        sets one (`thinking_budget`: the template's `</think>` forced once the reasoning took that many tokens)."""
+        grammar = self.grammar(req, thinking)
+        if req.thinking_budget is None or not thinking:
+            return grammar
+        close = self.eng.text.tokenizer.token_to_id("</think>")
+        if close is None:
+            raise bad("a thinking budget needs the template's '</think>' token, which the model's tokenizer lacks",
+                      "thinking.budget_tokens")
+        return ThinkingBudget(close, req.thinking_budget, self.vocab, grammar)
+
+    def grammar(self, req: GenRequest, thinking: bool) -> Constraint | None:
         """The grammar a request asks for: the JSON of `response_format` (after the reasoning closes, with
         thinking on), a forced call's arguments, valid against the tool's schema, or, with strict tools, each
         call block the model opens after its reasoning: a strict tool's arguments valid against its schema (the
