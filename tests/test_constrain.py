@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from streamoe.formats.errors import StreamoeError
-from streamoe.runtime.constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
+from streamoe.runtime.constrain import (
+    Constraint,
+    ThinkingBudget,
+    guide_tokenizer,
+    json_grammar,
+    tool_call_grammar,
+)
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.plan import plan_for
 from streamoe.runtime.sampling import Sampler
@@ -57,6 +63,30 @@ def test_random_weights_always_answer_schema_valid_json(tiny_conv, slots):
         assert t == json.dumps(json.loads(t), ensure_ascii=False)  # compact: no whitespace a model could pad forever
     assert isinstance(json.loads(texts[-1]), dict)
     assert len(set(texts[:4])) > 1  # the draws still choose
+
+
+@pytest.mark.parametrize("budget", [1, 7])
+def test_a_thinking_budget_closes_the_reasoning_then_its_grammar_holds(tiny_conv, budget):
+    """A thinking budget over a JSON grammar that waits for `</think>`: the reasoning is the first `budget` tokens
+    the answer would have had, then `</think>` (forced: the random model does not write it so soon), then
+    schema-valid JSON; without a grammar the answer after the close runs free."""
+    eng = _engine(tiny_conv, None)
+    guide = guide_tokenizer(eng.text.tokenizer, eng.args.vocab_size, eng.text.stop_ids)
+    close, vocab = eng.text.tokenizer.token_to_id("</think>"), eng.args.vocab_size
+    prompt = eng.text.encode("<think>\nWhy?")
+
+    def answer(c) -> list[int]:
+        eng.reset()
+        return [t for t, _ in eng.generate(prompt, 120, Sampler(temp=1.0, seed=3), constraint=c)]
+
+    free = answer(None)
+    assert close not in free[:budget + 1]
+    shaped = answer(ThinkingBudget(close, budget, vocab, Constraint(guide, json_grammar(SCHEMA), vocab, after=close)))
+    unshaped = answer(ThinkingBudget(close, budget, vocab))
+    eng.close()
+    assert shaped[:budget] == unshaped[:budget] == free[:budget] and shaped[budget] == unshaped[budget] == close
+    jsonschema.validate(json.loads(eng.text.decode(shaped[budget + 1:])), SCHEMA)
+    assert unshaped[budget + 1:] != shaped[budget + 1:]
 
 
 def test_constrained_tokens_are_identical_across_caps(tiny_conv):
