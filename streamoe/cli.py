@@ -414,9 +414,8 @@ def serve_sizes(prompt_cache_mib: float, max_queue: int, max_body_mib: float, ma
 @serve_plan_options
 @click.option("--ranks", type=click.IntRange(min=1, max=1 << 10), default=1, show_default=True,
               help="Plan each rank of an expert-parallel group of this many hosts (mlx.launch; --cap is per host).")
-@click.pass_context
 @user_errors
-def plan(ctx_: click.Context, model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str,
+def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str,
          dtype: str | None, runtime_mib: int | None, as_json: bool, images: bool, serving: bool, prefill_chunk: int | str,
          prefetch_width: int | None, io_threads: int, max_pixels: int, no_images: bool, prompt_cache_mib: float,
          max_queue: int, max_body_mib: float, max_connections: int, ranks: int) -> None:
@@ -426,9 +425,7 @@ def plan(ctx_: click.Context, model: Path, cap: float, host_cap: float | None, c
     Exit status 0 when it fits, 2 when it does not (the smallest cap that fits is printed)."""
     from .runtime.plan import default_dtype, plan_for
 
-    given = {k for k in ("max_pixels", *SERVE_PLAN_KEYS)
-             if ctx_.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
-    if not serving and (serve_only := [k for k in SERVE_PLAN_KEYS if k in given]):
+    if not serving and (serve_only := [k for k in SERVE_PLAN_KEYS if given(k)]):
         raise StreamoeError(f"--{serve_only[0].replace('_', '-')} sizes what `serve` plans: add --serve")
     if images and no_images:
         raise StreamoeError("give --images or --no-images, not both")
@@ -436,9 +433,9 @@ def plan(ctx_: click.Context, model: Path, cap: float, host_cap: float | None, c
     bare = model.is_file() and model.suffix == ".json"
     if serving and not no_images and not bare:
         images = images or has_vision(model)
-    if "max_pixels" in given and not images:
-        why = "(--no-images)" if no_images else "(a text-only model)" if serving and not bare else ": add --images"
-        raise StreamoeError(f"--max-pixels sizes the vision account, which this plan has none of {why}")
+    if given("max_pixels") and not images:
+        why = "--no-images" if no_images else "a text-only model" if serving and not bare else "add --images"
+        raise StreamoeError(f"--max-pixels sizes the vision account, and this plan has none ({why})")
     opts = options_of(cap, ctx, experts, kv, dtype, "freq", prefetch_width, 0.05, prefill_chunk, io_threads, False, images,
                       max_pixels, runtime_mib, host_cap)
     plans = []
@@ -521,6 +518,9 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
                      *(((Path(json_schema), "schema file (--json-schema)"),) if json_schema and os.path.isfile(json_schema) else ())))
     sampling = {**(generation_defaults_of(model)), **sampling, "seed": seed}
     vision = bool(images) or (chat and not raw and has_vision(model))  # a text-only model's chat is text
+    if given("max_pixels") and not vision:
+        raise StreamoeError("--max-pixels sizes the vision account, and this run plans none (no --image"
+                            f"{'' if raw or not chat else ': the model has no vision tower'})")
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads, verify,
                       vision, max_pixels, runtime_mib, host_cap)
     status = run_cli(model, opts, prompt=prompt, images=list(images), chat=chat, raw=raw, system=system,
@@ -563,6 +563,11 @@ def generation_defaults_of(model: Path) -> dict:
 
 
 PROMPT_FILE_MAX = 64 << 20  # bytes: far more text than any context holds
+
+
+def given(option: str) -> bool:
+    """Whether the command line (or its environment) set this option of the running command, not its default."""
+    return click.get_current_context().get_parameter_source(option) is not click.core.ParameterSource.DEFAULT
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
@@ -689,6 +694,9 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
     vision = has_vision(model)  # a text-only model serves text, no flag needed
     images = vision and not no_images
     off = "" if images else "was started with --no-images" if vision else "serves a text-only model (no vision tower)"
+    if given("max_pixels") and not images:
+        raise StreamoeError("--max-pixels sizes the vision account, and this server plans none "
+                            f"({'--no-images' if vision else 'a text-only model'})")
     sizes = serve_sizes(prompt_cache_mib, max_queue, max_body_mib, max_connections)
     limits = dataclasses.replace(sizes.pop("limits"), max_image_bytes=int(max_image_mib * (1 << 20)),
                                  max_images=max_images if images else 0, images_off=off)

@@ -130,6 +130,18 @@ def test_plan_refuses_an_option_that_would_size_nothing(tiny_conv, args, needle)
     one_error_line(cli("plan", tiny_conv, *args), needle)
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["run", "-p", "hi", "--max-pixels", "40000"], "this run plans none (no --image)"),
+    (["run", "--raw", "-p", "hi", "--max-pixels", "40000"], "this run plans none (no --image)"),
+    (["serve", "--no-images", "--max-pixels", "40000"], "this server plans none (--no-images)"),
+])
+def test_run_and_serve_refuse_max_pixels_with_no_vision_account(tiny_conv, picture, args, needle):
+    """--max-pixels sizes the vision account; where none is planned it would change nothing: refused before the
+    model opens, as `plan` refuses it (a run with an image, and a server with images, take it)."""
+    one_error_line(cli(args[0], tiny_conv, "--cap", "1", *args[1:]), needle)
+    cli("run", tiny_conv, "--cap", "1", "-p", "hi", "-n", "2", "--max-pixels", "40000", "--image", picture, check=True)
+
+
 def test_chat_turns_and_cli_image(tiny_conv, picture):
     p = cli("run", tiny_conv, "--cap", "1", "--image", picture, "-p", "What is it?", "-n", "4", check=True)
     assert "tok/s" in p.stderr
