@@ -202,7 +202,8 @@ def test_a_peer_that_leaves_mid_answer_stops_the_other_with_one_line(ring, small
     port = free_port_pair()
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
-    env = {**os.environ, "MLX_HOSTFILE": str(hosts), "STREAMOE_RANK_TIMEOUT": "6"}
+    # the watchdog's limit: how long rank 0 waits once rank 1 is gone (here the lost link is not seen first)
+    env = {**os.environ, "MLX_HOSTFILE": str(hosts), "STREAMOE_RANK_TIMEOUT": "3"}
     cmd = [sys.executable, "-m", "streamoe.cli", "run", str(small_conv), "--cap", "0.3", "--ctx", "256",
            "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", PROMPT, "-q"]
     leaver = subprocess.Popen([*cmd, "-n", "2"], env={**env, "MLX_RANK": "1"}, stdout=subprocess.DEVNULL,
