@@ -330,16 +330,18 @@ def answer(client: openai.OpenAI, stream: bool = False, **kw) -> tuple[list[int]
 def test_two_ranks_serve_one_hosts_answers_each_reading_about_half(served):
     """Greedy, streamed and seeded answers equal a single host's; each rank's reads (the answers' telemetry,
     and /metrics) are about half of that host's at rank 0's cap, over the same hot tier on each rank; the
-    ranks idle longer than their watchdog's limit between requests."""
+    ranks idle longer than their watchdog's limit between requests (the single host answers meanwhile: each
+    server gets its requests in the same order, and the two share nothing)."""
     one, two, (c1, c2) = served
-    answers = [(answer(c1, temperature=0), answer(c2, temperature=0)),
-               (answer(c1, True, temperature=0), answer(c2, True, temperature=0)),
-               (answer(c1, temperature=0.9, seed=7, top_p=0.95), answer(c2, temperature=0.9, seed=7, top_p=0.95))]
     json_object = {"response_format": {"type": "json_object"}}  # constrained: each token drawn once the last is read
-    answers.append((answer(c1, temperature=0.9, seed=3, **json_object), answer(c2, temperature=0.9, seed=3, **json_object)))
+    asks = [(False, {"temperature": 0}), (True, {"temperature": 0}),
+            (False, {"temperature": 0.9, "seed": 7, "top_p": 0.95}), (False, {"temperature": 0.9, "seed": 3, **json_object})]
+    ranked = [answer(c2, stream, **kw) for stream, kw in asks]
+    idle_since = time.monotonic()
+    answers = list(zip([answer(c1, stream, **kw) for stream, kw in asks], ranked, strict=True))
     for (want, _), (got, _) in answers:
         assert got == want and len(want) > 0
-    time.sleep(IDLE_TIMEOUT + 1)  # idle past the watchdog's limit: neither rank may stop
+    time.sleep(max(0.0, idle_since + IDLE_TIMEOUT + 1 - time.monotonic()))  # past the watchdog's limit: neither rank may stop
     again, _ = answer(c2, temperature=0)
     assert again == answers[0][0][0]
     full = answers[0][0][1]["mib_read_token"]
