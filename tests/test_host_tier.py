@@ -10,6 +10,7 @@ import ctypes
 import gc
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -53,6 +54,35 @@ def logits_of(conv: Path, opts: Options, steps: int = 12) -> tuple[bytes, Engine
     eng.memory_when_open = mx.get_active_memory(), eng.device_memory()  # (MLX's, the device's: servers report it)
     eng.close()
     return np.stack(out).tobytes(), eng
+
+
+class Run(NamedTuple):
+    """A run of `logits_of` as the tests across caps compare it."""
+
+    logits: bytes
+    bytes_read: int
+    hits_host: int  # picks copied from the host tier
+    host_slots: int
+
+
+def run_at(conv: Path, opts: Options) -> Run:
+    """`logits_of`, each layer's every pick counted once: a hit (hot, lent, read ahead, host) or a miss."""
+    data, eng = logits_of(conv, opts)
+    layers = [ly for s in eng.steps for ly in s.layers]
+    for ly in layers:
+        assert ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.hits_host + ly.misses == ly.picks
+    return Run(data, sum(ly.bytes_read for ly in layers), sum(ly.hits_host for ly in layers), eng.plan.host_slots)
+
+
+@pytest.fixture(scope="module")
+def no_tier(small_conv) -> Run:
+    """The run planned as a discrete GPU's with neither a device tier nor a host tier (the freq policy over the
+    staging slots lent in decode), every filled slot checked against the file: the logits every pair of caps and
+    every host tier must give. Made once for the tests that compare with it; none of them changes it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STREAMOE_SPLIT_MEMORY", "1")
+        mp.setattr(experts_mod, "VERIFY", True)
+        return run_at(small_conv, caps_for(small_conv, 0, None))
 
 
 def test_the_plan_splits_into_the_devices_and_the_hosts_accounts(small_conv, split):
@@ -152,39 +182,32 @@ def test_a_discrete_gpus_prefill_reads_the_next_layer_ahead_whole(small_conv, sp
     assert s_ahead >= 0.9 * picks > u_ahead, (s_ahead, u_ahead, picks)
 
 
-PAIRS = {"freq": [(0, None), (0, 120), (0, 512), (24, 200)], "lru": [(0, None), (24, 200)]}
+PAIRS = {"freq": [(0, 120), (0, 512), (24, 200)], "lru": [(0, None), (24, 200)]}  # freq's (0, None): `no_tier`
 
 
 @pytest.mark.parametrize("tier", ["freq", "lru"])
-def test_logits_bit_identical_at_every_pair_of_caps(small_conv, split, monkeypatch, tier):
+def test_logits_bit_identical_at_every_pair_of_caps(small_conv, split, monkeypatch, no_tier, tier):
     """No host tier, a part of the records, all of them; a device tier of none, or some: the same bits, every slot
     filled with the file's bytes. A host tier that holds everything is filled at open and reads nothing after."""
     monkeypatch.setattr(experts_mod, "VERIFY", True)
-    runs = {}
+    runs = {(0, None): no_tier} if tier == "freq" else {}
     for hot, host in PAIRS[tier]:
-        data, eng = logits_of(small_conv, caps_for(small_conv, hot, host, tier=tier))
-        layers = [ly for s in eng.steps for ly in s.layers]
-        for ly in layers:
-            assert ly.hits_hot + ly.hits_lent + ly.hits_prefetch + ly.hits_host + ly.misses == ly.picks
-        runs[(hot, host)] = (data, sum(ly.bytes_read for ly in layers), sum(ly.hits_host for ly in layers),
-                             eng.plan.host_slots)
-    first = runs[(0, None)][0]
-    assert all(data == first for data, *_ in runs.values()), {k: v[1:] for k, v in runs.items()}
-    assert runs[(0, None)][2] == 0 and runs[(24, 200)][2] > 0
+        runs[(hot, host)] = run_at(small_conv, caps_for(small_conv, hot, host, tier=tier))
+    assert all(r.logits == no_tier.logits for r in runs.values()), {k: v[1:] for k, v in runs.items()}
+    assert runs[(0, None)].hits_host == 0 and runs[(24, 200)].hits_host > 0
     if tier == "freq":
-        assert runs[(0, 120)][3] == 120 and runs[(0, 512)][3] == 512
-        assert runs[(0, 512)][1] == 0 and runs[(0, 512)][2] > 0  # every miss copied from the host, none read
-        assert 0 < runs[(0, 120)][2] and runs[(0, 120)][1] < runs[(0, None)][1]
+        assert runs[(0, 120)].host_slots == 120 and runs[(0, 512)].host_slots == 512
+        assert runs[(0, 512)].bytes_read == 0 and runs[(0, 512)].hits_host > 0  # every miss copied from the host, none read
+        assert 0 < runs[(0, 120)].hits_host and runs[(0, 120)].bytes_read < runs[(0, None)].bytes_read
 
 
 @pytest.mark.parametrize("hot,host", [(0, 512), (24, 200)])
-def test_guesses_copied_ahead_from_the_host_tier_change_no_bit(small_conv, split, monkeypatch, hot, host):
+def test_guesses_copied_ahead_from_the_host_tier_change_no_bit(small_conv, split, monkeypatch, no_tier, hot, host):
     """Through the upload ring (a discrete GPU's path), the next layer's guesses held in the host tier are copied
     into device slots while a layer computes: right ones are hits there, wrong ones stay as tier entries, each such
     slot holds the file's bytes when its layer lands, and the logits are those of a run without a host tier."""
     monkeypatch.setattr(experts_mod, "VERIFY", True)
     monkeypatch.setattr(experts_mod, "DIRECT_WRITES", False)
-    want, _ = logits_of(small_conv, caps_for(small_conv, 0, None))
     eng = Engine(small_conv, caps_for(small_conv, hot, host))
     assert not eng.experts.pools.direct and eng.plan.host_slots == host
     out = [np.array(eng.prefill(eng.text.encode(PROMPTS[2])).astype(mx.float32))]
@@ -199,7 +222,7 @@ def test_guesses_copied_ahead_from_the_host_tier_change_no_bit(small_conv, split
     if host == 512:  # no disk guesses: every read-ahead hit was copied ahead, declined guesses in scratch slots too
         # (skipping the guesses the device tier declined left 14 of 768 picks copied ahead here, against 337)
         assert sum(ly.hits_prefetch for ly in layers) >= sum(ly.picks for ly in layers) // 4
-    assert np.stack(out).tobytes() == want
+    assert np.stack(out).tobytes() == no_tier.logits
 
 
 def test_a_withdrawn_read_leaves_its_host_slot_empty(small_conv):
@@ -436,7 +459,7 @@ def test_records_copied_by_the_copy_engine_change_no_bit(small_conv, split, monk
     assert np.stack(out).tobytes() == bf16_logits
 
 
-def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_conv, split, monkeypatch):
+def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_conv, split, monkeypatch, no_tier):
     """Where the host cap holds every expert and the device does not (`host_reads`), the pools are host memory with
     every expert in them: the run is resident (no round trip a layer, nothing read after open), the device's hot tier
     and upload ring are gone from its plan, and the logits are those of a run without a host tier, decode reading
@@ -446,7 +469,7 @@ def test_every_expert_in_host_memory_is_read_in_place_with_the_same_bits(small_c
     from dataclasses import replace
 
     monkeypatch.setattr(experts_mod, "VERIFY", True)
-    want, _ = logits_of(small_conv, caps_for(small_conv, 0, None))
+    want = no_tier.logits
     opts = replace(caps_for(small_conv, 80, 580), host_reads=True)  # 512 slots (float32 scales) of 569 records
     assert plan_for(small_conv, replace(opts, host_reads=None)).host_reads  # the default
     monkeypatch.setenv("STREAMOE_HOST_READS", "0")
