@@ -428,9 +428,9 @@ def test_gpu_experts_grouped_by_expert_are_the_per_pair_bits(dtype):
 
 
 def test_gpu_a_chunk_of_many_blocks_stays_inside_its_activation_account(small_conv, monkeypatch):
-    """On a GPU the host queues a chunk's blocks faster than the device runs them: MLX's peak over a 33-block chunk
+    """On a GPU the host queues a chunk's blocks faster than the device runs them: MLX's peak over a 38-block chunk
     still within the plan's activation account (one block's temporaries), each block queued once the one before it
     is computed (`kernels.run_layers`)."""
-    from .test_runtime import test_a_chunk_of_many_blocks_stays_inside_its_activation_account as check
+    from .test_runtime import chunk_of_many_blocks
 
-    check(small_conv, monkeypatch)
+    chunk_of_many_blocks(small_conv, monkeypatch, 600)

@@ -568,7 +568,14 @@ def test_a_chunk_of_many_blocks_stays_inside_its_activation_account(small_conv, 
     chunk's residual rows. A block is queued only once the one before it is settled: on a GPU, whose host queues
     blocks faster than the device runs them, a layer's blocks otherwise all held their temporaries at once (this
     CPU keeps pace with its host, so here the count of settled blocks shows it: two waits a block after the first,
-    one before its routing and one before its experts, in every layer)."""
+    one before its routing and one before its experts, in every layer; 13 blocks show it as 38 do, which the GPU
+    test runs to hold its memory to the account)."""
+    chunk_of_many_blocks(small_conv, monkeypatch, 200)
+
+
+def chunk_of_many_blocks(conv: Path, monkeypatch, tokens: int) -> None:
+    """The check of the test above over a prompt of `tokens` tokens in blocks of 16, one chunk of a context 40
+    tokens longer, at a cap 128 expert slots above the fixed accounts (it streams)."""
     from streamoe.runtime import plan as plan_mod
     from streamoe.runtime.models import kernels
 
@@ -576,11 +583,12 @@ def test_a_chunk_of_many_blocks_stays_inside_its_activation_account(small_conv, 
     settled = []
     settle = kernels.settle
     monkeypatch.setattr(kernels, "settle", lambda x, *a: (settled.append(x.shape), settle(x, *a)))
-    opts = dict(ctx=640, prefill_chunk="auto", runtime_bytes=RUNTIME)
-    base = plan_for(small_conv, Options(cap_gib=64, **opts))
-    eng = Engine(small_conv, Options(cap_gib=(base.fixed + 128 * base.slot_bytes + 1) / 2**30, **opts))
-    ids = (eng.text.encode(PROMPTS[1]) * 40)[:600]
-    assert not eng.experts.resident and eng.plan.prefill_step == 16 and eng.plan.prefill_chunk >= 600
+    opts = dict(ctx=tokens + 40, prefill_chunk="auto", runtime_bytes=RUNTIME)
+    base = plan_for(conv, Options(cap_gib=64, **opts))
+    eng = Engine(conv, Options(cap_gib=(base.fixed + 128 * base.slot_bytes + 1) / 2**30, **opts))
+    ids = (eng.text.encode(PROMPTS[1]) * 40)[:tokens]
+    assert len(ids) == tokens
+    assert not eng.experts.resident and eng.plan.prefill_step == 16 and eng.plan.prefill_chunk >= tokens
     held = mx.get_active_memory()
     mx.reset_peak_memory()
     mx.eval(eng.prefill(ids))
