@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import jsonschema
 import mlx.core as mx
@@ -222,55 +223,81 @@ def test_guesses_follow_the_waste_budget_and_never_change_the_logits(small_conv)
     assert lo[0] == mid[0] == hi[0]
 
 
-def test_hits_computed_while_misses_are_read_give_the_same_bits(small_conv, monkeypatch):
-    """A decode step's hits start computing before its misses land (two calls, rows put back in rank order):
-    the logits equal one call's, and the early path really ran."""
-    from streamoe.runtime import experts as experts_mod
-
-    calls = []
-    real = experts_mod.StreamingExperts._compute
-    monkeypatch.setattr(experts_mod.StreamingExperts, "_compute", lambda self, x, s: (calls.append(s.shape), real(self, x, s))[1])
-    split, _ = run_logits(small_conv, 24, steps=8)
-    assert any(shape[-1] < 8 for shape in calls)  # some layers computed their hits apart
-    monkeypatch.setattr(experts_mod, "HITS_FIRST", False)
-    calls.clear()
-    whole, _ = run_logits(small_conv, 24, steps=8)
-    assert all(shape[-1] == 8 for shape in calls) and split == whole
-
-
-def test_routed_experts_queued_with_the_next_mixer_give_the_same_bits(small_conv, monkeypatch):
-    """Without a launch of their own (`experts.QUEUE_OUTPUT` empty), a layer's routed experts are computed in the
-    next layer's fence: the logits equal the queued run's, with at least one launch fewer per streamed decode layer."""
-    from streamoe.runtime import experts as experts_mod
-
-    queued = []
-    real = mx.async_eval
-    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(a), real(*a))[1])
-    alone, _ = run_logits(small_conv, 24, steps=8)
-    n_alone = len(queued)
-    monkeypatch.setattr(experts_mod, "QUEUE_OUTPUT", ())
-    queued.clear()
-    together, eng = run_logits(small_conv, 24, steps=8)
-    streamed = sum(1 for s in eng.steps if s.phase == "decode" for _ in s.layers)
-    assert together == alone
-    assert n_alone - len(queued) >= streamed > 0
-
-
 def prefill_bytes(eng: Engine) -> int:
     return sum(s.bytes_read for s in eng.steps if s.phase == "prefill")
 
 
-def test_prefill_chunk_changes_what_is_read_never_the_logits(small_conv, monkeypatch):
+class Streamed(NamedTuple):
+    """`run_logits` at 24 hot slots with the default options (chunks of 16 tokens), 8 decode steps."""
+
+    logits: bytes
+    computed: list[tuple[int, ...]]  # the slots' shape of each call of the experts' kernels (`_compute`)
+    queued: int  # mx.async_eval calls
+    prefill_read: int  # bytes prefill read
+    prompt_tokens: int
+
+    def first(self, steps: int) -> bytes:
+        """The logits of the prefill and the first `steps` decode steps (a run of `steps` steps gives these)."""
+        return self.logits[: len(self.logits) // 9 * (steps + 1)]
+
+
+@pytest.fixture(scope="module")
+def at_24_slots(small_conv) -> Streamed:
+    """The run three tests compare with, made once: with its hits computed before its misses land, its experts
+    queued on their own, and prefill chunks of 16 tokens (the defaults), counting its kernels' calls as it goes."""
+    from streamoe.runtime import experts as experts_mod
+
+    computed, queued = [], []
+    compute, async_eval = experts_mod.StreamingExperts._compute, mx.async_eval
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(experts_mod.StreamingExperts, "_compute", lambda self, x, s: (computed.append(s.shape), compute(self, x, s))[1])
+        mp.setattr(mx, "async_eval", lambda *a: (queued.append(a), async_eval(*a))[1])
+        data, eng = run_logits(small_conv, 24, steps=8)
+    return Streamed(data, computed, len(queued), prefill_bytes(eng), len(eng.text.encode(PROMPTS[2])))
+
+
+def test_hits_computed_while_misses_are_read_give_the_same_bits(small_conv, monkeypatch, at_24_slots):
+    """A decode step's hits start computing before its misses land (two calls, rows put back in rank order):
+    the logits equal one call's, and the early path really ran."""
+    from streamoe.runtime import experts as experts_mod
+
+    split = at_24_slots
+    assert any(shape[-1] < 8 for shape in split.computed)  # some layers computed their hits apart
+    calls = []
+    real = experts_mod.StreamingExperts._compute
+    monkeypatch.setattr(experts_mod.StreamingExperts, "_compute", lambda self, x, s: (calls.append(s.shape), real(self, x, s))[1])
+    monkeypatch.setattr(experts_mod, "HITS_FIRST", False)
+    whole, _ = run_logits(small_conv, 24, steps=8)
+    assert all(shape[-1] == 8 for shape in calls) and split.logits == whole
+
+
+def test_routed_experts_queued_with_the_next_mixer_give_the_same_bits(small_conv, monkeypatch, at_24_slots):
+    """Without a launch of their own (`experts.QUEUE_OUTPUT` empty), a layer's routed experts are computed in the
+    next layer's fence: the logits equal the queued run's, with at least one launch fewer per streamed decode layer."""
+    from streamoe.runtime import experts as experts_mod
+
+    alone = at_24_slots
+    queued = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(a), real(*a))[1])
+    monkeypatch.setattr(experts_mod, "QUEUE_OUTPUT", ())
+    together, eng = run_logits(small_conv, 24, steps=8)
+    streamed = sum(1 for s in eng.steps if s.phase == "decode" for _ in s.layers)
+    assert together == alone.logits
+    assert alone.queued - len(queued) >= streamed > 0
+
+
+def test_prefill_chunk_changes_what_is_read_never_the_logits(small_conv, monkeypatch, at_24_slots):
     """`--prefill-chunk auto`: the plan's chunk (larger where the cap leaves room) reads each layer's experts once
     for all its tokens, and its kernels run over PREFILL_STEP tokens at a time whatever the chunk; so the logits
     equal chunks of PREFILL_STEP tokens bit for bit at every cap, with or without the next layer's reads in
-    flight while a layer computes, and the larger chunks read less."""
+    flight while a layer computes, and the larger chunks read less. (The chunks of 16: `at_24_slots`, whose
+    chunks are 16 tokens whatever PREFILL_STEP is.)"""
     from streamoe.runtime import experts as experts_mod
     from streamoe.runtime import plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "PREFILL_STEP", 16)
-    want, eng16 = run_logits(small_conv, 24, steps=3, chunk=16)
-    n = len(eng16.text.encode(PROMPTS[2]))
+    want, n = at_24_slots.first(3), at_24_slots.prompt_tokens
     runs = {slots: run_logits(small_conv, slots, steps=3, chunk="auto") for slots in (0, 2, 200, None)}
     monkeypatch.setattr(experts_mod, "PREFILL_AHEAD", False)
     runs["not ahead"] = run_logits(small_conv, 2, steps=3, chunk="auto")
@@ -279,7 +306,7 @@ def test_prefill_chunk_changes_what_is_read_never_the_logits(small_conv, monkeyp
     assert 16 < chunks[2] < n <= chunks[200] and chunks[2] % 16 == 0  # several chunks; one
     for key, (data, _) in runs.items():
         assert data == want, f"logits differ at {key}"
-    assert prefill_bytes(runs[2][1]) < prefill_bytes(eng16) and prefill_bytes(runs[200][1]) < prefill_bytes(runs[2][1])
+    assert prefill_bytes(runs[2][1]) < at_24_slots.prefill_read and prefill_bytes(runs[200][1]) < prefill_bytes(runs[2][1])
     ahead = {key: sum(ly.hits_prefetch for s in eng.steps if s.phase == "prefill" for ly in s.layers)
              for key, (_, eng) in runs.items()}
     assert ahead[2] > 0 and ahead["not ahead"] == 0
