@@ -445,11 +445,12 @@ def test_unwritable_and_odd_outputs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file"]
 
 
-def test_small_for_caching(tmp_path):
+def test_small_for_caching(small_ckpt):
+    """The session's small checkpoint (what the runtime tests stream from): its table, and mlx-lm loads it."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    out = make(tmp_path / "small", size="small", seed=7)
+    out = small_ckpt
     tensors = headers(out)
     assert len(tensors) == 390
     up = tensors["language_model.model.layers.5.mlp.switch_mlp.up_proj.weight"]
