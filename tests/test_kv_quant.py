@@ -22,7 +22,7 @@ from streamoe.runtime.plan import attention_elements, make_plan, plan_for, plan_
 from streamoe.runtime.serve import prompt_cache
 from streamoe.runtime.session import load_session, save_session
 
-from .conftest import RUNTIME, TINY_MODEL, cli
+from .conftest import RUNTIME, cli
 
 PROMPT = [5, 17, 300, 41, 9, 77, 120, 3, 64, 250, 11, 40, 41, 42, 500, 7, 99, 12, 13]
 
@@ -248,12 +248,8 @@ def test_long_context_bench_runs_each_format(tiny_conv, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    from streamoe.convert.convert import convert
-
-    out = tmp_path_factory.mktemp("trained") / "conv"
-    convert(TINY_MODEL, out, formats=["q4"], progress=False)
-    return out
+def trained(trained_conv):
+    return trained_conv
 
 
 @pytest.mark.parametrize("kv", ["q8"])

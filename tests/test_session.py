@@ -24,7 +24,7 @@ from streamoe.runtime.sampling import Sampler
 from streamoe.runtime.session import load_session, save_session
 from streamoe.runtime.text import TextIO
 
-from .conftest import RUNTIME, TINY_MODEL, cli, one_error_line
+from .conftest import RUNTIME, cli, one_error_line
 
 FIRST, SECOND = [5, 17, 300, 41, 9, 77, 120, 3, 64, 250, 11], [40, 41, 42, 500, 7]
 
@@ -90,10 +90,8 @@ def test_session_file_is_safetensors_in_zstd(tiny_conv, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trained") / "conv"
-    convert(TINY_MODEL, out, formats=["q4"], progress=False)
-    return out
+def trained(trained_conv):
+    return trained_conv
 
 
 def test_cli_chat_split_by_a_saved_session_is_the_same_chat(trained, tmp_path):
