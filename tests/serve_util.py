@@ -89,7 +89,7 @@ def answers_health(url: str, proc: subprocess.Popen, timeout: float, exited) -> 
                 return True
         except OSError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)
     return False
 
 
