@@ -33,7 +33,7 @@
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
 #   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy), 11 rounds: best runs
-#   bash bench/h200.sh prefill   # long prompts (2K, 8K, 32K tokens; PROMPTS=) at --cap 4, q4 and q3 (EXPERTS=q4: q4 only), and q4 resident
+#   bash bench/h200.sh prefill   # long prompts (2K, 8K, 32K tokens; PROMPTS=) at --cap 4, q4 and q3 (EXPERTS=q4: q4 only), and q4 resident (CAPS=4: not)
 #                                (compute alone): prefill time against the disk
 #   bash bench/h200.sh longctx   # --ctx 131072 at --cap 4 with bf16, q8 and q4 KV side by side: plan, hot tier, decode
 #   bash bench/h200.sh sampling-small  # the same, resident, on the small layers with the real vocabulary (no full checkpoint)
@@ -185,7 +185,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     ;;
   prefill)
     for q in ${EXPERTS//,/ }; do
-      python3 -m bench.prefill --model "$S/full-conv" --caps "$([ $q = q4 ] && echo resident,4 || echo 4)" --experts $q \
+      python3 -m bench.prefill --model "$S/full-conv" --caps "${CAPS:-$([ $q = q4 ] && echo resident,4 || echo 4)}" --experts $q \
         --prompts "${PROMPTS:-2048,8192,32768}" --warmup 512 \
         --out "$OUT/prefill-h200-$q-$(echo "${PROMPTS:-2048,8192,32768}" | tr , -)" | grep -v '^ '
     done

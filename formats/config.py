@@ -271,6 +271,11 @@ class ModelArgs:
 
 
     @property
+    def attention_sinks(self) -> bool:
+        """Whether every attention head has a learned sink logit joining its softmax (gpt-oss)."""
+        return self.model_type == "gpt_oss"
+
+    @property
     def n_full_attention(self) -> int:
         return sum(1 for t in self.layer_types if t == FULL)
 

@@ -423,15 +423,22 @@ def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool =
 
 def attention_elements(a: ModelArgs, ctx: int, chunk: int, item: int, kv_bits: int | None = None) -> int:
     """Values of `item` bytes one chunk's attention holds at once, before `activation_bytes`' 1.5 margin: the
-    chunk's q/k/v rows, and its scores against the whole context, twice (scores and softmax). A quantized KV
-    cache's attention (`kernels.quantized_attention`) scores a block of `score_rows` query positions at a time,
-    so only one block's scores, their masked copy and their softmax exist at once (measured with
-    mx.get_peak_memory at 1K-8K contexts: tests/test_kv_quant.py holds this as an upper bound). Where the keys'
-    scoring multiplies dequantized keys (`kernels.dequantizes_one_group`: CUDA, a head no wider than a group, as
-    gpt-oss's 64), every KV head's keys as float32 and a block's scores as float32 count too."""
+    chunk's q/k/v rows, and its scores against the whole context. MLX's attention
+    (`mx.fast.scaled_dot_product_attention`, which on the CPU and in a CUDA prefill step multiplies, masks and
+    takes the softmax as separate ops) holds one score array: the mask and the softmax write over it (measured
+    with mx.get_peak_memory: 1.01-1.27 score arrays on the CPU at 2K-4K contexts; 8.3 KiB per context token on
+    an H100 at a 256-token bf16 step, one array's 8), three where a sink logit joins each head's softmax
+    (gpt-oss: the scores with the sinks' column joined, and their softmax; 3.02-3.04 measured). tests/test_plan.py
+    holds both as upper bounds.
+    A quantized KV cache's attention (`kernels.quantized_attention`) scores a block of `score_rows` query
+    positions at a time, and its block's scores, their masked copy and their softmax exist at once (measured at
+    1K-8K contexts: tests/test_kv_quant.py holds this as an upper bound). Where the keys' scoring multiplies
+    dequantized keys (`kernels.dequantizes_one_group`: CUDA, a head no wider than a group, as gpt-oss's 64),
+    every KV head's keys as float32 and a block's scores as float32 count too."""
     nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
     rows = chunk if kv_bits is None else min(chunk, score_rows(nq, max(ctx, 1), item))
-    n = chunk * (2 * nq * hd + 2 * nkv * hd) + 2 * nq * rows * ctx
+    scores = (3 if a.attention_sinks else 1) if kv_bits is None else 2
+    n = chunk * (2 * nq * hd + 2 * nkv * hd) + scores * nq * rows * ctx
     if kv_bits is not None and dequantizes_one_group(hd, KV_GROUP):
         n += (nkv * ctx * hd + nq * rows * ctx) * 4 // item
     return n
