@@ -613,7 +613,8 @@ def chunk_of_many_blocks(conv: Path, monkeypatch, tokens: int) -> None:
     opts = dict(ctx=tokens + 40, prefill_chunk="auto", runtime_bytes=RUNTIME)
     base = plan_for(conv, Options(cap_gib=64, **opts))
     eng = Engine(conv, Options(cap_gib=(base.fixed + 128 * base.slot_bytes + 1) / 2**30, **opts))
-    ids = (eng.text.encode(PROMPTS[1]) * 40)[:tokens]
+    text = eng.text.encode(PROMPTS[1])
+    ids = (text * (tokens // len(text) + 1))[:tokens]
     assert len(ids) == tokens
     assert not eng.experts.resident and eng.plan.prefill_step == 16 and eng.plan.prefill_chunk >= tokens
     held = mx.get_active_memory()
