@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from ..formats.errors import StreamoeError, fail
 from ..formats.files import write_whole
@@ -25,16 +26,27 @@ from .telemetry import summary_line
 from .text import Detokenizer
 
 
+def prefill_bar(tokens: int, show: bool, **tqdm_options) -> tqdm:
+    """The prompt's prefill on stderr: shown only on a terminal and once it has taken a second (a short prompt shows
+    none), gone when the answer starts."""
+    return tqdm(total=tokens, desc="prefill", unit=" tok", file=sys.stderr, disable=None if show else True,
+                leave=False, dynamic_ncols=True, **{"delay": 1.0, **tqdm_options})
+
+
 def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler, logits: list | None,
            images: list | None = None, context: list[int] | None = None,
-           constraint: Constraint | None = None, stop: threading.Event | None = None) -> list[int]:
+           constraint: Constraint | None = None, stop: threading.Event | None = None, progress: bool = False) -> list[int]:
     """The answer's tokens, streamed to stdout. Once `stop` is set (Ctrl-C in a chat) it ends after the token in
     hand, which is then fed as the last token of an answer cut by --max-tokens is: the conversation holds what
-    was shown (unless the context is full, where that token is left out of it and of what is returned)."""
+    was shown (unless the context is full, where that token is left out of it and of what is returned).
+    `progress`: a bar for the prompt's prefill (`prefill_bar`)."""
     detok = Detokenizer(eng.text)
     out = []
-    tokens = eng.generate(prompt_ids, max_tokens, sampler, images=images, context=context, constraint=constraint)
+    bar = prefill_bar(len(prompt_ids), progress)
+    tokens = eng.generate(prompt_ids, max_tokens, sampler, images=images, context=context, constraint=constraint,
+                          progress=lambda n: bar.update(n - bar.n))
     for tok, lg in tokens:
+        bar.close()  # the prompt is in: the bar gives way to the answer
         if logits is not None:
             logits.append(lg)
         out.append(tok)
@@ -45,6 +57,7 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
     else:
         stop = None
     tokens.close()  # a step queued past the last token is taken back
+    bar.close()
     sys.stdout.write("\n")
     if stop is not None and out:
         print("(stopped)", file=sys.stderr, flush=True)
@@ -176,7 +189,7 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             try:
                 with ctrl_c_stops_the_answer(chat and group is None) as stop:
                     out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids,
-                                 constraint=constraint, stop=stop)
+                                 constraint=constraint, stop=stop, progress=not quiet and eng.opts.rank == 0)
             except StreamoeError as e:  # a chat's turn refused before it changed the conversation: the chat goes on
                 if not chat or group is not None or eng.offset != offset0 or len(eng.steps) != n0:
                     raise

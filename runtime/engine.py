@@ -161,17 +161,19 @@ class Engine:
 
     # ---- one forward step over a chunk of tokens
     def forward(self, tokens: list[int], phase: str, positions: mx.array | None = None,
-                embeddings: mx.array | None = None) -> mx.array:
-        """Logits of the last token after feeding `tokens` (a prefill chunk or one decoded token)."""
+                embeddings: mx.array | None = None, on_layer: Callable[[int], None] | None = None) -> mx.array:
+        """Logits of the last token after feeding `tokens` (a prefill chunk or one decoded token); `on_layer(i)`
+        once a prefill's layer i is queued."""
         if self.offset + len(tokens) > self.opts.ctx:
             raise StreamoeError(f"prompt of {self.offset + len(tokens)} tokens is longer than the planned context "
                                 f"--ctx {self.opts.ctx}")
         h = embeddings if embeddings is not None else self.model.embed(mx.array([tokens]))
-        logits = self._step(h, phase, positions)
+        logits = self._step(h, phase, positions, on_layer)
         self._finish(logits)
         return logits
 
-    def _step(self, h: mx.array, phase: str, positions: mx.array | None = None) -> mx.array:
+    def _step(self, h: mx.array, phase: str, positions: mx.array | None = None,
+              on_layer: Callable[[int], None] | None = None) -> mx.array:
         """Queue one step over h [1, T, H]: the model's layer loop and head, lazily where every expert is
         resident (a capped run syncs once per layer for its picks). Advances the offset; returns logits [V]."""
         T = h.shape[1]
@@ -183,7 +185,7 @@ class Engine:
         conv = self.conversation
         pos = positions if positions is not None else conv.offset + conv.rope_delta
         block = self.plan.prefill_step if phase == "prefill" else None  # prefill: layer by layer, in steps
-        hs = self.model.layers_forward(h, conv.caches, pos, self.provider, block)
+        hs = self.model.layers_forward(h, conv.caches, pos, self.provider, block, on_layer)
         if self.scorer is not None and phase == "prefill":  # every position's prediction, not only the last
             self.scorer(self.model, hs, conv.offset)
         logits = self.model.head(hs[:, -1:, :])
@@ -206,37 +208,42 @@ class Engine:
         self.rss = current_rss()
         self.peak_rss = max(self.peak_rss, self.rss)
 
-    def prefill(self, tokens: list[int]) -> mx.array:
-        """A prompt, in chunks, expert-major through the staging slots (taken back from the tier first)."""
+    def prefill(self, tokens: list[int], progress: Callable[[int], None] | None = None) -> mx.array:
+        """A prompt, in chunks, expert-major through the staging slots (taken back from the tier first).
+        `progress(n)`: about n of the prompt's tokens are through every layer, called as each chunk's layers are
+        queued (a chunk's tokens go through its layers together, so n counts a chunk's tokens by its layers)."""
         if not tokens:
             raise StreamoeError("empty prompt")
         if self.offset + len(tokens) > self.opts.ctx:
             raise StreamoeError(f"prompt of {len(tokens)} tokens (+{self.offset} in context) is longer than the planned "
                                 f"context --ctx {self.opts.ctx}")
-        return self._prefill_chunks(tokens)
+        return self._prefill_chunks(tokens, progress=progress)
 
     def decode(self, token: int) -> mx.array:
         """Feed one generated token; returns the next logits."""
         return self.forward([token], "decode")
 
-    def _prefill_chunks(self, ids: list[int], positions: mx.array | None = None, emb: mx.array | None = None) -> mx.array:
+    def _prefill_chunks(self, ids: list[int], positions: mx.array | None = None, emb: mx.array | None = None,
+                        progress: Callable[[int], None] | None = None) -> mx.array:
         """Take the staging slots back from the tier, run the prompt chunk by chunk, lend them again. A chunk is
         the plan's (`--prefill-chunk auto`: as many tokens as fit beside the fixed accounts): each of its layers
         reads its experts once, and its kernels run over `plan.prefill_step` tokens at a time, so the chunk
         changes what is read, never the logits."""
         self.experts.begin_prompt()
-        c = self.plan.prefill_chunk
+        c, n = self.plan.prefill_chunk, self.args.num_hidden_layers
         try:
             for a in range(0, len(ids), c):
                 b = min(len(ids), a + c)
+                on_layer = None if progress is None else (lambda i, a=a, b=b: progress(a + (b - a) * (i + 1) // n))
                 logits = self.forward(ids[a:b], "prefill", positions=None if positions is None else positions[:, :, a:b],
-                                      embeddings=None if emb is None else emb[:, a:b])
+                                      embeddings=None if emb is None else emb[:, a:b], on_layer=on_layer)
         finally:
             self.experts.end_prompt()
         return logits
 
     def generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, images: list | None = None,
-                 context: list[int] | None = None, constraint: Constraint | None = None):
+                 context: list[int] | None = None, constraint: Constraint | None = None,
+                 progress: Callable[[int], None] | None = None):
         """Yield generated token ids (stop token excluded) with their float32 logits (lazy mx arrays [V]).
 
         One loop for every sampler and cap. The token is chosen on the device (`runtime/sampling.py`), so
@@ -253,12 +260,13 @@ class Engine:
         while the grammar is off (a lazy one between calls, or the reasoning before a JSON answer) the token is
         drawn ahead unmasked as without one, and drawn again, masked and with the same key, where this token
         switches the grammar on. Across ranks a constrained token is always drawn once the previous one is read.
+        `progress`: the prompt's prefill as it goes (`prefill`; not for a prompt with images).
 
         Timing (`StepStats.t_token`, `ms`): a step that gives a token is stamped when the token reaches the
         caller, and a decode step's `ms` is the interval since the previous token did, so the summary's
         tok/s is the rate the caller sees, whatever was overlapped."""
         t_start = time.perf_counter()
-        logits = prefill_images(self, prompt, images) if images else self.prefill(prompt)
+        logits = prefill_images(self, prompt, images) if images else self.prefill(prompt, progress)
         pen = sampler.start(prompt if context is None else context, logits.shape[0])
         drawn = sampler.drawn
 

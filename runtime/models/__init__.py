@@ -13,7 +13,8 @@ and the experts provider use of a `Model`:
 - `make_cache(max_tokens, kv_dtype, batch=1, kv_bits=None) -> list`: one cache per layer (`cache.py`:
   `KVCache`/`QuantizedKVCache` for attention, the family's own state class for other mixers)
 - `embed(tokens [B, L]) -> h [B, L, H]`
-- `layers_forward(h, cache, positions, experts, step=None) -> h`: the layer loop (`kernels.run_layers`);
+- `layers_forward(h, cache, positions, experts, step=None, on_layer=None) -> h`: the layer loop
+  (`kernels.run_layers`; `on_layer(i)` once a prefill's layer i is queued);
   positions is the int position of h's first token, or the family's position array (M-RoPE: [3, B, L])
 - `head(h) -> logits [B, L, V]`
 - `router_logits(i, x)`: layer i's router on x (the cross-layer guess), and `route(logits) -> (inds, scores)`:

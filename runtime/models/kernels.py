@@ -796,7 +796,7 @@ class ResidentExperts:
 
 
 def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array, rope, experts,
-               step: int | None = None) -> mx.array:
+               step: int | None = None, on_layer: Callable[[int], None] | None = None) -> mx.array:
     """Every decoder layer over h [B, L, H] with its cache entry. A layer has `mix(h, cache, rope, rot) -> (h, x)`
     (the residual stream after its mixer, the MoE block's input), `front(h, cache, rope, rot) -> (h, x, routed)`
     (the same and x's routing; compiled for one token) and `mlp` with `route(x) -> routed` and
@@ -823,7 +823,8 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     the device runs them, and a queued block's temporaries are allocated as it is queued, so a layer's blocks could
     all hold theirs at once (on the H200, q3 at `--cap 4`, an 8K-token chunk of 33 blocks: MLX's peak 1.8 GB
     above what the engine held, against an activation account of 0.4 GB for one block). Building a block's graph,
-    the host's part, still overlaps the device's run of the block before it."""
+    the host's part, still overlaps the device's run of the block before it. `on_layer(i)` (prefill) is called
+    once layer i is queued, the layer before it settled: a long prompt's progress."""
     if step is None:
         rot = rope.prepare(positions) if rope is not None else None
         queue_input = experts.queue if getattr(experts, "eager_mixer", False) else None  # each MoE input once built
@@ -845,7 +846,7 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
     rots = [rope.prepare(r) if rope is not None else None for r in rots]
     prepare = getattr(experts, "prepare", None)
     if len(spans) == 1:  # one block keeps its MoE input and routing: nothing to recompute
-        return _layers_of_one_block(layers, h, cache, rope, rots[0], experts, prepare)
+        return _layers_of_one_block(layers, h, cache, rope, rots[0], experts, prepare, on_layer)
     hs = [h[:, a:b] for a, b in spans]
     for i, layer in enumerate(layers):
         blocks, queued = [], None
@@ -872,6 +873,8 @@ def run_layers(layers: list, h: mx.array, cache: list, positions: int | mx.array
             hs.append(layer.mlp.finish(i, xj, experts, hj, inds, *rest))
             mx.async_eval(hs[-1])
             queued = hs[-1]
+        if on_layer is not None:
+            on_layer(i)
     return mx.concatenate(hs, axis=1)
 
 
@@ -900,7 +903,8 @@ def _run_ahead(layers: list, h: mx.array, cache: list, rope, rot, experts, start
     return layers[missed].mlp.finish(missed, x, experts, hi, *routed), missed + 1
 
 
-def _layers_of_one_block(layers: list, h: mx.array, cache: list, rope, rot, experts, prepare) -> mx.array:
+def _layers_of_one_block(layers: list, h: mx.array, cache: list, rope, rot, experts, prepare,
+                         on_layer: Callable[[int], None] | None = None) -> mx.array:
     """Every layer over a chunk of one block (each chunk where every expert is resident, and a capped chunk no longer
     than a step), each layer's experts queued only once the layer before it (for the first, the block's input) is
     settled. A GPU's host builds and
@@ -920,6 +924,8 @@ def _layers_of_one_block(layers: list, h: mx.array, cache: list, rope, rot, expe
         h = layer.mlp.finish(i, x, experts, h, inds, *routed)
         mx.async_eval(h)
         queued = h
+        if on_layer is not None:
+            on_layer(i)
     return h
 
 
@@ -1059,12 +1065,13 @@ class TextModel:
         """[B, L] token ids -> [B, L, H]: the rows of the quantized embedding, dequantized."""
         return self.embed_tokens(tokens, self.dtype)
 
-    def layers_forward(self, h: mx.array, cache: list, positions: int, experts, step: int | None = None) -> mx.array:
+    def layers_forward(self, h: mx.array, cache: list, positions: int, experts, step: int | None = None,
+                       on_layer: Callable[[int], None] | None = None) -> mx.array:
         """Every decoder layer over h [B, L, H] (`run_layers`); positions: the int position of h's first token."""
         if not isinstance(positions, int):
             raise StreamoeError(f"{self.args.model_type} is a text model: its positions are the tokens' indices, "
                                 "not image positions")
-        return run_layers(self.layers, h, cache, positions, self.rope, experts, step)
+        return run_layers(self.layers, h, cache, positions, self.rope, experts, step, on_layer)
 
     def head(self, h: mx.array) -> mx.array:
         return self.lm_head(mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps))

@@ -13,6 +13,8 @@ prompt into differently sized calls changes rounding (matmul shapes, attention a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -260,11 +262,11 @@ class Model:
         return self.embed_tokens(tokens, self.dtype)
 
     def layers_forward(self, h: mx.array, cache: list, positions: int | mx.array, experts,
-                       step: int | None = None) -> mx.array:
+                       step: int | None = None, on_layer: Callable[[int], None] | None = None) -> mx.array:
         """Every decoder layer over h [B, L, H] (`kernels.run_layers`). positions: the int position of h's first
         token for plain text, or [3, B, L] int32 (t, h, w) M-RoPE positions."""
         rope = self.rope if self.args.n_full_attention else None
-        return run_layers(self.layers, h, cache, positions, rope, experts, step)
+        return run_layers(self.layers, h, cache, positions, rope, experts, step, on_layer)
 
     def router_logits(self, i: int, x: mx.array) -> mx.array:
         return self.layers[i].mlp.gate(x)
