@@ -18,7 +18,7 @@ from ..formats.errors import StreamoeError, fail
 from ..formats.files import write_whole
 from ..formats.manifest import load_manifest
 from . import ranks, session
-from .constrain import Constraint, guide_tokenizer, json_grammar
+from .constrain import Constraint, ThinkingBudget, guide_tokenizer, json_grammar
 from .engine import Engine, Options
 from .image import check_preprocessor, load_image
 from .sampling import Sampler
@@ -35,7 +35,8 @@ def prefill_bar(tokens: int, show: bool, **tqdm_options) -> tqdm:
 
 def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler, logits: list | None,
            images: list | None = None, context: list[int] | None = None,
-           constraint: Constraint | None = None, stop: threading.Event | None = None, progress: bool = False) -> list[int]:
+           constraint: Constraint | ThinkingBudget | None = None, stop: threading.Event | None = None,
+           progress: bool = False) -> list[int]:
     """The answer's tokens, streamed to stdout. Once `stop` is set (Ctrl-C in a chat) it ends after the token in
     hand, which is then fed as the last token of an answer cut by --max-tokens is: the conversation holds what
     was shown (unless the context is full, where that token is left out of it and of what is returned).
@@ -87,7 +88,8 @@ def ctrl_c_stops_the_answer(on: bool) -> Iterator[threading.Event | None]:
 
 def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
-            save_session: Path | None = None, load_session: Path | None = None, json_schema: dict | None = None) -> int:
+            save_session: Path | None = None, load_session: Path | None = None, json_schema: dict | None = None,
+            thinking_budget: int | None = None) -> int:
     """Answer the prompt or chat; the exit status: 0, or 1 where an answer's constrained format (--json-schema) was
     cut short (its line already said so)."""
     sampler = Sampler(**sampling)
@@ -107,7 +109,7 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
                     max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
                     save_session=save_session, load_session=load_session,
-                    constrained=json_constraint(eng, json_schema, think and not raw) if json_schema is not None else None)
+                    constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget))
     except RuntimeError as e:
         lost = ranks.lost_peer(e, group) if group is not None else None
         if lost is None:
@@ -117,6 +119,21 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         if group is None or group.rank() == 0:
             raise
         raise StreamoeError(f"{ranks.where(group)}: {e}") from None  # which rank said it, beside rank 0's line
+
+
+def answer_shape(eng: Engine, schema: dict | None, thinking: bool,
+                 budget: int | None) -> Callable[[], Constraint | ThinkingBudget] | None:
+    """What shapes each answer, made fresh for each: JSON valid against `schema` (`json_constraint`), under a cap of
+    `budget` tokens on the thinking (`ThinkingBudget`: the template's `</think>` forced once the thinking took them,
+    as the server does for Anthropic's budget_tokens). None: nothing."""
+    json = json_constraint(eng, schema, thinking) if schema is not None else None
+    if budget is None:
+        return json
+    close = eng.text.tokenizer.token_to_id("</think>")
+    if close is None:
+        eng.close()
+        raise StreamoeError("--thinking-budget needs the template's '</think>' token, which the model's tokenizer lacks")
+    return lambda: ThinkingBudget(close, budget, eng.args.vocab_size, json() if json is not None else None)
 
 
 def json_constraint(eng: Engine, schema: dict, thinking: bool) -> Callable[[], Constraint]:
@@ -137,7 +154,7 @@ def json_constraint(eng: Engine, schema: dict, thinking: bool) -> Callable[[], C
 def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
          max_tokens: int, sampler: Sampler, stats: Path | None, logits_out: Path | None, quiet: bool,
          save_session: Path | None, load_session: Path | None,
-         constrained: Callable[[], Constraint] | None = None) -> int:
+         constrained: Callable[[], Constraint | ThinkingBudget] | None = None) -> int:
     logits: list | None = [] if logits_out else None
     status = 0
     messages: list[dict] = [{"role": "system", "content": system}] if system else []

@@ -480,6 +480,9 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
 @click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
+@click.option("--thinking-budget", type=click.IntRange(min=0, max=1 << 31), default=None, metavar="N",
+              help="End each answer's thinking after N tokens: the template's </think> is then written for the model "
+                   "and the answer goes on (Anthropic's thinking.budget_tokens). Needs the template's thinking on.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1, max=1 << 31), default=256, show_default=True)
 @sampling_options
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
@@ -495,7 +498,8 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
         runtime_mib: int | None,
         prompt: str | None, prompt_file: Path | None, chat: bool, json_schema: str | None,
-        images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, max_tokens: int, sampling: dict, seed: int,
+        images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, thinking_budget: int | None,
+        max_tokens: int, sampling: dict, seed: int,
         tier: str, prefetch_width: int | None, prefetch_waste: float, prefill_chunk: int | str, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
@@ -511,6 +515,8 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
         raise StreamoeError("--image needs the chat template; drop --raw")
     if system is not None and raw:
         raise StreamoeError("--system needs the chat template; drop --raw")
+    if thinking_budget is not None and (raw or no_think):
+        raise StreamoeError(f"--thinking-budget bounds the thinking the chat template opens; drop {'--raw' if raw else '--no-think'}")
     if load_session and system is not None:
         raise StreamoeError("a loaded session keeps its own system message; drop --system")
     check_run_paths(model, stats, logits_out, save_session, load_session,
@@ -525,7 +531,8 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
                       vision, max_pixels, runtime_mib, host_cap)
     status = run_cli(model, opts, prompt=prompt, images=list(images), chat=chat, raw=raw, system=system,
                      think=not no_think, max_tokens=max_tokens, sampling=sampling, stats=stats, logits_out=logits_out,
-                     quiet=quiet, save_session=save_session, load_session=load_session, json_schema=schema)
+                     quiet=quiet, save_session=save_session, load_session=load_session, json_schema=schema,
+                     thinking_budget=thinking_budget)
     if status:
         sys.exit(status)
 

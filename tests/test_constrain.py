@@ -270,3 +270,31 @@ def test_run_json_schema_constrains_each_answer(tiny_conv, tmp_path):
     assert len(answers) == 2
     for a in answers:
         jsonschema.validate(json.loads(a), schema)
+
+
+def test_run_thinking_budget_closes_the_thought_at_its_tokens(tiny_conv):
+    """`streamoe run --thinking-budget N`: on a prompt whose greedy thought runs on, the answer is the first N tokens
+    greedy decoding writes, then `</think>` written for the model, then what the model writes after it, as the engine
+    continues it; a budget the answer never reaches changes nothing; with --raw or --no-think it is refused in one
+    line."""
+    from streamoe.runtime.text import Detokenizer
+
+    from .conftest import cli, one_error_line
+    from .serve_util import chat_ids, greedy
+
+    budget, n = 24, 40
+    eng = Engine(tiny_conv, Options(cap_gib=8, ctx=256, runtime_bytes=RUNTIME))
+    on = chat_ids(eng, [{"role": "user", "content": "Why?"}], think=True)
+    thought = greedy(eng, on, budget)
+    close = eng.text.tokenizer.token_to_id("</think>")
+    after = [t for t, _ in eng.generate([close], n - budget - 1, Sampler(), context=on + thought)]
+    eng.close()
+    assert close not in thought and close is not None and len(after) == n - budget - 1
+    detok = Detokenizer(eng.text)
+    want = "".join(map(detok.add, thought + [close] + after)) + "\n"
+    run = ("run", tiny_conv, "--cap", "8", "--ctx", "256", "--temp", "0", "-q", "--runtime-mib", RUNTIME >> 20,
+           "-p", "Why?", "-n", n)
+    assert cli(*run, "--thinking-budget", budget, check=True).stdout == want
+    assert cli(*run, "--thinking-budget", n, check=True).stdout == cli(*run, check=True).stdout != want
+    for flag in ("--raw", "--no-think"):
+        one_error_line(cli(*run, "--thinking-budget", budget, flag), "--thinking-budget", flag)
