@@ -269,7 +269,6 @@ class ModelArgs:
         export, else q4)."""
         return "mxfp4" if self.expert_mode(0) == "mxfp4" else "q4"
 
-
     @property
     def attention_sinks(self) -> bool:
         """Whether every attention head has a learned sink logit joining its softmax (gpt-oss)."""
