@@ -247,7 +247,8 @@ def test_plan_bounds_what_attention_allocates(args, family, dtype, n):
     cache and call: `kernels.attention`, MLX's fused attention, which here multiplies, masks and takes the
     softmax as separate ops), its peak memory measured with mx.get_peak_memory: more than half an array short of the
     score arrays the plan expects (one for Qwen3.6, three where gpt-oss's sinks join the softmax), never more
-    than the plan's attention term with activation_bytes' margin."""
+    than the plan's attention term with activation_bytes' margin, and that term not twice what is held (counting
+    Qwen3.6's scores twice, as the plan did, planned 2.7 times the peak)."""
     from streamoe.convert.synth import make_config
     from streamoe.runtime.models import kernels
     from streamoe.runtime.models.cache import KVCache
@@ -268,4 +269,4 @@ def test_plan_bounds_what_attention_allocates(args, family, dtype, n):
     peak = mx.get_peak_memory() - base
     arrays = 3 if a.attention_sinks else 1
     planned = int(1.5 * attention_elements(a, n, L, item) * item)  # as activation_bytes counts it
-    assert (arrays - 0.5) * nq * L * n * item < peak <= planned, (peak, planned)
+    assert (arrays - 0.5) * nq * L * n * item < peak <= planned < 2 * peak, (peak, planned)
