@@ -239,9 +239,8 @@ def test_kv_auto_follows_the_compute_dtype(args):
     assert plan(args, 4, kv_dtype=kv_dtype(Options(dtype="bfloat16")), dtype="bfloat16").accounts["kv cache"] == KV // 2
 
 
-@pytest.mark.parametrize("family,dtype,n", [("qwen3_5_moe", mx.float32, 2048), ("qwen3_5_moe", mx.float32, 4096),
-                                            ("qwen3_5_moe", mx.bfloat16, 4096), ("gpt_oss", mx.float32, 2048),
-                                            ("gpt_oss", mx.bfloat16, 4096)])
+@pytest.mark.parametrize("family,dtype,n", [("qwen3_5_moe", mx.float32, 2048), ("qwen3_5_moe", mx.bfloat16, 2048),
+                                            ("gpt_oss", mx.float32, 1024)])
 def test_plan_bounds_what_attention_allocates(args, family, dtype, n):
     """A 256-token prefill step of a full attention layer against a cache holding n positions (the engine's
     cache and call: `kernels.attention`, MLX's fused attention, which here multiplies, masks and takes the

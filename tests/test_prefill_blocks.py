@@ -50,16 +50,16 @@ def test_prefill_progress_counts_each_chunks_tokens_by_its_layers(tiny_conv, mon
         runs = []
         for progress in (None, []):
             eng = _capped(tiny_conv, monkeypatch, ctx=512, chunk=chunk, slots=slots)
-            ids = (eng.text.encode(TEXT) * 20)[:200]
+            ids = (eng.text.encode(TEXT) * 20)[:120]
             logits = eng.prefill(ids, None if progress is None else progress.append)
             runs.append(np.array(logits.astype(mx.float32)).tobytes())
             c, n = eng.plan.prefill_chunk, eng.args.num_hidden_layers
             eng.close()
         assert runs[0] == runs[1]
         assert c >= 64 if chunk == "auto" else c == 16
-        chunks = [(a, min(200, a + c)) for a in range(0, 200, c)]
+        chunks = [(a, min(120, a + c)) for a in range(0, 120, c)]
         assert progress == [a + (b - a) * (i + 1) // n for a, b in chunks for i in range(n)], (chunk, progress)
-        assert progress == sorted(progress) and progress[-1] == 200
+        assert progress == sorted(progress) and progress[-1] == 120
 
 
 def test_run_shows_a_long_prefill_on_a_terminal_and_nothing_otherwise(tiny_conv, monkeypatch, capsys):
@@ -80,14 +80,14 @@ def test_run_shows_a_long_prefill_on_a_terminal_and_nothing_otherwise(tiny_conv,
     answers = []
     for show, err in ((True, Terminal()), (False, Terminal()), (True, io.StringIO())):
         eng = _capped(tiny_conv, monkeypatch, ctx=512, chunk="auto", slots=40)
-        ids = (eng.text.encode(TEXT) * 20)[:200]
+        ids = (eng.text.encode(TEXT) * 20)[:120]
         monkeypatch.setattr(sys, "stderr", err)
         out = cli_run.answer(eng, ids, 4, Sampler(), None, progress=show)
         eng.close()
         answers.append((out, capsys.readouterr().out))
         text = err.getvalue()
         if show and isinstance(err, Terminal):
-            assert "prefill:" in text and "200/200" in text and text.endswith("\r"), text  # the bar, then its line cleared
+            assert "prefill:" in text and "120/120" in text and text.endswith("\r"), text  # the bar, then its line cleared
         else:
             assert text == "", text
     assert answers[0] == answers[1] == answers[2] and len(answers[0][0]) == 4
