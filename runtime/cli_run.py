@@ -44,8 +44,13 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
     detok = Detokenizer(eng.text)
     out = []
     bar = prefill_bar(len(prompt_ids), progress)
+
+    def advance(n: int, total: int) -> None:  # total: the prompt as its images expand it
+        bar.total = total
+        bar.update(n - bar.n)
+
     tokens = eng.generate(prompt_ids, max_tokens, sampler, images=images, context=context, constraint=constraint,
-                          progress=lambda n: bar.update(n - bar.n))
+                          progress=advance)
     for tok, lg in tokens:
         bar.close()  # the prompt is in: the bar gives way to the answer
         if logits is not None:

@@ -208,10 +208,11 @@ class Engine:
         self.rss = current_rss()
         self.peak_rss = max(self.peak_rss, self.rss)
 
-    def prefill(self, tokens: list[int], progress: Callable[[int], None] | None = None) -> mx.array:
+    def prefill(self, tokens: list[int], progress: Callable[[int, int], None] | None = None) -> mx.array:
         """A prompt, in chunks, expert-major through the staging slots (taken back from the tier first).
-        `progress(n)`: about n of the prompt's tokens are through every layer, called as each chunk's layers are
-        queued (a chunk's tokens go through its layers together, so n counts a chunk's tokens by its layers)."""
+        `progress(n, total)`: about n of the prompt's total tokens are through every layer, called as each chunk's
+        layers are queued (a chunk's tokens go through its layers together, so n counts a chunk's tokens by its
+        layers)."""
         if not tokens:
             raise StreamoeError("empty prompt")
         if self.offset + len(tokens) > self.opts.ctx:
@@ -224,7 +225,7 @@ class Engine:
         return self.forward([token], "decode")
 
     def _prefill_chunks(self, ids: list[int], positions: mx.array | None = None, emb: mx.array | None = None,
-                        progress: Callable[[int], None] | None = None) -> mx.array:
+                        progress: Callable[[int, int], None] | None = None) -> mx.array:
         """Take the staging slots back from the tier, run the prompt chunk by chunk, lend them again. A chunk is
         the plan's (`--prefill-chunk auto`: as many tokens as fit beside the fixed accounts): each of its layers
         reads its experts once, and its kernels run over `plan.prefill_step` tokens at a time, so the chunk
@@ -234,7 +235,7 @@ class Engine:
         try:
             for a in range(0, len(ids), c):
                 b = min(len(ids), a + c)
-                on_layer = None if progress is None else (lambda i, a=a, b=b: progress(a + (b - a) * (i + 1) // n))
+                on_layer = None if progress is None else (lambda i, a=a, b=b: progress(a + (b - a) * (i + 1) // n, len(ids)))
                 logits = self.forward(ids[a:b], "prefill", positions=None if positions is None else positions[:, :, a:b],
                                       embeddings=None if emb is None else emb[:, a:b], on_layer=on_layer)
         finally:
@@ -243,7 +244,7 @@ class Engine:
 
     def generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, images: list | None = None,
                  context: list[int] | None = None, constraint: Constraint | None = None,
-                 progress: Callable[[int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None):
         """Yield generated token ids (stop token excluded) with their float32 logits (lazy mx arrays [V]).
 
         One loop for every sampler and cap. The token is chosen on the device (`runtime/sampling.py`), so
@@ -260,13 +261,13 @@ class Engine:
         while the grammar is off (a lazy one between calls, or the reasoning before a JSON answer) the token is
         drawn ahead unmasked as without one, and drawn again, masked and with the same key, where this token
         switches the grammar on. Across ranks a constrained token is always drawn once the previous one is read.
-        `progress`: the prompt's prefill as it goes (`prefill`; not for a prompt with images).
+        `progress`: the prompt's prefill as it goes (`prefill`; with images, over the prompt they expand).
 
         Timing (`StepStats.t_token`, `ms`): a step that gives a token is stamped when the token reaches the
         caller, and a decode step's `ms` is the interval since the previous token did, so the summary's
         tok/s is the rate the caller sees, whatever was overlapped."""
         t_start = time.perf_counter()
-        logits = prefill_images(self, prompt, images) if images else self.prefill(prompt, progress)
+        logits = prefill_images(self, prompt, images, progress) if images else self.prefill(prompt, progress)
         pen = sampler.start(prompt if context is None else context, logits.shape[0])
         drawn = sampler.drawn
 
@@ -342,11 +343,12 @@ class Engine:
         let go, a second KV cache (1.3 GiB at 131K positions in q8) the plan does not hold."""
         self.conversation.clear()
 
-    def prefill_embedded(self, ids: list[int], positions: mx.array, emb: mx.array, rope_next: int) -> mx.array:
+    def prefill_embedded(self, ids: list[int], positions: mx.array, emb: mx.array, rope_next: int,
+                         progress: Callable[[int, int], None] | None = None) -> mx.array:
         """A prompt given as embeddings [1, L, H] with its 3-axis positions [3, 1, L] (what `image_prompt` makes of
         a prompt with images); `rope_next`: the position the next token takes, kept as the conversation's
-        M-RoPE delta."""
-        logits = self._prefill_chunks(ids, positions, emb)
+        M-RoPE delta; `progress` as `prefill`'s."""
+        logits = self._prefill_chunks(ids, positions, emb, progress)
         self.conversation.rope_delta = rope_next - self.offset
         return logits
 

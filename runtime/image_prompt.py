@@ -10,6 +10,7 @@ nothing of the encoder stays resident; the plan's vision account holds one image
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -57,8 +58,10 @@ def encode_image(eng: Engine, path) -> tuple[mx.array, tuple[int, int, int]]:
     return feats, grid
 
 
-def prefill_images(eng: Engine, tokens: list[int], images: list) -> mx.array:
-    """Prefill a prompt whose placeholders take the given images (files or bytes); the next logits."""
+def prefill_images(eng: Engine, tokens: list[int], images: list,
+                   progress: Callable[[int, int], None] | None = None) -> mx.array:
+    """Prefill a prompt whose placeholders take the given images (files or bytes); the next logits. `progress(n,
+    total)` as `Engine.prefill`'s, over the prompt the images expand."""
     cfg = eng.manifest.config
     pad, start = cfg["image_token_id"], cfg["vision_start_token_id"]
     merge = cfg["vision_config"]["spatial_merge_size"]
@@ -74,4 +77,4 @@ def prefill_images(eng: Engine, tokens: list[int], images: list) -> mx.array:
     where = mx.array(np.nonzero(np.array(ids) == pad)[0])
     emb[0, where] = mx.concatenate([f for f, _ in feats], axis=0).astype(emb.dtype)
     mx.eval(emb)
-    return eng.prefill_embedded(ids, mx.array(pos + base)[:, None, :], emb, rope_next=base + nxt)
+    return eng.prefill_embedded(ids, mx.array(pos + base)[:, None, :], emb, rope_next=base + nxt, progress=progress)

@@ -20,6 +20,7 @@ from streamoe.runtime.engine import Engine, Options, plan_for
 from streamoe.runtime.image import load_image, preprocess
 from streamoe.runtime.image_prompt import image_config, prefill_images
 from streamoe.runtime.mrope import expand_image_tokens
+from streamoe.runtime.sampling import Sampler
 
 from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line, run_capped
 
@@ -101,6 +102,21 @@ def test_image_prompt_in_auto_chunks_equals_steps(tiny_conv, picture, monkeypatc
         eng.close()
     assert out[1][1] > 16 and out[1][2] > 16  # a chunk of several steps
     assert out[0][0] == out[1][0]
+
+
+def test_image_prompt_progress_counts_the_prompt_its_images_expand(tiny_conv, picture):
+    """`Engine.generate`'s prefill progress for a prompt with an image: over the prompt the image expands (its
+    patches' tokens), every call giving that total, never going back, ending at it; the same answer as without."""
+    answers, calls = [], []
+    for progress in (None, lambda done, total: calls.append((done, total))):
+        eng = Engine(tiny_conv, Options(cap_gib=64, ctx=512, runtime_bytes=RUNTIME, images=True))
+        ids = question(eng)
+        answers.append([t for t, _ in eng.generate(ids, 4, Sampler(), images=[picture], progress=progress)])
+        eng.close()
+    total = calls[-1][1]
+    assert total > len(ids) + 16 and all(t == total for _, t in calls)  # the image's tokens counted
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls) and calls[-1][0] == total
+    assert answers[0] == answers[1] and len(answers[0]) == 4
 
 
 def test_plan_with_runs_options_is_the_plan_run_opens(tiny_conv, tiny_ckpt, picture):

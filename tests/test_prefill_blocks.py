@@ -44,22 +44,22 @@ def test_cuda_prefill_kernels_give_the_same_logits_at_every_chunk(tiny_conv, mon
 
 def test_prefill_progress_counts_each_chunks_tokens_by_its_layers(tiny_conv, monkeypatch):
     """`Engine.prefill(ids, progress)`: one call a layer of each chunk, never going back, the chunk's tokens counted
-    by its layers, ending at the prompt's length; the same logits as without it. Capped in the plan's chunks of
+    by its layers, ending at the prompt's length, which each call gives as the total; the same logits as without it. Capped in the plan's chunks of
     many 16-token blocks, capped in chunks of one block, and resident (a chunk = a step)."""
     for chunk, slots in (("auto", 40), (16, 16), (16, 10**6)):
         runs = []
         for progress in (None, []):
             eng = _capped(tiny_conv, monkeypatch, ctx=512, chunk=chunk, slots=slots)
             ids = (eng.text.encode(TEXT) * 20)[:120]
-            logits = eng.prefill(ids, None if progress is None else progress.append)
+            logits = eng.prefill(ids, None if progress is None else lambda done, total, p=progress: p.append((done, total)))
             runs.append(np.array(logits.astype(mx.float32)).tobytes())
             c, n = eng.plan.prefill_chunk, eng.args.num_hidden_layers
             eng.close()
         assert runs[0] == runs[1]
         assert c >= 64 if chunk == "auto" else c == 16
         chunks = [(a, min(120, a + c)) for a in range(0, 120, c)]
-        assert progress == [a + (b - a) * (i + 1) // n for a, b in chunks for i in range(n)], (chunk, progress)
-        assert progress == sorted(progress) and progress[-1] == 120
+        assert progress == [(a + (b - a) * (i + 1) // n, 120) for a, b in chunks for i in range(n)], (chunk, progress)
+        assert progress == sorted(progress) and progress[-1] == (120, 120)
 
 
 def test_run_shows_a_long_prefill_on_a_terminal_and_nothing_otherwise(tiny_conv, monkeypatch, capsys):
