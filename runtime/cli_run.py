@@ -26,11 +26,11 @@ from .telemetry import summary_line
 from .text import Detokenizer
 
 
-def prefill_bar(tokens: int, show: bool, **tqdm_options) -> tqdm:
-    """The prompt's prefill on stderr: shown only on a terminal and once it has taken a second (a short prompt shows
-    none), gone when the answer starts."""
+def prefill_bar(tokens: int, show: bool, delay: float = 1.0, mininterval: float = 0.1) -> tqdm:
+    """The prompt's prefill on stderr: shown only on a terminal and once it has taken `delay` seconds (a short prompt
+    shows none), cleared once the prompt is in."""
     return tqdm(total=tokens, desc="prefill", unit=" tok", file=sys.stderr, disable=None if show else True,
-                leave=False, dynamic_ncols=True, **{"delay": 1.0, **tqdm_options})
+                leave=False, dynamic_ncols=True, delay=delay, mininterval=mininterval)
 
 
 def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler, logits: list | None,
@@ -48,11 +48,12 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
     def advance(n: int, total: int) -> None:  # total: the prompt as its images expand it
         bar.total = total
         bar.update(n - bar.n)
+        if n == total:  # the prompt is in: the bar gives way to the answer
+            bar.close()
 
     tokens = eng.generate(prompt_ids, max_tokens, sampler, images=images, context=context, constraint=constraint,
                           progress=advance)
     for tok, lg in tokens:
-        bar.close()  # the prompt is in: the bar gives way to the answer
         if logits is not None:
             logits.append(lg)
         out.append(tok)
@@ -63,7 +64,7 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
     else:
         stop = None
     tokens.close()  # a step queued past the last token is taken back
-    bar.close()
+    bar.close()  # where the prefill never told its end (a prompt refused before it)
     sys.stdout.write("\n")
     if stop is not None and out:
         print("(stopped)", file=sys.stderr, flush=True)

@@ -247,13 +247,8 @@ def test_long_context_bench_runs_each_format(tiny_conv, tmp_path):
     assert all(r["filled"] == 296 and r["decode_tokens"] == 3 and r["decode_tok_s"] > 0 for r in rows.values())
 
 
-@pytest.fixture(scope="module")
-def trained(trained_conv):
-    return trained_conv
-
-
 @pytest.mark.parametrize("kv", ["q8"])
-def test_served_chat_with_a_quantized_cache_is_the_same_with_or_without_the_prompt_cache(trained, kv):
+def test_served_chat_with_a_quantized_cache_is_the_same_with_or_without_the_prompt_cache(trained_conv, kv):
     """`serve --kv q8`: turns answered from prompt-cache snapshots (codes, scales and biases restored) give
     every logit a fresh prefill gives."""
     from streamoe.runtime.plan import MiB
@@ -262,7 +257,7 @@ def test_served_chat_with_a_quantized_cache_is_the_same_with_or_without_the_prom
 
     def chat(cache_bytes: int) -> tuple[list[bytes], list[int]]:
         opts = Options(cap_gib=8, ctx=256, kv=kv, runtime_bytes=RUNTIME)
-        worker = EngineWorker(open_engine(trained, opts, so := ServeOptions("t", prompt_cache_bytes=cache_bytes)), so)
+        worker = EngineWorker(open_engine(trained_conv, opts, so := ServeOptions("t", prompt_cache_bytes=cache_bytes)), so)
         msgs, logits, cached = [], [], []
         for q in ("hello there", "and then?", "why"):
             msgs.append({"role": "user", "content": q})

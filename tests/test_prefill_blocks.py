@@ -44,8 +44,9 @@ def test_cuda_prefill_kernels_give_the_same_logits_at_every_chunk(tiny_conv, mon
 
 def test_prefill_progress_counts_each_chunks_tokens_by_its_layers(tiny_conv, monkeypatch):
     """`Engine.prefill(ids, progress)`: one call a layer of each chunk, never going back, the chunk's tokens counted
-    by its layers, ending at the prompt's length, which each call gives as the total; the same logits as without it. Capped in the plan's chunks of
-    many 16-token blocks, capped in chunks of one block, and resident (a chunk = a step)."""
+    by its layers, ending at the prompt's length, which each call gives as the total; the same logits as without
+    it. Capped in the plan's chunks of many 16-token blocks, capped in chunks of one block, and resident (a chunk =
+    a step)."""
     for chunk, slots in (("auto", 40), (16, 16), (16, 10**6)):
         runs = []
         for progress in (None, []):
@@ -64,7 +65,8 @@ def test_prefill_progress_counts_each_chunks_tokens_by_its_layers(tiny_conv, mon
 
 def test_run_shows_a_long_prefill_on_a_terminal_and_nothing_otherwise(tiny_conv, monkeypatch, capsys):
     """`streamoe run`'s answer: on a terminal, a prefill that takes its time shows a bar on stderr (its delay set to
-    0 here), gone once the answer starts; with --quiet, or stderr not a terminal, nothing. The answer is the same."""
+    0 here), cleared once the prompt is in, before the answer's first token; with --quiet, or stderr not a terminal,
+    nothing. The answer is the same."""
     import io
     import sys
 

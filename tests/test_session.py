@@ -89,18 +89,13 @@ def test_session_file_is_safetensors_in_zstd(tiny_conv, tmp_path):
     assert len(tensors) == 2 * len(eng.conversation.caches)
 
 
-@pytest.fixture(scope="module")
-def trained(trained_conv):
-    return trained_conv
-
-
-def test_cli_chat_split_by_a_saved_session_is_the_same_chat(trained, tmp_path):
+def test_cli_chat_split_by_a_saved_session_is_the_same_chat(trained_conv, tmp_path):
     """An image turn, saved; the next turn in a new process gives the logits an unbroken --chat gives."""
     pic = tmp_path / "shape.png"
     im = Image.new("RGB", (160, 128), "white")
     ImageDraw.Draw(im).polygon([(112, 22), (129.1, 53.5), (94.9, 53.5)], fill=(245, 130, 15))
     im.save(pic)
-    common = ["run", trained, "--cap", "1", "--ctx", "512", "--kv", "float16", "--no-think", "-n", "8", "--temp", "0"]
+    common = ["run", trained_conv, "--cap", "1", "--ctx", "512", "--kv", "float16", "--no-think", "-n", "8", "--temp", "0"]
     a = cli(*common, "--image", pic, "-p", "What shape is in the image?", "--save-session", tmp_path / "s.zst",
             "--logits-out", tmp_path / "a.npz", check=True)
     assert a.stdout.strip() == "triangle" and "saved" in a.stderr
@@ -115,7 +110,7 @@ def test_cli_chat_split_by_a_saved_session_is_the_same_chat(trained, tmp_path):
     assert lc[:len(la)].tobytes() == la.tobytes() and lc[len(la):].tobytes() == lb.tobytes()
     assert b.stdout.strip() == "orange"
     # the second turn fed only itself (the close of the answer, then the new turn): the cache kept the first
-    text = TextIO(trained, load_manifest(trained).config)
+    text = TextIO(trained_conv, load_manifest(trained_conv).config)
     new = text.encode(text.turn_close() + text.chat_prompt([{"role": "user", "content": "What colour is the shape?"}],
                                                            think=False))
     assert f"prefill {len(new)} tokens" in b.stderr
@@ -123,10 +118,10 @@ def test_cli_chat_split_by_a_saved_session_is_the_same_chat(trained, tmp_path):
     assert f"prefill {len(new)} tokens" in second
 
 
-def test_a_chat_turn_too_long_for_the_context_is_refused_and_the_chat_goes_on(trained, tmp_path):
+def test_a_chat_turn_too_long_for_the_context_is_refused_and_the_chat_goes_on(trained_conv, tmp_path):
     """The long turn is said in one line and sent nowhere: the turns around it give the logits and the saved
     session a chat without it gives."""
-    common = [sys.executable, "-m", "streamoe.cli", "run", str(trained), "--cap", "1", "--ctx", "64", "--no-think",
+    common = [sys.executable, "-m", "streamoe.cli", "run", str(trained_conv), "--cap", "1", "--ctx", "64", "--no-think",
               "-n", "4", "--temp", "0", "-q", "--chat"]
     long = " ".join(["shape"] * 80)
     runs = {}
