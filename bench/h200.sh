@@ -141,7 +141,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     # at every pair of caps, a prompt's logprobs, long prefill chunks), sampled tokens across caps, the compiled step
     # against the step built op by op, the run ahead, hidden states against mlx-lm, the grouped experts' bits, and
     # every family's bits and tokens
-    { gpu_tests tests/test_gpu.py -k "across_caps_prefetch or prompt_logprobs or compiled_decode_step or run_ahead or hidden_states or grouped or sampled_decode or long_prefill or host_tier" || true
+    { gpu_tests tests/test_gpu.py -k "across_caps_prefetch or prompt_logprobs or compiled_decode_step or run_ahead or hidden_states or grouped or sampled_decode or long_prefill or many_blocks or host_tier" || true
       gpu_tests tests/test_gpu_families.py; } | tee -a "$OUT/gputest-exact-h200.log"
     ;;
   gpurest)
