@@ -325,18 +325,33 @@ def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
     if empty:
         return False
     ours = is_conversion(out)
+    broken = manifest_problem(out) if ours else None
+    if broken:  # its manifest is what tells the conversion's files from the user's: without it, none are ours
+        raise fail(out / MANIFEST, f"does not load ({broken}), so {'--force' if force else 'convert'} cannot tell "
+                                   f"the conversion's files in {out} from others; remove the conversion yourself "
+                                   "or choose another OUT")
     if not force:
         raise fail(out, f"already exists ({'a converted model' if ours else 'not empty'}); "
                         + ("use --force to replace it" if ours else "choose an empty or new OUT"))
     if not ours:
-        raise fail(out, "is not a streamoe conversion (no streamoe manifest.json): --force only replaces "
-                        "an earlier conversion, never other files")
+        why = "its manifest.json is not a streamoe manifest" if os.path.lexists(out / MANIFEST) else "no manifest.json"
+        raise fail(out, f"is not a streamoe conversion ({why}): --force only replaces an earlier conversion, never "
+                        "other files")
     others = not_ours(out)
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise fail(out, f"holds files its conversion does not ({shown}): --force replaces only an earlier conversion, "
                         "never other files; move them out first")
     return True
+
+
+def manifest_problem(out: Path) -> str | None:
+    """What is wrong with OUT's manifest, None where it loads (every listed file inside OUT)."""
+    try:
+        load_manifest(out)
+    except StreamoeError as e:
+        return str(e).removeprefix(f"{out / MANIFEST}: ")
+    return None
 
 
 def not_ours(out: Path) -> list[str]:

@@ -109,6 +109,29 @@ def test_rerun_refuses_existing_and_force_replaces(tiny_ckpt, tmp_path):
     assert set(load_manifest(out).expert_formats()) == {"q3"}
 
 
+def test_force_over_a_conversion_whose_manifest_does_not_load_names_the_manifest_and_removes_nothing(tiny_ckpt, tiny_conv,
+                                                                                                      tmp_path):
+    """A conversion's manifest is what tells its files from the user's: where it claims to be streamoe's but does not
+    load, convert says so (not "not a conversion", not "holds files its conversion does not") and touches nothing;
+    a manifest.json of something else is still not a conversion."""
+    out = tmp_path / "o"
+    shutil.copytree(tiny_conv, out)
+    files = sorted(p.relative_to(out) for p in out.rglob("*"))
+    doc = json.loads((out / "manifest.json").read_text())
+    del doc["source"]
+    broken = ("manifest.json: does not load", "remove the conversion yourself")
+    for text, plain, forced in [
+            (json.dumps(doc), broken, (*broken, "--force cannot tell", "'source' is a required property")),
+            ('{"format": "streamoe", "files": [{"path": "../x"}]}', broken, broken),
+            ('{"name": "an app"}', ("already exists (not empty)",), ("is not a streamoe conversion", "not a streamoe manifest"))]:
+        (out / "manifest.json").write_text(text)
+        for force, needles in (([], plain), (["--force"], forced)):
+            line = one_error_line(cli("convert", tiny_ckpt, out, *force), str(out), *needles)
+            assert "holds files" not in line, line
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == files
+        assert (out / "manifest.json").read_text() == text
+
+
 def test_kill_9_mid_conversion_then_rerun_validates(small_ckpt, tmp_path):
     out = tmp_path / "killed"
     tmp = tmp_path / ".killed.partial"
