@@ -34,7 +34,7 @@ from ..formats.checks import source_problem
 from ..formats.config import is_expert_tensor, quant_for
 from ..formats.direct import RangeReader, UncachedWriter, aligned_buffer
 from ..formats.errors import StreamoeError, fail
-from ..formats.files import check_writable_dir, exclusive_lock, kind, os_fail
+from ..formats.files import check_writable_dir, exclusive_lock, kind, os_fail, read_json
 from ..formats.layout import FORMATS, derived_formats, format_layout, layer_file
 from ..formats.manifest import MANIFEST, format_json, load_manifest, write_manifest
 from ..formats.record import PARTS, PROJS, RecordLayout
@@ -285,10 +285,9 @@ def save_journal(tmp: Path, fp: str, done: dict) -> None:
 def is_conversion(d: Path) -> bool:
     """Whether `d` holds a streamoe conversion: its manifest parses and says `"format": "streamoe"`."""
     try:
-        doc = json.loads((d / MANIFEST).read_bytes()[: 64 << 20])
-    except (OSError, ValueError, RecursionError):
+        return read_json(d / MANIFEST, "streamoe manifest").get("format") == "streamoe"
+    except StreamoeError:  # missing, a special file, too large, not JSON: not a conversion
         return False
-    return isinstance(doc, dict) and doc.get("format") == "streamoe"
 
 
 def check_not_source(ckpt_path: Path, out: Path) -> None:

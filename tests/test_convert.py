@@ -132,6 +132,19 @@ def test_force_over_a_conversion_whose_manifest_does_not_load_names_the_manifest
         assert (out / "manifest.json").read_text() == text
 
 
+def test_an_out_whose_manifest_is_a_device_or_a_fifo_is_refused_at_once(tiny_ckpt, tmp_path):
+    """OUT's manifest.json is read only as a bounded regular file: /dev/zero (it was read until memory ran out) or a
+    FIFO nobody writes is "not a conversion", in one line, within seconds, and OUT keeps its files."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for make in (lambda m: m.symlink_to("/dev/zero"), os.mkfifo):
+        make(out / "manifest.json")
+        one_error_line(cli("convert", tiny_ckpt, out, "--force", timeout=60), str(out), "is not a streamoe conversion")
+        assert (out / "notes.txt").read_text() == "mine" and os.path.lexists(out / "manifest.json")
+        (out / "manifest.json").unlink()
+
+
 def test_kill_9_mid_conversion_then_rerun_validates(small_ckpt, tmp_path):
     out = tmp_path / "killed"
     tmp = tmp_path / ".killed.partial"
