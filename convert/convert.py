@@ -260,14 +260,14 @@ def load_journal(tmp: Path, fp: str) -> dict:
     j = tmp / JOURNAL
     if j.is_file():
         try:
-            doc = json.loads(j.read_text())
+            doc = read_json(j, "conversion journal")
             if doc.get("fingerprint") == fp:
                 return {
                     k: v
                     for k, v in doc["done"].items()
                     if (tmp / k).is_file() and (tmp / k).stat().st_size == v["size"]
                 }
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError):
+        except (StreamoeError, KeyError, TypeError, AttributeError):
             pass
     if os.path.lexists(tmp):
         if not tmp.is_dir() or tmp.is_symlink() or not is_ours(tmp):
@@ -568,8 +568,8 @@ def finish_interrupted(out: Path, fp: str) -> bool:
     if not (out.is_dir() and is_conversion(out)):
         return False
     try:
-        same = json.loads((out / JOURNAL).read_text()).get("fingerprint") == fp
-    except (OSError, ValueError, AttributeError, RecursionError):
+        same = read_json(out / JOURNAL, "conversion journal").get("fingerprint") == fp
+    except StreamoeError:
         same = False
     remove_old(out)
     if not same:

@@ -145,6 +145,16 @@ def test_an_out_whose_manifest_is_a_device_or_a_fifo_is_refused_at_once(tiny_ckp
         (out / "manifest.json").unlink()
 
 
+def test_a_conversion_whose_journal_is_a_fifo_is_an_ordinary_conversion(tiny_ckpt, tiny_conv, tmp_path):
+    """A journal left in OUT is read only as a bounded regular file: a FIFO there (it blocked for ever) is no
+    journal of this run's, so OUT is a finished conversion, refused without --force as any is."""
+    out = tmp_path / "o"
+    shutil.copytree(tiny_conv, out)
+    os.mkfifo(out / "journal.json")
+    one_error_line(cli("convert", tiny_ckpt, out, timeout=60), str(out), "already exists", "--force")
+    assert validate(out)["ok"]
+
+
 def test_kill_9_mid_conversion_then_rerun_validates(small_ckpt, tmp_path):
     out = tmp_path / "killed"
     tmp = tmp_path / ".killed.partial"
