@@ -196,16 +196,47 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
     return data
 
 
-def read_json(path: str | os.PathLike, what: str = "JSON file", limit: int = MAX_JSON_BYTES) -> dict:
-    """A JSON object from a file: missing, special, too large, not JSON, not an object are one error each."""
-    doc = parse_json(path, read_bytes(path, what, limit))
+def read_named(path: str | os.PathLike, what: str, limit: int) -> bytes:
+    """A file the user names on the command line, read whole: a regular file (`read_bytes`), or a pipe they point us
+    at, as `cat` reads one (`-f <(git diff)`, `-f /dev/stdin` under a pipe), up to `limit` bytes. The pipe is opened
+    without waiting for a writer, so a FIFO nobody writes reads as nothing and is refused at once instead of blocking;
+    devices and sockets are refused as in `check_input_file`."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISFIFO(st.st_mode):
+        return read_bytes(path, what, limit)
+    data = b""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            os.set_blocking(fd, True)
+            while len(data) <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - len(data)))):
+                data += chunk
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise os_fail(path, e, f"cannot read the {what}") from None
+    if len(data) > limit:
+        raise fail(path, f"gave more than {limit} bytes: too large for a {what}")
+    if not data:
+        raise fail(path, f"is a pipe that gave nothing (no one writes to it?), expected a {what}")
+    return data
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file", limit: int = MAX_JSON_BYTES,
+              named: bool = False) -> dict:
+    """A JSON object from a file (`named`: or a pipe, `read_named`): missing, special, too large, not JSON, not an
+    object are one error each."""
+    doc = parse_json(path, (read_named if named else read_bytes)(path, what, limit))
     if not isinstance(doc, dict):
         raise fail(path, f"is not a JSON object ({type(doc).__name__} at the top level)")
     return doc
 
 
-def read_text(path: str | os.PathLike, what: str = "text file", limit: int = MAX_TEXT_BYTES) -> str:
-    data = read_bytes(path, what, limit)
+def read_text(path: str | os.PathLike, what: str = "text file", limit: int = MAX_TEXT_BYTES, named: bool = False) -> str:
+    data = (read_named if named else read_bytes)(path, what, limit)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

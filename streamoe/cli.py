@@ -470,11 +470,12 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @click.option("--prompt", "-p", default=None, callback=utf8_text,
               help="One prompt; answered, then exit. '-' reads it from stdin.")
 @click.option("--prompt-file", "-f", type=click.Path(path_type=Path), default=None,
-              help="Read the prompt from this UTF-8 file (a prompt too long for a command line).")
+              help="Read the prompt from this UTF-8 file (a prompt too long for a command line), or a pipe: "
+                   "-f <(git diff).")
 @click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
 @click.option("--json-schema", default=None, metavar="SCHEMA|FILE",
               help="Constrain each answer (after its thinking) to JSON valid against this schema, given inline or as a "
-                   "file holding it ('{}': any JSON object), by llguidance. An answer cut before its JSON ends (by "
+                   "file or pipe holding it ('{}': any JSON object), by llguidance. An answer cut before its JSON ends (by "
                    "-n or the context) is printed as far as it got, one line says so, and the exit status is 1.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="An image for the prompt (repeatable).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
@@ -586,7 +587,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
     if prompt is not None and prompt_file is not None:
         raise StreamoeError("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
-        return read_text(prompt_file, "prompt file", PROMPT_FILE_MAX)
+        return read_text(prompt_file, "prompt file", PROMPT_FILE_MAX, named=True)
     if prompt != "-":
         return prompt
     raw = sys.stdin.buffer.read(PROMPT_FILE_MAX + 1)
@@ -605,7 +606,7 @@ def read_schema(value: str) -> dict:
     from .formats.files import parse_json, read_json
 
     if not value.lstrip().startswith(("{", "[")):
-        return read_json(value, "JSON schema file (--json-schema)") or {"type": "object"}
+        return read_json(value, "JSON schema file (--json-schema)", named=True) or {"type": "object"}
     schema = parse_json("--json-schema", value)
     if not isinstance(schema, dict):
         raise fail("--json-schema", f"is not a JSON object ({type(schema).__name__} at the top level)")

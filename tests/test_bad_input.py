@@ -755,7 +755,7 @@ def _(tmp, ck, conv):
 
 @case("prompt-file-is-a-fifo")
 def _(tmp, ck, conv):
-    return ["run", conv, "--cap", "1", "-f", fifo(tmp / "p")], (str(tmp / "p"), "FIFO")
+    return ["run", conv, "--cap", "1", "-f", fifo(tmp / "p")], (str(tmp / "p"), "a pipe that gave nothing")
 
 
 @case("prompt-file-not-utf8")

@@ -250,7 +250,7 @@ def test_run_json_schema_cut_by_max_tokens_says_so_and_exits_1(tiny_conv):
 
 
 def test_run_json_schema_constrains_each_answer(tiny_conv, tmp_path):
-    """`streamoe run --json-schema`, inline or from a file: the answer is JSON valid against the schema, sampled from
+    """`streamoe run --json-schema`, inline or from a file or a pipe: the answer is JSON valid against the schema, sampled from
     random weights, and the same at a cap as resident; in a chat every turn's answer is."""
     from .conftest import cli
 
@@ -265,6 +265,9 @@ def test_run_json_schema_constrains_each_answer(tiny_conv, tmp_path):
             for cap, given in (("8", json.dumps(schema)), (capped, str(tmp_path / "s.json")))]
     jsonschema.validate(json.loads(outs[0]), schema)
     assert outs[0] == outs[1]
+    piped = cli(*run, "--cap", "8", "-p", "Give JSON:", "--json-schema", "/dev/stdin", input=json.dumps(schema),
+                check=True).stdout.strip()  # a schema file that is a pipe (`--json-schema <(jq ...)`)
+    assert piped == outs[0]
     chat = cli(*run, "--cap", "8", "--chat", "--json-schema", json.dumps(schema), input="one\ntwo\n", check=True).stdout
     answers = [ln.removeprefix("> ") for ln in chat.splitlines() if ln.removeprefix("> ").startswith("{")]
     assert len(answers) == 2

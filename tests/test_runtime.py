@@ -514,8 +514,8 @@ def test_cap_too_small_names_smallest_cap(tiny_conv):
 
 
 def test_a_prompt_from_stdin_or_a_file_is_the_prompt(tiny_conv, tmp_path):
-    """`-p -` reads the prompt from stdin (mlx-lm's convention), `--prompt-file` from a file (llama.cpp's -f): the
-    same tokens as the text given with -p, newlines and all."""
+    """`-p -` reads the prompt from stdin (mlx-lm's convention), `--prompt-file` from a file (llama.cpp's -f) or a pipe
+    (`-f <(...)`, `-f /dev/stdin`): the same tokens as the text given with -p, newlines and all."""
     text = PROMPTS[1] + "\n\n# é\n"
     (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
     run = ("run", tiny_conv, "--cap", "1", "--ctx", "256", "--raw", "--temp", "0", "-n", "6", "-q")
@@ -523,6 +523,7 @@ def test_a_prompt_from_stdin_or_a_file_is_the_prompt(tiny_conv, tmp_path):
     assert want.strip()
     assert cli(*run, "-p", "-", input=text, check=True).stdout == want
     assert cli(*run, "-f", tmp_path / "prompt.txt", check=True).stdout == want
+    assert cli(*run, "-f", "/dev/stdin", input=text, check=True).stdout == want  # stdin a pipe: what <(...) gives
     one_error_line(cli(*run, "-p", "-", input="caf\udce9", errors="surrogateescape"), "stdin", "not UTF-8")
     one_error_line(cli(*run, "-p", "-", "--chat", input="hi"), "--chat reads its turns from stdin")
 
