@@ -83,7 +83,7 @@ TRANSFORMERS_VERSION = "4.57.0.dev0"
 SIZES = ("tiny", "small", "small-vocab", "full")
 # per family, its variants (the first is the default)
 VARIANTS_OF = {"qwen3_5_moe": ("qwen3.6", "qwen3.5"), "qwen3_moe": ("qwen3", "qwen3-gate8"),
-               "gpt_oss": ("mxfp4-q8", "mxfp4-q4"), "mixtral": ("mixtral",)}
+               "gpt_oss": ("mxfp4-q8", "mxfp4-q4"), "mixtral": ("mixtral",), "qwen3_next": ("qwen3-next",)}
 FAMILIES = tuple(VARIANTS_OF)
 VARIANTS = VARIANTS_OF["qwen3_5_moe"]
 QWEN3_TRANSFORMERS_VERSION = "4.51.0"
@@ -249,6 +249,8 @@ def make_config(size: str, variant: str | None = None, text_only: bool = False, 
         return gpt_oss_config(size, variant)
     if family == "mixtral":
         return mixtral_config(size)
+    if family == "qwen3_next":
+        return qwen3_next_config(size)
     if size not in DIMS:
         raise StreamoeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
     if variant not in VARIANTS:
@@ -397,6 +399,70 @@ def qwen3_moe_config(size: str, variant: str = "qwen3") -> dict:
     return dict(sorted(config.items()))
 
 
+# the real Qwen3-Next-80B-A3B (its config.json); its smaller sizes are Qwen3.6's (`DIMS`), their vision left out
+QWEN3_NEXT_FULL = Dims(hidden=2048, layers=48, heads=16, kv_heads=2, head_dim=256, lin_k_heads=16, lin_v_heads=32,
+                       lin_k_dim=128, lin_v_dim=128, experts=512, top_k=10, moe_inter=512, shared_inter=512,
+                       vocab=151936, token_base=QWEN3_BASE, mrope=(32, 0, 0), v_depth=0, v_hidden=0, v_inter=0,
+                       v_heads=0, v_npos=0)
+
+
+def qwen3_next_config(size: str) -> dict:
+    """Qwen3-Next-80B-A3B's config.json as mlx-lm saves it: Hugging Face's flat config plus the quantization block
+    (and its copy), keys sorted; the model's quant_predicate keeps each router and shared-expert gate at 8 bits."""
+    if size not in DIMS:
+        raise StreamoeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
+    d = QWEN3_NEXT_FULL if size == "full" else DIMS[size]
+    quant: dict[str, object] = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine"}
+    for i in range(d.layers):
+        for mod in ("mlp.gate", "mlp.shared_expert_gate"):
+            quant[f"model.layers.{i}.{mod}"] = {"group_size": GROUP_SIZE, "bits": 8}
+    config = {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": token_id("<|endoftext|>", d.token_base),
+        "decoder_sparse_step": 1,
+        "eos_token_id": token_id("<|im_end|>", d.token_base),
+        "full_attention_interval": 4,
+        "head_dim": d.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": d.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": 5120,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": d.lin_k_dim,
+        "linear_num_key_heads": d.lin_k_heads,
+        "linear_num_value_heads": d.lin_v_heads,
+        "linear_value_head_dim": d.lin_v_dim,
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_next",
+        "moe_intermediate_size": d.moe_inter,
+        "norm_topk_prob": True,
+        "num_attention_heads": d.heads,
+        "num_experts": d.experts,
+        "num_experts_per_tok": d.top_k,
+        "num_hidden_layers": d.layers,
+        "num_key_value_heads": d.kv_heads,
+        "output_router_logits": False,
+        "partial_rotary_factor": 0.25,
+        "quantization": quant,
+        "quantization_config": quant,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000000,
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": d.shared_inter,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": TRANSFORMERS_VERSION,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": d.vocab,
+    }
+    return dict(sorted(config.items()))
+
+
 def gpt_oss_config(size: str, variant: str = "mxfp4-q8") -> dict:
     """openai/gpt-oss-20b's config.json as mlx-lm saves its MXFP4 conversion: Hugging Face's config (its own
     `quantization_config` replaced), the `quantization` block and its copy, keys sorted."""
@@ -494,6 +560,8 @@ def mixtral_config(size: str) -> dict:
 def token_base(size: str, family: str = "qwen3_5_moe") -> int:
     """The id of the first added token (the base BPE vocabulary's size) of a family's size (mixtral: its vocabulary's
     size, the specials coming first)."""
+    if family == "qwen3_next" and size == "full":
+        return QWEN3_NEXT_FULL.token_base
     return {"qwen3_moe": QWEN3_DIMS, "gpt_oss": GPT_OSS_DIMS, "mixtral": MIXTRAL_DIMS}.get(family, DIMS)[size].token_base
 
 

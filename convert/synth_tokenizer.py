@@ -547,6 +547,8 @@ STYLES = {
     "qwen3_5_moe": TokenizerStyle(len(ADDED_TOKENS), SPLIT_PATTERN, CHAT_TEMPLATE, False, MODEL_MAX_LENGTH, 1.0),
     "qwen3_moe": TokenizerStyle(ADDED_TOKENS.index(("</think>", False)) + 1, QWEN2_SPLIT_PATTERN, QWEN3_CHAT_TEMPLATE,
                                 True, 131072, 0.6),
+    "qwen3_next": TokenizerStyle(ADDED_TOKENS.index(("</think>", False)) + 1, QWEN2_SPLIT_PATTERN, QWEN3_CHAT_TEMPLATE,
+                                 False, 262144, 0.7),
     "gpt_oss": TokenizerStyle(len(HARMONY_TOKENS), O200K_SPLIT_PATTERN, HARMONY_CHAT_TEMPLATE, False, 1000000000000000019884624838656,
                               1.0, HARMONY_TOKENS, nfc=False),
 }

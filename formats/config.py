@@ -25,6 +25,10 @@ Families (`model_type`), and what each config says:
   softmax over the top-k router logits and no shared expert, the routed experts under `block_sparse_moe.switch_mlp`
   and the router at `block_sparse_moe.gate`; `num_local_experts` and `intermediate_size` name the expert count and
   width. Tensors under `model.`/`lm_head`.
+- `qwen3_next` (Qwen3-Next-80B-A3B, Qwen3-Coder-Next): `qwen3_5_moe`'s layers (Qwen3.5 is built from it) with
+  plain partial RoPE instead of M-RoPE, each Gated DeltaNet's input projections fused as the export keeps them
+  (`in_proj_qkvz`, `in_proj_ba`, grouped by key head), no vision tower; a flat config.json and tensors under
+  `model.`/`lm_head`.
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ from .errors import StreamoeError, fail
 
 PREFIX = "language_model."  # where a qwen3_5_moe export keeps its language model's tensors
 LINEAR, FULL, SLIDING = "linear_attention", "full_attention", "sliding_attention"
-FAMILIES = ("qwen3_5_moe", "qwen3_moe", "gpt_oss", "mixtral")  # the model_types streamoe runs
-TENSOR_PREFIX = {"qwen3_5_moe": PREFIX, "qwen3_moe": "", "gpt_oss": "", "mixtral": ""}
+FAMILIES = ("qwen3_5_moe", "qwen3_moe", "gpt_oss", "mixtral", "qwen3_next")  # the model_types streamoe runs
+TENSOR_PREFIX = {"qwen3_5_moe": PREFIX, "qwen3_moe": "", "gpt_oss": "", "mixtral": "", "qwen3_next": ""}
 # where a layer's routed experts sit under `model.layers.N.` (mlx-lm's SwitchGLU, by the name its family gives it)
 EXPERTS_MODULE = {"qwen3_5_moe": "mlp.switch_mlp", "qwen3_moe": "mlp.switch_mlp", "gpt_oss": "mlp.experts",
-                  "mixtral": "block_sparse_moe.switch_mlp"}
+                  "mixtral": "block_sparse_moe.switch_mlp", "qwen3_next": "mlp.switch_mlp"}
 # families whose routed experts have biases on gate, up and down (mlx-lm's SwitchGLU(bias=True))
 EXPERT_BIAS = ("gpt_oss",)
 # the text-config keys that give the expert count and width, where a family names them otherwise
@@ -166,7 +170,7 @@ class ModelArgs:
             raise fail(path, "attention_bias = true is not supported")
         head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
         family = {"qwen3_5_moe": _hybrid_fields, "qwen3_moe": _all_attention_fields, "gpt_oss": _gpt_oss_fields,
-                  "mixtral": _mixtral_fields}
+                  "mixtral": _mixtral_fields, "qwen3_next": _hybrid_fields}
         fields = family[model_type](text, need, head_dim, path)
 
         quant = config.get("quantization") or config.get("quantization_config") or text.get("quantization")
@@ -298,7 +302,8 @@ def _rope_params(text: dict) -> dict:
 
 
 def _hybrid_fields(text: dict, need, head_dim: int, path: object) -> dict:
-    """qwen3_5_moe: Gated DeltaNet and gated full attention by the interval, partial M-RoPE, a shared expert."""
+    """qwen3_5_moe, qwen3_next: Gated DeltaNet and gated full attention by the interval, partial M-RoPE (qwen3_next's
+    config gives no sections: all the rotary dims on the token index, which is plain RoPE), a shared expert."""
     n_layers = int(need("num_hidden_layers"))
     interval = int(text.get("full_attention_interval", 4))
     by_interval = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers))

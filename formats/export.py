@@ -108,22 +108,27 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
 
 
 def _qwen3_5_moe_tensors(a: ModelArgs, plain, linear, a_log_dtype: str) -> None:
-    """Gated DeltaNet / gated attention layers, routed experts and a gated shared expert, under `language_model.`."""
+    """Gated DeltaNet / gated attention layers, routed experts and a gated shared expert, under `language_model.`
+    (qwen3_next: under `model.`/`lm_head`, each Gated DeltaNet's input projections fused in two)."""
     h, vocab = a.hidden_size, a.vocab_size
     nq, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
     hv, dvv, value_dim, conv_dim = a.linear_num_value_heads, a.linear_value_head_dim, a.value_dim, a.conv_dim
     e, inter, shared = a.num_experts, a.moe_intermediate_size, a.shared_expert_intermediate_size
-    lm = "language_model.model"
+    lm = f"{a.prefix}model"
     linear(f"{lm}.embed_tokens", vocab, h)
     for i in range(a.num_hidden_layers):
         L = f"{lm}.layers.{i}"
         if a.is_linear(i):
             p = f"{L}.linear_attn"
             plain(f"{p}.conv1d.weight", (conv_dim, a.linear_conv_kernel_dim, 1), "conv")
-            linear(f"{p}.in_proj_qkv", conv_dim, h)
-            linear(f"{p}.in_proj_z", value_dim, h)
-            linear(f"{p}.in_proj_b", hv, h)
-            linear(f"{p}.in_proj_a", hv, h)
+            if a.model_type == "qwen3_next":
+                linear(f"{p}.in_proj_qkvz", conv_dim + value_dim, h)
+                linear(f"{p}.in_proj_ba", 2 * hv, h)
+            else:
+                linear(f"{p}.in_proj_qkv", conv_dim, h)
+                linear(f"{p}.in_proj_z", value_dim, h)
+                linear(f"{p}.in_proj_b", hv, h)
+                linear(f"{p}.in_proj_a", hv, h)
             plain(f"{p}.dt_bias", (hv,), "dt_bias")
             plain(f"{p}.A_log", (hv,), "a_log", a_log_dtype)
             plain(f"{p}.norm.weight", (dvv,), "one")
@@ -148,7 +153,7 @@ def _qwen3_5_moe_tensors(a: ModelArgs, plain, linear, a_log_dtype: str) -> None:
         linear(f"{m}.shared_expert.up_proj", shared, h)
         linear(f"{m}.shared_expert_gate", 1, h)
     plain(f"{lm}.norm.weight", (h,), "one")
-    linear("language_model.lm_head", vocab, h)
+    linear(f"{a.prefix}lm_head", vocab, h)
 
 
 def _gqa(a: ModelArgs, linear, p: str, bias: bool = False) -> None:

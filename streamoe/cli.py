@@ -170,13 +170,13 @@ def main() -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--family", type=click.Choice(FAMILIES), default="qwen3_5_moe", show_default=True,
               help="The model family (model_type) whose mlx-community export to write: qwen3_5_moe Qwen3.6-35B-A3B, "
-                   "qwen3_moe Qwen3-30B-A3B, gpt_oss gpt-oss-20b, mixtral Mixtral-8x7B-Instruct-v0.1 (text only but the "
-                   "first).")
+                   "qwen3_moe Qwen3-30B-A3B, gpt_oss gpt-oss-20b, mixtral Mixtral-8x7B-Instruct-v0.1, qwen3_next "
+                   "Qwen3-Next-80B-A3B (text only but the first).")
 @click.option("--size", type=click.Choice(["tiny", "small", "small-vocab", "full"]), default="tiny", show_default=True)
 @click.option("--variant", default=None,
               help="An export variant of the family (default: its first): qwen3_5_moe qwen3.6 (8-bit routers, bf16 "
                    "A_log) or qwen3.5; qwen3_moe qwen3 (every module 4-bit) or qwen3-gate8 (8-bit routers); gpt_oss "
-                   "mxfp4-q8 (MXFP4 experts, the rest 8-bit) or mxfp4-q4; mixtral mixtral (every module 4-bit).")
+                   "mxfp4-q8 (MXFP4 experts, the rest 8-bit) or mxfp4-q4; mixtral mixtral (every module 4-bit); qwen3_next qwen3-next (8-bit routers and shared-expert gates).")
 @click.option("--text-only", is_flag=True, help="Write an mlx-lm style text-only export (no vision tower).")
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
 @click.option("--shard-mb", type=Finite(min=0.001, max=1 << 30), default=None, help="Shard cap in MiB (default: 5 GiB, as mlx-vlm).")
@@ -185,7 +185,7 @@ def main() -> None:
 def synth(out: Path, family: str, size: str, variant: str | None, text_only: bool, seed: int, shard_mb: float | None,
           dry_run: bool) -> None:
     """Write a synthetic checkpoint shaped exactly like an mlx-community export (Qwen3.6-35B-A3B-4bit; with
-    --family, Qwen3-30B-A3B-4bit, gpt-oss-20b-MXFP4-Q8 or Mixtral-8x7B-Instruct-v0.1-4bit)."""
+    --family, Qwen3-30B-A3B-4bit, gpt-oss-20b-MXFP4-Q8, Mixtral-8x7B-Instruct-v0.1-4bit or Qwen3-Next-80B-A3B-4bit)."""
     from .convert.synth import synth as run_synth
 
     run_synth(out, size=size, variant=variant, text_only=text_only, seed=seed, family=family,

@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(mx.default_device() != mx.gpu, reason="MLX has no GPU here (CPU backend only)"),
 ]
-FAMILIES = {"qwen3_moe": "qwen3", "gpt_oss": "mxfp4-q8", "mixtral": "mixtral"}  # model_type -> the synthetic variant written
+FAMILIES = {"qwen3_moe": "qwen3", "gpt_oss": "mxfp4-q8", "mixtral": "mixtral", "qwen3_next": "qwen3-next"}  # model_type -> variant
 MARGIN = 1e-3  # float32 on a GPU: kernels sum in other orders than mlx-lm's; a closer top two is no verdict
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...formats.config import PREFIX, ModelArgs
+from ...formats.config import ModelArgs
 from .cache import GDNCache, KVCache, QuantizedKVCache
 from .delta_rule import causal_conv, conv_taps, gated_delta
 from .kernels import (
@@ -163,7 +163,7 @@ class DecoderLayer(PreNormLayer):
     """Token mixer (Gated DeltaNet or gated attention) and MoE block, each behind an RMSNorm and a residual."""
 
     def __init__(self, args: ModelArgs, ld: Loader, i: int, gdn_chunked: bool | None):
-        p = f"{PREFIX}model.layers.{i}."
+        p = f"{args.prefix}model.layers.{i}."
         self.i, self.eps = i, args.rms_norm_eps
         self.is_linear = args.is_linear(i)
         if self.is_linear:
@@ -224,13 +224,13 @@ class Model:
         self.args, self.dtype, self.streams = args, dtype, streams
         ld = Loader(args, weights, dtype, consume=True, streams=streams)
         H = args.hidden_size
-        self.embed_tokens = ld.embedding(f"{PREFIX}model.embed_tokens", args.vocab_size, H)
+        self.embed_tokens = ld.embedding(f"{args.prefix}model.embed_tokens", args.vocab_size, H)
         self.layers = [DecoderLayer(args, ld, i, gdn_chunked) for i in range(args.num_hidden_layers)]
-        self.norm = ld.float(f"{PREFIX}model.norm.weight", (H,))
+        self.norm = ld.float(f"{args.prefix}model.norm.weight", (H,))
         if args.tie_word_embeddings:
             self.lm_head = self.embed_tokens.as_linear(streams)
         else:
-            self.lm_head = ld.linear(f"{PREFIX}lm_head", args.vocab_size, H)
+            self.lm_head = ld.linear(f"{args.prefix}lm_head", args.vocab_size, H)
         self.rope = MRoPE(args.rotary_dim, args.rope_theta, args.mrope_section)
         mx.eval(weight_arrays([self.layers, self.embed_tokens, self.norm, self.lm_head]))
 

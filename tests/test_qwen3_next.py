@@ -1,0 +1,161 @@
+"""The Qwen3-Next family (`qwen3_next`: Qwen3-Next-80B-A3B, Qwen3-Coder-Next): its export table at full size, plan
+from its bare config.json, synth -> convert -> validate, the fused Gated DeltaNet projections taken apart as mlx-lm
+reads them, greedy tokens against mlx-lm float32 resident and at a cap, logits bit-identical across caps."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from streamoe.convert.convert import convert
+from streamoe.convert.synth import layout, make_config, synth
+from streamoe.convert.validate import validate
+from streamoe.formats.config import ModelArgs
+from streamoe.formats.export import tensor_table
+from streamoe.formats.manifest import load_manifest
+
+from .conftest import LOGIT_ATOL, cli
+from .test_runtime import PROMPTS, run_logits, teacher_forced
+
+FULL_TOTAL = 44_844_060_160  # 48 layers of 512 experts top-10, vocab 151,936; routers and shared-expert gates 8-bit
+FULL_TENSORS = 1891
+EXPERT_RECORD = 1_769_472  # one expert, q4: 3 x (524,288 + 2 x 32,768)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("qn") / "tiny"
+    synth(out, size="tiny", variant=None, text_only=False, seed=0, shard_bytes=None, dry_run=False, family="qwen3_next")
+    return out
+
+
+@pytest.fixture(scope="module")
+def conv(ckpt, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("qnconv") / "tiny"
+    convert(ckpt, out, formats=["q4", "q3"], progress=False)
+    return out
+
+
+def test_full_export_table():
+    """`--size full` is Qwen3-Next-80B-A3B's table: three Gated DeltaNet layers to one of gated attention, each
+    linear layer's input projections fused in two, 8-bit routers and shared-expert gates, 5 GiB shards."""
+    config = make_config("full", family="qwen3_next")
+    a = ModelArgs.from_config(config)
+    assert (a.num_hidden_layers, a.n_full_attention, a.hidden_size, a.head_dim, a.rotary_dim) == (48, 12, 2048, 256, 64)
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.vocab_size) == (512, 10, 512, 151936)
+    assert a.prefix == "" and a.mrope_section == (32, 0, 0) and a.rope_theta == 1e7 and a.eos_token_ids == (151645,)
+    assert a.quant_params("model.layers.7.mlp.gate") == (8, 64) and a.expert_quant(47) == (4, 64)
+    rows = layout(config)
+    assert len(rows) == FULL_TENSORS and sum(r["nbytes"] for r in rows) == FULL_TOTAL
+    assert len({r["file"] for r in rows}) == 9
+    by_name = {r["name"]: r for r in rows}
+    assert rows[0]["name"] == "model.embed_tokens.weight" and rows[-1]["name"] == "lm_head.biases"
+    assert by_name["model.layers.0.linear_attn.in_proj_qkvz.weight"]["shape"] == [12288, 256]  # 2 x 2048 + 2 x 4096
+    assert by_name["model.layers.0.linear_attn.in_proj_ba.weight"]["shape"] == [64, 256]
+    assert by_name["model.layers.3.self_attn.q_proj.weight"]["shape"] == [8192, 256]  # query and its gate per head
+    assert "model.layers.3.linear_attn.conv1d.weight" not in by_name
+    assert sum(r["nbytes"] for r in rows if ".switch_mlp." in r["name"]) == 48 * 512 * EXPERT_RECORD
+    patterns = {re.sub(r"\.\d+\.", ".N.", r["name"]) for r in rows}
+    assert not any("in_proj_qkv." in p or "language_model" in p for p in patterns)
+
+
+def test_plan_from_the_bare_config_of_the_real_model(tmp_path):
+    """12 attention layers keep KV (2 heads x 256 at float32: 98,304 B a token), 36 keep Gated DeltaNet state;
+    records of 1.69 MiB, and the 80B model plans hot slots inside 4 GiB."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(make_config("full", family="qwen3_next")))
+    plan = json.loads(cli("plan", cfg, "--cap", "4", "--ctx", "4096", "--runtime-mib", "100", "--json", check=True).stdout)
+    assert plan["stride"] == EXPERT_RECORD and plan["n_layers"] == 48 and plan["n_experts"] == 512
+    assert plan["accounts"]["kv cache"] == 12 * 2 * 2 * 256 * 4 * 4096
+    assert plan["accounts"]["linear state"] > 0 and plan["native_ctx"] == 262144 and plan["hot_slots"] > 0
+
+
+def test_tiny_is_what_mlx_lm_loads_and_converts(ckpt, conv):
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(ckpt)
+    assert type(model).__module__ == "mlx_lm.models.qwen3_next"
+    assert [k for k, _ in tree_flatten(model.parameters())] == [n for n, _, _ in tensor_table(config)]
+    m = load_manifest(conv)
+    assert m.model["expert_prefix"] == "model.layers." and m.doc["source"]["model_type"] == "qwen3_next"
+    names = {t.name for t in m.blob("nonexpert")[1]}
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in names and m.blob("vision") is None
+    report = validate(conv, source=ckpt, samples=4)
+    assert report["ok"], [c for c in report["checks"] if not c["ok"]]
+
+
+def test_fused_projections_are_taken_apart_as_mlx_lm_reads_them(ckpt):
+    """`qwen3_next.unfuse`'s rows give, for the same input, mlx-lm's q, k, v, z, b and a after its
+    `fix_query_key_value_ordering`, to the bit (a row's output does not depend on its neighbours)."""
+    from mlx_lm.utils import load_model
+
+    from streamoe.runtime.models.qwen3_next import unfuse
+
+    model, config = load_model(ckpt)
+    model.set_dtype(mx.float32)
+    gdn = model.model.layers[0].linear_attn
+    x = mx.random.normal((1, 3, gdn.hidden_size), key=mx.random.key(1))
+    q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+    p = "model.layers.0.linear_attn."
+    weights = {f"{p}{n}.{s}": getattr(getattr(gdn, n), s) for n in ("in_proj_qkvz", "in_proj_ba")
+               for s in ("weight", "scales", "biases")}
+    unfuse(ModelArgs.from_config(config), weights)
+    assert not any("qkvz" in n or "_ba." in n for n in weights)
+
+    def out(name: str) -> np.ndarray:
+        w, s, bi = (weights[f"{p}{name}.{part}"] for part in ("weight", "scales", "biases"))
+        return np.array(mx.quantized_matmul(x, w, s, bi, transpose=True, group_size=gdn.in_proj_qkvz.group_size,
+                                            bits=gdn.in_proj_qkvz.bits))
+
+    B, L = x.shape[:2]
+    mixed = np.concatenate([np.array(t).reshape(B, L, -1) for t in (q, k, v)], axis=-1)
+    assert np.array_equal(out("in_proj_qkv"), mixed)
+    assert np.array_equal(out("in_proj_z"), np.array(z).reshape(B, L, -1))
+    assert np.array_equal(out("in_proj_b"), np.array(b)) and np.array_equal(out("in_proj_a"), np.array(a))
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_equal_mlx_lm(ckpt, conv, prompt):
+    """Teacher-forced greedy decode against mlx-lm's qwen3_next in float32, every expert resident."""
+    ref, ours, worst = teacher_forced(ckpt, conv, prompt, 24)
+    assert ours == ref and worst < LOGIT_ATOL
+
+
+def test_greedy_tokens_equal_mlx_lm_at_a_cap(ckpt, conv):
+    """Streamed through 3 hot slots of 64."""
+    from streamoe.runtime.engine import Options, plan_for
+
+    from .conftest import RUNTIME
+
+    base = plan_for(conv, Options(cap_gib=8, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME))
+    ref, ours, worst = teacher_forced(ckpt, conv, PROMPTS[2], 24, cap_gib=(base.fixed + 3 * base.slot_bytes) / 2**30)
+    assert ours == ref and worst < LOGIT_ATOL
+
+
+def test_logits_bit_identical_across_caps(conv):
+    """Prefill and decode logits are the same bits with every expert resident and with 0 or 3 hot slots (of 64),
+    whatever the tier and the guesses."""
+    runs = {}
+    for slots, width, tier in [(None, 2, "freq"), (0, 2, "freq"), (3, 0, "lru"), (3, 2, "freq")]:
+        data, eng = run_logits(conv, slots, steps=12, prefetch_width=width, tier=tier)
+        runs[(slots, width, tier)] = (data, eng.plan.hot_slots, sum(ly.misses for st in eng.steps for ly in st.layers))
+    assert runs[(None, 2, "freq")][1] == 64 and runs[(0, 2, "freq")][1] == 0
+    assert runs[(0, 2, "freq")][2] >= runs[(3, 2, "freq")][2] > 0 == runs[(None, 2, "freq")][2]
+    first = runs[(None, 2, "freq")][0]
+    for key, (data, _, _) in runs.items():
+        assert data == first, f"logits differ at {key}"
+
+
+def test_a_chat_answers_through_the_command(conv):
+    """`streamoe run` on the converted model: the chat template's answer, text only (an image is refused in one line)."""
+    from .conftest import one_error_line
+
+    p = cli("run", conv, "--cap", "1", "--ctx", "256", "--temp", "0", "-n", "6", "-p", "Hello", check=True)
+    assert p.stdout.strip()
+    one_error_line(cli("run", conv, "--cap", "1", "--ctx", "256", "-p", "hi", "--image", Path(__file__)), "image")
