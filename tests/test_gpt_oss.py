@@ -22,7 +22,15 @@ from streamoe.formats.layout import source_layout
 from streamoe.formats.manifest import load_manifest
 
 from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line
-from .test_runtime import PROMPTS, compiled_step_bits, reference, run_ahead_bits, run_logits, teacher_forced
+from .test_runtime import (
+    PROMPTS,
+    assert_logits_across_caps,
+    compiled_step_bits,
+    reference,
+    run_ahead_bits,
+    teacher_forced,
+    teacher_forced_at_slots,
+)
 
 FULL_TOTAL = 12_076_119_168  # gpt-oss-20b-MXFP4-Q8: MXFP4 experts, every other module 8-bit, vocab 201,088
 FULL_TENSORS = 775
@@ -219,7 +227,6 @@ def test_mlx_lms_converter_writes_what_synth_writes_and_streamoe_runs_it(ckpt, t
     from mlx_lm.convert import convert as mlx_lm_convert
 
     from streamoe.formats.safetensors import read_header
-    from streamoe.runtime.engine import Options, plan_for
 
     exported = tmp_path / "mlx"
     mlx_lm_convert(str(hf_checkpoint(tmp_path / "hf", ckpt)), str(exported), quantize=True, q_bits=8)
@@ -232,8 +239,7 @@ def test_mlx_lms_converter_writes_what_synth_writes_and_streamoe_runs_it(ckpt, t
     assert index["metadata"] == json.loads((ckpt / "model.safetensors.index.json").read_text())["metadata"]
     out = tmp_path / "conv"
     convert(exported, out, progress=False)
-    base = plan_for(out, Options(cap_gib=8, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME))
-    ref, ours, worst = teacher_forced(exported, out, PROMPTS[0], 24, cap_gib=(base.fixed + 4 * base.slot_bytes) / 2**30)
+    ref, ours, worst = teacher_forced_at_slots(exported, out, PROMPTS[0], 4)
     assert ours == ref and worst < LOGIT_ATOL
 
 
@@ -250,13 +256,10 @@ def test_greedy_tokens_equal_mlx_lm(ckpt, conv, prompt):
 
 def test_greedy_tokens_equal_mlx_lm_at_a_cap_with_4_bit_attention(tmp_path):
     """gpt-oss-20b-MXFP4-Q4's layout (4-bit attention and head, 8-bit routers), streamed through 4 hot slots."""
-    from streamoe.runtime.engine import Options, plan_for
-
     ck = make(tmp_path / "ckpt", variant="mxfp4-q4", seed=3)
     out = tmp_path / "conv"
     convert(ck, out, progress=False)
-    base = plan_for(out, Options(cap_gib=8, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME))
-    ref, ours, worst = teacher_forced(ck, out, PROMPTS[2], 24, cap_gib=(base.fixed + 4 * base.slot_bytes) / 2**30)
+    ref, ours, worst = teacher_forced_at_slots(ck, out, PROMPTS[2], 4)
     assert ours == ref and worst < LOGIT_ATOL
 
 
@@ -308,15 +311,7 @@ def test_decode_layers_run_ahead_of_their_picks_give_the_same_bits(conv, monkeyp
 def test_logits_bit_identical_across_caps(conv, kv):
     """Prefill and decode logits are the same bits with every expert resident and with 0 or 3 hot slots (of 32),
     whatever the tier and the guesses; q8 scores the sinks and the window on the codes."""
-    runs = {}
-    for slots, width, tier in [(None, 2, "freq"), (0, 2, "freq"), (3, 0, "lru"), (3, 2, "freq")]:
-        data, eng = run_logits(conv, slots, steps=12, kv=kv, prefetch_width=width, tier=tier)
-        runs[(slots, width, tier)] = (data, eng.plan.hot_slots, sum(ly.misses for st in eng.steps for ly in st.layers))
-    assert runs[(None, 2, "freq")][1] == 32 and runs[(0, 2, "freq")][1] == 0
-    assert runs[(0, 2, "freq")][2] >= runs[(3, 2, "freq")][2] > 0 == runs[(None, 2, "freq")][2]
-    first = runs[(None, 2, "freq")][0]
-    for key, (data, _, _) in runs.items():
-        assert data == first, f"logits differ at {key}"
+    assert_logits_across_caps(conv, 32, kv=kv)
 
 
 def test_run_and_plan_default_to_the_one_format_there(conv):

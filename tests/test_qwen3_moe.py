@@ -20,7 +20,13 @@ from streamoe.formats.export import tensor_table
 from streamoe.formats.manifest import load_manifest
 
 from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line
-from .test_runtime import PROMPTS, compiled_step_bits, run_logits, teacher_forced
+from .test_runtime import (
+    PROMPTS,
+    assert_logits_across_caps,
+    compiled_step_bits,
+    teacher_forced,
+    teacher_forced_at_slots,
+)
 
 FULL_TOTAL = 17_174_622_208  # the real export's tensors: 48 layers of 128 experts, vocab 151,936, every module 4-bit
 FULL_TENSORS = 1351
@@ -156,13 +162,10 @@ def test_greedy_tokens_equal_mlx_lm(ckpt, conv, prompt):
 
 def test_greedy_tokens_equal_mlx_lm_with_8_bit_routers_at_a_cap(tmp_path):
     """The export as today's mlx-lm converter writes it (8-bit `mlp.gate`), streamed through 4 hot slots."""
-    from streamoe.runtime.engine import Options, plan_for
-
     ck = make(tmp_path / "ckpt", variant="qwen3-gate8", seed=3)
     out = tmp_path / "conv"
     convert(ck, out, progress=False)
-    base = plan_for(out, Options(cap_gib=8, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME))
-    ref, ours, worst = teacher_forced(ck, out, PROMPTS[2], 24, cap_gib=(base.fixed + 4 * base.slot_bytes) / 2**30)
+    ref, ours, worst = teacher_forced_at_slots(ck, out, PROMPTS[2], 4)
     assert ours == ref and worst < LOGIT_ATOL
 
 
@@ -177,15 +180,7 @@ def test_a_compiled_decode_step_is_the_step_built_op_by_op(conv, monkeypatch):
 def test_logits_bit_identical_across_caps(conv, kv):
     """Prefill and decode logits are the same bits with every expert resident and with 0 or 3 hot slots (of 32),
     whatever the tier and the guesses: the caps stream differently, the math never changes."""
-    runs = {}
-    for slots, width, tier in [(None, 2, "freq"), (0, 2, "freq"), (3, 0, "lru"), (3, 2, "freq")]:
-        data, eng = run_logits(conv, slots, steps=12, kv=kv, prefetch_width=width, tier=tier)
-        runs[(slots, width, tier)] = (data, eng.plan.hot_slots, sum(ly.misses for st in eng.steps for ly in st.layers))
-    assert runs[(None, 2, "freq")][1] == 32 and runs[(0, 2, "freq")][1] == 0
-    assert runs[(0, 2, "freq")][2] >= runs[(3, 2, "freq")][2] > 0 == runs[(None, 2, "freq")][2]  # filled at open
-    first = runs[(None, 2, "freq")][0]
-    for key, (data, _, _) in runs.items():
-        assert data == first, f"logits differ at {key}"
+    assert_logits_across_caps(conv, 32, kv=kv)
 
 
 def test_resident_pipelined_generate_equals_a_capped_run(conv):

@@ -103,6 +103,26 @@ def run_logits(conv: Path, cap_slots: int | None, steps: int = 24, chunk: int | 
     return logits.tobytes(), eng
 
 
+def teacher_forced_at_slots(ckpt: Path, conv: Path, prompt: str, slots: int, steps: int = 24) -> tuple[list[int], list[int], float]:
+    """`teacher_forced` at the cap whose hot tier holds `slots` experts (the plan's smallest prefill chunk)."""
+    base = plan_for(conv, Options(cap_gib=8, ctx=512, prefill_chunk=16, runtime_bytes=RUNTIME))
+    return teacher_forced(ckpt, conv, prompt, steps, cap_gib=(base.fixed + slots * base.slot_bytes) / 2**30)
+
+
+def assert_logits_across_caps(conv: Path, all_slots: int, **opts) -> None:
+    """Prefill and decode logits are the same bits with every expert resident (`all_slots` in the tier) and with 0 or
+    3 hot slots, whatever the tier and the guesses; the capped runs miss, the resident one never (filled at open)."""
+    runs = {}
+    for slots, width, tier in [(None, 2, "freq"), (0, 2, "freq"), (3, 0, "lru"), (3, 2, "freq")]:
+        data, eng = run_logits(conv, slots, steps=12, prefetch_width=width, tier=tier, **opts)
+        runs[(slots, width, tier)] = (data, eng.plan.hot_slots, sum(ly.misses for st in eng.steps for ly in st.layers))
+    assert runs[(None, 2, "freq")][1] == all_slots and runs[(0, 2, "freq")][1] == 0
+    assert runs[(0, 2, "freq")][2] >= runs[(3, 2, "freq")][2] > 0 == runs[(None, 2, "freq")][2]
+    first = runs[(None, 2, "freq")][0]
+    for key, (data, _, _) in runs.items():
+        assert data == first, f"logits differ at {key}"
+
+
 def compiled_step_bits(conv: Path, monkeypatch, slots: int | None) -> tuple[bytes, bytes]:
     """`run_logits` with each layer's one-token call compiled (the default) and built op by op; the compiled run must
     have taken the compiled functions (its layers keep them)."""
