@@ -125,9 +125,30 @@ def check_writable_dir(d: Path, path: object) -> None:
         raise fail(path, f"cannot write here: permission denied on {anchor}")
 
 
-def check_output_file(path: str | os.PathLike, what: str = "output file") -> Path:
+def is_stream(st: os.stat_result) -> bool:
+    """A pipe or a character device (a terminal, /dev/null): written as a shell redirect writes it, never replaced."""
+    return stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)
+
+
+def names_a_descriptor(path: str | os.PathLike) -> bool:
+    """Whether `path` reaches its file through /proc (/dev/stdout, /dev/stderr, /dev/fd/N): an open descriptor of
+    this process, whatever it points at. Written where it points, never replaced by a rename (that would replace
+    the link itself: as root, /dev/stderr)."""
+    p = os.path.abspath(path)
+    for _ in range(40):
+        p = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
+        if p.startswith("/proc/"):
+            return True
+        if not os.path.islink(p):
+            return False
+        p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+    return False
+
+
+def check_output_file(path: str | os.PathLike, what: str = "output file", stream: bool = False) -> Path:
     """Before any work: `path` can be written (its directory exists and is writable; it is not a directory,
-    FIFO or device). Its parent must already exist: we do not create directories for single files."""
+    FIFO or device). Its parent must already exist: we do not create directories for single files. `stream`: a
+    pipe or terminal the user names may take it too (`--stats >(jq -c .)`, `--stats /dev/stderr`; `write_whole`)."""
     path = Path(path)
     try:
         st = os.stat(path)
@@ -135,6 +156,11 @@ def check_output_file(path: str | os.PathLike, what: str = "output file") -> Pat
         st = None
     except OSError as e:
         raise os_fail(path, e, f"cannot write the {what}") from None
+    if st is not None and (is_stream(st) or names_a_descriptor(path)):
+        if stream:
+            return path
+        raise fail(path, f"is {'an open descriptor of this process' if stat.S_ISREG(st.st_mode) else kind(st.st_mode)}, "
+                         f"cannot write the {what} there")
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise fail(path, f"is {kind(st.st_mode)}, cannot write the {what} there")
     parent = path.parent
@@ -149,8 +175,29 @@ def check_output_file(path: str | os.PathLike, what: str = "output file") -> Pat
 
 def write_whole(path: str | os.PathLike, write: Callable[[BinaryIO], None], what: str) -> None:
     """Write `path` through a temporary file beside it, renamed over it once whole and on disk: a full disk or an
-    interrupted write leaves the earlier file as it was and nothing half-written."""
+    interrupted write leaves the earlier file as it was and nothing half-written. A pipe or a terminal
+    (`check_output_file(stream=True)`) is written straight, opened without waiting for a reader: a FIFO nobody reads
+    is one error, not a hang."""
     path = Path(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is not None and (is_stream(st) or names_a_descriptor(path)):
+        try:  # appended where it points: a redirect's file keeps what was written to it before
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | (os.O_APPEND if stat.S_ISREG(st.st_mode) else 0))
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                raise fail(path, f"is a pipe no one reads: cannot write the {what} there") from None
+            raise os_fail(path, e, f"cannot write the {what}") from None
+        try:
+            os.set_blocking(fd, True)
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+        except OSError as e:
+            raise os_fail(path, e, f"cannot write the {what}") from None
+        return
+    path = Path(os.path.realpath(path))  # through a symlink: the file it names is replaced, the link kept
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:

@@ -487,7 +487,7 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1, max=1 << 31), default=256, show_default=True)
 @sampling_options
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
-@click.option("--stats", type=click.Path(path_type=Path), default=None, help="Write per-step telemetry as JSON lines.")
+@click.option("--stats", type=click.Path(path_type=Path), default=None, help="Write per-step telemetry as JSON lines (a file, or a pipe: --stats >(jq -c .), /dev/stderr).")
 @click.option("--logits-out", type=click.Path(path_type=Path), default=None, help="Save every step's logits (.npz).")
 @click.option("--verify", is_flag=True, help="Check every file's checksum before running.")
 @click.option("--quiet", "-q", is_flag=True, help="No summary line.")
@@ -627,7 +627,7 @@ def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, sa
                                                            (save_session, "--save-session", "session file"))
                if path is not None]
     for path, flag, what in outputs:
-        check_output_file(path, f"{what} ({flag})")
+        check_output_file(path, f"{what} ({flag})", stream=flag != "--save-session")
     if load_session is not None:
         check_input_file(load_session, "session file")
     taken: dict[Path, str] = {}

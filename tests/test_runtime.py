@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -546,6 +548,44 @@ def test_a_prompt_from_stdin_or_a_file_is_the_prompt(tiny_conv, tmp_path):
     assert cli(*run, "-f", "/dev/stdin", input=text, check=True).stdout == want  # stdin a pipe: what <(...) gives
     one_error_line(cli(*run, "-p", "-", input="caf\udce9", errors="surrogateescape"), "stdin", "not UTF-8")
     one_error_line(cli(*run, "-p", "-", "--chat", input="hi"), "--chat reads its turns from stdin")
+
+
+def test_stats_go_to_a_pipe_a_descriptor_or_through_a_link_and_a_session_only_to_a_file(tiny_conv, tmp_path):
+    """`--stats` as a shell redirect writes it: into a pipe (`/dev/stdout` under a pipe, `>(jq .)`), appended to the
+    file a descriptor points at (`/dev/fd/2` under `2> log`), or through a symlink to the file it names, the link kept
+    (a rename over the link replaced it: as root, /dev/stderr itself); a FIFO nobody reads is one line, not a hang; a
+    session is a file of its own."""
+    run = ("run", tiny_conv, "--cap", "1", "--ctx", "256", "--raw", "--temp", "0", "-n", "4", "-q", "-p", "def f(x):")
+    cli(*run, "--stats", tmp_path / "s.jsonl", check=True)
+    want = (tmp_path / "s.jsonl").read_text().splitlines()
+    assert len(want) == 5 and all(json.loads(ln)["step"] == i for i, ln in enumerate(want))
+    answer = cli(*run, check=True).stdout
+
+    def steps(lines: list[str]) -> list[int]:
+        return [json.loads(ln)["step"] for ln in lines if ln.startswith("{")]
+
+    piped = cli(*run, "--stats", "/dev/stdout", check=True).stdout
+    assert piped.startswith(answer) and steps(piped.splitlines()) == list(range(5))
+    with open(tmp_path / "log", "w") as log:
+        log.write("before\n")
+        log.flush()
+        p = subprocess.run([sys.executable, "-m", "streamoe.cli", *map(str, run), "--stats", "/dev/fd/2"],
+                           stdout=subprocess.PIPE, stderr=log, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout == answer
+    logged = (tmp_path / "log").read_text().splitlines()
+    assert logged[0] == "before" and steps(logged) == list(range(5))
+    (tmp_path / "target.jsonl").write_text("old\n")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "target.jsonl")
+    cli(*run, "--stats", tmp_path / "link.jsonl", check=True)
+    assert (tmp_path / "link.jsonl").is_symlink() and steps((tmp_path / "target.jsonl").read_text().splitlines()) == list(range(5))
+    os.mkfifo(tmp_path / "fifo")
+    one_error_line(cli(*run, "--stats", tmp_path / "fifo", timeout=120), str(tmp_path / "fifo"), "a pipe no one reads")
+    one_error_line(cli(*run, "--save-session", "/dev/fd/2"), "/dev/fd/2", "is a FIFO", "--save-session")
+    with open(tmp_path / "log2", "w") as log:  # a descriptor of a file: still not a session file of its own
+        p = subprocess.run([sys.executable, "-m", "streamoe.cli", *map(str, run), "--save-session", "/dev/fd/2"],
+                           stdout=subprocess.PIPE, stderr=log, text=True, timeout=300)
+    p.stderr = (tmp_path / "log2").read_text()
+    one_error_line(p, "/dev/fd/2", "is an open descriptor of this process", "--save-session")
 
 
 def test_a_chat_turn_of_several_lines_is_one_turn(tiny_conv):
