@@ -192,7 +192,12 @@ def write_whole(path: str | os.PathLike, write: Callable[[BinaryIO], None], what
             raise os_fail(path, e, f"cannot write the {what}") from None
         try:
             os.set_blocking(fd, True)
-            with os.fdopen(fd, "wb") as f:
+            f = os.fdopen(fd, "wb")
+        except OSError as e:
+            os.close(fd)
+            raise os_fail(path, e, f"cannot write the {what}") from None
+        try:
+            with f:
                 write(f)
         except OSError as e:
             raise os_fail(path, e, f"cannot write the {what}") from None
@@ -254,17 +259,19 @@ def read_named(path: str | os.PathLike, what: str, limit: int) -> bytes:
         st = None
     if st is None or not stat.S_ISFIFO(st.st_mode):
         return read_bytes(path, what, limit)
-    data = b""
+    chunks, n = [], 0
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         try:
             os.set_blocking(fd, True)
-            while len(data) <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - len(data)))):
-                data += chunk
+            while n <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - n))):
+                chunks.append(chunk)
+                n += len(chunk)
         finally:
             os.close(fd)
     except OSError as e:
         raise os_fail(path, e, f"cannot read the {what}") from None
+    data = b"".join(chunks)
     if len(data) > limit:
         raise fail(path, f"gave more than {limit} bytes: too large for a {what}")
     if not data:
