@@ -163,7 +163,7 @@ def check_output_file(path: str | os.PathLike, what: str = "output file", stream
                          f"cannot write the {what} there")
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise fail(path, f"is {kind(st.st_mode)}, cannot write the {what} there")
-    parent = path.parent
+    parent = Path(os.path.realpath(path)).parent  # where write_whole puts its temporary: beside the file a link names
     if not parent.is_dir():
         raise fail(path, f"cannot write the {what}: its directory {parent} "
                          + ("does not exist" if not os.path.lexists(parent) else "is not a directory"))
