@@ -422,7 +422,8 @@ def qwen3_next_config(size: str) -> dict:
         "attention_dropout": 0.0,
         "bos_token_id": token_id("<|endoftext|>", d.token_base),
         "decoder_sparse_step": 1,
-        "eos_token_id": token_id("<|im_end|>", d.token_base),
+        # mlx-lm's load_config copies generation_config's eos_token_id to the top level
+        "eos_token_id": [token_id("<|im_end|>", d.token_base), token_id("<|endoftext|>", d.token_base)],
         "full_attention_interval": 4,
         "head_dim": d.head_dim,
         "hidden_act": "silu",

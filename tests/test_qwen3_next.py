@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -53,7 +54,7 @@ def test_full_export_table():
     a = ModelArgs.from_config(config)
     assert (a.num_hidden_layers, a.n_full_attention, a.hidden_size, a.head_dim, a.rotary_dim) == (48, 12, 2048, 256, 64)
     assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.vocab_size) == (512, 10, 512, 151936)
-    assert a.prefix == "" and a.mrope_section == (32, 0, 0) and a.rope_theta == 1e7 and a.eos_token_ids == (151645,)
+    assert a.prefix == "" and a.mrope_section == (32, 0, 0) and a.rope_theta == 1e7 and a.eos_token_ids == (151645, 151643)
     assert a.quant_params("model.layers.7.mlp.gate") == (8, 64) and a.expert_quant(47) == (4, 64)
     rows = layout(config)
     assert len(rows) == FULL_TENSORS and sum(r["nbytes"] for r in rows) == FULL_TOTAL
@@ -151,3 +152,75 @@ def test_a_chat_answers_through_the_command(conv):
     p = cli("run", conv, "--cap", "1", "--ctx", "256", "--temp", "0", "-n", "6", "-p", "Hello", check=True)
     assert p.stdout.strip()
     one_error_line(cli("run", conv, "--cap", "1", "--ctx", "256", "-p", "hi", "--image", Path(__file__)), "image")
+
+
+def hf_checkpoint(out: Path, tokenizer_from: Path, seed: int = 7) -> Path:
+    """A tiny checkpoint in Qwen/Qwen3-Next-80B-A3B's own Hugging Face form: bf16 tensors, each expert's projections
+    on their own (`mlp.experts.E.*`), zero-centred norms (the export holds 1 + w), `conv1d.weight` as [C, 1, K], and
+    no quantization block: what mlx-lm's converter reads."""
+    d = make_config("tiny", family="qwen3_next")
+    cfg = {k: v for k, v in d.items() if k not in ("quantization", "quantization_config")}
+    a = ModelArgs.from_config(d)
+    H, E, inter, shared, V = a.hidden_size, a.num_experts, a.moe_intermediate_size, a.shared_expert_intermediate_size, a.vocab_size
+    nq, nkv, hd, hv, conv = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.linear_num_value_heads, a.conv_dim
+    rng = np.random.default_rng(seed)
+
+    def bf16(shape, scale=0.02, mean=0.0):
+        return mx.array(mean + scale * rng.standard_normal(shape, dtype=np.float32)).astype(mx.bfloat16)
+
+    w = {"model.embed_tokens.weight": bf16((V, H)), "model.norm.weight": bf16((H,)), "lm_head.weight": bf16((V, H))}
+    for i in range(a.num_hidden_layers):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = bf16((H,))
+        w[f"{p}.post_attention_layernorm.weight"] = bf16((H,))
+        if a.is_linear(i):
+            q = f"{p}.linear_attn"
+            w[f"{q}.conv1d.weight"] = bf16((conv, 1, a.linear_conv_kernel_dim), 0.2)
+            w[f"{q}.in_proj_qkvz.weight"] = bf16((conv + a.value_dim, H))
+            w[f"{q}.in_proj_ba.weight"] = bf16((2 * hv, H))
+            w[f"{q}.dt_bias"] = bf16((hv,), 0.5, 1.0)
+            w[f"{q}.A_log"] = mx.log(mx.array(rng.uniform(1, 16, hv).astype(np.float32))).astype(mx.bfloat16)
+            w[f"{q}.norm.weight"] = bf16((a.linear_value_head_dim,), mean=1.0)
+            w[f"{q}.out_proj.weight"] = bf16((H, a.value_dim))
+        else:
+            q = f"{p}.self_attn"
+            for name, shape in {"q_proj": (2 * nq * hd, H), "k_proj": (nkv * hd, H), "v_proj": (nkv * hd, H),
+                                "o_proj": (H, nq * hd), "q_norm": (hd,), "k_norm": (hd,)}.items():
+                w[f"{q}.{name}.weight"] = bf16(shape)
+        m = f"{p}.mlp"
+        w[f"{m}.gate.weight"] = bf16((E, H))
+        for e in range(E):
+            for name, shape in {"gate_proj": (inter, H), "up_proj": (inter, H), "down_proj": (H, inter)}.items():
+                w[f"{m}.experts.{e}.{name}.weight"] = bf16(shape)
+        for name, shape in {"gate_proj": (shared, H), "up_proj": (shared, H), "down_proj": (H, shared)}.items():
+            w[f"{m}.shared_expert.{name}.weight"] = bf16(shape)
+        w[f"{m}.shared_expert_gate.weight"] = bf16((1, H))
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(tokenizer_from / f, out / f)
+    return out
+
+
+def test_mlx_lms_converter_writes_what_synth_writes_and_streamoe_runs_it(ckpt, tmp_path):
+    """Qwen's own form through mlx-lm's converter (`-q`, 4-bit, its quant_predicate's 8-bit routers and shared-expert
+    gates): the config (its quantization block entry for entry) and the tensor table are synth's; converted by
+    streamoe, its greedy tokens equal mlx-lm's float32 ones on it, resident and at a cap of 3 hot slots."""
+    from mlx_lm.convert import convert as mlx_lm_convert
+
+    from streamoe.formats.safetensors import read_header
+
+    exported = tmp_path / "mlx"
+    mlx_lm_convert(str(hf_checkpoint(tmp_path / "hf", ckpt)), str(exported), quantize=True)
+    config = json.loads((exported / "config.json").read_text())
+    assert config == make_config("tiny", family="qwen3_next")
+    header = read_header(exported / "model.safetensors")
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in header.tensors.items()} == {
+        n: (dt, shape) for n, dt, shape in tensor_table(config)}
+    out = tmp_path / "conv"
+    convert(exported, out, progress=False)
+    for slots in (None, 3):
+        ref, ours, worst = (teacher_forced(exported, out, PROMPTS[0], 24) if slots is None
+                            else teacher_forced_at_slots(exported, out, PROMPTS[0], slots))
+        assert ours == ref and worst < LOGIT_ATOL
