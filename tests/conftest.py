@@ -39,6 +39,22 @@ def cli(*args: str, check: bool = False, timeout: float = 300, **kw) -> subproce
     return p
 
 
+def write_hf_checkpoint(out: Path, weights: dict, config: dict, tokenizer_from: Path) -> Path:
+    """A checkpoint in a model's own Hugging Face form (what mlx-lm's converter reads): `weights` in one
+    safetensors file, `config`, and the tokenizer files of the synthetic checkpoint `tokenizer_from`."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(tokenizer_from / f, out / f)
+    return out
+
+
 def one_error_line(p: subprocess.CompletedProcess, *needles: str) -> str:
     """The failure contract for bad input: non-zero exit, no traceback, one line on stderr naming the problem."""
     assert p.returncode != 0, p.stdout

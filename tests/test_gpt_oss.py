@@ -21,7 +21,7 @@ from streamoe.formats.export import tensor_table
 from streamoe.formats.layout import source_layout
 from streamoe.formats.manifest import load_manifest
 
-from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line
+from .conftest import LOGIT_ATOL, RUNTIME, cli, one_error_line, write_hf_checkpoint
 from .test_runtime import (
     PROMPTS,
     assert_logits_across_caps,
@@ -212,12 +212,7 @@ def hf_checkpoint(out: Path, tokenizer_from: Path, seed: int = 7) -> Path:
             w[f"{p}.mlp.experts.{name}_blocks"] = codes.view(mx.uint8).reshape(E, o, n // 32, 16)
             w[f"{p}.mlp.experts.{name}_scales"] = scales
             w[f"{p}.mlp.experts.{name}_bias"] = bf16((E, o))
-    out.mkdir(parents=True)
-    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(tokenizer_from / f, out / f)
-    return out
+    return write_hf_checkpoint(out, w, cfg, tokenizer_from)
 
 
 def test_mlx_lms_converter_writes_what_synth_writes_and_streamoe_runs_it(ckpt, tmp_path):

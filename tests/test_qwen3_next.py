@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,7 +19,7 @@ from streamoe.formats.config import ModelArgs
 from streamoe.formats.export import tensor_table
 from streamoe.formats.manifest import load_manifest
 
-from .conftest import LOGIT_ATOL, cli
+from .conftest import LOGIT_ATOL, cli, one_error_line, write_hf_checkpoint
 from .test_runtime import (
     PROMPTS,
     assert_logits_across_caps,
@@ -147,8 +146,6 @@ def test_logits_bit_identical_across_caps(conv):
 
 def test_a_chat_answers_through_the_command(conv):
     """`streamoe run` on the converted model: the chat template's answer, text only (an image is refused in one line)."""
-    from .conftest import one_error_line
-
     p = cli("run", conv, "--cap", "1", "--ctx", "256", "--temp", "0", "-n", "6", "-p", "Hello", check=True)
     assert p.stdout.strip()
     one_error_line(cli("run", conv, "--cap", "1", "--ctx", "256", "-p", "hi", "--image", Path(__file__)), "image")
@@ -195,12 +192,7 @@ def hf_checkpoint(out: Path, tokenizer_from: Path, seed: int = 7) -> Path:
         for name, shape in {"gate_proj": (shared, H), "up_proj": (shared, H), "down_proj": (H, shared)}.items():
             w[f"{m}.shared_expert.{name}.weight"] = bf16(shape)
         w[f"{m}.shared_expert_gate.weight"] = bf16((1, H))
-    out.mkdir(parents=True)
-    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(tokenizer_from / f, out / f)
-    return out
+    return write_hf_checkpoint(out, w, cfg, tokenizer_from)
 
 
 def test_mlx_lms_converter_writes_what_synth_writes_and_streamoe_runs_it(ckpt, tmp_path):
