@@ -324,11 +324,13 @@ def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
     if empty:
         return False
     ours = is_conversion(out)
-    broken = manifest_problem(out) if ours else None
-    if broken:  # its manifest is what tells the conversion's files from the user's: without it, none are ours
-        raise fail(out / MANIFEST, f"does not load ({broken}), so {'--force' if force else 'convert'} cannot tell "
-                                   f"the conversion's files in {out} from others; remove the conversion yourself "
-                                   "or choose another OUT")
+    if ours:  # its manifest is what tells the conversion's files from the user's: without it, none are ours
+        try:
+            owned = {f["path"] for f in load_manifest(out).all_files()} | {MANIFEST, JOURNAL}
+        except StreamoeError as e:
+            raise fail(out / MANIFEST, f"does not load ({str(e).removeprefix(f'{out / MANIFEST}: ')}), so "
+                                       f"{'--force' if force else 'convert'} cannot tell the conversion's files in "
+                                       f"{out} from others; remove the conversion yourself or choose another OUT") from None
     if not force:
         raise fail(out, f"already exists ({'a converted model' if ours else 'not empty'}); "
                         + ("use --force to replace it" if ours else "choose an empty or new OUT"))
@@ -336,7 +338,7 @@ def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
         why = "its manifest.json is not a streamoe manifest" if os.path.lexists(out / MANIFEST) else "no manifest.json"
         raise fail(out, f"is not a streamoe conversion ({why}): --force only replaces an earlier conversion, never "
                         "other files")
-    others = not_ours(out)
+    others = not_ours(out, owned)
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise fail(out, f"holds files its conversion does not ({shown}): --force replaces only an earlier conversion, "
@@ -344,22 +346,9 @@ def check_out(ckpt_path: Path, out: Path, force: bool) -> bool:
     return True
 
 
-def manifest_problem(out: Path) -> str | None:
-    """What is wrong with OUT's manifest, None where it loads (every listed file inside OUT)."""
-    try:
-        load_manifest(out)
-    except StreamoeError as e:
-        return str(e).removeprefix(f"{out / MANIFEST}: ")
-    return None
-
-
-def not_ours(out: Path) -> list[str]:
-    """The files in conversion OUT that its manifest does not list (a user's notes, runs...), sorted; a manifest that
-    does not load lists none of them, so then every file is named (`.DS_Store` aside: Finder's, not the user's)."""
-    try:
-        owned = {f["path"] for f in load_manifest(out).all_files()} | {MANIFEST, JOURNAL}
-    except StreamoeError:
-        owned = set()
+def not_ours(out: Path, owned: set[str]) -> list[str]:
+    """The files in conversion OUT that are not `owned` (what its manifest lists: a user's notes, runs...), sorted
+    (`.DS_Store` aside: Finder's, not the user's)."""
     found = []
     for top, _dirs, files in os.walk(out):
         for name in files:
