@@ -399,19 +399,19 @@ def qwen3_moe_config(size: str, variant: str = "qwen3") -> dict:
     return dict(sorted(config.items()))
 
 
-# the real Qwen3-Next-80B-A3B (its config.json); its smaller sizes are Qwen3.6's (`DIMS`), their vision left out
-QWEN3_NEXT_FULL = Dims(hidden=2048, layers=48, heads=16, kv_heads=2, head_dim=256, lin_k_heads=16, lin_v_heads=32,
-                       lin_k_dim=128, lin_v_dim=128, experts=512, top_k=10, moe_inter=512, shared_inter=512,
-                       vocab=151936, token_base=QWEN3_BASE, mrope=(32, 0, 0), v_depth=0, v_hidden=0, v_inter=0,
-                       v_heads=0, v_npos=0)
+# Qwen3.6's sizes (`DIMS`, their vision left out), and at full size the real Qwen3-Next-80B-A3B (its config.json)
+QWEN3_NEXT_DIMS: dict[str, Dims] = {**DIMS, "full": Dims(
+    hidden=2048, layers=48, heads=16, kv_heads=2, head_dim=256, lin_k_heads=16, lin_v_heads=32, lin_k_dim=128,
+    lin_v_dim=128, experts=512, top_k=10, moe_inter=512, shared_inter=512, vocab=151936, token_base=QWEN3_BASE,
+    mrope=(32, 0, 0), v_depth=0, v_hidden=0, v_inter=0, v_heads=0, v_npos=0)}
 
 
 def qwen3_next_config(size: str) -> dict:
     """Qwen3-Next-80B-A3B's config.json as mlx-lm saves it: Hugging Face's flat config plus the quantization block
     (and its copy), keys sorted; the model's quant_predicate keeps each router and shared-expert gate at 8 bits."""
-    if size not in DIMS:
+    if size not in QWEN3_NEXT_DIMS:
         raise StreamoeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
-    d = QWEN3_NEXT_FULL if size == "full" else DIMS[size]
+    d = QWEN3_NEXT_DIMS[size]
     quant: dict[str, object] = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine"}
     for i in range(d.layers):
         for mod in ("mlp.gate", "mlp.shared_expert_gate"):
@@ -561,9 +561,8 @@ def mixtral_config(size: str) -> dict:
 def token_base(size: str, family: str = "qwen3_5_moe") -> int:
     """The id of the first added token (the base BPE vocabulary's size) of a family's size (mixtral: its vocabulary's
     size, the specials coming first)."""
-    if family == "qwen3_next" and size == "full":
-        return QWEN3_NEXT_FULL.token_base
-    return {"qwen3_moe": QWEN3_DIMS, "gpt_oss": GPT_OSS_DIMS, "mixtral": MIXTRAL_DIMS}.get(family, DIMS)[size].token_base
+    dims = {"qwen3_moe": QWEN3_DIMS, "gpt_oss": GPT_OSS_DIMS, "mixtral": MIXTRAL_DIMS, "qwen3_next": QWEN3_NEXT_DIMS}
+    return dims.get(family, DIMS)[size].token_base
 
 
 # --------------------------------------------------------------------------------------------- tensors

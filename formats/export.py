@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .config import ModelArgs, quant_mode
 from .errors import StreamoeError
 from .record import MXFP4_GROUP, MXFP4_SCALE
@@ -154,6 +156,21 @@ def _qwen3_5_moe_tensors(a: ModelArgs, plain, linear, a_log_dtype: str) -> None:
         linear(f"{m}.shared_expert_gate", 1, h)
     plain(f"{lm}.norm.weight", (h,), "one")
     linear(f"{a.prefix}lm_head", vocab, h)
+
+
+def fused_gdn_rows(a: ModelArgs) -> dict[str, dict[str, np.ndarray]]:
+    """Where Qwen3.5's Gated DeltaNet projections sit in a qwen3_next export's fused ones: for `in_proj_qkvz` and
+    `in_proj_ba`, the rows of each of `in_proj_qkv` (q of every key head, then k, then v), `in_proj_z`, `in_proj_b`
+    and `in_proj_a`. The export groups rows by key head: [q, k, v, z] of the first key head, then of the next, and
+    [b, a] likewise (as mlx-lm's `fix_query_key_value_ordering` reads them)."""
+    nk, dk, dv = a.linear_num_key_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    r = a.linear_num_value_heads // nk
+    qkvz = np.arange(nk * (2 * dk + 2 * r * dv)).reshape(nk, -1)
+    ba = np.arange(nk * 2 * r).reshape(nk, -1)
+    return {"in_proj_qkvz": {"in_proj_qkv": np.concatenate([qkvz[:, :dk].ravel(), qkvz[:, dk:2 * dk].ravel(),
+                                                            qkvz[:, 2 * dk:2 * dk + r * dv].ravel()]),
+                             "in_proj_z": qkvz[:, 2 * dk + r * dv:].ravel()},
+            "in_proj_ba": {"in_proj_b": ba[:, :r].ravel(), "in_proj_a": ba[:, r:].ravel()}}
 
 
 def _gqa(a: ModelArgs, linear, p: str, bias: bool = False) -> None:

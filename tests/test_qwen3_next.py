@@ -97,32 +97,33 @@ def test_tiny_is_what_mlx_lm_loads_and_converts(ckpt, conv):
 
 def test_fused_projections_are_taken_apart_as_mlx_lm_reads_them(ckpt):
     """`qwen3_next.unfuse`'s rows give, for the same input, mlx-lm's q, k, v, z, b and a after its
-    `fix_query_key_value_ordering`, to the bit (a row's output does not depend on its neighbours)."""
+    `fix_query_key_value_ordering`, to the bit, in every Gated DeltaNet layer (a row's output does not depend on its
+    neighbours)."""
     from mlx_lm.utils import load_model
 
     from streamoe.runtime.models.qwen3_next import unfuse
 
     model, config = load_model(ckpt)
     model.set_dtype(mx.float32)
-    gdn = model.model.layers[0].linear_attn
-    x = mx.random.normal((1, 3, gdn.hidden_size), key=mx.random.key(1))
-    q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
-    p = "model.layers.0.linear_attn."
-    weights = {f"{p}{n}.{s}": getattr(getattr(gdn, n), s) for n in ("in_proj_qkvz", "in_proj_ba")
-               for s in ("weight", "scales", "biases")}
+    linear = {i: layer.linear_attn for i, layer in enumerate(model.model.layers) if layer.is_linear}
+    weights = {f"model.layers.{i}.linear_attn.{n}.{s}": getattr(getattr(gdn, n), s) for i, gdn in linear.items()
+               for n in ("in_proj_qkvz", "in_proj_ba") for s in ("weight", "scales", "biases")}
     unfuse(ModelArgs.from_config(config), weights)
-    assert not any("qkvz" in n or "_ba." in n for n in weights)
+    assert len(linear) == 6 and not any("qkvz" in n or "_ba." in n for n in weights)
+    x = mx.random.normal((1, 3, config["hidden_size"]), key=mx.random.key(1))
+    for i, gdn in linear.items():
+        q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
 
-    def out(name: str) -> np.ndarray:
-        w, s, bi = (weights[f"{p}{name}.{part}"] for part in ("weight", "scales", "biases"))
-        return np.array(mx.quantized_matmul(x, w, s, bi, transpose=True, group_size=gdn.in_proj_qkvz.group_size,
-                                            bits=gdn.in_proj_qkvz.bits))
+        def out(name: str, i: int = i, fused=gdn.in_proj_qkvz) -> np.ndarray:
+            w, s, bi = (weights[f"model.layers.{i}.linear_attn.{name}.{part}"] for part in ("weight", "scales", "biases"))
+            return np.array(mx.quantized_matmul(x, w, s, bi, transpose=True, group_size=fused.group_size,
+                                                bits=fused.bits))
 
-    B, L = x.shape[:2]
-    mixed = np.concatenate([np.array(t).reshape(B, L, -1) for t in (q, k, v)], axis=-1)
-    assert np.array_equal(out("in_proj_qkv"), mixed)
-    assert np.array_equal(out("in_proj_z"), np.array(z).reshape(B, L, -1))
-    assert np.array_equal(out("in_proj_b"), np.array(b)) and np.array_equal(out("in_proj_a"), np.array(a))
+        B, L = x.shape[:2]
+        mixed = np.concatenate([np.array(t).reshape(B, L, -1) for t in (q, k, v)], axis=-1)
+        assert np.array_equal(out("in_proj_qkv"), mixed), i
+        assert np.array_equal(out("in_proj_z"), np.array(z).reshape(B, L, -1)), i
+        assert np.array_equal(out("in_proj_b"), np.array(b)) and np.array_equal(out("in_proj_a"), np.array(a)), i
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -4,7 +4,8 @@ Every `full_attention_interval`-th layer is gated full attention with partial, i
 are Gated DeltaNet (linear attention with a delta-rule recurrence). Every layer ends in a sparse MoE block:
 top-k of E routed experts plus a gated shared expert. Norm weights of the export already include the +1 of
 the HF zero-centred norms. Tensors are named as the export names them, under
-`language_model.model.layers.N.`: `linear_attn.*` or `self_attn.*`, `mlp.*`, the two layer norms.
+`language_model.model.layers.N.` (the family's `ModelArgs.prefix`: `qwen3_next.py` builds on these layers with
+none): `linear_attn.*` or `self_attn.*`, `mlp.*`, the two layer norms.
 
 Numerics: activations in `dtype` (float32 on the CPU backend), routing softmax and the recurrent state in
 float32. All paths are deterministic; results are bit-identical for identical calls, while splitting a
