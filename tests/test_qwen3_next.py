@@ -145,11 +145,16 @@ def test_logits_bit_identical_across_caps(conv):
     assert_logits_across_caps(conv, 64)
 
 
-def test_a_chat_answers_through_the_command(conv):
-    """`streamoe run` on the converted model: the chat template's answer, text only (an image is refused in one line)."""
+def test_a_chat_answers_through_the_command(conv, tmp_path):
+    """`streamoe run` on the converted model: the chat template's answer, text only (an image is refused in one line
+    saying so)."""
+    from PIL import Image
+
     p = cli("run", conv, "--cap", "1", "--ctx", "256", "--temp", "0", "-n", "6", "-p", "Hello", check=True)
     assert p.stdout.strip()
-    one_error_line(cli("run", conv, "--cap", "1", "--ctx", "256", "-p", "hi", "--image", Path(__file__)), "image")
+    Image.new("RGB", (32, 32), (255, 0, 0)).save(tmp_path / "red.png")
+    one_error_line(cli("run", conv, "--cap", "1", "--ctx", "256", "-p", "hi", "--image", tmp_path / "red.png"),
+                   str(conv / "manifest.json"), "no vision tower")
 
 
 def hf_checkpoint(out: Path, tokenizer_from: Path, seed: int = 7) -> Path:
