@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..formats.errors import StreamoeError, fail
-from ..formats.files import read_json
+from ..formats.files import kind, read_json
 
 DEFAULT_MAX_PIXELS = 640 * 640
 # The Qwen3-VL processor's `size.shortest_edge`: small images are scaled up to about 256x256.
@@ -103,8 +104,9 @@ def load_image(path, max_decode_pixels: int = MAX_DECODE_PIXELS) -> Image.Image:
         raise fail(path, "no such file") from None
     except OSError as e:
         raise fail(path, f"cannot read ({e.strerror or e})") from None
-    if not os.path.isfile(path):
-        raise fail(path, "not a regular file")
+    if not stat.S_ISREG(st.st_mode):  # read twice (checked before the model loads, then encoded): a pipe reads once
+        raise fail(path, f"is {kind(st.st_mode)}, not a regular file: give the image as a file"
+                         + (" (save what the pipe gives first)" if stat.S_ISFIFO(st.st_mode) else ""))
     if st.st_size == 0:
         raise fail(path, "empty file (0 bytes), not an image")
 

@@ -11,6 +11,7 @@ position table, rotary tables, blocks and merger agree to the bit), asserted bel
 from __future__ import annotations
 
 import io
+import os
 import struct
 import zlib
 from types import SimpleNamespace
@@ -319,7 +320,9 @@ def test_bad_images_fail_with_the_path(tmp_path):
     check_fails(tmp_path / "empty.jpg", "empty")
 
     check_fails(tmp_path / "missing.png", "no such file")
-    check_fails(tmp_path, "not a regular file")
+    check_fails(tmp_path, "is a directory, not a regular file")
+    os.mkfifo(tmp_path / "pipe.png")  # never opened: a FIFO nobody writes would block the read
+    check_fails(tmp_path / "pipe.png", "is a FIFO (named pipe), not a regular file", "give the image as a file")
 
     whole = png_bytes(noise_image(128, 128))
     (tmp_path / "truncated.png").write_bytes(whole[: len(whole) // 2])
