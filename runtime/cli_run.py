@@ -20,7 +20,7 @@ from ..formats.manifest import load_manifest
 from . import ranks, session
 from .constrain import Constraint, ThinkingBudget, guide_tokenizer, json_grammar
 from .engine import Engine, Options
-from .image import check_preprocessor, load_image
+from .image import PipedImage, check_preprocessor, load_image
 from .sampling import Sampler
 from .telemetry import summary_line
 from .text import Detokenizer
@@ -107,6 +107,9 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
     else:  # the engine's open checks what this rank reads, and every rank learns whether all could
         if load_session:
             raise StreamoeError("across ranks (mlx.launch), --load-session needs one host")
+        piped = next((i.path for i in images if isinstance(i, PipedImage)), None)
+        if piped is not None:
+            raise StreamoeError(f"{piped}: across ranks (mlx.launch) every host reads --image itself: give a file")
         if group.rank() != 0:  # rank 0 alone prints and writes files
             sys.stdout = open(os.devnull, "w")
             save_session = None

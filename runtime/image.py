@@ -19,18 +19,20 @@ the encoder's working memory (`runtime.vision.peak_bytes`).
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..formats.errors import StreamoeError, fail
-from ..formats.files import kind, read_json
+from ..formats.files import kind, read_json, read_named
 
 DEFAULT_MAX_PIXELS = 640 * 640
 # The Qwen3-VL processor's `size.shortest_edge`: small images are scaled up to about 256x256.
@@ -39,6 +41,8 @@ DEFAULT_MIN_PIXELS = 256 * 256
 # 32 Mpx covers 8K UHD (7680x4320); decoding costs ~3 bytes/px per copy.
 MAX_DECODE_PIXELS = 1 << 25
 MAX_ASPECT_RATIO = 200
+# Largest image `run --image` reads from a pipe (`<(curl -s URL)`): held from the start, in the plan's account.
+MAX_PIPED_IMAGE_BYTES = 64 << 20
 
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP")
 # Modes Pillow converts to RGB faithfully. Alpha is dropped (not composited), as the reference
@@ -96,24 +100,49 @@ class ImageConfig:
         )
 
 
-def load_image(path, max_decode_pixels: int = MAX_DECODE_PIXELS) -> Image.Image:
-    """Decode a PNG/JPEG/WebP file into an RGB image with its EXIF orientation applied."""
+@dataclass(frozen=True)
+class PipedImage:
+    """An image `run --image` read whole from a pipe (`--image <(curl -s URL)`, `--image /dev/stdin`): a pipe reads
+    once, and an image is read twice (checked before the model opens, then encoded). Messages name `path`."""
+
+    path: Path
+    data: bytes
+
+
+def read_image_source(path: Path) -> Path | PipedImage:
+    """What `run --image PATH` hands on: a pipe's bytes, read now (`read_named`, at most `MAX_PIPED_IMAGE_BYTES`),
+    or the path itself, opened where it is used."""
+    try:
+        piped = stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        piped = False  # load_image says what is wrong with it
+    return PipedImage(path, read_named(path, "image", MAX_PIPED_IMAGE_BYTES)) if piped else path
+
+
+def open_image_file(path) -> BinaryIO:
     try:
         st = os.stat(path)
     except FileNotFoundError:
         raise fail(path, "no such file") from None
     except OSError as e:
         raise fail(path, f"cannot read ({e.strerror or e})") from None
-    if not stat.S_ISREG(st.st_mode):  # read twice (checked before the model loads, then encoded): a pipe reads once
+    if not stat.S_ISREG(st.st_mode):  # read when checked and again when encoded: a pipe reads once
         raise fail(path, f"is {kind(st.st_mode)}, not a regular file: give the image as a file"
                          + (" (save what the pipe gives first)" if stat.S_ISFIFO(st.st_mode) else ""))
     if st.st_size == 0:
         raise fail(path, "empty file (0 bytes), not an image")
-
     try:
-        f = open(path, "rb")
+        return open(path, "rb")
     except OSError as e:  # permission denied, or gone since the stat
         raise fail(path, f"cannot read ({e.strerror or e})") from None
+
+
+def load_image(source: str | os.PathLike | PipedImage, max_decode_pixels: int = MAX_DECODE_PIXELS) -> Image.Image:
+    """Decode a PNG/JPEG/WebP file (or a pipe's bytes) into an RGB image with its EXIF orientation applied."""
+    if isinstance(source, PipedImage):
+        path, f = source.path, io.BytesIO(source.data)
+    else:
+        path, f = source, open_image_file(source)
     try:
         with f, warnings.catch_warnings():
             # Our own pixel limit is below Pillow's; its bomb warning must not leak to stderr.

@@ -477,7 +477,8 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
               help="Constrain each answer (after its thinking) to JSON valid against this schema, given inline or as a "
                    "file or pipe holding it ('{}': any JSON object), by llguidance. An answer cut before its JSON ends (by "
                    "-n or the context) is printed as far as it got, one line says so, and the exit status is 1.")
-@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="An image for the prompt (repeatable).")
+@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="An image for the prompt (repeatable): a PNG, JPEG or WebP file, or a pipe "
+                   "(--image <(curl -s URL), at most 64 MiB, planned in the cap).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
 @click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
@@ -505,9 +506,13 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
     from .runtime.cli_run import run_cli
+    from .runtime.image import PipedImage, read_image_source
 
+    stdin_read_by = "--chat" if chat else "-p -" if prompt == "-" else None
     if prompt == "-" and chat:
         raise StreamoeError("--chat reads its turns from stdin, so '-p -' cannot read a prompt from it")
+    if stdin_read_by and any(is_stdin(p) for p in images):
+        raise StreamoeError(f"--image and {stdin_read_by} both read stdin: give one of them another file or pipe")
     prompt = read_prompt(prompt, prompt_file)
     schema = read_schema(json_schema) if json_schema is not None else None
     if prompt is None and not chat:
@@ -530,7 +535,12 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
                             f"{'' if raw or not chat else ': the model has no vision tower'})")
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads, verify,
                       vision, max_pixels, runtime_mib, host_cap)
-    status = run_cli(model, opts, prompt=prompt, images=list(images), chat=chat, raw=raw, system=system,
+    sources = [read_image_source(p) for p in images]
+    piped = sum(len(s.data) for s in sources if isinstance(s, PipedImage))
+    if piped:
+        opts = dataclasses.replace(opts, extra_accounts=(("piped images", piped, "the --image bytes read from pipes, "
+                                                                                 "held until encoded"),))
+    status = run_cli(model, opts, prompt=prompt, images=sources, chat=chat, raw=raw, system=system,
                      think=not no_think, max_tokens=max_tokens, sampling=sampling, stats=stats, logits_out=logits_out,
                      quiet=quiet, save_session=save_session, load_session=load_session, json_schema=schema,
                      thinking_budget=thinking_budget)
@@ -548,6 +558,14 @@ def options_of(cap: float, ctx: int, experts: str, kv: str, dtype: str | None, t
                    prefetch_waste=prefetch_waste, prefill_chunk=prefill_chunk, io_threads=io_threads, verify=verify,
                    images=images, max_pixels=max_pixels, runtime_bytes=runtime_mib and runtime_mib << 20,
                    host_cap_gib=host_cap)
+
+
+def is_stdin(path: Path) -> bool:
+    """Whether `path` is this process's standard input (`/dev/stdin`, `/dev/fd/0`, or the file it was redirected from)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(0))
+    except OSError:
+        return False
 
 
 def has_vision(model: Path) -> bool:

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from streamoe.runtime.engine import Engine, Options, plan_for
-from streamoe.runtime.image import load_image, preprocess
+from streamoe.runtime.image import MAX_PIPED_IMAGE_BYTES, load_image, preprocess
 from streamoe.runtime.image_prompt import image_config, prefill_images
 from streamoe.runtime.mrope import expand_image_tokens
 from streamoe.runtime.sampling import Sampler
@@ -156,6 +156,40 @@ def test_run_and_serve_refuse_max_pixels_with_no_vision_account(tiny_conv, pictu
     model opens, as `plan` refuses it (a run with an image, and a server with images, take it)."""
     one_error_line(cli(args[0], tiny_conv, "--cap", "1", *args[1:]), needle)
     cli("run", tiny_conv, "--cap", "1", "-p", "hi", "-n", "2", "--max-pixels", "40000", "--image", picture, check=True)
+
+
+def run_piped(conv: Path, image: bytes, *args) -> subprocess.CompletedProcess:
+    """`streamoe run CONV --image /dev/stdin ARGS`, the image's bytes written into its stdin, a pipe."""
+    p = subprocess.run([sys.executable, "-m", "streamoe.cli", "run", str(conv), "--image", "/dev/stdin", *map(str, args)],
+                       input=image, capture_output=True, timeout=300)
+    return subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(), p.stderr.decode())
+
+
+def test_an_image_from_a_pipe_is_planned_and_answered_as_its_file(tiny_conv, picture):
+    """`--image <(curl -s URL)`, `--image /dev/stdin`: a pipe reads once and an image is read twice (checked, then
+    encoded), so its bytes are read before the model opens and held in an account of their own: at a cap 2 KiB below
+    the plan with them, `run` refuses naming that need to the byte's GiB digits. The answer is the file's."""
+    opts = ["--ctx", "512", "--runtime-mib", "64", "--temp", "0", "-n", "6", "--no-think", "-p", "What colour is it?"]
+    data = picture.read_bytes()
+    by_file = cli("run", tiny_conv, "--cap", "1", *opts, "--image", picture, check=True)
+    by_pipe = run_piped(tiny_conv, data, "--cap", "1", *opts)
+    assert by_pipe.returncode == 0, by_pipe.stderr
+    assert by_pipe.stdout == by_file.stdout and by_file.stdout.strip()
+    planned = json.loads(cli("plan", tiny_conv, "--ctx", "512", "--runtime-mib", "64", "--images", "--json",
+                             check=True).stdout)
+    held = planned["fixed"] + len(data)
+    line = one_error_line(run_piped(tiny_conv, data, "--cap", f"{(held - 2048) / 2**30:.9f}", *opts), "too small")
+    need = re.search(r"need (\d+\.(\d+)) GiB", line)
+    assert need.group(1) == f"{held / 2**30:.{len(need.group(2))}f}" != f"{planned['fixed'] / 2**30:.{len(need.group(2))}f}"
+
+
+def test_a_bad_image_pipe_is_one_line(tiny_conv, picture):
+    one_error_line(run_piped(tiny_conv, b"", "--cap", "1", "-p", "hi"), "/dev/stdin", "a pipe that gave nothing")
+    one_error_line(run_piped(tiny_conv, bytes(MAX_PIPED_IMAGE_BYTES + 1), "--cap", "1", "-p", "hi"), "/dev/stdin",
+                   f"gave more than {MAX_PIPED_IMAGE_BYTES} bytes")
+    one_error_line(run_piped(tiny_conv, b"not an image", "--cap", "1", "-p", "hi"), "/dev/stdin", "not an image")
+    one_error_line(run_piped(tiny_conv, picture.read_bytes(), "--cap", "1", "-p", "-"), "--image and -p - both read stdin")
+    one_error_line(run_piped(tiny_conv, picture.read_bytes(), "--cap", "1", "--chat"), "--image and --chat both read stdin")
 
 
 def test_chat_turns_and_cli_image(tiny_conv, picture):
