@@ -477,8 +477,9 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
               help="Constrain each answer (after its thinking) to JSON valid against this schema, given inline or as a "
                    "file or pipe holding it ('{}': any JSON object), by llguidance. An answer cut before its JSON ends (by "
                    "-n or the context) is printed as far as it got, one line says so, and the exit status is 1.")
-@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="An image for the prompt (repeatable): a PNG, JPEG or WebP file, or a pipe "
-                   "(--image <(curl -s URL), at most 64 MiB, planned in the cap).")
+@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
+              help="An image for the prompt (repeatable): a PNG, JPEG or WebP file, or a pipe (--image <(curl -s URL), "
+                   "read whole, at most 64 MiB, its bytes planned in the cap).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
 @click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
@@ -508,7 +509,8 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     from .runtime.cli_run import run_cli
     from .runtime.image import PipedImage, read_image_source
 
-    stdin_read_by = "--chat" if chat else "-p -" if prompt == "-" else None
+    stdin_read_by = ("--chat" if chat else "-p -" if prompt == "-" else
+                     "--prompt-file" if prompt_file is not None and is_stdin(prompt_file) else None)
     if prompt == "-" and chat:
         raise StreamoeError("--chat reads its turns from stdin, so '-p -' cannot read a prompt from it")
     if stdin_read_by and any(is_stdin(p) for p in images):

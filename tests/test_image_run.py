@@ -190,6 +190,8 @@ def test_a_bad_image_pipe_is_one_line(tiny_conv, picture):
     one_error_line(run_piped(tiny_conv, b"not an image", "--cap", "1", "-p", "hi"), "/dev/stdin", "not an image")
     one_error_line(run_piped(tiny_conv, picture.read_bytes(), "--cap", "1", "-p", "-"), "--image and -p - both read stdin")
     one_error_line(run_piped(tiny_conv, picture.read_bytes(), "--cap", "1", "--chat"), "--image and --chat both read stdin")
+    one_error_line(run_piped(tiny_conv, picture.read_bytes(), "--cap", "1", "-f", "/dev/stdin"),
+                   "--image and --prompt-file both read stdin")
 
 
 def test_chat_turns_and_cli_image(tiny_conv, picture):
