@@ -119,7 +119,8 @@ def read_image_source(path: Path) -> Path | PipedImage:
     return PipedImage(path, read_named(path, "image", MAX_PIPED_IMAGE_BYTES)) if piped else path
 
 
-def open_image_file(path) -> BinaryIO:
+def open_image_file(path: str | os.PathLike) -> BinaryIO:
+    """`path` opened for reading, or a one-line error naming it: missing, unreadable, not a regular file, empty."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
