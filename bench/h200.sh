@@ -46,7 +46,7 @@
 #                                synthetic checkpoint of FAMILY (qwen3_moe, gpt_oss, mixtral) in its own expert format: resident decode
 #                                against stock mlx-lm in interleaved rounds, then --cap 4 against the disk and against
 #                                each layer waiting for its picks (`decodeahead`; ABLATE=, CAPPED_ONLY=1, ROUNDS_ONLY=1)
-#   bash bench/h200.sh peers     # (a fresh machine: before `setup`) long-prompt prefill at --cap 4 beside mlx-vlm's expert offload
+#   bash bench/h200.sh peers     # (after `setup` too: its conversion is made again after the repack) long-prompt prefill at --cap 4 beside mlx-vlm's expert offload
 #                                at the same expert budget and resident mlx-lm (bench/prefill_peers.py; PROMPTS=, ENGINES=)
 #   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile: host reads, the host tier, and the host tier with MLX's CUDA graphs
 #                                off: where a capped token's host time goes
@@ -234,8 +234,10 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     ;;
   peers)
     # the checkpoint, mlx-vlm's repack of it and the q4 conversion: 57 GB of the 64 GiB disk, so the repack first
-    # (it wants twice the checkpoint's size free) and the Qwen3.6 directories of `setup` are reused, not duplicated
+    # (it wants twice the checkpoint's size free: a conversion `setup` made goes until it is built, then comes back
+    # as q4 alone) and the Qwen3.6 directories of `setup` are reused, not duplicated
     [ -f "$S/full-ckpt/model.safetensors.index.json" ] || python3 -m streamoe.cli synth "$S/full-ckpt" --size full 2>/dev/null
+    [ -f "$S/peers/offload/offload_index.json" ] || rm -rf "$S/full-conv"
     [ ! -d "$S/full-conv/experts/q3" ] || rm -rf "$S/full-conv"  # no room for q3 beside the repack: q4 again, alone
     [ -f "$S/peers/offload/offload_index.json" ] || python3 -m mlx_vlm.moe_offload --build "$S/full-ckpt" --out "$S/peers/offload"
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts q4 2>/dev/null
