@@ -30,6 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from ..formats.errors import StreamoeError
 
 MARK_OPEN, MARK_CLOSE = "\U000f0000", "\U000f0001"
+HARMONY_MARK = "<|channel|>"  # what only a harmony template writes
 XML_CALL_MARK = "<tool_call>\n<function="  # what mlx-lm looks for to pick its qwen3_coder parser
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError,
@@ -163,7 +164,10 @@ class ChatTemplate:
     @property
     def tool_format(self) -> str:
         """"xml" (`<tool_call>\\n<function=NAME>\\n<parameter=KEY>...`, the Qwen3.5/3.6 and Qwen3-Coder
-        templates) when the template writes that form, else "json" (`<tool_call>\\n{"name": ...}`)."""
+        templates) when the template writes that form, "harmony" (gpt-oss: channels, a call a `commentary`
+        message to `functions.NAME`) when it writes harmony's channels, else "json" (`<tool_call>\\n{"name": ...}`)."""
+        if HARMONY_MARK in self.source:
+            return "harmony"
         return "xml" if XML_CALL_MARK in self.source or XML_CALL_MARK.replace("\n", "\\n") in self.source else "json"
 
     @functools.cached_property

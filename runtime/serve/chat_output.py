@@ -8,6 +8,9 @@ it at once, so a streamed answer and a non-streamed one are the same by construc
 
 from __future__ import annotations
 
+import json
+import re
+
 from ..tool_calls import ToolCallStream, hold_newlines, partial_suffix
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -198,3 +201,120 @@ def collect(events: list[Event]) -> dict:
     calls = [v for k, v in events if k == "tool_call"]
     return {"content": content or (None if calls else ""), "reasoning_content": reasoning or None,
             "tool_calls": calls or None}
+
+
+# gpt-oss's harmony format: each message a header, then its text; the answer starts inside the first header
+# (the prompt ends in `<|start|>assistant`)
+H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+H_CLOSES = ("<|end|>", "<|call|>", "<|return|>")  # <|call|> and <|return|> are stop tokens: seldom seen here
+RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+CHANNEL = re.compile(re.escape(H_CHANNEL) + r"\s*(\w+)")
+
+
+class HarmonyOutput:
+    """`ChatOutput` for a template that writes harmony (gpt-oss): the `analysis` channel is reasoning, `final` the
+    content (through the stop strings), a `commentary` message to `functions.NAME` a tool call whose text is its
+    JSON arguments, and a `commentary` message to no one (a preamble) content, as vLLM's and llama.cpp's harmony
+    parsers read them. Headers are markup, never text the client gets; a header that never reaches its
+    `<|message|>` is content verbatim, as a call whose arguments are not a JSON object is."""
+
+    def __init__(self, tools: list[dict] | bool | None, stops: list[str]):
+        self.stop = StopMatcher(stops)
+        self.tools = bool(tools)
+        self.buf, self.at, self.fed = "", 0, 0  # held text, where it starts in the text fed, characters fed
+        self.in_header = True  # in a message's header (held in `buf` until its <|message|>), else in its text
+        self.channel, self.recipient = "", None
+        self.call, self.call_at = "", 0  # a call's arguments so far, and where they start
+        self.spans: list[tuple[int, int]] = []
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop.stopped
+
+    @property
+    def phase(self) -> str:
+        return "reasoning" if not self.in_header and self.channel == "analysis" else "content"
+
+    def _content(self, s: str, at: int, out: list[Event], matching: bool = True) -> None:
+        if matching:
+            at -= len(self.stop.buf)
+            s = self.stop.feed(s)
+        if s:
+            self.spans.append((at, len(s)))
+            out.append(("content", s))
+
+    def _text(self, s: str, at: int, out: list[Event]) -> None:
+        """Text of the open message."""
+        if not s:
+            return
+        if self.channel == "analysis":
+            out.append(("reasoning", s))
+        elif self.tools and self.recipient and self.recipient.startswith("functions."):
+            self.call_at = self.call_at if self.call else at
+            self.call += s
+        else:
+            self._content(s, at, out)
+
+    def _close(self, out: list[Event]) -> None:
+        """The open message ends: a call's arguments parsed into its event."""
+        if self.call:
+            name, text = self.recipient[len("functions."):], self.call
+            try:
+                args = json.loads(text)
+            except ValueError:
+                args = None
+            if isinstance(args, dict) and name:
+                out.append(("tool_call", {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}))
+            else:
+                self._content(text, self.call_at, out)
+        self.call, self.in_header = "", True
+
+    def feed(self, text: str) -> list[Event]:
+        out: list[Event] = []
+        if self.stop.stopped:
+            return out
+        self.buf += text
+        while self.buf and not self.stop.stopped:
+            if self.in_header:  # held up to its <|message|>
+                i = self.buf.find(H_MESSAGE)
+                if i < 0:
+                    break
+                m, r = CHANNEL.search(self.buf[:i]), RECIPIENT.search(self.buf[:i])
+                self.channel, self.recipient, self.in_header = (m.group(1) if m else ""), (r.group(1) if r else None), False
+                self.at += i + len(H_MESSAGE)
+                self.buf = self.buf[i + len(H_MESSAGE):]
+                continue
+            ends = [(j, mark) for j, mark in ((self.buf.find(mark), mark) for mark in (*H_CLOSES, H_START)) if j >= 0]
+            if not ends:  # all of it is the message's text, but what may be the start of a mark
+                keep = partial_suffix(self.buf, [*H_CLOSES, H_START])
+                self._text(self.buf[:len(self.buf) - keep], self.at, out)
+                self.at += len(self.buf) - keep
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            j, mark = min(ends)
+            self._text(self.buf[:j], self.at, out)
+            self.at += j + len(mark)
+            self.buf = self.buf[j + len(mark):]
+            self._close(out)
+        self.fed += len(text)
+        return out
+
+    def given(self, text: str) -> list[Event]:
+        """Text the answer starts with that the model did not write: nothing a harmony answer is given (a forced
+        call is refused for this format), so only "" comes here."""
+        return self.feed(text) if text else []
+
+    def flush(self) -> list[Event]:
+        out: list[Event] = []
+        if not self.stop.stopped:
+            if self.in_header:
+                if self.buf.strip():  # a header never finished: not markup after all
+                    self._content(self.buf, self.at, out)
+            else:
+                self._text(self.buf, self.at, out)
+                self.at += len(self.buf)
+                self._close(out)
+            self.buf = ""
+        self._content(self.stop.buf, self.fed - len(self.stop.buf), out, matching=False)
+        self.stop.flush()
+        return out

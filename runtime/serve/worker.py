@@ -39,7 +39,7 @@ from ..plan import MiB, current_rss
 from ..sampling import Sampler
 from ..text import Detokenizer, generation_defaults
 from ..tool_calls import CALL_OPEN, call_prefix
-from .chat_output import ChatOutput
+from .chat_output import ChatOutput, HarmonyOutput
 from .door import SOCKET_BUFFER, socket_bytes
 from .lockstep import Lockstep, rank_summary, snapshot_id
 from .logprobs import ContentTokens, PromptScores, TokenText
@@ -314,6 +314,10 @@ class EngineWorker:
             head = self.eng.text.decode(self.header)
             tail = prompt[prompt.rfind(head):] if head and head in prompt else ""  # the header may open <think>
             thinking = "<think>" in tail and "</think>" not in tail
+            if self.tool_format == "harmony" and (req.force_call is not None or req.json_output):
+                field = "tool_choice" if req.force_call is not None else req.api.get("format_field", "response_format")
+                raise bad(f"'{field}': the model's chat template writes harmony (gpt-oss), whose answers this server "
+                          "does not constrain; leave it out (tools are still offered and their calls parsed)", field)
             if req.force_call is not None:
                 name = req.force_call or None
                 given = call_prefix(self.tool_format, name)
@@ -478,7 +482,9 @@ class EngineWorker:
             self.cache.add(capture(eng, key[:a]))
             if self.lock is not None:  # every rank keeps the same snapshots, each its own copy
                 self.lock.tell("capture", id=snapshot_id(key[:a]), keep=[snapshot_id(k) for k in self.cache.snaps])
-        out = ChatOutput(job.thinking, (req.tools or True) if req.parse_tools else None, req.stop, self.tool_format)
+        tools = (req.tools or True) if req.parse_tools else None
+        out = (HarmonyOutput(tools, req.stop) if self.tool_format == "harmony" else
+               ChatOutput(job.thinking, tools, req.stop, self.tool_format))
         echoed = not echo  # completions' `echo`: the prompt, and its tokens' logprobs, go out before the answer
 
         def echo_prompt() -> None:

@@ -1,0 +1,149 @@
+"""gpt-oss's harmony answers served as OpenAI's fields: the `analysis` channel as `reasoning_content`, `final` as
+`content`, a `commentary` message to `functions.NAME` as a tool call, a preamble as content; headers never reach
+the client. Parsed incrementally (`chat_output.HarmonyOutput`), so a streamed answer is the whole one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from streamoe.convert.convert import convert
+from streamoe.formats.manifest import load_manifest
+from streamoe.runtime.engine import Engine, Options
+from streamoe.runtime.sampling import Sampler
+from streamoe.runtime.serve.chat_output import ChatOutput, HarmonyOutput, collect
+from streamoe.runtime.text import Detokenizer, TextIO
+
+from .serve_util import start_server, stop_server
+from .test_gpt_oss import make
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+ANSWER = ("<|channel|>analysis<|message|>The user wants the weather. Call the tool.<|end|>"
+          "<|start|>assistant<|channel|>commentary<|message|>Looking it up.<|end|>"
+          "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+          '{"city": "Zürich"}<|end|>'
+          "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\":\"Bern\"}<|end|>"
+          "<|start|>assistant<|channel|>final<|message|>Sunny in both.")
+
+
+def parse(text: str, tools=TOOLS, stops=(), pieces: int | None = None) -> tuple[dict, HarmonyOutput]:
+    """The answer's fields, fed whole (`pieces` None) or in pieces of that many characters."""
+    out, events = HarmonyOutput(tools, list(stops)), []
+    step = pieces or len(text) or 1
+    for i in range(0, len(text), step):
+        events += out.feed(text[i:i + step])
+    return collect(events + out.flush()), out
+
+
+def test_channels_become_reasoning_content_and_calls():
+    got, out = parse(ANSWER)
+    assert got == {"reasoning_content": "The user wants the weather. Call the tool.",
+                   "content": "Looking it up.Sunny in both.",
+                   "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Zürich"}'},
+                                  {"name": "get_weather", "arguments": '{"city": "Bern"}'}]}
+    assert [ANSWER[a:a + n] for a, n in out.spans] == ["Looking it up.", "Sunny in both."]  # where logprobs go
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3, 7])
+def test_streamed_in_pieces_is_the_whole_answer(pieces):
+    assert parse(ANSWER, pieces=pieces)[0] == parse(ANSWER)[0]
+
+
+def test_stop_strings_cut_the_final_text_not_the_reasoning():
+    text = "<|channel|>analysis<|message|>think STOP here<|end|><|start|>assistant<|channel|>final<|message|>one STOP two"
+    for pieces in (None, 1, 4):
+        got, out = parse(text, stops=["STOP"], pieces=pieces)
+        assert got["reasoning_content"] == "think STOP here" and got["content"] == "one " and out.stopped
+
+
+def test_what_does_not_parse_stays_text():
+    bad_args = "<|channel|>commentary to=functions.get_weather<|message|>not json<|end|>"
+    assert parse(bad_args)[0] == {"content": "not json", "reasoning_content": None, "tool_calls": None}
+    no_tools = '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Bern"}'
+    assert parse(no_tools, tools=None)[0]["content"] == '{"city": "Bern"}'
+    assert parse("plain words, no header")[0]["content"] == "plain words, no header"
+    unfinished = "<|channel|>analysis<|message|>half a thought"
+    assert parse(unfinished)[0] == {"content": "", "reasoning_content": "half a thought", "tool_calls": None}
+
+
+def test_the_reasoning_phase_is_the_analysis_text():
+    out = HarmonyOutput(None, [])
+    out.feed("<|channel|>analysis")
+    assert out.phase == "content"  # a header is markup
+    out.feed("<|message|>hmm")
+    assert out.phase == "reasoning"
+    out.feed("<|end|><|start|>assistant<|channel|>final<|message|>ok")
+    assert out.phase == "content"
+
+
+# ------------------------------------------------------------------------------------ served
+
+
+@pytest.fixture(scope="module")
+def conv(tmp_path_factory) -> Path:
+    ckpt = make(tmp_path_factory.mktemp("go") / "tiny")
+    out = tmp_path_factory.mktemp("goconv") / "tiny"
+    convert(ckpt, out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(conv, tmp_path_factory):
+    s = start_server(conv, tmp_path_factory.mktemp("log") / "serve.log", "--cap", 8, "--ctx", 512, "--runtime-mib", 64)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def oc(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_the_template_is_told_apart(conv):
+    text = TextIO(conv, load_manifest(conv).config)
+    assert text.template.tool_format == "harmony"
+
+
+def test_a_served_answer_is_the_harmony_parse_of_the_tokens_drawn(conv, oc):
+    """Greedy, harmony's marks favoured (`logit_bias`: random weights then write headers, texts and closes in an
+    order no model would): the server's fields, whole and streamed, are what HarmonyOutput makes of the text of
+    the tokens the engine draws for the same prompt."""
+    messages = [{"role": "user", "content": "What is the weather in Bern?"}]
+    marks = {519: 3.0, 520: 3.0, 521: 3.0, 522: 3.0}  # <|channel|> <|start|> <|end|> <|message|>
+    ask = dict(model="tiny", messages=messages, tools=TOOLS, temperature=0, max_tokens=48,
+               logit_bias={str(t): b for t, b in marks.items()})
+    msg = oc.chat.completions.create(**ask).choices[0].message
+    eng = Engine(conv, Options(cap_gib=8, ctx=512, runtime_bytes=64 << 20))
+    try:
+        ids = eng.text.encode_chat(eng.text.chat_text(messages, tools=TOOLS))
+        detok = Detokenizer(eng.text)
+        text = "".join(detok.add(t) for t, _ in eng.generate(ids, 48, Sampler(logit_bias=marks)))
+    finally:
+        eng.close()
+    assert "<|message|>" in text  # a header was parsed, not only text
+    want = parse(text)[0]
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in msg.tool_calls or []] or None
+    assert (msg.content, getattr(msg, "reasoning_content", None), calls) == \
+        (want["content"], want["reasoning_content"], want["tool_calls"])
+    parts = [c.choices[0].delta for c in oc.chat.completions.create(**ask, stream=True) if c.choices]
+    assert "".join(d.content or "" for d in parts) == (msg.content or "")
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in parts) == \
+        (getattr(msg, "reasoning_content", None) or "")
+
+
+@pytest.mark.parametrize("field", ["tool_choice", "response_format"])
+def test_constraints_it_cannot_apply_are_refused(oc, field):
+    ask = {"tool_choice": {"tools": TOOLS, "tool_choice": "required"},
+           "response_format": {"response_format": {"type": "json_object"}}}[field]
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **ask)
+    assert e.value.body["param"] == field and "harmony" in e.value.body["message"]
+
+
+def test_other_templates_keep_their_own_parser():
+    out = ChatOutput(False, None, [])
+    assert collect(out.feed("<|channel|>final<|message|>x") + out.flush())["content"] == "<|channel|>final<|message|>x"
