@@ -1,11 +1,11 @@
 """Sampled against greedy decode, by wall clock and as the summary line prints it.
 
 Greedy is the peer: both run in one process, interleaved round by round (each mode leading a round in turn),
-on the same engine. `sampled_vs_greedy_wall` is the ratio of the two modes' median rates, `sampled_vs_greedy_paired`
-the median of each round's own ratio (the two runs of a round are minutes closer than the rounds' medians, so a
-host drifting between rounds moves it less). Beside the medians, each mode's fastest run: where a host's speed jumps between runs (the
-H200 machine's resident runs of one mode went 47 or 72 tok/s, two levels), the fastest runs are the ones to
-compare. At a cap the
+on the same engine. `sampled_vs_greedy_wall` is the ratio of the two modes' median rates,
+`sampled_vs_greedy_paired` the median of each round's own ratio (the two runs of a round are minutes closer than
+the rounds' medians, so a host drifting between rounds moves it less). Beside the medians, each mode's fastest
+run: where a host's speed jumps between runs (the H200 machine's resident runs of one mode went 47 or 72 tok/s,
+two levels), the fastest runs are the ones to compare. At a cap the
 tokens drawn route to other experts than greedy's, so hit rate and bytes read per token are reported beside
 the rates: resident runs show the sampler's own cost. `json` samples inside a JSON schema (constrained
 decoding: llguidance's mask computed on the host and applied on the device every token). Sampled uses

@@ -144,6 +144,21 @@ def test_constraints_it_cannot_apply_are_refused(oc, field):
     assert e.value.body["param"] == field and "harmony" in e.value.body["message"]
 
 
+def test_a_completion_is_the_text_as_written(conv, oc):
+    """/v1/completions continues a raw prompt: its text, marks and all, is the tokens' text, not parsed."""
+    marks = {519: 3.0, 520: 3.0, 521: 3.0, 522: 3.0}
+    r = oc.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=24,
+                              logit_bias={str(t): b for t, b in marks.items()})
+    eng = Engine(conv, Options(cap_gib=8, ctx=512, runtime_bytes=64 << 20))
+    try:
+        detok = Detokenizer(eng.text)
+        ids = eng.text.encode_prompt("Once upon a time")
+        text = "".join(detok.add(t) for t, _ in eng.generate(ids, 24, Sampler(logit_bias=marks)))
+    finally:
+        eng.close()
+    assert "<|message|>" in text and r.choices[0].text == text
+
+
 def test_other_templates_keep_their_own_parser():
     out = ChatOutput(False, None, [])
     assert collect(out.feed("<|channel|>final<|message|>x") + out.flush())["content"] == "<|channel|>final<|message|>x"
