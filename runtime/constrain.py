@@ -11,13 +11,15 @@ forced tool call is constrained from its prefix to the block's close.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
 
 from ..formats.errors import StreamoeError
-from .tool_calls import CALL_CLOSE, FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN
+from .tool_calls import CALL_CLOSE, FUNCTION_CLOSE, FUNCTION_OPEN, HARMONY_ARGS, PARAM_CLOSE, PARAM_OPEN
 
 BITS = mx.array(np.arange(32, dtype=np.uint32))
 # JSON as json.dumps writes it: no whitespace beyond ", " and ": ", so an answer's length is the value's (a
@@ -53,6 +55,12 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer, 
     def js(schema: dict) -> str:
         return "%json" + json.dumps({**schema, "x-guidance": COMPACT}, ensure_ascii=False)
 
+    if fmt == "harmony":  # after `<|message|>` (named) or `to=functions.` (required); <|call|> is a stop token
+        if name is not None:
+            return f"start: {js(params(fns[0]))}\n"
+        args = " ".join(_literal(tokenizer, piece) for piece in re.split(r"(<\|\w+\|>)", HARMONY_ARGS) if piece)
+        return "start: " + " | ".join(f"{json.dumps(fn['name'], ensure_ascii=False)} {args} {js(params(fn))}"
+                                      for fn in fns) + "\n"
     close = _literal(tokenizer, "\n") + " " + _literal(tokenizer, CALL_CLOSE)
     start = "start: " + (_literal(tokenizer, "\n") + " " if opened else "")
     if fmt == "json":
@@ -96,6 +104,19 @@ def _literal(tokenizer, text: str) -> str:
     the bytes it spells) by its id, else a string."""
     tid = tokenizer.token_to_id(text)
     return f"<[{tid}]>" if tid is not None and tid in tokenizer.get_added_tokens_decoder() else json.dumps(text)
+
+
+def harmony_json_grammar(schema: dict | None, tokenizer) -> str:
+    """A harmony answer (gpt-oss) whose `final` message is JSON following `schema` (None: any object): an
+    `analysis` message first if the model writes one (its reasoning runs free), then the final channel's header,
+    then the JSON, as vLLM starts a structured output where gpt-oss's reasoning ends."""
+    json_grammar(schema)  # a schema llguidance cannot compile: the same one line as elsewhere
+    mark = functools.partial(_literal, tokenizer)
+    value = "%json" + json.dumps({**(schema if schema is not None else {"type": "object"}), "x-guidance": COMPACT},
+                                 ensure_ascii=False)
+    return (f"start: analysis? {mark('<|channel|>')} \"final\" {mark('<|message|>')} {value}\n"
+            f"analysis: {mark('<|channel|>')} \"analysis\" {mark('<|message|>')} /(?s:.*)/ {mark('<|end|>')} "
+            f"{mark('<|start|>')} \"assistant\"\n")
 
 
 def json_grammar(schema: dict | None) -> str:

@@ -7,6 +7,8 @@ Two forms, told apart from the template as mlx-lm chooses its parser (`ChatTempl
   </function>\\n</tool_call>`, whose values are text: each is typed from the tool's JSON schema (integer,
   number, boolean, object, array, null parsed; strings, and keys the schema does not type, kept as written),
   as vLLM's and mlx-lm's qwen3_coder parsers do.
+A third, "harmony" (gpt-oss: a call is a `commentary` message to `functions.NAME` whose text is its JSON
+arguments), is read by channel in `serve.chat_output.HarmonyOutput`; here it has only its forced call's prefix.
 
 Blocks are separated from the content and from each other by newlines, which are the template's and are
 dropped. A block that does not parse (bad JSON, no name, never closed) stays in the content as it was
@@ -23,9 +25,16 @@ PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
 FORMATS = ("json", "xml")
 
 
+HARMONY_CALL = "<|channel|>commentary to=functions."  # a harmony call's header up to its tool's name
+HARMONY_ARGS = " <|constrain|>json<|message|>"  # and after it, up to the arguments
+
+
 def call_prefix(fmt: str, name: str | None) -> str:
     """The start of a tool call block, written into the prompt to force a call (`tool_choice`): "required"
-    (name None) opens a block, a named tool also fills in its name, so the model writes only the arguments."""
+    (name None) opens a block, a named tool also fills in its name, so the model writes only the arguments.
+    In harmony (gpt-oss) the block is a `commentary` message to `functions.NAME`."""
+    if fmt == "harmony":
+        return HARMONY_CALL + ("" if name is None else name + HARMONY_ARGS)
     if name is None:
         return CALL_OPEN + "\n"
     if fmt == "xml":

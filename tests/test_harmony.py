@@ -4,6 +4,7 @@ the client. Parsed incrementally (`chat_output.HarmonyOutput`), so a streamed an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import openai
@@ -135,13 +136,39 @@ def test_a_served_answer_is_the_harmony_parse_of_the_tokens_drawn(conv, oc):
         (getattr(msg, "reasoning_content", None) or "")
 
 
-@pytest.mark.parametrize("field", ["tool_choice", "response_format"])
-def test_constraints_it_cannot_apply_are_refused(oc, field):
-    ask = {"tool_choice": {"tools": TOOLS, "tool_choice": "required"},
-           "response_format": {"response_format": {"type": "json_object"}}}[field]
-    with pytest.raises(openai.BadRequestError) as e:
-        oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **ask)
-    assert e.value.body["param"] == field and "harmony" in e.value.body["message"]
+BOUNDED = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_forced_call_is_one_call_valid_against_its_schema(oc, choice):
+    """`tool_choice` writes the call's header (`<|channel|>commentary to=functions.`, and a named tool's name up to
+    `<|message|>`) and constrains the rest: random weights still make a call of the tools', its arguments valid."""
+    import jsonschema
+
+    r = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather or time?"}],
+                                   tools=BOUNDED, tool_choice=choice, temperature=0, max_tokens=64)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_json_answer_is_the_final_messages_text(oc):
+    """`response_format` holds the final message to the schema, after whatever reasoning the model writes
+    (`<|end|>` favoured so the random weights end their reasoning): the content is the JSON, valid."""
+    import jsonschema
+
+    schema = BOUNDED[0]["function"]["parameters"]
+    r = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Which city?"}], temperature=0,
+                                   max_tokens=96, logit_bias={"521": 20},
+                                   response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_a_completion_is_the_text_as_written(conv, oc):

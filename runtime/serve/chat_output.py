@@ -300,9 +300,10 @@ class HarmonyOutput:
         return out
 
     def given(self, text: str) -> list[Event]:
-        """Text the answer starts with that the model did not write: nothing a harmony answer is given (a forced
-        call is refused for this format), so only "" comes here."""
-        return self.feed(text) if text else []
+        """Text the answer starts with that the model did not write (a forced call's header, written into the
+        prompt); it lies just before the text fed, at negative offsets."""
+        self.at, self.fed = self.at - len(text), self.fed - len(text)
+        return self.feed(text)
 
     def flush(self) -> list[Event]:
         out: list[Event] = []

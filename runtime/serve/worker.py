@@ -31,7 +31,14 @@ from PIL import Image
 
 from ...formats.errors import StreamoeError
 from ..chat_template import TemplateFailure
-from ..constrain import Constraint, ThinkingBudget, guide_tokenizer, json_grammar, tool_call_grammar
+from ..constrain import (
+    Constraint,
+    ThinkingBudget,
+    guide_tokenizer,
+    harmony_json_grammar,
+    json_grammar,
+    tool_call_grammar,
+)
 from ..engine import Engine, Options
 from ..image import num_image_tokens
 from ..image_prompt import image_config, prefill_images
@@ -314,10 +321,6 @@ class EngineWorker:
             head = self.eng.text.decode(self.header)
             tail = prompt[prompt.rfind(head):] if head and head in prompt else ""  # the header may open <think>
             thinking = "<think>" in tail and "</think>" not in tail
-            if self.tool_format == "harmony" and (req.force_call is not None or req.json_output):
-                field = "tool_choice" if req.force_call is not None else req.api.get("format_field", "response_format")
-                raise bad(f"'{field}': the model's chat template writes harmony (gpt-oss), whose answers this server "
-                          "does not constrain; leave it out (tools are still offered and their calls parsed)", field)
             if req.force_call is not None:
                 name = req.force_call or None
                 given = call_prefix(self.tool_format, name)
@@ -382,6 +385,8 @@ class EngineWorker:
         where = fmt if req.json_output else "tools"
         after = tok.token_to_id("</think>") if thinking else None
         try:
+            if req.json_output and self.tool_format == "harmony":  # from the first token: the answer's channels
+                return Constraint(self.guide, harmony_json_grammar(req.json_schema, tok), self.vocab)
             if req.json_output:
                 return Constraint(self.guide, json_grammar(req.json_schema), self.vocab, after=after)
             if lazy:
