@@ -18,7 +18,7 @@ from ..formats.errors import StreamoeError, fail
 from ..formats.files import write_whole
 from ..formats.manifest import load_manifest
 from . import ranks, session
-from .constrain import Constraint, ThinkingBudget, guide_tokenizer, json_grammar
+from .constrain import Constraint, ThinkingBudget, guide_tokenizer, harmony_json_grammar, json_grammar
 from .engine import Engine, Options
 from .image import PipedImage, check_preprocessor, load_image
 from .sampling import Sampler
@@ -118,7 +118,8 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
                     max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
                     save_session=save_session, load_session=load_session,
-                    constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget))
+                    constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget, harmony=not raw and
+                                             eng.text.template is not None and eng.text.template.tool_format == "harmony"))
     except RuntimeError as e:
         lost = ranks.lost_peer(e, group) if group is not None else None
         if lost is None:
@@ -130,12 +131,12 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         raise StreamoeError(f"{ranks.where(group)}: {e}") from None  # which rank said it, beside rank 0's line
 
 
-def answer_shape(eng: Engine, schema: dict | None, thinking: bool,
-                 budget: int | None) -> Callable[[], Constraint | ThinkingBudget] | None:
+def answer_shape(eng: Engine, schema: dict | None, thinking: bool, budget: int | None,
+                 harmony: bool = False) -> Callable[[], Constraint | ThinkingBudget] | None:
     """What shapes each answer, made fresh for each: JSON valid against `schema` (`json_constraint`), under a cap of
     `budget` tokens on the thinking (`ThinkingBudget`: the template's `</think>` forced once the thinking took them,
     as the server does for Anthropic's budget_tokens). None: nothing."""
-    json = json_constraint(eng, schema, thinking) if schema is not None else None
+    json = json_constraint(eng, schema, thinking, harmony) if schema is not None else None
     if budget is None:
         return json
     close = eng.text.tokenizer.token_to_id("</think>")
@@ -145,14 +146,15 @@ def answer_shape(eng: Engine, schema: dict | None, thinking: bool,
     return lambda: ThinkingBudget(close, budget, eng.args.vocab_size, json() if json is not None else None)
 
 
-def json_constraint(eng: Engine, schema: dict, thinking: bool) -> Callable[[], Constraint]:
+def json_constraint(eng: Engine, schema: dict, thinking: bool, harmony: bool = False) -> Callable[[], Constraint]:
     """A fresh constraint for each answer: JSON valid against `schema`, after the reasoning closes where the
-    template leaves the model thinking. A schema llguidance cannot compile fails here, in one line, the engine
+    template leaves the model thinking; in a harmony chat (gpt-oss), the `final` message's text, after a free
+    `analysis` message, as `serve` holds it. A schema llguidance cannot compile fails here, in one line, the engine
     closed."""
     guide = guide_tokenizer(eng.text.tokenizer, eng.args.vocab_size, eng.text.stop_ids)
-    after = eng.text.tokenizer.token_to_id("</think>") if thinking else None
+    after = eng.text.tokenizer.token_to_id("</think>") if thinking and not harmony else None
     try:
-        grammar = json_grammar(schema)
+        grammar = harmony_json_grammar(schema, eng.text.tokenizer) if harmony else json_grammar(schema)
         Constraint(guide, grammar, eng.args.vocab_size)
     except StreamoeError as e:
         eng.close()

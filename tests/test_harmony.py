@@ -171,6 +171,32 @@ def test_a_json_answer_is_the_final_messages_text(oc):
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
+def test_run_holds_the_final_message_to_the_schema(conv):
+    """`streamoe run --json-schema` in a harmony chat (`cli_run.json_constraint`, harmony): the grammar lets an
+    `analysis` message run free, then wants the final channel's header and JSON valid against the schema; the
+    first token can only open a header (JSON straight away is what --raw gets)."""
+    from streamoe.runtime.cli_run import json_constraint
+
+    schema = BOUNDED[0]["function"]["parameters"]
+    eng = Engine(conv, Options(cap_gib=8, ctx=512, runtime_bytes=64 << 20))
+    try:
+        made = json_constraint(eng, schema, thinking=True, harmony=True)
+        first = made().allowed()
+        assert first is not None and [i for i, ok in enumerate(first.tolist()) if ok] == [519]  # <|channel|>
+        for text, complete in (('<|channel|>analysis<|message|>so<|end|><|start|>assistant<|channel|>final<|message|>'
+                                 '{"city": "Bern"}', True), ('<|channel|>final<|message|>{"city": "Bern"}', True),
+                                ('<|channel|>final<|message|>{"city": "Bern', False)):
+            c = made()
+            for t in eng.text.encode(text):
+                assert c.allowed().tolist()[t], (text, t)
+                c.advance(t)
+            assert c.complete == complete
+        raw = json_constraint(eng, schema, thinking=False)().allowed().tolist()
+        assert raw[eng.text.encode("{")[0]] and not raw[519]
+    finally:
+        eng.close()
+
+
 def test_a_completion_is_the_text_as_written(conv, oc):
     """/v1/completions continues a raw prompt: its text, marks and all, is the tokens' text, not parsed."""
     marks = {519: 3.0, 520: 3.0, 521: 3.0, 522: 3.0}
