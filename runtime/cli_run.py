@@ -18,7 +18,14 @@ from ..formats.errors import StreamoeError, fail
 from ..formats.files import write_whole
 from ..formats.manifest import load_manifest
 from . import ranks, session
-from .constrain import Constraint, ThinkingBudget, guide_tokenizer, harmony_json_grammar, json_grammar
+from .constrain import (
+    Constraint,
+    ThinkingBudget,
+    guide_tokenizer,
+    harmony_json_grammar,
+    json_grammar,
+    reasoning_close,
+)
 from .engine import Engine, Options
 from .image import PipedImage, check_preprocessor, load_image
 from .sampling import Sampler
@@ -139,7 +146,7 @@ def answer_shape(eng: Engine, schema: dict | None, thinking: bool, budget: int |
     json = json_constraint(eng, schema, thinking, harmony) if schema is not None else None
     if budget is None:
         return json
-    close = eng.text.tokenizer.token_to_id("</think>")
+    close = reasoning_close(eng.text, harmony)
     if close is None:
         eng.close()
         raise StreamoeError("--thinking-budget needs the template's '</think>' token, which the model's tokenizer lacks")

@@ -186,14 +186,16 @@ class Constraint:
 
 class ThinkingBudget:
     """A cap on the reasoning (Anthropic's `thinking.budget_tokens`): the answer runs as it would until `budget`
-    tokens were written without the reasoning's `close` token; the next token is then `close`, forced, and the
-    answer goes on from there under `then` (the request's own constraint, if any), as Qwen's model card closes a
-    budgeted thought. The same interface as `Constraint`, so `Engine.generate` draws a forced token once the
-    previous one is read, like any masked one."""
+    tokens were written without the reasoning's `close` token; the next tokens are then `close`, forced (Qwen's
+    `</think>`; in harmony `<|end|>` and the final message's header, `harmony_close`), and the answer goes on from
+    there under `then` (the request's own constraint, if any), as Qwen's model card closes a budgeted thought. The
+    same interface as `Constraint`, so `Engine.generate` draws a forced token once the previous one is read, like
+    any masked one."""
 
-    def __init__(self, close: int, budget: int, vocab: int, then: Constraint | None = None):
-        self.close, self.budget, self.vocab, self.then = close, budget, vocab, then
-        self.written, self.closed = 0, False
+    def __init__(self, close: int | list[int], budget: int, vocab: int, then: Constraint | None = None):
+        self.close = [close] if isinstance(close, int) else list(close)
+        self.budget, self.vocab, self.then = budget, vocab, then
+        self.written, self.forced, self.closed = 0, 0, False
 
     @property
     def forcing(self) -> bool:
@@ -209,12 +211,27 @@ class ThinkingBudget:
 
     def allowed(self) -> mx.array | None:
         if self.forcing:
-            return mx.arange(self.vocab) == self.close
+            return mx.arange(self.vocab) == self.close[self.forced]
         return self.then.allowed() if self.then is not None else None
 
     def advance(self, tok: int) -> None:
-        if not self.closed:
+        if self.forcing:
+            self.forced += 1
+            self.closed = self.forced == len(self.close)
+        elif not self.closed:
             self.written += 1
-            self.closed = tok == self.close
+            self.closed = tok == self.close[0]
         if self.then is not None:
             self.then.advance(tok)
+
+
+HARMONY_CLOSE = "<|end|><|start|>assistant<|channel|>final<|message|>"  # an analysis message closed, the answer opened
+
+
+def reasoning_close(text, harmony: bool) -> list[int] | None:
+    """The tokens `ThinkingBudget` forces to end a reasoning (`text`: the model's `TextIO`): Qwen's `</think>`, or in
+    harmony `HARMONY_CLOSE`; None where the tokenizer has no `</think>`."""
+    if harmony:
+        return text.encode(HARMONY_CLOSE)
+    close = text.tokenizer.token_to_id("</think>")
+    return None if close is None else [close]

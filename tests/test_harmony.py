@@ -67,6 +67,8 @@ def test_what_does_not_parse_stays_text():
     no_tools = '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Bern"}'
     assert parse(no_tools, tools=None)[0]["content"] == '{"city": "Bern"}'
     assert parse("plain words, no header")[0]["content"] == "plain words, no header"
+    headless = "no header<|end|><|start|>assistant<|channel|>final<|message|>then an answer"
+    assert parse(headless)[0]["content"] == "no header<|end|>then an answer"
     unfinished = "<|channel|>analysis<|message|>half a thought"
     assert parse(unfinished)[0] == {"content": "", "reasoning_content": "half a thought", "tool_calls": None}
 
@@ -94,7 +96,7 @@ def conv(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(conv, tmp_path_factory):
-    s = start_server(conv, tmp_path_factory.mktemp("log") / "serve.log", "--cap", 8, "--ctx", 512, "--runtime-mib", 64)
+    s = start_server(conv, tmp_path_factory.mktemp("log") / "serve.log", "--cap", 8, "--ctx", 1536, "--runtime-mib", 64)
     yield s
     stop_server(s)
 
@@ -195,6 +197,78 @@ def test_run_holds_the_final_message_to_the_schema(conv):
         assert raw[eng.text.encode("{")[0]] and not raw[519]
     finally:
         eng.close()
+
+
+def test_a_thinking_budget_forces_a_sequence_then_lets_go():
+    """`ThinkingBudget` with a close of several tokens (harmony's): after `budget` tokens each is forced in turn,
+    then the answer runs free; a close the model writes itself (its first token) ends the budget unforced."""
+    from streamoe.runtime.constrain import ThinkingBudget
+
+    b = ThinkingBudget([7, 8, 9], 3, 16)
+    for t in (1, 2, 3):
+        assert b.allowed() is None
+        b.advance(t)
+    for t in (7, 8, 9):
+        assert b.allowed().tolist() == [i == t for i in range(16)]
+        b.advance(t)
+    assert b.allowed() is None and b.closed and b.complete
+    natural = ThinkingBudget([7, 8, 9], 3, 16)
+    for t in (1, 7, 2, 3, 4):
+        natural.advance(t)
+    assert natural.allowed() is None and natural.closed
+
+
+def test_a_budgeted_harmony_answer_closes_its_analysis_into_the_final_message(conv):
+    """In harmony the budget forces `<|end|><|start|>assistant<|channel|>final<|message|>` (gpt-oss always reasons,
+    whatever `enable_thinking` says): greedy, the first `budget` tokens are the unbudgeted answer's, then the close,
+    then the model goes on; `run --thinking-budget` takes it (it needed `</think>` before)."""
+    from streamoe.runtime.constrain import HARMONY_CLOSE, ThinkingBudget, reasoning_close
+
+    from .conftest import cli
+
+    messages = [{"role": "user", "content": "Think, then answer."}]
+    eng = Engine(conv, Options(cap_gib=8, ctx=512, runtime_bytes=64 << 20))
+    try:
+        close = reasoning_close(eng.text, harmony=True)
+        assert close == eng.text.encode(HARMONY_CLOSE) and close[0] == 521 and close[-1] == 522
+        ids = eng.text.encode_chat(eng.text.chat_text(messages))
+        free = [t for t, _ in eng.generate(ids, 12, Sampler())]
+        eng.reset()
+        held = [t for t, _ in eng.generate(ids, 12 + len(close), Sampler(),
+                                            constraint=ThinkingBudget(close, 5, eng.args.vocab_size))]
+    finally:
+        eng.close()
+    assert 521 not in free[:5] and held[:5] == free[:5] and held[5:5 + len(close)] == close
+    p = cli("run", conv, "--cap", 8, "--ctx", 512, "--temp", 0, "-n", 16, "-q", "--thinking-budget", 3,
+            "-p", "Think, then answer.", check=True)
+    assert HARMONY_CLOSE in p.stdout
+
+
+def test_anthropics_thinking_budget_is_honoured_in_harmony(conv, server):
+    """Anthropic's `thinking.budget_tokens` on gpt-oss (which reasons whether asked or not): the answer is the
+    greedy tokens with the reasoning closed into the final message at the budget, as the engine draws them under
+    `ThinkingBudget` (unbudgeted, the random weights write no `<|end|>` in 1,040 tokens); its blocks are what
+    HarmonyOutput makes of them."""
+    import anthropic
+
+    from streamoe.runtime.constrain import HARMONY_CLOSE, ThinkingBudget, reasoning_close
+
+    ac = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Think, then answer."}]
+    r = ac.messages.create(model="tiny", max_tokens=1040, extra_body={"temperature": 0}, messages=messages,
+                           thinking={"type": "enabled", "budget_tokens": 1024})
+    eng = Engine(conv, Options(cap_gib=8, ctx=1536, runtime_bytes=64 << 20))
+    try:
+        ids = eng.text.encode_chat(eng.text.chat_text(messages, enable_thinking=True))
+        budget = ThinkingBudget(reasoning_close(eng.text, harmony=True), 1024, eng.args.vocab_size)
+        detok = Detokenizer(eng.text)
+        text = "".join(detok.add(t) for t, _ in eng.generate(ids, 1040, Sampler(), constraint=budget))
+    finally:
+        eng.close()
+    assert budget.closed and r.usage.output_tokens == 1040 and text.count(HARMONY_CLOSE) == 1
+    want = parse(text, tools=None)[0]
+    got = {b.type: (b.thinking if b.type == "thinking" else b.text) for b in r.content}
+    assert got.get("thinking") == want["reasoning_content"] and got.get("text") == want["content"] != ""
 
 
 def test_a_completion_is_the_text_as_written(conv, oc):

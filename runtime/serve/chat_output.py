@@ -279,7 +279,11 @@ class HarmonyOutput:
                 i = self.buf.find(H_MESSAGE)
                 if i < 0:
                     break
-                m, r = CHANNEL.search(self.buf[:i]), RECIPIENT.search(self.buf[:i])
+                head, k = self.buf[:i], self.buf[:i].rfind(H_START)
+                if k > 0 and self.buf[:k].strip():  # text before the header's <|start|>: no header's, so text
+                    self._content(self.buf[:k], self.at, out)
+                head = head[k + len(H_START):] if k >= 0 else head
+                m, r = CHANNEL.search(head), RECIPIENT.search(head)
                 self.channel, self.recipient, self.in_header = (m.group(1) if m else ""), (r.group(1) if r else None), False
                 self.at += i + len(H_MESSAGE)
                 self.buf = self.buf[i + len(H_MESSAGE):]

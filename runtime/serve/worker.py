@@ -37,6 +37,7 @@ from ..constrain import (
     guide_tokenizer,
     harmony_json_grammar,
     json_grammar,
+    reasoning_close,
     tool_call_grammar,
 )
 from ..engine import Engine, Options
@@ -357,9 +358,10 @@ class EngineWorker:
         """What shapes the answer: the request's grammar (`grammar`), under a cap on its reasoning where the request
         sets one (`thinking_budget`: the template's `</think>` forced once the reasoning took that many tokens)."""
         grammar = self.grammar(req, thinking)
-        if req.thinking_budget is None or not thinking:
+        harmony = self.tool_format == "harmony" and req.kind == "chat" and req.force_call is None  # always reasons
+        if req.thinking_budget is None or not (thinking or harmony):
             return grammar
-        close = self.eng.text.tokenizer.token_to_id("</think>")
+        close = reasoning_close(self.eng.text, harmony)
         if close is None:
             raise bad("a thinking budget needs the template's '</think>' token, which the model's tokenizer lacks",
                       "thinking.budget_tokens")
