@@ -22,9 +22,6 @@ import json
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
-FORMATS = ("json", "xml")
-
-
 HARMONY_CALL = "<|channel|>commentary to=functions."  # a harmony call's header up to its tool's name
 HARMONY_ARGS = " <|constrain|>json<|message|>"  # and after it, up to the arguments
 
