@@ -187,7 +187,7 @@ class Constraint:
 class ThinkingBudget:
     """A cap on the reasoning (Anthropic's `thinking.budget_tokens`): the answer runs as it would until `budget`
     tokens were written without the reasoning's `close` token; the next tokens are then `close`, forced (Qwen's
-    `</think>`; in harmony `<|end|>` and the final message's header, `harmony_close`), and the answer goes on from
+    `</think>`; in harmony `<|end|>` and the final message's header, `HARMONY_CLOSE`), and the answer goes on from
     there under `then` (the request's own constraint, if any), as Qwen's model card closes a budgeted thought. The
     same interface as `Constraint`, so `Engine.generate` draws a forced token once the previous one is read, like
     any masked one."""
