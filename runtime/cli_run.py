@@ -18,14 +18,7 @@ from ..formats.errors import StreamoeError, fail
 from ..formats.files import write_whole
 from ..formats.manifest import load_manifest
 from . import ranks, session
-from .constrain import (
-    Constraint,
-    ThinkingBudget,
-    guide_tokenizer,
-    harmony_json_grammar,
-    json_grammar,
-    reasoning_close,
-)
+from .constrain import Constraint, ThinkingBudget, guide_tokenizer, json_answer, reasoning_close
 from .engine import Engine, Options
 from .image import PipedImage, check_preprocessor, load_image
 from .sampling import Sampler
@@ -159,14 +152,15 @@ def json_constraint(eng: Engine, schema: dict, thinking: bool, harmony: bool = F
     `analysis` message, as `serve` holds it. A schema llguidance cannot compile fails here, in one line, the engine
     closed."""
     guide = guide_tokenizer(eng.text.tokenizer, eng.args.vocab_size, eng.text.stop_ids)
-    after = eng.text.tokenizer.token_to_id("</think>") if thinking and not harmony else None
+
+    def made() -> Constraint:
+        return json_answer(guide, schema, eng.text.tokenizer, eng.args.vocab_size, thinking, harmony)
     try:
-        grammar = harmony_json_grammar(schema, eng.text.tokenizer) if harmony else json_grammar(schema)
-        Constraint(guide, grammar, eng.args.vocab_size)
+        made()
     except StreamoeError as e:
         eng.close()
         raise StreamoeError(f"--json-schema: {e}") from None
-    return lambda: Constraint(guide, grammar, eng.args.vocab_size, after=after)
+    return made
 
 
 def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,

@@ -119,6 +119,16 @@ def harmony_json_grammar(schema: dict | None, tokenizer) -> str:
             f"{mark('<|start|>')} \"assistant\"\n")
 
 
+def json_answer(tokens, schema: dict | None, tokenizer, vocab: int, thinking: bool, harmony: bool) -> Constraint:
+    """An answer held to JSON valid against `schema` (None: any object), as `run --json-schema` and `serve`'s
+    structured outputs hold it: after the template's `</think>` where the prompt leaves the model thinking; in a
+    harmony chat from the first token, the `final` message's text after a free `analysis` (`harmony_json_grammar`)."""
+    if harmony:
+        return Constraint(tokens, harmony_json_grammar(schema, tokenizer), vocab)
+    after = tokenizer.token_to_id("</think>") if thinking else None
+    return Constraint(tokens, json_grammar(schema), vocab, after=after)
+
+
 def json_grammar(schema: dict | None) -> str:
     """The grammar of a JSON value following `schema` (None: any JSON object). A schema llguidance cannot
     compile is the request's fault: StreamoeError with its message."""

@@ -35,8 +35,7 @@ from ..constrain import (
     Constraint,
     ThinkingBudget,
     guide_tokenizer,
-    harmony_json_grammar,
-    json_grammar,
+    json_answer,
     reasoning_close,
     tool_call_grammar,
 )
@@ -278,6 +277,11 @@ class EngineWorker:
         if self.lock is not None:
             self.totals["rank_bytes_read"] = [0] * eng.group.size()
 
+    def harmony(self, req: GenRequest) -> bool:
+        """Whether the answer is a harmony chat (gpt-oss): read by channel, its JSON in the final message. A
+        completion's text is its own, whatever the template."""
+        return self.tool_format == "harmony" and req.kind == "chat"
+
     # ---- on the server's prepare thread: turn a request into a job (or an APIError)
     def render(self, req: GenRequest) -> str:
         """The prompt as the template renders it, the request's text marked as text (see `chat_template`)."""
@@ -358,7 +362,7 @@ class EngineWorker:
         """What shapes the answer: the request's grammar (`grammar`), under a cap on its reasoning where the request
         sets one (`thinking_budget`: the template's `</think>` forced once the reasoning took that many tokens)."""
         grammar = self.grammar(req, thinking)
-        harmony = self.tool_format == "harmony" and req.kind == "chat" and req.force_call is None  # always reasons
+        harmony = self.harmony(req) and req.force_call is None  # gpt-oss reasons whatever the request says
         if req.thinking_budget is None or not (thinking or harmony):
             return grammar
         close = reasoning_close(self.eng.text, harmony)
@@ -387,10 +391,8 @@ class EngineWorker:
         where = fmt if req.json_output else "tools"
         after = tok.token_to_id("</think>") if thinking else None
         try:
-            if req.json_output and self.tool_format == "harmony":  # from the first token: the answer's channels
-                return Constraint(self.guide, harmony_json_grammar(req.json_schema, tok), self.vocab)
             if req.json_output:
-                return Constraint(self.guide, json_grammar(req.json_schema), self.vocab, after=after)
+                return json_answer(self.guide, req.json_schema, tok, self.vocab, thinking, self.harmony(req))
             if lazy:
                 free = frozenset(t["function"]["name"] for t in req.tools) - strict
                 grammar = tool_call_grammar(self.tool_format, req.tools, None, tok, free=free, opened=True)
@@ -490,8 +492,8 @@ class EngineWorker:
             if self.lock is not None:  # every rank keeps the same snapshots, each its own copy
                 self.lock.tell("capture", id=snapshot_id(key[:a]), keep=[snapshot_id(k) for k in self.cache.snaps])
         tools = (req.tools or True) if req.parse_tools else None
-        out = (HarmonyOutput(tools, req.stop) if self.tool_format == "harmony" and req.kind == "chat" else
-               ChatOutput(job.thinking, tools, req.stop, self.tool_format))  # a completion's text is its own
+        out = (HarmonyOutput(tools, req.stop) if self.harmony(req) else
+               ChatOutput(job.thinking, tools, req.stop, self.tool_format))
         echoed = not echo  # completions' `echo`: the prompt, and its tokens' logprobs, go out before the answer
 
         def echo_prompt() -> None:
