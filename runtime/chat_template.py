@@ -28,9 +28,9 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..formats.errors import StreamoeError
+from .tool_calls import H_CHANNEL
 
 MARK_OPEN, MARK_CLOSE = "\U000f0000", "\U000f0001"
-HARMONY_MARK = "<|channel|>"  # what only a harmony template writes
 XML_CALL_MARK = "<tool_call>\n<function="  # what mlx-lm looks for to pick its qwen3_coder parser
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError,
@@ -166,7 +166,7 @@ class ChatTemplate:
         """"xml" (`<tool_call>\\n<function=NAME>\\n<parameter=KEY>...`, the Qwen3.5/3.6 and Qwen3-Coder
         templates) when the template writes that form, "harmony" (gpt-oss: channels, a call a `commentary`
         message to `functions.NAME`) when it writes harmony's channels, else "json" (`<tool_call>\\n{"name": ...}`)."""
-        if HARMONY_MARK in self.source:
+        if H_CHANNEL in self.source:  # what only a harmony template writes
             return "harmony"
         return "xml" if XML_CALL_MARK in self.source or XML_CALL_MARK.replace("\n", "\\n") in self.source else "json"
 

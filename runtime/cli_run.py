@@ -115,11 +115,11 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
             save_session = None
     try:
         eng = Engine(model, opts, group)
+        harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
         return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
                     max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
                     save_session=save_session, load_session=load_session,
-                    constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget, harmony=not raw and
-                                             eng.text.template is not None and eng.text.template.tool_format == "harmony"))
+                    constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget, harmony))
     except RuntimeError as e:
         lost = ranks.lost_peer(e, group) if group is not None else None
         if lost is None:

@@ -19,7 +19,18 @@ import mlx.core as mx
 import numpy as np
 
 from ..formats.errors import StreamoeError
-from .tool_calls import CALL_CLOSE, FUNCTION_CLOSE, FUNCTION_OPEN, HARMONY_ARGS, PARAM_CLOSE, PARAM_OPEN
+from .tool_calls import (
+    CALL_CLOSE,
+    FUNCTION_CLOSE,
+    FUNCTION_OPEN,
+    H_CHANNEL,
+    H_END,
+    H_MESSAGE,
+    H_START,
+    HARMONY_ARGS,
+    PARAM_CLOSE,
+    PARAM_OPEN,
+)
 
 BITS = mx.array(np.arange(32, dtype=np.uint32))
 # JSON as json.dumps writes it: no whitespace beyond ", " and ": ", so an answer's length is the value's (a
@@ -114,9 +125,9 @@ def harmony_json_grammar(schema: dict | None, tokenizer) -> str:
     mark = functools.partial(_literal, tokenizer)
     value = "%json" + json.dumps({**(schema if schema is not None else {"type": "object"}), "x-guidance": COMPACT},
                                  ensure_ascii=False)
-    return (f"start: analysis? {mark('<|channel|>')} \"final\" {mark('<|message|>')} {value}\n"
-            f"analysis: {mark('<|channel|>')} \"analysis\" {mark('<|message|>')} /(?s:.*)/ {mark('<|end|>')} "
-            f"{mark('<|start|>')} \"assistant\"\n")
+    return (f"start: analysis? {mark(H_CHANNEL)} \"final\" {mark(H_MESSAGE)} {value}\n"
+            f"analysis: {mark(H_CHANNEL)} \"analysis\" {mark(H_MESSAGE)} /(?s:.*)/ {mark(H_END)} {mark(H_START)} "
+            "\"assistant\"\n")
 
 
 def json_answer(tokens, schema: dict | None, tokenizer, vocab: int, thinking: bool, harmony: bool) -> Constraint:
@@ -235,7 +246,7 @@ class ThinkingBudget:
             self.then.advance(tok)
 
 
-HARMONY_CLOSE = "<|end|><|start|>assistant<|channel|>final<|message|>"  # an analysis message closed, the answer opened
+HARMONY_CLOSE = f"{H_END}{H_START}assistant{H_CHANNEL}final{H_MESSAGE}"  # an analysis message closed, the answer opened
 
 
 def reasoning_close(text, harmony: bool) -> list[int] | None:

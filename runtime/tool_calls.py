@@ -22,8 +22,10 @@ import json
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
-HARMONY_CALL = "<|channel|>commentary to=functions."  # a harmony call's header up to its tool's name
-HARMONY_ARGS = " <|constrain|>json<|message|>"  # and after it, up to the arguments
+# harmony's marks (gpt-oss): a message is `<|start|>ROLE<|channel|>CHANNEL [to=RECIPIENT]<|message|>TEXT<|end|>`
+H_START, H_CHANNEL, H_MESSAGE, H_END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
+HARMONY_CALL = f"{H_CHANNEL}commentary to=functions."  # a harmony call's header up to its tool's name
+HARMONY_ARGS = f" <|constrain|>json{H_MESSAGE}"  # and after it, up to the arguments
 
 
 def call_prefix(fmt: str, name: str | None) -> str:

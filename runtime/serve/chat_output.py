@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from ..tool_calls import ToolCallStream, hold_newlines, partial_suffix
+from ..tool_calls import H_CHANNEL, H_END, H_MESSAGE, H_START, ToolCallStream, hold_newlines, partial_suffix
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -205,8 +205,7 @@ def collect(events: list[Event]) -> dict:
 
 # gpt-oss's harmony format: each message a header, then its text; the answer starts inside the first header
 # (the prompt ends in `<|start|>assistant`)
-H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
-H_CLOSES = ("<|end|>", "<|call|>", "<|return|>")  # <|call|> and <|return|> are stop tokens: seldom seen here
+H_CLOSES = (H_END, "<|call|>", "<|return|>")  # <|call|> and <|return|> are stop tokens: seldom seen here
 RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 CHANNEL = re.compile(re.escape(H_CHANNEL) + r"\s*(\w+)")
 
