@@ -33,6 +33,7 @@
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
 #   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy), 11 rounds: best runs
+#                                (ROUNDS=, TOKENS=; MODES=greedy,sampled: those two alone, each round's pair back to back)
 #   bash bench/h200.sh prefill   # long prompts (2K, 8K, 32K tokens; PROMPTS=) at --cap 4, q4 and q3 (EXPERTS=q4: q4 only), and q4 resident (CAPS=4: not)
 #                                (compute alone): prefill time against the disk
 #   bash bench/h200.sh longctx   # --ctx 131072 at --cap 4 with bf16, q8 and q4 KV side by side: plan, hot tier, decode
@@ -180,8 +181,9 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
       --name "$OUT/sampling-h200" | grep -v '^ '
     ;;
   sampling-resident)
-    python3 -m bench.sampling --model "$S/full-conv" --caps resident --tokens 64 --rounds 11 --ctx 1024 \
-      --name "$OUT/sampling-resident-h200" | grep -v '^ '
+    python3 -m bench.sampling --model "$S/full-conv" --caps resident --tokens "${TOKENS:-64}" --rounds "${ROUNDS:-11}" \
+      --ctx 1024 ${MODES:+--modes "$MODES"} --name "$OUT/sampling-resident-h200${MODES:+-$(echo "$MODES" | tr , -)}" \
+      | grep -v '^ '
     ;;
   prefill)
     for q in ${EXPERTS//,/ }; do
