@@ -14,10 +14,13 @@ arguments in Qwen3.6's XML call form, one long string parameter), `strict` a str
 answer never triggers (random weights open no call: what holding it costs decode, tokens drawn ahead unmasked), and a penalised variant adds Qwen's
 suggested presence penalty (1.5) and a repetition penalty. The vocabulary matters: choosing a token at the
 real model's 248,320 rows is what the `small-vocab` synthetic checkpoint (the small model's layers with that
-vocabulary) shows on the CPU; `--model` takes any converted directory (full size on a GPU).
+vocabulary) shows on the CPU; `--model` takes any converted directory (full size on a GPU). `--modes greedy,sampled`
+runs those two alone, each round's pair back to back. Beside the rates, `draw_us_queued`: the draw's own cost per
+token by mode, many draws queued then one wait, which the host's drift between runs does not hide.
 
     python -m bench.sampling                                    # synthesizes small-vocab in --scratch
     python -m bench.sampling --model /root/bench/full-conv --caps resident,4 --tokens 64 --rounds 5
+    python -m bench.sampling --model /root/bench/full-conv --caps resident --modes greedy,sampled --rounds 31 --tokens 128
 """
 
 from __future__ import annotations
@@ -80,6 +83,29 @@ def draw_kernels(vocab: int, dtype) -> dict:
     return out
 
 
+def draw_cost(vocab: int, dtype, n: int = 300, repeats: int = 3) -> dict:
+    """Microseconds a draw adds per token, by mode (no grammar): `n` draws from logits [vocab] of the compute dtype
+    queued, then one wait, so the host's encoding and the device's work overlap as in a pipelined decode; each
+    repeat's figure (the host's speed drifts between them)."""
+    import mlx.core as mx
+
+    from streamoe.runtime.sampling import Sampler
+
+    logits = (mx.random.normal((vocab,), key=mx.random.key(0)) * 3).astype(dtype)
+    mx.eval(logits)
+    out = {}
+    for m in ("greedy", "sampled", "penalised"):
+        s = Sampler(**MODES[m])
+        pen = s.start([1, 2, 3], vocab)
+        mx.eval([s(logits, pen, i)[0] for i in range(20)])
+        out[m] = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mx.eval([s(logits, pen, i)[0] for i in range(n)])
+            out[m].append(round((time.perf_counter() - t0) / n * 1e6, 1))
+    return out
+
+
 def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int, modes: list[str]) -> dict:
     from streamoe.runtime.constrain import Constraint, guide_tokenizer, json_grammar, tool_call_grammar
     from streamoe.runtime.engine import Engine, Options
@@ -111,7 +137,8 @@ def run_cap(model: Path, cap: str, tokens: int, rounds: int, ctx: int, modes: li
                   if m in med}
         return {"cap": cap, "cap_gib": round(cap_gib, 4), "resident": eng.experts.resident, "vocab": eng.args.vocab_size,
                 "tokens": tokens, "rounds": rounds, "modes": modes,
-                "draw_kernels": draw_kernels(eng.args.vocab_size, eng.dtype), "median": med, "best_wall_tok_s": best,
+                "draw_kernels": draw_kernels(eng.args.vocab_size, eng.dtype),
+                "draw_us_queued": draw_cost(eng.args.vocab_size, eng.dtype), "median": med, "best_wall_tok_s": best,
                 "best_vs_sampled_wall": {m: round(best[m] / best["sampled"], 3) for m in modes},
                 "sampled_vs_greedy_wall": round(med["sampled"]["wall_tok_s"] / med["greedy"]["wall_tok_s"], 4),
                 "sampled_vs_greedy_paired": round(paired, 4), "paired_quartiles": [round(q, 4) for q in quartiles],
