@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,6 +112,8 @@ def raw_copy_gbs(paths, dst: Path, limit_bytes: int = 4 << 30, chunk: int = 16 <
 
 
 def machine() -> dict:
+    """What ran a bench: cores, memory, MLX's device, the card (NVIDIA's name for it; "none" without one) and the
+    code (STREAMOE_CODE where the tree has no git, as on the GPU machines; else git's short commit, "-dirty" with changes)."""
     try:
         import mlx.core as mx
 
@@ -118,7 +121,18 @@ def machine() -> dict:
     except Exception:  # noqa: BLE001 - the bench still records what it can
         device = "unknown"
     return {"cpus": os.cpu_count() or 0, "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "device": device}
+            "device": device, "card": _ask(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) or "none",
+            "code": os.environ.get("STREAMOE_CODE") or _ask(["git", "-C", str(RESULTS.parent), "describe", "--always", "--dirty", "--abbrev=7"])
+            or "unknown"}
+
+
+def _ask(cmd: list[str]) -> str:
+    """The first line a command prints, or "" where it is missing or fails."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.strip().splitlines()[0] if out.strip() else ""
 
 
 def write_result(name: str, bench: str, results: list[dict], out: Path | None = None) -> Path:

@@ -26,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from bench.common import machine
 from streamoe.formats.direct import aligned_buffer, open_uncached
 from streamoe.formats.manifest import load_manifest, safe_path
 from streamoe.runtime.engine import Engine, Options
@@ -289,7 +290,7 @@ def main() -> None:
     ids = TextIO(a.model, m.config).encode(TEXT)[:110]
     fmt = m.expert_formats()[a.experts]
     paths = [safe_path(a.model, f["path"]) for f in fmt.files]
-    res = {"device": str(mx.default_device()), "prompt_tokens": len(ids),
+    res = {"device": str(mx.default_device()), "machine": machine(), "prompt_tokens": len(ids),
            "raw_random_read_gbs": round(random_read_gbs(paths, fmt.layout.stride), 3),
            "raw_random_read_gbs_16_threads": round(random_read_gbs(paths, fmt.layout.stride, threads=16), 3), "runs": []}
     if a.disk_grid:

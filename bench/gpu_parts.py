@@ -44,6 +44,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from bench.common import machine
 from bench.experts_grouped import host_groups
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.models import delta_rule, kernels
@@ -361,7 +362,7 @@ def main() -> None:
         mx.eval(ref(mx.array([[t]]), cache=rc))
     mx.eval(eng.prefill(ids))
     x = (mx.random.normal((1, a.parts_tokens, eng.args.hidden_size)) * 0.5).astype(dtype)
-    res = {"device": str(mx.default_device()), "dtype": str(dtype), "n": a.n, "parts_tokens": a.parts_tokens, "parts": {}}
+    res = {"device": str(mx.default_device()), "machine": machine(), "dtype": str(dtype), "n": a.n, "parts_tokens": a.parts_tokens, "parts": {}}
     for _ in range(0 if a.skip_parts else 2):  # the first round also pays for first-use costs (kernels, graphs): the second is kept
         for name, (ours, theirs) in parts(eng, ref, rc, a.parts_tokens).items():
             row = {"streamoe": timed(ours, x, a.n)}

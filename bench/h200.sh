@@ -62,6 +62,11 @@ EXPERTS=${EXPERTS:-q4,q3}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
 export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1
+# results are named after the card that ran them (h100, h200; "gpu" where nvidia-smi names neither) and record
+# the code: CODE=<commit> in the command (the machine's copy of the tree has no git), as STREAMOE_CODE
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o -i -m1 "h[0-9][0-9][0-9]" | tr "A-Z" "a-z")
+CARD=${CARD:-gpu}
+export STREAMOE_CODE=${CODE:-${STREAMOE_CODE:-}}
 cd "$REPO"
 # a test past TEST_LIMIT seconds: every thread's stack, then the run ends (a timer thread: a signal would wait for MLX)
 PYTEST="python3 -m pytest -vv -rA --durations=0 --tb=short -p no:cacheprovider -o timeout=${TEST_LIMIT:-240} -o timeout_method=thread -m gpu"
@@ -135,7 +140,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts "$EXPERTS" 2>/dev/null
     ;;
   gputest)
-    gpu_tests tests/test_gpu_families.py tests/test_gpu.py | tee -a "$OUT/gputest-h200.log"
+    gpu_tests tests/test_gpu_families.py tests/test_gpu.py | tee -a "$OUT/gputest-${CARD}.log"
     ;;
   gpuexact)
     # what a change to the decode step's kernels must keep, first: logits across caps, tiers and runs (the host tier
@@ -143,19 +148,19 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     # against the step built op by op, the run ahead, hidden states against mlx-lm, the grouped experts' bits, and
     # every family's bits and tokens
     { gpu_tests tests/test_gpu.py -k "across_caps_prefetch or prompt_logprobs or compiled_decode_step or run_ahead or hidden_states or grouped or sampled_decode or long_prefill or many_blocks or host_tier" || true
-      gpu_tests tests/test_gpu_families.py; } | tee -a "$OUT/gputest-exact-h200.log"
+      gpu_tests tests/test_gpu_families.py; } | tee -a "$OUT/gputest-exact-${CARD}.log"
     ;;
   gpurest)
     # quantized KV last: on code 16549e3 and 413b791 its q4 case ran past 400 s (a hang or a slow compile)
     { gpu_tests tests/test_gpu.py -k "run_ahead or compiled_decode_step or float32_matmul or upload_ring or in_place or delta_rule or one_group or grouped or many_blocks or hidden_states or never_copies or prompt_logprobs" || true
-      gpu_tests tests/test_gpu.py -k quantized_kv; } | tee -a "$OUT/gputest-rest-h200.log"
+      gpu_tests tests/test_gpu.py -k quantized_kv; } | tee -a "$OUT/gputest-rest-${CARD}.log"
     ;;
   gpuhost)
-    gpu_tests tests/test_gpu.py -k "host_tier or never_copies" | tee -a "$OUT/gputest-host-h200.log"
+    gpu_tests tests/test_gpu.py -k "host_tier or never_copies" | tee -a "$OUT/gputest-host-${CARD}.log"
     ;;
   gpuqmm)
     { gpu_tests tests/test_gpu.py -k "one_group or quantized_kv" || true
-      gpu_tests tests/test_gpu_families.py; } | tee -a "$OUT/gputest-qmm-h200.log"
+      gpu_tests tests/test_gpu_families.py; } | tee -a "$OUT/gputest-qmm-${CARD}.log"
     ;;
   prepare)
     bash "$0" setup > "$OUT/setup.log" 2>&1 &
@@ -166,51 +171,51 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
   capped)
     for q in q4 q3; do
       python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps 4 --experts $q --skip-mlx-lm \
-        --out "$OUT/gpu-capped-h200-$q.json" | grep -v '^ '
+        --out "$OUT/gpu-capped-${CARD}-$q.json" | grep -v '^ '
     done
     ;;
   fill)
-    python3 -m bench.fill --model "$S/full-conv" --experts q4 --name "$OUT/fill-h200" | tail -30
+    python3 -m bench.fill --model "$S/full-conv" --experts q4 --name "$OUT/fill-${CARD}" | tail -30
     ;;
   rounds)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --skip-parts --variants "${VARIANTS:-}" \
-      --rounds "${ROUNDS:-7}" --out "$OUT/gpu-rounds-h200.json" | grep -v '^ '
+      --rounds "${ROUNDS:-7}" --out "$OUT/gpu-rounds-${CARD}.json" | grep -v '^ '
     ;;
   sampling)
     python3 -m bench.sampling --model "$S/full-conv" --caps resident,4 --tokens 64 --rounds 3 --ctx 1024 \
-      --name "$OUT/sampling-h200" | grep -v '^ '
+      --name "$OUT/sampling-${CARD}" | grep -v '^ '
     ;;
   sampling-resident)
     python3 -m bench.sampling --model "$S/full-conv" --caps resident --tokens "${TOKENS:-64}" --rounds "${ROUNDS:-11}" \
-      --ctx 1024 ${MODES:+--modes "$MODES"} --name "$OUT/sampling-resident-h200${MODES:+-$(echo "$MODES" | tr , -)}" \
+      --ctx 1024 ${MODES:+--modes "$MODES"} --name "$OUT/sampling-resident-${CARD}${MODES:+-$(echo "$MODES" | tr , -)}" \
       | grep -v '^ '
     ;;
   prefill)
     for q in ${EXPERTS//,/ }; do
       python3 -m bench.prefill --model "$S/full-conv" --caps "${CAPS:-$([ $q = q4 ] && echo resident,4 || echo 4)}" --experts $q \
         --prompts "${PROMPTS:-2048,8192,32768}" --warmup 512 \
-        --out "$OUT/prefill-h200-$q-$(echo "${PROMPTS:-2048,8192,32768}" | tr , -)" | grep -v '^ '
+        --out "$OUT/prefill-${CARD}-$q-$(echo "${PROMPTS:-2048,8192,32768}" | tr , -)" | grep -v '^ '
     done
     ;;
   longctx)
-    python3 -m bench.long_context "$S/full-conv" --cap 4 --ctx 131072 --kv bfloat16,q8,q4 --out "$OUT/long-context-h200.json" \
+    python3 -m bench.long_context "$S/full-conv" --cap 4 --ctx 131072 --kv bfloat16,q8,q4 --out "$OUT/long-context-${CARD}.json" \
       | grep -v '^ '
     ;;
   sampling-small)
     [ -f "$S/sv-conv/manifest.json" ] || { python3 -m streamoe.cli synth "$S/sv-ckpt" --size small-vocab 2>/dev/null &&
       python3 -m streamoe.cli convert "$S/sv-ckpt" "$S/sv-conv" --experts q4 2>/dev/null; }
     python3 -m bench.sampling --model "$S/sv-conv" --caps resident --tokens 64 --rounds 5 \
-      --name "$OUT/sampling-small-vocab-h200" | grep -v '^ '
+      --name "$OUT/sampling-small-vocab-${CARD}" | grep -v '^ '
     ;;
   hosttier)
     python3 -m bench.host_tier --model "$S/full-conv" --runs "${RUNS:-4,4:24,4:24+STREAMOE_HOST_READS_FORM=direct,4:24+STREAMOE_HOST_READS=0,4:24+STREAMOE_HOST_READS=0+STREAMOE_COPY_ENGINE=0}" --tokens 40 --work /root \
-      --name "$OUT/host-tier-h200" | grep -v '^ '
+      --name "$OUT/host-tier-${CARD}" | grep -v '^ '
     ;;
   devcpu)
-    timeout 240 python3 -m bench.device_vs_cpu --qmm-sweep --reruns 30 --name "$OUT/device-vs-cpu-h200-qmm-sweep" | grep -v -E "\"distinct_outputs\": 1}$" || true
+    timeout 240 python3 -m bench.device_vs_cpu --qmm-sweep --reruns 30 --name "$OUT/device-vs-cpu-${CARD}-qmm-sweep" | grep -v -E "\"distinct_outputs\": 1}$" || true
     for run in gpt_oss:float32 gpt_oss:bfloat16 qwen3_moe:float32; do
       python3 -m bench.device_vs_cpu --family "${run%:*}" --dtype "${run#*:}" \
-        --name "$OUT/device-vs-cpu-h200-${run%:*}-${run#*:}" 2>/dev/null | grep -E 'finite_prefill|weights_unlike|"kernel"|nonfinite|max_abs_diff|"first_bad": null'
+        --name "$OUT/device-vs-cpu-${CARD}-${run%:*}-${run#*:}" 2>/dev/null | grep -E 'finite_prefill|weights_unlike|"kernel"|nonfinite|max_abs_diff|"first_bad": null'
     done
     ;;
   family)
@@ -224,7 +229,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     [ -f "$S/$F-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/$F-ckpt" "$S/$F-conv" 2>/dev/null
     # CAPPED_ONLY=1: only the capped runs; TAG names their file (e.g. with MLX_USE_CUDA_GRAPHS=0 as a setting)
     [ -n "${CAPPED_ONLY:-}" ] || python3 -m bench.gpu_parts --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --experts $X \
-      --skip-parts --variants "${VARIANTS:-}" --rounds 5 --out "$OUT/family-rounds-h200-$F.json" | grep -v '^ '
+      --skip-parts --variants "${VARIANTS:-}" --rounds 5 --out "$OUT/family-rounds-${CARD}-$F.json" | grep -v '^ '
     # the capped runs (at CAP, 4; Mixtral-8x7B's fixed accounts need more: CAP=12) twice, each beside the other setting
     # of running layers ahead of their picks and of queueing each layer's mixer once built, and without the routed
     # experts queued on their own; then one under cProfile: where a capped token's host time goes when nearly every
@@ -232,7 +237,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     # ROUNDS_ONLY=1: the rounds alone
     C=${CAP:-4}
     [ -n "${ROUNDS_ONLY:-}" ] || python3 -m bench.gpu_compare --ckpt "$S/$F-ckpt" --model "$S/$F-conv" --caps "$C" --experts $X --skip-mlx-lm \
-      --rounds 2 --ablate "${ABLATE-decodeahead@$C,eagermixer@$C,queueoutput@$C,profile@$C}" --out "$OUT/family-capped-h200-$F${TAG:-}.json" | grep -v '^ '
+      --rounds 2 --ablate "${ABLATE-decodeahead@$C,eagermixer@$C,queueoutput@$C,profile@$C}" --out "$OUT/family-capped-${CARD}-$F${TAG:-}.json" | grep -v '^ '
     ;;
   peers)
     # the checkpoint, mlx-vlm's repack of it and the q4 conversion: 57 GB of the 64 GiB disk, so the repack first
@@ -245,28 +250,28 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     [ -f "$S/full-conv/manifest.json" ] || python3 -m streamoe.cli convert "$S/full-ckpt" "$S/full-conv" --experts q4 2>/dev/null
     python3 -m bench.prefill_peers --ckpt "$S/full-ckpt" --model "$S/full-conv" --cap 4 --prompts "${PROMPTS:-2048,8192}" \
       --experts q4 --warmup 512 --work "$S/peers" --engines "${ENGINES:-streamoe,mlx-vlm,mlx-lm}" \
-      --out "$OUT/prefill-peers-h200-$(echo "${PROMPTS:-2048,8192}" | tr , -)" | grep -v '^ '
+      --out "$OUT/prefill-peers-${CARD}-$(echo "${PROMPTS:-2048,8192}" | tr , -)" | grep -v '^ '
     ;;
   hostprof)
-    python3 -m bench.host_tier --model "$S/full-conv" --tokens 24 --work /root --profile --name "$OUT/host-tier-variants-h200" \
+    python3 -m bench.host_tier --model "$S/full-conv" --tokens 24 --work /root --profile --name "$OUT/host-tier-variants-${CARD}" \
       --runs 4:24,4:24+STREAMOE_HOST_READS=0,4:24+STREAMOE_HOST_READS=0+MLX_USE_CUDA_GRAPHS=0 | grep -v '^ '
     ;;
   parts)
-    python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-h200-q4.json"
+    python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --out "$OUT/gpu-parts-${CARD}-q4.json"
     ;;
   prefill-parts)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --parts-tokens 256 --rounds 0 \
-      --out "$OUT/gpu-parts-h200-q4-prefill-block.json" | grep -v '^ '
+      --out "$OUT/gpu-parts-${CARD}-q4-prefill-block.json" | grep -v '^ '
     ;;
   grouped)
     python3 -m bench.experts_grouped --tokens "${TOKENS:-256,1024,4096}" --rows "${ROWS:-8,16,32,64}" --dtype "${DTYPE:-bfloat16}" \
       --formats "${FORMATS:-q4,q3}" \
-      --name "$OUT/experts-grouped-h200-${DTYPE:-bfloat16}" | grep -v '^ '
+      --name "$OUT/experts-grouped-${CARD}-${DTYPE:-bfloat16}" | grep -v '^ '
     ;;
   compare)
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps resident,4 --experts q4 \
-      --ablate wastebudget@4 --rounds 2 --out "$OUT/gpu-compare-h200-q4.json" | grep -v '^ '
+      --ablate wastebudget@4 --rounds 2 --out "$OUT/gpu-compare-${CARD}-q4.json" | grep -v '^ '
     python3 -m bench.gpu_compare --ckpt "$S/full-ckpt" --model "$S/full-conv" --caps 4 --experts q3 --skip-mlx-lm \
-      --ablate wastebudget@4 --rounds 2 --out "$OUT/gpu-compare-h200-q3.json" | grep -v '^ '
+      --ablate wastebudget@4 --rounds 2 --out "$OUT/gpu-compare-${CARD}-q3.json" | grep -v '^ '
     ;;
 esac
