@@ -357,7 +357,7 @@ def test_two_ranks_serve_one_hosts_answers_each_reading_about_half(served):
     assert "Traceback" not in two.log(0) + two.log(1)
 
 
-def test_a_request_with_an_image_is_refused_across_ranks(served, tmp_path):
+def test_images_prompt_logprobs_and_choices_are_refused_across_ranks(served, tmp_path):
     _, two, (_, c2) = served
     with pytest.raises(openai.BadRequestError) as e:  # the prompt's logprobs: one host's
         c2.completions.create(model="small", prompt="def f(x):", max_tokens=1, echo=True, logprobs=1)
@@ -367,6 +367,9 @@ def test_a_request_with_an_image_is_refused_across_ranks(served, tmp_path):
         c2.chat.completions.create(model="small", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": data_url(png)}}]}])
     assert "across ranks" in e.value.message and "images" in e.value.message, e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI's `n`: one choice a request there
+        c2.completions.create(model="small", prompt="def f(x):", max_tokens=2, n=2)
+    assert "across ranks" in e.value.message and e.value.body["param"] == "n", e.value.message
     assert answer(c2, temperature=0)[0]  # and the server goes on
 
 

@@ -301,6 +301,54 @@ def test_sampling_fields_are_honoured_exactly_as_streamoe_run_samples(client, re
         assert served(temperature=0.8, min_p=0.05, **{key: value}) != plain, key
 
 
+def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
+    """OpenAI's `n`: choice i is the answer the same request with n=1 gets with seed + i (as vLLM seeds its
+    choices), token for token, whole and streamed (each chunk naming its choice, each choice opened by its role and
+    ended by its own finish); the usage counts the prompt once and every choice's tokens; completions' logprobs are
+    each choice's own; greedy choices are one answer n times."""
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=10,
+               temperature=1.0, extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(n=3, seed=5, **ask)
+    singles = [client.chat.completions.create(seed=5 + i, **ask).choices[0] for i in range(3)]
+    one_usage = client.chat.completions.create(seed=5, **ask).usage
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    ids = [c.model_extra["token_ids"] for c in whole.choices]
+    assert ids == [c.model_extra["token_ids"] for c in singles]
+    assert len({tuple(t) for t in ids}) > 1  # the seeds differ, so do the answers
+    for got, want in zip(whole.choices, singles, strict=True):
+        assert (got.message.content, got.message.model_extra.get("reasoning_content"), got.finish_reason) == (
+            want.message.content, want.message.model_extra.get("reasoning_content"), want.finish_reason)
+    assert whole.usage.prompt_tokens == one_usage.prompt_tokens
+    assert whole.usage.completion_tokens == sum(len(t) for t in ids)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+    text, reasoning, roles, finish, usage = {}, {}, [], {}, None
+    for chunk in client.chat.completions.create(n=3, seed=5, stream=True, stream_options={"include_usage": True}, **ask):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.append(c.index)
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            reasoning[c.index] = reasoning.get(c.index, "") + (c.delta.model_extra.get("reasoning_content") or "")
+            if c.finish_reason:
+                assert c.index not in finish
+                finish[c.index] = c.finish_reason
+    assert roles == [0, 1, 2]
+    assert text == {c.index: c.message.content for c in whole.choices}
+    assert reasoning == {c.index: c.message.model_extra.get("reasoning_content") or "" for c in whole.choices}
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+    kw = dict(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0.9, logprobs=2)
+    both = client.completions.create(n=2, seed=1, **kw).choices
+    for i, got in enumerate(both):
+        want = client.completions.create(seed=1 + i, **kw).choices[0]
+        assert (got.index, got.text, got.logprobs.tokens, got.logprobs.token_logprobs, got.logprobs.top_logprobs) == (
+            i, want.text, want.logprobs.tokens, want.logprobs.token_logprobs, want.logprobs.top_logprobs)
+    greedy_two = client.completions.create(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0, n=2).choices
+    assert greedy_two[0].text == greedy_two[1].text and greedy_two[1].index == 1
+
+
 def test_eight_concurrent_clients_all_answered_right(client, ref, triangle):
     img = {"type": "image_url", "image_url": {"url": data_url(triangle)}}
     asks = [("chat", [{"role": "user", "content": [img, {"type": "text", "text": q}]}], q, True)
@@ -382,6 +430,10 @@ def test_bad_requests_get_their_status_and_an_openai_error(server, triangle):
         ("POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": -1}, 400),
         ("POST", "/v1/chat/completions", {"messages": msgs, "max_token": 5}, 400),  # a misspelt field
         ("POST", "/v1/completions", {"prompt": "x", "max_token": 5}, 400),
+        ("POST", "/v1/completions", {"prompt": "x", "n": 0}, 400),
+        ("POST", "/v1/chat/completions", {"messages": msgs, "n": 17}, 400),  # more choices than MAX_N
+        ("POST", "/v1/chat/completions", {"messages": msgs, "n": "2"}, 400),
+        ("POST", "/v1/chat/completions", {"messages": msgs, "n": 1.5}, 400),
         ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 5}}, 400),  # beyond the vocabulary
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}, 400),

@@ -210,6 +210,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     sampling: dict = field(default_factory=dict)  # the fields set, keyed as `Sampler` takes them
     seed: int | None = None
+    n: int = 1  # OpenAI's `n`: choices answered one after another, the i-th drawn with seed + i
     logprobs: bool = False  # each generated token's log-probability, and its `top_logprobs` most likely ones
     top_logprobs: int = 0
     # chat
@@ -269,6 +270,7 @@ MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refu
 MESSAGE_HONOURED = MESSAGE_FIELDS - {"refusal", "audio", "function_call"}
 
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_N = 16  # choices one request may ask for (`n`): the engine answers them one after another
 
 # (field, Sampler's name, range): OpenAI's fields and the ones vLLM and mlx-lm's server add
 SAMPLING_FIELDS = (("temperature", "temp", 0, 2), ("top_p", "top_p", 0, 1), ("min_p", "min_p", 0, 1),
@@ -297,9 +299,7 @@ def _common(body: dict, req: GenRequest) -> None:
         req.include_usage = _flag(opts, "include_usage")
         if not req.stream:
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad("only n=1 is supported (one engine answers one request at a time)", "n")
+    req.n = _number(body, "n", 1, MAX_N, integer=True) or 1
     for key in ("max_tokens", "max_completion_tokens"):  # 0: the echoed prompt alone (completions' `echo`)
         v = _number(body, key, 0 if req.kind == "completion" and body.get("echo") else 1, 1 << 30, integer=True)
         if v is not None:

@@ -320,8 +320,8 @@ class API:
 
 class Output(Protocol):
     """How one API turns a job's events into its answer: `start` and `feed` give the text of its event
-    stream (`feed` takes every event: "logprobs", "delta", then "done" or "error"), `result` the whole
-    answer once every event was fed."""
+    stream (`feed` takes every event: "logprobs", "delta", then "done" or "error"; "choice_done" between the
+    choices of a chat or text completion with `n`), `result` the whole answer once every event was fed."""
 
     def start(self) -> list[str]: ...
 
@@ -333,13 +333,17 @@ class Output(Protocol):
 class OpenAIOutput:
     """Chat and text completions: `chat.completion(.chunk)` / `text_completion` objects, with logprobs in
     each API's own shape (chat: `content` entries; completions: parallel lists) on the chunk whose text
-    holds their tokens."""
+    holds their tokens. The choices of a request with `n` come one after another, each chunk naming its own."""
 
     def __init__(self, job: Job, model: str):
         self.job, self.chat = job, job.req.kind == "chat"
         self.base = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{job.id}",
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": job.created, "model": model}
+        self.index, self.finished = 0, []  # the choice being written, and those written before it
+        self._next_choice()
+
+    def _next_choice(self) -> None:
         self.evs, self.lps, self.pending, self.n_calls, self.info = [], [], [], 0, {}
         self.offset = 0  # completions' text_offset of the next token
         self.echoed = ""  # completions' `echo`: the prompt, before the answer
@@ -363,7 +367,7 @@ class OpenAIOutput:
 
     def _chunk(self, delta: dict | None = None, finish=None, text: str | None = None, **extra) -> str:
         """One chunk; the logprobs waiting go on a chunk of content (the tokens they are of), or on the last."""
-        choice = {"index": 0, "delta": delta or {}} if self.chat else {"index": 0, "text": text or ""}
+        choice = {"index": self.index, "delta": delta or {}} if self.chat else {"index": self.index, "text": text or ""}
         lps = []
         if not self.chat or "content" in choice["delta"] or finish is not None:
             lps, self.pending = self.pending, []
@@ -417,41 +421,42 @@ class OpenAIOutput:
         if kind == "error":
             return [sse(v.body()), "data: [DONE]\n\n"]
         self.info = v
-        finish = "tool_calls" if self.n_calls else v["finish_reason"]
-        out = [self._chunk(finish=finish, streamoe=v.get("telemetry"))]
+        out = [self._chunk(finish="tool_calls" if self.n_calls else v["finish_reason"], streamoe=v.get("telemetry"))]
+        if kind == "choice_done":  # the next choice follows
+            self.finished.append(self._choice())
+            self.index += 1
+            self._next_choice()
+            return out + self.start()
         if self.job.req.include_usage:
             out.append(sse({**self.base, "choices": [], "usage": v["usage"]}))
         return out + ["data: [DONE]\n\n"]
 
-    def result(self) -> dict:
-        job, info = self.job, self.info
+    def _choice(self) -> dict:
+        """The choice written so far, whole."""
         lps = self._logprobs(self.lps, whole=True)
         if self.chat:
             msg = {"role": "assistant", **collect(self.evs)}
             if msg["tool_calls"]:
-                msg["tool_calls"] = [tool_call(c, i, job) for i, c in enumerate(msg["tool_calls"])]
+                msg["tool_calls"] = [tool_call(c, i, self.job) for i, c in enumerate(msg["tool_calls"])]
             else:
                 del msg["tool_calls"]
             if msg["reasoning_content"] is None:
                 del msg["reasoning_content"]
-            finish = "tool_calls" if msg.get("tool_calls") else info.get("finish_reason")
-            choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": lps}
-            kind = "chat.completion"
+            finish = "tool_calls" if msg.get("tool_calls") else self.info.get("finish_reason")
+            choice = {"index": self.index, "message": msg, "finish_reason": finish, "logprobs": lps}
         else:
             text = self.echoed + "".join(str(v) for _, v in self.evs)
-            choice = {"index": 0, "text": text, "finish_reason": info.get("finish_reason"), "logprobs": lps}
-            kind = "text_completion"
-        return {**self.base, "object": kind, **token_ids(job, info, choice), "choices": [choice],
-                "usage": info.get("usage"), "streamoe": info.get("telemetry")}
+            choice = {"index": self.index, "text": text, "finish_reason": self.info.get("finish_reason"), "logprobs": lps}
+        if self.job.req.return_token_ids:
+            choice["token_ids"] = self.info.get("token_ids", [])
+        return choice
 
-
-def token_ids(job: Job, info: dict, choice: dict) -> dict:
-    """With `return_token_ids` (vLLM's extension): the answer's token ids into the choice, and the prompt's
-    (as rendered, one placeholder per image) as a top-level field to merge into the response."""
-    if not job.req.return_token_ids:
-        return {}
-    choice["token_ids"] = info.get("token_ids", [])
-    return {"prompt_token_ids": job.ids}
+    def result(self) -> dict:
+        job, info = self.job, self.info
+        extra = {"prompt_token_ids": job.ids} if job.req.return_token_ids else {}  # vLLM's, the prompt as rendered
+        return {**self.base, "object": "chat.completion" if self.chat else "text_completion", **extra,
+                "choices": [*self.finished, self._choice()], "usage": info.get("usage"),
+                "streamoe": info.get("telemetry")}
 
 
 def error_response(err: APIError, request: Request | None = None) -> Response:

@@ -227,6 +227,8 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
     constraint: Constraint | ThinkingBudget | None = None  # what shapes the answer (structured output, forced call, thinking budget)
+    more: list = field(default_factory=list)  # (sampler, constraint) of each further choice (OpenAI's `n`)
+    choice: int = 0  # the choice being answered
     logits: list | None = None  # kept when a test asks for them
     started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
@@ -355,8 +357,11 @@ class EngineWorker:
             beyond = [t for t in req.sampling["logit_bias"] if t >= words]
             if beyond:
                 raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
-        return Job(req, ids, thinking, min(want, room), Sampler(**{**self.defaults, **req.sampling}, seed=seed),
-                   prefix=given, constraint=self.constraint(req, thinking))
+        if req.n > 1 and self.lock is not None:
+            raise bad("across ranks (mlx.launch) a request asks for one choice ('n': 1)", "n")
+        draws = [(Sampler(**{**self.defaults, **req.sampling}, seed=(seed + i) % (1 << 63)), self.constraint(req, thinking))
+                 for i in range(req.n)]  # the i-th choice's seed is seed + i, as vLLM seeds its choices
+        return Job(req, ids, thinking, min(want, room), *draws[0], prefix=given, more=draws[1:])
 
     def constraint(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | None:
         """What shapes the answer: the request's grammar (`grammar`), under a cap on its reasoning where the request
@@ -422,10 +427,21 @@ class EngineWorker:
 
     def run(self, job: Job) -> None:
         """Answer one job, sending ("started", the prompt's usage) once the prompt cache was looked up, ("logprobs",
-        entries) and ("delta", events), then ("done", info) or ("error", APIError)."""
+        entries) and ("delta", events), then ("done", info) or ("error", APIError). With further choices (`n`), each
+        answered after the one before from the same prompt (its cached part restored), a ("choice_done", info)
+        between them, and the "done" info's usage counts the prompt once and every choice's tokens."""
         try:
             with image_files(job.req.images) as paths:
-                info = self._answer(job, paths)
+                answers = [self._answer(job, paths)]
+                for sampler, constraint in job.more:
+                    if answers[-1].get("cancelled"):
+                        break
+                    job.emit(("choice_done", answers[-1]))
+                    job.choice, job.sampler, job.constraint = job.choice + 1, sampler, constraint
+                    answers.append(self._answer(job, paths))
+            info = answers[-1]
+            if len(answers) > 1 and not info.get("cancelled"):
+                info = {**info, "usage": choices_usage([a["usage"] for a in answers])}
             job.emit(("done", info))
         except Exception as e:
             if self.lock is not None and self.lock.lost:  # across ranks, a peer gone: the server stops (below)
@@ -465,7 +481,8 @@ class EngineWorker:
                 clear(eng)
         start = 0 if snap is None else len(snap.key)
         cached = eng.offset
-        job.emit(("started", {"prompt_tokens": self.prompt_tokens(job), "cached_tokens": cached}))
+        if job.choice == 0:
+            job.emit(("started", {"prompt_tokens": self.prompt_tokens(job), "cached_tokens": cached}))
         where = [i for i, t in enumerate(ids) if t == self.pad][:len(paths)]  # image i sits at ids[where[i]]
 
         def images(a: int, b: int) -> list[str]:
@@ -572,6 +589,16 @@ class EngineWorker:
                                                    "prompt_tokens_details": {"cached_tokens": cached},
                                                    "completion_tokens_details": {"reasoning_tokens": reasoning}},
                 "telemetry": tele, "token_ids": toks, "stop_sequence": out.stop.matched}
+
+
+def choices_usage(usages: list[dict]) -> dict:
+    """The usage of a request answered in several choices: its prompt once (the first choice's prefill, as the
+    client sent it once), the tokens of every choice."""
+    done = sum(u["completion_tokens"] for u in usages)
+    first = usages[0]
+    return {**first, "completion_tokens": done, "total_tokens": first["prompt_tokens"] + done,
+            "completion_tokens_details": {"reasoning_tokens": sum(u["completion_tokens_details"]["reasoning_tokens"]
+                                                                  for u in usages)}}
 
 
 class _Running:
