@@ -305,7 +305,7 @@ def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
     """OpenAI's `n`: choice i is the answer the same request with n=1 gets with seed + i (as vLLM seeds its
     choices), token for token, whole and streamed (each chunk naming its choice, each choice opened by its role and
     ended by its own finish); the usage counts the prompt once and every choice's tokens; completions' logprobs are
-    each choice's own; greedy choices are one answer n times."""
+    each choice's own; greedy choices are one answer n times; under a JSON schema each choice follows it."""
     ask = dict(model="tiny", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=10,
                temperature=1.0, extra_body={"return_token_ids": True})
     whole = client.chat.completions.create(n=3, seed=5, **ask)
@@ -347,6 +347,14 @@ def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
             i, want.text, want.logprobs.tokens, want.logprobs.token_logprobs, want.logprobs.top_logprobs)
     greedy_two = client.completions.create(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0, n=2).choices
     assert greedy_two[0].text == greedy_two[1].text and greedy_two[1].index == 1
+
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue", "grey"]}},
+              "required": ["colour"], "additionalProperties": False}
+    shaped = dict(ask, max_tokens=24, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                  response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    got = [c.message.content for c in client.chat.completions.create(n=3, seed=9, **shaped).choices]
+    assert got == [client.chat.completions.create(seed=9 + i, **shaped).choices[0].message.content for i in range(3)]
+    assert all(json.loads(g)["colour"] in schema["properties"]["colour"]["enum"] for g in got), got  # each its own grammar
 
 
 def test_eight_concurrent_clients_all_answered_right(client, ref, triangle):

@@ -225,7 +225,8 @@ def chat(**kw) -> dict:
     (chat(top_p=1.5), "top_p"),
     (chat(max_tokens=0), "max_tokens"),
     (chat(max_completion_tokens=2.5), "max_completion_tokens"),
-    (chat(n=2), "n"),
+    (chat(n=17), "n"),  # more choices than MAX_N
+    (chat(n=0), "n"),
     (chat(stream="yes"), "stream"),
     (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     (chat(seed="x"), "seed"),

@@ -361,7 +361,8 @@ class EngineWorker:
             raise bad("across ranks (mlx.launch) a request asks for one choice ('n': 1)", "n")
         draws = [(Sampler(**{**self.defaults, **req.sampling}, seed=(seed + i) % (1 << 63)), self.constraint(req, thinking))
                  for i in range(req.n)]  # the i-th choice's seed is seed + i, as vLLM seeds its choices
-        return Job(req, ids, thinking, min(want, room), *draws[0], prefix=given, more=draws[1:])
+        (sampler, constraint), more = draws[0], draws[1:]
+        return Job(req, ids, thinking, min(want, room), sampler, prefix=given, constraint=constraint, more=more)
 
     def constraint(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | None:
         """What shapes the answer: the request's grammar (`grammar`), under a cap on its reasoning where the request
