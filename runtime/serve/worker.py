@@ -227,7 +227,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
     constraint: Constraint | ThinkingBudget | None = None  # what shapes the answer (structured output, forced call, thinking budget)
-    more: list = field(default_factory=list)  # (sampler, constraint) of each further choice (OpenAI's `n`)
+    more: list[tuple[Sampler, Constraint | ThinkingBudget | None]] = field(default_factory=list)  # each further choice's (`n`)
     choice: int = 0  # the choice being answered
     logits: list | None = None  # kept when a test asks for them
     started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
