@@ -340,7 +340,9 @@ def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
     assert usage.completion_tokens == whole.usage.completion_tokens
 
     kw = dict(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0.9, logprobs=2)
-    both = client.completions.create(n=2, seed=1, **kw).choices
+    r = client.completions.create(n=2, seed=1, **kw)
+    both = r.choices
+    assert r.model_extra["streamoe"]["cached_tokens"] == r.usage.prompt_tokens - 1  # the last choice restored the prompt
     for i, got in enumerate(both):
         want = client.completions.create(seed=1 + i, **kw).choices[0]
         assert (got.index, got.text, got.logprobs.tokens, got.logprobs.token_logprobs, got.logprobs.top_logprobs) == (
