@@ -227,7 +227,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
     constraint: Constraint | ThinkingBudget | None = None  # what shapes the answer (structured output, forced call, thinking budget)
-    more: list[tuple[Sampler, Constraint | ThinkingBudget | None]] = field(default_factory=list)  # each further choice's (`n`)
+    more: list[Sampler] = field(default_factory=list)  # the sampler of each further choice (`n`); its grammar made anew
     choice: int = 0  # the choice being answered
     logits: list | None = None  # kept when a test asks for them
     started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
@@ -359,10 +359,10 @@ class EngineWorker:
                 raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
         if req.n > 1 and self.lock is not None:
             raise bad("across ranks (mlx.launch) a request asks for one choice ('n': 1)", "n")
-        draws = [(Sampler(**{**self.defaults, **req.sampling}, seed=(seed + i) % (1 << 63)), self.constraint(req, thinking))
-                 for i in range(req.n)]  # the i-th choice's seed is seed + i, as vLLM seeds its choices
-        (sampler, constraint), more = draws[0], draws[1:]
-        return Job(req, ids, thinking, min(want, room), sampler, prefix=given, constraint=constraint, more=more)
+        samplers = [Sampler(**{**self.defaults, **req.sampling}, seed=(seed + i) % (1 << 63))
+                    for i in range(req.n)]  # the i-th choice's seed is seed + i, as vLLM seeds its choices
+        return Job(req, ids, thinking, min(want, room), samplers[0], prefix=given,
+                   constraint=self.constraint(req, thinking), more=samplers[1:])
 
     def constraint(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | None:
         """What shapes the answer: the request's grammar (`grammar`), under a cap on its reasoning where the request
@@ -434,11 +434,11 @@ class EngineWorker:
         try:
             with image_files(job.req.images) as paths:
                 answers = [self._answer(job, paths)]
-                for sampler, constraint in job.more:
+                for sampler in job.more:  # each choice's grammar made as it starts: one matcher held at a time
                     if answers[-1].get("cancelled"):
                         break
                     job.emit(("choice_done", answers[-1]))
-                    job.choice, job.sampler, job.constraint = job.choice + 1, sampler, constraint
+                    job.choice, job.sampler, job.constraint = job.choice + 1, sampler, self.constraint(job.req, job.thinking)
                     answers.append(self._answer(job, paths))
             info = answers[-1]
             if len(answers) > 1 and not info.get("cancelled"):
