@@ -65,7 +65,7 @@ def image(raw: bytes) -> dict:
 # (field, bad value) per endpoint; temperature and the penalty fields are swept where they are parsed
 COMMON = [
     ("model", 5), ("model", ["tiny"]), ("stream", "yes"), ("stream", 1), ("stream_options", "usage"),
-    ("stream_options", {"include_usage": "yes"}), ("n", 2), ("n", "1"), ("n", 0),
+    ("stream_options", {"include_usage": "yes"}), ("n", 17), ("n", "1"), ("n", 0), ("n", 1.5),
     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", "10"), ("max_tokens", True),
     ("max_tokens", 1 << 40), ("max_completion_tokens", 0), ("max_completion_tokens", "x"),
     ("top_p", 0), ("top_p", 1.5), ("top_p", "x"), ("top_p", -1), ("top_k", -2), ("top_k", 1.5), ("top_k", "x"),
