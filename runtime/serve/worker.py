@@ -490,8 +490,8 @@ class EngineWorker:
             return [paths[i] for i, w in enumerate(where) if a <= w < b]
 
         cuts = [b for b in boundaries(ids, self.header if req.kind == "chat" else []) if b > start]
-        if job.more and not cuts and start < len(ids) - 1:  # a completion's further choices: all but its last token kept
-            cuts = [len(ids) - 1]
+        if job.more and scores is None and not cuts and start < len(ids) - 1:  # a completion's further choices:
+            cuts = [len(ids) - 1]  # all of its prompt but the last token kept for them
         self.live = {"state": "prefill", "id": job.id, "prompt_tokens": len(ids), "cached_tokens": cached,
                      "rss": current_rss(), "cap": eng.plan.cap}
         a = start
