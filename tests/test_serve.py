@@ -347,6 +347,11 @@ def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
         want = client.completions.create(seed=1 + i, **kw).choices[0]
         assert (got.index, got.text, got.logprobs.tokens, got.logprobs.token_logprobs, got.logprobs.top_logprobs) == (
             i, want.text, want.logprobs.tokens, want.logprobs.token_logprobs, want.logprobs.top_logprobs)
+    echoed = dict(kw, echo=True, max_tokens=3)  # echo: each choice is its prompt, then its answer
+    for i, got in enumerate(client.completions.create(n=2, seed=4, **echoed).choices):
+        want = client.completions.create(seed=4 + i, **echoed).choices[0]
+        assert got.text.startswith(CODE[1]) and (got.text, got.logprobs.token_logprobs) == (
+            want.text, want.logprobs.token_logprobs)
     greedy_two = client.completions.create(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0, n=2).choices
     assert greedy_two[0].text == greedy_two[1].text and greedy_two[1].index == 1
 
