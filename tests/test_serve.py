@@ -364,6 +364,41 @@ def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
     assert all(json.loads(g)["colour"] in schema["properties"]["colour"]["enum"] for g in got), got  # each its own grammar
 
 
+def test_a_batch_of_completion_prompts_is_answered_prompt_by_prompt(client):
+    """Several prompts in one completions request (as lm-evaluation-harness batches them): the choices come prompt
+    by prompt, each prompt's `n` together, each equal to that prompt's own request (text, echo, logprobs, token
+    ids); the usage counts each prompt once; token-id prompts are answered as their text; the prompts together must
+    fit the planned context, and prompts times `n` at most 64 choices."""
+    kw = dict(model="tiny", max_tokens=6, temperature=0.9, seed=11, logprobs=1, echo=True,
+              extra_body={"return_token_ids": True})
+    prompts = [CODE[0], CODE[2]]
+    batch = client.completions.create(prompt=prompts, n=2, **kw)
+    alone = [client.completions.create(prompt=p, n=2, **kw) for p in prompts]
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [(c.text, c.logprobs.token_logprobs, c.model_extra["token_ids"], c.model_extra["prompt_token_ids"])
+            for c in batch.choices] == [(c.text, c.logprobs.token_logprobs, c.model_extra["token_ids"],
+                                         one.model_extra["prompt_token_ids"]) for one in alone for c in one.choices]
+    assert batch.choices[2].text.startswith(CODE[2]) and batch.model_extra["prompt_token_ids"] == \
+        alone[0].model_extra["prompt_token_ids"]
+    assert batch.usage.prompt_tokens == sum(one.usage.prompt_tokens for one in alone)
+    assert batch.usage.completion_tokens == sum(one.usage.completion_tokens for one in alone)
+
+    streamed = {}
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, **{**kw, "logprobs": None}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in batch.choices}
+
+    by_ids = client.completions.create(prompt=[one.model_extra["prompt_token_ids"] for one in alone],
+                                       **{**kw, "echo": False})
+    assert [c.model_extra["token_ids"] for c in by_ids.choices] == [one.choices[0].model_extra["token_ids"]
+                                                                   for one in alone]
+    for prompt, n in (([CODE[0] * 60, CODE[0] * 60], 1), ([CODE[0]] * 5, 16)):  # past the context; 80 choices
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt=prompt, n=n, max_tokens=2)
+        assert e.value.body["param"] == "prompt", e.value.message
+
+
 def test_eight_concurrent_clients_all_answered_right(client, ref, triangle):
     img = {"type": "image_url", "image_url": {"url": data_url(triangle)}}
     asks = [("chat", [{"role": "user", "content": [img, {"type": "text", "text": q}]}], q, True)

@@ -322,8 +322,10 @@ def test_too_many_images_and_images_outside_user_messages():
 def test_completion_prompts():
     assert parse_completion({"prompt": "def f():"}).prompt == "def f():"
     assert parse_completion({"prompt": ["x"]}).prompt == "x"
-    assert parse_completion({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
-    for p in (None, "", [], [1, "a"], {"a": 1}):
+    assert parse_completion({"prompt": [1, 2, 3]}).prompts == [[1, 2, 3]]
+    assert parse_completion({"prompt": ["a", "b"], "n": 2}).prompts == ["a", "b"]  # a batch
+    assert parse_completion({"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+    for p in (None, "", [], [1, "a"], {"a": 1}, ["a", ""], [[1], []], [[1], [True]], ["a", 5], [["a"]]):
         with pytest.raises(APIError) as e:
             parse_completion({"prompt": p})
         assert e.value.status == 400 and e.value.param == "prompt"

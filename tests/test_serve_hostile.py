@@ -101,7 +101,7 @@ CHAT = [
     ("chat_template_kwargs", {"enable_thinking": "yes"}),
 ]
 COMPLETION = [
-    ("prompt", None), ("prompt", ""), ("prompt", []), ("prompt", 5), ("prompt", [1.5]), ("prompt", ["a", "b"]),
+    ("prompt", None), ("prompt", ""), ("prompt", []), ("prompt", 5), ("prompt", [1.5]), ("prompt", ["a", ""]),
     ("prompt", [True]), ("prompt", [-1]), ("prompt", [1 << 40]), ("prompt", {"a": 1}), ("prompt", "x\ud800"),
 ]
 SWEEP = ([("/v1/chat/completions", f, v) for f, v in COMMON + CHAT]

@@ -224,7 +224,8 @@ class GenRequest:
     thinking_budget: int | None = None  # the most tokens the reasoning may take (Anthropic's thinking.budget_tokens)
     images: list[bytes] = field(default_factory=list)
     # completion
-    prompt: str | list[int] | None = None
+    prompt: str | list[int] | None = None  # the first of `prompts`
+    prompts: list[str | list[int]] = field(default_factory=list)  # each answered in its `n` choices, in order
     echo: bool = False  # the prompt comes back before the answer (with its tokens' logprobs where asked)
     # what another API's translation layer keeps for its answer (fields it echoes, tools' strictness)
     api: dict = field(default_factory=dict)
@@ -271,6 +272,7 @@ MESSAGE_HONOURED = MESSAGE_FIELDS - {"refusal", "audio", "function_call"}
 
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_N = 16  # choices one request may ask for (`n`): the engine answers them one after another
+MAX_CHOICES = 64  # ... and a completion's prompts times `n`
 
 # (field, Sampler's name, range): OpenAI's fields and the ones vLLM and mlx-lm's server add
 SAMPLING_FIELDS = (("temperature", "temp", 0, 2), ("top_p", "top_p", 0, 1), ("min_p", "min_p", 0, 1),
@@ -618,12 +620,14 @@ def parse_completion(body: dict) -> GenRequest:
     req.logprobs, req.top_logprobs = top is not None, top or 0
     req.echo = _flag(body, "echo")
     p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        req.prompt = p
-    elif isinstance(p, str) and p:
-        req.prompt = p
-    else:
-        raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    several = isinstance(p, list) and bool(p) and all(isinstance(x, str | list) for x in p)  # a batch of prompts
+    req.prompts = p if several else [p]
+    for x in req.prompts:
+        if not (isinstance(x, str) and x or isinstance(x, list) and x and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x)):
+            raise bad("'prompt' must be a non-empty string, a list of token ids, or a list of either", "prompt")
+    if len(req.prompts) * req.n > MAX_CHOICES:
+        raise bad(f"'prompt' holds {len(req.prompts)} prompts and 'n' is {req.n}: a request is answered in at most "
+                  f"{MAX_CHOICES} choices", "prompt")
+    req.prompt = req.prompts[0]
     return req

@@ -341,6 +341,7 @@ class OpenAIOutput:
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": job.created, "model": model}
         self.index, self.finished = 0, []  # the choice being written, and those written before it
+        self.first_prompt_ids: list[int] | None = None  # vLLM's `prompt_token_ids`: the first choice's prompt
         self._next_choice()
 
     def _next_choice(self) -> None:
@@ -423,6 +424,7 @@ class OpenAIOutput:
         self.info = v
         out = [self._chunk(finish="tool_calls" if self.n_calls else v["finish_reason"], streamoe=v.get("telemetry"))]
         if kind == "choice_done":  # the next choice follows
+            self.first_prompt_ids = self.first_prompt_ids or v.get("prompt_token_ids")
             self.finished.append(self._choice())
             self.index += 1
             self._next_choice()
@@ -449,14 +451,17 @@ class OpenAIOutput:
             choice = {"index": self.index, "text": text, "finish_reason": self.info.get("finish_reason"), "logprobs": lps}
         if self.job.req.return_token_ids:
             choice["token_ids"] = self.info.get("token_ids", [])
+            if len(self.job.req.prompts) > 1:  # a batch of prompts: each choice's own
+                choice["prompt_token_ids"] = self.info.get("prompt_token_ids", [])
         return choice
 
     def result(self) -> dict:
-        job, info = self.job, self.info
-        extra = {"prompt_token_ids": job.ids} if job.req.return_token_ids else {}  # vLLM's, the prompt as rendered
+        info, choices = self.info, [*self.finished, self._choice()]
+        extra = {}
+        if self.job.req.return_token_ids:  # vLLM's: the (first) prompt as rendered
+            extra["prompt_token_ids"] = self.first_prompt_ids or info.get("prompt_token_ids", [])
         return {**self.base, "object": "chat.completion" if self.chat else "text_completion", **extra,
-                "choices": [*self.finished, self._choice()], "usage": info.get("usage"),
-                "streamoe": info.get("telemetry")}
+                "choices": choices, "usage": info.get("usage"), "streamoe": info.get("telemetry")}
 
 
 def error_response(err: APIError, request: Request | None = None) -> Response:

@@ -212,6 +212,17 @@ def requests_bytes(so: ServeOptions, root: Path, ctx: int) -> int:
 
 
 @dataclass
+class Choice:
+    """What one answer of a request starts from: its sampler (its seed), prompt ids, token budget and, for a
+    completion given as text, that text. Its grammar is made as it starts: one matcher held at a time."""
+
+    sampler: Sampler
+    ids: list[int]
+    max_tokens: int
+    prompt_text: str | None
+
+
+@dataclass
 class Job:
     """One request between its handler (an event loop) and the worker thread."""
 
@@ -227,8 +238,10 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
     constraint: Constraint | ThinkingBudget | None = None  # what shapes the answer (structured output, forced call, thinking budget)
-    more: list[Sampler] = field(default_factory=list)  # the sampler of each further choice (`n`); its grammar made anew
+    prompt_text: str | None = None  # a completion's prompt as sent, a string (its `echo`)
+    more: list[Choice] = field(default_factory=list)  # the choices after this one (`n`, a completion's prompts)
     choice: int = 0  # the choice being answered
+    again: bool = False  # the next choice answers the same prompt: this one's prefill kept for it
     logits: list | None = None  # kept when a test asks for them
     started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
@@ -337,18 +350,14 @@ class EngineWorker:
             if ids.count(self.pad) != len(req.images):  # message text never holds one (it is encoded as text)
                 raise bad(f"the chat template wrote {ids.count(self.pad)} image placeholders for {len(req.images)} "
                           "images", "messages")
-        elif isinstance(req.prompt, str):
-            self.check_length(req.prompt, "prompt")
-            ids = self.eng.text.encode_prompt(req.prompt)
         else:
-            ids = list(req.prompt or [])
-            if any(not 0 <= t < self.vocab for t in ids):
-                raise bad(f"token ids must be in [0, {self.vocab})", "prompt")
+            ids = self.completion_ids(req.prompt)
         ctx = self.eng.opts.ctx
         if len(ids) >= ctx:
             raise self.too_long(len(ids), "messages" if req.kind == "chat" else "prompt")
-        room = ctx - len(ids)
-        want = req.max_tokens if req.max_tokens is not None else self.so.max_tokens or room
+        prompts = [ids]  # a completion's batch of prompts: together inside the context, as the plan holds one's ids
+        for prompt in req.prompts[1:]:
+            prompts.append(self.completion_ids(prompt, ctx - sum(map(len, prompts))))
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
         if req.kind == "completion" and req.echo and req.logprobs and self.lock is not None:
             raise bad("'echo' with 'logprobs' (the prompt's logprobs) needs one host, not ranks", "echo")
@@ -357,12 +366,31 @@ class EngineWorker:
             beyond = [t for t in req.sampling["logit_bias"] if t >= words]
             if beyond:
                 raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
-        if req.n > 1 and self.lock is not None:
-            raise bad("across ranks (mlx.launch) a request asks for one choice ('n': 1)", "n")
-        samplers = [Sampler(**{**self.defaults, **req.sampling}, seed=(seed + i) % (1 << 63))
-                    for i in range(req.n)]  # the i-th choice's seed is seed + i, as vLLM seeds its choices
-        return Job(req, ids, thinking, min(want, room), samplers[0], prefix=given,
-                   constraint=self.constraint(req, thinking), more=samplers[1:])
+        if len(prompts) * req.n > 1 and self.lock is not None:
+            raise bad("across ranks (mlx.launch) a request is answered in one choice: one prompt, 'n' 1",
+                      "n" if req.n > 1 else "prompt")
+        want = req.max_tokens if req.max_tokens is not None else self.so.max_tokens or None  # None: what the context holds
+        choices = [Choice(Sampler(**{**self.defaults, **req.sampling}, seed=(seed + i) % (1 << 63)), p,
+                          ctx - len(p) if want is None else min(want, ctx - len(p)), text if isinstance(text, str) else None)
+                   for p, text in zip(prompts, req.prompts or [None], strict=False) for i in range(req.n)]
+        first = choices[0]  # each prompt's i-th choice is drawn with seed + i, as vLLM seeds its choices
+        return Job(req, ids, thinking, first.max_tokens, first.sampler, prefix=given, prompt_text=first.prompt_text,
+                   constraint=self.constraint(req, thinking), more=choices[1:], again=len(choices) > 1 and req.n > 1)
+
+    def completion_ids(self, prompt: str | list[int], room: int | None = None) -> list[int]:
+        """A completion prompt's token ids, checked: its text no longer than the planned context can hold, its ids
+        in the vocabulary, and no more than `room` of them where the prompts before it in a batch took the rest."""
+        if isinstance(prompt, str):
+            self.check_length(prompt, "prompt")
+            ids = self.eng.text.encode_prompt(prompt)
+        else:
+            ids = list(prompt)
+            if any(not 0 <= t < self.vocab for t in ids):
+                raise bad(f"token ids must be in [0, {self.vocab})", "prompt")
+        if room is not None and len(ids) >= room:
+            raise bad(f"the prompts hold more tokens together than the planned context (--ctx {self.eng.opts.ctx}): "
+                      "send the batch in smaller requests", "prompt")
+        return ids
 
     def constraint(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | None:
         """What shapes the answer: the request's grammar (`grammar`), under a cap on its reasoning where the request
@@ -434,15 +462,17 @@ class EngineWorker:
         try:
             with image_files(job.req.images) as paths:
                 answers = [self._answer(job, paths)]
-                for sampler in job.more:  # each choice's grammar made as it starts: one matcher held at a time
+                for i, c in enumerate(job.more, 1):
                     if answers[-1].get("cancelled"):
                         break
                     job.emit(("choice_done", answers[-1]))
-                    job.choice, job.sampler, job.constraint = job.choice + 1, sampler, self.constraint(job.req, job.thinking)
+                    job.choice, job.sampler, job.ids, job.max_tokens, job.prompt_text = i, c.sampler, c.ids, c.max_tokens, c.prompt_text
+                    job.constraint = self.constraint(job.req, job.thinking)
+                    job.again = i + 1 < len(job.more) + 1 and (i + 1) % job.req.n != 0
                     answers.append(self._answer(job, paths))
             info = answers[-1]
             if len(answers) > 1 and not info.get("cancelled"):
-                info = {**info, "usage": choices_usage([a["usage"] for a in answers])}
+                info = {**info, "usage": choices_usage([a["usage"] for a in answers], job.req.n)}
             job.emit(("done", info))
         except Exception as e:
             if self.lock is not None and self.lock.lost:  # across ranks, a peer gone: the server stops (below)
@@ -490,7 +520,7 @@ class EngineWorker:
             return [paths[i] for i, w in enumerate(where) if a <= w < b]
 
         cuts = [b for b in boundaries(ids, self.header if req.kind == "chat" else []) if b > start]
-        if job.more and scores is None and not cuts and start < len(ids) - 1:  # a completion's further choices:
+        if job.again and scores is None and not cuts and start < len(ids) - 1:  # a completion's further choices:
             cuts = [len(ids) - 1]  # all of its prompt but the last token kept for them
         self.live = {"state": "prefill", "id": job.id, "prompt_tokens": len(ids), "cached_tokens": cached,
                      "rss": current_rss(), "cap": eng.plan.cap}
@@ -520,7 +550,7 @@ class EngineWorker:
             nonlocal echoed
             if not echoed:
                 echoed = True
-                text = req.prompt if isinstance(req.prompt, str) else eng.text.decode(ids)
+                text = job.prompt_text if job.prompt_text is not None else eng.text.decode(ids)
                 entries = [self.token_text.scored(t, s) for t, s in zip(ids, scores.scores, strict=True)] if scores else []
                 job.emit(("prompt", {"text": text, "logprobs": entries}))
         evs = out.given(job.prefix)  # the forced start of a tool call is part of the answer the client gets
@@ -591,15 +621,16 @@ class EngineWorker:
                                                    "total_tokens": prompt_tokens + n,
                                                    "prompt_tokens_details": {"cached_tokens": cached},
                                                    "completion_tokens_details": {"reasoning_tokens": reasoning}},
-                "telemetry": tele, "token_ids": toks, "stop_sequence": out.stop.matched}
+                "telemetry": tele, "token_ids": toks, "prompt_token_ids": ids, "stop_sequence": out.stop.matched}
 
 
-def choices_usage(usages: list[dict]) -> dict:
-    """The usage of a request answered in several choices: its prompt once (the first choice's prefill, as the
-    client sent it once), the tokens of every choice."""
-    done = sum(u["completion_tokens"] for u in usages)
-    first = usages[0]
-    return {**first, "completion_tokens": done, "total_tokens": first["prompt_tokens"] + done,
+def choices_usage(usages: list[dict], n: int) -> dict:
+    """The usage of a request answered in several choices, `n` a prompt: each prompt once (its first choice's
+    prefill, as the client sent it once), the tokens of every choice."""
+    firsts = usages[::n]
+    prompt, done = sum(u["prompt_tokens"] for u in firsts), sum(u["completion_tokens"] for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)},
             "completion_tokens_details": {"reasoning_tokens": sum(u["completion_tokens_details"]["reasoning_tokens"]
                                                                   for u in usages)}}
 
