@@ -375,7 +375,7 @@ class EngineWorker:
                    for p, text in zip(prompts, req.prompts or [None], strict=False) for i in range(req.n)]
         first = choices[0]  # each prompt's i-th choice is drawn with seed + i, as vLLM seeds its choices
         return Job(req, ids, thinking, first.max_tokens, first.sampler, prefix=given, prompt_text=first.prompt_text,
-                   constraint=self.constraint(req, thinking), more=choices[1:], again=len(choices) > 1 and req.n > 1)
+                   constraint=self.constraint(req, thinking), more=choices[1:], again=req.n > 1)
 
     def completion_ids(self, prompt: str | list[int], room: int | None = None) -> list[int]:
         """A completion prompt's token ids, checked: its text no longer than the planned context can hold, its ids
@@ -456,9 +456,10 @@ class EngineWorker:
 
     def run(self, job: Job) -> None:
         """Answer one job, sending ("started", the prompt's usage) once the prompt cache was looked up, ("logprobs",
-        entries) and ("delta", events), then ("done", info) or ("error", APIError). With further choices (`n`), each
-        answered after the one before from the same prompt (its cached part restored), a ("choice_done", info)
-        between them, and the "done" info's usage counts the prompt once and every choice's tokens."""
+        entries) and ("delta", events), then ("done", info) or ("error", APIError). With further choices (`n`, a batch
+        of completion prompts), each answered after the one before (a prompt's cached part restored), a
+        ("choice_done", info) between them, and the "done" info's usage counts each prompt once and every choice's
+        tokens."""
         try:
             with image_files(job.req.images) as paths:
                 answers = [self._answer(job, paths)]
@@ -468,7 +469,7 @@ class EngineWorker:
                     job.emit(("choice_done", answers[-1]))
                     job.choice, job.sampler, job.ids, job.max_tokens, job.prompt_text = i, c.sampler, c.ids, c.max_tokens, c.prompt_text
                     job.constraint = self.constraint(job.req, job.thinking)
-                    job.again = i + 1 < len(job.more) + 1 and (i + 1) % job.req.n != 0
+                    job.again = i < len(job.more) and (i + 1) % job.req.n != 0  # the next choice shares its prompt
                     answers.append(self._answer(job, paths))
             info = answers[-1]
             if len(answers) > 1 and not info.get("cancelled"):
