@@ -355,6 +355,13 @@ def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
     greedy_two = client.completions.create(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0, n=2).choices
     assert greedy_two[0].text == greedy_two[1].text and greedy_two[1].index == 1
 
+    # the choices share what the context leaves: each clamped to its share, as one answer is to what is left
+    long = client.completions.create(model="tiny", prompt=CODE[0] * 80, max_tokens=500, temperature=0, n=4,
+                                     extra_body={"return_token_ids": True})
+    share = (CTX - long.usage.prompt_tokens) // 4
+    assert [len(c.model_extra["token_ids"]) for c in long.choices] == [share] * 4, long.usage
+    assert {c.finish_reason for c in long.choices} == {"length"}
+
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue", "grey"]}},
               "required": ["colour"], "additionalProperties": False}
     shaped = dict(ask, max_tokens=24, extra_body={"chat_template_kwargs": {"enable_thinking": False}},

@@ -369,9 +369,15 @@ class EngineWorker:
         if len(prompts) * req.n > 1 and self.lock is not None:
             raise bad("across ranks (mlx.launch) a request is answered in one choice: one prompt, 'n' 1",
                       "n" if req.n > 1 else "prompt")
-        want = req.max_tokens if req.max_tokens is not None else self.so.max_tokens or None  # None: what the context holds
-        choices = [Choice(Sampler(**{**self.defaults, **req.sampling}, seed=(seed + i) % (1 << 63)), p,
-                          ctx - len(p) if want is None else min(want, ctx - len(p)), text if isinstance(text, str) else None)
+        # the choices share what the context leaves (a request's tokens, prompts and answers, are at most --ctx, as the
+        # plan's requests account holds them): each at most its share, as one answer is clamped to what is left
+        share = (ctx - sum(map(len, prompts))) // (len(prompts) * req.n)
+        want = req.max_tokens if req.max_tokens is not None else self.so.max_tokens or share
+        if share < 1 and want:
+            raise bad(f"the prompts leave {ctx - sum(map(len, prompts))} tokens of the planned context (--ctx {ctx}) "
+                      f"for {len(prompts) * req.n} answers", "n" if req.n > 1 else "prompt")
+        choices = [Choice(Sampler(**{**self.defaults, **req.sampling}, seed=(seed + i) % (1 << 63)), p, min(want, share),
+                          text if isinstance(text, str) else None)
                    for p, text in zip(prompts, req.prompts or [None], strict=False) for i in range(req.n)]
         first = choices[0]  # each prompt's i-th choice is drawn with seed + i, as vLLM seeds its choices
         return Job(req, ids, thinking, first.max_tokens, first.sampler, prefix=given, prompt_text=first.prompt_text,
