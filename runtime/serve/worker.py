@@ -369,8 +369,8 @@ class EngineWorker:
         if len(prompts) * req.n > 1 and self.lock is not None:
             raise bad("across ranks (mlx.launch) a request is answered in one choice: one prompt, 'n' 1",
                       "n" if req.n > 1 else "prompt")
-        # the choices share what the context leaves (a request's tokens, prompts and answers, are at most --ctx, as the
-        # plan's requests account holds them): each at most its share, as one answer is clamped to what is left
+        # the choices share what the context leaves (a request's tokens, prompts and answers, stay inside --ctx as one
+        # answer's do, whatever n): each at most its share, as one answer is clamped to what is left
         share = (ctx - sum(map(len, prompts))) // (len(prompts) * req.n)
         want = req.max_tokens if req.max_tokens is not None else self.so.max_tokens or share
         if share < 1 and want:
