@@ -355,6 +355,19 @@ def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
     greedy_two = client.completions.create(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0, n=2).choices
     assert greedy_two[0].text == greedy_two[1].text and greedy_two[1].index == 1
 
+    # a forced call in each choice, each with its own call id, whole and streamed
+    short = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}]
+    forced = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=short,
+                  tool_choice="required", max_tokens=80, temperature=1.0, seed=3, n=2)
+    got = client.chat.completions.create(**forced).choices
+    assert [c.finish_reason for c in got] == ["tool_calls"] * 2, got
+    calls = [c.message.tool_calls[0] for c in got]
+    assert [c.function.name for c in calls] == ["get_weather"] * 2 and len({c.id for c in calls}) == 2
+    ids = {d.index: t.id for chunk in client.chat.completions.create(stream=True, **forced)
+           for d in chunk.choices for t in d.delta.tool_calls or []}
+    assert set(ids) == {0, 1} and len(set(ids.values())) == 2  # (an id names its request, so not those above)
+
     # the choices share what the context leaves: each clamped to its share, as one answer is to what is left
     long = client.completions.create(model="tiny", prompt=CODE[0] * 80, max_tokens=500, temperature=0, n=4,
                                      extra_body={"return_token_ids": True})

@@ -128,10 +128,10 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def tool_call(call: dict, i: int, job: Job, streamed: bool = False) -> dict:
-    """The i-th call of an answer as OpenAI writes it: `index` only in a stream's delta, where it says which call
-    the delta belongs to; a non-streamed message has none, as OpenAI's."""
-    body = {"id": f"call_{job.id[:8]}{i}", "type": "function",
+def tool_call(call: dict, i: int, job: Job, streamed: bool = False, choice: int = 0) -> dict:
+    """The i-th call of an answer (of the request's `choice`-th) as OpenAI writes it: `index` only in a stream's
+    delta, where it says which call the delta belongs to; a non-streamed message has none, as OpenAI's."""
+    body = {"id": f"call_{job.id[:8]}{f'{choice}_' if choice else ''}{i}", "type": "function",
             "function": {"name": call["name"], "arguments": call["arguments"]}}
     return {"index": i, **body} if streamed else body
 
@@ -414,7 +414,7 @@ class OpenAIOutput:
                 if not self.chat:
                     out.append(self._chunk(text=str(x)))
                 elif what == "tool_call":
-                    out.append(self._chunk({"tool_calls": [tool_call(x, self.n_calls, self.job, streamed=True)]}))
+                    out.append(self._chunk({"tool_calls": [tool_call(x, self.n_calls, self.job, streamed=True, choice=self.index)]}))
                     self.n_calls += 1
                 else:
                     out.append(self._chunk({"reasoning_content" if what == "reasoning" else "content": x}))
@@ -439,7 +439,7 @@ class OpenAIOutput:
         if self.chat:
             msg = {"role": "assistant", **collect(self.evs)}
             if msg["tool_calls"]:
-                msg["tool_calls"] = [tool_call(c, i, self.job) for i, c in enumerate(msg["tool_calls"])]
+                msg["tool_calls"] = [tool_call(c, i, self.job, choice=self.index) for i, c in enumerate(msg["tool_calls"])]
             else:
                 del msg["tool_calls"]
             if msg["reasoning_content"] is None:
