@@ -301,13 +301,15 @@ def test_sampling_fields_are_honoured_exactly_as_streamoe_run_samples(client, re
         assert served(temperature=0.8, min_p=0.05, **{key: value}) != plain, key
 
 
+CHOICE_ASK = dict(model="tiny", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=10,
+                  temperature=1.0, extra_body={"return_token_ids": True})
+
+
 def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
     """OpenAI's `n`: choice i is the answer the same request with n=1 gets with seed + i (as vLLM seeds its
     choices), token for token, whole and streamed (each chunk naming its choice, each choice opened by its role and
-    ended by its own finish); the usage counts the prompt once and every choice's tokens; completions' logprobs are
-    each choice's own; greedy choices are one answer n times; under a JSON schema each choice follows it."""
-    ask = dict(model="tiny", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=10,
-               temperature=1.0, extra_body={"return_token_ids": True})
+    ended by its own finish); the usage counts the prompt once and every choice's tokens."""
+    ask = CHOICE_ASK
     whole = client.chat.completions.create(n=3, seed=5, **ask)
     singles = [client.chat.completions.create(seed=5 + i, **ask).choices[0] for i in range(3)]
     one_usage = client.chat.completions.create(seed=5, **ask).usage
@@ -339,11 +341,15 @@ def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
     assert finish == {c.index: c.finish_reason for c in whole.choices}
     assert usage.completion_tokens == whole.usage.completion_tokens
 
+
+def test_n_completion_choices_restore_the_prompt_and_share_the_context(client):
+    """A completion's further choices restore its prompt but the last token and are still each the n=1 answer of
+    seed + i (logprobs, echo and the prompt's logprobs too); greedy choices are one answer n times; the choices
+    share what the context leaves, each clamped to its share as one answer is to what is left."""
     kw = dict(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0.9, logprobs=2)
     r = client.completions.create(n=2, seed=1, **kw)
-    both = r.choices
-    assert r.model_extra["streamoe"]["cached_tokens"] == r.usage.prompt_tokens - 1  # the last choice restored the prompt
-    for i, got in enumerate(both):
+    assert r.model_extra["streamoe"]["cached_tokens"] == r.usage.prompt_tokens - 1  # the last choice's restore
+    for i, got in enumerate(r.choices):
         want = client.completions.create(seed=1 + i, **kw).choices[0]
         assert (got.index, got.text, got.logprobs.tokens, got.logprobs.token_logprobs, got.logprobs.top_logprobs) == (
             i, want.text, want.logprobs.tokens, want.logprobs.token_logprobs, want.logprobs.top_logprobs)
@@ -355,33 +361,35 @@ def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
     greedy_two = client.completions.create(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0, n=2).choices
     assert greedy_two[0].text == greedy_two[1].text and greedy_two[1].index == 1
 
-    # a forced call in each choice, each with its own call id, whole and streamed
-    short = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}]
-    forced = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=short,
-                  tool_choice="required", max_tokens=80, temperature=1.0, seed=3, n=2)
-    got = client.chat.completions.create(**forced).choices
-    assert [c.finish_reason for c in got] == ["tool_calls"] * 2, got
-    calls = [c.message.tool_calls[0] for c in got]
-    assert [c.function.name for c in calls] == ["get_weather"] * 2 and len({c.id for c in calls}) == 2
-    ids = {d.index: t.id for chunk in client.chat.completions.create(stream=True, **forced)
-           for d in chunk.choices for t in d.delta.tool_calls or []}
-    assert set(ids) == {0, 1} and len(set(ids.values())) == 2  # (an id names its request, so not those above)
-
-    # the choices share what the context leaves: each clamped to its share, as one answer is to what is left
     long = client.completions.create(model="tiny", prompt=CODE[0] * 80, max_tokens=500, temperature=0, n=4,
                                      extra_body={"return_token_ids": True})
     share = (CTX - long.usage.prompt_tokens) // 4
     assert [len(c.model_extra["token_ids"]) for c in long.choices] == [share] * 4, long.usage
     assert {c.finish_reason for c in long.choices} == {"length"}
 
+
+def test_n_choices_each_follow_their_grammar(client):
+    """Each choice has its own grammar: under a JSON schema each follows it (and is its n=1 answer); a forced tool
+    call is in every choice, each with its own call id, whole and streamed."""
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue", "grey"]}},
               "required": ["colour"], "additionalProperties": False}
-    shaped = dict(ask, max_tokens=24, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    shaped = dict(CHOICE_ASK, max_tokens=24, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
                   response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
     got = [c.message.content for c in client.chat.completions.create(n=3, seed=9, **shaped).choices]
     assert got == [client.chat.completions.create(seed=9 + i, **shaped).choices[0].message.content for i in range(3)]
-    assert all(json.loads(g)["colour"] in schema["properties"]["colour"]["enum"] for g in got), got  # each its own grammar
+    assert all(json.loads(g)["colour"] in schema["properties"]["colour"]["enum"] for g in got), got
+
+    short = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}]
+    forced = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=short,
+                  tool_choice="required", max_tokens=80, temperature=1.0, seed=3, n=2)
+    answers = client.chat.completions.create(**forced).choices
+    assert [c.finish_reason for c in answers] == ["tool_calls"] * 2, answers
+    calls = [c.message.tool_calls[0] for c in answers]
+    assert [c.function.name for c in calls] == ["get_weather"] * 2 and len({c.id for c in calls}) == 2
+    streamed = {d.index: t.id for chunk in client.chat.completions.create(stream=True, **forced)
+                for d in chunk.choices for t in d.delta.tool_calls or []}
+    assert set(streamed) == {0, 1} and len(set(streamed.values())) == 2  # (an id names its request)
 
 
 def test_a_batch_of_completion_prompts_is_answered_prompt_by_prompt(client):
