@@ -425,7 +425,8 @@ class OpenAIOutput:
         out = [self._chunk(finish="tool_calls" if self.n_calls else v["finish_reason"], streamoe=v.get("telemetry"))]
         if kind == "choice_done":  # the next choice follows
             self.first_prompt_ids = self.first_prompt_ids or v.get("prompt_token_ids")
-            self.finished.append(self._choice())
+            if not self.job.req.stream:  # a stream has sent it: nothing to build
+                self.finished.append(self._choice())
             self.index += 1
             self._next_choice()
             return out + self.start()

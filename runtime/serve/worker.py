@@ -241,7 +241,7 @@ class Job:
     prompt_text: str | None = None  # a completion's prompt as sent, a string (its `echo`)
     more: list[Choice] = field(default_factory=list)  # the choices after this one (`n`, a completion's prompts)
     choice: int = 0  # the choice being answered
-    again: bool = False  # the next choice answers the same prompt: this one's prefill kept for it
+    again: bool = False  # the next choice answers the same prompt: this one's prefill kept for it (`shares_prompt`)
     logits: list | None = None  # kept when a test asks for them
     started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
@@ -381,7 +381,7 @@ class EngineWorker:
                    for p, text in zip(prompts, req.prompts or [None], strict=False) for i in range(req.n)]
         first = choices[0]  # each prompt's i-th choice is drawn with seed + i, as vLLM seeds its choices
         return Job(req, ids, thinking, first.max_tokens, first.sampler, prefix=given, prompt_text=first.prompt_text,
-                   constraint=self.constraint(req, thinking), more=choices[1:], again=req.n > 1)
+                   constraint=self.constraint(req, thinking), more=choices[1:])
 
     def completion_ids(self, prompt: str | list[int], room: int | None = None) -> list[int]:
         """A completion prompt's token ids, checked: its text no longer than the planned context can hold, its ids
@@ -468,14 +468,14 @@ class EngineWorker:
         tokens."""
         try:
             with image_files(job.req.images) as paths:
+                job.again = self.shares_prompt(job, 0)
                 answers = [self._answer(job, paths)]
                 for i, c in enumerate(job.more, 1):
                     if answers[-1].get("cancelled"):
                         break
                     job.emit(("choice_done", answers[-1]))
                     job.choice, job.sampler, job.ids, job.max_tokens, job.prompt_text = i, c.sampler, c.ids, c.max_tokens, c.prompt_text
-                    job.constraint = self.constraint(job.req, job.thinking)
-                    job.again = i < len(job.more) and (i + 1) % job.req.n != 0  # the next choice shares its prompt
+                    job.constraint, job.again = self.constraint(job.req, job.thinking), self.shares_prompt(job, i)
                     answers.append(self._answer(job, paths))
             info = answers[-1]
             if len(answers) > 1 and not info.get("cancelled"):
@@ -500,6 +500,11 @@ class EngineWorker:
                 self.eng.watchdog.idle()  # the next request may come hours later: only a step waits on the peers
         if self.lock is not None and self.lock.broken is not None:
             raise self.lock.broken  # the ranks may be out of step: the server stops, and its peers with it
+
+    @staticmethod
+    def shares_prompt(job: Job, i: int) -> bool:
+        """Whether the choice after the i-th answers the same prompt (each prompt's `n` choices come together)."""
+        return i < len(job.more) and (i + 1) % job.req.n != 0
 
     def _answer(self, job: Job, paths: list[str]) -> dict:
         eng, req, ids = self.eng, job.req, job.ids
