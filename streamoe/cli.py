@@ -333,10 +333,13 @@ SERVE_PLAN = [
     click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
                  help="Requests that may wait behind the running one; more are answered 503."),
     click.option("--max-body-mib", type=Finite(min=0.01, max=1024), default=4, show_default=True, help="Largest request body."),
+    click.option("--max-answer-mib", type=Finite(min=0.01, max=1 << 20), default=8, show_default=True,
+                 help="What one answer may hold on the server for its client: a stream's unsent part (a slower "
+                      "client's stream ends with an error), a whole answer (a larger one is a 400: stream it)."),
     click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
                  help="Connections held at once (within the open-file limit); at the bound, the oldest idle one is closed."),
 ]
-SERVE_PLAN_KEYS = ("no_images", "prompt_cache_mib", "max_queue", "max_body_mib", "max_connections")
+SERVE_PLAN_KEYS = ("no_images", "prompt_cache_mib", "max_queue", "max_body_mib", "max_answer_mib", "max_connections")
 
 
 # how tokens are chosen: `run` samples its answer with them, `serve` uses them for requests that set none; each
@@ -390,12 +393,14 @@ def serve_plan_options(fn):
     return fn
 
 
-def serve_sizes(prompt_cache_mib: float, max_queue: int, max_body_mib: float, max_connections: int) -> dict:
+def serve_sizes(prompt_cache_mib: float, max_queue: int, max_body_mib: float, max_answer_mib: float,
+                max_connections: int) -> dict:
     """The `ServeOptions` fields the plan's serve accounts are sized from, from the SERVE_PLAN options: `serve` and
     `plan --serve` make them by this one function, so both plan the same accounts."""
     from .runtime.serve.openai_api import Limits
 
-    return {"limits": Limits(max_body=int(max_body_mib * (1 << 20))), "max_queue": max_queue,
+    limits = Limits(max_body=int(max_body_mib * (1 << 20)), max_answer=int(max_answer_mib * (1 << 20)))
+    return {"limits": limits, "max_queue": max_queue,
             "prompt_cache_bytes": int(prompt_cache_mib * (1 << 20)), "max_connections": max_connections}
 
 
@@ -418,7 +423,7 @@ def serve_sizes(prompt_cache_mib: float, max_queue: int, max_body_mib: float, ma
 def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str,
          dtype: str | None, runtime_mib: int | None, as_json: bool, images: bool, serving: bool, prefill_chunk: int | str,
          prefetch_width: int | None, io_threads: int, max_pixels: int, no_images: bool, prompt_cache_mib: float,
-         max_queue: int, max_body_mib: float, max_connections: int, ranks: int) -> None:
+         max_queue: int, max_body_mib: float, max_answer_mib: float, max_connections: int, ranks: int) -> None:
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit. Given the options a
     `run` or `serve` is given (those that size an account), it is the plan that one opens with.
 
@@ -447,7 +452,8 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
             from .runtime.serve import server  # noqa: F401
             from .runtime.serve.worker import ServeOptions, serve_accounts
 
-            so = ServeOptions(model_name="", **serve_sizes(prompt_cache_mib, max_queue, max_body_mib, max_connections))
+            so = ServeOptions(model_name="", **serve_sizes(prompt_cache_mib, max_queue, max_body_mib, max_answer_mib,
+                                                           max_connections))
             extra = serve_accounts(model.parent if bare else model, ctx, so, rank, ranks)
         if bare:
             plans.append(plan_from_config(model, opts, rank, ranks, extra))
@@ -702,6 +708,8 @@ def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, sa
               help="Seconds a request may take to send its body.")
 @click.option("--idle-timeout", type=Finite(min=1, max=86400), default=5, show_default=True,
               help="Seconds an idle keep-alive connection stays open.")
+@click.option("--send-timeout", type=Finite(min=0.1, max=86400), default=30, show_default=True,
+              help="Seconds a client may leave its answer unread (the connection's buffer full) before it is dropped.")
 @click.option("--sse-keepalive", type=Finite(min=0.1, max=86400), default=5, show_default=True,
               help="Seconds between keep-alive comments while a streamed request waits or prefills.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
@@ -712,9 +720,9 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
           max_tokens: int | None,
           sampling: dict, tier: str, prefetch_width: int | None,
           prefetch_waste: float, prefill_chunk: int | str, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
-          max_image_mib: float, max_images: int, allow_host: tuple[str, ...], cors_origin: tuple[str, ...],
-          max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, sse_keepalive: float,
-          log_level: str) -> None:
+          max_answer_mib: float, max_image_mib: float, max_images: int, allow_host: tuple[str, ...], cors_origin: tuple[str, ...],
+          max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, send_timeout: float,
+          sse_keepalive: float, log_level: str) -> None:
     """Serve MODEL (a converted directory) inside --cap GiB: an OpenAI-compatible API under /v1 and a chat page at /."""
     from .runtime.serve.server import serve as run_server
     from .runtime.serve.worker import ServeOptions
@@ -725,7 +733,7 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
     if given("max_pixels") and not images:
         raise StreamoeError("--max-pixels sizes the vision account, and this server plans none "
                             f"({'--no-images' if vision else 'a text-only model'})")
-    sizes = serve_sizes(prompt_cache_mib, max_queue, max_body_mib, max_connections)
+    sizes = serve_sizes(prompt_cache_mib, max_queue, max_body_mib, max_answer_mib, max_connections)
     limits = dataclasses.replace(sizes.pop("limits"), max_image_bytes=int(max_image_mib * (1 << 20)),
                                  max_images=max_images if images else 0, images_off=off)
     if any(not a.strip() for a in aliases):
@@ -733,7 +741,8 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
     so = ServeOptions(model_name=model_name or model.resolve().name, aliases=aliases, limits=limits, **sizes,
                       max_tokens=max_tokens, sampling=sampling, think=think, allow_hosts=allow_host,
                       cors_origins=cors_origin, api_key=api_key or None, head_timeout_s=head_timeout,
-                      body_timeout_s=body_timeout, idle_timeout_s=idle_timeout, keepalive_s=sse_keepalive)
+                      body_timeout_s=body_timeout, idle_timeout_s=idle_timeout, send_timeout_s=send_timeout,
+                      keepalive_s=sse_keepalive)
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads,
                           verify, images, max_pixels, runtime_mib, host_cap)
     run_server(model, opts, so, host, port, log_level)

@@ -557,7 +557,6 @@ def test_prompt_cache_over_http_a_second_turn_prefills_only_what_is_new(client, 
 def test_no_traceback_in_the_server_log(server):
     log = server.text()
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
-    assert "cancelled after" in log
 
 
 # ---- in one process: the prompt cache is exact, and bounded by its account

@@ -27,7 +27,7 @@ from streamoe.runtime.plan import MiB
 from streamoe.runtime.serve.openai_api import APIError, Limits, parse_chat
 
 from .conftest import capped_cgroup
-from .serve_util import TINY, fetch, greedy, start_server, stop_server
+from .serve_util import TINY, Served, fetch, greedy, start_server, stop_server
 
 CTX = 1024
 LIMITS = ["--max-body-mib", 0.5, "--max-queue", 2, "--body-timeout", 2, "--head-timeout", 1, "--prompt-cache-mib", 0]
@@ -440,7 +440,7 @@ def guarded_uvicorn(max_head_bytes: int, head_timeout_s: float = 1.0):
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=guarded_protocol(64, head_timeout_s, max_head_bytes), loop="uvloop",
+    config = uvicorn.Config(app, http=guarded_protocol(64, head_timeout_s, max_head_bytes=max_head_bytes), loop="uvloop",
                             log_level="error", lifespan="off", timeout_keep_alive=30)
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -499,12 +499,12 @@ def test_accepted_sockets_inherit_the_bounded_buffers():
 
 
 def test_the_requests_account_holds_every_connections_socket_buffers(conv):
-    from streamoe.runtime.serve.door import LISTEN_BACKLOG, SOCKET_BUFFER, socket_bytes
+    from streamoe.runtime.serve.door import LISTEN_BACKLOG, PIECE, SOCKET_BUFFER, WRITE_BUFFER, socket_bytes
     from streamoe.runtime.serve.worker import ServeOptions, requests_bytes
 
     few, many = (requests_bytes(ServeOptions("t", max_connections=n), conv, CTX) for n in (16, 512))
-    assert many - few == (512 - 16) * 4 * SOCKET_BUFFER  # both buffers, doubled by the kernel
-    assert few - requests_bytes(ServeOptions("t", max_connections=0), conv, CTX) == 16 * 4 * SOCKET_BUFFER
+    assert many - few == (512 - 16) * (4 * SOCKET_BUFFER + WRITE_BUFFER + PIECE)  # both, doubled by the kernel; written
+    assert few - requests_bytes(ServeOptions("t", max_connections=0), conv, CTX) == 16 * (4 * SOCKET_BUFFER + WRITE_BUFFER + PIECE)
     assert socket_bytes(0) == LISTEN_BACKLOG * 2 * SOCKET_BUFFER  # the queue's: what each has received
 
 
@@ -528,3 +528,189 @@ def test_the_servers_connections_have_the_bounded_buffers(server):
     listening = subprocess.run(["ss", "-ltnH", f"( sport = :{server.port} )"], capture_output=True, text=True,
                                check=True).stdout.split()
     assert int(listening[2]) == min(LISTEN_BACKLOG, int(Path("/proc/sys/net/core/somaxconn").read_text())), listening
+
+
+# ---- answers a client does not read: bounded by --max-answer-mib, dropped at --send-timeout
+
+def reluctant(port: int, path: str, body: dict) -> socket.socket:
+    """A request from a client with a small receive buffer that does not read its answer (yet)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    raw = json.dumps(body).encode()
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    return s
+
+
+def read_all(s: socket.socket, timeout: float = 30) -> tuple[bytes, bool]:
+    """Everything the connection still gives, and whether it ended in a reset (the server dropped it)."""
+    s.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        return data, True
+    finally:
+        s.close()
+    return data, False
+
+
+def small_server(conv: Path, log: Path, *args) -> Served:
+    return start_server(conv, log, "--cap", 2, "--ctx", CTX, "--runtime-mib", 256, "--max-queue", 1,
+                        "--prompt-cache-mib", 0, *args)
+
+
+def dechunked(response: bytes) -> bytes:
+    """An HTTP/1.1 response's body from its chunked transfer encoding (whole: it ends in its last chunk)."""
+    rest, body = response.partition(b"\r\n\r\n")[2], b""
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return body
+        body, rest = body + rest[:n], rest[n + 2:]
+
+
+@pytest.fixture(scope="module")
+def tight(conv, tmp_path_factory):
+    """A server whose answers may hold 2 MiB (and whose clients have a minute to read what it wrote)."""
+    s = small_server(conv, tmp_path_factory.mktemp("log") / "tight.log", "--max-answer-mib", 2, "--send-timeout", 60)
+    yield s
+    stop_server(s)
+
+
+def no_end(conv: Path) -> dict:
+    """logit_bias that keeps the tiny model from ending its answer (its end tokens banned)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(conv / "tokenizer.json"))
+    return {str(tok.token_to_id(t)): -100 for t in ("<|im_end|>", "<|endoftext|>") if tok.token_to_id(t) is not None}
+
+
+def test_a_stream_its_client_does_not_read_ends_at_the_answer_bound(tight, conv):
+    """A stream of 600 tokens with 20 top logprobs each (~11 KB of objects a token) to a client that reads
+    nothing: once its unsent events pass 2 MiB the job stops (the log says after how many tokens) and they
+    are dropped for one `slow_reader` error, which the client reads after what the socket held, then [DONE].
+    The server answers others all along, and after."""
+    body = {"prompt": CODE, "max_tokens": 600, "temperature": 0, "logprobs": 20, "stream": True,
+            "logit_bias": no_end(conv)}
+    s = reluctant(tight.port, "/v1/completions", body)
+    deadline = time.monotonic() + 120
+    while "cancelled after" not in tight.text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stopped = re.findall(r"cancelled after (\d+) tokens", tight.text())
+    assert stopped and 100 < int(stopped[-1]) < 600, tight.text()[-2000:]
+    data, reset = read_all(s)
+    assert not reset
+    data = dechunked(data)
+    events = [json.loads(x) for x in re.findall(rb"^data: (\{.*\})$", data, re.M)]
+    assert events[-1].get("error", {}).get("code") == "slow_reader" and data.endswith(b"data: [DONE]\n\n"), data[-500:]
+    assert 0 < sum(len(e.get("choices", [{}])[0].get("logprobs", {}).get("tokens", [])) for e in events[:-1]) < 600
+    r = post(tight, "/v1/completions", {"prompt": CODE, "max_tokens": 4, "temperature": 0})
+    assert r.status == 200 and "Traceback" not in tight.text()
+
+
+def test_a_whole_answer_over_the_bound_is_a_400(tight, conv):
+    """Not streamed, the same answer would hold more than 2 MiB: a 400 naming the bound, the server stays up;
+    a prompt whose echoed logprobs alone would pass it is refused before it runs."""
+    body = {"prompt": CODE, "max_tokens": 600, "temperature": 0, "logprobs": 20, "logit_bias": no_end(conv)}
+    r = post(tight, "/v1/completions", body)
+    err = r.json()["error"]
+    assert r.status == 400 and err["code"] == "answer_too_large" and "--max-answer-mib" in err["message"], r.json()
+    r = post(tight, "/v1/completions", {"prompt": "def f(x):\n    return x\n" * 90, "max_tokens": 1, "echo": True,
+                                        "logprobs": 20})
+    assert r.status == 400 and r.json()["error"]["param"] == "echo" and "MiB" in r.json()["error"]["message"], r.json()
+    r = post(tight, "/v1/completions", {"prompt": CODE, "max_tokens": 8, "temperature": 0, "logprobs": 20})
+    assert r.status == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 8
+
+
+def test_a_client_that_never_reads_its_answer_is_dropped_at_the_send_deadline(conv, tmp_path):
+    """Two whole answers of ~75 KB of JSON (150 tokens, 20 top logprobs) asked for and never read: each is
+    written a piece at a time and waits on its client; 2 s (--send-timeout) after the socket stopped taking
+    bytes, the connection is reset before its answer was all sent (so the server no longer holds it: with no
+    deadline the client reads it whole, late), and the server admits and answers again."""
+    hasty = small_server(conv, tmp_path / "hasty.log", "--send-timeout", 2, "--max-queue", 4)
+    try:
+        body = {"prompt": CODE, "max_tokens": 150, "temperature": 0, "logprobs": 20, "logit_bias": no_end(conv)}
+        socks = [reluctant(hasty.port, "/v1/completions", body) for _ in range(2)]
+        for s in socks:
+            s.settimeout(60)
+            head = s.recv(512)  # the answer has begun: its head and what the socket's buffers took of its body
+            assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower(), head
+        time.sleep(6)  # both past the deadline, not reading
+        for s in socks:
+            data, reset = read_all(s)
+            assert reset or not data.endswith(b"\r\n0\r\n\r\n"), (reset, len(data))  # cut before its last chunk
+        r = post(hasty, "/v1/completions", {"prompt": CODE, "max_tokens": 4, "temperature": 0})
+        assert r.status == 200 and "Traceback" not in hasty.text()
+    finally:
+        stop_server(hasty)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_what_an_answer_is_charged_covers_what_it_holds(conv, kind):
+    """`answer_bytes` against tracemalloc, for an answer of 300 tokens with 20 top logprobs each (the token texts
+    already known) and text pieces with escapes: streamed, its events hold no more than they are charged; whole,
+    the events, the response built from them by the API's output and its JSON rendered a piece at a time
+    (`json_pieces`, byte for byte what JSONResponse writes) peak within what they are charged. The requests
+    account grows by one answer bound per admitted request (and the one left by its client)."""
+    import tracemalloc
+
+    from starlette.responses import JSONResponse
+
+    from streamoe.runtime.serve.logprobs import TokenText
+    from streamoe.runtime.serve.openai_api import GenRequest
+    from streamoe.runtime.serve.server import OpenAIOutput, json_pieces
+    from streamoe.runtime.serve.worker import Job, ServeOptions, answer_bytes, requests_bytes
+    from streamoe.runtime.text import TextIO
+
+    text_of = TokenText(TextIO(conv, json.loads((conv / "config.json").read_text())))
+    ids = list(range(100, 400))
+    for t in ids:
+        text_of(t)  # the token texts kept across answers (a bounded cache), not an answer's
+    usage = {"prompt_tokens": 5, "completion_tokens": len(ids), "total_tokens": 5 + len(ids)}
+    for stream in (True, False):
+        job = Job(GenRequest(kind=kind, model=None, stream=stream, logprobs=True, top_logprobs=20), [], False, 300, None)
+        tracemalloc.start()
+        events = []
+        for i, t in enumerate(ids):
+            entry = text_of.scored(t, (-0.5 - i, [(u, -1.0 - i - j / 64) for j, u in enumerate(ids[i:i + 20])]))
+            events.append(("logprobs", [entry]))
+            events.append(("delta", [("content", f"{t}\x01\n\"é" * (i % 3))]))
+        events.append(("done", {"finish_reason": "length", "usage": usage, "telemetry": {"tokens": len(ids)}}))
+        charged = sum(answer_bytes(ev, whole=not stream) for ev in events)
+        if stream:
+            held = tracemalloc.get_traced_memory()[0]
+            tracemalloc.stop()
+            assert held <= charged, (held, charged)
+            continue
+        out = OpenAIOutput(job, "tiny")
+        for ev in events:
+            out.feed(ev)
+        result = out.result()
+        sent = sum(len(piece) for piece in json_pieces(result))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak <= charged, (peak, charged)
+        assert b"".join(json_pieces(result)) == JSONResponse(result).body and sent > 50_000
+    so = ServeOptions("t")
+    more = ServeOptions("t", limits=Limits(max_answer=so.limits.max_answer + MiB))
+    assert requests_bytes(more, conv, CTX) - requests_bytes(so, conv, CTX) == (so.admitted + 1) * MiB
+
+
+@pytest.mark.parametrize("value", [
+    {}, [], None, "x", 1.5, {"a": []}, [[]], {"k": {"n": [1, 2, 3]}, "s": "\u2028\x00\"é\U0001F600"},
+    {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [{"token": "b", "logprob": -1.0,
+                                                                                   "bytes": list(range(200))}]}] * 300},
+    list(range(5000)), {str(i): i for i in range(200)}, [{"a": [[1], [2]]}] * 70,
+])
+def test_json_pieces_are_the_bytes_jsonresponse_writes(value):
+    from starlette.responses import JSONResponse
+
+    from streamoe.runtime.serve.server import json_pieces
+
+    pieces = list(json_pieces(value, size=256))
+    assert b"".join(pieces) == JSONResponse(value).body
+    assert all(len(p) < 256 + 2048 for p in pieces)

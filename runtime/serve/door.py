@@ -147,6 +147,10 @@ class Admission:
 # and never waits for an answer, or asks and never reads. 16 KiB each way still moves a 4 MiB body over
 # loopback in ~10 ms.
 SOCKET_BUFFER = 16 << 10
+# The event loop's write buffer of a connection: a response waits while it holds more (its high-water mark), and
+# a whole answer is written a piece at a time, so what a client leaves unread stays with its request.
+WRITE_BUFFER = 16 << 10
+PIECE = 16 << 10
 # The kernel's queue of connections not yet accepted (net.core.somaxconn caps it): deep enough that a burst of
 # 2,000 connections drops no handshake (a dropped one costs its client, a /health probe say, a 1 s retransmit).
 LISTEN_BACKLOG = 4096
@@ -166,10 +170,11 @@ def bound_socket_buffers(sock: socket.socket) -> int:
 
 
 def socket_bytes(max_connections: int) -> int:
-    """The kernel socket buffers the server's connections hold at most: those it keeps (`guarded_protocol`'s
-    bound), both buffers full, and a full listen queue, each having received what its receive buffer holds
-    (nothing is sent to a connection before it is accepted); the kernel doubles the size set."""
-    return (max_connections * 4 + LISTEN_BACKLOG * 2) * SOCKET_BUFFER
+    """The socket buffers the server's connections hold at most: those it keeps (`guarded_protocol`'s bound),
+    both kernel buffers full (the kernel doubles the size set) and the event loop's write buffer at its mark
+    with one more piece written (`WRITE_BUFFER`, `PIECE`), and a full listen queue, each having received what
+    its receive buffer holds (nothing is sent to a connection before it is accepted)."""
+    return max_connections * (4 * SOCKET_BUFFER + WRITE_BUFFER + PIECE) + LISTEN_BACKLOG * 2 * SOCKET_BUFFER
 
 
 def raise_file_limit() -> int:
@@ -223,12 +228,16 @@ class Lingering:
         self.protocol.linger(self.cycle)
 
 
-def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES):
+def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s: float = 30.0,
+                     max_head_bytes: int = MAX_HEAD_BYTES):
     """uvicorn's httptools protocol (a C parser: the least event-loop time per connection and per byte of
     body) with what it lacks: a deadline for each request head (from the connection's start, or the next
-    request's first byte), a bound on a head's size (431 past it), and a bound on connections that closes
+    request's first byte), a bound on a head's size (431 past it), a bound on connections that closes
     the oldest idle one (still sending its head, or kept alive between requests) when a new one arrives at
-    the bound: idle sockets cannot starve the server, and its files stay within their limit."""
+    the bound: idle sockets cannot starve the server, and its files stay within their limit; and a deadline
+    for sending: a connection whose write buffer stays over its mark for `send_timeout_s`, or still holds
+    bytes that long after its response was written, is aborted (a client that asks and never reads would
+    otherwise keep its answer, and while that is written its request's admission, for ever)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     waiting: dict = {}  # idle connections (a request head incomplete, or between requests), oldest first
@@ -242,8 +251,11 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
         ended = False  # a message ended in the data being parsed (the next one then begins inside it)
         parsing = 0  # the length of that data
 
+        send_timer: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            transport.set_write_buffer_limits(high=WRITE_BUFFER)
             self.arm()
             if len(self.connections) > max_connections:  # the oldest idle one goes (or, with none idle, this one)
                 next(iter(waiting), self).drop()
@@ -311,7 +323,29 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
             self.loop.call_later(LINGER_S, self.transport.close)
             waiting[self] = None  # and the connection is idle: the first to go at the bound
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self.watch_send()
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self.send_timer is not None:
+                self.send_timer.cancel()
+                self.send_timer = None
+
+        def watch_send(self) -> None:
+            if self.send_timer is None:
+                self.send_timer = self.loop.call_later(send_timeout_s, self.send_late)
+
+        def send_late(self) -> None:
+            """The send deadline: still over the mark, or a written response still unsent: the client does not read."""
+            self.send_timer = None
+            if self.transport.get_write_buffer_size() or self.flow.write_paused:
+                self.transport.abort()
+
         def on_response_complete(self) -> None:
+            if self.transport.get_write_buffer_size():
+                self.watch_send()  # the response's last bytes, below the mark, have the deadline too
             super().on_response_complete()
             if not self.in_head and self.cycle.response_complete:  # idle until the next request (none pipelined):
                 self.disarm()  # uvicorn's keep-alive timeout closes it, and a new connection at the bound may first
@@ -320,6 +354,8 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, max_head_bytes
 
         def connection_lost(self, exc) -> None:
             self.disarm()
+            if self.send_timer is not None:
+                self.send_timer.cancel()
             lingering.discard(self)
             super().connection_lost(exc)
 

@@ -81,6 +81,9 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
+TOKEN_CACHE = 8192  # token ids whose text and bytes are kept
+
+
 class TokenText:
     """A token id -> (its text, its bytes). Byte-level BPE pieces map back to their raw bytes (a token may
     hold part of a UTF-8 character); special tokens and other vocabularies give their decoded text's bytes."""
@@ -90,19 +93,19 @@ class TokenText:
         decoder = json.loads(text.tokenizer.to_str()).get("decoder") or {}
         self.byte_level = decoder.get("type") == "ByteLevel"
         self.added = set(text.tokenizer.get_added_tokens_decoder())
-        self.cache: dict[int, tuple[str, list[int]]] = {}
+        self.cached = lru_cache(maxsize=TOKEN_CACHE)(self.piece)  # bounded: a whole vocabulary would be ~80 MB
 
     def __call__(self, tok: int) -> tuple[str, list[int]]:
-        got = self.cache.get(tok)
-        if got is None:
-            piece = self.text.tokenizer.id_to_token(tok) or ""
-            table = _byte_decoder()
-            if self.byte_level and piece and tok not in self.added and all(c in table for c in piece):
-                raw = bytes(table[c] for c in piece)
-            else:
-                raw = self.text.decode([tok]).encode()
-            got = self.cache[tok] = (raw.decode("utf-8", errors="replace"), list(raw))
-        return got
+        return self.cached(tok)
+
+    def piece(self, tok: int) -> tuple[str, list[int]]:
+        piece = self.text.tokenizer.id_to_token(tok) or ""
+        table = _byte_decoder()
+        if self.byte_level and piece and tok not in self.added and all(c in table for c in piece):
+            raw = bytes(table[c] for c in piece)
+        else:
+            raw = self.text.decode([tok]).encode()
+        return raw.decode("utf-8", errors="replace"), list(raw)
 
     def entry(self, logits, token: int, k: int) -> dict:
         """The OpenAI chat logprobs entry of one generated token."""

@@ -116,6 +116,7 @@ class Limits:
     """What one request may carry. The plan's `requests` account is sized from them."""
 
     max_body: int = 4 << 20
+    max_answer: int = 8 << 20  # what an answer may hold for its client: a stream's unsent part, a whole answer
     max_image_bytes: int = 3 << 20
     max_images: int = 4
     max_decode_pixels: int = 1 << 24

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -42,6 +43,7 @@ from .chat_output import collect
 from .door import (
     ACCEPT_BURST,
     LISTEN_BACKLOG,
+    PIECE,
     Admission,
     Door,
     RateLimitedLoopErrors,
@@ -115,7 +117,7 @@ async def next_event(job: Job, request: Request, timeout_s: float | None = None)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         try:
-            return await asyncio.wait_for(job.events.get(), timeout=0.25)
+            return await job.next(0.25)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 job.cancel.set()
@@ -208,7 +210,7 @@ class API:
         response then starts without it)."""
         job = await self.prepared(request, lambda body: self.worker.prepare(self.served(parse(body))))  # the body goes once parsed
         req = job.req
-        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        job.loop, job.events, job.max_answer = asyncio.get_running_loop(), asyncio.Queue(), self.so.limits.max_answer
         self.server.submit(job)
         self.requests[api] += 1
         wait = self.so.keepalive_s if req.stream else None
@@ -248,7 +250,7 @@ class API:
                     return
             else:
                 try:
-                    ev = await asyncio.wait_for(job.events.get(), keepalive_s)
+                    ev = await job.next(keepalive_s)
                 except asyncio.TimeoutError:
                     ev = ("keepalive", None)
 
@@ -268,7 +270,7 @@ class API:
             out.feed(ev)
         if not done:
             return Response(status_code=204)  # its client went away: nobody reads this
-        return JSONResponse(out.result())
+        return StreamingResponse(json_pieces(out.result()), media_type="application/json")
 
     async def _stream(self, job: Job, first: tuple | None, out: Output) -> AsyncIterator[str]:
         try:
@@ -316,6 +318,51 @@ class API:
         n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
             self.worker.prepare(self.served(anthropic_api.parse(body, self.so, counting=True)))))
         return JSONResponse({"input_tokens": n})
+
+
+def json_pieces(value, size: int = PIECE) -> Iterator[bytes]:
+    """`value` as compact JSON (as JSONResponse writes it) in pieces of about `size` bytes, rendered as they are
+    sent: a whole answer is never held as text (json.dumps of a large object holds several times its text in
+    parts before joining them), and each piece waits while the connection's write buffer is over its mark, so
+    what a client does not read stays with its request until the send deadline drops the connection."""
+    parts, n = [], 0
+    for part in _json_parts(value):
+        parts.append(part)
+        n += len(part)
+        if n >= size:
+            yield "".join(parts).encode()
+            parts, n = [], 0
+    yield "".join(parts).encode()
+
+
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+FLAT = 64  # values a container may hold to be rendered in one call
+
+
+def _json_parts(v) -> Iterator[str]:
+    if isinstance(v, dict) and not _flat(v.values()):
+        yield "{"
+        for i, (k, x) in enumerate(v.items()):
+            yield ("," if i else "") + _dumps(str(k)) + ":"
+            yield from _json_parts(x)
+        yield "}"
+    elif isinstance(v, (list, tuple)) and not _flat(v):
+        yield "["
+        for i, x in enumerate(v):
+            if i:
+                yield ","
+            yield from _json_parts(x)
+        yield "]"
+    else:
+        yield _dumps(v)
+
+
+def _flat(values) -> bool:
+    """Few values, none a container but a short list of scalars (a token's bytes): rendered in one call."""
+    if len(values) > FLAT:
+        return False
+    return not any(isinstance(x, dict) or isinstance(x, (list, tuple)) and (
+        len(x) > FLAT or any(isinstance(y, (dict, list, tuple)) for y in x)) for x in values)
 
 
 class Output(Protocol):
@@ -609,7 +656,7 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     # evicted connections included until they are gone: only runaway tasks meet it
     conns = connection_limit(so.max_connections, reserve=64 + ACCEPT_BURST)
     config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s), loop="uvloop",
+                            timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s, so.send_timeout_s), loop="uvloop",
                             limit_concurrency=conns + ACCEPT_BURST + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
                             backlog=LISTEN_BACKLOG)
     http = uvicorn.Server(config)

@@ -47,7 +47,7 @@ from ..sampling import Sampler
 from ..text import Detokenizer, generation_defaults
 from ..tool_calls import CALL_OPEN, call_prefix
 from .chat_output import ChatOutput, HarmonyOutput
-from .door import SOCKET_BUFFER, socket_bytes
+from .door import PIECE, SOCKET_BUFFER, WRITE_BUFFER, socket_bytes
 from .lockstep import Lockstep, rank_summary, snapshot_id
 from .logprobs import ContentTokens, PromptScores, TokenText
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
@@ -75,6 +75,7 @@ class ServeOptions:
     head_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 5.0
+    send_timeout_s: float = 30.0  # how long a connection's unsent answer may wait for its client to read (door)
     keepalive_s: float = 5.0  # an SSE comment this often while a streamed request waits or prefills
 
     @property
@@ -90,13 +91,14 @@ class ServeOptions:
 
     def requests_bytes(self, ctx: int, prompt_bytes: int) -> int:
         """The worst case of what admitted requests hold: each admitted request (and one whose client left
-        while the engine still runs it) keeps at most `Limits.max_kept` and its prompt's token ids; the
+        while the engine still runs it) keeps at most `Limits.max_kept`, its prompt's token ids and
+        `Limits.max_answer` of its answer (`Job.arrive`); the
         prepare thread parses one body or renders and tokenizes one prompt at a time (counted as if both at
         once), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`); the
         running request's images are also files in memory (`image_files`), less than its body; and every
         connection's kernel socket buffers, bounded (`door.socket_bytes`)."""
         lim = self.limits
-        kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx)
+        kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx + lim.max_answer)
         work = lim.parse_peak + PromptBound.render_peak(lim) + TOKENIZE_BYTES * prompt_bytes + lim.max_body
         return kept + work + socket_bytes(self.max_connections)
 
@@ -245,14 +247,75 @@ class Job:
     logits: list | None = None  # kept when a test asks for them
     started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
+    max_answer: int = 0  # bytes the answer may hold for its client (`Limits.max_answer`); 0: unbounded
+    held: int = 0  # bytes it holds now, on the loop's side (`arrive`)
+    writing: int = 0  # of which the event a stream's handler is writing
+    overflowed: bool = False
 
     def emit(self, ev: tuple) -> None:
         if self.loop is None:
             if self.sink is not None:
                 self.sink.append(ev)
             return
+        size = answer_bytes(ev, whole=not self.req.stream)
         with contextlib.suppress(RuntimeError):  # the loop is gone: the server is shutting down
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+            self.loop.call_soon_threadsafe(self.arrive, ev, size)
+
+    def arrive(self, ev: tuple, size: int) -> None:
+        """An event reaches the request's loop. What the answer holds for its client is counted: a streamed
+        answer's events until its handler takes them (it then writes them to a bounded socket), a whole answer's
+        all (the response is built from them). Past `max_answer` the job stops: a stream's unsent events are
+        dropped for one error (its client reads too slowly), a whole answer ends as an error (it would be too
+        large to hold). Every later event of the job is dropped."""
+        if self.overflowed:
+            return
+        self.held += size
+        if self.max_answer and self.held > self.max_answer and ev[0] not in ("done", "error"):
+            self.overflowed = True
+            self.cancel.set()
+            mib = f"{self.max_answer / MiB:g} MiB"
+            if self.req.stream:
+                while not self.events.empty():
+                    self.events.get_nowait()
+                err = APIError(503, f"the answer's unsent part passed {mib}: its client reads too slowly",
+                               code="slow_reader")
+            else:
+                err = APIError(400, f"the answer passed {mib}, the most a whole answer may hold on this server "
+                                    "(--max-answer-mib): stream it, or ask for fewer tokens or logprobs",
+                               code="answer_too_large")
+            self.held = self.writing
+            self.events.put_nowait((("error", err), 0))
+            return
+        self.events.put_nowait((ev, size))
+
+    async def next(self, timeout_s: float | None) -> tuple:
+        """The next event (asyncio.TimeoutError after `timeout_s`). A streamed answer's handler asks for it once
+        the one before is written (into a bounded socket): that one is no longer held."""
+        if self.req.stream:
+            self.held, self.writing = self.held - self.writing, 0
+        ev, size = await asyncio.wait_for(self.events.get(), timeout_s)
+        if self.req.stream:
+            self.writing = size
+        return ev
+
+
+def answer_bytes(ev: tuple, whole: bool) -> int:
+    """What an event holds on the server until its client has it: its objects, each counted once, with a quarter
+    more for the allocator's rounding; for a whole answer twice that (the response's object is built from the
+    events, then rendered a piece at a time: `server.json_pieces`)."""
+    total, seen, stack = 0, set(), [ev[1]]
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        total += sys.getsizeof(v)
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return total * 5 // 4 * (2 if whole else 1)
 
 
 def assistant_header(text) -> list[int]:
@@ -359,8 +422,17 @@ class EngineWorker:
         for prompt in req.prompts[1:]:
             prompts.append(self.completion_ids(prompt, ctx - sum(map(len, prompts))))
         seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
-        if req.kind == "completion" and req.echo and req.logprobs and self.lock is not None:
-            raise bad("'echo' with 'logprobs' (the prompt's logprobs) needs one host, not ranks", "echo")
+        if req.kind == "completion" and req.echo and req.logprobs:
+            if self.lock is not None:
+                raise bad("'echo' with 'logprobs' (the prompt's logprobs) needs one host, not ranks", "echo")
+            # a prompt's logprobs are one event: at least this much, and a whole answer holds every choice's
+            scored = max(map(len, prompts)) if req.stream else sum(map(len, prompts)) * req.n
+            least = scored * answer_bytes(("prompt", self.token_text.scored(ids[0], (-1.0, [(ids[0], -1.0)] * req.top_logprobs))),
+                                          whole=not req.stream)
+            if least > self.so.limits.max_answer:
+                raise bad(f"'echo' with 'logprobs' {req.top_logprobs}: the logprobs of {scored:,} prompt tokens hold "
+                          f"at least {least / MiB:.1f} MiB, over the {self.so.limits.max_answer / MiB:g} MiB an answer "
+                          "may hold on this server (--max-answer-mib)", "echo")
         if req.sampling.get("logit_bias"):
             words = min(self.vocab, self.eng.text.tokenizer.get_vocab_size())  # not the embedding's padding rows
             beyond = [t for t in req.sampling["logit_bias"] if t >= words]
@@ -710,9 +782,10 @@ def serve_accounts(root: Path, ctx: int, so: ServeOptions, rank: int = 0, ranks:
     the requests in flight; across ranks, the commands rank 0 sends (`lockstep`) on every rank, and the requests
     on rank 0 alone, which serves them (every rank keeps the same snapshots: the same prompt cache)."""
     requests = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its client, each keeping at "
-                f"most {so.limits.max_kept / MiB:g} MiB; one body parsed and one prompt tokenized at a time; "
-                f"{socket_bytes(so.max_connections) / MiB:g} MiB of kernel socket buffers ({SOCKET_BUFFER >> 10} KiB "
-                "each way a connection, doubled by the kernel)")
+                f"most {so.limits.max_kept / MiB:g} MiB and {so.limits.max_answer / MiB:g} MiB of its answer; one body "
+                "parsed and one prompt tokenized at a time; "
+                f"{socket_bytes(so.max_connections) / MiB:g} MiB of socket buffers ({SOCKET_BUFFER >> 10} KiB "
+                f"each way a connection, doubled by the kernel, and {(WRITE_BUFFER + PIECE) >> 10} KiB written)")
     extra = (("prompt cache", so.prompt_cache_bytes, "snapshots of conversation state for repeated prompts, LRU"),)
     if rank == 0:
         extra += (("requests", requests_bytes(so, root, ctx), requests),)
