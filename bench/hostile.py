@@ -16,7 +16,9 @@ Classes: `slow_bodies` (hundreds of connections each sending most of a 4 MiB bod
 `inflating` (a long answer running while the queue fills with bodies that keep the most a request may:
 large stop strings four bytes a character, plus `[{},{},...]` bodies refused before parsing), `oversized`
 (4 MB chats that cannot fit the context, several at once), `idle_sockets` (2,000 idle connections at a
-1,024 open-file limit).
+1,024 open-file limit), `non_readers` (for 30 s a request every 0.5 s, every other one streamed, each asking
+for 2,000 tokens with 20 top logprobs and its end tokens banned, from a socket with a 4 KiB receive buffer that
+never reads; then 45 s more holding them, then one polite request: its status, and each non-reader's state).
 
     python -m bench.hostile                     # the embedded model, converted in --scratch
     python -m bench.hostile --classes idle_sockets --name hostile-idle
@@ -43,7 +45,7 @@ from .serve import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = "def fibonacci(n):\n"
-CLASSES = ("slow_bodies", "inflating", "oversized", "idle_sockets")
+CLASSES = ("slow_bodies", "inflating", "oversized", "idle_sockets", "non_readers")
 
 
 def get(url: str, timeout: float = 10) -> dict:
@@ -222,6 +224,50 @@ def idle_sockets(port: int, n: int = 2000) -> dict:
     for s in socks:
         s.close()
     return {"sockets": n, "file_limit": 1024}
+
+
+def non_readers(port: int, seconds: float = 30, hold: float = 45) -> dict:
+    import http.client
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ROOT / "models" / "tiny" / "tokenizer.json"))
+    ban = {str(tok.token_to_id(t)): -100 for t in ("<|im_end|>", "<|endoftext|>") if tok.token_to_id(t) is not None}
+    bodies = [json.dumps({"prompt": CODE, "max_tokens": 2000, "temperature": 0, "logprobs": 20, "stream": i == 0,
+                          "logit_bias": ban}).encode() for i in range(2)]
+    socks = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        try:
+            s.connect(("127.0.0.1", port))
+            body = bodies[len(socks) % 2]
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n"
+                      .encode() + body)
+            socks.append(s)
+        except OSError:
+            s.close()
+        time.sleep(0.5)
+    time.sleep(hold)  # no more, the non-readers still connected, still not reading
+    # what a polite client gets then
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection(f"127.0.0.1:{port}", timeout=60)
+    try:
+        c.request("POST", "/v1/completions", body=json.dumps({"prompt": CODE, "max_tokens": 8, "temperature": 0}))
+        polite = c.getresponse().status
+    except OSError as e:
+        polite = type(e).__name__
+    finally:
+        c.close()
+    polite_s = round(time.perf_counter() - t0, 2)
+    states: dict = {}  # each connection's TCP state as its client sees it: closed (reset), close-wait (ended), open
+    for s in socks:
+        state = {7: "reset", 8: "ended"}.get(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0], "open")
+        states[state] = states.get(state, 0) + 1
+        s.close()
+    return {"requests": len(socks), "seconds": seconds, "hold_s": hold, "connections": states,
+            "polite_status": polite, "polite_s": polite_s}
 
 
 ATTACK_NICE = 10
