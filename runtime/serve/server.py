@@ -284,8 +284,9 @@ class API:
                     continue
                 if ev[0] == "done" and ev[1].get("cancelled"):
                     return
-                for text in out.feed(ev):
-                    yield text
+                for text in out.feed(ev):  # written a piece at a time, as a whole answer is (`json_pieces`)
+                    for at in range(0, len(text), PIECE // 4):
+                        yield text[at:at + PIECE // 4]
         finally:
             self.server.withdraw(job)  # a client that went away: out of the queue, or stopped at its next token
 
