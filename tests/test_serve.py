@@ -606,11 +606,11 @@ def test_max_tokens_is_clamped_to_what_the_planned_context_holds(conv):
     w = EngineWorker(eng, so)
     job = w.prepare(parse_chat({"messages": [{"role": "user", "content": "Where is the shape?"}], "max_tokens": 10**6,
                                 "temperature": 0}, Limits()))
-    assert job.max_tokens == 48 - len(job.ids) and job.sampler.temp == 0
+    assert job.choices[0].max_tokens == 48 - len(job.ids) and job.choices[0].sampler.temp == 0
     w.run(job)
     unset = w.prepare(parse_chat({"messages": [{"role": "user", "content": "?"}]}, Limits()))
-    assert (unset.sampler.temp, unset.sampler.top_p, unset.sampler.top_k) == (1.0, 0.95, 20)  # generation_config.json
-    assert unset.max_tokens == 48 - len(unset.ids)
+    assert (unset.choices[0].sampler.temp, unset.choices[0].sampler.top_p, unset.choices[0].sampler.top_k) == (1.0, 0.95, 20)  # generation_config.json
+    assert unset.choices[0].max_tokens == 48 - len(unset.ids)
     eng.close()
 
 

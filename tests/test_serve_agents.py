@@ -32,7 +32,7 @@ from streamoe.runtime.serve import anthropic_api, responses_api
 from streamoe.runtime.serve.chat_output import ChatOutput
 from streamoe.runtime.serve.openai_api import APIError, GenRequest, Limits, parse_chat, parse_completion
 from streamoe.runtime.serve.server import OpenAIOutput
-from streamoe.runtime.serve.worker import EngineWorker, Job, ServeOptions
+from streamoe.runtime.serve.worker import Choice, EngineWorker, Job, ServeOptions
 from streamoe.runtime.text import Detokenizer, TextIO
 
 from . import serve_util
@@ -148,7 +148,7 @@ def rendered(text: TextIO, thought: str, content: str, n_calls: int) -> str:
 
 
 def job_for(req: GenRequest) -> Job:
-    return Job(req, [1, 2, 3], thinking=True, max_tokens=64, sampler=Sampler(),
+    return Job(req, [Choice(Sampler(), [1, 2, 3], 64, None)], thinking=True,
                started={"prompt_tokens": 3, "cached_tokens": 0})  # as the worker has looked it up
 
 

@@ -672,7 +672,7 @@ def test_what_an_answer_is_charged_covers_what_it_holds(conv, kind):
         text_of(t)  # the token texts kept across answers (a bounded cache), not an answer's
     usage = {"prompt_tokens": 5, "completion_tokens": len(ids), "total_tokens": 5 + len(ids)}
     for stream in (True, False):
-        job = Job(GenRequest(kind=kind, model=None, stream=stream, logprobs=True, top_logprobs=20), [], False, 300, None)
+        job = Job(GenRequest(kind=kind, model=None, stream=stream, logprobs=True, top_logprobs=20), [], False)
         tracemalloc.start()
         events = []
         for i, t in enumerate(ids):

@@ -226,24 +226,21 @@ class Choice:
 
 @dataclass
 class Job:
-    """One request between its handler (an event loop) and the worker thread."""
+    """One request between its handler (an event loop) and the worker thread: its answers (`choices`, one unless
+    `n` or a batch of completion prompts asks for more), answered one after another."""
 
     req: GenRequest
-    ids: list[int]
+    choices: list[Choice]
     thinking: bool
-    max_tokens: int
-    sampler: Sampler
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
-    constraint: Constraint | ThinkingBudget | None = None  # what shapes the answer (structured output, forced call, thinking budget)
-    prompt_text: str | None = None  # a completion's prompt as sent, a string (its `echo`)
-    more: list[Choice] = field(default_factory=list)  # the choices after this one (`n`, a completion's prompts)
-    choice: int = 0  # the choice being answered
-    again: bool = False  # the next choice answers the same prompt: this one's prefill kept for it (`shares_prompt`)
+    # what shapes the first answer (structured output, forced call, thinking budget), made as the request is
+    # prepared so that a bad one is refused before it queues; each later choice's is made as it starts
+    constraint: Constraint | ThinkingBudget | None = None
     logits: list | None = None  # kept when a test asks for them
     started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
@@ -251,6 +248,11 @@ class Job:
     held: int = 0  # bytes it holds now, on the loop's side (`arrive`)
     writing: int = 0  # of which the event a stream's handler is writing
     overflowed: bool = False
+
+    @property
+    def ids(self) -> list[int]:
+        """The (first) prompt's token ids."""
+        return self.choices[0].ids
 
     def emit(self, ev: tuple) -> None:
         if self.loop is None:
@@ -451,9 +453,8 @@ class EngineWorker:
         choices = [Choice(Sampler(**{**self.defaults, **req.sampling}, seed=(seed + i) % (1 << 63)), p, min(want, share),
                           text if isinstance(text, str) else None)
                    for p, text in zip(prompts, req.prompts or [None], strict=False) for i in range(req.n)]
-        first = choices[0]  # each prompt's i-th choice is drawn with seed + i, as vLLM seeds its choices
-        return Job(req, ids, thinking, first.max_tokens, first.sampler, prefix=given, prompt_text=first.prompt_text,
-                   constraint=self.constraint(req, thinking), more=choices[1:])
+        # each prompt's i-th choice is drawn with seed + i, as vLLM seeds its choices
+        return Job(req, choices, thinking, prefix=given, constraint=self.constraint(req, thinking))
 
     def completion_ids(self, prompt: str | list[int], room: int | None = None) -> list[int]:
         """A completion prompt's token ids, checked: its text no longer than the planned context can hold, its ids
@@ -540,15 +541,12 @@ class EngineWorker:
         tokens."""
         try:
             with image_files(job.req.images) as paths:
-                job.again = self.shares_prompt(job, 0)
-                answers = [self._answer(job, paths)]
-                for i, c in enumerate(job.more, 1):
+                answers = [self._answer(job, 0, job.constraint, paths)]
+                for i in range(1, len(job.choices)):
                     if answers[-1].get("cancelled"):
                         break
                     job.emit(("choice_done", answers[-1]))
-                    job.choice, job.sampler, job.ids, job.max_tokens, job.prompt_text = i, c.sampler, c.ids, c.max_tokens, c.prompt_text
-                    job.constraint, job.again = self.constraint(job.req, job.thinking), self.shares_prompt(job, i)
-                    answers.append(self._answer(job, paths))
+                    answers.append(self._answer(job, i, self.constraint(job.req, job.thinking), paths))
             info = answers[-1]
             if len(answers) > 1 and not info.get("cancelled"):
                 info = {**info, "usage": choices_usage([a["usage"] for a in answers], job.req.n)}
@@ -576,10 +574,12 @@ class EngineWorker:
     @staticmethod
     def shares_prompt(job: Job, i: int) -> bool:
         """Whether the choice after the i-th answers the same prompt (each prompt's `n` choices come together)."""
-        return i < len(job.more) and (i + 1) % job.req.n != 0
+        return i + 1 < len(job.choices) and (i + 1) % job.req.n != 0
 
-    def _answer(self, job: Job, paths: list[str]) -> dict:
-        eng, req, ids = self.eng, job.req, job.ids
+    def _answer(self, job: Job, index: int, constraint, paths: list[str]) -> dict:
+        """The job's choice at `index`, shaped by `constraint`: its info for the "choice_done" or "done" event."""
+        eng, req, choice = self.eng, job.req, job.choices[index]
+        ids = choice.ids
         self._paths = paths
         del eng.steps[:]  # telemetry is per request; the list must not grow for the server's lifetime
         hashes = [image_hash(b) for b in req.images]
@@ -596,7 +596,7 @@ class EngineWorker:
                 clear(eng)
         start = 0 if snap is None else len(snap.key)
         cached = eng.offset
-        if job.choice == 0:
+        if index == 0:
             job.emit(("started", {"prompt_tokens": self.prompt_tokens(job), "cached_tokens": cached}))
         where = [i for i, t in enumerate(ids) if t == self.pad][:len(paths)]  # image i sits at ids[where[i]]
 
@@ -604,7 +604,7 @@ class EngineWorker:
             return [paths[i] for i, w in enumerate(where) if a <= w < b]
 
         cuts = [b for b in boundaries(ids, self.header if req.kind == "chat" else []) if b > start]
-        if job.again and scores is None and not cuts and start < len(ids) - 1:  # a completion's further choices:
+        if self.shares_prompt(job, index) and scores is None and not cuts and start < len(ids) - 1:  # a completion's further choices:
             cuts = [len(ids) - 1]  # all of its prompt but the last token kept for them
         self.live = {"state": "prefill", "id": job.id, "prompt_tokens": len(ids), "cached_tokens": cached,
                      "rss": current_rss(), "cap": eng.plan.cap}
@@ -634,7 +634,7 @@ class EngineWorker:
             nonlocal echoed
             if not echoed:
                 echoed = True
-                text = job.prompt_text if job.prompt_text is not None else eng.text.decode(ids)
+                text = choice.prompt_text if choice.prompt_text is not None else eng.text.decode(ids)
                 entries = [self.token_text.scored(t, s) for t, s in zip(ids, scores.scores, strict=True)] if scores else []
                 job.emit(("prompt", {"text": text, "logprobs": entries}))
         evs = out.given(job.prefix)  # the forced start of a tool call is part of the answer the client gets
@@ -645,10 +645,10 @@ class EngineWorker:
         finish, reasoning = None, 0
         content = ContentTokens() if req.logprobs else None  # the tokens logprobs are given for
         if self.lock is not None:  # every rank runs the same loop; closing it early ends it there on every rank
-            gen = self.lock.generate(ids, a, job.max_tokens, job.sampler, job.constraint)
+            gen = self.lock.generate(ids, a, choice.max_tokens, choice.sampler, constraint)
         else:
-            gen = eng.generate(ids[a:], job.max_tokens, job.sampler, images=images(a, len(ids)) or None, context=ids,
-                               constraint=job.constraint)
+            gen = eng.generate(ids[a:], choice.max_tokens, choice.sampler, images=images(a, len(ids)) or None,
+                               context=ids, constraint=constraint)
         with contextlib.closing(gen):
             for tok, lg in gen:
                 if job.cancel.is_set():
@@ -683,7 +683,7 @@ class EngineWorker:
         if evs:
             job.emit(("delta", evs))
         if finish is None:
-            finish = "length" if n >= job.max_tokens or eng.offset >= eng.opts.ctx else "stop"
+            finish = "length" if n >= choice.max_tokens or eng.offset >= eng.opts.ctx else "stop"
         prompt_tokens = cached + sum(s.n_tokens for s in eng.steps if s.phase == "prefill")
         s = eng.summary(eng.steps)
         self.served += 1
