@@ -201,106 +201,21 @@ def build_tokenizer(base: int, n_added: int = len(ADDED_TOKENS), split_pattern: 
     return tok
 
 
-CHAT_TEMPLATE = r"""{#- ChatML for the streamoe synthetic checkpoints: images, video, tools, thinking on/off. -#}
-{%- macro render_content(content) -%}
-    {%- if content is none -%}
-    {%- elif content is string -%}
-        {{- content -}}
-    {%- else -%}
-        {%- for item in content -%}
-            {%- if item is string -%}
-                {{- item -}}
-            {%- elif item.type == 'image' or 'image' in item or 'image_url' in item -%}
+def chatml_template(title: str, media: bool, qwen3: bool) -> str:
+    """The ChatML template of a synthetic checkpoint: Qwen3.5/3.6's (`media`: images and video placeholders; a
+    generation prompt that opens `<think>`) or Qwen3's (`qwen3`: a past answer's empty thinking dropped but for
+    the last turn's, and a generation prompt that leaves the thinking to the model)."""
+    return (_CHATML.replace("@TITLE@", title).replace("@MEDIA@", _CHATML_MEDIA if media else "")
+            .replace("@PAST@", " and (loop.last or reasoning)" if qwen3 else "")
+            .replace("@OPEN@", "" if qwen3 else "    {%- else -%}\n        {{- '<think>\\n' -}}\n"))
+
+
+_CHATML_MEDIA = r"""            {%- elif item.type == 'image' or 'image' in item or 'image_url' in item -%}
                 {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
             {%- elif item.type == 'video' or 'video' in item -%}
                 {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
-            {%- elif 'text' in item -%}
-                {{- item.text -}}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
-{%- set first_is_system = messages | length > 0 and messages[0].role == 'system' -%}
-{%- if tools -%}
-    {{- '<|im_start|>system\n' -}}
-    {%- if first_is_system -%}
-        {{- render_content(messages[0].content) + '\n\n' -}}
-    {%- endif -%}
-    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
-    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
-    {%- for tool in tools -%}
-        {{- '\n' + (tool | tojson) -}}
-    {%- endfor -%}
-    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '
-        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
-        '\n</tool_call><|im_end|>\n' -}}
-{%- elif first_is_system -%}
-    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' -}}
-{%- endif -%}
-{%- set ns = namespace(last_user=-1) -%}
-{%- for message in messages -%}
-    {%- if message.role == 'user' -%}
-        {%- set ns.last_user = loop.index0 -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- for message in messages -%}
-    {%- if message.role == 'system' and loop.first -%}
-    {%- elif message.role == 'user' or message.role == 'system' -%}
-        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>\n' -}}
-    {%- elif message.role == 'assistant' -%}
-        {%- set content = render_content(message.content) -%}
-        {%- set reasoning = '' -%}
-        {%- if message.reasoning_content is string -%}
-            {%- set reasoning = message.reasoning_content -%}
-        {%- elif '</think>' in content -%}
-            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
-            {%- set content = content.split('</think>')[-1] -%}
-        {%- endif -%}
-        {%- set reasoning = reasoning.strip('\n') -%}
-        {%- set content = content.lstrip('\n') -%}
-        {{- '<|im_start|>assistant\n' -}}
-        {%- if loop.index0 > ns.last_user -%}
-            {{- '<think>\n' + reasoning + '\n</think>\n\n' -}}
-        {%- endif -%}
-        {{- content -}}
-        {%- if message.tool_calls -%}
-            {%- for call in message.tool_calls -%}
-                {%- set fn = call.function if call.function is defined else call -%}
-                {%- if content or not loop.first -%}
-                    {{- '\n' -}}
-                {%- endif -%}
-                {{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' -}}
-                {%- if fn.arguments is string -%}
-                    {{- fn.arguments -}}
-                {%- else -%}
-                    {{- fn.arguments | tojson -}}
-                {%- endif -%}
-                {{- '}\n</tool_call>' -}}
-            {%- endfor -%}
-        {%- endif -%}
-        {{- '<|im_end|>\n' -}}
-    {%- elif message.role == 'tool' -%}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
-            {{- '<|im_start|>user' -}}
-        {%- endif -%}
-        {{- '\n<tool_response>\n' + render_content(message.content) + '\n</tool_response>' -}}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}
-            {{- '<|im_end|>\n' -}}
-        {%- endif -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-    {%- if enable_thinking is defined and enable_thinking is false -%}
-        {{- '<think>\n\n</think>\n\n' -}}
-    {%- else -%}
-        {{- '<think>\n' -}}
-    {%- endif -%}
-{%- endif -%}
 """
-
-
-QWEN3_CHAT_TEMPLATE = r"""{#- ChatML for the streamoe synthetic Qwen3-MoE checkpoints: text, tools, Qwen3's thinking. -#}
+_CHATML = r"""{#- ChatML for the streamoe synthetic @TITLE@ -#}
 {%- macro render_content(content) -%}
     {%- if content is none -%}
     {%- elif content is string -%}
@@ -309,7 +224,7 @@ QWEN3_CHAT_TEMPLATE = r"""{#- ChatML for the streamoe synthetic Qwen3-MoE checkp
         {%- for item in content -%}
             {%- if item is string -%}
                 {{- item -}}
-            {%- elif 'text' in item -%}
+@MEDIA@            {%- elif 'text' in item -%}
                 {{- item.text -}}
             {%- endif -%}
         {%- endfor -%}
@@ -354,7 +269,7 @@ QWEN3_CHAT_TEMPLATE = r"""{#- ChatML for the streamoe synthetic Qwen3-MoE checkp
         {%- set reasoning = reasoning.strip('\n') -%}
         {%- set content = content.lstrip('\n') -%}
         {{- '<|im_start|>assistant\n' -}}
-        {%- if loop.index0 > ns.last_user and (loop.last or reasoning) -%}
+        {%- if loop.index0 > ns.last_user@PAST@ -%}
             {{- '<think>\n' + reasoning + '\n</think>\n\n' -}}
         {%- endif -%}
         {{- content -}}
@@ -388,9 +303,11 @@ QWEN3_CHAT_TEMPLATE = r"""{#- ChatML for the streamoe synthetic Qwen3-MoE checkp
     {{- '<|im_start|>assistant\n' -}}
     {%- if enable_thinking is defined and enable_thinking is false -%}
         {{- '<think>\n\n</think>\n\n' -}}
-    {%- endif -%}
+@OPEN@    {%- endif -%}
 {%- endif -%}
 """
+CHAT_TEMPLATE = chatml_template("checkpoints: images, video, tools, thinking on/off.", media=True, qwen3=False)
+QWEN3_CHAT_TEMPLATE = chatml_template("Qwen3-MoE checkpoints: text, tools, Qwen3's thinking.", media=False, qwen3=True)
 
 
 HARMONY_CHAT_TEMPLATE = r"""{#- A minimal harmony renderer for the streamoe synthetic gpt-oss checkpoints. -#}
