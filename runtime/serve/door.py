@@ -325,27 +325,28 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s
 
         def pause_writing(self) -> None:
             super().pause_writing()
-            self.watch_send()
+            self.watch_send(None)
 
         def resume_writing(self) -> None:
             super().resume_writing()
+            self.watch_send(None, arm=False)
+
+        def watch_send(self, cycle, arm: bool = True) -> None:
+            """The send deadline from now: for the write buffer over its mark (`cycle` None: until it drains), or
+            for a written response's last bytes (until they are sent or the next request begins)."""
             if self.send_timer is not None:
                 self.send_timer.cancel()
-                self.send_timer = None
+            self.send_timer = self.loop.call_later(send_timeout_s, self.send_late, cycle) if arm else None
 
-        def watch_send(self) -> None:
-            if self.send_timer is None:
-                self.send_timer = self.loop.call_later(send_timeout_s, self.send_late)
-
-        def send_late(self) -> None:
-            """The send deadline: still over the mark, or a written response still unsent: the client does not read."""
+        def send_late(self, cycle) -> None:
+            """The deadline passed: the client does not read. The connection is reset: its unsent bytes go."""
             self.send_timer = None
-            if self.transport.get_write_buffer_size() or self.flow.write_paused:
+            if self.flow.write_paused or (cycle is self.cycle and self.transport.get_write_buffer_size()):
                 self.transport.abort()
 
         def on_response_complete(self) -> None:
-            if self.transport.get_write_buffer_size():
-                self.watch_send()  # the response's last bytes, below the mark, have the deadline too
+            if self.transport.get_write_buffer_size() and not self.flow.write_paused:
+                self.watch_send(self.cycle)  # the response's last bytes, below the mark, have the deadline too
             super().on_response_complete()
             if not self.in_head and self.cycle.response_complete:  # idle until the next request (none pipelined):
                 self.disarm()  # uvicorn's keep-alive timeout closes it, and a new connection at the bound may first
