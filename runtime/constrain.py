@@ -246,6 +246,37 @@ class ThinkingBudget:
             self.then.advance(tok)
 
 
+class MinTokens:
+    """vLLM's `min_tokens`: the tokens that would end the answer (`stops`: the model's end-of-turn ids and the
+    request's `stop_token_ids`) are masked out until `count` tokens were written; the answer runs under `then`
+    (the request's other constraint, if any) throughout. The same interface as `Constraint`: while it masks,
+    `Engine.generate` draws each token once the previous one is read, like any masked one."""
+
+    def __init__(self, stops: list[int], count: int, vocab: int, then: Constraint | ThinkingBudget | None = None):
+        keep = np.ones(vocab, dtype=bool)
+        keep[[t for t in stops if 0 <= t < vocab]] = False
+        self.keep, self.count, self.then, self.written = mx.array(keep), count, then, 0
+
+    @property
+    def active(self) -> bool:
+        return self.written < self.count or (self.then is not None and self.then.active)
+
+    @property
+    def complete(self) -> bool:
+        return self.then.complete if self.then is not None else True
+
+    def allowed(self) -> mx.array | None:
+        inner = self.then.allowed() if self.then is not None else None
+        if self.written >= self.count:
+            return inner
+        return self.keep if inner is None else inner & self.keep
+
+    def advance(self, tok: int) -> None:
+        self.written += 1
+        if self.then is not None:
+            self.then.advance(tok)
+
+
 HARMONY_CLOSE = f"{H_END}{H_START}assistant{H_CHANNEL}final{H_MESSAGE}"  # an analysis message closed, the answer opened
 
 

@@ -10,6 +10,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import openai
 import pytest
 
@@ -804,3 +806,65 @@ def test_plan_serve_plans_what_serve_opens(conv):
     assert accounts["prompt cache"] == 256 * MiB and accounts["requests"] > 0 and accounts["vision"] > 0
     bare = json.loads(cli("plan", conv, *args[2:], "--cap", smallest, "--json", check=True).stdout)["accounts"]
     assert not {"prompt cache", "requests"} & set(bare) and bare["vision"] == 0
+
+
+def masked_greedy(eng: Engine, ids: list[int], n: int, stops: set[int], until: int) -> list[int]:
+    """Greedy tokens from the engine's own logits, step by step: `stops` masked for the first `until` tokens, then
+    ending the answer, unwritten (vLLM's `min_tokens` and `stop_token_ids`, written out)."""
+    eng.reset()
+    logits, out = eng.prefill(ids), []
+    while len(out) < n:
+        lg = np.array(logits.astype(mx.float32))
+        if len(out) < until:
+            lg[sorted(stops)] = -np.inf
+        tok = int(lg.argmax())
+        if tok in stops:
+            break
+        out.append(tok)
+        logits = eng.decode(tok)
+    return out
+
+
+def test_min_tokens_holds_the_end_off_and_stop_token_ids_end_the_answer(client, ref):
+    """vLLM's `min_tokens` and `stop_token_ids` (extra_body), chat and text completions: an answer that ends by itself
+    after 3 tokens goes on to at least 12 with its stop tokens masked until then, the tokens the engine's logits
+    pick with those masked (`return_token_ids`), whole and streamed; a token id of the answer given in
+    `stop_token_ids` ends it there, unwritten, `finish_reason` "stop"; out of range, or `min_tokens` over
+    `max_tokens`, or beside a JSON schema, is a 400 naming the field."""
+    msgs = [{"role": "user", "content": "What colour is the triangle?"}]
+    ids = chat_ids(ref, msgs, think=False)
+    free = greedy(ref, ids, 20)
+    assert len(free) == 3
+    want = masked_greedy(ref, ids, 20, set(ref.text.stop_ids), 12)
+    assert len(want) >= 12
+    kw = dict(model="tiny", messages=msgs, temperature=0, max_tokens=20)
+    extra = {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True}
+    r = client.chat.completions.create(**kw, extra_body={**extra, "min_tokens": 12})
+    got = r.choices[0].model_extra["token_ids"]
+    assert got == want and r.usage.completion_tokens == len(want)
+    assert r.choices[0].finish_reason == ("length" if len(want) == 20 else "stop")
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={**extra, "min_tokens": 12}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    prompt = ref.text.decode(ids)
+    r = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=20,
+                                  extra_body={"min_tokens": 12, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want
+    # a token of the answer as a stop token: it ends the answer there; under min_tokens it is masked until then too
+    code = ref.text.encode_prompt(CODE[0])
+    long = greedy(ref, code, 20)
+    stop_at = long[5]
+    cut = long[:long.index(stop_at)]
+    r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20,
+                                  extra_body={"stop_token_ids": [stop_at], "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == cut and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == ref.text.decode(cut) and r.usage.completion_tokens == len(cut)
+    stops = set(ref.text.stop_ids) | {stop_at}
+    r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20,
+                                  extra_body={"stop_token_ids": [stop_at], "min_tokens": 8, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == masked_greedy(ref, code, 20, stops, 8)
+    for body, field in [({"stop_token_ids": [10**6]}, "stop_token_ids"), ({"stop_token_ids": "1"}, "stop_token_ids"),
+                        ({"min_tokens": 30}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+                        ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kw, extra_body=body)
+        assert e.value.body["param"] == field, e.value.body

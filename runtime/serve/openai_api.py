@@ -209,6 +209,8 @@ class GenRequest:
     return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids in the response
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: tokens that end the answer, not written
+    min_tokens: int = 0  # vLLM's: no end of the answer (its stop tokens masked) before this many tokens
     sampling: dict = field(default_factory=dict)  # the fields set, keyed as `Sampler` takes them
     seed: int | None = None
     n: int = 1  # OpenAI's `n`: choices answered one after another, the i-th drawn with seed + i
@@ -255,7 +257,7 @@ def _flag(body: dict, key: str) -> bool:
 
 # The fields of each API's body (OpenAI's, as its client types them, and the extensions of vLLM's and mlx-lm's
 # servers this one implements); a field not in the API's HONOURED set is refused whenever it is set (not null).
-EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "return_token_ids"}
+EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "return_token_ids", "min_tokens", "stop_token_ids"}
 COMPLETION_FIELDS = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "model", "n",
                      "presence_penalty", "prompt", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
                      "top_p", "user"} | EXTENSIONS
@@ -272,6 +274,7 @@ MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refu
 MESSAGE_HONOURED = MESSAGE_FIELDS - {"refusal", "audio", "function_call"}
 
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_STOP_IDS = 64  # vLLM's `stop_token_ids` one request may give
 MAX_N = 16  # choices one request may ask for (`n`): the engine answers them one after another
 MAX_CHOICES = 64  # ... and a completion's prompts times `n`
 
@@ -324,6 +327,16 @@ def _common(body: dict, req: GenRequest) -> None:
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4):
         raise bad("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
     req.stop = stop or []
+    req.min_tokens = _number(body, "min_tokens", 0, 1 << 30, integer=True) or 0
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise bad(f"'min_tokens' ({req.min_tokens}) must be at most the answer's 'max_tokens' ({req.max_tokens})",
+                  "min_tokens")
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_IDS or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids):
+            raise bad(f"'stop_token_ids' must be a list of at most {MAX_STOP_IDS} token ids", "stop_token_ids")
+        req.stop_token_ids = list(dict.fromkeys(ids))
     if body.get("suffix"):
         raise bad("'suffix' is not supported by this server", "suffix")
     bias = body.get("logit_bias")

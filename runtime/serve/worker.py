@@ -33,6 +33,7 @@ from ...formats.errors import StreamoeError
 from ..chat_template import TemplateFailure
 from ..constrain import (
     Constraint,
+    MinTokens,
     ThinkingBudget,
     guide_tokenizer,
     json_answer,
@@ -440,6 +441,8 @@ class EngineWorker:
             beyond = [t for t in req.sampling["logit_bias"] if t >= words]
             if beyond:
                 raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
+        if beyond := [t for t in req.stop_token_ids if t >= self.vocab]:
+            raise bad(f"'stop_token_ids' names token id {beyond[0]}; the model has {self.vocab:,}", "stop_token_ids")
         if len(prompts) * req.n > 1 and self.lock is not None:
             raise bad("across ranks (mlx.launch) a request is answered in one choice: one prompt, 'n' 1",
                       "n" if req.n > 1 else "prompt")
@@ -471,9 +474,20 @@ class EngineWorker:
                       "send the batch in smaller requests", "prompt")
         return ids
 
-    def constraint(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | None:
+    def constraint(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | MinTokens | None:
         """What shapes the answer: the request's grammar (`grammar`), under a cap on its reasoning where the request
-        sets one (`thinking_budget`: the template's `</think>` forced once the reasoning took that many tokens)."""
+        sets one (`thinking_budget`: the template's `</think>` forced once the reasoning took that many tokens),
+        and no end before `min_tokens` (vLLM's: the stop tokens masked until then)."""
+        shaped = self.shaped(req, thinking)
+        if not req.min_tokens:
+            return shaped
+        if req.json_output or req.force_call is not None:
+            raise bad("'min_tokens' cannot hold a structured output or a forced call open: their grammar ends the answer",
+                      "min_tokens")
+        return MinTokens(sorted(set(self.eng.text.stop_ids) | set(req.stop_token_ids)), req.min_tokens, self.vocab,
+                         shaped)
+
+    def shaped(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | None:
         grammar = self.grammar(req, thinking)
         harmony = self.harmony(req) and req.force_call is None  # gpt-oss reasons whatever the request says
         if req.thinking_budget is None or not (thinking or harmony):
@@ -654,6 +668,9 @@ class EngineWorker:
                 if job.cancel.is_set():
                     print(f"streamoe: {job.id} cancelled after {n} tokens (its client went away or the server is stopping)", file=sys.stderr, flush=True)
                     return {"finish_reason": None, "cancelled": True, "tokens": n}
+                if tok in req.stop_token_ids:  # as the model's own end of turn: not written, not counted
+                    finish = "stop"
+                    break
                 n += 1
                 toks.append(tok)
                 if job.logits is not None:
