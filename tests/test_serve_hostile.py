@@ -74,6 +74,9 @@ COMMON = [
     ("logprobs", "yes"), ("top_logprobs", "x"), ("top_logprobs", -1), ("echo", "x"), ("suffix", 5),
     ("logit_bias", "x"), ("best_of", 2), ("response_format", 5), ("response_format", "json"),
     ("response_format", {"type": "nope"}), ("return_token_ids", "x"),
+    ("min_tokens", -1), ("min_tokens", "3"), ("min_tokens", 1.5), ("min_tokens", 1 << 40),
+    ("stop_token_ids", 5), ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [1 << 40]),
+    ("stop_token_ids", list(range(65))),
 ]
 CHAT = [
     ("messages", None), ("messages", "hi"), ("messages", []), ("messages", [5]),
