@@ -327,7 +327,7 @@ def json_pieces(value, size: int = PIECE) -> Iterator[bytes]:
     parts before joining them), and each piece waits while the connection's write buffer is over its mark, so
     what a client does not read stays with its request until the send deadline drops the connection."""
     parts, n = [], 0
-    for part in _json_parts(value):
+    for part in _json_parts(value, size):
         parts.append(part)
         n += len(part)
         if n >= size:
@@ -337,33 +337,40 @@ def json_pieces(value, size: int = PIECE) -> Iterator[bytes]:
 
 
 _dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-FLAT = 64  # values a container may hold to be rendered in one call
-
-
-def _json_parts(v) -> Iterator[str]:
-    if isinstance(v, dict) and not _flat(v.values()):
-        yield "{"
-        for i, (k, x) in enumerate(v.items()):
-            yield ("," if i else "") + _dumps(str(k)) + ":"
-            yield from _json_parts(x)
-        yield "}"
-    elif isinstance(v, (list, tuple)) and not _flat(v):
-        yield "["
-        for i, x in enumerate(v):
-            if i:
-                yield ","
-            yield from _json_parts(x)
-        yield "]"
+def _json_parts(v, size: int) -> Iterator[str]:
+    """The JSON of `v` in parts: a container whose JSON is about `size` bytes or less in one call, a larger one
+    its items."""
+    if isinstance(v, dict | list | tuple) and _small(v, size) < 0:
+        if isinstance(v, dict):
+            yield "{"
+            for i, (k, x) in enumerate(v.items()):
+                yield ("," if i else "") + _dumps(str(k)) + ":"
+                yield from _json_parts(x, size)
+            yield "}"
+        else:
+            yield "["
+            for i, x in enumerate(v):
+                if i:
+                    yield ","
+                yield from _json_parts(x, size)
+            yield "]"
     else:
         yield _dumps(v)
 
 
-def _flat(values) -> bool:
-    """Few values, none a container but a short list of scalars (a token's bytes): rendered in one call."""
-    if len(values) > FLAT:
-        return False
-    return not any(isinstance(x, dict) or isinstance(x, (list, tuple)) and (
-        len(x) > FLAT or any(isinstance(y, (dict, list, tuple)) for y in x)) for x in values)
+def _small(v, left: int) -> int:
+    """What is left of `left` once the JSON of `v` is estimated (24 bytes a value: a float's longest, a string's characters more);
+    below 0 (counting stopped there): more than that."""
+    values = v.values() if isinstance(v, dict) else v
+    left -= 24 * len(values)
+    for x in values:
+        if left < 0:
+            break
+        if isinstance(x, dict | list | tuple):
+            left = _small(x, left)
+        elif isinstance(x, str):
+            left -= len(x)
+    return left
 
 
 class Output(Protocol):
