@@ -241,7 +241,7 @@ class Job:
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
     # what shapes the first answer (structured output, forced call, thinking budget), made as the request is
     # prepared so that a bad one is refused before it queues; each later choice's is made as it starts
-    constraint: Constraint | ThinkingBudget | None = None
+    constraint: Constraint | ThinkingBudget | MinTokens | None = None
     logits: list | None = None  # kept when a test asks for them
     started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
