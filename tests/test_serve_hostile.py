@@ -637,15 +637,18 @@ def test_a_client_that_never_reads_its_answer_is_dropped_at_the_send_deadline(co
     hasty = small_server(conv, tmp_path / "hasty.log", "--send-timeout", 2, "--max-queue", 4)
     try:
         body = {"prompt": CODE, "max_tokens": 150, "temperature": 0, "logprobs": 20, "logit_bias": no_end(conv)}
-        socks = [reluctant(hasty.port, "/v1/completions", body) for _ in range(2)]
+        socks, left = [reluctant(hasty.port, "/v1/completions", body) for _ in range(2)], []
         for s in socks:
             s.settimeout(60)
             head = s.recv(512)  # the answer has begun: its head and what the socket's buffers took of its body
-            assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower(), head
+            assert head.startswith(b"HTTP/1.1 200"), head
+            length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+            left.append(length - len(head.partition(b"\r\n\r\n")[2]))
+            assert length > 64 << 10, length  # more than the socket buffers take
         time.sleep(6)  # both past the deadline, not reading
-        for s in socks:
+        for s, n in zip(socks, left, strict=True):
             data, reset = read_all(s)
-            assert reset or not data.endswith(b"\r\n0\r\n\r\n"), (reset, len(data))  # cut before its last chunk
+            assert reset or len(data) < n, (reset, len(data), n)  # cut before its end
         r = post(hasty, "/v1/completions", {"prompt": CODE, "max_tokens": 4, "temperature": 0})
         assert r.status == 200 and "Traceback" not in hasty.text()
     finally:
@@ -656,8 +659,8 @@ def test_a_client_that_never_reads_its_answer_is_dropped_at_the_send_deadline(co
 def test_what_an_answer_is_charged_covers_what_it_holds(conv, kind):
     """`answer_bytes` against tracemalloc, for an answer of 300 tokens with 20 top logprobs each (the token texts
     already known) and text pieces with escapes: streamed, its events hold no more than they are charged; whole,
-    the events, the response built from them by the API's output and its JSON rendered a piece at a time
-    (`json_pieces`, byte for byte what JSONResponse writes) peak within what they are charged. The requests
+    the events, the response built from them by the API's output and its JSON rendered (as JSONResponse renders
+    it) peak within what they are charged. The requests
     account grows by one answer bound per admitted request (and the one left by its client)."""
     import tracemalloc
 
@@ -665,7 +668,7 @@ def test_what_an_answer_is_charged_covers_what_it_holds(conv, kind):
 
     from streamoe.runtime.serve.logprobs import TokenText
     from streamoe.runtime.serve.openai_api import GenRequest
-    from streamoe.runtime.serve.server import OpenAIOutput, json_pieces
+    from streamoe.runtime.serve.server import OpenAIOutput, PacedJSONResponse
     from streamoe.runtime.serve.worker import Job, ServeOptions, answer_bytes, requests_bytes
     from streamoe.runtime.text import TextIO
 
@@ -693,27 +696,34 @@ def test_what_an_answer_is_charged_covers_what_it_holds(conv, kind):
         for ev in events:
             out.feed(ev)
         result = out.result()
-        sent = sum(len(piece) for piece in json_pieces(result))
+        body = PacedJSONResponse(result).body
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert peak <= charged, (peak, charged)
-        assert b"".join(json_pieces(result)) == JSONResponse(result).body and sent > 50_000
+        assert body == JSONResponse(result).body and len(body) > 50_000
     so = ServeOptions("t")
     more = ServeOptions("t", limits=Limits(max_answer=so.limits.max_answer + MiB))
     assert requests_bytes(more, conv, CTX) - requests_bytes(so, conv, CTX) == (so.admitted + 1) * MiB
 
 
-@pytest.mark.parametrize("value", [
-    {}, [], None, "x", 1.5, {"a": []}, [[]], {"k": {"n": [1, 2, 3]}, "s": "\u2028\x00\"é\U0001F600"},
-    {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [{"token": "b", "logprob": -1.0,
-                                                                                   "bytes": list(range(200))}]}] * 300},
-    list(range(5000)), {str(i): i for i in range(200)}, [{"a": [[1], [2]]}] * 70,
-])
-def test_json_pieces_are_the_bytes_jsonresponse_writes(value):
+def test_a_whole_answer_is_written_a_piece_at_a_time():
+    """PacedJSONResponse sends JSONResponse's head and bytes, the body in pieces of PIECE bytes, the last one closing it."""
+    import asyncio
+
     from starlette.responses import JSONResponse
 
-    from streamoe.runtime.serve.server import json_pieces
+    from streamoe.runtime.serve.door import PIECE
+    from streamoe.runtime.serve.server import PacedJSONResponse
 
-    pieces = list(json_pieces(value, size=256))
-    assert b"".join(pieces) == JSONResponse(value).body
-    assert all(len(p) < 2 * 256 + 64 for p in pieces[:-1]) and len(pieces) > 1 or len(pieces[0]) < 256, [len(p) for p in pieces]
+    for value in ({}, {"text": "é" * (3 * PIECE), "n": list(range(5000))}):
+        sent: list[dict] = []
+
+        async def send(message, sent=sent):
+            sent.append(message)
+
+        asyncio.run(PacedJSONResponse(value)({"type": "http"}, None, send))
+        want = JSONResponse(value)
+        assert sent[0]["headers"] == want.raw_headers and sent[0]["status"] == 200
+        assert b"".join(m["body"] for m in sent[1:]) == want.body
+        assert all(len(m["body"]) == PIECE and m["more_body"] for m in sent[1:-1]) and not sent[-1]["more_body"]
+        assert len(sent) - 1 == max(1, -(-len(want.body) // PIECE))

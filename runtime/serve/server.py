@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -270,7 +269,7 @@ class API:
             out.feed(ev)
         if not done:
             return Response(status_code=204)  # its client went away: nobody reads this
-        return StreamingResponse(json_pieces(out.result()), media_type="application/json")
+        return PacedJSONResponse(out.result())
 
     async def _stream(self, job: Job, first: tuple | None, out: Output) -> AsyncIterator[str]:
         try:
@@ -284,7 +283,7 @@ class API:
                     continue
                 if ev[0] == "done" and ev[1].get("cancelled"):
                     return
-                for text in out.feed(ev):  # written a piece at a time, as a whole answer is (`json_pieces`)
+                for text in out.feed(ev):  # written a piece at a time, as a whole answer is (`PacedJSONResponse`)
                     for at in range(0, len(text), PIECE // 4):
                         yield text[at:at + PIECE // 4]
         finally:
@@ -321,56 +320,17 @@ class API:
         return JSONResponse({"input_tokens": n})
 
 
-def json_pieces(value, size: int = PIECE) -> Iterator[bytes]:
-    """`value` as compact JSON (as JSONResponse writes it) in pieces of about `size` bytes, rendered as they are
-    sent: a whole answer is never held as text (json.dumps of a large object holds several times its text in
-    parts before joining them), and each piece waits while the connection's write buffer is over its mark, so
-    what a client does not read stays with its request until the send deadline drops the connection."""
-    parts, n = [], 0
-    for part in _json_parts(value, size):
-        parts.append(part)
-        n += len(part)
-        if n >= size:
-            yield "".join(parts).encode()
-            parts, n = [], 0
-    yield "".join(parts).encode()
+class PacedJSONResponse(JSONResponse):
+    """A whole answer written a piece at a time (`door.PIECE`): each piece waits while the connection's write
+    buffer is over its mark, so an answer its client does not read stays with its request (inside the `requests`
+    account, until the send deadline drops the connection) rather than all in the event loop's buffer."""
 
-
-_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-def _json_parts(v, size: int) -> Iterator[str]:
-    """The JSON of `v` in parts: a container whose JSON is about `size` bytes or less in one call, a larger one
-    its items."""
-    if isinstance(v, dict | list | tuple) and _small(v, size) < 0:
-        if isinstance(v, dict):
-            yield "{"
-            for i, (k, x) in enumerate(v.items()):
-                yield ("," if i else "") + _dumps(str(k)) + ":"
-                yield from _json_parts(x, size)
-            yield "}"
-        else:
-            yield "["
-            for i, x in enumerate(v):
-                if i:
-                    yield ","
-                yield from _json_parts(x, size)
-            yield "]"
-    else:
-        yield _dumps(v)
-
-
-def _small(v, left: int) -> int:
-    """What is left of `left` once the JSON of `v` is estimated (24 bytes a value: a float's longest, a string's characters more);
-    below 0 (counting stopped there): more than that."""
-    values = v.values() if isinstance(v, dict) else v
-    left -= 24 * len(values)
-    for x in values:
-        if left < 0:
-            break
-        if isinstance(x, dict | list | tuple):
-            left = _small(x, left)
-        elif isinstance(x, str):
-            left -= len(x)
-    return left
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = memoryview(self.body)
+        for at in range(0, max(len(body), 1), PIECE):
+            await send({"type": "http.response.body", "body": bytes(body[at:at + PIECE]),
+                        "more_body": at + PIECE < len(body)})
 
 
 class Output(Protocol):
