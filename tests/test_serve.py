@@ -868,3 +868,45 @@ def test_min_tokens_holds_the_end_off_and_stop_token_ids_end_the_answer(client, 
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**kw, extra_body=body)
         assert e.value.body["param"] == field, e.value.body
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(server, client, conv):
+    """vLLM's /tokenize and /detokenize: a raw prompt's ids and a chat's (with tools and its template's
+    kwargs) are transformers' tokenizer's and template's, the chat's count is the prompt the chat endpoint
+    prefills (its usage), `return_token_strs` gives the tokenizer's pieces, and the ids detokenize back to the
+    text; what is not implemented, a bad field, or an unknown model is refused naming it."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(conv)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "What colour is the triangle?"}]
+
+    def post(path: str, body: dict):
+        r = fetch(server.url + path, "POST", body)
+        return r.status, r.json()
+
+    status, got = post("/tokenize", {"prompt": CODE[0], "return_token_strs": True})
+    assert status == 200 and got["tokens"] == hf.encode(CODE[0]) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == CTX and got["token_strs"] == hf.convert_ids_to_tokens(got["tokens"])
+    assert post("/tokenize", {"prompt": CODE[0], "add_special_tokens": False})[1]["tokens"] == hf.encode(
+        CODE[0], add_special_tokens=False)
+    kw = {"enable_thinking": False}
+    status, got = post("/tokenize", {"model": "tiny", "messages": msgs, "tools": tools, "chat_template_kwargs": kw})
+    want = hf.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **kw)
+    assert status == 200 and got["tokens"] == want and got["token_strs"] is None
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": kw})
+    assert r.usage.prompt_tokens == got["count"]
+    assert post("/detokenize", {"model": "tiny", "tokens": want}) == (200, {"prompt": hf.decode(want)})
+    for path, body, param in [
+        ("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": "a", "echo": True}, "echo"),
+        ("/tokenize", {"messages": msgs, "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/tokenize", {"messages": msgs, "chat_template": "{{ 1 }}"}, "chat_template"),
+        ("/tokenize", {"messages": msgs, "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ]:
+        status, got = post(path, body)
+        assert status == 400 and got["error"]["param"] == param, (path, body, got)
+    status, got = post("/tokenize", {"model": "nope", "prompt": "a"})
+    assert status == 404 and got["error"]["code"] == "model_not_found"

@@ -172,7 +172,8 @@ def test_sigterm_while_idle_exits_cleanly(conv, tmp_path):
 
 
 def test_an_api_key_guards_the_api_and_not_the_page(conv, tmp_path):
-    """`--api-key` (here from STREAMOE_API_KEY): every /v1/ route and /metrics answer 401 without it, in the shape of
+    """`--api-key` (here from STREAMOE_API_KEY): every /v1/ route, /metrics, /tokenize and /detokenize answer 401
+    without it, in the shape of
     the route's API, and take it as OpenAI's and Anthropic's clients send it; /health, the page and CORS preflights
     need none; a wrong key is refused like a missing one."""
     import anthropic
@@ -187,6 +188,9 @@ def test_an_api_key_guards_the_api_and_not_the_page(conv, tmp_path):
             r = fetch(s.url + path)
             assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
             assert r.headers["www-authenticate"] == "Bearer"
+        for path in ("/tokenize", "/detokenize"):
+            status, _, body = post(s.port, path, {"prompt": "hi", "tokens": [1]})
+            assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", (path, body)
         status, _, body = post(s.port, "/v1/messages", {"model": "tiny", "max_tokens": 1, "messages": []})
         assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"  # Anthropic's shape
         status, _, _ = post(s.port, "/v1/chat/completions", {"messages": []}, authorization="Bearer sk-wrong")

@@ -7,7 +7,7 @@ than the names this server answers to (loopback names, the bound address, `--all
 attempt and is refused with 421; a request carrying an `Origin` other than the page's own is refused with 403
 before anything runs (a `text/plain` POST needs no preflight, so omitting CORS headers is not enough), unless
 `--cors-origin` allows it, in which case Starlette's CORSMiddleware answers its preflight and tags its
-responses. With `--api-key` every `/v1/` route and `/metrics` also needs the key, as `Authorization: Bearer KEY`
+responses. With `--api-key` every `/v1/` route, `/metrics`, `/tokenize` and `/detokenize` also needs the key, as `Authorization: Bearer KEY`
 (OpenAI's clients) or `x-api-key: KEY` (Anthropic's), else 401; the chat page and `/health` stay open. Every
 refusal is OpenAI's error object (Anthropic's under `/v1/messages`).
 """
@@ -110,11 +110,14 @@ class Door:
     def key_ok(self, scope, headers: dict) -> bool:
         """Whether the request may pass the API key check: the page, /health and CORS preflights need no key."""
         path = scope["path"]
-        if not (path.startswith("/v1/") or path == "/metrics") or scope["method"] == "OPTIONS":
+        if not (path.startswith("/v1/") or path in KEYED) or scope["method"] == "OPTIONS":
             return True
         auth = headers.get(b"authorization", b"")
         given = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
         return hmac.compare_digest(given, self.key)
+
+
+KEYED = ("/metrics", "/tokenize", "/detokenize")  # outside /v1/, what needs the API key too
 
 
 class Admission:

@@ -246,10 +246,10 @@ def _number(body: dict, key: str, lo: float, hi: float, integer: bool = False):
     return v
 
 
-def _flag(body: dict, key: str) -> bool:
-    v = body.get(key, False)
+def _flag(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key)
     if v is None:
-        return False
+        return default
     if not isinstance(v, bool):
         raise bad(f"'{key}' must be true or false", key)
     return v
@@ -622,6 +622,47 @@ def parse_chat(body: dict, limits: Limits) -> GenRequest:
         req.template_kwargs["enable_thinking"] = thinks_at(effort)
         req.template_kwargs.setdefault("reasoning_effort", effort)  # gpt-oss's template takes the effort itself
     return req
+
+
+# vLLM's /tokenize (a completion's `prompt` or a chat's `messages`) and /detokenize
+TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "return_token_strs", "continue_final_message",
+                        "add_special_tokens", "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "tools"}
+TOKENIZE_CHAT_HONOURED = TOKENIZE_CHAT_FIELDS - {"chat_template", "mm_processor_kwargs"}
+
+
+def parse_tokenize(body: dict, limits: Limits) -> tuple[GenRequest, bool, bool]:
+    """vLLM's /tokenize body: the request whose prompt is tokenized (as a completion's or a chat's, through the same
+    checks), whether special tokens are added (the tokenizer's BOS, where it has one: a prompt's by default, a
+    chat's not, its template writing its own) and whether the tokens' text comes back too."""
+    if "messages" not in body:
+        check_fields(body, TOKENIZE_FIELDS, TOKENIZE_FIELDS, api="vLLM's /tokenize")
+        if not isinstance(body.get("prompt"), str):
+            raise bad("'prompt' must be a string (or give 'messages')", "prompt")
+        req = parse_completion({"model": body.get("model"), "prompt": body["prompt"]})
+        return req, _flag(body, "add_special_tokens", True), _flag(body, "return_token_strs")
+    check_fields(body, TOKENIZE_CHAT_FIELDS, TOKENIZE_CHAT_HONOURED, api="vLLM's /tokenize")
+    if body.get("add_generation_prompt") is False:
+        raise bad("'add_generation_prompt' false is not supported: a chat is tokenized as it is prompted",
+                  "add_generation_prompt")
+    if _flag(body, "continue_final_message"):
+        raise bad("'continue_final_message' is not supported by this server", "continue_final_message")
+    req = parse_chat({k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs") if k in body}, limits)
+    if req.images:
+        raise bad("/tokenize takes text only here (an image's tokens are counted by /v1/messages/count_tokens)",
+                  "messages")
+    return req, _flag(body, "add_special_tokens"), _flag(body, "return_token_strs")
+
+
+def parse_detokenize(body: dict) -> list[int]:
+    """vLLM's /detokenize body: the token ids (their range is the model's, checked by the worker)."""
+    check_fields(body, {"model", "tokens"}, {"model", "tokens"}, api="vLLM's /detokenize")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise bad("'model' must be a string", "model")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad("'tokens' must be a list of token ids", "tokens")
+    return ids
 
 
 def parse_completion(body: dict) -> GenRequest:

@@ -63,6 +63,8 @@ from .openai_api import (
     kept_bytes,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
 )
 from .worker import Job, Server, open_engine
 
@@ -309,6 +311,24 @@ class API:
         job, first = await self.submit(request, "messages", lambda body: anthropic_api.parse(body, self.so))
         return await self.answer(job, first, request, anthropic_api.Output(job, self.answered_by(job)))
 
+    async def tokenize(self, request: Request) -> Response:
+        def make(body: dict) -> dict:
+            req, special, strs = parse_tokenize(body, self.so.limits)
+            ids = self.worker.tokenize(self.served(req), special)
+            words = [self.worker.eng.text.tokenizer.id_to_token(t) for t in ids] if strs else None
+            return {"count": len(ids), "max_model_len": self.worker.eng.opts.ctx, "tokens": ids, "token_strs": words}
+
+        return JSONResponse(await self.prepared(request, make))
+
+    async def detokenize(self, request: Request) -> Response:
+        def make(body: dict) -> dict:
+            ids = parse_detokenize(body)
+            if body.get("model") is not None:
+                self.served(GenRequest(kind="completion", model=body["model"]))
+            return {"prompt": self.worker.detokenize(ids)}
+
+        return JSONResponse(await self.prepared(request, make))
+
     async def input_tokens(self, request: Request) -> Response:
         n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
             self.worker.prepare(self.served(responses_api.parse(body, self.so, counting=True)))))
@@ -522,6 +542,8 @@ def create_app(server: Server, host: str = "127.0.0.1") -> Starlette:
         Route("/v1/responses/input_tokens", api.input_tokens, methods=["POST"]),
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     middleware = [Middleware(Door, bound=host, allow_hosts=so.allow_hosts, cors_origins=so.cors_origins,

@@ -459,6 +459,24 @@ class EngineWorker:
         # each prompt's i-th choice is drawn with seed + i, as vLLM seeds its choices
         return Job(req, choices, thinking, prefix=given, constraint=self.constraint(req, thinking))
 
+    def tokenize(self, req: GenRequest, special: bool) -> list[int]:
+        """vLLM's /tokenize: the ids the request's prompt is prefilled as (`prepare`'s), with the tokenizer's BOS
+        first where it has one and `special` asks (a raw prompt gets it by default, a chat's template writes its
+        own), without it where `special` is false."""
+        ids, bos = self.prepare(req).ids, self.eng.text.bos
+        if bos is not None and special and ids[:1] != [bos]:
+            return [bos, *ids]
+        if bos is not None and not special and req.kind == "completion" and ids[:1] == [bos]:
+            return ids[1:]
+        return ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        """vLLM's /detokenize: the text of token ids, each one of the tokenizer's."""
+        words = self.eng.text.tokenizer.get_vocab_size()
+        if beyond := [t for t in ids if not 0 <= t < words]:
+            raise bad(f"'tokens' holds {beyond[0]}; token ids are in [0, {words:,})", "tokens")
+        return self.eng.text.decode(ids)
+
     def completion_ids(self, prompt: str | list[int], room: int | None = None) -> list[int]:
         """A completion prompt's token ids, checked: its text no longer than the planned context can hold, its ids
         in the vocabulary, and no more than `room` of them where the prompts before it in a batch took the rest."""
