@@ -910,3 +910,49 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server, client, conv):
         assert status == 400 and got["error"]["param"] == param, (path, body, got)
     status, got = post("/tokenize", {"model": "nope", "prompt": "a"})
     assert status == 404 and got["error"]["code"] == "model_not_found"
+
+
+def test_vllm_structured_outputs_hold_the_answer(client):
+    """vLLM's `structured_outputs` (extra_body), chat and text completions: a `choice` answer is one of the strings,
+    a `regex` answer matches the whole pattern, a Lark `grammar` answer parses (here a comma list of numbers),
+    a `json` schema (as its JSON text too) gives JSON valid against it; with thinking on, the grammar holds from
+    where the reasoning closes (the content is one of the strings). Two shapes at once, beside `response_format`, an empty choice, a regex or grammar
+    that does not compile, or an option this server does not implement, is a 400 naming the field."""
+    import jsonschema
+
+    msgs = [{"role": "user", "content": "What colour is the triangle?"}]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+
+    def chat(so: dict, **extra) -> object:
+        return client.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=40,
+                                              extra_body={"structured_outputs": so, **extra})
+
+    colours = ["red", "green", "blue", "black and white"]
+    r = chat({"choice": colours}, **off)
+    assert r.choices[0].message.content in colours and r.choices[0].finish_reason == "stop"
+    r = chat({"regex": "[0-9]{3}-[a-z]{2}/x"}, **off)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}/x", r.choices[0].message.content), r.choices[0].message.content
+    r = chat({"grammar": 'start: NUM ("," NUM)*\nNUM: /[1-9][0-9]?/'}, **off)
+    assert re.fullmatch(r"[1-9][0-9]?(,[1-9][0-9]?)*", r.choices[0].message.content), r.choices[0].message.content
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}}, "required": ["colour"],
+              "additionalProperties": False}
+    for given in (schema, json.dumps(schema)):
+        r = chat({"json": given, "disable_any_whitespace": True}, **off)
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = chat({"choice": colours})  # thinking on: free reasoning, then one of the strings
+    assert r.choices[0].message.content in colours and "think>" not in r.choices[0].message.content
+    r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20,
+                                  extra_body={"structured_outputs": {"regex": "[a-z_]+\\(n - [12]\\)"}})
+    assert re.fullmatch(r"[a-z_]+\(n - [12]\)", r.choices[0].text), r.choices[0].text
+    for so, extra, param in [
+        ({"choice": ["a"], "regex": "a"}, {}, "structured_outputs"), ({"choice": []}, {}, "structured_outputs.choice"),
+        ({"regex": "(["}, off, "structured_outputs.regex"), ({"grammar": "start: ("}, off, "structured_outputs.grammar"),
+        ({"json": "{not json"}, {}, "structured_outputs.json"), ({"json_object": "yes"}, {}, "structured_outputs.json_object"),
+        ({"choice": ["a"], "whitespace_pattern": " "}, {}, "structured_outputs.whitespace_pattern"),
+        ({"choice": ["a"], "nope": 1}, {}, "structured_outputs.nope"),
+        ({"choice": ["a"]}, {"response_format": {"type": "json_object"}}, "structured_outputs"),
+        ({"choice": ["a"]}, {"min_tokens": 3}, "min_tokens"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(so, **extra)
+        assert e.value.body["param"] == param, (so, e.value.body)

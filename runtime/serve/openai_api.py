@@ -223,6 +223,7 @@ class GenRequest:
     force_call: str | None = None  # tool_choice "required" ("") or a named tool: the answer starts a call
     json_output: bool = False  # response_format json_object / json_schema: the answer is constrained to JSON
     json_schema: dict | None = None  # ... valid against this schema (None: any JSON object)
+    answer_grammar: str | None = None  # vLLM's structured regex, choice or grammar: a grammar the whole answer follows
     template_kwargs: dict = field(default_factory=dict)
     thinking_budget: int | None = None  # the most tokens the reasoning may take (Anthropic's thinking.budget_tokens)
     images: list[bytes] = field(default_factory=list)
@@ -257,7 +258,8 @@ def _flag(body: dict, key: str, default: bool = False) -> bool:
 
 # The fields of each API's body (OpenAI's, as its client types them, and the extensions of vLLM's and mlx-lm's
 # servers this one implements); a field not in the API's HONOURED set is refused whenever it is set (not null).
-EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "return_token_ids", "min_tokens", "stop_token_ids"}
+EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "return_token_ids", "min_tokens", "stop_token_ids",
+              "structured_outputs"}
 COMPLETION_FIELDS = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "model", "n",
                      "presence_penalty", "prompt", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
                      "top_p", "user"} | EXTENSIONS
@@ -352,6 +354,62 @@ def _common(body: dict, req: GenRequest) -> None:
         raise bad("'best_of' is not supported by this server", "best_of")
     _string(body, "user")
     parse_response_format(body.get("response_format"), req)
+    parse_structured_outputs(body.get("structured_outputs"), req)
+
+
+# vLLM's `structured_outputs`: one shape of the answer, and options; disable_any_whitespace and disable_fallback
+# hold whatever they say (JSON is written without whitespace, which any whitespace setting allows; nothing falls back)
+STRUCTURED_FIELDS = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "disable_fallback",
+                     "disable_additional_properties", "whitespace_pattern", "structural_tag"}
+STRUCTURED_HONOURED = STRUCTURED_FIELDS - {"disable_additional_properties", "whitespace_pattern", "structural_tag"}
+MAX_CHOICE = 256  # strings a `choice` may list
+
+
+def parse_structured_outputs(so, req: GenRequest) -> None:
+    """vLLM's `structured_outputs`: exactly one of `json` (a schema, or its JSON text), `json_object`, `regex`,
+    `choice` (the answer is one of the strings) and `grammar` (Lark, as llguidance, vLLM's guidance backend, reads
+    it); JSON takes the path `response_format` takes, the others a grammar of the whole answer."""
+    if so is None:
+        return
+    if not isinstance(so, dict):
+        raise bad("'structured_outputs' must be an object", "structured_outputs")
+    check_fields(so, STRUCTURED_FIELDS, STRUCTURED_HONOURED, "structured_outputs.", "vLLM")
+    for key in ("disable_any_whitespace", "disable_fallback"):
+        _flag(so, key)
+    given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if so.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise bad("'structured_outputs' takes exactly one of json, json_object, regex, choice and grammar",
+                  "structured_outputs")
+    if req.json_output:
+        raise bad("'structured_outputs' and 'response_format' cannot both shape one answer", "structured_outputs")
+    kind = given[0]
+    where, v = f"structured_outputs.{kind}", so[kind]
+    req.api = {**req.api, "format_field": where}
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                raise bad(f"'{where}' is not valid JSON", where) from None
+        if not isinstance(v, dict):
+            raise bad(f"'{where}' must be a JSON schema (an object, or its JSON text)", where)
+        req.json_output, req.json_schema = True, v
+    elif kind == "json_object":
+        if v is not True:
+            raise bad(f"'{where}' must be true", where)
+        req.json_output = True
+    elif kind == "choice":
+        if not isinstance(v, list) or not 0 < len(v) <= MAX_CHOICE or not all(isinstance(c, str) and c for c in v):
+            raise bad(f"'{where}' must be a list of 1 to {MAX_CHOICE} non-empty strings", where)
+        req.answer_grammar = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(v))
+    else:
+        if not isinstance(v, str) or not v.strip():
+            raise bad(f"'{where}' must be a non-empty string", where)
+        if kind == "regex":
+            import llguidance
+
+            v = llguidance.LLMatcher.grammar_from_regex(v)
+        req.answer_grammar = v
 
 
 def parse_response_format(rf, req: GenRequest) -> None:
@@ -603,7 +661,7 @@ def parse_chat(body: dict, limits: Limits) -> GenRequest:
         raise bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     strict = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
               for t in req.tools or [] if t["function"].get("strict")}
-    req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False}
+    req.api = {**req.api, "strict": strict, "parallel": body.get("parallel_tool_calls") is not False}
     kw = body.get("chat_template_kwargs")
     if kw is not None:
         if not isinstance(kw, dict):

@@ -499,7 +499,7 @@ class EngineWorker:
         shaped = self.shaped(req, thinking)
         if not req.min_tokens:
             return shaped
-        if req.json_output or req.force_call is not None:
+        if req.json_output or req.answer_grammar is not None or req.force_call is not None:
             raise bad("'min_tokens' cannot hold a structured output or a forced call open: their grammar ends the answer",
                       "min_tokens")
         return MinTokens(sorted(set(self.eng.text.stop_ids) | set(req.stop_token_ids)), req.min_tokens, self.vocab,
@@ -518,26 +518,32 @@ class EngineWorker:
 
     def grammar(self, req: GenRequest, thinking: bool) -> Constraint | None:
         """The grammar a request asks for: the JSON of `response_format` (after the reasoning closes, with
-        thinking on), a forced call's arguments, valid against the tool's schema, or, with strict tools, each
-        call block the model opens after its reasoning: a strict tool's arguments valid against its schema (the
-        other tools' free), the text around the calls free; without parallel calls, only a stop after the first."""
-        fmt = req.api.get("format_field", "response_format")  # the field that asked for JSON, in the request's API
-        if req.json_output and req.force_call is not None:
-            raise bad(f"'{fmt}' JSON and a forced tool call ('tool_choice') cannot both shape one answer", fmt)
+        thinking on), or vLLM's structured regex, choice or grammar (the same way), a forced call's arguments,
+        valid against the tool's schema, or, with strict tools, each call block the model opens after its
+        reasoning: a strict tool's arguments valid against its schema (the other tools' free), the text around the
+        calls free; without parallel calls, only a stop after the first."""
+        fmt = req.api.get("format_field", "response_format")  # the field that shaped the answer, in the request's API
+        shaped = req.json_output or req.answer_grammar is not None
+        if shaped and req.force_call is not None:
+            raise bad(f"'{fmt}' and a forced tool call ('tool_choice') cannot both shape one answer", fmt)
+        if req.answer_grammar is not None and self.harmony(req):
+            raise bad(f"'{fmt}': on a harmony model (gpt-oss) this server holds an answer to JSON only", fmt)
         tok = self.eng.text.tokenizer
         trigger = tok.token_to_id(CALL_OPEN)
         strict, once = set(req.api.get("strict") or {}), not req.api.get("parallel", True)
-        lazy = (not req.json_output and req.force_call is None and req.parse_tools and bool(req.tools)
+        lazy = (not shaped and req.force_call is None and req.parse_tools and bool(req.tools)
                 and bool(strict or once) and trigger in tok.get_added_tokens_decoder())  # calls open with one token
-        if not req.json_output and req.force_call is None and not lazy:
+        if not shaped and req.force_call is None and not lazy:
             return None
         if self.guide is None:
             self.guide = guide_tokenizer(tok, self.vocab, self.eng.text.stop_ids)
-        where = fmt if req.json_output else "tools"
+        where = fmt if shaped else "tools"
         after = tok.token_to_id("</think>") if thinking else None
         try:
             if req.json_output:
                 return json_answer(self.guide, req.json_schema, tok, self.vocab, thinking, self.harmony(req))
+            if req.answer_grammar is not None:
+                return Constraint(self.guide, req.answer_grammar, self.vocab, after=after)
             if lazy:
                 free = frozenset(t["function"]["name"] for t in req.tools) - strict
                 grammar = tool_call_grammar(self.tool_format, req.tools, None, tok, free=free, opened=True)
