@@ -77,6 +77,8 @@ COMMON = [
     ("min_tokens", -1), ("min_tokens", "3"), ("min_tokens", 1.5), ("min_tokens", 1 << 40),
     ("stop_token_ids", 5), ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [1 << 40]),
     ("stop_token_ids", list(range(65))),
+    ("structured_outputs", 5), ("structured_outputs", {}), ("structured_outputs", {"choice": "a"}),
+    ("structured_outputs", {"regex": 5}), ("structured_outputs", {"json": []}),
 ]
 CHAT = [
     ("messages", None), ("messages", "hi"), ("messages", []), ("messages", [5]),
