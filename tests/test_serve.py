@@ -18,7 +18,7 @@ import pytest
 from streamoe.formats.config import ModelArgs
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.plan import MiB, chunk_token_bytes, default_dtype
-from streamoe.runtime.serve.openai_api import Limits, parse_chat
+from streamoe.runtime.serve.openai_api import Limits, parse_chat, parse_completion
 from streamoe.runtime.serve.worker import EngineWorker, ServeOptions, open_engine, requests_bytes
 from streamoe.runtime.weights import mx_dtype
 
@@ -345,12 +345,15 @@ def test_n_choices_are_the_answers_of_seed_plus_i_whole_and_streamed(client):
 
 
 def test_n_completion_choices_restore_the_prompt_and_share_the_context(client):
-    """A completion's further choices restore its prompt but the last token and are still each the n=1 answer of
-    seed + i (logprobs, echo and the prompt's logprobs too); greedy choices are one answer n times; the choices
+    """A completion's further choices restore its prompt up to its last whole prefill step and are still each the
+    n=1 answer of seed + i (logprobs, echo and the prompt's logprobs too); greedy choices are one answer n times; the choices
     share what the context leaves, each clamped to its share as one answer is to what is left."""
-    kw = dict(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0.9, logprobs=2)
+    step = fetch(client.base_url.scheme + "://" + client.base_url.netloc.decode() + "/v1/plan").json()["prefill_step"]
+    long = CODE[1] + "".join(f"    # step {i}: add the two before\n" for i in range(40))
+    kw = dict(model="tiny", prompt=long, max_tokens=8, temperature=0.9, logprobs=2)
     r = client.completions.create(n=2, seed=1, **kw)
-    assert r.model_extra["streamoe"]["cached_tokens"] == r.usage.prompt_tokens - 1  # the last choice's restore
+    assert r.usage.prompt_tokens > step  # the last choice restores the prompt up to its last whole prefill step
+    assert r.model_extra["streamoe"]["cached_tokens"] == (r.usage.prompt_tokens - 1) // step * step
     for i, got in enumerate(r.choices):
         want = client.completions.create(seed=1 + i, **kw).choices[0]
         assert (got.index, got.text, got.logprobs.tokens, got.logprobs.token_logprobs, got.logprobs.top_logprobs) == (
@@ -358,7 +361,7 @@ def test_n_completion_choices_restore_the_prompt_and_share_the_context(client):
     echoed = dict(kw, echo=True, max_tokens=3)  # echo: each choice is its prompt, then its answer
     for i, got in enumerate(client.completions.create(n=2, seed=4, **echoed).choices):
         want = client.completions.create(seed=4 + i, **echoed).choices[0]
-        assert got.text.startswith(CODE[1]) and (got.text, got.logprobs.token_logprobs) == (
+        assert got.text.startswith(long) and (got.text, got.logprobs.token_logprobs) == (
             want.text, want.logprobs.token_logprobs)
     greedy_two = client.completions.create(model="tiny", prompt=CODE[1], max_tokens=8, temperature=0, n=2).choices
     assert greedy_two[0].text == greedy_two[1].text and greedy_two[1].index == 1
@@ -956,3 +959,38 @@ def test_vllm_structured_outputs_hold_the_answer(client):
         with pytest.raises(openai.BadRequestError) as e:
             chat(so, **extra)
         assert e.value.body["param"] == param, (so, e.value.body)
+
+
+def completion_turns(worker: EngineWorker, prompts: list[str]) -> tuple[list[bytes], list[int]]:
+    """Greedy text completions of these prompts, one after another: each answer's logits and its cached tokens."""
+    logits, cached = [], []
+    for p in prompts:
+        job = worker.prepare(parse_completion({"prompt": p, "temperature": 0, "max_tokens": 8}))
+        job.logits, job.sink = [], []
+        worker.run(job)
+        done = [e for e in job.sink if e[0] == "done"]
+        assert done, job.sink
+        logits.append(np.stack(job.logits).tobytes())
+        cached.append(done[0][1]["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return logits, cached
+
+
+def test_a_completion_prompt_that_grows_restores_the_one_before(conv):
+    """An agent that renders its own prompts sends each turn as a longer text completion beginning with the last:
+    each restores the one before as far as its last whole prefill step (where the engine's prefill steps fall
+    anyway), prefills only the rest, and its logits are the bits of a server without a prompt cache, which
+    prefills every prompt whole."""
+    lines = [f"    # step {i}: add the two before\n" for i in range(60)]
+    prompts = [CODE[0] + "".join(lines[:25]), CODE[0] + "".join(lines[:45]), CODE[0] + "".join(lines)]
+    opts = Options(cap_gib=8, ctx=CTX, runtime_bytes=RUNTIME_MIB * MiB)
+    on = EngineWorker(open_engine(conv, opts, so := ServeOptions("t", prompt_cache_bytes=8 * MiB)), so)
+    with_cache = completion_turns(on, prompts)
+    ids, step = [on.eng.text.encode_prompt(p) for p in prompts], on.eng.plan.prefill_step
+    on.eng.close()
+    off = EngineWorker(open_engine(conv, opts, so := ServeOptions("t", prompt_cache_bytes=0)), so)
+    without = completion_turns(off, prompts)
+    off.eng.close()
+    assert with_cache[0] == without[0]  # every logit of every turn, bit for bit
+    assert all(a[:len(b) - 1] == b[:-1] for a, b in zip(ids[1:], ids, strict=False))
+    kept = [(len(i) - 1) // step * step for i in ids[:2]]
+    assert without[1] == [0, 0, 0] and with_cache[1] == [0, *kept] and 0 < kept[0] < kept[1], (with_cache[1], kept)

@@ -609,11 +609,6 @@ class EngineWorker:
         if self.lock is not None and self.lock.broken is not None:
             raise self.lock.broken  # the ranks may be out of step: the server stops, and its peers with it
 
-    @staticmethod
-    def shares_prompt(job: Job, i: int) -> bool:
-        """Whether the choice after the i-th answers the same prompt (each prompt's `n` choices come together)."""
-        return i + 1 < len(job.choices) and (i + 1) % job.req.n != 0
-
     def _answer(self, job: Job, index: int, constraint, paths: list[str]) -> dict:
         """The job's choice at `index`, shaped by `constraint`: its info for the "choice_done" or "done" event."""
         eng, req, choice = self.eng, job.req, job.choices[index]
@@ -642,8 +637,12 @@ class EngineWorker:
             return [paths[i] for i, w in enumerate(where) if a <= w < b]
 
         cuts = [b for b in boundaries(ids, self.header if req.kind == "chat" else []) if b > start]
-        if self.shares_prompt(job, index) and scores is None and not cuts and start < len(ids) - 1:  # a completion's further choices:
-            cuts = [len(ids) - 1]  # all of its prompt but the last token kept for them
+        step = eng.plan.prefill_step
+        if req.kind == "completion" and scores is None and (grid := (len(ids) - 1) // step * step) > start:
+            # a completion's prompt kept up to the last whole prefill step before its last token: for its further
+            # choices (`n`) and for a longer prompt that begins with it (an agent's next turn, rendered by the
+            # client); cut where the engine's prefill steps fall anyway, so the logits are one prefill's bits
+            cuts = [grid]
         self.live = {"state": "prefill", "id": job.id, "prompt_tokens": len(ids), "cached_tokens": cached,
                      "rss": current_rss(), "cap": eng.plan.cap}
         a = start
