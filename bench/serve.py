@@ -1,6 +1,7 @@
 """`streamoe serve` under load: time to first token and tok/s for 1, 4 and 8 concurrent clients (streamed
-completions, read as a client reads them), and the prefill tokens a 5-turn chat saves with the prompt
-cache (the same conversation against a second server started with --prompt-cache-mib 0).
+completions, read as a client reads them), and the prefill tokens the prompt cache saves on a 5-turn chat and
+on a 5-turn agent that renders its own prompts (each turn a text completion: the last prompt, its answer and a
+tool's output), each against a second server started with --prompt-cache-mib 0.
 
     python -m bench.serve                                   # the embedded model, converted in --scratch
     python -m bench.serve --model ~/models/qwen36-streamoe --cap 4 --ctx 4096 --name serve-full
@@ -123,6 +124,34 @@ def conversation(url: str, picture: str | None) -> list[dict]:
     return out
 
 
+def completion_agent(url: str) -> list[dict]:
+    """Five turns of an agent that renders its prompts itself: each a text completion of the last prompt, its answer
+    and a tool's output; per turn the prompt tokens, those restored from a snapshot, and the time to the answer."""
+    prompt = "# A tool log: each call, then its output.\n" + "".join(f"call {i}: read(page={i})\n  -> {i * 7} lines\n"
+                                                                     for i in range(20))
+    out = []
+    for turn in range(5):
+        t0 = time.perf_counter()
+        conn, resp = post(url + "/v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": 16})
+        r = json.loads(resp.read())
+        conn.close()
+        s = time.perf_counter() - t0
+        answer = r["choices"][0]["text"]
+        out.append({"prompt_tokens": r["usage"]["prompt_tokens"], "cached_tokens": r["usage"]["prompt_tokens_details"]["cached_tokens"],
+                    "s": round(s, 3), "answer": answer})
+        prompt += answer + f"\n  -> tool output {turn}: " + "ok, " * 12 + "done\n"
+    return out
+
+
+def saved_by_cache(cached: list[dict], fresh: list[dict]) -> dict:
+    """What the prompt cache saved over the same turns against a server without one."""
+    total, saved = sum(t["prompt_tokens"] for t in fresh), sum(t["cached_tokens"] for t in cached)
+    return {"turns": len(cached), "prompt_tokens": total, "prefilled_with_cache": total - saved, "saved": saved,
+            "saved_fraction": round(saved / total, 3), "s_with_cache": round(sum(t["s"] for t in cached), 2),
+            "s_without_cache": round(sum(t["s"] for t in fresh), 2),
+            "same_answers": [t["answer"] for t in cached] == [t["answer"] for t in fresh], "per_turn": cached}
+
+
 def triangle_url(scratch: Path) -> str:
     import base64
 
@@ -177,22 +206,17 @@ def run(a: argparse.Namespace, scratch: Path) -> None:
     proc, url = start(model, [*common, "--prompt-cache-mib", str(a.prompt_cache_mib)], scratch / "serve.log")
     try:
         loads = [load(url, c, a.tokens) for c in (1, 4, 8)]
-        cached = conversation(url, picture)
+        cached, agent = conversation(url, picture), completion_agent(url)
     finally:
         stop(proc)
     proc, url = start(model, [*common, "--prompt-cache-mib", "0"], scratch / "serve-nocache.log")
     try:
-        fresh = conversation(url, picture)
+        fresh, fresh_agent = conversation(url, picture), completion_agent(url)
     finally:
         stop(proc)
-    total = sum(t["prompt_tokens"] for t in fresh)
-    saved = sum(t["cached_tokens"] for t in cached)
-    cache = {"turns": len(TURNS), "prompt_tokens": total, "prefilled_with_cache": total - saved, "saved": saved,
-             "saved_fraction": round(saved / total, 3), "s_with_cache": round(sum(t["s"] for t in cached), 2),
-             "s_without_cache": round(sum(t["s"] for t in fresh), 2),
-             "same_answers": [t["answer"] for t in cached] == [t["answer"] for t in fresh], "per_turn": cached}
     write_result(a.name, "serve", [{"model": str(a.model or "models/tiny"), "cap_gib": round(cap, 4), "ctx": a.ctx,
-                                    "load_avg_1m": load_avg, "load": loads, "prompt_cache": cache}])
+                                    "load_avg_1m": load_avg, "load": loads, "prompt_cache": saved_by_cache(cached, fresh),
+                                    "prompt_cache_completions": saved_by_cache(agent, fresh_agent)}])
 
 
 if __name__ == "__main__":
