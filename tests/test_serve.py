@@ -994,3 +994,21 @@ def test_a_completion_prompt_that_grows_restores_the_one_before(conv):
     assert all(a[:len(b) - 1] == b[:-1] for a, b in zip(ids[1:], ids, strict=False))
     kept = [(len(i) - 1) // step * step for i in ids[:2]]
     assert without[1] == [0, 0, 0] and with_cache[1] == [0, *kept] and 0 < kept[0] < kept[1], (with_cache[1], kept)
+
+
+def test_include_stop_str_in_output_writes_the_stop_string(client):
+    """vLLM's `include_stop_str_in_output`: the answer ends after the stop string it met instead of before it,
+    whole and streamed; `finish_reason` "stop" either way."""
+    kw = dict(model="tiny", prompt=CODE[0], temperature=0, max_tokens=24)
+    text = client.completions.create(**kw).choices[0].text
+    stop = text[6:10]
+    assert stop.strip() and len(stop) == 4
+    cut = text[:text.index(stop)]
+    plain = client.completions.create(**kw, stop=[stop]).choices[0]
+    kept = client.completions.create(**kw, stop=[stop], extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert (plain.text, plain.finish_reason) == (cut, "stop") and (kept.text, kept.finish_reason) == (cut + stop, "stop")
+    chunks = client.completions.create(**kw, stop=[stop], stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut + stop
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, extra_body={"include_stop_str_in_output": "yes"})
+    assert e.value.body["param"] == "include_stop_str_in_output"

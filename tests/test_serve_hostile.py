@@ -78,7 +78,7 @@ COMMON = [
     ("stop_token_ids", 5), ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [1 << 40]),
     ("stop_token_ids", list(range(65))),
     ("structured_outputs", 5), ("structured_outputs", {}), ("structured_outputs", {"choice": "a"}),
-    ("structured_outputs", {"regex": 5}), ("structured_outputs", {"json": []}),
+    ("structured_outputs", {"regex": 5}), ("structured_outputs", {"json": []}), ("include_stop_str_in_output", 1),
 ]
 CHAT = [
     ("messages", None), ("messages", "hi"), ("messages", []), ("messages", [5]),

@@ -19,10 +19,11 @@ Event = tuple[str, object]  # ("reasoning", str) | ("content", str) | ("tool_cal
 
 
 class StopMatcher:
-    """Cuts the text at the first of the request's stop strings (which are not returned, as OpenAI does)."""
+    """Cuts the text at the first of the request's stop strings: after it with `include` (vLLM's
+    `include_stop_str_in_output`), else before it (not returned, as OpenAI does)."""
 
-    def __init__(self, stops: list[str]):
-        self.stops, self.buf, self.stopped = [s for s in stops if s], "", False
+    def __init__(self, stops: list[str], include: bool = False):
+        self.stops, self.buf, self.stopped, self.include = [s for s in stops if s], "", False, include
         self.matched: str | None = None  # the stop string that ended the answer
 
     def feed(self, text: str) -> str:
@@ -32,7 +33,7 @@ class StopMatcher:
         hits = [(i, s) for i, s in ((self.buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             at, self.matched = min(hits)
-            out, self.buf, self.stopped = self.buf[:at], "", True
+            out, self.buf, self.stopped = self.buf[:at + len(self.matched) * self.include], "", True
             return out
         keep = partial_suffix(self.buf, self.stops)
         out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
@@ -59,8 +60,9 @@ class ChatOutput:
     it, at negative offsets), one per content event, in order; so the tokens whose text the content holds, and no
     reasoning or markup, are the ones a caller gives logprobs for."""
 
-    def __init__(self, thinking: bool, tools: list[dict] | bool | None, stops: list[str], tool_format: str = "json"):
-        self.stop = StopMatcher(stops)
+    def __init__(self, thinking: bool, tools: list[dict] | bool | None, stops: list[str], tool_format: str = "json",
+                 include_stop: bool = False):
+        self.stop = StopMatcher(stops, include_stop)
         self.phase = "reasoning" if thinking else "content"
         self.tools = ToolCallStream(tool_format, tools if isinstance(tools, list) else None) if tools else None
         self.pending, self.newlines, self.started = "", "", False
@@ -217,8 +219,8 @@ class HarmonyOutput:
     parsers read them. Headers are markup, never text the client gets; a header that never reaches its
     `<|message|>` is content verbatim, as a call whose arguments are not a JSON object is."""
 
-    def __init__(self, tools: list[dict] | bool | None, stops: list[str]):
-        self.stop = StopMatcher(stops)
+    def __init__(self, tools: list[dict] | bool | None, stops: list[str], include_stop: bool = False):
+        self.stop = StopMatcher(stops, include_stop)
         self.tools = bool(tools)
         self.buf, self.at, self.fed = "", 0, 0  # held text, where it starts in the text fed, characters fed
         self.in_header = True  # in a message's header (held in `buf` until its <|message|>), else in its text

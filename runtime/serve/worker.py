@@ -663,8 +663,8 @@ class EngineWorker:
             if self.lock is not None:  # every rank keeps the same snapshots, each its own copy
                 self.lock.tell("capture", id=snapshot_id(key[:a]), keep=[snapshot_id(k) for k in self.cache.snaps])
         tools = (req.tools or True) if req.parse_tools else None
-        out = (HarmonyOutput(tools, req.stop) if self.harmony(req) else
-               ChatOutput(job.thinking, tools, req.stop, self.tool_format))
+        out = (HarmonyOutput(tools, req.stop, req.include_stop) if self.harmony(req) else
+               ChatOutput(job.thinking, tools, req.stop, self.tool_format, req.include_stop))
         echoed = not echo  # completions' `echo`: the prompt, and its tokens' logprobs, go out before the answer
 
         def echo_prompt() -> None:
