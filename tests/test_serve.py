@@ -1012,3 +1012,22 @@ def test_include_stop_str_in_output_writes_the_stop_string(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**kw, extra_body={"include_stop_str_in_output": "yes"})
     assert e.value.body["param"] == "include_stop_str_in_output"
+
+
+def test_a_snapshot_is_restored_only_where_the_prompts_own_prefill_cuts(conv):
+    """A chat's snapshot (after its assistant header) is not restored for a text completion that begins with the
+    chat's rendering (it would cut that prefill off its step grid): the completion's logits stay those of a
+    server without a prompt cache."""
+    msgs = [{"role": "user", "content": "What colour is the triangle?"}]
+    opts = Options(cap_gib=8, ctx=CTX, runtime_bytes=RUNTIME_MIB * MiB)
+    logits = []
+    for budget in (8 * MiB, 0):
+        w = EngineWorker(open_engine(conv, opts, so := ServeOptions("t", prompt_cache_bytes=budget)), so)
+        w.run(w.prepare(parse_chat({"messages": msgs, "temperature": 0, "max_tokens": 4}, Limits())))
+        prompt = w.eng.text.decode(w.eng.text.chat_ids(msgs)) + "blue."
+        assert (w.cache.to_json()["snapshots"] > 0) == bool(budget)
+        got, cached = completion_turns(w, [prompt])
+        w.eng.close()
+        assert cached == [0]
+        logits.append(got)
+    assert logits[0] == logits[1]

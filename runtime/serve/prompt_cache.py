@@ -18,6 +18,7 @@ of the memory plan, evicted LRU.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,11 +101,12 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.snaps.values())
 
-    def lookup(self, key: tuple[Item, ...]) -> Snapshot | None:
-        """The snapshot holding the longest prefix of `key` (shorter than `key`: the last token must be fed)."""
+    def lookup(self, key: tuple[Item, ...], fits: Callable[[int], bool] = lambda n: True) -> Snapshot | None:
+        """The snapshot holding the longest prefix of `key` (shorter than `key`: the last token must be fed) whose
+        length `fits` (where the prompt's own prefill would cut)."""
         best = None
         for k, s in self.snaps.items():
-            if len(k) < len(key) and (best is None or len(k) > len(best.key)) and key[:len(k)] == k:
+            if len(k) < len(key) and (best is None or len(k) > len(best.key)) and fits(len(k)) and key[:len(k)] == k:
                 best = s
         if best is None:
             self.misses += 1

@@ -621,7 +621,12 @@ class EngineWorker:
         scores = None
         if echo and req.logprobs:  # every prompt position's prediction: the whole prompt prefilled, none restored
             scores = PromptScores(ids, req.top_logprobs)
-        snap = self.cache.lookup(key) if self.cache.budget and scores is None else None
+        marks = boundaries(ids, self.header) if req.kind == "chat" else None
+        step = eng.plan.prefill_step
+        # restored only where this prompt's own prefill cuts (a chat's after each assistant header, a completion's
+        # on the engine's prefill steps), so the rest is prefilled as a fresh prompt's is: the same bits
+        fits = marks.__contains__ if marks is not None else (lambda n: n % step == 0)
+        snap = self.cache.lookup(key, fits) if self.cache.budget and scores is None else None
         with self.told("begin", restore=None if snap is None else snapshot_id(snap.key)):
             if snap is not None:
                 restore(eng, snap)
@@ -636,8 +641,7 @@ class EngineWorker:
         def images(a: int, b: int) -> list[str]:
             return [paths[i] for i, w in enumerate(where) if a <= w < b]
 
-        cuts = [b for b in boundaries(ids, self.header if req.kind == "chat" else []) if b > start]
-        step = eng.plan.prefill_step
+        cuts = [b for b in marks or [] if b > start]
         if req.kind == "completion" and scores is None and (grid := (len(ids) - 1) // step * step) > start:
             # a completion's prompt kept up to the last whole prefill step before its last token: for its further
             # choices (`n`) and for a longer prompt that begins with it (an agent's next turn, rendered by the
