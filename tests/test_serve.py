@@ -18,6 +18,7 @@ import pytest
 from streamoe.formats.config import ModelArgs
 from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.plan import MiB, chunk_token_bytes, default_dtype
+from streamoe.runtime.sampling import Sampler
 from streamoe.runtime.serve.openai_api import Limits, parse_chat, parse_completion
 from streamoe.runtime.serve.worker import EngineWorker, ServeOptions, open_engine, requests_bytes
 from streamoe.runtime.weights import mx_dtype
@@ -1031,3 +1032,20 @@ def test_a_snapshot_is_restored_only_where_the_prompts_own_prefill_cuts(conv):
         assert cached == [0]
         logits.append(got)
     assert logits[0] == logits[1]
+
+
+def test_ignore_eos_runs_the_answer_to_max_tokens(client, ref):
+    """vLLM's `ignore_eos` (benchmark clients send it, false unless asked): false is the plain answer; true gives the
+    model's end-of-turn tokens OpenAI's lowest `logit_bias` (-100) for the whole answer, so an answer that ends
+    after 3 tokens runs to `max_tokens`: the engine's greedy answer under that bias."""
+    msgs = [{"role": "user", "content": "What colour is the triangle?"}]
+    ids = chat_ids(ref, msgs, think=False)
+    kw = dict(model="tiny", messages=msgs, temperature=0, max_tokens=20)
+    extra = {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True}
+    plain = client.chat.completions.create(**kw, extra_body={**extra, "ignore_eos": False}).choices[0]
+    assert plain.model_extra["token_ids"] == greedy(ref, ids, 20) and len(plain.model_extra["token_ids"]) == 3
+    ref.reset()
+    want = [t for t, _ in ref.generate(ids, 20, Sampler(logit_bias={t: -100 for t in ref.text.stop_ids}))]
+    r = client.chat.completions.create(**kw, extra_body={**extra, "ignore_eos": True})
+    assert r.choices[0].model_extra["token_ids"] == want and r.usage.completion_tokens == 20
+    assert r.choices[0].finish_reason == "length"

@@ -79,6 +79,7 @@ COMMON = [
     ("stop_token_ids", list(range(65))),
     ("structured_outputs", 5), ("structured_outputs", {}), ("structured_outputs", {"choice": "a"}),
     ("structured_outputs", {"regex": 5}), ("structured_outputs", {"json": []}), ("include_stop_str_in_output", 1),
+    ("ignore_eos", "true"),
 ]
 CHAT = [
     ("messages", None), ("messages", "hi"), ("messages", []), ("messages", [5]),

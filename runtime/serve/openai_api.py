@@ -211,6 +211,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: tokens that end the answer, not written
     include_stop: bool = False  # vLLM's include_stop_str_in_output: a stop string ends the answer written
+    ignore_eos: bool = False  # vLLM's: the model's end-of-turn tokens kept from ending the answer (see the worker)
     min_tokens: int = 0  # vLLM's: no end of the answer (its stop tokens masked) before this many tokens
     sampling: dict = field(default_factory=dict)  # the fields set, keyed as `Sampler` takes them
     seed: int | None = None
@@ -260,7 +261,7 @@ def _flag(body: dict, key: str, default: bool = False) -> bool:
 # The fields of each API's body (OpenAI's, as its client types them, and the extensions of vLLM's and mlx-lm's
 # servers this one implements); a field not in the API's HONOURED set is refused whenever it is set (not null).
 EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "return_token_ids", "min_tokens", "stop_token_ids",
-              "structured_outputs", "include_stop_str_in_output"}
+              "structured_outputs", "include_stop_str_in_output", "ignore_eos"}
 COMPLETION_FIELDS = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "model", "n",
                      "presence_penalty", "prompt", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
                      "top_p", "user"} | EXTENSIONS
@@ -331,6 +332,7 @@ def _common(body: dict, req: GenRequest) -> None:
         raise bad("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
     req.stop = stop or []
     req.include_stop = _flag(body, "include_stop_str_in_output")
+    req.ignore_eos = _flag(body, "ignore_eos")
     req.min_tokens = _number(body, "min_tokens", 0, 1 << 30, integer=True) or 0
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad(f"'min_tokens' ({req.min_tokens}) must be at most the answer's 'max_tokens' ({req.max_tokens})",

@@ -441,6 +441,9 @@ class EngineWorker:
             beyond = [t for t in req.sampling["logit_bias"] if t >= words]
             if beyond:
                 raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
+        if req.ignore_eos:  # vLLM samples them and goes on; here they take OpenAI's lowest bias: the same lengths
+            bias = {**(req.sampling.get("logit_bias") or {}), **{t: -100.0 for t in self.eng.text.stop_ids}}
+            req.sampling = {**req.sampling, "logit_bias": bias}
         if beyond := [t for t in req.stop_token_ids if t >= self.vocab]:
             raise bad(f"'stop_token_ids' names token id {beyond[0]}; the model has {self.vocab:,}", "stop_token_ids")
         if len(prompts) * req.n > 1 and self.lock is not None:
