@@ -1049,3 +1049,19 @@ def test_ignore_eos_runs_the_answer_to_max_tokens(client, ref):
     r = client.chat.completions.create(**kw, extra_body={**extra, "ignore_eos": True})
     assert r.choices[0].model_extra["token_ids"] == want and r.usage.completion_tokens == 20
     assert r.choices[0].finish_reason == "length"
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    """vLLM's `stream_options.continuous_usage_stats` (benchmark clients ask for it): every chunk carries the usage so
+    far, its completion tokens never falling and ending at the final usage's, for one choice and for `n` 2 (the
+    choices' tokens added up); without it no chunk but the last has usage."""
+    kw = dict(model="tiny", prompt=CODE[0], temperature=0, max_tokens=12, stream=True)
+    for n in (1, 2):
+        chunks = list(client.completions.create(**kw, n=n, extra_body={"stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}))
+        final = chunks[-1].usage
+        seen = [c.usage.completion_tokens for c in chunks if c.choices]
+        assert all(c.usage is not None and c.usage.prompt_tokens == final.prompt_tokens for c in chunks)
+        assert seen == sorted(seen) and seen[-1] == final.completion_tokens == 12 * n and 0 < seen[0] < seen[-1]
+    plain = list(client.completions.create(**kw, stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]

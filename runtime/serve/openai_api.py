@@ -206,6 +206,7 @@ class GenRequest:
     model: str | None
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: the usage so far on every chunk
     return_token_ids: bool = False  # vLLM's extension: the prompt's and the answer's token ids in the response
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -299,14 +300,15 @@ def _common(body: dict, req: GenRequest) -> None:
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad("'stream_options' must be an object", "stream_options")
-        check_fields(opts, {"include_usage", "include_obfuscation"}, {"include_usage", "include_obfuscation"},
-                     "stream_options.", "the OpenAI API")
+        keys = {"include_usage", "include_obfuscation", "continuous_usage_stats"}  # the last vLLM's
+        check_fields(opts, keys, keys, "stream_options.", "the OpenAI API")
         if opts.get("include_obfuscation"):
             raise bad("'stream_options.include_obfuscation': this server adds no obfuscation",
                       "stream_options.include_obfuscation")
         if not isinstance(opts.get("include_usage", False), bool | None):
             raise bad("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
         req.include_usage = _flag(opts, "include_usage")
+        req.continuous_usage = _flag(opts, "continuous_usage_stats")
         if not req.stream:
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     req.n = _number(body, "n", 1, MAX_N, integer=True) or 1

@@ -376,6 +376,7 @@ class OpenAIOutput:
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": job.created, "model": model}
         self.index, self.finished = 0, []  # the choice being written, and those written before it
+        self.tokens, self.before = 0, 0  # the choice's tokens so far and the choices' before it (continuous usage)
         self.first_prompt_ids: list[int] | None = None  # vLLM's `prompt_token_ids`: the first choice's prompt
         self._next_choice()
 
@@ -408,6 +409,10 @@ class OpenAIOutput:
         if not self.chat or "content" in choice["delta"] or finish is not None:
             lps, self.pending = self.pending, []
         choice["logprobs"] = self._logprobs(lps) if lps else None
+        if self.job.req.continuous_usage:  # vLLM's: the usage so far, on every chunk
+            prompt, done = (self.job.started or {}).get("prompt_tokens", 0), self.before + self.tokens
+            extra = {"usage": {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done},
+                     **extra}
         return sse({**self.base, "choices": [{**choice, "finish_reason": finish}], **extra})
 
     def start(self) -> list[str]:
@@ -433,6 +438,9 @@ class OpenAIOutput:
         kind, v = ev
         if kind == "started":
             return []
+        if kind == "count":
+            self.tokens = v
+            return []
         if kind == "logprobs":
             self.pending += v
             self.lps += v
@@ -457,8 +465,12 @@ class OpenAIOutput:
         if kind == "error":
             return [sse(v.body()), "data: [DONE]\n\n"]
         self.info = v
+        usage = v.get("usage") or {}
+        if "completion_tokens" in usage:  # the choice's own at "choice_done", every choice's at the end
+            self.tokens = usage["completion_tokens"] - (self.before if kind == "done" else 0)
         out = [self._chunk(finish="tool_calls" if self.n_calls else v["finish_reason"], streamoe=v.get("telemetry"))]
         if kind == "choice_done":  # the next choice follows
+            self.before, self.tokens = self.before + self.tokens, 0
             self.first_prompt_ids = self.first_prompt_ids or v.get("prompt_token_ids")
             if not self.job.req.stream:  # a stream has sent it: nothing to build
                 self.finished.append(self._choice())

@@ -717,6 +717,8 @@ class EngineWorker:
                     if lps := content.place(out.spans, settled=out.phase == "reasoning"):
                         job.emit(("logprobs", lps))
                 if evs:
+                    if req.continuous_usage:
+                        job.emit(("count", n))
                     job.emit(("delta", evs))
                 seen = dec.add(eng.steps, seen)
                 self.live = {**self.live, "state": "decode", "tokens": n, **dec.stats(), "rss": eng.rss}
