@@ -996,10 +996,12 @@ def metrics(server) -> dict:
     r = fetch(server.url + "/metrics")
     assert r.status == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
     for ln in r.text.splitlines():
-        assert ln.startswith(("# HELP streamoe_", "# TYPE streamoe_", "streamoe_")), ln
+        assert ln.startswith(("# HELP streamoe_", "# TYPE streamoe_", "streamoe_", "# HELP vllm:", "# TYPE vllm:",
+                              "vllm:")), ln
     out = {}
     for fam in text_string_to_metric_families(r.text):
-        assert fam.name.startswith("streamoe_") and fam.documentation and fam.type in ("counter", "gauge")
+        assert fam.name.startswith(("streamoe_", "vllm:")) and fam.documentation
+        assert fam.type in ("counter", "gauge", "histogram")
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
@@ -1026,6 +1028,20 @@ def test_metrics_count_what_was_served(server, oc):
     assert after[("streamoe_memory_cap_bytes", ())] == fetch(server.url + "/v1/plan").json()["cap"]
     assert 0 < after[("streamoe_memory_bytes", ())] <= after[("streamoe_memory_cap_bytes", ())]
     assert after[("streamoe_queue_depth", ())] == 0
+    # the latencies: one more of each (time per output token too: 8 tokens), each histogram's buckets cumulative
+    # up to its count, and the vLLM names hold the same figures, labelled with the model's name
+    tiny = (("model_name", "tiny"),)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "time_per_output_token_seconds"):
+        assert grew(f"streamoe_{name}_count") == 1 and grew(f"streamoe_{name}_sum") >= 0
+        buckets = sorted(((float(dict(k[1])["le"]), v) for k, v in after.items() if k[0] == f"streamoe_{name}_bucket"))
+        assert [v for _, v in buckets] == sorted(v for _, v in buckets) and buckets[-1][1] == after[(f"streamoe_{name}_count", ())]
+        assert after[(f"vllm:{name}_count", tiny)] == after[(f"streamoe_{name}_count", ())]
+    e2e = after[("streamoe_e2e_request_latency_seconds_sum", ())] - before.get(("streamoe_e2e_request_latency_seconds_sum", ()), 0)
+    assert 0 < grew("streamoe_time_to_first_token_seconds_sum") < e2e < 60
+    assert after[("vllm:prompt_tokens_total", tiny)] == after[("streamoe_prompt_tokens_total", ())]
+    assert after[("vllm:generation_tokens_total", tiny)] == after[("streamoe_generated_tokens_total", ())]
+    assert after[("vllm:num_requests_waiting", tiny)] == 0 and after[("vllm:num_requests_running", tiny)] == 0
 
 
 def test_no_traceback_in_the_server_log(server):

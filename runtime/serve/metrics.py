@@ -1,6 +1,8 @@
-"""`GET /metrics`: the server's counters and the last answer's telemetry in Prometheus' text exposition
-format (version 0.0.4): one `# HELP` and one `# TYPE` line per metric, names prefixed `streamoe_`, counters
-ending in `_total`. Read from the worker's own state; nothing here is computed twice."""
+"""`GET /metrics`: the server's counters, its requests' latencies as histograms and the last answer's telemetry in
+Prometheus' text exposition format (version 0.0.4): one `# HELP` and one `# TYPE` line per metric, names prefixed
+`streamoe_`, counters ending in `_total`; and the same figures under vLLM's names (`vllm:`, labelled with the
+model's name), so dashboards and autoscalers made for vLLM read this server. Read from the worker's own state;
+nothing here is computed twice."""
 
 from __future__ import annotations
 
@@ -13,13 +15,58 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def family(name: str, kind: str, help_text: str, samples: Iterable[tuple[dict, float]]) -> list[str]:
-    """One metric's lines: HELP, TYPE, then a sample per label set."""
-    lines = [f"# HELP streamoe_{name} {help_text}", f"# TYPE streamoe_{name} {kind}"]
+def family(name: str, kind: str, help_text: str, samples: Iterable[tuple[dict, float]],
+           prefix: str = "streamoe_") -> list[str]:
+    """One metric's lines: HELP, TYPE, then a sample per label set (a histogram's samples name their suffix in the
+    label `""`: `_bucket`, `_sum`, `_count`)."""
+    lines = [f"# HELP {prefix}{name} {help_text}", f"# TYPE {prefix}{name} {kind}"]
     for labels, value in samples:
+        labels = dict(labels)
+        suffix = labels.pop("", "")
         tag = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
-        lines.append(f"streamoe_{name}{'{' + tag + '}' if tag else ''} {float(value)!r}")
+        lines.append(f"{prefix}{name}{suffix}{'{' + tag + '}' if tag else ''} {float(value)!r}")
     return lines
+
+
+# bucket bounds in seconds, vLLM's for the same histograms
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+
+
+class Histogram:
+    """Observations counted into fixed buckets, as Prometheus exposes them (cumulative, `+Inf` last)."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds, self.counts, self.sum, self.count = bounds, [0] * len(bounds), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, b in enumerate(self.bounds):
+            if value <= b:
+                self.counts[i] += 1
+                break
+        self.sum += value
+        self.count += 1
+
+    def samples(self, labels: dict | None = None) -> list[tuple[dict, float]]:
+        labels, out, seen = labels or {}, [], 0
+        for b, n in zip(self.bounds, self.counts, strict=True):
+            seen += n
+            out.append(({**labels, "le": repr(float(b)), "": "_bucket"}, seen))
+        out.append(({**labels, "le": "+Inf", "": "_bucket"}, self.count))
+        return out + [({**labels, "": "_sum"}, self.sum), ({**labels, "": "_count"}, self.count)]
+
+
+LATENCIES = {  # the worker's histograms: name -> (help, buckets)
+    "time_to_first_token_seconds": ("Seconds from a request's arrival to its first token.", TTFT_BUCKETS),
+    "time_per_output_token_seconds": ("Seconds between an answer's tokens after its first, averaged per answer.",
+                                      TOKEN_BUCKETS),
+    "e2e_request_latency_seconds": ("Seconds from a request's arrival to its end.", REQUEST_BUCKETS),
+    "request_queue_time_seconds": ("Seconds a request waited for the engine.", REQUEST_BUCKETS),
+}
 
 
 def exposition(worker, queued: int, requests: dict) -> str:
@@ -59,6 +106,17 @@ def exposition(worker, queued: int, requests: dict) -> str:
         out += family("host_tier_hits_total", "counter", "Expert picks copied from the host tier instead of read, "
                       "in the finished answers.", [({}, tot["host_hits"])])
     out += family("queue_depth", "gauge", "Requests waiting for the engine.", [({}, queued)])
-    out += family("busy", "gauge", "1 while the engine answers a request, else 0.",
-                  [({}, 0 if worker.live.get("state", "idle") == "idle" else 1)])
+    busy = 0 if worker.live.get("state", "idle") == "idle" else 1
+    out += family("busy", "gauge", "1 while the engine answers a request, else 0.", [({}, busy)])
+    for name, (help_text, _) in LATENCIES.items():
+        out += family(name, "histogram", help_text, worker.latency[name].samples())
+    model = {"model_name": worker.so.model_name}
+    vllm = [("num_requests_running", "gauge", "Requests the engine is answering.", busy),
+            ("num_requests_waiting", "gauge", "Requests waiting for the engine.", queued),
+            ("prompt_tokens_total", "counter", "Prompt tokens of the finished answers.", tot["prompt_tokens"]),
+            ("generation_tokens_total", "counter", "Tokens generated in the finished answers.", tot["generated_tokens"])]
+    for name, kind, help_text, value in vllm:
+        out += family(name, kind, help_text, [(model, value)], prefix="vllm:")
+    for name, (help_text, _) in LATENCIES.items():
+        out += family(name, "histogram", help_text, worker.latency[name].samples(model), prefix="vllm:")
     return "\n".join(out) + "\n"

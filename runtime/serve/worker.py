@@ -51,6 +51,7 @@ from .chat_output import ChatOutput, HarmonyOutput
 from .door import PIECE, SOCKET_BUFFER, WRITE_BUFFER, socket_bytes
 from .lockstep import Lockstep, rank_summary, snapshot_id
 from .logprobs import ContentTokens, PromptScores, TokenText
+from .metrics import LATENCIES, Histogram
 from .openai_api import APIError, GenRequest, Limits, bad, image_hash
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
 
@@ -235,6 +236,7 @@ class Job:
     thinking: bool
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
+    arrived: float = field(default_factory=time.monotonic)  # for the latency histograms (`metrics`)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -352,6 +354,7 @@ class EngineWorker:
         self.live: dict = {"state": "idle"}
         self.served = 0
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "bytes_read": 0, "host_hits": 0}  # over the server's lifetime
+        self.latency = {name: Histogram(bounds) for name, (_, bounds) in LATENCIES.items()}  # the requests', ditto
         self.token_text = TokenText(eng.text)
         self.bound = PromptBound(eng.text.tokenizer)
         self.lock = Lockstep(eng) if eng.group is not None else None  # across ranks: every engine call told first
@@ -580,6 +583,7 @@ class EngineWorker:
         of completion prompts), each answered after the one before (a prompt's cached part restored), a
         ("choice_done", info) between them, and the "done" info's usage counts each prompt once and every choice's
         tokens."""
+        self.latency["request_queue_time_seconds"].observe(time.monotonic() - job.arrived)
         try:
             with image_files(job.req.images) as paths:
                 answers = [self._answer(job, 0, job.constraint, paths)]
@@ -592,6 +596,8 @@ class EngineWorker:
             if len(answers) > 1 and not info.get("cancelled"):
                 info = {**info, "usage": choices_usage([a["usage"] for a in answers], job.req.n)}
             job.emit(("done", info))
+            if not info.get("cancelled"):
+                self.latency["e2e_request_latency_seconds"].observe(time.monotonic() - job.arrived)
         except Exception as e:
             if self.lock is not None and self.lock.lost:  # across ranks, a peer gone: the server stops (below)
                 job.emit(("error", APIError(503, "the server lost one of its ranks and is stopping", code="shutting_down")))
@@ -705,8 +711,11 @@ class EngineWorker:
                 toks.append(tok)
                 if job.logits is not None:
                     job.logits.append(lg)
+                last = time.monotonic()
                 if n == 1:
-                    self.live["ttft_s"] = time.perf_counter() - t0
+                    self.live["ttft_s"], first = time.perf_counter() - t0, last
+                    if index == 0:
+                        self.latency["time_to_first_token_seconds"].observe(last - job.arrived)
                 if out.phase == "reasoning":  # the token is fed before it can close the thinking
                     reasoning += 1
                 piece = detok.add(tok)
@@ -725,6 +734,8 @@ class EngineWorker:
                 if out.stopped:
                     finish = "stop"
                     break
+        if n > 1:
+            self.latency["time_per_output_token_seconds"].observe((last - first) / (n - 1))
         evs = out.flush()
         echo_prompt()
         if content is not None and (lps := content.place(out.spans, settled=True)):
