@@ -1032,8 +1032,9 @@ def test_metrics_count_what_was_served(server, oc):
     # up to its count, and the vLLM names hold the same figures, labelled with the model's name
     tiny = (("model_name", "tiny"),)
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "time_per_output_token_seconds"):
-        assert grew(f"streamoe_{name}_count") == 1 and grew(f"streamoe_{name}_sum") >= 0
+                 "request_time_per_output_token_seconds", "inter_token_latency_seconds"):
+        gaps = r.usage.completion_tokens - 1 if name == "inter_token_latency_seconds" else 1
+        assert grew(f"streamoe_{name}_count") == gaps and grew(f"streamoe_{name}_sum") >= 0
         buckets = sorted(((float(dict(k[1])["le"]), v) for k, v in after.items() if k[0] == f"streamoe_{name}_bucket"))
         assert [v for _, v in buckets] == sorted(v for _, v in buckets) and buckets[-1][1] == after[(f"streamoe_{name}_count", ())]
         assert after[(f"vllm:{name}_count", tiny)] == after[(f"streamoe_{name}_count", ())]
@@ -1042,6 +1043,8 @@ def test_metrics_count_what_was_served(server, oc):
     assert after[("vllm:prompt_tokens_total", tiny)] == after[("streamoe_prompt_tokens_total", ())]
     assert after[("vllm:generation_tokens_total", tiny)] == after[("streamoe_generated_tokens_total", ())]
     assert after[("vllm:num_requests_waiting", tiny)] == 0 and after[("vllm:num_requests_running", tiny)] == 0
+    reason = (("finished_reason", r.choices[0].finish_reason), ("model_name", "tiny"))
+    assert grew("vllm:request_success_total", reason) == 1
 
 
 def test_no_traceback_in_the_server_log(server):

@@ -62,8 +62,9 @@ class Histogram:
 
 LATENCIES = {  # the worker's histograms: name -> (help, buckets)
     "time_to_first_token_seconds": ("Seconds from a request's arrival to its first token.", TTFT_BUCKETS),
-    "time_per_output_token_seconds": ("Seconds between an answer's tokens after its first, averaged per answer.",
-                                      TOKEN_BUCKETS),
+    "inter_token_latency_seconds": ("Seconds between two tokens of an answer.", TOKEN_BUCKETS),
+    "request_time_per_output_token_seconds": ("Seconds between an answer's tokens after its first, averaged per "
+                                              "answer.", TOKEN_BUCKETS),
     "e2e_request_latency_seconds": ("Seconds from a request's arrival to its end.", REQUEST_BUCKETS),
     "request_queue_time_seconds": ("Seconds a request waited for the engine.", REQUEST_BUCKETS),
 }
@@ -117,6 +118,9 @@ def exposition(worker, queued: int, requests: dict) -> str:
             ("generation_tokens_total", "counter", "Tokens generated in the finished answers.", tot["generated_tokens"])]
     for name, kind, help_text, value in vllm:
         out += family(name, kind, help_text, [(model, value)], prefix="vllm:")
+    out += family("request_success_total", "counter", "Finished answers, by why they ended.",
+                  [({**model, "finished_reason": r}, n) for r, n in sorted(worker.finished.items())] or
+                  [({**model, "finished_reason": "stop"}, 0)], prefix="vllm:")
     for name, (help_text, _) in LATENCIES.items():
         out += family(name, "histogram", help_text, worker.latency[name].samples(model), prefix="vllm:")
     return "\n".join(out) + "\n"

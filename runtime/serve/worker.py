@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 import unicodedata
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -355,6 +356,7 @@ class EngineWorker:
         self.served = 0
         self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "bytes_read": 0, "host_hits": 0}  # over the server's lifetime
         self.latency = {name: Histogram(bounds) for name, (_, bounds) in LATENCIES.items()}  # the requests', ditto
+        self.finished: Counter = Counter()  # answers by finish reason, ditto
         self.token_text = TokenText(eng.text)
         self.bound = PromptBound(eng.text.tokenizer)
         self.lock = Lockstep(eng) if eng.group is not None else None  # across ranks: every engine call told first
@@ -692,6 +694,7 @@ class EngineWorker:
             job.emit(("delta", evs))
         detok = Detokenizer(eng.text)
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
+        first = last = 0.0  # when the answer's first and latest tokens came (the latency histograms)
         finish, reasoning = None, 0
         content = ContentTokens() if req.logprobs else None  # the tokens logprobs are given for
         if self.lock is not None:  # every rank runs the same loop; closing it early ends it there on every rank
@@ -711,7 +714,10 @@ class EngineWorker:
                 toks.append(tok)
                 if job.logits is not None:
                     job.logits.append(lg)
-                last = time.monotonic()
+                now = time.monotonic()
+                if n > 1:
+                    self.latency["inter_token_latency_seconds"].observe(now - last)
+                last = now
                 if n == 1:
                     self.live["ttft_s"], first = time.perf_counter() - t0, last
                     if index == 0:
@@ -735,7 +741,7 @@ class EngineWorker:
                     finish = "stop"
                     break
         if n > 1:
-            self.latency["time_per_output_token_seconds"].observe((last - first) / (n - 1))
+            self.latency["request_time_per_output_token_seconds"].observe((last - first) / (n - 1))
         evs = out.flush()
         echo_prompt()
         if content is not None and (lps := content.place(out.spans, settled=True)):
@@ -747,6 +753,7 @@ class EngineWorker:
         prompt_tokens = cached + sum(s.n_tokens for s in eng.steps if s.phase == "prefill")
         s = eng.summary(eng.steps)
         self.served += 1
+        self.finished[finish] += 1
         self.totals["prompt_tokens"] += prompt_tokens
         self.totals["generated_tokens"] += n
         self.totals["bytes_read"] += sum(ly.bytes_read for st in eng.steps for ly in st.layers)
