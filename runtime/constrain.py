@@ -246,16 +246,28 @@ class ThinkingBudget:
             self.then.advance(tok)
 
 
-class MinTokens:
-    """vLLM's `min_tokens`: the tokens that would end the answer (`stops`: the model's end-of-turn ids and the
-    request's `stop_token_ids`) are masked out until `count` tokens were written; the answer runs under `then`
-    (the request's other constraint, if any) throughout. The same interface as `Constraint`: while it masks,
-    `Engine.generate` draws each token once the previous one is read, like any masked one."""
+class TokenMask:
+    """A fixed set of tokens the answer may draw, for its first `count` tokens (None: throughout), under `then`
+    (the request's other constraint, if any): vLLM's `min_tokens` (the tokens that would end the answer masked
+    out until it has that many: `without`) and `allowed_token_ids` (only those: `only`). The same interface as
+    `Constraint`: while it masks, `Engine.generate` draws each token once the previous one is read, like any
+    masked one."""
 
-    def __init__(self, stops: list[int], count: int, vocab: int, then: Constraint | ThinkingBudget | None = None):
+    def __init__(self, keep: np.ndarray, count: int | None, then: Constraint | ThinkingBudget | TokenMask | None = None):
+        self.keep, self.then, self.written = mx.array(keep), then, 0
+        self.count = float("inf") if count is None else count
+
+    @classmethod
+    def without(cls, ids: list[int], count: int, vocab: int, then=None) -> TokenMask:
         keep = np.ones(vocab, dtype=bool)
-        keep[[t for t in stops if 0 <= t < vocab]] = False
-        self.keep, self.count, self.then, self.written = mx.array(keep), count, then, 0
+        keep[[t for t in ids if 0 <= t < vocab]] = False
+        return cls(keep, count, then)
+
+    @classmethod
+    def only(cls, ids: list[int], vocab: int, then=None) -> TokenMask:
+        keep = np.zeros(vocab, dtype=bool)
+        keep[[t for t in ids if 0 <= t < vocab]] = True
+        return cls(keep, None, then)
 
     @property
     def active(self) -> bool:

@@ -1065,3 +1065,30 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
         assert seen == sorted(seen) and seen[-1] == final.completion_tokens == 12 * n and 0 < seen[0] < seen[-1]
     plain = list(client.completions.create(**kw, stream_options={"include_usage": True}))
     assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_allowed_token_ids_hold_every_token_of_the_answer(client, ref):
+    """vLLM's `allowed_token_ids`: only those tokens are drawn, throughout (no end token among them: the answer runs
+    to `max_tokens`), the engine's logits masked to them step by step; beside `min_tokens` too; an empty list, an id
+    beyond the model's, or beside a forced shape is a 400 naming the field."""
+    prompt_ids = ref.text.encode_prompt(CODE[0])
+    allowed = sorted(set(greedy(ref, prompt_ids, 12)[3:]) | set(ref.text.encode(" x = 1\n")))
+    ref.reset()
+    logits, want = ref.prefill(prompt_ids), []
+    keep = np.full(logits.shape[-1], -np.inf, dtype=np.float32)
+    keep[allowed] = 0
+    while len(want) < 10:
+        want.append(int((np.array(logits.astype(mx.float32)) + keep).argmax()))
+        logits = ref.decode(want[-1])
+    r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=10,
+                                  extra_body={"allowed_token_ids": allowed, "return_token_ids": True}).choices[0]
+    assert r.model_extra["token_ids"] == want and r.finish_reason == "length" and set(want) <= set(allowed)
+    r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=10,
+                                  extra_body={"allowed_token_ids": allowed, "min_tokens": 4, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want
+    json_too = {"allowed_token_ids": [1], "response_format": {"type": "json_object"}}
+    for extra in ({"allowed_token_ids": []}, {"allowed_token_ids": [10**6]}, json_too):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           extra_body=extra)
+        assert e.value.body["param"] == "allowed_token_ids", e.value.body

@@ -79,7 +79,7 @@ COMMON = [
     ("stop_token_ids", list(range(65))),
     ("structured_outputs", 5), ("structured_outputs", {}), ("structured_outputs", {"choice": "a"}),
     ("structured_outputs", {"regex": 5}), ("structured_outputs", {"json": []}), ("include_stop_str_in_output", 1),
-    ("ignore_eos", "true"),
+    ("ignore_eos", "true"), ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", "1"),
 ]
 CHAT = [
     ("messages", None), ("messages", "hi"), ("messages", []), ("messages", [5]),

@@ -214,6 +214,7 @@ class GenRequest:
     include_stop: bool = False  # vLLM's include_stop_str_in_output: a stop string ends the answer written
     ignore_eos: bool = False  # vLLM's: the model's end-of-turn tokens kept from ending the answer (see the worker)
     min_tokens: int = 0  # vLLM's: no end of the answer (its stop tokens masked) before this many tokens
+    allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: the only tokens the answer may draw
     sampling: dict = field(default_factory=dict)  # the fields set, keyed as `Sampler` takes them
     seed: int | None = None
     n: int = 1  # OpenAI's `n`: choices answered one after another, the i-th drawn with seed + i
@@ -262,7 +263,7 @@ def _flag(body: dict, key: str, default: bool = False) -> bool:
 # The fields of each API's body (OpenAI's, as its client types them, and the extensions of vLLM's and mlx-lm's
 # servers this one implements); a field not in the API's HONOURED set is refused whenever it is set (not null).
 EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "return_token_ids", "min_tokens", "stop_token_ids",
-              "structured_outputs", "include_stop_str_in_output", "ignore_eos"}
+              "structured_outputs", "include_stop_str_in_output", "ignore_eos", "allowed_token_ids"}
 COMPLETION_FIELDS = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "model", "n",
                      "presence_penalty", "prompt", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
                      "top_p", "user"} | EXTENSIONS
@@ -339,12 +340,13 @@ def _common(body: dict, req: GenRequest) -> None:
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad(f"'min_tokens' ({req.min_tokens}) must be at most the answer's 'max_tokens' ({req.max_tokens})",
                   "min_tokens")
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or len(ids) > MAX_STOP_IDS or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids):
-            raise bad(f"'stop_token_ids' must be a list of at most {MAX_STOP_IDS} token ids", "stop_token_ids")
-        req.stop_token_ids = list(dict.fromkeys(ids))
+    for name, least, most in (("stop_token_ids", 0, MAX_STOP_IDS), ("allowed_token_ids", 1, MAX_LOGIT_BIAS)):
+        ids = body.get(name)
+        if ids is not None:
+            if not isinstance(ids, list) or not least <= len(ids) <= most or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids):
+                raise bad(f"'{name}' must be a list of {least} to {most} token ids", name)
+            setattr(req, name, list(dict.fromkeys(ids)))
     if body.get("suffix"):
         raise bad("'suffix' is not supported by this server", "suffix")
     bias = body.get("logit_bias")

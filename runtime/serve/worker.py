@@ -34,8 +34,8 @@ from ...formats.errors import StreamoeError
 from ..chat_template import TemplateFailure
 from ..constrain import (
     Constraint,
-    MinTokens,
     ThinkingBudget,
+    TokenMask,
     guide_tokenizer,
     json_answer,
     reasoning_close,
@@ -244,7 +244,7 @@ class Job:
     prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
     # what shapes the first answer (structured output, forced call, thinking budget), made as the request is
     # prepared so that a bad one is refused before it queues; each later choice's is made as it starts
-    constraint: Constraint | ThinkingBudget | MinTokens | None = None
+    constraint: Constraint | ThinkingBudget | TokenMask | None = None
     logits: list | None = None  # kept when a test asks for them
     started: dict | None = None  # the prompt's usage once its cache was looked up (the "started" event), on the loop's side
     sink: list | None = None  # events kept here when there is no event loop (tests, benches in one thread)
@@ -449,8 +449,9 @@ class EngineWorker:
         if req.ignore_eos:  # vLLM samples them and goes on; here they take OpenAI's lowest bias: the same lengths
             bias = {**(req.sampling.get("logit_bias") or {}), **{t: -100.0 for t in self.eng.text.stop_ids}}
             req.sampling = {**req.sampling, "logit_bias": bias}
-        if beyond := [t for t in req.stop_token_ids if t >= self.vocab]:
-            raise bad(f"'stop_token_ids' names token id {beyond[0]}; the model has {self.vocab:,}", "stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if beyond := [t for t in getattr(req, name) if t >= self.vocab]:
+                raise bad(f"'{name}' names token id {beyond[0]}; the model has {self.vocab:,}", name)
         if len(prompts) * req.n > 1 and self.lock is not None:
             raise bad("across ranks (mlx.launch) a request is answered in one choice: one prompt, 'n' 1",
                       "n" if req.n > 1 else "prompt")
@@ -500,18 +501,23 @@ class EngineWorker:
                       "send the batch in smaller requests", "prompt")
         return ids
 
-    def constraint(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | MinTokens | None:
+    def constraint(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | TokenMask | None:
         """What shapes the answer: the request's grammar (`grammar`), under a cap on its reasoning where the request
         sets one (`thinking_budget`: the template's `</think>` forced once the reasoning took that many tokens),
-        and no end before `min_tokens` (vLLM's: the stop tokens masked until then)."""
+        no end before `min_tokens` (vLLM's: the stop tokens masked until then), and only `allowed_token_ids`
+        (vLLM's)."""
         shaped = self.shaped(req, thinking)
-        if not req.min_tokens:
-            return shaped
-        if req.json_output or req.answer_grammar is not None or req.force_call is not None:
-            raise bad("'min_tokens' cannot hold a structured output or a forced call open: their grammar ends the answer",
-                      "min_tokens")
-        return MinTokens(sorted(set(self.eng.text.stop_ids) | set(req.stop_token_ids)), req.min_tokens, self.vocab,
-                         shaped)
+        grammar = req.json_output or req.answer_grammar is not None or req.force_call is not None
+        for field_name in ("min_tokens", "allowed_token_ids"):
+            if getattr(req, field_name) and grammar:
+                raise bad(f"'{field_name}' cannot hold a structured output or a forced call: their grammar shapes the "
+                          "answer", field_name)
+        if req.min_tokens:
+            shaped = TokenMask.without(sorted(set(self.eng.text.stop_ids) | set(req.stop_token_ids)), req.min_tokens,
+                                       self.vocab, shaped)
+        if req.allowed_token_ids:
+            shaped = TokenMask.only(req.allowed_token_ids, self.vocab, shaped)
+        return shaped
 
     def shaped(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | None:
         grammar = self.grammar(req, thinking)
