@@ -1092,3 +1092,31 @@ def test_allowed_token_ids_hold_every_token_of_the_answer(client, ref):
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                            extra_body=extra)
         assert e.value.body["param"] == "allowed_token_ids", e.value.body
+
+
+def test_benchmark_clients_payloads_are_answered(server):
+    """The bodies benchmark clients send as they are (vLLM's benchmark request functions and scripts built on them:
+    `ignore_eos` false, `best_of` 1, `logprobs` null, `repetition_penalty` 1, token-id prompts, usage per chunk), to
+    the end of their stream: no field of theirs is a 400."""
+    bodies = [
+        ("/v1/completions", {"model": "tiny", "prompt": CODE[0], "temperature": 0.0, "repetition_penalty": 1.0,
+                             "best_of": 1, "max_tokens": 6, "logprobs": None, "stream": True, "ignore_eos": False,
+                             "stream_options": {"include_usage": True}}),
+        ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 6, "stream": True,
+                             "ignore_eos": True, "best_of": 1, "top_k": -1, "min_tokens": 6,
+                             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+        ("/v1/chat/completions", {"model": "tiny", "temperature": 0.0, "best_of": 1, "max_tokens": 6, "stream": True,
+                                  "ignore_eos": False, "stream_options": {"include_usage": True},
+                                  "chat_template_kwargs": {"enable_thinking": False},
+                                  "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                                  "temperature": 0.0, "stream": True, "ignore_eos": True,
+                                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    ]
+    for path, body in bodies:
+        r = fetch(server.url + path, "POST", body)
+        assert r.status == 200, (path, body, r.text)
+        events = [json.loads(x) for x in re.findall(r"^data: (\{.*\})$", r.text, re.M)]
+        assert r.text.rstrip().endswith("data: [DONE]") and events[-1]["usage"]["completion_tokens"] > 0, r.text[-300:]
+        if body.get("ignore_eos"):
+            assert events[-1]["usage"]["completion_tokens"] == 6

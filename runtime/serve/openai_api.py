@@ -263,7 +263,8 @@ def _flag(body: dict, key: str, default: bool = False) -> bool:
 # The fields of each API's body (OpenAI's, as its client types them, and the extensions of vLLM's and mlx-lm's
 # servers this one implements); a field not in the API's HONOURED set is refused whenever it is set (not null).
 EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "return_token_ids", "min_tokens", "stop_token_ids",
-              "structured_outputs", "include_stop_str_in_output", "ignore_eos", "allowed_token_ids"}
+              "structured_outputs", "include_stop_str_in_output", "ignore_eos", "allowed_token_ids",
+              "best_of"}  # on chat, vLLM's (1 only here, as on completions)
 COMPLETION_FIELDS = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "model", "n",
                      "presence_penalty", "prompt", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
                      "top_p", "user"} | EXTENSIONS
