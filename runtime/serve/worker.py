@@ -435,8 +435,8 @@ class EngineWorker:
                 raise bad("'echo' with 'logprobs' (the prompt's logprobs) needs one host, not ranks", "echo")
             # a prompt's logprobs are one event: at least this much, and a whole answer holds every choice's
             scored = max(map(len, prompts)) if req.stream else sum(map(len, prompts)) * req.n
-            least = scored * answer_bytes(("prompt", self.token_text.scored(ids[0], (-1.0, [(ids[0], -1.0)] * req.top_logprobs))),
-                                          whole=not req.stream)
+            entry = self.token_text.scored(ids[0], (-0.5, [(ids[0], -1.0 - j) for j in range(req.top_logprobs)]))
+            least = scored * answer_bytes(("prompt", entry), whole=not req.stream)  # each its own floats, as sent
             if least > self.so.limits.max_answer:
                 raise bad(f"'echo' with 'logprobs' {req.top_logprobs}: the logprobs of {scored:,} prompt tokens hold "
                           f"at least {least / MiB:.1f} MiB, over the {self.so.limits.max_answer / MiB:g} MiB an answer "
