@@ -308,7 +308,7 @@ class Job:
 def answer_bytes(ev: tuple, whole: bool) -> int:
     """What an event holds on the server until its client has it: its objects, each counted once, with a quarter
     more for the allocator's rounding; for a whole answer twice that (the response's object is built from the
-    events, then rendered a piece at a time: `server.json_pieces`)."""
+    events, then rendered: `server.PacedJSONResponse`)."""
     total, seen, stack = 0, set(), [ev[1]]
     while stack:
         v = stack.pop()
@@ -394,9 +394,9 @@ class EngineWorker:
         if (least := self.bound.at_least(text)) >= self.eng.opts.ctx:
             raise self.too_long(least, param, "at least ")
 
-    def prepare(self, req: GenRequest) -> Job:
-        """The request rendered, length-checked and tokenized into a job (or an APIError). It runs on the
-        server's prepare thread, one at a time: the plan's `requests` account counts one prompt in work."""
+    def prompt_ids(self, req: GenRequest) -> tuple[list[int], bool, str]:
+        """The (first) prompt's token ids, rendered and checked; whether the model starts in its reasoning; and
+        the answer's forced start (a tool call's opening, written into the prompt)."""
         thinking, given = False, ""
         if req.kind == "chat":
             if req.images and self.lock is not None:
@@ -423,9 +423,15 @@ class EngineWorker:
                           "images", "messages")
         else:
             ids = self.completion_ids(req.prompt)
-        ctx = self.eng.opts.ctx
-        if len(ids) >= ctx:
+        if len(ids) >= self.eng.opts.ctx:
             raise self.too_long(len(ids), "messages" if req.kind == "chat" else "prompt")
+        return ids, thinking, given
+
+    def prepare(self, req: GenRequest) -> Job:
+        """The request rendered, length-checked and tokenized into a job (or an APIError). It runs on the
+        server's prepare thread, one at a time: the plan's `requests` account counts one prompt in work."""
+        ids, thinking, given = self.prompt_ids(req)
+        ctx = self.eng.opts.ctx
         prompts = [ids]  # a completion's batch of prompts: together inside the context, as the plan holds one's ids
         for prompt in req.prompts[1:]:
             prompts.append(self.completion_ids(prompt, ctx - sum(map(len, prompts))))
@@ -446,9 +452,9 @@ class EngineWorker:
             beyond = [t for t in req.sampling["logit_bias"] if t >= words]
             if beyond:
                 raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
+        sampling = {**self.defaults, **req.sampling}
         if req.ignore_eos:  # vLLM samples them and goes on; here they take OpenAI's lowest bias: the same lengths
-            bias = {**(req.sampling.get("logit_bias") or {}), **{t: -100.0 for t in self.eng.text.stop_ids}}
-            req.sampling = {**req.sampling, "logit_bias": bias}
+            sampling["logit_bias"] = {**(sampling.get("logit_bias") or {}), **{t: -100.0 for t in self.eng.text.stop_ids}}
         for name in ("stop_token_ids", "allowed_token_ids"):
             if beyond := [t for t in getattr(req, name) if t >= self.vocab]:
                 raise bad(f"'{name}' names token id {beyond[0]}; the model has {self.vocab:,}", name)
@@ -462,7 +468,7 @@ class EngineWorker:
         if share < 1 and want:
             raise bad(f"the prompts leave {ctx - sum(map(len, prompts))} tokens of the planned context (--ctx {ctx}) "
                       f"for {len(prompts) * req.n} answers", "n" if req.n > 1 else "prompt")
-        choices = [Choice(Sampler(**{**self.defaults, **req.sampling}, seed=(seed + i) % (1 << 63)), p, min(want, share),
+        choices = [Choice(Sampler(**sampling, seed=(seed + i) % (1 << 63)), p, min(want, share),
                           text if isinstance(text, str) else None)
                    for p, text in zip(prompts, req.prompts or [None], strict=False) for i in range(req.n)]
         # each prompt's i-th choice is drawn with seed + i, as vLLM seeds its choices
@@ -472,7 +478,7 @@ class EngineWorker:
         """vLLM's /tokenize: the ids the request's prompt is prefilled as (`prepare`'s), with the tokenizer's BOS
         first where it has one and `special` asks (a raw prompt gets it by default, a chat's template writes its
         own), without it where `special` is false."""
-        ids, bos = self.prepare(req).ids, self.eng.text.bos
+        ids, bos = self.prompt_ids(req)[0], self.eng.text.bos
         if bos is not None and special and ids[:1] != [bos]:
             return [bos, *ids]
         if bos is not None and not special and req.kind == "completion" and ids[:1] == [bos]:
@@ -506,12 +512,12 @@ class EngineWorker:
         sets one (`thinking_budget`: the template's `</think>` forced once the reasoning took that many tokens),
         no end before `min_tokens` (vLLM's: the stop tokens masked until then), and only `allowed_token_ids`
         (vLLM's)."""
-        shaped = self.shaped(req, thinking)
         grammar = req.json_output or req.answer_grammar is not None or req.force_call is not None
         for field_name in ("min_tokens", "allowed_token_ids"):
             if getattr(req, field_name) and grammar:
                 raise bad(f"'{field_name}' cannot hold a structured output or a forced call: their grammar shapes the "
                           "answer", field_name)
+        shaped = self.shaped(req, thinking)
         if req.min_tokens:
             shaped = TokenMask.without(sorted(set(self.eng.text.stop_ids) | set(req.stop_token_ids)), req.min_tokens,
                                        self.vocab, shaped)
