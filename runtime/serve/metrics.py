@@ -6,6 +6,7 @@ nothing here is computed twice."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 
 from ..plan import current_rss
@@ -15,17 +16,16 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def _sample(name: str, labels: dict, value: float) -> str:
+    tag = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+    return f"{name}{'{' + tag + '}' if tag else ''} {float(value)!r}"
+
+
 def family(name: str, kind: str, help_text: str, samples: Iterable[tuple[dict, float]],
            prefix: str = "streamoe_") -> list[str]:
-    """One metric's lines: HELP, TYPE, then a sample per label set (a histogram's samples name their suffix in the
-    label `""`: `_bucket`, `_sum`, `_count`)."""
-    lines = [f"# HELP {prefix}{name} {help_text}", f"# TYPE {prefix}{name} {kind}"]
-    for labels, value in samples:
-        labels = dict(labels)
-        suffix = labels.pop("", "")
-        tag = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
-        lines.append(f"{prefix}{name}{suffix}{'{' + tag + '}' if tag else ''} {float(value)!r}")
-    return lines
+    """One metric's lines: HELP, TYPE, then a sample per label set."""
+    return ([f"# HELP {prefix}{name} {help_text}", f"# TYPE {prefix}{name} {kind}"]
+            + [_sample(prefix + name, labels, value) for labels, value in samples])
 
 
 # bucket bounds in seconds, vLLM's for the same histograms
@@ -38,26 +38,24 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 
 class Histogram:
-    """Observations counted into fixed buckets, as Prometheus exposes them (cumulative, `+Inf` last)."""
+    """Observations counted into fixed buckets (a value in the first bucket whose bound it does not pass; past the
+    last, only in `+Inf`), as Prometheus exposes them: cumulative."""
 
     def __init__(self, bounds: tuple[float, ...]):
-        self.bounds, self.counts, self.sum, self.count = bounds, [0] * len(bounds), 0.0, 0
+        self.bounds, self.counts, self.sum, self.count = bounds, [0] * (len(bounds) + 1), 0.0, 0
 
     def observe(self, value: float) -> None:
-        for i, b in enumerate(self.bounds):
-            if value <= b:
-                self.counts[i] += 1
-                break
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
         self.count += 1
 
-    def samples(self, labels: dict | None = None) -> list[tuple[dict, float]]:
-        labels, out, seen = labels or {}, [], 0
-        for b, n in zip(self.bounds, self.counts, strict=True):
+    def lines(self, name: str, help_text: str, labels: dict | None = None) -> list[str]:
+        """HELP, TYPE, each bucket's cumulative count, the sum and the count."""
+        labels, out, seen = labels or {}, [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"], 0
+        for bound, n in zip([*map(repr, map(float, self.bounds)), "+Inf"], self.counts, strict=True):
             seen += n
-            out.append(({**labels, "le": repr(float(b)), "": "_bucket"}, seen))
-        out.append(({**labels, "le": "+Inf", "": "_bucket"}, self.count))
-        return out + [({**labels, "": "_sum"}, self.sum), ({**labels, "": "_count"}, self.count)]
+            out.append(_sample(f"{name}_bucket", {**labels, "le": bound}, seen))
+        return out + [_sample(f"{name}_sum", labels, self.sum), _sample(f"{name}_count", labels, self.count)]
 
 
 LATENCIES = {  # the worker's histograms: name -> (help, buckets)
@@ -110,7 +108,7 @@ def exposition(worker, queued: int, requests: dict) -> str:
     busy = 0 if worker.live.get("state", "idle") == "idle" else 1
     out += family("busy", "gauge", "1 while the engine answers a request, else 0.", [({}, busy)])
     for name, (help_text, _) in LATENCIES.items():
-        out += family(name, "histogram", help_text, worker.latency[name].samples())
+        out += worker.latency[name].lines(f"streamoe_{name}", help_text)
     model = {"model_name": worker.so.model_name}
     vllm = [("num_requests_running", "gauge", "Requests the engine is answering.", busy),
             ("num_requests_waiting", "gauge", "Requests waiting for the engine.", queued),
@@ -122,5 +120,5 @@ def exposition(worker, queued: int, requests: dict) -> str:
                   [({**model, "finished_reason": r}, n) for r, n in sorted(worker.finished.items())] or
                   [({**model, "finished_reason": "stop"}, 0)], prefix="vllm:")
     for name, (help_text, _) in LATENCIES.items():
-        out += family(name, "histogram", help_text, worker.latency[name].samples(model), prefix="vllm:")
+        out += worker.latency[name].lines(f"vllm:{name}", help_text, model)
     return "\n".join(out) + "\n"

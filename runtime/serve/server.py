@@ -153,12 +153,15 @@ class API:
     def served(self, req: GenRequest) -> GenRequest:
         """The request, if its `model` is one this server serves (absent, where the API lets it be: the served
         model); another name is a 404 naming it and the served ones, as vLLM and Anthropic's API answer it."""
+        self.check_model(req.model)
+        return req
+
+    def check_model(self, model: str | None) -> None:
         names = self.so.served_names
-        if req.model is not None and req.model not in names:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+        if model is not None and model not in names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{', '.join(map(repr, names))}", "model", kind="invalid_request_error",
                            code="model_not_found")
-        return req
 
     async def prepared(self, request: Request, make: Callable[[dict], object]):
         """`make(body)` run on the prepare thread, once the body is read (here, within the size limit and the
@@ -323,8 +326,7 @@ class API:
     async def detokenize(self, request: Request) -> Response:
         def make(body: dict) -> dict:
             ids = parse_detokenize(body)
-            if body.get("model") is not None:
-                self.served(GenRequest(kind="completion", model=body["model"]))
+            self.check_model(body.get("model"))
             return {"prompt": self.worker.detokenize(ids)}
 
         return JSONResponse(await self.prepared(request, make))
