@@ -263,18 +263,19 @@ class Job:
             if self.sink is not None:
                 self.sink.append(ev)
             return
-        size = answer_bytes(ev, whole=not self.req.stream)
         with contextlib.suppress(RuntimeError):  # the loop is gone: the server is shutting down
-            self.loop.call_soon_threadsafe(self.arrive, ev, size)
+            self.loop.call_soon_threadsafe(self.arrive, ev)
 
-    def arrive(self, ev: tuple, size: int) -> None:
-        """An event reaches the request's loop. What the answer holds for its client is counted: a streamed
+    def arrive(self, ev: tuple) -> None:
+        """An event reaches the request's loop (sized here, while the engine's thread computes the next token). What
+        the answer holds for its client is counted: a streamed
         answer's events until its handler takes them (it then writes them to a bounded socket), a whole answer's
         all (the response is built from them). Past `max_answer` the job stops: a stream's unsent events are
         dropped for one error (its client reads too slowly), a whole answer ends as an error (it would be too
         large to hold). Every later event of the job is dropped."""
         if self.overflowed:
             return
+        size = answer_bytes(ev, whole=not self.req.stream)
         self.held += size
         if self.max_answer and self.held > self.max_answer and ev[0] not in ("done", "error"):
             self.overflowed = True
