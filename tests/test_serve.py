@@ -812,13 +812,17 @@ def test_plan_serve_plans_what_serve_opens(conv):
     assert not {"prompt cache", "requests"} & set(bare) and bare["vision"] == 0
 
 
-def masked_greedy(eng: Engine, ids: list[int], n: int, stops: set[int], until: int) -> list[int]:
+def masked_greedy(eng: Engine, ids: list[int], n: int, stops: set[int], until: int,
+                  allowed: set[int] | None = None) -> list[int]:
     """Greedy tokens from the engine's own logits, step by step: `stops` masked for the first `until` tokens, then
-    ending the answer, unwritten (vLLM's `min_tokens` and `stop_token_ids`, written out)."""
+    ending the answer, unwritten; every token outside `allowed` masked throughout (vLLM's `min_tokens`,
+    `stop_token_ids` and `allowed_token_ids`, written out)."""
     eng.reset()
     logits, out = eng.prefill(ids), []
     while len(out) < n:
         lg = np.array(logits.astype(mx.float32))
+        if allowed is not None:
+            lg[sorted(set(range(lg.shape[-1])) - allowed)] = -np.inf
         if len(out) < until:
             lg[sorted(stops)] = -np.inf
         tok = int(lg.argmax())
@@ -1069,8 +1073,9 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
 
 def test_allowed_token_ids_hold_every_token_of_the_answer(client, ref):
     """vLLM's `allowed_token_ids`: only those tokens are drawn, throughout (no end token among them: the answer runs
-    to `max_tokens`), the engine's logits masked to them step by step; beside `min_tokens` too; an empty list, an id
-    beyond the model's, or beside a forced shape is a 400 naming the field."""
+    to `max_tokens`), the engine's logits masked to them step by step; beside `min_tokens`, an answer that ends by
+    itself after 3 tokens goes on to 6 on allowed tokens alone; an empty list, an id beyond the model's, or beside a
+    forced shape is a 400 naming the field."""
     prompt_ids = ref.text.encode_prompt(CODE[0])
     allowed = sorted(set(greedy(ref, prompt_ids, 12)[3:]) | set(ref.text.encode(" x = 1\n")))
     ref.reset()
@@ -1083,9 +1088,20 @@ def test_allowed_token_ids_hold_every_token_of_the_answer(client, ref):
     r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=10,
                                   extra_body={"allowed_token_ids": allowed, "return_token_ids": True}).choices[0]
     assert r.model_extra["token_ids"] == want and r.finish_reason == "length" and set(want) <= set(allowed)
-    r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=10,
-                                  extra_body={"allowed_token_ids": allowed, "min_tokens": 4, "return_token_ids": True})
-    assert r.choices[0].model_extra["token_ids"] == want
+    # beside min_tokens: an answer that ends by itself after 3 allowed tokens goes on, on allowed tokens only
+    msgs = [{"role": "user", "content": "What colour is the triangle?"}]
+    ids = chat_ids(ref, msgs, think=False)
+    free, stops = greedy(ref, ids, 20), set(ref.text.stop_ids)
+    allowed = set(free) | stops | set(ref.text.encode(" x = 1\n"))
+    want = masked_greedy(ref, ids, 20, stops, 6, allowed)
+    assert len(free) == 3 and len(want) >= 6 and want[:3] == free and set(want) <= allowed, (free, want)
+    assert want != masked_greedy(ref, ids, 20, stops, 6)  # the allowed set shapes it too
+    kw = dict(model="tiny", messages=msgs, temperature=0, max_tokens=20)
+    extra = {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True,
+             "allowed_token_ids": sorted(allowed)}
+    assert client.chat.completions.create(**kw, extra_body=extra).choices[0].model_extra["token_ids"] == free
+    r = client.chat.completions.create(**kw, extra_body={**extra, "min_tokens": 6}).choices[0]
+    assert r.model_extra["token_ids"] == want
     json_too = {"allowed_token_ids": [1], "response_format": {"type": "json_object"}}
     for extra in ({"allowed_token_ids": []}, {"allowed_token_ids": [10**6]}, json_too):
         with pytest.raises(openai.BadRequestError) as e:
