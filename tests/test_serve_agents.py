@@ -220,6 +220,10 @@ def chat(**kw) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **kw}
 
 
+PREFILLED = [{"role": "user", "content": "Write a Python function that adds two numbers."},
+             {"role": "assistant", "content": "def add(a, b):"}]  # the answer's start, for the model to continue
+
+
 @pytest.mark.parametrize("body, param", [
     (chat(foo=1), "foo"),
     (chat(store=True), "store"),
@@ -258,6 +262,16 @@ def chat(**kw) -> dict:
     (chat(logit_bias={"5": 101}), "logit_bias"),
     (chat(logit_bias={"5": True}), "logit_bias"),
     (chat(logit_bias=[5]), "logit_bias"),
+    (chat(continue_final_message=True), "continue_final_message"),  # the last message is the user's
+    (chat(messages=PREFILLED, continue_final_message=True, add_generation_prompt=True), "add_generation_prompt"),
+    (chat(messages=PREFILLED, add_generation_prompt=False), "add_generation_prompt"),  # alone: not supported
+    (chat(messages=PREFILLED, continue_final_message=True, add_generation_prompt="no"), "add_generation_prompt"),
+    (chat(messages=PREFILLED, continue_final_message=True, response_format={"type": "json_object"}), "response_format"),
+    (chat(messages=PREFILLED, continue_final_message=True, structured_outputs={"choice": ["a"]}),
+     "structured_outputs.choice"),
+    (chat(messages=PREFILLED, continue_final_message=True, tools=CHAT_TOOLS, tool_choice="required"), "tool_choice"),
+    (chat(messages=[*PREFILLED[:1], {"role": "assistant", "content": " "}], continue_final_message=True),
+     "continue_final_message"),
 ])
 def test_chat_fields_refused_with_400_naming_them(body, param):
     with pytest.raises(APIError) as e:
@@ -459,7 +473,13 @@ PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
     (am(tools=[{"name": "t"}]), "tools[0].input_schema"),
     (am(tool_choice={"type": "tool", "name": "nope"}, tools=ANTH_TOOLS), "tool_choice"),
     (am(tool_choice={"type": "sometimes"}), "tool_choice.type"),
-    (am(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]), "messages[1].role"),
+    (am(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b "}]), "messages[1].content"),
+    (am(messages=PREFILLED, max_tokens=4096, thinking={"type": "enabled", "budget_tokens": 2048}), "thinking"),
+    (am(messages=PREFILLED, thinking={"type": "adaptive"}), "thinking"),
+    (am(messages=[PREFILLED[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather",
+                                                                   "input": {}}]}], tools=ANTH_TOOLS), "messages[1]"),
+    (am(messages=PREFILLED, output_config={"format": {"type": "json_schema", "schema": {}}}), "output_config.format"),
+    (am(messages=PREFILLED, tools=ANTH_TOOLS, tool_choice={"type": "any"}), "tool_choice"),
     (am(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), "messages[0].content[0].type"),
     (am(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}]),
      "messages[0].content[0].source"),
@@ -621,6 +641,37 @@ def test_anthropic_text_whole_and_streamed_equal_the_engine(server, ac, ref):
         validate(MESSAGE_EVENTS, e)
     assert ac.messages.count_tokens(model="tiny", system=kw["system"], messages=kw["messages"],
                                     thinking={"type": "disabled"}).input_tokens == len(ids)
+
+
+def test_a_final_assistant_message_is_continued(server, oc, ac, conv, ref):
+    """The start of an answer given as the last message (vLLM's `continue_final_message` with `add_generation_prompt`
+    false; Anthropic's prefilled final assistant turn): the prompt is transformers' `continue_final_message`
+    rendering (/tokenize too), the answer the engine's greedy continuation of it, without the given start, whole and
+    streamed; the turn's thinking off (the template's own choice: no think block opened before the text)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(conv)
+    ids = hf.apply_chat_template(PREFILLED, continue_final_message=True, tokenize=True, return_dict=False)
+    assert hf.decode(ids).endswith(PREFILLED[1]["content"])
+    want = greedy(ref, ids, 12)
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}
+    r = oc.chat.completions.create(model="tiny", messages=PREFILLED, max_tokens=12, temperature=0, extra_body=extra)
+    assert r.prompt_token_ids == ids and r.choices[0].model_extra["token_ids"] == want
+    assert r.choices[0].message.content == ref.text.decode(want) and r.usage.completion_tokens == len(want)
+    assert r.choices[0].message.model_extra.get("reasoning_content") is None
+    chunks = oc.chat.completions.create(model="tiny", messages=PREFILLED, max_tokens=12, temperature=0, stream=True,
+                                        extra_body=extra)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    tok = fetch(server.url + "/tokenize", "POST", {"messages": PREFILLED, "continue_final_message": True,
+                                                   "add_generation_prompt": False}).json()
+    assert tok["tokens"] == ids
+    kw = {"model": "tiny", "max_tokens": 12, "extra_body": GREEDY, "messages": PREFILLED}
+    m = ac.messages.create(**kw)
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == ref.text.decode(want)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids) and m.usage.output_tokens == len(want)
+    with ac.messages.stream(**kw) as s:
+        assert s.get_final_message().content[0].text == m.content[0].text
+    assert ac.messages.count_tokens(model="tiny", messages=PREFILLED).input_tokens == len(ids)
 
 
 def test_anthropic_message_start_carries_the_prompt_caches_hit(ac, ref):

@@ -21,6 +21,8 @@ from .openai_api import (
     call_verdict,
     check_fields,
     check_image,
+    continued,
+    final_text,
     parse_tools,
 )
 
@@ -153,9 +155,6 @@ def parse_messages(messages, so, images: list[bytes]) -> list[dict]:
                 simple = all(p["type"] == "text" for p in parts)
                 out.append({"role": "user", "content": "".join(p["text"] for p in parts) if simple else parts})
         elif role == "assistant":
-            if i == len(messages) - 1:
-                raise bad(f"{where}: a final assistant turn (prefilling the answer) is not supported",
-                          f"{where}.role")
             msg: dict = {"role": "assistant", "content": ""}
             for j, b in enumerate(blocks):
                 bw = f"{where}.content[{j}]"
@@ -312,7 +311,21 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
     req.messages = _system(body.get("system")) + parse_messages(body.get("messages"), so, req.images)
     req.tools, req.parse_tools, req.force_call, strict, parallel = _tools(body)
     req.api = {"strict": strict, "parallel": parallel, "format_field": "output_config.format"}
+    if req.messages[-1]["role"] == "assistant":
+        _prefill(req, thinking, f"messages[{len(body['messages']) - 1}]")
     return req
+
+
+def _prefill(req: GenRequest, thinking: dict | None, where: str) -> None:
+    """A final assistant turn is the start of the answer, which the model continues (the answer's content is what
+    follows it), with the API's own rules: text only, not ending in white space, not beside extended thinking."""
+    text = final_text(req.messages)
+    if text is not None and text != text.rstrip():
+        raise bad(f"{where}: final assistant content cannot end with trailing whitespace", f"{where}.content")
+    if thinking is not None and thinking.get("type") != "disabled":
+        raise bad(f"{where}: a final assistant turn (a prefilled answer) cannot be continued with thinking "
+                  f"{thinking.get('type')!r}", "thinking")
+    continued(req, where)
 
 
 def _output_config(body: dict, req: GenRequest) -> None:

@@ -225,6 +225,7 @@ class GenRequest:
     tools: list[dict] | None = None
     parse_tools: bool = False
     force_call: str | None = None  # tool_choice "required" ("") or a named tool: the answer starts a call
+    continue_final: bool = False  # the last message, an assistant's, is the answer's start (a prefill), continued
     json_output: bool = False  # response_format json_object / json_schema: the answer is constrained to JSON
     json_schema: dict | None = None  # ... valid against this schema (None: any JSON object)
     answer_grammar: str | None = None  # vLLM's structured regex, choice or grammar: a grammar the whole answer follows
@@ -273,7 +274,8 @@ CHAT_FIELDS = {"audio", "frequency_penalty", "function_call", "functions", "logi
                "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key", "prompt_cache_options",
                "prompt_cache_retention", "reasoning_effort", "response_format", "safety_identifier", "seed",
                "service_tier", "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools",
-               "top_logprobs", "top_p", "user", "verbosity", "web_search_options", "chat_template_kwargs"} | EXTENSIONS
+               "top_logprobs", "top_p", "user", "verbosity", "web_search_options", "chat_template_kwargs",
+               "continue_final_message", "add_generation_prompt"} | EXTENSIONS  # the last two: vLLM's, chat only
 CHAT_HONOURED = CHAT_FIELDS - {"audio", "function_call", "functions", "moderation", "prediction", "prompt_cache_options",
                                "verbosity", "web_search_options"}
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call",
@@ -688,7 +690,51 @@ def parse_chat(body: dict, limits: Limits) -> GenRequest:
                       "reasoning_effort")
         req.template_kwargs["enable_thinking"] = thinks_at(effort)
         req.template_kwargs.setdefault("reasoning_effort", effort)  # gpt-oss's template takes the effort itself
+    _continue_final(body, req)
     return req
+
+
+def _continue_final(body: dict, req: GenRequest) -> None:
+    """vLLM's `continue_final_message` (sent with `add_generation_prompt` false, as vLLM asks): the last message, an
+    assistant's, is the start of the answer, which the model continues instead of opening a turn of its own."""
+    go = _flag(body, "continue_final_message")
+    add = body.get("add_generation_prompt")
+    if add is not None and not isinstance(add, bool):
+        raise bad("'add_generation_prompt' must be true or false", "add_generation_prompt")
+    if go and add:
+        raise bad("'continue_final_message' and 'add_generation_prompt' cannot both be true", "add_generation_prompt")
+    if add is False and not go:
+        raise bad("'add_generation_prompt' false is supported with 'continue_final_message' true only (the final "
+                  "assistant message continued)", "add_generation_prompt")
+    if go:
+        continued(req, "continue_final_message")
+
+
+def final_text(messages: list[dict]) -> str | None:
+    """The text a continued conversation's last message ends with, as the template renders it (the last text part
+    where it has parts, as transformers finds it); None where the last message is no assistant's text."""
+    m = messages[-1]
+    content = m.get("content")
+    if isinstance(content, list):
+        content = content[-1].get("text") if content and content[-1].get("type") == "text" else None
+    if m["role"] != "assistant" or m.get("tool_calls") or not isinstance(content, str) or not content.strip():
+        return None
+    return content
+
+
+def continued(req: GenRequest, param: str) -> None:
+    """The request's last message is the answer's start (`continue_final`), which the answer continues: it must be
+    an assistant's text, and nothing may shape the answer from its first token (a forced call, a format)."""
+    if final_text(req.messages) is None:
+        raise bad(f"'{param}': the last message must be an assistant's, ending in non-empty text (no tool calls): "
+                  "the start of the answer to continue", param)
+    if req.force_call is not None:
+        raise bad(f"'{param}': a continued answer cannot also be a forced tool call", "tool_choice")
+    if req.json_output or req.answer_grammar is not None:
+        field_ = req.api.get("format_field", "response_format")
+        raise bad(f"'{param}': a continued answer cannot also follow a format from its first token ('{field_}')",
+                  field_)
+    req.continue_final = True
 
 
 # vLLM's /tokenize (a completion's `prompt` or a chat's `messages`) and /detokenize
@@ -709,12 +755,8 @@ def parse_tokenize(body: dict, limits: Limits) -> tuple[GenRequest, bool, bool]:
         req = parse_completion({"model": body.get("model"), "prompt": body["prompt"]})
         return req, _flag(body, "add_special_tokens", True), _flag(body, "return_token_strs")
     check_fields(body, TOKENIZE_CHAT_FIELDS, TOKENIZE_CHAT_HONOURED, api="vLLM's /tokenize")
-    if body.get("add_generation_prompt") is False:
-        raise bad("'add_generation_prompt' false is not supported: a chat is tokenized as it is prompted",
-                  "add_generation_prompt")
-    if _flag(body, "continue_final_message"):
-        raise bad("'continue_final_message' is not supported by this server", "continue_final_message")
-    req = parse_chat({k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs") if k in body}, limits)
+    keep = ("model", "messages", "tools", "chat_template_kwargs", "continue_final_message", "add_generation_prompt")
+    req = parse_chat({k: body[k] for k in keep if k in body}, limits)
     if req.images:
         raise bad("/tokenize takes text only here (an image's tokens are counted by /v1/messages/count_tokens)",
                   "messages")

@@ -53,7 +53,7 @@ from .door import PIECE, SOCKET_BUFFER, WRITE_BUFFER, socket_bytes
 from .lockstep import Lockstep, rank_summary, snapshot_id
 from .logprobs import ContentTokens, PromptScores, TokenText
 from .metrics import LATENCIES, Histogram
-from .openai_api import APIError, GenRequest, Limits, bad, image_hash
+from .openai_api import APIError, GenRequest, Limits, bad, final_text, image_hash
 from .prompt_cache import PromptCache, boundaries, capture, clear, key_items, restore, snapshot_nbytes
 
 
@@ -381,9 +381,22 @@ class EngineWorker:
         if req.force_call is not None:  # a forced tool call is the whole answer: no thinking before it
             kw["enable_thinking"] = False
         try:
-            return self.eng.text.chat_text(req.messages, tools=req.tools, **kw)
+            return self.eng.text.chat_text(req.messages, tools=req.tools, add_generation_prompt=not req.continue_final,
+                                           **kw)
         except TemplateFailure as e:
             raise bad(f"the chat template ({e.path.name}) refused the messages: {e.reason}", "messages") from None
+
+    def cut_after_final(self, prompt: str, final: str) -> tuple[str, int]:
+        """A continued conversation's rendering (`continue_final`) cut right after its last message's text, where
+        that text last appears (or, stripped, where a template trims it), as transformers' `continue_final_message`
+        cuts it; and where the text begins."""
+        template = self.eng.text.template
+        for text in (final, final.strip()):
+            marked = template.mark_text(text)
+            if (at := prompt.rfind(marked)) >= 0:
+                return prompt[:at + len(marked)], at
+        raise bad(f"the chat template ({template.path.name}) does not write the last assistant message's text as "
+                  "given, so the answer cannot continue it", "messages")
 
     def too_long(self, tokens: int, param: str, how: str = "") -> APIError:
         ctx = self.eng.opts.ctx
@@ -408,10 +421,17 @@ class EngineWorker:
                           "messages")
             if (least := self.bound.quick(message_chars(req.messages))) >= self.eng.opts.ctx:
                 raise self.too_long(least, "messages", "at least ")  # before the template copies the text
+            if req.continue_final and self.harmony(req):
+                raise bad("a harmony chat (gpt-oss) cannot continue its last message here: its answer is read by "
+                          "channel from the start of its turn", "messages")
             prompt = self.render(req)
             self.check_length(prompt, "messages")
+            before = len(prompt)  # where the answer's text begins: the answer's own, or the start it continues
+            if req.continue_final:
+                prompt, before = self.cut_after_final(prompt, final_text(req.messages))
             head = self.eng.text.decode(self.header)
-            tail = prompt[prompt.rfind(head):] if head and head in prompt else ""  # the header may open <think>
+            opened = prompt[:before]
+            tail = opened[opened.rfind(head):] if head and head in opened else ""  # the header may open <think>
             thinking = "<think>" in tail and "</think>" not in tail
             if req.force_call is not None:
                 name = req.force_call or None
