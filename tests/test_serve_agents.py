@@ -393,12 +393,14 @@ def rq(**kw) -> dict:
     (rq(service_tier="flex"), "service_tier"),
     (rq(context_management=[{"type": "compaction"}]), "context_management"),
     (rq(prompt_cache_retention="24h"), "prompt_cache_retention"),
-    (rq(include=["reasoning.encrypted_content"]), "include[0]"),
+    (rq(include=["reasoning.encrypted_content", "file_search_call.results"]), "include[1]"),
     (rq(top_logprobs=2), "top_logprobs"),
     (rq(text={"format": {"type": "xml"}}), "text.format"),
     (rq(text={"format": {"type": "json_schema", "name": "x"}}), "text.format"),
     (rq(text={"verbosity": "low"}), "text.verbosity"),
-    (rq(reasoning={"summary": "auto"}), "reasoning.summary"),
+    (rq(reasoning={"summary": "short"}), "reasoning.summary"),
+    (rq(reasoning={"summary": "auto", "generate_summary": "concise"}), "reasoning.generate_summary"),
+    (rq(reasoning={"context": "all"}), "reasoning.context"),
     (rq(reasoning={"effort": "huge"}), "reasoning.effort"),
     (rq(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
     (rq(max_output_tokens=0), "max_output_tokens"),
@@ -533,6 +535,54 @@ def test_responses_thinking_counts_reasoning_tokens(oc, ref):
     assert r.output_text == answer.lstrip("\n")
     assert [i.type for i in r.output] == (["reasoning"] if thought.strip("\n") else []) + ["message"]
     assert r.usage.output_tokens_details.reasoning_tokens == len(ref.text.encode(thought + "</think>"))
+
+
+def test_responses_reasoning_round_trips_for_a_stateless_client(text, oc, ref):
+    """Codex's way (`store` false, `reasoning.summary`, `include: ["reasoning.encrypted_content"]`): the reasoning item
+    holds the reasoning as its content, as its summary (the same text: nothing is summarised) and sealed in
+    `encrypted_content`, streamed (every event of the SDK's types) and in the final response; sent back as such a
+    client sends it (the summary and the sealed text, or the sealed text alone) in a tool loop, it is the turn's
+    reasoning again (which templates that keep a tool loop's thinking render): the answer is the engine's greedy
+    answer to the chat with that reasoning; a sealed text this server did not write is a 400."""
+    thought = "Paris is in France."
+    body = {"input": "?", "tools": RESP_TOOLS, "stream": True, "store": False, "include": ["reasoning.encrypted_content"],
+            "reasoning": {"effort": "high", "summary": "auto"}}
+    out = responses_api.Output(job_for(responses_api.parse(body, ServeOptions("m"))), "m")
+    evs = [json.loads(s.split("data: ", 1)[1]) for s in out.start()]
+    for ev in answer_events(text, rendered(text, thought, "Let me look.", 1)):
+        evs += [json.loads(s.split("data: ", 1)[1]) for s in out.feed(ev)]
+    for e in evs:
+        validate(RESPONSE_EVENTS, e)
+    kinds = [e["type"] for e in evs]
+    n = kinds.count("response.reasoning_text.delta")
+    assert kinds[2:5 + 2 * n] == ["response.output_item.added", "response.content_part.added",
+                                  "response.reasoning_summary_part.added",
+                                  *["response.reasoning_text.delta", "response.reasoning_summary_text.delta"] * n]
+    assert kinds[5 + 2 * n:10 + 2 * n] == ["response.reasoning_text.done", "response.content_part.done",
+                                           "response.reasoning_summary_text.done", "response.reasoning_summary_part.done",
+                                           "response.output_item.done"]
+    assert "".join(e["delta"] for e in evs if e["type"] == "response.reasoning_summary_text.delta") == thought
+    final = Response.model_validate(evs[-1]["response"])
+    rs = final.output[0]
+    assert rs.type == "reasoning" and rs.content[0].text == thought and [s.text for s in rs.summary] == [thought]
+    assert responses_api.unseal(rs.encrypted_content, "x") == thought and final.reasoning.summary == "auto"
+    assert evs[9 + 2 * n]["item"] == rs.model_dump(exclude_none=True)
+    chat = [CONVO[0], {**CONVO[1], "reasoning_content": thought, "tool_calls": [{**CONVO[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}, CONVO[2]]
+    want = ref.text.decode(greedy(ref, chat_ids(ref, chat, think=False, tools=CHAT_TOOLS), 12))
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": CONVO[2]["content"]}
+    sealed = {"type": "reasoning", "id": rs.id, "summary": [s.model_dump() for s in rs.summary],
+              "encrypted_content": rs.encrypted_content}
+    loop = dict(model="tiny", tools=RESP_TOOLS, temperature=0, max_output_tokens=12, reasoning={"effort": "none"})
+    for back in (sealed, {**sealed, "summary": []}):
+        inp = [CONVO[0], back, call, result]
+        assert responses_api.parse({**loop, "input": inp}, ServeOptions("m")).messages == chat
+        got = oc.responses.create(**loop, input=inp)
+        assert got.output_text == want and got.usage.input_tokens == len(chat_ids(ref, chat, think=False, tools=CHAT_TOOLS))
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.responses.create(**loop, input=[CONVO[0], {**sealed, "encrypted_content": "gAAAAB-openai"}, call, result])
+    assert e.value.body["param"] == "input[1].encrypted_content"
 
 
 def test_responses_image_and_tool_result_items_render_as_chat(oc, ref, triangle):

@@ -4,11 +4,16 @@ the job's events become a `response` object or its event stream (`response.creat
 
 Nothing is stored: `store: true`, `previous_response_id`, `conversation`, `background` and the other fields
 this server does not implement are refused with a 400 naming them, as is any field the API does not define.
-Reasoning (the template's thinking) comes back as a `reasoning` item with `reasoning_text` content.
+Reasoning (the template's thinking) comes back as a `reasoning` item with `reasoning_text` content; asked for
+(`reasoning.summary`), its `summary` holds the same text (this server does not summarise), and with
+`include: ["reasoning.encrypted_content"]` the item carries its text encoded for a stateless client (Codex) to
+send back, which restores the reasoning as the model wrote it.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 
 from .openai_api import (
@@ -43,6 +48,9 @@ HONOURED = {"background", "include", "input", "instructions", "max_output_tokens
 COUNT_FIELDS = {"conversation", "input", "instructions", "model", "parallel_tool_calls", "personality",
                 "previous_response_id", "reasoning", "text", "tool_choice", "tools", "truncation"}
 LOGPROBS = "message.output_text.logprobs"
+ENCRYPTED = "reasoning.encrypted_content"
+SUMMARIES = ("auto", "concise", "detailed")
+SEALED = "streamoe.1."  # what opens this server's `encrypted_content`: the reasoning's UTF-8, base64url-encoded
 # the fields of each input item: (defined, honoured); `id` and `status` name an item a client got back
 ITEM_FIELDS = {
     "message": ({"type", "role", "content", "id", "status", "phase"}, {"type", "role", "content", "id", "status"}),
@@ -50,8 +58,25 @@ ITEM_FIELDS = {
                       {"type", "call_id", "name", "arguments", "id", "status"}),
     "function_call_output": ({"type", "call_id", "output", "id", "status"}, {"type", "call_id", "output", "id", "status"}),
     "reasoning": ({"type", "id", "summary", "content", "encrypted_content", "status"},
-                  {"type", "id", "summary", "content", "status"}),
+                  {"type", "id", "summary", "content", "encrypted_content", "status"}),
 }
+
+
+def seal(reasoning: str) -> str:
+    """A reasoning item's `encrypted_content`: its text encoded, not encrypted (the client is shown the reasoning
+    anyway); what a stateless client sends back to keep the model's reasoning in its next prompt."""
+    return SEALED + base64.urlsafe_b64encode(reasoning.encode()).decode()
+
+
+def unseal(sealed, where: str) -> str:
+    """The reasoning an `encrypted_content` holds (a 400 where this server did not write it)."""
+    try:
+        if isinstance(sealed, str) and sealed.startswith(SEALED):
+            return base64.urlsafe_b64decode(sealed[len(SEALED):].encode()).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        pass
+    raise bad(f"{where}.encrypted_content was not written by this server: its reasoning cannot be restored",
+              f"{where}.encrypted_content")
 
 
 def arguments(args, where: str):
@@ -173,15 +198,16 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
                 raise bad(f"{where}.call_id must be a string", f"{where}.call_id")
             out = _text_of(item.get("output"), f"{where}.output", ("input_text", "output_text"))
             msgs.append({"role": "tool", "tool_call_id": call_id, "content": out})
-        elif kind == "reasoning":  # its text, else its summary's, joins the next assistant turn
+        elif kind == "reasoning":  # its text, else its sealed text, else its summary's, joins the next assistant turn
+            texts = []
             for key, part_kind in (("content", "reasoning_text"), ("summary", "summary_text")):
                 parts = item.get(key) or []
                 if not isinstance(parts, list):
                     raise bad(f"{where}.{key} must be a list", f"{where}.{key}")
-                text = _text_of(parts, f"{where}.{key}", (part_kind,)) if parts else ""
-                if text:
-                    reasoning += text
-                    break
+                texts.append(_text_of(parts, f"{where}.{key}", (part_kind,)) if parts else "")
+            if item.get("encrypted_content") is not None:
+                texts.insert(1, unseal(item["encrypted_content"], where))
+            reasoning += next((t for t in texts if t), "")
         elif kind == "item_reference":
             raise bad(f"{where}: item references need stored items; this server is stateless", where)
         else:
@@ -271,8 +297,8 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
     if not isinstance(include, list):
         raise bad("'include' must be a list", "include")
     for j, inc in enumerate(include):
-        if inc != LOGPROBS:
-            raise bad(f"'include' value {inc!r} is not supported ({LOGPROBS!r} is)", f"include[{j}]")
+        if inc not in (LOGPROBS, ENCRYPTED):
+            raise bad(f"'include' value {inc!r} is not supported ({LOGPROBS!r} and {ENCRYPTED!r} are)", f"include[{j}]")
     req.logprobs = LOGPROBS in include
     top = _number(body, "top_logprobs", 0, 20, integer=True)
     if top and not req.logprobs:
@@ -292,13 +318,18 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
             parse_response_format(fmt, req)
         except APIError as e:
             raise bad(str(e.message).replace("'response_format", "'text.format"), "text.format") from None
-    reasoning = body.get("reasoning")
+    reasoning, summary = body.get("reasoning"), None
     if reasoning is not None:
         if not isinstance(reasoning, dict):
             raise bad("'reasoning' must be an object", "reasoning")
-        check_fields(reasoning, {"effort", "summary", "generate_summary", "context"}, {"effort"}, "reasoning.",
-                     "the Responses API")
+        check_fields(reasoning, {"effort", "summary", "generate_summary", "context"},
+                     {"effort", "summary", "generate_summary"}, "reasoning.", "the Responses API")
         effort = _choice(reasoning, "effort", EFFORTS, "reasoning.effort")
+        summary = _choice(reasoning, "summary", SUMMARIES, "reasoning.summary")
+        old_name = _choice(reasoning, "generate_summary", SUMMARIES, "reasoning.generate_summary")  # its older name
+        if summary is not None and old_name is not None and summary != old_name:
+            raise bad("'reasoning.generate_summary' contradicts 'reasoning.summary'", "reasoning.generate_summary")
+        summary = summary or old_name
         if effort is not None:
             req.template_kwargs["enable_thinking"] = thinks_at(effort)
             req.template_kwargs["reasoning_effort"] = effort  # gpt-oss's template takes the effort itself
@@ -312,12 +343,13 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
     for key in ("user", "safety_identifier", "prompt_cache_key"):
         _string(body, key)
     req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False, "format_field": "text.format",
+               "summary": summary is not None, "sealed": ENCRYPTED in include,
                "echo": {"instructions": instructions, "max_output_tokens": req.max_tokens, "metadata": metadata or {},
                         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
                         "temperature": req.sampling.get("temp"), "top_p": req.sampling.get("top_p"),
                         "top_logprobs": req.top_logprobs, "text": {"format": echoed_format or {"type": "text"}},
                         "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-                        "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": None},
+                        "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": summary},
                         "user": body.get("user"), "safety_identifier": body.get("safety_identifier"),
                         "prompt_cache_key": body.get("prompt_cache_key")}}
     return req
@@ -376,7 +408,13 @@ class Output:
         out.append(self._ev("response.output_item.added", output_index=n, item=dict(item)))
         item["content"] = [part]
         out.append(self._ev("response.content_part.added", **self._where(), part=dict(part)))
+        if kind == "reasoning" and self.api.get("summary"):
+            item["summary"] = [{"type": "summary_text", "text": ""}]
+            out.append(self._ev("response.reasoning_summary_part.added", **self._summary(), part=dict(item["summary"][0])))
         return out
+
+    def _summary(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1, "summary_index": 0}
 
     def _close(self) -> list[str]:
         item, out = self.open, []
@@ -389,6 +427,13 @@ class Output:
             out.append(self._ev("response.output_text.done", **self._where(), text=part["text"],
                                 logprobs=part["logprobs"]))
         out.append(self._ev("response.content_part.done", **self._where(), part=part))
+        if item["type"] == "reasoning" and item["summary"]:
+            summary = item["summary"][0]
+            summary["text"] = part["text"]
+            out.append(self._ev("response.reasoning_summary_text.done", **self._summary(), text=summary["text"]))
+            out.append(self._ev("response.reasoning_summary_part.done", **self._summary(), part=dict(summary)))
+        if item["type"] == "reasoning" and self.api.get("sealed"):
+            item["encrypted_content"] = seal(part["text"])
         item["status"] = "completed"
         out.append(self._ev("response.output_item.done", output_index=len(self.items) - 1, item=item))
         self.open = None
@@ -401,7 +446,10 @@ class Output:
         part["text"] += text
         if kind == "reasoning":
             self.lps = []  # reasoning has no logprobs in this API
-            return out + [self._ev("response.reasoning_text.delta", **self._where(), delta=text)]
+            out.append(self._ev("response.reasoning_text.delta", **self._where(), delta=text))
+            if self.open["summary"]:
+                out.append(self._ev("response.reasoning_summary_text.delta", **self._summary(), delta=text))
+            return out
         lps, self.lps = self.lps, []
         part["logprobs"] += lps
         return out + [self._ev("response.output_text.delta", **self._where(), delta=text, logprobs=lps)]
