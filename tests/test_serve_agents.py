@@ -585,6 +585,43 @@ def test_responses_reasoning_round_trips_for_a_stateless_client(text, oc, ref):
     assert e.value.body["param"] == "input[1].encrypted_content"
 
 
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "description": "Runs a shell command and returns its output.", "strict": False,
+     "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}},
+                                                     "workdir": {"type": "string"}},
+                    "required": ["command"], "additionalProperties": False}},
+    {"type": "function", "name": "update_plan", "description": "Updates the task plan.", "strict": False,
+     "parameters": {"type": "object", "properties": {"plan": {"type": "array", "items": {"type": "object"}}},
+                    "required": ["plan"], "additionalProperties": False}}]
+
+
+def test_a_codex_shaped_request_is_answered(server):
+    """The body Codex CLI sends over HTTP (its `ResponsesApiRequest`: instructions, developer and user messages, function
+    tools not strict, `tool_choice` "auto", `parallel_tool_calls` false, `reasoning` with a summary, `store` false,
+    `stream`, `include` the encrypted reasoning, `prompt_cache_key`, `client_metadata`), then its next turn with the
+    answer's items sent back and a call's output (reasoning items as Codex writes them, null content and all): each
+    streamed to `response.completed` or `response.incomplete`, every event of the SDK's types."""
+    body = {"model": "tiny", "instructions": "You are a coding agent running in a terminal.",
+            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text",
+                                                                            "text": "<permissions>workspace-write"}]},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                       "text": "List the files here."}]}],
+            "tools": CODEX_TOOLS, "tool_choice": "auto", "parallel_tool_calls": False,
+            "reasoning": {"effort": "medium", "summary": "auto"}, "store": False, "stream": True,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "0199a1b2-thread",
+            "client_metadata": {"x-codex-installation-id": "abc"}, "max_output_tokens": 24}
+    for _turn in range(2):
+        r, lines = serve_util.sse_lines(server.url + "/v1/responses", body)
+        evs = events(lines)
+        assert r.status == 200 and evs[-1]["type"] in ("response.completed", "response.incomplete"), lines[-3:]
+        for e in evs:
+            validate(RESPONSE_EVENTS, e)
+        back = [{**i, "content": None} if i["type"] == "reasoning" else i for i in evs[-1]["response"]["output"]]
+        call = {"type": "function_call", "call_id": "call_9", "name": "shell", "arguments": '{"command": ["ls"]}'}
+        body = {**body, "input": [*body["input"], *back, call,
+                                  {"type": "function_call_output", "call_id": "call_9", "output": "README.md\nsetup.py"}]}
+
+
 def test_responses_image_and_tool_result_items_render_as_chat(oc, ref, triangle):
     img = {"type": "input_image", "image_url": serve_util.data_url(triangle), "detail": "auto"}
     asked = [{"role": "user", "content": [img, {"type": "input_text", "text": "What shape is in the image?"}]}]

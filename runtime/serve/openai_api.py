@@ -68,12 +68,12 @@ def _string(body: dict, key: str, where: str | None = None) -> str | None:
     return v
 
 
-def _metadata(body: dict) -> dict | None:
+def _metadata(body: dict, key: str = "metadata", most: int = 16) -> dict | None:
     """`metadata`: at most 16 string values (OpenAI's limit), kept as the API echoes them."""
-    metadata = body.get("metadata")
-    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
+    metadata = body.get(key)
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > most
                                  or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise bad("'metadata' must be an object of at most 16 string values", "metadata")
+        raise bad(f"'{key}' must be an object of at most {most} string values", key)
     return metadata
 
 

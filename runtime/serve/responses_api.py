@@ -35,13 +35,14 @@ from .openai_api import (
 )
 
 # every field of the API's request body; those not in HONOURED are refused whenever they are set (not null)
-FIELDS = {"access_programs", "background", "background_options", "context_management", "conversation", "image",
+# (and `client_metadata`, Codex's labels for its own requests, which change nothing here)
+FIELDS = {"access_programs", "background", "background_options", "client_metadata", "context_management", "conversation", "image",
           "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model",
           "moderation", "parallel_tool_calls", "previous_response_id", "prompt", "prompt_cache_key",
           "prompt_cache_options", "prompt_cache_retention", "reasoning", "safety_identifier", "service_tier", "store",
           "stream", "stream_options", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p",
           "truncation", "user"}
-HONOURED = {"background", "include", "input", "instructions", "max_output_tokens", "metadata", "model",
+HONOURED = {"background", "client_metadata", "include", "input", "instructions", "max_output_tokens", "metadata", "model",
             "parallel_tool_calls", "previous_response_id", "prompt_cache_key", "reasoning", "safety_identifier",
             "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
             "top_logprobs", "top_p", "truncation", "user"}
@@ -340,6 +341,7 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
     req.messages = ([{"role": "system", "content": instructions}] if instructions else []) + msgs
     req.tools, req.parse_tools, req.force_call, strict = parse_tools_choice(body)
     metadata = _metadata(body)
+    _metadata(body, "client_metadata", 64)
     for key in ("user", "safety_identifier", "prompt_cache_key"):
         _string(body, key)
     req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False, "format_field": "text.format",
