@@ -69,7 +69,8 @@ def _string(body: dict, key: str, where: str | None = None) -> str | None:
 
 
 def _metadata(body: dict, key: str = "metadata", most: int = 16) -> dict | None:
-    """`metadata`: at most 16 string values (OpenAI's limit), kept as the API echoes them."""
+    """`metadata` (or another field of labels, `key`): at most 16 string values (OpenAI's limit), kept as the API
+    echoes them."""
     metadata = body.get(key)
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > most
                                  or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):

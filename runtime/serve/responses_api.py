@@ -34,16 +34,16 @@ from .openai_api import (
     thinks_at,
 )
 
-# every field of the API's request body; those not in HONOURED are refused whenever they are set (not null)
-# (and `client_metadata`, Codex's labels for its own requests, which change nothing here)
-FIELDS = {"access_programs", "background", "background_options", "client_metadata", "context_management", "conversation", "image",
-          "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model",
+# every field of the API's request body (and `client_metadata`, Codex's labels for its own requests, which change
+# nothing here); those not in HONOURED are refused whenever they are set (not null)
+FIELDS = {"access_programs", "background", "background_options", "client_metadata", "context_management",
+          "conversation", "image", "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model",
           "moderation", "parallel_tool_calls", "previous_response_id", "prompt", "prompt_cache_key",
           "prompt_cache_options", "prompt_cache_retention", "reasoning", "safety_identifier", "service_tier", "store",
           "stream", "stream_options", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p",
           "truncation", "user"}
-HONOURED = {"background", "client_metadata", "include", "input", "instructions", "max_output_tokens", "metadata", "model",
-            "parallel_tool_calls", "previous_response_id", "prompt_cache_key", "reasoning", "safety_identifier",
+HONOURED = {"background", "client_metadata", "include", "input", "instructions", "max_output_tokens", "metadata",
+            "model", "parallel_tool_calls", "previous_response_id", "prompt_cache_key", "reasoning", "safety_identifier",
             "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
             "top_logprobs", "top_p", "truncation", "user"}
 COUNT_FIELDS = {"conversation", "input", "instructions", "model", "parallel_tool_calls", "personality",
