@@ -272,6 +272,7 @@ PREFILLED = [{"role": "user", "content": "Write a Python function that adds two 
     (chat(messages=PREFILLED, continue_final_message=True, tools=CHAT_TOOLS, tool_choice="required"), "tool_choice"),
     (chat(messages=[*PREFILLED[:1], {"role": "assistant", "content": " "}], continue_final_message=True),
      "continue_final_message"),
+    (chat(messages=PREFILLED, echo=True), "echo"),  # an assistant's message echoed only where it is continued
 ])
 def test_chat_fields_refused_with_400_naming_them(body, param):
     with pytest.raises(APIError) as e:
@@ -734,7 +735,8 @@ def test_a_final_assistant_message_is_continued(server, oc, ac, conv, ref):
     """The start of an answer given as the last message (vLLM's `continue_final_message` with `add_generation_prompt`
     false; Anthropic's prefilled final assistant turn): the prompt is transformers' `continue_final_message`
     rendering (/tokenize too), the answer the engine's greedy continuation of it, without the given start, whole and
-    streamed; the turn's thinking off (the template's own choice: no think block opened before the text)."""
+    streamed, and with vLLM's `echo` after the given start; the turn's thinking off (the template's own choice: no
+    think block opened before the text)."""
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(conv)
@@ -746,6 +748,13 @@ def test_a_final_assistant_message_is_continued(server, oc, ac, conv, ref):
     assert r.prompt_token_ids == ids and r.choices[0].model_extra["token_ids"] == want
     assert r.choices[0].message.content == ref.text.decode(want) and r.usage.completion_tokens == len(want)
     assert r.choices[0].message.model_extra.get("reasoning_content") is None
+    echoed = oc.chat.completions.create(model="tiny", messages=PREFILLED, max_tokens=12, temperature=0,
+                                        extra_body={**extra, "echo": True}).choices[0]
+    assert echoed.message.content == PREFILLED[1]["content"] + r.choices[0].message.content
+    assert echoed.model_extra["token_ids"] == want
+    chunks = oc.chat.completions.create(model="tiny", messages=PREFILLED, max_tokens=12, temperature=0, stream=True,
+                                        extra_body={**extra, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed.message.content
     chunks = oc.chat.completions.create(model="tiny", messages=PREFILLED, max_tokens=12, temperature=0, stream=True,
                                         extra_body=extra)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content

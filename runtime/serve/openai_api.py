@@ -276,7 +276,7 @@ CHAT_FIELDS = {"audio", "frequency_penalty", "function_call", "functions", "logi
                "prompt_cache_retention", "reasoning_effort", "response_format", "safety_identifier", "seed",
                "service_tier", "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools",
                "top_logprobs", "top_p", "user", "verbosity", "web_search_options", "chat_template_kwargs",
-               "continue_final_message", "add_generation_prompt"} | EXTENSIONS  # the last two: vLLM's, chat only
+               "continue_final_message", "add_generation_prompt", "echo"} | EXTENSIONS  # the last three: vLLM's
 CHAT_HONOURED = CHAT_FIELDS - {"audio", "function_call", "functions", "moderation", "prediction", "prompt_cache_options",
                                "verbosity", "web_search_options"}
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call",
@@ -709,6 +709,10 @@ def _continue_final(body: dict, req: GenRequest) -> None:
                   "assistant message continued)", "add_generation_prompt")
     if go:
         continued(req, "continue_final_message")
+    req.echo = _flag(body, "echo")  # vLLM's: a continued message's text written before the answer
+    if req.echo and req.messages[-1]["role"] == "assistant" and not go:
+        raise bad("'echo' of a final assistant message is supported with 'continue_final_message' only (the message "
+                  "continued, its text before the answer)", "echo")
 
 
 def final_text(messages: list[dict]) -> str | None:

@@ -241,7 +241,7 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
-    prefix: str = ""  # the start of the answer written into the prompt (a forced tool call)
+    prefix: str = ""  # the start of the answer written into the prompt (a forced tool call; an echoed continued text)
     # what shapes the first answer (structured output, forced call, thinking budget), made as the request is
     # prepared so that a bad one is refused before it queues; each later choice's is made as it starts
     constraint: Constraint | ThinkingBudget | TokenMask | None = None
@@ -385,15 +385,15 @@ class EngineWorker:
         except TemplateFailure as e:
             raise bad(f"the chat template ({e.path.name}) refused the messages: {e.reason}", "messages") from None
 
-    def cut_after_final(self, prompt: str, final: str) -> tuple[str, int]:
+    def cut_after_final(self, prompt: str, final: str) -> tuple[str, int, str]:
         """A continued conversation's rendering (`continue_final`) cut right after its last message's text, where
         that text last appears (or, stripped, where a template trims it), as transformers' `continue_final_message`
-        cuts it; and where the text begins."""
+        cuts it; where the text begins, and the text as found."""
         template = self.eng.text.template
         for text in (final, final.strip()):
             marked = template.mark_text(text)
             if (at := prompt.rfind(marked)) >= 0:
-                return prompt[:at + len(marked)], at
+                return prompt[:at + len(marked)], at, text
         raise bad(f"the chat template ({template.path.name}) does not write the last assistant message's text as "
                   "given, so the answer cannot continue it", "messages")
 
@@ -427,7 +427,8 @@ class EngineWorker:
             self.check_length(prompt, "messages")
             before = len(prompt)  # where the answer's text begins: the answer's own, or the start it continues
             if req.continue_final:
-                prompt, before = self.cut_after_final(prompt, final_text(req.messages))
+                prompt, before, text = self.cut_after_final(prompt, final_text(req.messages))
+                given = text if req.echo else ""  # vLLM's `echo`: the continued text first in the answer sent
             head = self.eng.text.decode(self.header)
             opened = prompt[:before]
             tail = opened[opened.rfind(head):] if head and head in opened else ""  # the header may open <think>
@@ -721,7 +722,7 @@ class EngineWorker:
                 text = choice.prompt_text if choice.prompt_text is not None else eng.text.decode(ids)
                 entries = [self.token_text.scored(t, s) for t, s in zip(ids, scores.scores, strict=True)] if scores else []
                 job.emit(("prompt", {"text": text, "logprobs": entries}))
-        evs = out.given(job.prefix)  # the forced start of a tool call is part of the answer the client gets
+        evs = out.given(job.prefix)  # a forced call's start, an echoed text: part of the answer the client gets
         if evs:
             job.emit(("delta", evs))
         detok = Detokenizer(eng.text)
