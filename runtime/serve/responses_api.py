@@ -169,6 +169,8 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
         if not isinstance(item, dict):
             raise bad(f"{where} must be an object", where)
         kind = item.get("type", "message" if "role" in item else None)
+        if not isinstance(kind, str | None):
+            raise bad(f"{where}.type must be a string", f"{where}.type")
         if kind in ITEM_FIELDS:
             check_fields(item, *ITEM_FIELDS[kind], f"{where}.", "the Responses API")
         if kind == "message":
