@@ -1,6 +1,6 @@
 """Fuzz every parser of untrusted input; the only exception any of them may raise is `StreamoeError`.
 
-Six parsers, each fed hypothesis-generated inputs built from a real tiny checkpoint and conversion (so most
+Seven parsers, each fed hypothesis-generated inputs built from a real tiny checkpoint and conversion (so most
 inputs are *almost* valid and reach deep code), plus raw random bytes:
 
 - safetensors: header bytes (mutated JSON, bit flips, random) through `parse_header`, and files through `read_header`
@@ -11,6 +11,9 @@ inputs are *almost* valid and reach deep code), plus raw random bytes:
   half of them retype only the blobs' file records, or add to them keys used elsewhere in the manifest
 - blob_table: the manifest's blob tables (offsets, sizes, shapes, dtypes, bits) through the same
 - session: session files (mutated container, mutated metadata, damaged frames, random bytes) through `SessionReader`
+- requests: `streamoe serve`'s request bodies (chat and text completions, /tokenize, /detokenize, the Responses and
+  Anthropic Messages APIs, each a full body with tools, formats, reasoning and continued answers) through each API's
+  checks, where the only refusal is a 4xx error (counted as refused)
 
 Any other exception is recorded by signature (type, innermost streamoe frame); the result must list none.
 
@@ -363,6 +366,75 @@ def target_session(world: World, raw: bytes) -> None:
         check_extra(p, r.meta["extra"], 4096)
 
 
+TOOL = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+REQUESTS = {  # a full body of each API the server takes, for `mutated` to break
+    "chat": {"model": "m", "messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "o"}, {"role": "assistant", "content": "The"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": TOOL, "strict": True}}], "tool_choice": "auto",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": TOOL}}, "logprobs": True,
+        "top_logprobs": 2, "stop": ["a"], "n": 2, "seed": 1, "temperature": 0.5, "stream": True, "min_tokens": 1,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "stop_token_ids": [1],
+        "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low", "logit_bias": {"1": 2},
+        "continue_final_message": True, "add_generation_prompt": False, "echo": True},
+    "completion": {"model": "m", "prompt": ["a", "b"], "echo": True, "logprobs": 2, "best_of": 1, "n": 2, "max_tokens": 4,
+                   "stop": "x", "allowed_token_ids": [1, 2], "ignore_eos": True, "include_stop_str_in_output": True,
+                   "structured_outputs": {"choice": ["a", "b"]}},
+    "tokenize": {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}],
+                 "continue_final_message": True, "add_generation_prompt": False, "return_token_strs": True},
+    "detokenize": {"model": "m", "tokens": [1, 2]},
+    "messages": {"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}],
+                 "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                              {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                                                {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "o"}]},
+                              {"role": "assistant", "content": "The"}],
+                 "tools": [{"name": "f", "input_schema": TOOL}], "tool_choice": {"type": "auto"}, "stop_sequences": ["x"],
+                 "thinking": {"type": "disabled"}, "metadata": {"user_id": "u"}},
+    "responses": {"model": "m", "instructions": "i", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "reasoning", "id": "r", "summary": [{"type": "summary_text", "text": "s"}],
+         "content": [{"type": "reasoning_text", "text": "t"}], "encrypted_content": "streamoe.1.dA=="},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "o"}]}],
+        "tools": [{"type": "function", "name": "f", "parameters": TOOL, "strict": True}], "tool_choice": "auto",
+        "reasoning": {"effort": "high", "summary": "auto"}, "top_logprobs": 2, "stream": True, "metadata": {"a": "b"},
+        "include": ["reasoning.encrypted_content", "message.output_text.logprobs"], "client_metadata": {"k": "v"},
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": TOOL}}},
+}
+
+
+def target_requests(raw: tuple[str, object]) -> None:
+    """A request body through the server's JSON reading and its API's checks, as the server runs them before anything
+    else (the worker's rendering and tokenizing need an engine, and come after): a 4xx error is the refusal (raised
+    as `StreamoeError` to be counted so); anything else escaping is a finding (a 500)."""
+    from streamoe.runtime.serve import anthropic_api, responses_api
+    from streamoe.runtime.serve.openai_api import (
+        APIError,
+        Limits,
+        parse_chat,
+        parse_completion,
+        parse_detokenize,
+        parse_tokenize,
+    )
+    from streamoe.runtime.serve.server import decode_json
+    from streamoe.runtime.serve.worker import ServeOptions
+
+    api, body = raw
+    so = ServeOptions("m", limits=Limits())
+    parse = {"chat": lambda b: parse_chat(b, so.limits), "completion": parse_completion,
+             "tokenize": lambda b: parse_tokenize(b, so.limits), "detokenize": parse_detokenize,
+             "messages": lambda b: anthropic_api.parse(b, so), "responses": lambda b: responses_api.parse(b, so)}[api]
+    try:
+        parse(decode_json(bytearray(json.dumps(body).encode()), so.limits))  # as the server reads a body
+    except APIError as e:
+        if not 400 <= e.status < 500:
+            raise
+        raise StreamoeError(e.message) from None
+
+
 # ---------------------------------------------------------------------------------------------- strategies
 
 
@@ -433,6 +505,8 @@ def strategies(world: World) -> dict[str, tuple[st.SearchStrategy, Callable]]:
         "blob_table": (mutated(world.manifest, manifest_focus("blob_table")).map(encode),
                        lambda x: target_manifest(world, x, "blob_table")),
         "session": (session_inputs(world), lambda x: target_session(world, x)),
+        "requests": (st.one_of(*(st.tuples(st.just(api), mutated(body)) for api, body in REQUESTS.items())),
+                     target_requests),
     }
 
 
@@ -486,7 +560,7 @@ def fuzz_one(name: str, scratch: Path, examples: int) -> dict:
     return r
 
 
-PARSERS = ("safetensors", "index", "config", "manifest", "blob_table", "session")
+PARSERS = ("safetensors", "index", "config", "manifest", "blob_table", "session", "requests")
 
 
 def main() -> None:
