@@ -125,7 +125,8 @@ def test_machine_sized_plans_fail_cleanly(tiny_conv):
 
 # ---- fuzzers: a few hundred examples in make test, the 20,000-example run is bench/fuzz.py
 
-EXAMPLES = {"safetensors": 150, "index": 60, "config": 60, "manifest": 40, "blob_table": 40, "session": 150}
+EXAMPLES = {"safetensors": 150, "index": 60, "config": 60, "manifest": 40, "blob_table": 40, "session": 150,
+            "requests": 400}
 
 
 @pytest.fixture(scope="module")
