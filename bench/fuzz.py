@@ -12,8 +12,9 @@ inputs are *almost* valid and reach deep code), plus raw random bytes:
 - blob_table: the manifest's blob tables (offsets, sizes, shapes, dtypes, bits) through the same
 - session: session files (mutated container, mutated metadata, damaged frames, random bytes) through `SessionReader`
 - requests: `streamoe serve`'s request bodies (chat and text completions, /tokenize, /detokenize, the Responses and
-  Anthropic Messages APIs, each a full body with tools, formats, reasoning and continued answers) through each API's
-  checks, where the only refusal is a 4xx error (counted as refused)
+  Anthropic Messages APIs, each a full body with tools, formats, reasoning and continued answers) through the
+  server's JSON reading, each API's checks and the worker's preparing (rendering, tokenizing, the job), where the
+  only refusal is a 4xx error (counted as refused) and a `StreamoeError` escaping would be a 500
 
 Any other exception is recorded by signature (type, innermost streamoe frame); the result must list none.
 
@@ -230,6 +231,18 @@ class World:
         self.header, self.shard_data = self._lean_header(json.loads(raw[8:8 + n]), raw[8 + n:])
         self.session = self._session()
 
+    def worker(self):
+        """An `EngineWorker` over the conversion, as `streamoe serve` opens it (once per process)."""
+        if getattr(self, "_worker", None) is None:
+            from streamoe.runtime.plan import MiB, Options
+            from streamoe.runtime.serve.openai_api import Limits
+            from streamoe.runtime.serve.worker import EngineWorker, ServeOptions, open_engine
+
+            so = ServeOptions("m", limits=Limits(), prompt_cache_bytes=0)
+            self._worker = EngineWorker(open_engine(self.conv, Options(cap_gib=8, ctx=4096, runtime_bytes=256 * MiB),
+                                                    so), so)
+        return self._worker
+
     @staticmethod
     def _lean_manifest(doc: dict, keep: int = LEAN) -> dict:
         """The manifest with its blob tables cut to a few tensors each: every code path is still reached (the
@@ -367,33 +380,35 @@ def target_session(world: World, raw: bytes) -> None:
 
 
 TOOL = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-REQUESTS = {  # a full body of each API the server takes, for `mutated` to break
-    "chat": {"model": "m", "messages": [
-        {"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-        {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c", "content": "o"}, {"role": "assistant", "content": "The"}],
-        "tools": [{"type": "function", "function": {"name": "f", "parameters": TOOL, "strict": True}}], "tool_choice": "auto",
-        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": TOOL}}, "logprobs": True,
-        "top_logprobs": 2, "stop": ["a"], "n": 2, "seed": 1, "temperature": 0.5, "stream": True, "min_tokens": 1,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "stop_token_ids": [1],
-        "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low", "logit_bias": {"1": 2},
-        "continue_final_message": True, "add_generation_prompt": False, "echo": True},
-    "completion": {"model": "m", "prompt": ["a", "b"], "echo": True, "logprobs": 2, "best_of": 1, "n": 2, "max_tokens": 4,
-                   "stop": "x", "allowed_token_ids": [1, 2], "ignore_eos": True, "include_stop_str_in_output": True,
-                   "structured_outputs": {"choice": ["a", "b"]}},
-    "tokenize": {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}],
-                 "continue_final_message": True, "add_generation_prompt": False, "return_token_strs": True},
-    "detokenize": {"model": "m", "tokens": [1, 2]},
-    "messages": {"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}],
-                 "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
-                              {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
-                                                                {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
-                              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "o"}]},
-                              {"role": "assistant", "content": "The"}],
-                 "tools": [{"name": "f", "input_schema": TOOL}], "tool_choice": {"type": "auto"}, "stop_sequences": ["x"],
-                 "thinking": {"type": "disabled"}, "metadata": {"user_id": "u"}},
-    "responses": {"model": "m", "instructions": "i", "input": [
+CHAT = {"model": "m", "messages": [
+    {"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c", "content": "o"}]}
+REQUESTS = [  # a full body of each kind the server takes, each accepted as it is, for `mutated` to break
+    ("chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": TOOL, "strict": True}}],
+              "tool_choice": "auto", "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": TOOL}},
+              "logprobs": True, "top_logprobs": 2, "stop": ["a"], "n": 2, "seed": 1, "temperature": 0.5, "stream": True,
+              "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "stop_token_ids": [1],
+              "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "none", "logit_bias": {"1": 2}}),
+    ("chat", {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "The"}], "min_tokens": 1,
+              "continue_final_message": True, "add_generation_prompt": False, "echo": True, "max_tokens": 4,
+              "structured_outputs": None, "allowed_token_ids": [1, 2, 3]}),
+    ("completion", {"model": "m", "prompt": ["a", "b"], "echo": True, "logprobs": 2, "best_of": 1, "n": 2, "max_tokens": 4,
+                    "stop": "x", "ignore_eos": True, "include_stop_str_in_output": True,
+                    "structured_outputs": {"choice": ["a", "b"]}}),
+    ("tokenize", {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}],
+                  "continue_final_message": True, "add_generation_prompt": False, "return_token_strs": True}),
+    ("detokenize", {"model": "m", "tokens": [1, 2]}),
+    ("messages", {"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}],
+                  "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                               {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                                                 {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "o"}]},
+                               {"role": "assistant", "content": "The"}],
+                  "tools": [{"name": "f", "input_schema": TOOL}], "tool_choice": {"type": "auto"}, "stop_sequences": ["x"],
+                  "thinking": {"type": "disabled"}, "metadata": {"user_id": "u"}}),
+    ("responses", {"model": "m", "instructions": "i", "input": [
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
         {"type": "reasoning", "id": "r", "summary": [{"type": "summary_text", "text": "s"}],
          "content": [{"type": "reasoning_text", "text": "t"}], "encrypted_content": "streamoe.1.dA=="},
@@ -402,37 +417,45 @@ REQUESTS = {  # a full body of each API the server takes, for `mutated` to break
         "tools": [{"type": "function", "name": "f", "parameters": TOOL, "strict": True}], "tool_choice": "auto",
         "reasoning": {"effort": "high", "summary": "auto"}, "top_logprobs": 2, "stream": True, "metadata": {"a": "b"},
         "include": ["reasoning.encrypted_content", "message.output_text.logprobs"], "client_metadata": {"k": "v"},
-        "text": {"format": {"type": "json_schema", "name": "n", "schema": TOOL}}},
-}
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": TOOL}}}),
+]
 
 
-def target_requests(raw: tuple[str, object]) -> None:
-    """A request body through the server's JSON reading and its API's checks, as the server runs them before anything
-    else (the worker's rendering and tokenizing need an engine, and come after): a 4xx error is the refusal (raised
-    as `StreamoeError` to be counted so); anything else escaping is a finding (a 500)."""
+def target_requests(world: World, raw: tuple[str, object]) -> None:
+    """A request body as the server takes it, short of answering: read as JSON (`decode_json`), checked by its API,
+    then rendered, tokenized and made into a job by the worker over the tiny conversion (`EngineWorker.prepare`, or
+    /tokenize's and /detokenize's calls). A 4xx error is the refusal (raised as `StreamoeError`, to be counted so);
+    anything else escaping, a `StreamoeError` among them, is a finding: the server would answer it with a 500."""
     from streamoe.runtime.serve import anthropic_api, responses_api
     from streamoe.runtime.serve.openai_api import (
         APIError,
-        Limits,
         parse_chat,
         parse_completion,
         parse_detokenize,
         parse_tokenize,
     )
     from streamoe.runtime.serve.server import decode_json
-    from streamoe.runtime.serve.worker import ServeOptions
 
     api, body = raw
-    so = ServeOptions("m", limits=Limits())
-    parse = {"chat": lambda b: parse_chat(b, so.limits), "completion": parse_completion,
-             "tokenize": lambda b: parse_tokenize(b, so.limits), "detokenize": parse_detokenize,
-             "messages": lambda b: anthropic_api.parse(b, so), "responses": lambda b: responses_api.parse(b, so)}[api]
+    worker = world.worker()
+    so = worker.so
     try:
-        parse(decode_json(bytearray(json.dumps(body).encode()), so.limits))  # as the server reads a body
+        body = decode_json(bytearray(json.dumps(body).encode()), so.limits)
+        if api == "tokenize":
+            req, special, _ = parse_tokenize(body, so.limits)
+            worker.tokenize(req, special)
+        elif api == "detokenize":
+            worker.detokenize(parse_detokenize(body))
+        else:
+            parse = {"chat": lambda b: parse_chat(b, so.limits), "completion": parse_completion,
+                     "messages": lambda b: anthropic_api.parse(b, so), "responses": lambda b: responses_api.parse(b, so)}
+            worker.prepare(parse[api](body))
     except APIError as e:
         if not 400 <= e.status < 500:
             raise
         raise StreamoeError(e.message) from None
+    except StreamoeError as e:
+        raise RuntimeError(f"a 500 from the server: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------- strategies
@@ -505,8 +528,8 @@ def strategies(world: World) -> dict[str, tuple[st.SearchStrategy, Callable]]:
         "blob_table": (mutated(world.manifest, manifest_focus("blob_table")).map(encode),
                        lambda x: target_manifest(world, x, "blob_table")),
         "session": (session_inputs(world), lambda x: target_session(world, x)),
-        "requests": (st.one_of(*(st.tuples(st.just(api), mutated(body)) for api, body in REQUESTS.items())),
-                     target_requests),
+        "requests": (st.one_of(*(st.tuples(st.just(api), mutated(body)) for api, body in REQUESTS)),
+                     lambda x: target_requests(world, x)),
     }
 
 
