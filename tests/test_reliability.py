@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from bench.fuzz import PARSERS, World, fuzz
+from bench.fuzz import PARSERS, REQUESTS, World, fuzz, target_requests
 from streamoe.convert.synth import synth
 from streamoe.convert.validate import validate
 from streamoe.formats.errors import StreamoeError
@@ -141,6 +141,13 @@ def test_fuzz_parser_raises_only_streamoe_errors(world, parser):
     assert r["signatures"] == {}, r["samples"]
     assert r["examples"] >= EXAMPLES[parser] * scale * 0.9
     assert r["refused"] > 0  # the inputs really are hostile; a fuzzer that only feeds valid files tests nothing
+
+
+def test_fuzzed_request_bodies_start_from_accepted_ones(world):
+    """Each body the request fuzzer mutates is one the server takes as it is (rendered and made into a job), so its
+    mutations are near misses that reach deep code, not bodies refused at their first field."""
+    for api, body in REQUESTS:
+        target_requests(world, (api, body))
 
 
 # ---- a full or read-only disk: one line with the path and the numbers
