@@ -239,8 +239,8 @@ class World:
             from streamoe.runtime.serve.worker import EngineWorker, ServeOptions, open_engine
 
             so = ServeOptions("m", limits=Limits(), prompt_cache_bytes=0)
-            self._worker = EngineWorker(open_engine(self.conv, Options(cap_gib=8, ctx=4096, runtime_bytes=256 * MiB),
-                                                    so), so)
+            opts = Options(cap_gib=8, ctx=4096, images=True, runtime_bytes=256 * MiB)
+            self._worker = EngineWorker(open_engine(self.conv, opts, so), so)
         return self._worker
 
     @staticmethod
@@ -385,6 +385,17 @@ CHAT = {"model": "m", "messages": [
     {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
     {"role": "tool", "tool_call_id": "c", "content": "o"}]}
+def png_url() -> str:
+    """A small picture as a `data:` URL (what an image part carries)."""
+    import base64
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (40, 32), (245, 130, 15)).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
 REQUESTS = [  # a full body of each kind the server takes, each accepted as it is, for `mutated` to break
     ("chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": TOOL, "strict": True}}],
               "tool_choice": "auto", "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": TOOL}},
@@ -394,6 +405,9 @@ REQUESTS = [  # a full body of each kind the server takes, each accepted as it i
     ("chat", {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "The"}], "min_tokens": 1,
               "continue_final_message": True, "add_generation_prompt": False, "echo": True, "max_tokens": 4,
               "structured_outputs": None, "allowed_token_ids": [1, 2, 3]}),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": png_url(), "detail": "auto"}}]}],
+        "max_completion_tokens": 4}),
     ("completion", {"model": "m", "prompt": ["a", "b"], "echo": True, "logprobs": 2, "best_of": 1, "n": 2, "max_tokens": 4,
                     "stop": "x", "ignore_eos": True, "include_stop_str_in_output": True,
                     "structured_outputs": {"choice": ["a", "b"]}}),
