@@ -1038,6 +1038,26 @@ def test_a_snapshot_is_restored_only_where_the_prompts_own_prefill_cuts(conv):
     assert logits[0] == logits[1]
 
 
+def test_cache_salt_shares_the_prompt_cache_only_within_a_salt(client):
+    """vLLM's `cache_salt`: a prompt's cached prefix is restored for a request with the same salt only (not for one
+    with another salt or none, nor an unsalted one for a salted request), and the answer is the same bits either way;
+    an empty salt is a 400 naming it."""
+    msgs = [{"role": "system", "content": "You answer about salts."}, {"role": "user", "content": "Which salt?"}]
+
+    def ask(salt: str | None):
+        extra = {"return_token_ids": True, **({"cache_salt": salt} if salt is not None else {})}
+        r = client.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=4, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].model_extra["token_ids"]
+
+    first = ask("tenant-a")
+    runs = [ask("tenant-a"), ask("tenant-b"), ask(None), ask("tenant-b"), ask(None)]
+    assert first[0] == 0 and [c > 0 for c, _ in runs] == [True, False, False, True, True], (first, runs)
+    assert all(ids == first[1] for _, ids in runs)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt"
+
+
 def test_ignore_eos_runs_the_answer_to_max_tokens(client, ref):
     """vLLM's `ignore_eos` (benchmark clients send it, false unless asked): false is the plain answer; true gives the
     model's end-of-turn tokens OpenAI's lowest `logit_bias` (-100) for the whole answer, so an answer that ends

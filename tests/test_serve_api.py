@@ -352,13 +352,16 @@ def test_keys_tell_images_apart_and_lookup_takes_the_longest_prefix():
     a, b = key_items([1, 9, 9, 2], 9, ["h1", "h2"]), key_items([1, 9, 9, 2], 9, ["h1", "h3"])
     assert a == (1, ("image", "h1"), ("image", "h2"), 2) and a != b
     assert key_items([9, 1], 9, []) == (9, 1)  # a placeholder in raw text, without an image, is a plain token
+    salted = key_items([1, 2, 3], None, [], "s")
+    assert salted == (("salt", "s", 1), 2, 3) and len(salted) == 3  # positions as unsalted: cuts fall where they did
     pc = PromptCache(budget=1000)
     for k in [(1,), (1, 2), (1, 2, 3), (5, 6)]:
         pc.add(Snapshot(k, len(k), 0, [("x", np.zeros(4, np.uint8))]))
     assert pc.lookup((1, 2, 3)).key == (1, 2)  # a snapshot of the whole prompt is not used: one token must be fed
+    assert pc.lookup(salted) is None  # nothing unsalted is a prefix of a salted key
     assert pc.lookup((1, 2, 3, 4)).key == (1, 2, 3)
     assert pc.lookup((7, 8)) is None and pc.lookup((5,)) is None
-    assert pc.hits == 2 and pc.misses == 2 and pc.tokens_saved == 5
+    assert pc.hits == 2 and pc.misses == 3 and pc.tokens_saved == 5
 
 
 def test_lru_eviction_keeps_the_budget():

@@ -215,6 +215,7 @@ class GenRequest:
     include_stop: bool = False  # vLLM's include_stop_str_in_output: a stop string ends the answer written
     ignore_eos: bool = False  # vLLM's: the model's end-of-turn tokens kept from ending the answer (see the worker)
     min_tokens: int = 0  # vLLM's: no end of the answer (its stop tokens masked) before this many tokens
+    cache_salt: str | None = None  # vLLM's: the prompt cache shared only among requests with the same salt
     allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: the only tokens the answer may draw
     sampling: dict = field(default_factory=dict)  # the fields set, keyed as `Sampler` takes them
     seed: int | None = None
@@ -265,7 +266,7 @@ def _flag(body: dict, key: str, default: bool = False) -> bool:
 # The fields of each API's body (OpenAI's, as its client types them, and the extensions of vLLM's and mlx-lm's
 # servers this one implements); a field not in the API's HONOURED set is refused whenever it is set (not null).
 EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "return_token_ids", "min_tokens", "stop_token_ids",
-              "structured_outputs", "include_stop_str_in_output", "ignore_eos", "allowed_token_ids",
+              "structured_outputs", "include_stop_str_in_output", "ignore_eos", "allowed_token_ids", "cache_salt",
               "best_of"}  # on chat, vLLM's (1 only here, as on completions)
 COMPLETION_FIELDS = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "model", "n",
                      "presence_penalty", "prompt", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
@@ -301,6 +302,9 @@ def _common(body: dict, req: GenRequest) -> None:
     req.model = model
     req.stream = _flag(body, "stream")
     req.return_token_ids = _flag(body, "return_token_ids")
+    req.cache_salt = _string(body, "cache_salt")
+    if req.cache_salt == "":
+        raise bad("'cache_salt' must be a non-empty string", "cache_salt")
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):

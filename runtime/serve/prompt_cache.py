@@ -26,8 +26,9 @@ import numpy as np
 from ..conversation import Conversation, from_host, host_view
 
 # an item of a cache key: a token id, or ("image", sha256) where an image placeholder stands, because every
-# image renders to the same placeholder token and only its bytes tell two prompts apart
-Item = int | tuple[str, str]
+# image renders to the same placeholder token and only its bytes tell two prompts apart; a salted key's first item
+# is ("salt", salt, item), so that no salted key is a prefix of a key salted otherwise or not at all
+Item = int | tuple
 
 
 @dataclass
@@ -70,13 +71,17 @@ def clear(eng) -> None:
     eng.conversation.clear()
 
 
-def key_items(ids: list[int], image_pad: int | None, image_hashes: list[str]) -> tuple[Item, ...]:
-    """The cache key of a prompt: its token ids with each image placeholder replaced by that image's hash."""
+def key_items(ids: list[int], image_pad: int | None, image_hashes: list[str],
+              salt: str | None = None) -> tuple[Item, ...]:
+    """The cache key of a prompt: its token ids with each image placeholder replaced by that image's hash; with a
+    `salt` (vLLM's `cache_salt`), its first item salted, so the prompt shares snapshots only with the same salt's."""
     out: list[Item] = []
     it = iter(image_hashes)
     for t in ids:
         h = next(it, None) if t == image_pad else None
         out.append(t if h is None else ("image", h))  # a placeholder without an image (raw text) is a token
+    if salt is not None and out:
+        out[0] = ("salt", salt, out[0])
     return tuple(out)
 
 
