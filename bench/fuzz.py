@@ -404,7 +404,7 @@ REQUESTS = [  # a full body of each kind the server takes, each accepted as it i
               "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "none", "logit_bias": {"1": 2}}),
     ("chat", {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "The"}], "min_tokens": 1,
               "continue_final_message": True, "add_generation_prompt": False, "echo": True, "max_tokens": 4,
-              "structured_outputs": None, "allowed_token_ids": [1, 2, 3]}),
+              "structured_outputs": None, "allowed_token_ids": [1, 2, 3], "cache_salt": "tenant"}),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": png_url(), "detail": "auto"}}]}],
         "max_completion_tokens": 4}),
