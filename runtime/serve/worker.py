@@ -269,9 +269,9 @@ class Job:
     def arrive(self, ev: tuple) -> None:
         """An event reaches the request's loop (sized here, while the engine's thread computes the next token). What
         the answer holds for its client is counted: a streamed answer's events until its handler takes them (it then
-        writes them to a bounded socket), a whole answer's all (the response is built from them). Past `max_answer` the job stops: a stream's unsent events are
-        dropped for one error (its client reads too slowly), a whole answer ends as an error (it would be too
-        large to hold). Every later event of the job is dropped."""
+        writes them to a bounded socket), a whole answer's all (the response is built from them). Past `max_answer`
+        the job stops: a stream's unsent events are dropped for one error (its client reads too slowly), a whole
+        answer ends as an error (it would be too large to hold). Every later event of the job is dropped."""
         if self.overflowed:
             return
         size = answer_bytes(ev, whole=not self.req.stream)
