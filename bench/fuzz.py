@@ -421,7 +421,9 @@ REQUESTS = [  # a full body of each kind the server takes, each accepted as it i
                                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "o"}]},
                                {"role": "assistant", "content": "The"}],
                   "tools": [{"name": "f", "input_schema": TOOL}], "tool_choice": {"type": "auto"}, "stop_sequences": ["x"],
-                  "thinking": {"type": "disabled"}, "metadata": {"user_id": "u"}}),
+                  "thinking": {"type": "disabled"}, "metadata": {"user_id": "u"}, "output_config": {"effort": "max"},
+                  "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                                    "keep": {"type": "thinking_turns", "value": 1}}]}}),
     ("responses", {"model": "m", "instructions": "i", "input": [
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
         {"type": "reasoning", "id": "r", "summary": [{"type": "summary_text", "text": "s"}],

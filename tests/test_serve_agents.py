@@ -32,7 +32,7 @@ from streamoe.runtime.serve import anthropic_api, responses_api
 from streamoe.runtime.serve.chat_output import ChatOutput
 from streamoe.runtime.serve.openai_api import APIError, GenRequest, Limits, parse_chat, parse_completion
 from streamoe.runtime.serve.server import OpenAIOutput
-from streamoe.runtime.serve.worker import Choice, EngineWorker, Job, ServeOptions
+from streamoe.runtime.serve.worker import Choice, EngineWorker, Job, ServeOptions, open_engine
 from streamoe.runtime.text import Detokenizer, TextIO
 
 from . import serve_util
@@ -379,6 +379,71 @@ def test_anthropic_blocks_become_the_chat_messages():
                             CONVO[2], {"role": "user", "content": "Thanks"}]
 
 
+THOUGHT_LOOP = [  # a tool loop after the user's question, each call after a thought
+    {"role": "user", "content": "What is the weather in Paris and in Oslo?"},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "Paris first: call the tool.", "signature": "s"},
+                                      {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18 degrees, sunny"}]},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "Now Oslo.", "signature": "s"},
+                                      {"type": "tool_use", "id": "t2", "name": "get_weather", "input": {"city": "Oslo"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "4 degrees, rain"}]}]
+
+
+def test_anthropic_context_management_clears_older_thinking(tiny_conv):
+    """`context_management`'s `clear_thinking_20251015` (Claude Code sends it, `keep` "all"): "all" keeps every
+    turn's thinking; `thinking_turns` 1 takes the first turn's out of the prompt, which is then the prompt of the
+    same conversation with that thinking block left out, and the tokens it cleared (counted on a template that
+    renders a tool loop's thinking) are reported with the edit; `output_config.effort` reaches the template."""
+    so = ServeOptions("m", prompt_cache_bytes=0)
+    w = EngineWorker(open_engine(tiny_conv, Options(cap_gib=8, ctx=CTX, runtime_bytes=RUNTIME_MIB * MiB), so), so)
+    try:
+        def body(messages: list, edit: dict | None) -> dict:
+            cm = {"context_management": {"edits": [edit]}} if edit else {}
+            return {"model": "m", "max_tokens": 64, "messages": messages, "tools": ANTH_TOOLS,
+                    "thinking": {"type": "adaptive"}, "output_config": {"effort": "xhigh"}, **cm}
+
+        def prepared(messages: list, edit: dict | None):
+            req = anthropic_api.parse(body(messages, edit), so)
+            return req, w.prepare(req).ids
+
+        req, all_kept = prepared(THOUGHT_LOOP, {"type": "clear_thinking_20251015", "keep": "all"})
+        assert anthropic_api.applied_edits(req) == [] and all_kept == prepared(THOUGHT_LOOP, None)[1]
+        assert req.template_kwargs["reasoning_effort"] == "high"
+        req, kept_one = prepared(THOUGHT_LOOP, {"type": "clear_thinking_20251015",
+                                                "keep": {"type": "thinking_turns", "value": 1}})
+        by_hand = [THOUGHT_LOOP[0], {**THOUGHT_LOOP[1], "content": THOUGHT_LOOP[1]["content"][1:]}, *THOUGHT_LOOP[2:]]
+        assert kept_one == prepared(by_hand, None)[1] and len(kept_one) < len(all_kept)
+        assert anthropic_api.applied_edits(req) == [{"type": "clear_thinking_20251015", "cleared_thinking_turns": 1,
+                                                      "cleared_input_tokens": len(all_kept) - len(kept_one)}]
+    finally:
+        w.eng.close()
+
+
+def test_a_claude_code_shaped_request_is_answered(server, ac):
+    """The body Claude Code sends for a model that thinks adaptively (`thinking` adaptive, `output_config.effort`,
+    `context_management` keeping all thinking, a system prompt with cache markers, tools, `metadata.user_id`),
+    streamed by the `anthropic` client to its end, every event of the SDK's types, the edits reported on the
+    message (none applied); `count_tokens` reports the count before the edits too."""
+    kw = {"model": "claude-sonnet-4-5", "max_tokens": 16, "system": [
+              {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+          "messages": [{"role": "user", "content": [{"type": "text", "text": "List the files here."}]}],
+          "tools": ANTH_TOOLS, "metadata": {"user_id": "user_abc_session_1"}, "thinking": {"type": "adaptive"},
+          "extra_body": {"output_config": {"effort": "medium"},
+                         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}}
+    with ac.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    body = {**{k: v for k, v in kw.items() if k != "extra_body"}, **kw["extra_body"], "stream": True}
+    _, lines = serve_util.sse_lines(server.url + "/v1/messages", body)
+    evs = events(lines)
+    for e in evs:
+        validate(MESSAGE_EVENTS, e)
+    assert [e for e in evs if e["type"] == "message_delta"][0]["context_management"] == {"applied_edits": []}
+    counted = fetch(server.url + "/v1/messages/count_tokens", "POST", {
+        k: v for k, v in body.items() if k not in ("max_tokens", "stream", "metadata")}).json()
+    assert counted["context_management"] == {"original_input_tokens": counted["input_tokens"]}
+
+
 def rq(**kw) -> dict:
     return {"model": "tiny", "input": "hi", **kw}
 
@@ -461,7 +526,17 @@ PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
     (am(thinking={"type": "adaptive", "budget_tokens": 2048}), "thinking.budget_tokens"),  # not a field of theirs
     (am(thinking={"type": "disabled", "budget_tokens": 2048}), "thinking.budget_tokens"),
     (am(tools=[{"name": "t", "input_schema": {"type": "string"}}]), "tools"),  # a call's input is an object
-    (am(output_config={"effort": "low"}), "output_config.effort"),
+    (am(output_config={"effort": "huge"}), "output_config.effort"),
+    (am(output_config={"task_budget": {"type": "tokens", "total": 1000}}), "output_config.task_budget"),
+    (am(context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}), "context_management.edits[0].type"),
+    (am(context_management={"edits": [{"type": "compact_20260112"}]}), "context_management.edits[0].type"),
+    (am(context_management={"edits": [{"type": "clear_thinking_20251015", "keep": 2}]}),
+     "context_management.edits[0].keep"),
+    (am(context_management={"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns",
+                                                                                  "value": 0}}]}),
+     "context_management.edits[0].keep"),
+    (am(context_management={"edits": [{"type": "clear_thinking_20251015"}] * 2}), "context_management.edits[1]"),
+    (am(context_management={"edits": {}}), "context_management.edits"),
     (am(output_config={"format": {"type": "text"}}), "output_config.format"),
     (am(output_config={"format": {"type": "json_schema", "schema": {}, "name": "x"}}), "output_config.format.name"),
     (am(container="c"), "container"),

@@ -30,8 +30,10 @@ FIELDS = {"max_tokens", "messages", "model", "cache_control", "container", "cont
           "inference_geo", "mcp_servers", "metadata", "output_config", "service_tier", "speed", "stop_sequences",
           "stream", "system", "temperature", "thinking", "tool_choice", "tools", "top_k", "top_p", "user_profile_id",
           "workspace_id"}
-HONOURED = {"max_tokens", "messages", "model", "cache_control", "metadata", "output_config", "service_tier",
-            "stop_sequences", "stream", "system", "temperature", "thinking", "tool_choice", "tools", "top_k", "top_p"}
+HONOURED = {"max_tokens", "messages", "model", "cache_control", "context_management", "metadata", "output_config",
+            "service_tier", "stop_sequences", "stream", "system", "temperature", "thinking", "tool_choice", "tools",
+            "top_k", "top_p"}
+EFFORT_OF = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}  # as templates take it
 COUNT_FIELDS = {"messages", "model", "cache_control", "context_management", "mcp_servers", "output_config", "speed",
                 "system", "thinking", "tool_choice", "tools", "user_profile_id", "workspace_id"}
 API = "the Anthropic Messages API"
@@ -311,6 +313,7 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
     req.messages = _system(body.get("system")) + parse_messages(body.get("messages"), so, req.images)
     req.tools, req.parse_tools, req.force_call, strict, parallel = _tools(body)
     req.api = {"strict": strict, "parallel": parallel, "format_field": "output_config.format"}
+    _context_management(body, req)
     if req.messages[-1]["role"] == "assistant":
         _prefill(req, thinking, f"messages[{len(body['messages']) - 1}]")
     return req
@@ -328,15 +331,71 @@ def _prefill(req: GenRequest, thinking: dict | None, where: str) -> None:
     continued(req, where)
 
 
+def _context_management(body: dict, req: GenRequest) -> None:
+    """`context_management` (Claude Code sends `clear_thinking_20251015` with `keep` "all"): its thinking edit applied
+    to the messages before they are rendered, the thinking of all but the last `keep` assistant turns that hold
+    some taken out (default: the last one's kept, as Anthropic's API does); the other edits are refused. What it
+    cleared is reported with the answer (`context_management.applied_edits`)."""
+    cm = body.get("context_management")
+    if cm is None:
+        return
+    if not isinstance(cm, dict):
+        raise bad("'context_management' must be an object", "context_management")
+    check_fields(cm, {"edits"}, {"edits"}, "context_management.", API)
+    edits = [] if cm.get("edits") is None else cm["edits"]
+    if not isinstance(edits, list):
+        raise bad("'context_management.edits' must be a list", "context_management.edits")
+    keep = None
+    for j, e in enumerate(edits):
+        where = f"context_management.edits[{j}]"
+        kind = e.get("type") if isinstance(e, dict) else None
+        if kind != "clear_thinking_20251015":
+            raise bad(f"{where}.type {kind!r} is not implemented here (clear_thinking_20251015 is)", f"{where}.type")
+        if keep is not None:
+            raise bad(f"{where}: clear_thinking_20251015 is given twice", where)
+        check_fields(e, {"type", "keep"}, {"type", "keep"}, f"{where}.", API)
+        k = e.get("keep", {"type": "thinking_turns", "value": 1})
+        if k == "all" or k == {"type": "all"}:
+            keep = len(req.messages)
+        elif (isinstance(k, dict) and set(k) == {"type", "value"} and k["type"] == "thinking_turns"
+              and type(k["value"]) is int and k["value"] >= 1):
+            keep = k["value"]
+        else:
+            raise bad(f"{where}.keep must be 'all', {{'type': 'all'}} or {{'type': 'thinking_turns', 'value': N}} "
+                      "with N at least 1", f"{where}.keep")
+    thought = [m for m in req.messages if m["role"] == "assistant" and m.get("reasoning_content")]
+    cleared = thought[:max(0, len(thought) - keep)] if keep is not None else []
+    req.api["context_management"] = {"cleared_thinking_turns": len(cleared)}
+    if cleared:
+        req.api["before_edits"] = [dict(m) for m in req.messages]  # what the worker counts the cleared tokens from
+        for m in cleared:
+            del m["reasoning_content"]
+
+
+def applied_edits(req: GenRequest) -> list[dict]:
+    """The `context_management.applied_edits` of an answer: the thinking edit, where it cleared any turn."""
+    cm = req.api["context_management"]
+    if not cm["cleared_thinking_turns"]:
+        return []
+    return [{"type": "clear_thinking_20251015", "cleared_thinking_turns": cm["cleared_thinking_turns"],
+             "cleared_input_tokens": req.api.get("cleared_tokens", 0)}]
+
+
 def _output_config(body: dict, req: GenRequest) -> None:
     """`output_config.format` (structured outputs: a JSON schema the answer's text follows, constrained as a chat
-    request's `response_format` is); `effort` is refused (no setting of this server spends it)."""
+    request's `response_format` is); `effort`, the reasoning effort of templates that take one (gpt-oss's, with
+    "xhigh" and "max" as its "high"; Qwen's templates take none, so there it changes nothing)."""
     oc = body.get("output_config")
     if oc is None:
         return
     if not isinstance(oc, dict):
         raise bad("'output_config' must be an object", "output_config")
-    check_fields(oc, {"effort", "format"}, {"format"}, "output_config.", API)
+    check_fields(oc, {"effort", "format", "task_budget"}, {"effort", "format"}, "output_config.", API)
+    effort = oc.get("effort")
+    if effort is not None:
+        if effort not in EFFORT_OF:
+            raise bad(f"'output_config.effort' must be one of {', '.join(EFFORT_OF)}", "output_config.effort")
+        req.template_kwargs["reasoning_effort"] = EFFORT_OF[effort]
     fmt = oc.get("format")
     if fmt is None:
         return
@@ -366,7 +425,12 @@ class Output:
     def message(self) -> dict:
         return {"id": f"msg_{self.job.id}", "type": "message", "role": "assistant", "model": self.model,
                 "content": [dict(b) for b in self.blocks], "stop_reason": self.stop_reason,
-                "stop_sequence": self.stop_sequence, "usage": dict(self.usage)}
+                "stop_sequence": self.stop_sequence, "usage": dict(self.usage), **self._edits()}
+
+    def _edits(self) -> dict:
+        """`context_management` with the edits applied, where the request gave it (Anthropic's beta field)."""
+        req = self.job.req
+        return {"context_management": {"applied_edits": applied_edits(req)}} if "context_management" in req.api else {}
 
     def start(self) -> list[str]:
         """message_start, with the input side of the usage as Anthropic sends it there: the prompt's tokens and how
@@ -441,7 +505,8 @@ class Output:
         else:
             self.stop_reason = "end_turn"
         return out + [self._ev("message_delta", delta={"stop_reason": self.stop_reason,
-                                                       "stop_sequence": self.stop_sequence}, usage=dict(self.usage)),
+                                                       "stop_sequence": self.stop_sequence}, usage=dict(self.usage),
+                               **self._edits()),
                       self._ev("message_stop")]
 
     def result(self) -> dict:

@@ -337,9 +337,14 @@ class API:
         return JSONResponse({"object": "response.input_tokens", "input_tokens": n})
 
     async def count_tokens(self, request: Request) -> Response:
-        n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
-            self.worker.prepare(self.served(anthropic_api.parse(body, self.so, counting=True)))))
-        return JSONResponse({"input_tokens": n})
+        def make(body: dict) -> tuple[int, dict]:
+            job = self.worker.prepare(self.served(anthropic_api.parse(body, self.so, counting=True)))
+            return self.worker.prompt_tokens(job), job.req.api
+
+        n, api = await self.prepared(request, make)
+        edits = api.get("context_management")
+        return JSONResponse({"input_tokens": n, **({} if edits is None else {"context_management": {
+            "original_input_tokens": n + api.get("cleared_tokens", 0)}})})
 
 
 class PacedJSONResponse(JSONResponse):

@@ -452,6 +452,10 @@ class EngineWorker:
         """The request rendered, length-checked and tokenized into a job (or an APIError). It runs on the
         server's prepare thread, one at a time: the plan's `requests` account counts one prompt in work."""
         ids, thinking, given = self.prompt_ids(req)
+        if (before := req.api.get("before_edits")) is not None:  # an API's context edits: the tokens they cleared
+            sent, edited = (self.eng.text.encode_chat(self.render(r))
+                            for r in (dataclasses.replace(req, messages=before), req))
+            req.api["cleared_tokens"] = len(sent) - len(edited)
         ctx = self.eng.opts.ctx
         prompts = [ids]  # a completion's batch of prompts: together inside the context, as the plan holds one's ids
         for prompt in req.prompts[1:]:
