@@ -15,6 +15,7 @@ import json
 from .openai_api import (
     APIError,
     GenRequest,
+    _choice,
     _number,
     bad,
     call_text,
@@ -391,10 +392,8 @@ def _output_config(body: dict, req: GenRequest) -> None:
     if not isinstance(oc, dict):
         raise bad("'output_config' must be an object", "output_config")
     check_fields(oc, {"effort", "format", "task_budget"}, {"effort", "format"}, "output_config.", API)
-    effort = oc.get("effort")
+    effort = _choice(oc, "effort", tuple(EFFORT_OF), "output_config.effort")
     if effort is not None:
-        if effort not in EFFORT_OF:
-            raise bad(f"'output_config.effort' must be one of {', '.join(EFFORT_OF)}", "output_config.effort")
         req.template_kwargs["reasoning_effort"] = EFFORT_OF[effort]
     fmt = oc.get("format")
     if fmt is None:
