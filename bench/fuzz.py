@@ -578,7 +578,9 @@ def fuzz(name: str, world: World, examples: int, seed: int | None = None) -> dic
             counts["accepted"] += 1
         except StreamoeError:
             counts["refused"] += 1
-        except Exception as e:  # everything else is a finding
+        except BaseException as e:  # everything else is a finding (a Rust panic through pyo3 is a BaseException)
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
             sig = signature(e)
             bad[sig] += 1
             samples.setdefault(sig, repr(x)[:300])

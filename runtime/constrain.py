@@ -140,14 +140,27 @@ def json_answer(tokens, schema: dict | None, tokenizer, vocab: int, thinking: bo
     return Constraint(tokens, json_grammar(schema), vocab, after=after)
 
 
+def guarded(call, *args, **kw):
+    """An llguidance call on a request's grammar or schema. A panic in its Rust code (pyo3's `PanicException`, a
+    `BaseException`: a client's schema once made it slice text inside a character) is the request's clear error,
+    not an exception that escapes a server's handlers."""
+    try:
+        return call(*args, **kw)
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise StreamoeError(f"the grammar does not compile (llguidance failed on it: {str(e).splitlines()[0][:120]})"
+                            ) from None
+
+
 def json_grammar(schema: dict | None) -> str:
     """The grammar of a JSON value following `schema` (None: any JSON object). A schema llguidance cannot
     compile is the request's fault: StreamoeError with its message."""
     import llguidance
 
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"},
-                                                             overrides=COMPACT)
+        return guarded(llguidance.LLMatcher.grammar_from_json_schema,
+                       schema if schema is not None else {"type": "object"}, overrides=COMPACT)
     except (ValueError, TypeError, RuntimeError) as e:
         raise StreamoeError(f"the JSON schema does not compile ({str(e).splitlines()[0][:200]})") from None
 
@@ -163,10 +176,10 @@ class Constraint:
                  once: bool = False):
         import llguidance
 
-        err = llguidance.LLMatcher.validate_grammar(grammar, tokens)
+        err = guarded(llguidance.LLMatcher.validate_grammar, grammar, tokens)
         if err and not err.startswith("WARNING"):
             raise StreamoeError(f"the grammar does not compile ({err.splitlines()[0][:200]})")
-        self.matcher = llguidance.LLMatcher(tokens, grammar, log_level=0)
+        self.matcher = guarded(llguidance.LLMatcher, tokens, grammar, log_level=0)
         self.fresh = self.matcher.deep_copy() if trigger is not None else None  # each block starts from it
         self.vocab, self.after, self.trigger, self.once = vocab, after, trigger, once
         self.armed = after is None  # past `after`: the grammar starts here (or at the next trigger)

@@ -920,6 +920,19 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server, client, conv):
     assert status == 404 and got["error"]["code"] == "model_not_found"
 
 
+def test_a_schema_that_panics_llguidance_is_a_400(client):
+    """A JSON schema whose error message llguidance cuts inside a character (a `required` entry that is no string,
+    with non-ASCII text about its 100th byte) panics in llguidance's Rust code: the request is a 400 naming the
+    format, and the server answers the next request."""
+    schema = {"type": "object", "required": [{"k": "a" * 49 + "é" * 30}]}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "n",
+                                                                                              "schema": schema}})
+    assert "does not compile" in e.value.body["message"], e.value.body
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices[0].finish_reason == "length"
+
+
 def test_vllm_structured_outputs_hold_the_answer(client):
     """vLLM's `structured_outputs` (extra_body), chat and text completions: a `choice` answer is one of the strings,
     a `regex` answer matches the whole pattern, a Lark `grammar` answer parses (here a comma list of numbers),
