@@ -346,18 +346,19 @@ def _context_management(body: dict, req: GenRequest) -> None:
     edits = [] if cm.get("edits") is None else cm["edits"]
     if not isinstance(edits, list):
         raise bad("'context_management.edits' must be a list", "context_management.edits")
-    keep = None
+    keep, edited = 0, False  # the thinking turns kept (inf: all); whether a thinking edit was given
     for j, e in enumerate(edits):
         where = f"context_management.edits[{j}]"
         kind = e.get("type") if isinstance(e, dict) else None
         if kind != "clear_thinking_20251015":
             raise bad(f"{where}.type {kind!r} is not implemented here (clear_thinking_20251015 is)", f"{where}.type")
-        if keep is not None:
+        if edited:
             raise bad(f"{where}: clear_thinking_20251015 is given twice", where)
+        edited = True
         check_fields(e, {"type", "keep"}, {"type", "keep"}, f"{where}.", API)
         k = e.get("keep", {"type": "thinking_turns", "value": 1})
         if k == "all" or k == {"type": "all"}:
-            keep = len(req.messages)
+            keep = float("inf")
         elif (isinstance(k, dict) and set(k) == {"type", "value"} and k["type"] == "thinking_turns"
               and type(k["value"]) is int and k["value"] >= 1):
             keep = k["value"]
@@ -365,7 +366,7 @@ def _context_management(body: dict, req: GenRequest) -> None:
             raise bad(f"{where}.keep must be 'all', {{'type': 'all'}} or {{'type': 'thinking_turns', 'value': N}} "
                       "with N at least 1", f"{where}.keep")
     thought = [m for m in req.messages if m["role"] == "assistant" and m.get("reasoning_content")]
-    cleared = thought[:max(0, len(thought) - keep)] if keep is not None else []
+    cleared = thought[:max(0, len(thought) - keep)] if edited else []
     req.api["context_management"] = {"cleared_thinking_turns": len(cleared)}
     if cleared:
         req.api["before_edits"] = [dict(m) for m in req.messages]  # what the worker counts the cleared tokens from

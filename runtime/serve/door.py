@@ -7,9 +7,9 @@ than the names this server answers to (loopback names, the bound address, `--all
 attempt and is refused with 421; a request carrying an `Origin` other than the page's own is refused with 403
 before anything runs (a `text/plain` POST needs no preflight, so omitting CORS headers is not enough), unless
 `--cors-origin` allows it, in which case Starlette's CORSMiddleware answers its preflight and tags its
-responses. With `--api-key` every `/v1/` route, `/metrics`, `/tokenize` and `/detokenize` also needs the key, as `Authorization: Bearer KEY`
-(OpenAI's clients) or `x-api-key: KEY` (Anthropic's), else 401; the chat page and `/health` stay open. Every
-refusal is OpenAI's error object (Anthropic's under `/v1/messages`).
+responses. With `--api-key` every `/v1/` route, `/metrics`, `/tokenize` and `/detokenize` also needs the key, as
+`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's), else 401; the chat page and
+`/health` stay open. Every refusal is OpenAI's error object (Anthropic's under `/v1/messages`).
 """
 
 from __future__ import annotations
