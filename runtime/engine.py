@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -244,7 +244,7 @@ class Engine:
 
     def generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, images: list | None = None,
                  context: list[int] | None = None, constraint: Constraint | None = None,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, stops: Collection[int] | None = None):
         """Yield generated token ids (stop token excluded) with their float32 logits (lazy mx arrays [V]).
 
         One loop for every sampler and cap. The token is chosen on the device (`runtime/sampling.py`), so
@@ -262,11 +262,14 @@ class Engine:
         drawn ahead unmasked as without one, and drawn again, masked and with the same key, where this token
         switches the grammar on. Across ranks a constrained token is always drawn once the previous one is read.
         `progress`: the prompt's prefill as it goes (`prefill`; with images, over the prompt they expand).
+        `stops`: the tokens that end the answer (default the model's end-of-turn tokens; none: vLLM's
+        `ignore_eos`, an end of turn yielded as any token and the answer run to `max_tokens`).
 
         Timing (`StepStats.t_token`, `ms`): a step that gives a token is stamped when the token reaches the
         caller, and a decode step's `ms` is the interval since the previous token did, so the summary's
         tok/s is the rate the caller sees, whatever was overlapped."""
         t_start = time.perf_counter()
+        stops = self.text.stop_ids if stops is None else stops
         logits = prefill_images(self, prompt, images, progress) if images else self.prefill(prompt, progress)
         pen = sampler.start(prompt if context is None else context, logits.shape[0])
         drawn = sampler.drawn
@@ -301,7 +304,7 @@ class Engine:
                     made_by.ms = 1000 * (now - last)
                 made_by.token_id = tok
                 self.note_rss()
-                if tok in self.text.stop_ids:
+                if tok in stops:
                     return
                 made_by.t_token, last = now - t_start, now
                 if constraint is not None:

@@ -1071,21 +1071,39 @@ def test_cache_salt_shares_the_prompt_cache_only_within_a_salt(client):
     assert e.value.body["param"] == "cache_salt"
 
 
-def test_ignore_eos_runs_the_answer_to_max_tokens(client, ref):
-    """vLLM's `ignore_eos` (benchmark clients send it, false unless asked): false is the plain answer; true gives the
-    model's end-of-turn tokens OpenAI's lowest `logit_bias` (-100) for the whole answer, so an answer that ends
-    after 3 tokens runs to `max_tokens`: the engine's greedy answer under that bias."""
+def test_ignore_eos_runs_the_answer_on_through_its_end_of_turn(client, ref):
+    """vLLM's `ignore_eos` (benchmark clients send it, false unless asked): false is the plain answer, 3 tokens;
+    true draws the end-of-turn token as any other, writes and counts it, and runs on to `max_tokens`: the plain
+    answer, the model's end of turn, then what the model says with that whole sequence as its prompt (the state
+    carried through the end of turn as through any token). A request's own `stop_token_ids` still end it; a grammar
+    ends the answer, so `ignore_eos` beside a JSON schema or strict tools is a 400."""
     msgs = [{"role": "user", "content": "What colour is the triangle?"}]
     ids = chat_ids(ref, msgs, think=False)
     kw = dict(model="tiny", messages=msgs, temperature=0, max_tokens=20)
     extra = {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True}
     plain = client.chat.completions.create(**kw, extra_body={**extra, "ignore_eos": False}).choices[0]
-    assert plain.model_extra["token_ids"] == greedy(ref, ids, 20) and len(plain.model_extra["token_ids"]) == 3
+    said = plain.model_extra["token_ids"]
+    assert said == greedy(ref, ids, 20) and len(said) == 3
     ref.reset()
-    want = [t for t, _ in ref.generate(ids, 20, Sampler(logit_bias={t: -100 for t in ref.text.stop_ids}))]
+    end = [t for t, _ in ref.generate(ids, 4, Sampler(), stops=())][3]
+    assert end in ref.text.stop_ids
+    after = greedy(ref, ids + said + [end], 16)
+    assert len(after) >= 4  # the model goes on after its end of turn (a new turn's header)
     r = client.chat.completions.create(**kw, extra_body={**extra, "ignore_eos": True})
-    assert r.choices[0].model_extra["token_ids"] == want and r.usage.completion_tokens == 20
-    assert r.choices[0].finish_reason == "length"
+    got = r.choices[0].model_extra["token_ids"]
+    assert got[:4] == said + [end] and len(got) == 20 and r.usage.completion_tokens == 20
+    assert got[4:4 + len(after)] == after[:16] and r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content == ref.text.decode(got)
+    stopped = client.chat.completions.create(**kw, extra_body={**extra, "ignore_eos": True, "stop_token_ids": [got[6]]})
+    assert stopped.choices[0].model_extra["token_ids"] == got[:got.index(got[6])]
+    assert stopped.choices[0].finish_reason == "stop"
+    for shape in ({"response_format": {"type": "json_object"}},
+                  {"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+                      "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
+                      "additionalProperties": False}}}]}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kw, **shape, extra_body={**extra, "ignore_eos": True})
+        assert e.value.body["param"] == "ignore_eos", e.value.body
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):

@@ -92,12 +92,12 @@ class Lockstep:
         return self.broken
 
     def generate(self, ids: list[int], start: int, max_tokens: int, sampler: Sampler,
-                 constraint: Constraint | None) -> Iterator[tuple[int, mx.array]]:
+                 constraint: Constraint | None, stops: list[int] | None = None) -> Iterator[tuple[int, mx.array]]:
         """`Engine.generate(ids[start:], ...)` on every rank (context: ids); closing it early (a stop, a cancel)
         ends it after the same token on every rank."""
         self.tell("generate", ids=ids, start=start, max_tokens=max_tokens, sampler=sampler.params(),
-                  constrained=constraint is not None)
-        gen = self.eng.generate(ids[start:], max_tokens, sampler, context=ids, constraint=constraint)
+                  constrained=constraint is not None, stops=stops)
+        gen = self.eng.generate(ids[start:], max_tokens, sampler, context=ids, constraint=constraint, stops=stops)
         try:
             while True:
                 try:
@@ -158,7 +158,7 @@ def follow(eng) -> None:
         elif op == "generate":
             ids = cmd["ids"]
             gen = eng.generate(ids[cmd["start"]:], cmd["max_tokens"], Sampler(**cmd["sampler"]), context=ids,
-                               constraint=Unseen() if cmd["constrained"] else None)
+                               constraint=Unseen() if cmd["constrained"] else None, stops=cmd["stops"])
             with contextlib.closing(gen):
                 for _ in gen:
                     if not ranks.rank0_says(group, False):

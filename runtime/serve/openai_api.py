@@ -213,7 +213,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: tokens that end the answer, not written
     include_stop: bool = False  # vLLM's include_stop_str_in_output: a stop string ends the answer written
-    ignore_eos: bool = False  # vLLM's: the model's end-of-turn tokens kept from ending the answer (see the worker)
+    ignore_eos: bool = False  # vLLM's: the model's end-of-turn tokens drawn as any token, not ending the answer
     min_tokens: int = 0  # vLLM's: no end of the answer (its stop tokens masked) before this many tokens
     cache_salt: str | None = None  # vLLM's: the prompt cache shared only among requests with the same salt
     allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: the only tokens the answer may draw

@@ -478,8 +478,6 @@ class EngineWorker:
             if beyond:
                 raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
         sampling = {**self.defaults, **req.sampling}
-        if req.ignore_eos:  # vLLM samples them and goes on; here they take OpenAI's lowest bias: the same lengths
-            sampling["logit_bias"] = {**(sampling.get("logit_bias") or {}), **{t: -100.0 for t in self.eng.text.stop_ids}}
         for name in ("stop_token_ids", "allowed_token_ids"):
             if beyond := [t for t in getattr(req, name) if t >= self.vocab]:
                 raise bad(f"'{name}' names token id {beyond[0]}; the model has {self.vocab:,}", name)
@@ -538,11 +536,14 @@ class EngineWorker:
         no end before `min_tokens` (vLLM's: the stop tokens masked until then), and only `allowed_token_ids`
         (vLLM's)."""
         grammar = req.json_output or req.answer_grammar is not None or req.force_call is not None
-        for field_name in ("min_tokens", "allowed_token_ids"):
+        for field_name in ("min_tokens", "allowed_token_ids", "ignore_eos"):
             if getattr(req, field_name) and grammar:
                 raise bad(f"'{field_name}' cannot hold a structured output or a forced call: their grammar shapes the "
                           "answer", field_name)
         shaped = self.shaped(req, thinking)
+        if req.ignore_eos and isinstance(shaped.then if isinstance(shaped, ThinkingBudget) else shaped, Constraint):
+            raise bad("'ignore_eos' cannot hold strict tools: their grammar lets only the end of the turn follow a "
+                      "call", "ignore_eos")
         if req.min_tokens:
             shaped = TokenMask.without(sorted(set(self.eng.text.stop_ids) | set(req.stop_token_ids)), req.min_tokens,
                                        self.vocab, shaped)
@@ -661,6 +662,7 @@ class EngineWorker:
         """The job's choice at `index`, shaped by `constraint`: its info for the "choice_done" or "done" event."""
         eng, req, choice = self.eng, job.req, job.choices[index]
         ids = choice.ids
+        stops = [] if req.ignore_eos else None  # vLLM's ignore_eos: an end of turn is drawn as any token, and kept
         self._paths = paths
         del eng.steps[:]  # telemetry is per request; the list must not grow for the server's lifetime
         hashes = [image_hash(b) for b in req.images]
@@ -735,10 +737,10 @@ class EngineWorker:
         finish, reasoning = None, 0
         content = ContentTokens() if req.logprobs else None  # the tokens logprobs are given for
         if self.lock is not None:  # every rank runs the same loop; closing it early ends it there on every rank
-            gen = self.lock.generate(ids, a, choice.max_tokens, choice.sampler, constraint)
+            gen = self.lock.generate(ids, a, choice.max_tokens, choice.sampler, constraint, stops)
         else:
             gen = eng.generate(ids[a:], choice.max_tokens, choice.sampler, images=images(a, len(ids)) or None,
-                               context=ids, constraint=constraint)
+                               context=ids, constraint=constraint, stops=stops)
         with contextlib.closing(gen):
             for tok, lg in gen:
                 if job.cancel.is_set():
