@@ -938,7 +938,8 @@ def test_vllm_structured_outputs_hold_the_answer(client):
     a `regex` answer matches the whole pattern, a Lark `grammar` answer parses (here a comma list of numbers),
     a `json` schema (as its JSON text too) gives JSON valid against it; with thinking on, the grammar holds from
     where the reasoning closes (the content is one of the strings). Two shapes at once, beside `response_format`, an empty choice, a regex or grammar
-    that does not compile, or an option this server does not implement, is a 400 naming the field."""
+    that does not compile, or an option this server does not implement, is a 400 naming the field; so is one of the
+    `guided_*` fields vLLM had before 0.12, the message saying where vLLM moved it."""
     import jsonschema
 
     msgs = [{"role": "user", "content": "What colour is the triangle?"}]
@@ -977,6 +978,12 @@ def test_vllm_structured_outputs_hold_the_answer(client):
         with pytest.raises(openai.BadRequestError) as e:
             chat(so, **extra)
         assert e.value.body["param"] == param, (so, e.value.body)
+    for old, ask in [("guided_choice", lambda b: client.completions.create(  # vLLM's fields before 0.12
+            model="tiny", prompt="x", max_tokens=2, extra_body=b)), ("guided_json", lambda b: chat(None, **b))]:
+        with pytest.raises(openai.BadRequestError) as e:
+            ask({old: colours if old == "guided_choice" else schema})
+        new = old.removeprefix("guided_")
+        assert e.value.body["param"] == old and f"'structured_outputs': {{'{new}'" in e.value.body["message"]
 
 
 def completion_turns(worker: EngineWorker, prompts: list[str]) -> tuple[list[bytes], list[int]]:

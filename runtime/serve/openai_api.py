@@ -42,11 +42,19 @@ def bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+# vLLM's guided decoding fields before 0.12, which moved them into `structured_outputs`; older clients still send them
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+          "guided_whitespace_pattern": "whitespace_pattern", "guided_decoding_backend": None}
+
+
 def check_fields(body: dict, fields: set[str], honoured: set[str], where: str = "", api: str = "this API") -> None:
     """Refuse (400 naming it) a field the API does not define, or one it defines that is not implemented
     here; null counts as not set."""
     for key, value in body.items():
         name = f"{where}{key}"
+        if key not in fields and key in GUIDED and "structured_outputs" in fields:
+            moved = f"send {{'structured_outputs': {{'{GUIDED[key]}': ...}}}}" if GUIDED[key] else "leave it out"
+            raise bad(f"'{name}' is vLLM's guided decoding field, removed in vLLM 0.12: {moved}", name)
         if key not in fields:
             raise bad(f"unknown field '{name}' ({api} defines no such field)", name)
         if key not in honoured and value is not None:
