@@ -161,10 +161,12 @@ def stop_tokens(root: Path, config: dict) -> set[int]:
 class Detokenizer:
     """Emits text as tokens arrive, through the `tokenizers` streaming decoder: each token costs the same
     however long the answer (re-decoding the answer every token made 4,000 tokens cost 1.5 s), and an
-    incomplete UTF-8 sequence is held back until it completes. The pieces join to `TextIO.decode` of all ids."""
+    incomplete UTF-8 sequence is held back until it completes. The pieces join to `TextIO.decode` of all ids.
+    `skip_special`: the tokenizer's special tokens (Qwen's `<|im_end|>`, not its `<think>`) written as nothing, as
+    vLLM's `skip_special_tokens` writes them."""
 
-    def __init__(self, text: TextIO):
-        self.tokenizer, self.stream = text.tokenizer, DecodeStream(skip_special_tokens=False)
+    def __init__(self, text: TextIO, skip_special: bool = False):
+        self.tokenizer, self.stream = text.tokenizer, DecodeStream(skip_special_tokens=skip_special)
 
     def add(self, tok: int) -> str:
         return self.stream.step(self.tokenizer, tok) or ""

@@ -1082,7 +1082,8 @@ def test_ignore_eos_runs_the_answer_on_through_its_end_of_turn(client, ref):
     """vLLM's `ignore_eos` (benchmark clients send it, false unless asked): false is the plain answer, 3 tokens;
     true draws the end-of-turn token as any other, writes and counts it, and runs on to `max_tokens`: the plain
     answer, the model's end of turn, then what the model says with that whole sequence as its prompt (the state
-    carried through the end of turn as through any token). A request's own `stop_token_ids` still end it; a grammar
+    carried through the end of turn as through any token); its text leaves the special tokens out unless
+    `skip_special_tokens` is false, as vLLM's. A request's own `stop_token_ids` still end it; a grammar
     ends the answer, so `ignore_eos` beside a JSON schema or strict tools is a 400."""
     msgs = [{"role": "user", "content": "What colour is the triangle?"}]
     ids = chat_ids(ref, msgs, think=False)
@@ -1100,7 +1101,10 @@ def test_ignore_eos_runs_the_answer_on_through_its_end_of_turn(client, ref):
     got = r.choices[0].model_extra["token_ids"]
     assert got[:4] == said + [end] and len(got) == 20 and r.usage.completion_tokens == 20
     assert got[4:4 + len(after)] == after[:16] and r.choices[0].finish_reason == "length"
-    assert r.choices[0].message.content == ref.text.decode(got)
+    content = r.choices[0].message.content  # vLLM's skip_special_tokens, true unless asked: no <|im_end|> written
+    assert content == ref.text.tokenizer.decode(got, skip_special_tokens=True) != ref.text.decode(got), content
+    kept = client.chat.completions.create(**kw, extra_body={**extra, "ignore_eos": True, "skip_special_tokens": False})
+    assert kept.choices[0].message.content == ref.text.decode(got) and "<|im_end|>" in kept.choices[0].message.content
     stopped = client.chat.completions.create(**kw, extra_body={**extra, "ignore_eos": True, "stop_token_ids": [got[6]]})
     assert stopped.choices[0].model_extra["token_ids"] == got[:got.index(got[6])]
     assert stopped.choices[0].finish_reason == "stop"

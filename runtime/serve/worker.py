@@ -731,7 +731,7 @@ class EngineWorker:
         evs = out.given(job.prefix)  # a forced call's start, an echoed text: part of the answer the client gets
         if evs:
             job.emit(("delta", evs))
-        detok = Detokenizer(eng.text)
+        detok = Detokenizer(eng.text, skip_special=req.skip_special and not self.harmony(req))  # harmony's by channel
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
         first = last = 0.0  # when the answer's first and latest tokens came (the latency histograms)
         finish, reasoning = None, 0
