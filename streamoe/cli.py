@@ -330,6 +330,9 @@ SERVE_PLAN = [
                                                    "always does)."),
     click.option("--prompt-cache-mib", type=Finite(min=0, max=1 << 20), default=256, show_default=True,
                  help="Plan account for snapshots of repeated conversations (LRU); 0 = no prompt cache."),
+    click.option("--response-store-mib", type=Finite(min=0, max=1 << 20), default=32, show_default=True,
+                 help="Plan account for the Responses API's stored responses, which clients continue by "
+                      "previous_response_id or item_reference (LRU); 0 = stateless: store true refused."),
     click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
                  help="Requests that may wait behind the running one; more are answered 503."),
     click.option("--max-body-mib", type=Finite(min=0.01, max=1024), default=4, show_default=True, help="Largest request body."),
@@ -339,7 +342,8 @@ SERVE_PLAN = [
     click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
                  help="Connections held at once (within the open-file limit); at the bound, the oldest idle one is closed."),
 ]
-SERVE_PLAN_KEYS = ("no_images", "prompt_cache_mib", "max_queue", "max_body_mib", "max_answer_mib", "max_connections")
+SERVE_PLAN_KEYS = ("no_images", "prompt_cache_mib", "response_store_mib", "max_queue", "max_body_mib", "max_answer_mib",
+                   "max_connections")
 
 
 # how tokens are chosen: `run` samples its answer with them, `serve` uses them for requests that set none; each
@@ -393,15 +397,16 @@ def serve_plan_options(fn):
     return fn
 
 
-def serve_sizes(prompt_cache_mib: float, max_queue: int, max_body_mib: float, max_answer_mib: float,
-                max_connections: int) -> dict:
+def serve_sizes(prompt_cache_mib: float, response_store_mib: float, max_queue: int, max_body_mib: float,
+                max_answer_mib: float, max_connections: int) -> dict:
     """The `ServeOptions` fields the plan's serve accounts are sized from, from the SERVE_PLAN options: `serve` and
     `plan --serve` make them by this one function, so both plan the same accounts."""
     from .runtime.serve.openai_api import Limits
 
     limits = Limits(max_body=int(max_body_mib * (1 << 20)), max_answer=int(max_answer_mib * (1 << 20)))
     return {"limits": limits, "max_queue": max_queue,
-            "prompt_cache_bytes": int(prompt_cache_mib * (1 << 20)), "max_connections": max_connections}
+            "prompt_cache_bytes": int(prompt_cache_mib * (1 << 20)),
+            "response_store_bytes": int(response_store_mib * (1 << 20)), "max_connections": max_connections}
 
 
 @main.command()
@@ -423,7 +428,8 @@ def serve_sizes(prompt_cache_mib: float, max_queue: int, max_body_mib: float, ma
 def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str,
          dtype: str | None, runtime_mib: int | None, as_json: bool, images: bool, serving: bool, prefill_chunk: int | str,
          prefetch_width: int | None, io_threads: int, max_pixels: int, no_images: bool, prompt_cache_mib: float,
-         max_queue: int, max_body_mib: float, max_answer_mib: float, max_connections: int, ranks: int) -> None:
+         response_store_mib: float, max_queue: int, max_body_mib: float, max_answer_mib: float, max_connections: int,
+         ranks: int) -> None:
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit. Given the options a
     `run` or `serve` is given (those that size an account), it is the plan that one opens with.
 
@@ -452,8 +458,8 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
             from .runtime.serve import server  # noqa: F401
             from .runtime.serve.worker import ServeOptions, serve_accounts
 
-            so = ServeOptions(model_name="", **serve_sizes(prompt_cache_mib, max_queue, max_body_mib, max_answer_mib,
-                                                           max_connections))
+            so = ServeOptions(model_name="", **serve_sizes(prompt_cache_mib, response_store_mib, max_queue, max_body_mib,
+                                                           max_answer_mib, max_connections))
             extra = serve_accounts(model.parent if bare else model, ctx, so, rank, ranks)
         if bare:
             plans.append(plan_from_config(model, opts, rank, ranks, extra))
@@ -719,7 +725,7 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
           port: int, model_name: str | None, aliases: tuple[str, ...], no_images: bool, max_pixels: int, think: bool | None,
           max_tokens: int | None,
           sampling: dict, tier: str, prefetch_width: int | None,
-          prefetch_waste: float, prefill_chunk: int | str, io_threads: int, verify: bool, prompt_cache_mib: float, max_queue: int, max_body_mib: float,
+          prefetch_waste: float, prefill_chunk: int | str, io_threads: int, verify: bool, prompt_cache_mib: float, response_store_mib: float, max_queue: int, max_body_mib: float,
           max_answer_mib: float, max_image_mib: float, max_images: int, allow_host: tuple[str, ...], cors_origin: tuple[str, ...],
           max_connections: int, head_timeout: float, body_timeout: float, idle_timeout: float, send_timeout: float,
           sse_keepalive: float, log_level: str) -> None:
@@ -733,7 +739,7 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
     if given("max_pixels") and not images:
         raise StreamoeError("--max-pixels sizes the vision account, and this server plans none "
                             f"({'--no-images' if vision else 'a text-only model'})")
-    sizes = serve_sizes(prompt_cache_mib, max_queue, max_body_mib, max_answer_mib, max_connections)
+    sizes = serve_sizes(prompt_cache_mib, response_store_mib, max_queue, max_body_mib, max_answer_mib, max_connections)
     limits = dataclasses.replace(sizes.pop("limits"), max_image_bytes=int(max_image_mib * (1 << 20)),
                                  max_images=max_images if images else 0, images_off=off)
     if any(not a.strip() for a in aliases):

@@ -1,9 +1,12 @@
-"""OpenAI's Responses API (`POST /v1/responses`), stateless, as a translation layer: a request becomes the
-same `GenRequest` a chat completion does (input items -> chat messages, function tools -> chat tools), and
-the job's events become a `response` object or its event stream (`response.created` ... `response.completed`).
+"""OpenAI's Responses API (`POST /v1/responses`) as a translation layer: a request becomes the same `GenRequest` a
+chat completion does (input items -> chat messages, function tools -> chat tools), and the job's events become a
+`response` object or its event stream (`response.created` ... `response.completed`).
 
-Nothing is stored: `store: true`, `previous_response_id`, `conversation`, `background` and the other fields
-this server does not implement are refused with a 400 naming them, as is any field the API does not define.
+An ended response is kept (`store`, true unless the request says false) in the server's `ResponseStore`, so a
+client may continue it by `previous_response_id` or name its items by `item_reference`, and read it back or delete
+it (`GET`/`DELETE /v1/responses/{id}`, `GET .../input_items`); with no store (`--response-store-mib 0`) the server is
+stateless and refuses those. `conversation`, `background` and the other fields this server does not implement are
+refused with a 400 naming them, as is any field the API does not define.
 Reasoning (the template's thinking) comes back as a `reasoning` item with `reasoning_text` content; asked for
 (`reasoning.summary`), its `summary` holds the same text (this server does not summarise), and with
 `include: ["reasoning.encrypted_content"]` the item carries its text encoded for a stateless client (Codex) to
@@ -33,6 +36,7 @@ from .openai_api import (
     parse_tools,
     thinks_at,
 )
+from .response_store import ResponseStore
 
 # every field of the API's request body (and `client_metadata`, Codex's labels for its own requests, which change
 # nothing here); those not in HONOURED are refused whenever they are set (not null)
@@ -211,8 +215,6 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
             if item.get("encrypted_content") is not None:
                 texts.insert(1, unseal(item["encrypted_content"], where))
             reasoning += next((t for t in texts if t), "")
-        elif kind == "item_reference":
-            raise bad(f"{where}: item references need stored items; this server is stateless", where)
         else:
             raise bad(f"{where}.type {kind!r} is not supported (message, function_call, function_call_output and "
                       "reasoning items are)", f"{where}.type")
@@ -261,15 +263,49 @@ def parse_tools_choice(body: dict) -> tuple[list[dict] | None, bool, str | None,
     return (*got, strict)
 
 
-def parse(body: dict, so, counting: bool = False) -> GenRequest:
+KEEPS_NONE = "this server keeps no responses (serve --response-store-mib 0)"
+
+
+def resolve(items, previous: str | None, store: ResponseStore | None) -> tuple[list, list]:
+    """`input` with what it names from the store -> (the whole conversation's items: the chain of stored responses
+    before `previous_response_id`, then this request's; this request's items), each `item_reference` replaced by the
+    item it names."""
+    given = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
+    if not isinstance(given, list) or not given:
+        raise bad("'input' must be a string or a non-empty list of items", "input")
+    before: list = []
+    if previous is not None:
+        before = store.chain(previous) if store is not None else None
+        if before is None:
+            why = KEEPS_NONE if store is None else "not stored, or no longer (it or a response before it)"
+            raise APIError(400, f"previous response with id {previous!r} not found: {why}; send the whole "
+                           "conversation in 'input'", "previous_response_id", code="previous_response_not_found")
+    resolved = []
+    for i, item in enumerate(given):
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            where = f"input[{i}]"
+            check_fields(item, {"type", "id"}, {"type", "id"}, f"{where}.", "the Responses API")
+            if not isinstance(item.get("id"), str):
+                raise bad(f"{where}.id must be a string", f"{where}.id")
+            found = store.item(item["id"]) if store is not None else None
+            if found is None:
+                raise bad(f"{where}: item {item['id']!r} not found"
+                          + (f" ({KEEPS_NONE})" if store is None else " (not stored, or no longer)"), f"{where}.id")
+            item = found
+        resolved.append(item)
+    return before + resolved, resolved
+
+
+def parse(body: dict, so, counting: bool = False, store: ResponseStore | None = None) -> GenRequest:
     """A Responses request (or, `counting`, an input-token count's: `POST /v1/responses/input_tokens`) -> the chat
-    `GenRequest` that answers it (or a 400 naming the field)."""
+    `GenRequest` that answers it (or a 400 naming the field). With a `store`, what the request names from it is
+    read there, and the answer is stored unless `store` is false."""
     check_fields(body, COUNT_FIELDS if counting else FIELDS, HONOURED, api="the Responses API")
-    if body.get("store"):
-        raise bad("'store': this server is stateless and keeps no responses; send store: false", "store")
-    if body.get("previous_response_id") is not None:
-        raise bad("'previous_response_id': this server is stateless; send the whole conversation in 'input'",
-                  "previous_response_id")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise bad("'store' must be true or false", "store")
+    if body.get("store") and store is None:
+        raise bad(f"'store': {KEEPS_NONE}; send store: false", "store")
+    previous = _string(body, "previous_response_id")
     if body.get("background"):
         raise bad("'background': responses are answered in the foreground only", "background")
     _choice(body, "truncation", ("disabled",))
@@ -339,7 +375,8 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
     instructions = _string(body, "instructions")
     if "input" not in body:
         raise bad("'input' is required", "input")
-    msgs = parse_input(body["input"], so, req.images)
+    items, given = resolve(body["input"], previous, store)
+    msgs = parse_input(items, so, req.images)
     req.messages = ([{"role": "system", "content": instructions}] if instructions else []) + msgs
     req.tools, req.parse_tools, req.force_call, strict = parse_tools_choice(body)
     metadata = _metadata(body)
@@ -348,6 +385,7 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
         _string(body, key)
     req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False, "format_field": "text.format",
                "summary": summary is not None, "sealed": ENCRYPTED in include,
+               "store": store is not None and body.get("store") is not False, "previous": previous, "given": given,
                "echo": {"instructions": instructions, "max_output_tokens": req.max_tokens, "metadata": metadata or {},
                         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
                         "temperature": req.sampling.get("temp"), "top_p": req.sampling.get("top_p"),
@@ -365,8 +403,8 @@ class Output:
     """The job's events -> the Responses event stream, item by item, and the final `response` object (the
     same state either way: a whole answer is the stream's last `response`)."""
 
-    def __init__(self, job, model: str):
-        self.job, self.model, self.api = job, model, job.req.api
+    def __init__(self, job, model: str, store: ResponseStore | None = None):
+        self.job, self.model, self.api, self.store = job, model, job.req.api, store
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item text is flowing into
         self.seq, self.lps, self.usage, self.status, self.incomplete, self.error = 0, [], None, "in_progress", None, None
@@ -382,8 +420,8 @@ class Output:
                 "status": self.status, "model": self.model, "output": [dict(i) for i in self.items],
                 "error": self.error, "incomplete_details": self.incomplete, "instructions": e["instructions"],
                 "max_output_tokens": e["max_output_tokens"], "metadata": e["metadata"],
-                "parallel_tool_calls": e["parallel_tool_calls"], "previous_response_id": None,
-                "reasoning": e["reasoning"], "store": False, "background": False, "temperature": e["temperature"],
+                "parallel_tool_calls": e["parallel_tool_calls"], "previous_response_id": self.api.get("previous"),
+                "reasoning": e["reasoning"], "store": self.api.get("store", False), "background": False, "temperature": e["temperature"],
                 "top_p": e["top_p"], "top_logprobs": e["top_logprobs"], "text": e["text"],
                 "tool_choice": e["tool_choice"], "tools": e["tools"], "truncation": "disabled", "user": e["user"],
                 "safety_identifier": e["safety_identifier"], "prompt_cache_key": e["prompt_cache_key"],
@@ -504,9 +542,21 @@ class Output:
                       "total_tokens": u["total_tokens"]}
         if v["finish_reason"] == "length" and not any(i["type"] == "function_call" for i in self.items):
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
-            return out + [self._ev("response.incomplete", response=self.response())]
-        self.status = "completed"
-        return out + [self._ev("response.completed", response=self.response())]
+        else:
+            self.status = "completed"
+        self._keep()
+        return out + [self._ev(f"response.{self.status}", response=self.response())]
+
+    def _keep(self) -> None:
+        """An ended response into the store (where its request did not say `store: false`), with its request's
+        input items, each given an id where the client gave none (`GET .../input_items` lists them by id)."""
+        if self.store is None or not self.api.get("store"):
+            return
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+        items = [it if isinstance(it.get("id"), str) else
+                 {"id": f"{prefix.get(it.get('type', 'message'), 'item')}_{self.job.id}in{n}", **it}
+                 for n, it in enumerate(self.api["given"])]
+        self.store.put(self.response(), items, self.api.get("previous"))
 
     def result(self) -> dict:
         return self.response()

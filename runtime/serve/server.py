@@ -66,6 +66,7 @@ from .openai_api import (
     parse_detokenize,
     parse_tokenize,
 )
+from .response_store import ResponseStore
 from .worker import Job, Server, open_engine
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -146,6 +147,7 @@ class API:
         self.server, self.so = server, server.so
         self.worker = server.worker
         self.requests: Counter = Counter()  # requests queued, by API
+        self.store = ResponseStore(self.so.response_store_bytes) if self.so.response_store_bytes else None
         # bodies are decoded and parsed, and prompts rendered and tokenized, here: one at a time, off the event
         # loop (which then only moves bytes, and answers /health between them)
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="streamoe-prepare")
@@ -307,8 +309,59 @@ class API:
         return await self.answer(job, first, request, OpenAIOutput(job, self.answered_by(job)))
 
     async def responses(self, request: Request) -> Response:
-        job, first = await self.submit(request, "responses", lambda body: responses_api.parse(body, self.so))
-        return await self.answer(job, first, request, responses_api.Output(job, self.answered_by(job)))
+        job, first = await self.submit(request, "responses", lambda body: responses_api.parse(body, self.so,
+                                                                                                store=self.store))
+        return await self.answer(job, first, request, responses_api.Output(job, self.answered_by(job), self.store))
+
+    def stored(self, request: Request) -> tuple[dict, list[dict]]:
+        """The stored response the path names (a 404 where there is none), after checking the query holds only what
+        the route takes."""
+        rid = request.path_params["rid"]
+        got = self.store.get(rid) if self.store is not None else None
+        if got is None:
+            raise APIError(404, f"no response found with id {rid!r}" + (
+                "" if self.store is not None else f": {responses_api.KEEPS_NONE}"), kind="invalid_request_error")
+        return got
+
+    def query(self, request: Request, allowed: set[str]) -> dict[str, str]:
+        for key in request.query_params:
+            if key not in allowed:
+                raise bad(f"query parameter {key!r} is not supported here"
+                          + (f" ({', '.join(sorted(allowed))} are)" if allowed else ""), key)
+        return dict(request.query_params)
+
+    async def response(self, request: Request) -> Response:
+        self.query(request, set())
+        if request.method == "DELETE":
+            rid = request.path_params["rid"]
+            if self.store is None or not self.store.delete(rid):
+                self.stored(request)  # the 404
+            return JSONResponse({"id": rid, "object": "response", "deleted": True})
+        return JSONResponse(self.stored(request)[0])
+
+    async def input_items(self, request: Request) -> Response:
+        """A stored response's input items (those its request gave; the chain before it is the earlier responses'),
+        OpenAI's page of them: `order` (desc, the default, or asc), `limit` (1-100, 20), `after` (an item id)."""
+        q = self.query(request, {"order", "limit", "after"})
+        items = self.stored(request)[1]
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad("'order' must be 'asc' or 'desc'", "order")
+        try:
+            limit = int(q.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise bad("'limit' must be an integer from 1 to 100", "limit")
+        items = items[::-1] if order == "desc" else items
+        if "after" in q:
+            at = next((n for n, it in enumerate(items) if it.get("id") == q["after"]), None)
+            if at is None:
+                raise bad(f"'after': no input item {q['after']!r} in this response", "after")
+            items = items[at + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     async def messages(self, request: Request) -> Response:
         job, first = await self.submit(request, "messages", lambda body: anthropic_api.parse(body, self.so))
@@ -333,7 +386,7 @@ class API:
 
     async def input_tokens(self, request: Request) -> Response:
         n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
-            self.worker.prepare(self.served(responses_api.parse(body, self.so, counting=True)))))
+            self.worker.prepare(self.served(responses_api.parse(body, self.so, counting=True, store=self.store)))))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": n})
 
     async def count_tokens(self, request: Request) -> Response:
@@ -559,6 +612,8 @@ def create_app(server: Server, host: str = "127.0.0.1") -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/responses", api.responses, methods=["POST"]),
         Route("/v1/responses/input_tokens", api.input_tokens, methods=["POST"]),
+        Route("/v1/responses/{rid}", api.response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{rid}/input_items", api.input_items),
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),

@@ -64,6 +64,7 @@ class ServeOptions:
     limits: Limits = field(default_factory=Limits)
     max_queue: int = 8
     prompt_cache_bytes: int = 256 * MiB
+    response_store_bytes: int = 32 * MiB  # the Responses API's stored responses (0: stateless)
     max_tokens: int | None = None  # when a request sets none; None = what the planned context holds
     sampling: dict = field(default_factory=dict)  # Sampler arguments overriding generation_config.json
     # enable_thinking where a request does not say; None (the operator did not say either): on, but off where a
@@ -895,6 +896,9 @@ def serve_accounts(root: Path, ctx: int, so: ServeOptions, rank: int = 0, ranks:
     extra = (("prompt cache", so.prompt_cache_bytes, "snapshots of conversation state for repeated prompts, LRU"),)
     if rank == 0:
         extra += (("requests", requests_bytes(so, root, ctx), requests),)
+        if so.response_store_bytes:
+            extra += (("response store", so.response_store_bytes,
+                       "the Responses API's stored responses (previous_response_id, item_reference), LRU"),)
     if ranks > 1:
         extra += (("rank commands", command_bytes(ctx, ranks),
                    f"rank 0's command for one engine call, a prompt of up to {ctx} tokens, gathered"),)

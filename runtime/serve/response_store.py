@@ -1,0 +1,109 @@
+"""The Responses API's stored responses (`store`, true unless a request says false), inside a byte budget.
+
+A client that keeps no history of its own names what it wants continued: `previous_response_id` (the whole chain
+of stored responses before it: each one's input items, then its output items) or an `item_reference` (one item of a
+stored response, by its id). Each response is kept as its compact JSON text with the input items its request
+gave (references resolved, not the chain before it, which its `previous` names): a conversation of n turns holds
+each turn once. What is kept is charged at its JSON's length plus `ENTRY` and `ITEM` for the objects around it; past
+the budget (the plan's `response store` account) the least recently used response goes first. A response whose
+chain lost a response to that is answered as never stored: the client sends the conversation again.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+ENTRY = 1024  # what one stored response costs beyond its JSON: the entry, its keys, the LRU's links
+ITEM = 256  # ... and each item's place in the index of item ids
+
+
+@dataclass(frozen=True)
+class Stored:
+    previous: str | None  # the response this one continued
+    response: bytes  # the response object, as the client got it
+    items: bytes  # the input items its request gave, references resolved
+    ids: tuple[str, ...]  # the ids of its input and output items
+    cost: int
+
+
+class ResponseStore:
+    """Stored responses by id, least recently used first; shared by the prepare thread (which reads chains and
+    items) and the event loop (which stores a response once it ends), hence the lock."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self.entries: OrderedDict[str, Stored] = OrderedDict()
+        self.item_of: dict[str, str] = {}  # item id -> the response holding it
+        self.lock = threading.Lock()
+
+    def put(self, response: dict, items: list[dict], previous: str | None) -> bool:
+        """Keep `response` (with its request's resolved input `items`); False where it alone exceeds the budget."""
+        body, given = (json.dumps(x, separators=(",", ":")).encode() for x in (response, items))
+        ids = tuple(i["id"] for i in [*items, *response["output"]] if isinstance(i.get("id"), str))
+        entry = Stored(previous, body, given, ids, len(body) + len(given) + ENTRY + ITEM * len(ids))
+        if entry.cost > self.budget:
+            return False
+        with self.lock:
+            self._drop(response["id"])
+            while self.used + entry.cost > self.budget:
+                self._drop(next(iter(self.entries)))
+            self.entries[response["id"]] = entry
+            self.used += entry.cost
+            for i in ids:
+                self.item_of[i] = response["id"]
+        return True
+
+    def _drop(self, rid: str) -> Stored | None:
+        entry = self.entries.pop(rid, None)
+        if entry is not None:
+            self.used -= entry.cost
+            for i in entry.ids:
+                if self.item_of.get(i) == rid:
+                    del self.item_of[i]
+        return entry
+
+    def delete(self, rid: str) -> bool:
+        with self.lock:
+            return self._drop(rid) is not None
+
+    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+        """(the response, its request's input items), or None where it is not stored."""
+        with self.lock:
+            entry = self.entries.get(rid)
+            if entry is None:
+                return None
+            self.entries.move_to_end(rid)
+        return json.loads(entry.response), json.loads(entry.items)
+
+    def chain(self, rid: str) -> list[dict] | None:
+        """The conversation up to and with response `rid`: each stored response of its chain, oldest first, its input
+        items then its output items; None where any of them is not stored. Each one read counts as used."""
+        with self.lock:
+            got, at = [], rid
+            while at is not None:
+                entry = self.entries.get(at)
+                if entry is None:
+                    return None
+                got.append((at, entry))
+                at = entry.previous
+            for at, _ in reversed(got):  # the chain's newest the most recently used
+                self.entries.move_to_end(at)
+        items: list[dict] = []
+        for _, entry in reversed(got):
+            items += json.loads(entry.items) + json.loads(entry.response)["output"]
+        return items
+
+    def item(self, item_id: str) -> dict | None:
+        """A stored item (an input or an output item of a stored response) by its id."""
+        with self.lock:
+            rid = self.item_of.get(item_id)
+            entry = None if rid is None else self.entries.get(rid)
+        if entry is None:
+            return None
+        for it in [*json.loads(entry.items), *json.loads(entry.response)["output"]]:
+            if it.get("id") == item_id:
+                return it
+        return None
