@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import io
 import json
 import multiprocessing
@@ -404,12 +405,13 @@ REQUESTS = [  # a full body of each kind the server takes, each accepted as it i
               "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "none", "logit_bias": {"1": 2}}),
     ("chat", {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "The"}], "min_tokens": 1,
               "continue_final_message": True, "add_generation_prompt": False, "echo": True, "max_tokens": 4,
-              "structured_outputs": None, "allowed_token_ids": [1, 2, 3], "cache_salt": "tenant"}),
+              "structured_outputs": None, "allowed_token_ids": [1, 2, 3], "cache_salt": "tenant",
+              "ignore_eos": True, "skip_special_tokens": False}),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": png_url(), "detail": "auto"}}]}],
         "max_completion_tokens": 4}),
     ("completion", {"model": "m", "prompt": ["a", "b"], "echo": True, "logprobs": 2, "best_of": 1, "n": 2, "max_tokens": 4,
-                    "stop": "x", "ignore_eos": True, "include_stop_str_in_output": True,
+                    "stop": "x", "include_stop_str_in_output": True,
                     "structured_outputs": {"choice": ["a", "b"]}}),
     ("tokenize", {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}],
                   "continue_final_message": True, "add_generation_prompt": False, "return_token_strs": True}),
@@ -434,7 +436,22 @@ REQUESTS = [  # a full body of each kind the server takes, each accepted as it i
         "reasoning": {"effort": "high", "summary": "auto"}, "top_logprobs": 2, "stream": True, "metadata": {"a": "b"},
         "include": ["reasoning.encrypted_content", "message.output_text.logprobs"], "client_metadata": {"k": "v"},
         "text": {"format": {"type": "json_schema", "name": "n", "schema": TOOL}}}),
+    ("responses", {"model": "m", "previous_response_id": "resp_f", "store": True, "input": [  # what `STORED` holds
+        {"type": "item_reference", "id": "msg_f"}, {"role": "user", "content": "And?"}]}),
 ]
+# a stored response the last body continues and names an item of (a store's ids, resolved or refused)
+STORED = ({"id": "resp_f", "output": [{"id": "msg_f", "type": "message", "role": "assistant", "status": "completed",
+                                       "content": [{"type": "output_text", "text": "The", "annotations": []}]}]},
+          [{"id": "msg_in", "type": "message", "role": "user", "status": "completed", "content": "hi"}])
+
+
+@functools.cache
+def response_store():
+    from streamoe.runtime.serve.response_store import ResponseStore
+
+    store = ResponseStore(1 << 20)
+    store.put(*STORED, None)
+    return store
 
 
 def target_requests(world: World, raw: tuple[str, object]) -> None:
@@ -464,7 +481,8 @@ def target_requests(world: World, raw: tuple[str, object]) -> None:
             worker.detokenize(parse_detokenize(body))
         else:
             parse = {"chat": lambda b: parse_chat(b, so.limits), "completion": parse_completion,
-                     "messages": lambda b: anthropic_api.parse(b, so), "responses": lambda b: responses_api.parse(b, so)}
+                     "messages": lambda b: anthropic_api.parse(b, so),
+                     "responses": lambda b: responses_api.parse(b, so, store=response_store())}
             worker.prepare(parse[api](body))
     except APIError as e:
         if not 400 <= e.status < 500:

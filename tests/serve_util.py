@@ -31,7 +31,7 @@ TINY = REPO / "models" / "tiny"
 def quarter_cap(conv: Path, ctx: int, runtime_mib: int, cache_mib: float, body_mib: float = 4, queue: int = 8) -> float:
     """A cap (GiB) whose hot tier holds a quarter of the experts, with the server's accounts in the plan."""
     so = ServeOptions("t", limits=Limits(max_body=int(body_mib * MiB)), max_queue=queue)
-    extra = int(cache_mib * MiB) + requests_bytes(so, conv, ctx)
+    extra = int(cache_mib * MiB) + requests_bytes(so, conv, ctx) + so.response_store_bytes
     p = plan_for(conv, Options(cap_gib=64, ctx=ctx, images=True, runtime_bytes=runtime_mib * MiB + extra))
     return (p.fixed + p.n_layers * p.n_experts // 4 * p.slot_bytes + p.slot_bytes // 2) / 2**30
 

@@ -90,6 +90,7 @@ def test_models_health_plan_and_page(server, client):
     assert plan["cap"] == int(quarter_cap(server_conv(server)) * 2**30)
     so = ServeOptions("t", limits=Limits(max_body=MiB // 2), max_queue=8)
     assert plan["accounts"]["prompt cache"] == 8 * MiB and plan["accounts"]["requests"] == requests_bytes(so, TINY, CTX)
+    assert plan["accounts"]["response store"] == so.response_store_bytes == 32 * MiB  # the default
     # a quarter of the experts at one prefill step, less the slots the plan's longer chunk took
     args = ModelArgs.from_config(json.loads((server_conv(server) / "config.json").read_text()))
     chunk = (plan["prefill_chunk"] - plan["prefill_step"]) * chunk_token_bytes(args, mx_dtype(default_dtype()).size)

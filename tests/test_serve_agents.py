@@ -477,7 +477,7 @@ def rq(**kw) -> dict:
     (rq(tools=RESP_TOOLS, tool_choice={"type": "function", "name": "nope"}), "tool_choice"),
     (rq(tool_choice={"type": "allowed_tools", "tools": []}), "tool_choice"),
     (rq(input=[]), "input"),
-    (rq(input=[{"type": "item_reference", "id": "x"}]), "input[0]"),
+    (rq(input=[{"type": "item_reference", "id": "x"}]), "input[0].id"),
     (rq(input=[{"role": "user", "content": "hi", "name": "bob"}]), "input[0].name"),
     (rq(stream_options={"include_obfuscation": False}), "stream_options"),  # only beside stream: true
     (rq(input=[{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "x"}, "hi"]),
@@ -587,7 +587,7 @@ def test_responses_text_whole_and_streamed_equal_the_engine(server, oc, ref):
     r = Response.model_validate(raw)  # every field the official type requires, of its type
     assert r.output_text == ref.text.decode(want) and [i.type for i in r.output] == ["message"]
     assert r.usage.input_tokens == len(ids) and r.usage.output_tokens == len(want)
-    assert r.status == ("incomplete" if len(want) == 12 else "completed") and r.store is False
+    assert r.status == ("incomplete" if len(want) == 12 else "completed") and r.store is True  # OpenAI's default
     assert r.usage.output_tokens_details.reasoning_tokens == 0
     evs = list(oc.responses.create(**kw, stream=True))
     kinds = [e.type for e in evs]
@@ -697,6 +697,88 @@ def test_a_codex_shaped_request_is_answered(server):
         call = {"type": "function_call", "call_id": "call_9", "name": "shell", "arguments": '{"command": ["ls"]}'}
         body = {**body, "input": [*body["input"], *back, call,
                                   {"type": "function_call_output", "call_id": "call_9", "output": "README.md\nsetup.py"}]}
+
+
+def test_responses_are_stored_and_continued_by_id(oc):
+    """OpenAI's default `store`: an ended response is kept, and `previous_response_id` continues it: the prompt is the
+    stored conversation (its input items, then its output items) and this request's input, so the answer and its
+    input tokens are those of a stateless request sending the whole conversation; an `item_reference` stands for the
+    stored item it names. A response reads back as it was answered, streamed or not; its input items page in OpenAI's
+    shape and order; deleted, it is a 404, and one that continued it can no longer be continued (a 400 naming
+    `previous_response_id`); `store` false keeps nothing, and an unknown reference is a 400 naming it."""
+    from openai.types.responses import (
+        ResponseFunctionToolCallItem,
+        ResponseFunctionToolCallOutputItem,
+        ResponseInputMessageItem,
+        ResponseOutputMessage,
+    )
+
+    kw = {"model": "tiny", "temperature": 0, "max_output_tokens": 16, "reasoning": {"effort": "none"}}
+    first = oc.responses.create(input="What colour is the triangle?", **kw)
+    assert first.store is True and first.previous_response_id is None
+    assert oc.responses.retrieve(first.id).model_dump() == first.model_dump()
+    follow = oc.responses.create(previous_response_id=first.id, input="And where is it?", **kw)
+    whole = [{"role": "user", "content": "What colour is the triangle?"},
+             *[i.model_dump(exclude_none=True) for i in first.output], {"role": "user", "content": "And where is it?"}]
+    alone = oc.responses.create(input=whole, store=False, **kw)
+    assert follow.previous_response_id == first.id and alone.store is False and follow.output_text
+    assert follow.output_text == alone.output_text and follow.usage.input_tokens == alone.usage.input_tokens
+    referenced = [whole[0], *[{"type": "item_reference", "id": i.id} for i in first.output], whole[-1]]
+    again = oc.responses.create(input=referenced, store=False, **kw)
+    assert again.output_text == alone.output_text and again.usage.input_tokens == alone.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        oc.responses.retrieve(alone.id)
+    evs = list(oc.responses.create(previous_response_id=follow.id, input="Thanks.", stream=True, **kw))
+    last = evs[-1].response
+    assert last.previous_response_id == follow.id and evs[0].response.store is True
+    assert oc.responses.retrieve(last.id).model_dump() == last.model_dump()
+    calls = [*whole, {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    many = oc.responses.create(input=calls, tools=RESP_TOOLS, **kw)
+    asc = oc.responses.input_items.list(many.id, order="asc")
+    shapes = [ResponseInputMessageItem, ResponseOutputMessage, ResponseInputMessageItem, ResponseFunctionToolCallItem,
+              ResponseFunctionToolCallOutputItem]
+    for item, shape in zip(asc.data, shapes, strict=True):
+        shape.model_validate(item.model_dump(exclude_none=True))
+    assert [i.type for i in asc.data] == ["message", "message", "message", "function_call", "function_call_output"]
+    assert asc.data[1].id == first.output[0].id and len({i.id for i in asc.data}) == 5 and not asc.has_more
+    assert [i.id for i in oc.responses.input_items.list(many.id).data] == [i.id for i in asc.data][::-1]  # desc
+    one = oc.responses.input_items.list(many.id, order="asc", limit=2)
+    assert [i.id for i in one.data] == [i.id for i in asc.data[:2]] and one.has_more and one.last_id == asc.data[1].id
+    rest = oc.responses.input_items.list(many.id, order="asc", after=one.last_id)
+    assert [i.id for i in rest.data] == [i.id for i in asc.data[2:]]
+    oc.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        oc.responses.retrieve(first.id)
+    for bad_input, param in (({"previous_response_id": last.id, "input": "x"}, "previous_response_id"),
+                             ({"input": [{"type": "item_reference", "id": "msg_nope"}]}, "input[0].id")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oc.responses.create(**kw, **bad_input)
+        assert e.value.body["param"] == param, e.value.body
+    assert e.value.status_code == 400
+
+
+def test_the_response_store_keeps_to_its_budget():
+    """The store charges each response its JSON and a fixed cost per entry and item, and past its budget drops the
+    least recently used; a chain missing one of its responses is not continued; an item goes with its response."""
+    from streamoe.runtime.serve.response_store import ENTRY, ITEM, ResponseStore
+
+    def resp(n: int) -> dict:
+        return {"id": f"resp_{n}", "output": [{"id": f"msg_{n}", "type": "message", "content": "x" * 100}]}
+
+    items = [{"id": "in", "type": "message", "role": "user", "content": "hi"}]
+    cost = len(json.dumps(resp(1), separators=(",", ":"))) + len(json.dumps(items, separators=(",", ":"))) + ENTRY + 2 * ITEM
+    store = ResponseStore(3 * cost)
+    for n in (1, 2, 3):
+        assert store.put(resp(n), items, f"resp_{n - 1}" if n > 1 else None)
+    assert store.used == 3 * cost and store.chain("resp_3") == [*items, *resp(1)["output"], *items,
+                                                                   *resp(2)["output"], *items, *resp(3)["output"]]
+    assert store.get("resp_1") is not None  # read: now the most recently used
+    assert store.put(resp(4), items, None) and store.get("resp_2") is None and store.used == 3 * cost
+    assert store.chain("resp_3") is None and store.item("msg_2") is None and store.item("msg_1") == resp(1)["output"][0]
+    assert not store.put({"id": "resp_big", "output": [{"id": "m", "content": "x" * 4 * cost}]}, [], None)
+    assert store.delete("resp_1") and not store.delete("resp_1") and store.used == 2 * cost
+    assert store.item("in") is not None  # still held by another response
 
 
 def test_responses_image_and_tool_result_items_render_as_chat(oc, ref, triangle):
@@ -1017,7 +1099,7 @@ def test_anthropic_errors_have_anthropics_shape(server, ac):
         r = fetch(server.url + path, method, body)
         assert r.status == status and set(r.json()) == {"type", "error"}, r.text
         assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}
-    assert fetch(server.url + "/v1/responses", "POST", {"model": "tiny", "input": "x", "store": True}).json()[
+    assert fetch(server.url + "/v1/responses", "POST", {"model": "tiny", "input": "x", "store": "yes"}).json()[
         "error"]["param"] == "store"  # OpenAI's shape on the OpenAI routes
 
 

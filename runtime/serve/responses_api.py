@@ -263,7 +263,7 @@ def parse_tools_choice(body: dict) -> tuple[list[dict] | None, bool, str | None,
     return (*got, strict)
 
 
-KEEPS_NONE = "this server keeps no responses (serve --response-store-mib 0)"
+KEEPS_NONE = "this server keeps no responses (it runs with --response-store-mib 0)"
 
 
 def resolve(items, previous: str | None, store: ResponseStore | None) -> tuple[list, list]:
@@ -289,8 +289,8 @@ def resolve(items, previous: str | None, store: ResponseStore | None) -> tuple[l
                 raise bad(f"{where}.id must be a string", f"{where}.id")
             found = store.item(item["id"]) if store is not None else None
             if found is None:
-                raise bad(f"{where}: item {item['id']!r} not found"
-                          + (f" ({KEEPS_NONE})" if store is None else " (not stored, or no longer)"), f"{where}.id")
+                why = KEEPS_NONE if store is None else "not stored, or no longer"
+                raise bad(f"{where}: item {item['id']!r} not found: {why}", f"{where}.id")
             item = found
         resolved.append(item)
     return before + resolved, resolved
@@ -547,17 +547,33 @@ class Output:
         self._keep()
         return out + [self._ev(f"response.{self.status}", response=self.response())]
 
+    def result(self) -> dict:
+        return self.response()
+
     def _keep(self) -> None:
         """An ended response into the store (where its request did not say `store: false`), with its request's
         input items, each given an id where the client gave none (`GET .../input_items` lists them by id)."""
         if self.store is None or not self.api.get("store"):
             return
-        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
-        items = [it if isinstance(it.get("id"), str) else
-                 {"id": f"{prefix.get(it.get('type', 'message'), 'item')}_{self.job.id}in{n}", **it}
-                 for n, it in enumerate(self.api["given"])]
+        items = [kept_item(it, f"{self.job.id}in{n}") for n, it in enumerate(self.api["given"])]
         self.store.put(self.response(), items, self.api.get("previous"))
 
-    def result(self) -> dict:
-        return self.response()
+
+ITEM_PREFIX = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}  # else "msg"
+
+
+def kept_item(item: dict, suffix: str) -> dict:
+    """An input item as the store keeps and lists it, in OpenAI's shape of a listed item: an id (its own, else its
+    type's prefix and `suffix`), a status, and a message's text as one part. It renders as the item given."""
+    kind = item.get("type", "message")
+    it = {"type": kind, **item}
+    if not isinstance(it.get("id"), str):
+        it["id"] = f"{ITEM_PREFIX.get(kind, 'msg')}_{suffix}"
+    it.setdefault("status", "completed")
+    if kind == "message":
+        if isinstance(it.get("content"), str):
+            assistant = it.get("role") == "assistant"
+            it["content"] = [{"type": "output_text", "text": it["content"], "annotations": []} if assistant
+                             else {"type": "input_text", "text": it["content"]}]
+    return it
 
