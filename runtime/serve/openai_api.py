@@ -222,7 +222,7 @@ class GenRequest:
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: tokens that end the answer, not written
     include_stop: bool = False  # vLLM's include_stop_str_in_output: a stop string ends the answer written
     ignore_eos: bool = False  # vLLM's: the model's end-of-turn tokens drawn as any token, not ending the answer
-    skip_special: bool = True  # vLLM's skip_special_tokens: the tokenizer's special tokens left out of the text
+    skip_special: bool | None = None  # vLLM's skip_special_tokens (None: as the worker decides for the model)
     min_tokens: int = 0  # vLLM's: no end of the answer (its stop tokens masked) before this many tokens
     cache_salt: str | None = None  # vLLM's: the prompt cache shared only among requests with the same salt
     allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: the only tokens the answer may draw
@@ -353,7 +353,8 @@ def _common(body: dict, req: GenRequest) -> None:
     req.stop = stop or []
     req.include_stop = _flag(body, "include_stop_str_in_output")
     req.ignore_eos = _flag(body, "ignore_eos")
-    req.skip_special = _flag(body, "skip_special_tokens", True)
+    req.skip_special = body.get("skip_special_tokens") if body.get("skip_special_tokens") is None else \
+        _flag(body, "skip_special_tokens")
     req.min_tokens = _number(body, "min_tokens", 0, 1 << 30, integer=True) or 0
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad(f"'min_tokens' ({req.min_tokens}) must be at most the answer's 'max_tokens' ({req.max_tokens})",

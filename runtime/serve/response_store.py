@@ -69,14 +69,22 @@ class ResponseStore:
         with self.lock:
             return self._drop(rid) is not None
 
-    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
-        """(the response, its request's input items), or None where it is not stored."""
+    def _use(self, rid: str) -> Stored | None:
         with self.lock:
             entry = self.entries.get(rid)
-            if entry is None:
-                return None
-            self.entries.move_to_end(rid)
-        return json.loads(entry.response), json.loads(entry.items)
+            if entry is not None:
+                self.entries.move_to_end(rid)
+            return entry
+
+    def response(self, rid: str) -> bytes | None:
+        """The stored response's JSON text, as kept (nothing parsed), or None where it is not stored."""
+        entry = self._use(rid)
+        return None if entry is None else entry.response
+
+    def input_items(self, rid: str) -> list[dict] | None:
+        """The input items the stored response's request gave, or None where it is not stored."""
+        entry = self._use(rid)
+        return None if entry is None else json.loads(entry.items)
 
     def chain(self, rid: str) -> list[dict] | None:
         """The conversation up to and with response `rid`: each stored response of its chain, oldest first, its input

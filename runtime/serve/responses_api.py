@@ -421,8 +421,8 @@ class Output:
                 "error": self.error, "incomplete_details": self.incomplete, "instructions": e["instructions"],
                 "max_output_tokens": e["max_output_tokens"], "metadata": e["metadata"],
                 "parallel_tool_calls": e["parallel_tool_calls"], "previous_response_id": self.api.get("previous"),
-                "reasoning": e["reasoning"], "store": self.api.get("store", False), "background": False, "temperature": e["temperature"],
-                "top_p": e["top_p"], "top_logprobs": e["top_logprobs"], "text": e["text"],
+                "reasoning": e["reasoning"], "store": self.api.get("store", False), "background": False,
+                "temperature": e["temperature"], "top_p": e["top_p"], "top_logprobs": e["top_logprobs"], "text": e["text"],
                 "tool_choice": e["tool_choice"], "tools": e["tools"], "truncation": "disabled", "user": e["user"],
                 "safety_identifier": e["safety_identifier"], "prompt_cache_key": e["prompt_cache_key"],
                 "usage": self.usage}

@@ -313,17 +313,12 @@ class API:
                                                                                                 store=self.store))
         return await self.answer(job, first, request, responses_api.Output(job, self.answered_by(job), self.store))
 
-    def stored(self, request: Request) -> tuple[dict, list[dict]]:
-        """The stored response the path names (a 404 where there is none), after checking the query holds only what
-        the route takes."""
-        rid = request.path_params["rid"]
-        got = self.store.get(rid) if self.store is not None else None
-        if got is None:
-            raise APIError(404, f"no response found with id {rid!r}" + (
-                "" if self.store is not None else f": {responses_api.KEEPS_NONE}"), kind="invalid_request_error")
-        return got
+    def missing(self, rid: str) -> APIError:
+        why = "" if self.store is not None else f": {responses_api.KEEPS_NONE}"
+        return APIError(404, f"no response found with id {rid!r}{why}", kind="invalid_request_error")
 
     def query(self, request: Request, allowed: set[str]) -> dict[str, str]:
+        """The query's parameters, each one the route takes (else a 400 naming it)."""
         for key in request.query_params:
             if key not in allowed:
                 raise bad(f"query parameter {key!r} is not supported here"
@@ -331,28 +326,36 @@ class API:
         return dict(request.query_params)
 
     async def response(self, request: Request) -> Response:
+        """A stored response, as it was answered (`GET`), or deleted (`DELETE`)."""
         self.query(request, set())
+        rid = request.path_params["rid"]
         if request.method == "DELETE":
-            rid = request.path_params["rid"]
             if self.store is None or not self.store.delete(rid):
-                self.stored(request)  # the 404
+                raise self.missing(rid)
             return JSONResponse({"id": rid, "object": "response", "deleted": True})
-        return JSONResponse(self.stored(request)[0])
+        raw = self.store.response(rid) if self.store is not None else None
+        if raw is None:
+            raise self.missing(rid)
+        return Response(raw, media_type="application/json")
 
     async def input_items(self, request: Request) -> Response:
         """A stored response's input items (those its request gave; the chain before it is the earlier responses'),
-        OpenAI's page of them: `order` (desc, the default, or asc), `limit` (1-100, 20), `after` (an item id)."""
+        OpenAI's page of them: `order` (desc, the default, or asc), `limit` (1-100, 20), `after` (an item id).
+        Read on the prepare thread: they may hold images."""
         q = self.query(request, {"order", "limit", "after"})
-        items = self.stored(request)[1]
+        rid = request.path_params["rid"]
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
             raise bad("'order' must be 'asc' or 'desc'", "order")
-        try:
-            limit = int(q.get("limit", "20"))
-        except ValueError:
-            limit = 0
+        given = q.get("limit", "20")
+        limit = int(given) if given.isascii() and given.isdigit() else 0
         if not 1 <= limit <= 100:
             raise bad("'limit' must be an integer from 1 to 100", "limit")
+        items = None
+        if self.store is not None:
+            items = await asyncio.get_running_loop().run_in_executor(self.prep, self.store.input_items, rid)
+        if items is None:
+            raise self.missing(rid)
         items = items[::-1] if order == "desc" else items
         if "after" in q:
             at = next((n for n, it in enumerate(items) if it.get("id") == q["after"]), None)

@@ -364,6 +364,15 @@ class EngineWorker:
         if self.lock is not None:
             self.totals["rank_bytes_read"] = [0] * eng.group.size()
 
+    def skips_special(self, req: GenRequest) -> bool:
+        """Whether the answer's text leaves the tokenizer's special tokens out (vLLM's `skip_special_tokens`): unless
+        the request says, yes, but not on a harmony model (gpt-oss), whose text is written in them; a harmony chat
+        keeps them whatever it says, as its channels are read from them (its content holds none)."""
+        harmony = self.tool_format == "harmony"
+        if harmony and req.kind == "chat":
+            return False
+        return not harmony if req.skip_special is None else req.skip_special
+
     def harmony(self, req: GenRequest) -> bool:
         """Whether the answer is a harmony chat (gpt-oss): read by channel, its JSON in the final message. A
         completion's text is its own, whatever the template."""
@@ -732,7 +741,7 @@ class EngineWorker:
         evs = out.given(job.prefix)  # a forced call's start, an echoed text: part of the answer the client gets
         if evs:
             job.emit(("delta", evs))
-        detok = Detokenizer(eng.text, skip_special=req.skip_special and not self.harmony(req))  # harmony's by channel
+        detok = Detokenizer(eng.text, skip_special=self.skips_special(req))
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
         first = last = 0.0  # when the answer's first and latest tokens came (the latency histograms)
         finish, reasoning = None, 0
