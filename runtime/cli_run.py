@@ -95,9 +95,10 @@ def ctrl_c_stops_the_answer(on: bool) -> Iterator[threading.Event | None]:
 def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
             save_session: Path | None = None, load_session: Path | None = None, json_schema: dict | None = None,
-            thinking_budget: int | None = None) -> int:
+            thinking_budget: int | None = None, seed_given: bool = False) -> int:
     """Answer the prompt or chat; the exit status: 0, or 1 where an answer's constrained format (--json-schema) was
-    cut short (its line already said so)."""
+    cut short (its line already said so). `seed_given`: the sampling's seed was asked for (`--seed`), so a loaded
+    session drawing with another one is refused."""
     sampler = Sampler(**sampling)
     group = ranks.find_group()
     if group is None:
@@ -118,7 +119,7 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
         return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
                     max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
-                    save_session=save_session, load_session=load_session,
+                    save_session=save_session, load_session=load_session, seed_given=seed_given,
                     constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget, harmony))
     except RuntimeError as e:
         lost = ranks.lost_peer(e, group) if group is not None else None
@@ -165,7 +166,7 @@ def json_constraint(eng: Engine, schema: dict, thinking: bool, harmony: bool = F
 
 def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
          max_tokens: int, sampler: Sampler, stats: Path | None, logits_out: Path | None, quiet: bool,
-         save_session: Path | None, load_session: Path | None,
+         save_session: Path | None, load_session: Path | None, seed_given: bool = False,
          constrained: Callable[[], Constraint | ThinkingBudget] | None = None) -> int:
     logits: list | None = [] if logits_out else None
     status = 0
@@ -183,7 +184,11 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
         messages, fed = saved.get("messages", []), saved.get("tokens", [])
         if "sampler" in saved:  # a sampled conversation goes on drawing where it stopped
             try:
+                asked = sampler.seed
                 session.restore_sampler(sampler, saved["sampler"], load_session)
+                if seed_given and sampler.seed != asked:
+                    raise StreamoeError(f"{load_session}: the conversation draws with seed {sampler.seed}, not --seed "
+                                        f"{asked}: drop --seed, or give {sampler.seed}")
             except BaseException:
                 eng.close()
                 raise
@@ -232,6 +237,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             if not quiet:
                 s = eng.summary(eng.steps[n0:])
                 line = summary_line(s)
+                if not sampler.greedy:  # what repeats these draws (`--seed`)
+                    line = line[:-1] + f"; seed {sampler.seed}]"
                 if group is not None:  # every rank's reads and hits, on rank 0's line
                     line = line[:-1] + "; " + ranks.ranks_line(ranks.rank_summaries(group, s)) + "]"
                 if eng.opts.rank == 0:

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 import os
+import secrets
 import sys
 import warnings
 from pathlib import Path
@@ -500,7 +501,9 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
                    "and the answer goes on (Anthropic's thinking.budget_tokens). Needs the template's thinking on.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1, max=1 << 31), default=256, show_default=True)
 @sampling_options
-@click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=None,
+              help="Seed of the sampled tokens (default: a new one each run, shown in the summary line): the same seed "
+                   "and inputs give the same tokens, at every cap.")
 @click.option("--stats", type=click.Path(path_type=Path), default=None, help="Write per-step telemetry as JSON lines (a file, or a pipe: --stats >(jq -c .), /dev/stderr).")
 @click.option("--logits-out", type=click.Path(path_type=Path), default=None, help="Save every step's logits (.npz).")
 @click.option("--verify", is_flag=True, help="Check every file's checksum before running.")
@@ -514,7 +517,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
         runtime_mib: int | None,
         prompt: str | None, prompt_file: Path | None, chat: bool, json_schema: str | None,
         images: tuple[Path, ...], max_pixels: int, raw: bool, system: str | None, no_think: bool, thinking_budget: int | None,
-        max_tokens: int, sampling: dict, seed: int,
+        max_tokens: int, sampling: dict, seed: int | None,
         tier: str, prefetch_width: int | None, prefetch_waste: float, prefill_chunk: int | str, io_threads: int, stats: Path | None, logits_out: Path | None,
         verify: bool, quiet: bool, save_session: Path | None, load_session: Path | None) -> None:
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
@@ -542,6 +545,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     check_run_paths(model, stats, logits_out, save_session, load_session,
                     ((prompt_file, "prompt file (--prompt-file)"), *((p, "image (--image)") for p in images),
                      *(((Path(json_schema), "schema file (--json-schema)"),) if json_schema and os.path.isfile(json_schema) else ())))
+    seed = secrets.randbits(63) if seed is None else seed  # as mlx-lm and llama.cpp: each run its own draws
     sampling = {**(generation_defaults_of(model)), **sampling, "seed": seed}
     vision = bool(images) or (chat and not raw and has_vision(model))  # a text-only model's chat is text
     if given("max_pixels") and not vision:
@@ -557,7 +561,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     status = run_cli(model, opts, prompt=prompt, images=sources, chat=chat, raw=raw, system=system,
                      think=not no_think, max_tokens=max_tokens, sampling=sampling, stats=stats, logits_out=logits_out,
                      quiet=quiet, save_session=save_session, load_session=load_session, json_schema=schema,
-                     thinking_budget=thinking_budget)
+                     thinking_budget=thinking_budget, seed_given=given("seed"))
     if status:
         sys.exit(status)
 

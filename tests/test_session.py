@@ -181,6 +181,27 @@ def test_a_sampled_chat_split_by_a_saved_session_draws_the_same_tokens(tiny_conv
     assert c.stdout != a.stdout
 
 
+def test_a_run_draws_with_a_new_seed_unless_given_and_shows_it(tiny_conv, tmp_path):
+    """Sampled, `run` seeds its draws anew each time (as mlx-lm and llama.cpp do) and shows the seed on its summary
+    line; given back as --seed, the run draws the same tokens. A greedy run shows none. A loaded session goes on with
+    the seed it was saved with: a --seed that differs is refused in one line naming the session."""
+    common = ["run", tiny_conv, "--cap", "1", "--ctx", "256", "--raw", "-n", "12", "--temp", "1", "--top-k", "50"]
+
+    def seed(p: subprocess.CompletedProcess) -> int:
+        return int(re.search(r"; seed (\d+)\]$", p.stderr.strip()).group(1))
+
+    a, b = (cli(*common, "-p", "one two three", check=True) for _ in range(2))
+    assert seed(a) != seed(b)
+    again = cli(*common, "-p", "one two three", "--seed", seed(a), check=True)
+    assert again.stdout == a.stdout and seed(again) == seed(a)
+    assert "seed" not in cli(*common, "-p", "one", "--temp", "0", check=True).stderr
+    cli(*common, "-p", "one two three", "--seed", 5, "--save-session", tmp_path / "s.zst", check=True)
+    on = cli(*common, "-p", "four", "--load-session", tmp_path / "s.zst", check=True)
+    assert seed(on) == 5
+    one_error_line(cli(*common, "-p", "four", "--load-session", tmp_path / "s.zst", "--seed", 6),
+                   str(tmp_path / "s.zst"), "draws with seed 5, not --seed 6")
+
+
 def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
     blob = good.read_bytes()
     (d / "plain").write_bytes(b"hello, not zstd at all" * 10)
