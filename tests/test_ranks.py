@@ -40,7 +40,7 @@ from .serve_util import (
 
 PROMPT = "The quick brown fox"
 RUNTIME_MIB = 200  # a fixed allowance: one process and each rank plan the same accounts
-ARGS = ["--ctx", "256", "--runtime-mib", str(RUNTIME_MIB), "-p", PROMPT, "-n", "8"]
+ARGS = ["--ctx", "256", "--runtime-mib", str(RUNTIME_MIB), "-p", PROMPT, "-n", "8", "--seed", "3"]  # sampled
 LAUNCH = Path(sys.executable).parent / "mlx.launch"  # MLX's launcher, installed beside this interpreter
 
 
@@ -155,7 +155,7 @@ def test_two_resident_ranks_pipeline_to_the_same_logits(ring, small_conv, tmp_pa
 def test_a_chat_across_ranks_answers_rank_0s_turns_as_one_host(ring, small_conv, tmp_path):
     """Rank 0 reads the turns and shares each; an /image line is refused there (the others could not see it),
     and the chat goes on. `/quit` ends it (the launcher does not pass on the end of stdin)."""
-    args = ["--cap", "0.6", "--ctx", "512", "--runtime-mib", str(RUNTIME_MIB), "--chat", "-n", "6", "-q"]
+    args = ["--cap", "0.6", "--ctx", "512", "--runtime-mib", str(RUNTIME_MIB), "--chat", "-n", "6", "-q", "--seed", "3"]
     cli("run", small_conv, *args, "--logits-out", tmp_path / "one.npz", input="hello there\nwhat next\n", check=True)
     two = run_ranked(small_conv, *args, "--logits-out", tmp_path / "two.npz",
                      stdin="hello there\n/image /no/such.png\nwhat next\n/quit\n")
@@ -407,7 +407,7 @@ def test_a_model_too_large_for_one_hosts_cap_opens_across_two(ring, small_conv, 
     """At ctx 64 one host's fixed accounts hold a staging slot for each of a layer's 64 experts; a rank's for its
     32, and its exchange buffers (a prefill step of 64 tokens) take less than the 32 it saves. At a cap between
     the two, one host refuses to open and two ranks answer, streaming, with a single resident host's logits."""
-    args = ["--ctx", "64", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", PROMPT, "-n", "8"]
+    args = ["--ctx", "64", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", PROMPT, "-n", "8", "--seed", "3"]
     base = Options(cap_gib=8, ctx=64, runtime_bytes=RUNTIME_MIB * MiB)
     one = plan_for(small_conv, base)
     shares = [plan_for(small_conv, replace(base, rank=r, ranks=2)) for r in (0, 1)]
@@ -439,7 +439,8 @@ def test_ranks_that_plan_different_prefill_chunks_cut_a_prompt_alike(ring, small
     script.write_text(f'#!/bin/sh\nif [ "$MLX_RANK" = 1 ]; then c=2; else c=0.3; fi\n'
                       f'exec {shlex.quote(sys.executable)} -m streamoe.cli run {shlex.quote(str(small_conv))} --cap $c "$@"\n')
     script.chmod(0o755)
-    args = ["--ctx", "512", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", " ".join([PROMPT] * 21), "-n", "2", "-q"]
+    args = ["--ctx", "512", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", " ".join([PROMPT] * 21), "-n", "2", "-q",
+            "--seed", "3"]
     cli("run", small_conv, "--cap", "2", *args, "--logits-out", tmp_path / "one.npz", check=True)
     two = launch(str(script), *args, "--logits-out", str(tmp_path / "two.npz"))
     assert (tmp_path / "two.npz").exists(), two.stderr
