@@ -123,7 +123,7 @@ def cgroup_run(model: Path, ids: list[int], cap: float, ctx: int, experts: str, 
 
     text = TextIO(model, load_manifest(model).config).decode(ids)
     stats = work / "stats.jsonl"
-    args = ["run", model, "--cap", f"{cap:.4f}", "--ctx", ctx, "--experts", experts, "--raw", "-p", text, "-n", 2,
+    args = ["run", model, "--cap", f"{cap:.4f}", "--ctx", ctx, "--experts", experts, "--raw", "-p", text, "-n", 2, "--temp", 0,
             "--prefill-chunk", chunk, "--stats", stats]
     with capped_cgroup(cap, "prefill") as (cg, read):  # no time limit: a long prompt on a small CPU takes minutes
         cmd = f"echo $$ > {cg}/cgroup.procs && exec {sys.executable} -m streamoe.cli {shlex.join(map(str, args))}"

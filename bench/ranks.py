@@ -71,7 +71,8 @@ def collective(tokens: int, k: int, hidden: int, calls: int) -> None:
 def run_once(model: Path, n: int, cap: float, tokens: int, work: Path) -> dict:
     stats, logits = work / f"stats-{n}.jsonl", work / f"logits-{n}.npz"
     cmd = [sys.executable, "-m", "streamoe.cli", "run", str(model), "--cap", f"{cap:.4f}", "--ctx", "512",
-           "--runtime-mib", "200", "-p", PROMPT, "-n", str(tokens), "--stats", str(stats), "--logits-out", str(logits)]
+           "--runtime-mib", "200", "-p", PROMPT, "-n", str(tokens), "--seed", "3", "--stats", str(stats),
+           "--logits-out", str(logits)]  # one seed: the ranks' logits compared with one host's
     p = subprocess.run(launched(n, cmd), capture_output=True, text=True, timeout=900)
     line = next((ln for ln in p.stderr.splitlines() if ln.startswith("[")), "")
     if not line:
