@@ -783,7 +783,9 @@ def test_the_response_store_keeps_to_its_budget():
     assert store.chain("resp_3") is None and store.item("msg_2") is None and store.item("msg_1") == resp(1)["output"][0]
     assert not store.put({"id": "resp_big", "output": [{"id": "m", "content": "x" * 4 * cost}]}, [], None)
     assert store.delete("resp_1") and not store.delete("resp_1") and store.used == 2 * cost
-    assert store.item("in") is not None  # still held by another response
+    assert store.delete("resp_4") and store.item("in") == items[0]  # still held by another response
+    assert store.delete("resp_3") and store.item("in") is None and store.used == 0 and not store.item_of
+    assert store.put(resp(5), items * 2, None) and store.delete("resp_5") and not store.item_of  # an id given twice
 
 
 def test_responses_image_and_tool_result_items_render_as_chat(oc, ref, triangle):

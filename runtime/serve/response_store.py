@@ -36,13 +36,13 @@ class ResponseStore:
     def __init__(self, budget: int):
         self.budget, self.used = budget, 0
         self.entries: OrderedDict[str, Stored] = OrderedDict()
-        self.item_of: dict[str, str] = {}  # item id -> the response holding it
+        self.item_of: dict[str, list[str]] = {}  # item id -> the responses holding it, the newest last
         self.lock = threading.Lock()
 
     def put(self, response: dict, items: list[dict], previous: str | None) -> bool:
         """Keep `response` (with its request's resolved input `items`); False where it alone exceeds the budget."""
         body, given = (json.dumps(x, separators=(",", ":")).encode() for x in (response, items))
-        ids = tuple(i["id"] for i in [*items, *response["output"]] if isinstance(i.get("id"), str))
+        ids = tuple(dict.fromkeys(i["id"] for i in [*items, *response["output"]] if isinstance(i.get("id"), str)))
         entry = Stored(previous, body, given, ids, len(body) + len(given) + ENTRY + ITEM * len(ids))
         if entry.cost > self.budget:
             return False
@@ -53,7 +53,7 @@ class ResponseStore:
             self.entries[response["id"]] = entry
             self.used += entry.cost
             for i in ids:
-                self.item_of[i] = response["id"]
+                self.item_of.setdefault(i, []).append(response["id"])
         return True
 
     def _drop(self, rid: str) -> Stored | None:
@@ -61,7 +61,9 @@ class ResponseStore:
         if entry is not None:
             self.used -= entry.cost
             for i in entry.ids:
-                if self.item_of.get(i) == rid:
+                holders = self.item_of[i]
+                holders.remove(rid)
+                if not holders:
                     del self.item_of[i]
         return entry
 
@@ -107,8 +109,8 @@ class ResponseStore:
     def item(self, item_id: str) -> dict | None:
         """A stored item (an input or an output item of a stored response) by its id."""
         with self.lock:
-            rid = self.item_of.get(item_id)
-            entry = None if rid is None else self.entries.get(rid)
+            holders = self.item_of.get(item_id)
+            entry = self.entries[holders[-1]] if holders else None
         if entry is None:
             return None
         for it in [*json.loads(entry.items), *json.loads(entry.response)["output"]]:
