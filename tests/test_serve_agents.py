@@ -863,6 +863,33 @@ def test_openai_agents_sdk_default_agent(server, ref):
     assert streamed == want and kinds[0] == "response.created" and kinds[-1] == "response.completed"
 
 
+def test_openai_agents_sdk_continues_a_conversation_by_previous_response_id(server, ref):
+    """The openai-agents SDK's server-side conversation: a run given the last one's `last_response_id` sends only its
+    new input, and is answered as the whole conversation is (the first turn, its answer, the new turn): the engine's
+    greedy answer to it, and the answer of a run that sends the whole list itself (`to_input_list()`)."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai.types.shared import Reasoning
+
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    agent = Agent(name="plain", instructions="Answer briefly.",
+                  model=OpenAIResponsesModel(model="tiny", openai_client=client), model_settings=ModelSettings(temperature=0, max_tokens=16, reasoning=Reasoning(effort="none")))
+    asks = ("What colour is the triangle?", "And where is it?")
+
+    async def runs():
+        first = await Runner.run(agent, asks[0])
+        follow = await Runner.run(agent, asks[1], previous_response_id=first.last_response_id)
+        whole = await Runner.run(agent, [*first.to_input_list(), {"role": "user", "content": asks[1]}])
+        return first, follow, whole
+
+    first, follow, whole = asyncio.run(runs())
+    msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": asks[0]},
+            {"role": "assistant", "content": first.final_output}, {"role": "user", "content": asks[1]}]
+    ids = chat_ids(ref, msgs, think=False)
+    assert follow.final_output == whole.final_output == ref.text.decode(greedy(ref, ids, 16))
+    assert follow.context_wrapper.usage.input_tokens == len(ids)
+
+
 # ---- the Anthropic Messages API over HTTP
 
 GREEDY = {"temperature": 0}  # a Messages API field that this version of the client has no argument for
