@@ -763,29 +763,57 @@ def test_responses_are_stored_and_continued_by_id(server, oc):
 
 
 def test_the_response_store_keeps_to_its_budget():
-    """The store charges each response its JSON and a fixed cost per entry and item, and past its budget drops the
-    least recently used; a chain missing one of its responses is not continued; an item goes with its response."""
+    """The store charges each response its texts (the response, each input and output item) and a fixed cost per
+    entry and item id, and past its budget drops the least recently used; a chain missing one of its responses is
+    not continued; an item is found while a response holding it is kept."""
     from streamoe.runtime.serve.response_store import ENTRY, ITEM, ResponseStore
 
     def resp(n: int) -> dict:
         return {"id": f"resp_{n}", "output": [{"id": f"msg_{n}", "type": "message", "content": "x" * 100}]}
 
+    def text(obj) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
     items = [{"id": "in", "type": "message", "role": "user", "content": "hi"}]
-    cost = len(json.dumps(resp(1), separators=(",", ":"))) + len(json.dumps(items, separators=(",", ":"))) + ENTRY + 2 * ITEM
+    cost = len(text(resp(1))) + len(text(items[0])) + len(text(resp(1)["output"][0])) + ENTRY + 2 * ITEM
     store = ResponseStore(3 * cost)
     for n in (1, 2, 3):
         assert store.put(resp(n), items, f"resp_{n - 1}" if n > 1 else None)
-    assert store.used == 3 * cost and store.chain("resp_3") == [*items, *resp(1)["output"], *items,
-                                                                   *resp(2)["output"], *items, *resp(3)["output"]]
+    assert store.used == 3 * cost
+    assert [json.loads(t) for t in store.chain("resp_3")] == [*items, *resp(1)["output"], *items, *resp(2)["output"],
+                                                               *items, *resp(3)["output"]]
     assert json.loads(store.response("resp_1")) == resp(1)  # read: now the most recently used
     assert store.put(resp(4), items, None) and store.response("resp_2") is None and store.used == 3 * cost
-    assert store.input_items("resp_3") == items and store.input_items("resp_2") is None
-    assert store.chain("resp_3") is None and store.item("msg_2") is None and store.item("msg_1") == resp(1)["output"][0]
+    assert [json.loads(t) for t in store.input_items("resp_3")] == items and store.input_items("resp_2") is None
+    assert store.chain("resp_3") is None and store.item("msg_2") is None
+    assert json.loads(store.item("msg_1")) == resp(1)["output"][0]
     assert not store.put({"id": "resp_big", "output": [{"id": "m", "content": "x" * 4 * cost}]}, [], None)
     assert store.delete("resp_1") and not store.delete("resp_1") and store.used == 2 * cost
-    assert store.delete("resp_4") and store.item("in") == items[0]  # still held by another response
+    assert store.delete("resp_4") and json.loads(store.item("in")) == items[0]  # still held by another response
     assert store.delete("resp_3") and store.item("in") is None and store.used == 0 and not store.item_of
     assert store.put(resp(5), items * 2, None) and store.delete("resp_5") and not store.item_of  # an id given twice
+
+
+def test_a_continued_request_holds_no_more_than_a_body_may():
+    """What a request names from the store (the chain before `previous_response_id`, each `item_reference`'s item) is
+    weighed before it is parsed: no more than `--max-body-mib`, as if the client had sent the conversation itself;
+    more is a 413 naming what named it."""
+    from streamoe.runtime.serve.response_store import ResponseStore
+
+    store = ResponseStore(8 * MiB)
+    said = {"id": "msg_a", "type": "message", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": "y" * 300_000, "annotations": []}]}
+    asked = {"id": "u", "type": "message", "role": "user", "content": "x" * 300_000}
+    store.put({"id": "resp_a", "output": [said]}, [asked], None)
+    then = {"model": "m", "previous_response_id": "resp_a", "input": "more"}
+    req = responses_api.parse(then, ServeOptions("m", limits=Limits(max_body=MiB)), store=store)
+    assert [m["role"] for m in req.messages] == ["user", "assistant", "user"]
+    assert req.messages[1]["content"] == "y" * 300_000
+    for body, max_body, param in ((then, MiB // 2, "previous_response_id"),
+                                  ({"model": "m", "input": [{"type": "item_reference", "id": "msg_a"}] * 4}, MiB, "input")):
+        with pytest.raises(APIError) as e:
+            responses_api.parse(body, ServeOptions("m", limits=Limits(max_body=max_body)), store=store)
+        assert e.value.status == 413 and e.value.param == param, e.value.message
 
 
 def test_responses_image_and_tool_result_items_render_as_chat(oc, ref, triangle):

@@ -2,11 +2,12 @@
 
 A client that keeps no history of its own names what it wants continued: `previous_response_id` (the whole chain
 of stored responses before it: each one's input items, then its output items) or an `item_reference` (one item of a
-stored response, by its id). Each response is kept as its compact JSON text with the input items its request
-gave (references resolved, not the chain before it, which its `previous` names): a conversation of n turns holds
-each turn once. What is kept is charged at its JSON's length plus `ENTRY` and `ITEM` for the objects around it; past
-the budget (the plan's `response store` account) the least recently used response goes first. A response whose
-chain lost a response to that is answered as never stored: the client sends the conversation again.
+stored response, by its id). Each response is kept as its compact JSON text, and so is each item its request gave
+(references resolved; the chain before it is its `previous`'s, so a conversation of n turns holds each turn once)
+and each item it answered. The texts are handed out as kept, so a request's reader can weigh what it is given before
+parsing any of it. What is kept is charged at the texts' lengths plus `ENTRY` and `ITEM` for the objects around them;
+past the budget (the plan's `response store` account) the least recently used response goes first. A response
+whose chain lost a response to that is answered as never stored: the client sends the conversation again.
 """
 
 from __future__ import annotations
@@ -16,16 +17,21 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-ENTRY = 1024  # what one stored response costs beyond its JSON: the entry, its keys, the LRU's links
+ENTRY = 1024  # what one stored response costs beyond its texts: the entry, its keys, the LRU's links
 ITEM = 256  # ... and each item's place in the index of item ids
+
+
+def _text(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 @dataclass(frozen=True)
 class Stored:
     previous: str | None  # the response this one continued
     response: bytes  # the response object, as the client got it
-    items: bytes  # the input items its request gave, references resolved
-    ids: tuple[str, ...]  # the ids of its input and output items
+    given: tuple[bytes, ...]  # the input items its request gave, references resolved
+    answered: tuple[bytes, ...]  # its output items
+    by_id: dict[str, bytes]  # those of them with an id
     cost: int
 
 
@@ -41,18 +47,21 @@ class ResponseStore:
 
     def put(self, response: dict, items: list[dict], previous: str | None) -> bool:
         """Keep `response` (with its request's resolved input `items`); False where it alone exceeds the budget."""
-        body, given = (json.dumps(x, separators=(",", ":")).encode() for x in (response, items))
-        ids = tuple(dict.fromkeys(i["id"] for i in [*items, *response["output"]] if isinstance(i.get("id"), str)))
-        entry = Stored(previous, body, given, ids, len(body) + len(given) + ENTRY + ITEM * len(ids))
-        if entry.cost > self.budget:
+        given, answered = tuple(map(_text, items)), tuple(map(_text, response["output"]))
+        by_id = {it["id"]: t for it, t in zip([*items, *response["output"]], given + answered, strict=True)
+                 if isinstance(it.get("id"), str)}
+        body = _text(response)
+        cost = len(body) + sum(map(len, given + answered)) + ENTRY + ITEM * len(by_id)
+        entry = Stored(previous, body, given, answered, by_id, cost)
+        if cost > self.budget:
             return False
         with self.lock:
             self._drop(response["id"])
-            while self.used + entry.cost > self.budget:
+            while self.used + cost > self.budget:
                 self._drop(next(iter(self.entries)))
             self.entries[response["id"]] = entry
-            self.used += entry.cost
-            for i in ids:
+            self.used += cost
+            for i in by_id:
                 self.item_of.setdefault(i, []).append(response["id"])
         return True
 
@@ -60,7 +69,7 @@ class ResponseStore:
         entry = self.entries.pop(rid, None)
         if entry is not None:
             self.used -= entry.cost
-            for i in entry.ids:
+            for i in entry.by_id:
                 holders = self.item_of[i]
                 holders.remove(rid)
                 if not holders:
@@ -79,18 +88,19 @@ class ResponseStore:
             return entry
 
     def response(self, rid: str) -> bytes | None:
-        """The stored response's JSON text, as kept (nothing parsed), or None where it is not stored."""
+        """The stored response's JSON text, or None where it is not stored."""
         entry = self._use(rid)
         return None if entry is None else entry.response
 
-    def input_items(self, rid: str) -> list[dict] | None:
-        """The input items the stored response's request gave, or None where it is not stored."""
+    def input_items(self, rid: str) -> list[bytes] | None:
+        """The JSON texts of the input items the stored response's request gave, or None where it is not stored."""
         entry = self._use(rid)
-        return None if entry is None else json.loads(entry.items)
+        return None if entry is None else list(entry.given)
 
-    def chain(self, rid: str) -> list[dict] | None:
-        """The conversation up to and with response `rid`: each stored response of its chain, oldest first, its input
-        items then its output items; None where any of them is not stored. Each one read counts as used."""
+    def chain(self, rid: str) -> list[bytes] | None:
+        """The conversation up to and with response `rid`, as JSON texts: each stored response of its chain, oldest
+        first, its input items then its output items; None where any of them is not stored. Each one read counts
+        as used."""
         with self.lock:
             got, at = [], rid
             while at is not None:
@@ -101,19 +111,10 @@ class ResponseStore:
                 at = entry.previous
             for at, _ in reversed(got):  # the chain's newest the most recently used
                 self.entries.move_to_end(at)
-        items: list[dict] = []
-        for _, entry in reversed(got):
-            items += json.loads(entry.items) + json.loads(entry.response)["output"]
-        return items
+        return [t for _, entry in reversed(got) for t in entry.given + entry.answered]
 
-    def item(self, item_id: str) -> dict | None:
-        """A stored item (an input or an output item of a stored response) by its id."""
+    def item(self, item_id: str) -> bytes | None:
+        """A stored item's JSON text (an input or an output item of a stored response) by its id."""
         with self.lock:
             holders = self.item_of.get(item_id)
-            entry = self.entries[holders[-1]] if holders else None
-        if entry is None:
-            return None
-        for it in [*json.loads(entry.items), *json.loads(entry.response)["output"]]:
-            if it.get("id") == item_id:
-                return it
-        return None
+            return self.entries[holders[-1]].by_id[item_id] if holders else None

@@ -19,6 +19,7 @@ import base64
 import binascii
 import json
 
+from ..plan import MiB
 from .openai_api import (
     EFFORTS,
     APIError,
@@ -32,6 +33,7 @@ from .openai_api import (
     call_verdict,
     check_fields,
     decode_image,
+    kept_bytes,
     parse_response_format,
     parse_tools,
     thinks_at,
@@ -266,21 +268,23 @@ def parse_tools_choice(body: dict) -> tuple[list[dict] | None, bool, str | None,
 KEEPS_NONE = "this server keeps no responses (it runs with --response-store-mib 0)"
 
 
-def resolve(items, previous: str | None, store: ResponseStore | None) -> tuple[list, list]:
+def resolve(body: dict, previous: str | None, store: ResponseStore | None, limits) -> tuple[list, list]:
     """`input` with what it names from the store -> (the whole conversation's items: the chain of stored responses
     before `previous_response_id`, then this request's; this request's items), each `item_reference` replaced by the
-    item it names."""
+    item it names. What the store gives is weighed before it is parsed: with the body, no more than a body may hold
+    (as if the client had sent the whole conversation itself)."""
+    items = body["input"]
     given = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
     if not isinstance(given, list) or not given:
         raise bad("'input' must be a string or a non-empty list of items", "input")
-    before: list = []
+    texts: list[bytes] = []
     if previous is not None:
-        before = store.chain(previous) if store is not None else None
-        if before is None:
+        texts = store.chain(previous) if store is not None else None
+        if texts is None:
             why = KEEPS_NONE if store is None else "not stored, or no longer (it or a response before it)"
             raise APIError(400, f"previous response with id {previous!r} not found: {why}; send the whole "
                            "conversation in 'input'", "previous_response_id", code="previous_response_not_found")
-    resolved = []
+    at: dict[int, bytes] = {}  # the references' items, by their place in `given`
     for i, item in enumerate(given):
         if isinstance(item, dict) and item.get("type") == "item_reference":
             where = f"input[{i}]"
@@ -291,8 +295,19 @@ def resolve(items, previous: str | None, store: ResponseStore | None) -> tuple[l
             if found is None:
                 why = KEEPS_NONE if store is None else "not stored, or no longer"
                 raise bad(f"{where}: item {item['id']!r} not found: {why}", f"{where}.id")
-            item = found
-        resolved.append(item)
+            at[i] = found
+    if not texts and not at:
+        return given, given
+    weight = sum(map(len, texts)) + sum(map(len, at.values()))
+    if weight > limits.max_body:
+        raise APIError(413, f"the stored items this request names hold {weight / MiB:.1f} MiB, over the "
+                            f"{limits.max_body / MiB:g} MiB a request may hold (--max-body-mib): send less of the "
+                            "conversation", "previous_response_id" if previous is not None else "input")
+    before, named = [json.loads(t) for t in texts], {i: json.loads(t) for i, t in at.items()}
+    resolved = [named.get(i, item) for i, item in enumerate(given)]
+    if (kept := kept_bytes(before) + kept_bytes(list(named.values())) + kept_bytes(body)) > limits.max_kept:
+        raise APIError(413, f"with the stored items it names, this request holds {kept / MiB:.1f} MiB of objects; "
+                            f"at most {limits.max_kept / MiB:.1f} MiB are kept per request")
     return before + resolved, resolved
 
 
@@ -375,7 +390,7 @@ def parse(body: dict, so, counting: bool = False, store: ResponseStore | None = 
     instructions = _string(body, "instructions")
     if "input" not in body:
         raise bad("'input' is required", "input")
-    items, given = resolve(body["input"], previous, store)
+    items, given = resolve(body, previous, store, so.limits)
     msgs = parse_input(items, so, req.images)
     req.messages = ([{"role": "system", "content": instructions}] if instructions else []) + msgs
     req.tools, req.parse_tools, req.force_call, strict = parse_tools_choice(body)

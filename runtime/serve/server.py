@@ -351,11 +351,10 @@ class API:
         limit = int(given) if given.isascii() and given.isdigit() else 0
         if not 1 <= limit <= 100:
             raise bad("'limit' must be an integer from 1 to 100", "limit")
-        items = None
-        if self.store is not None:
-            items = await asyncio.get_running_loop().run_in_executor(self.prep, self.store.input_items, rid)
-        if items is None:
+        texts = self.store.input_items(rid) if self.store is not None else None
+        if texts is None:
             raise self.missing(rid)
+        items = await asyncio.get_running_loop().run_in_executor(self.prep, lambda: [json.loads(t) for t in texts])
         items = items[::-1] if order == "desc" else items
         if "after" in q:
             at = next((n for n, it in enumerate(items) if it.get("id") == q["after"]), None)
