@@ -353,8 +353,7 @@ def _common(body: dict, req: GenRequest) -> None:
     req.stop = stop or []
     req.include_stop = _flag(body, "include_stop_str_in_output")
     req.ignore_eos = _flag(body, "ignore_eos")
-    req.skip_special = body.get("skip_special_tokens") if body.get("skip_special_tokens") is None else \
-        _flag(body, "skip_special_tokens")
+    req.skip_special = None if body.get("skip_special_tokens") is None else _flag(body, "skip_special_tokens")
     req.min_tokens = _number(body, "min_tokens", 0, 1 << 30, integer=True) or 0
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad(f"'min_tokens' ({req.min_tokens}) must be at most the answer's 'max_tokens' ({req.max_tokens})",
