@@ -80,6 +80,7 @@ COMMON = [
     ("structured_outputs", 5), ("structured_outputs", {}), ("structured_outputs", {"choice": "a"}),
     ("structured_outputs", {"regex": 5}), ("structured_outputs", {"json": []}), ("include_stop_str_in_output", 1),
     ("ignore_eos", "true"), ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", "1"),
+    ("skip_special_tokens", "true"), ("skip_special_tokens", 0), ("guided_json", {}),
 ]
 CHAT = [
     ("messages", None), ("messages", "hi"), ("messages", []), ("messages", [5]),
