@@ -751,9 +751,13 @@ def test_responses_are_stored_and_continued_by_id(server, oc):
                          ("page=2", "page")):
         r = fetch(f"{server.url}/v1/responses/{many.id}/input_items?{query}")
         assert r.status == 400 and r.json()["error"]["param"] == param, (query, r.text)
+    page = {f.name: f.samples[0].value for f in text_string_to_metric_families(fetch(server.url + "/metrics").text)}
+    assert page["streamoe_response_store_responses"] >= 4 and 0 < page["streamoe_response_store_bytes"] <= 32 * MiB
     oc.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         oc.responses.retrieve(first.id)
+    after = {f.name: f.samples[0].value for f in text_string_to_metric_families(fetch(server.url + "/metrics").text)}
+    assert after["streamoe_response_store_responses"] == page["streamoe_response_store_responses"] - 1
     for bad_input, param in (({"previous_response_id": last.id, "input": "x"}, "previous_response_id"),
                              ({"input": [{"type": "item_reference", "id": "msg_nope"}]}, "input[0].id")):
         with pytest.raises(openai.BadRequestError) as e:

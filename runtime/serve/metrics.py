@@ -68,8 +68,9 @@ LATENCIES = {  # the worker's histograms: name -> (help, buckets)
 }
 
 
-def exposition(worker, queued: int, requests: dict) -> str:
-    """The whole page, from an `EngineWorker`, the queue's depth and the requests queued by API."""
+def exposition(worker, queued: int, requests: dict, store=None) -> str:
+    """The whole page, from an `EngineWorker`, the queue's depth, the requests queued by API and the Responses API's
+    `ResponseStore` (None: stateless)."""
     last = (worker.live.get("last") or {})
     tot, cap = worker.totals, worker.eng.plan.cap
     live_rss = worker.live.get("rss") if worker.live.get("state") != "idle" else None
@@ -104,6 +105,10 @@ def exposition(worker, queued: int, requests: dict) -> str:
                           [({}, plan.host_cap)])
         out += family("host_tier_hits_total", "counter", "Expert picks copied from the host tier instead of read, "
                       "in the finished answers.", [({}, tot["host_hits"])])
+    if store is not None:
+        out += family("response_store_bytes", "gauge", "What the stored responses hold (within --response-store-mib).",
+                      [({}, store.used)])
+        out += family("response_store_responses", "gauge", "Responses stored.", [({}, len(store.entries))])
     out += family("queue_depth", "gauge", "Requests waiting for the engine.", [({}, queued)])
     busy = 0 if worker.live.get("state", "idle") == "idle" else 1
     out += family("busy", "gauge", "1 while the engine answers a request, else 0.", [({}, busy)])

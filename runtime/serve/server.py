@@ -206,7 +206,7 @@ class API:
         return JSONResponse(self.model_card(name))
 
     async def metrics(self, request: Request) -> Response:
-        return Response(exposition(self.worker, self.server.queue.qsize(), self.requests),
+        return Response(exposition(self.worker, self.server.queue.qsize(), self.requests, self.store),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- generation
