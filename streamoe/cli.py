@@ -523,7 +523,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
     from .runtime.cli_run import run_cli
     from .runtime.image import PipedImage, read_image_source
-    from .runtime.sampling import SMALLEST_TEMP
+    from .runtime.sampling import Sampler
 
     stdin_read_by = ("--chat" if chat else "-p -" if prompt == "-" else
                      "--prompt-file" if prompt_file is not None and is_stdin(prompt_file) else None)
@@ -548,7 +548,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
                      *(((Path(json_schema), "schema file (--json-schema)"),) if json_schema and os.path.isfile(json_schema) else ())))
     sampling = {**(generation_defaults_of(model)), **sampling}
     if seed is None:  # as mlx-lm and llama.cpp: each sampled run its own draws; a greedy one draws nothing
-        seed = 0 if sampling.get("temp", 0.0) < SMALLEST_TEMP else secrets.randbits(63)
+        seed = 0 if Sampler(**sampling).greedy else secrets.randbits(63)
     sampling["seed"] = seed
     vision = bool(images) or (chat and not raw and has_vision(model))  # a text-only model's chat is text
     if given("max_pixels") and not vision:

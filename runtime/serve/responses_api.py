@@ -422,6 +422,7 @@ class Output:
         self.job, self.model, self.api, self.store = job, model, job.req.api, store
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item text is flowing into
+        self.final: dict | None = None  # the ended response
         self.seq, self.lps, self.usage, self.status, self.incomplete, self.error = 0, [], None, "in_progress", None, None
 
     def _ev(self, kind: str, **fields) -> str:
@@ -559,19 +560,20 @@ class Output:
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
         else:
             self.status = "completed"
-        self._keep()
-        return out + [self._ev(f"response.{self.status}", response=self.response())]
+        self.final = self.response()  # built once: the last event's, the stored one and a whole answer's
+        self._keep(self.final)
+        return out + [self._ev(f"response.{self.status}", response=self.final)]
 
     def result(self) -> dict:
-        return self.response()
+        return self.final if self.final is not None else self.response()
 
-    def _keep(self) -> None:
+    def _keep(self, response: dict) -> None:
         """An ended response into the store (where its request did not say `store: false`), with its request's
         input items, each given an id where the client gave none (`GET .../input_items` lists them by id)."""
         if self.store is None or not self.api.get("store"):
             return
         items = [kept_item(it, f"{self.job.id}in{n}") for n, it in enumerate(self.api["given"])]
-        self.store.put(self.response(), items, self.api.get("previous"))
+        self.store.put(response, items, self.api.get("previous"))
 
 
 ITEM_PREFIX = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}  # else "msg"
