@@ -49,6 +49,8 @@
 #                                each layer waiting for its picks (`decodeahead`; ABLATE=, CAPPED_ONLY=1, ROUNDS_ONLY=1)
 #   bash bench/h200.sh peers     # (after `setup` too: its conversion is made again after the repack) long-prompt prefill at --cap 4 beside mlx-vlm's expert offload
 #                                at the same expert budget and resident mlx-lm (bench/prefill_peers.py; PROMPTS=, ENGINES=)
+#   bash bench/h200.sh cgroups   # what memory cgroups the machine offers a root process: its own group writable or not,
+#                                and whether a cgroup2 or a v1 memory hierarchy can be mounted (the host cap's check)
 #   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile: host reads, the host tier, and the host tier with MLX's CUDA graphs
 #                                off: where a capped token's host time goes
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`. The
@@ -251,6 +253,21 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     python3 -m bench.prefill_peers --ckpt "$S/full-ckpt" --model "$S/full-conv" --cap 4 --prompts "${PROMPTS:-2048,8192}" \
       --experts q4 --warmup 512 --work "$S/peers" --engines "${ENGINES:-streamoe,mlx-vlm,mlx-lm}" \
       --out "$OUT/prefill-peers-${CARD}-$(echo "${PROMPTS:-2048,8192}" | tr , -)" | grep -v '^ '
+    ;;
+  cgroups)
+    {
+      echo "own: $(cat /proc/self/cgroup | tr '\n' ' ')"; echo "fs: $(stat -fc %T /sys/fs/cgroup 2>&1)"
+      grep -E '^Cap(Eff|Bnd)' /proc/self/status; grep cgroup /proc/mounts || true
+      for f in cgroup.controllers cgroup.subtree_control memory.max memory/memory.limit_in_bytes; do
+        echo "$f: $(cat /sys/fs/cgroup/$f 2>&1 | head -c 200)"; done
+      mkdir /sys/fs/cgroup/streamoe-probe 2>&1 && echo "mkdir in /sys/fs/cgroup: ok" && rmdir /sys/fs/cgroup/streamoe-probe
+      mkdir -p /tmp/cg2 /tmp/cgm
+      mount -t cgroup2 none /tmp/cg2 2>&1 && echo "mount cgroup2: ok: $(cat /tmp/cg2/cgroup.controllers)" \
+        && { mkdir /tmp/cg2/streamoe-probe 2>&1 && echo "mkdir in the mounted cgroup2: ok: $(ls /tmp/cg2/streamoe-probe | tr '\n' ' ')" && rmdir /tmp/cg2/streamoe-probe; umount /tmp/cg2; }
+      mount -t cgroup -o memory none /tmp/cgm 2>&1 && echo "mount v1 memory: ok" \
+        && { mkdir /tmp/cgm/streamoe-probe 2>&1 && echo "mkdir in v1 memory: ok" && rmdir /tmp/cgm/streamoe-probe; umount /tmp/cgm; }
+      true
+    } 2>&1 | tee "$OUT/cgroups-${CARD}.txt"
     ;;
   hostprof)
     python3 -m bench.host_tier --model "$S/full-conv" --tokens 24 --work /root --profile --name "$OUT/host-tier-variants-${CARD}" \
