@@ -109,7 +109,7 @@ case "$1" in
     for step in ${STEPS:?STEPS=the steps to run}; do
       mark="$D/${step//[^A-Za-z0-9_.=-]/_}"
       [ -f "$mark" ] && continue
-      case "${step%%+*}" in gputest|gpuexact|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family) ;;
+      case "${step%%+*}" in gputest|gpuexact|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family|cgroups) ;;
         *) [ -z "$setup" ] || wait "$setup" || true; setup=""
            [ -f "$D/setup.done" ] || { echo "lease: $step skipped: no checkpoint (setup.log)"; continue; } ;;
       esac
