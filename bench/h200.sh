@@ -103,7 +103,11 @@ case "$1" in
     fi
     setup=""
     if [ ! -f "$D/setup.done" ]; then
-      { timeout $((end - SECONDS)) bash "$0" setup > "$OUT/setup.log" 2>&1 && touch "$D/setup.done"; } &
+      # the conversion holds every expert format a step names (prefill+EXPERTS=q3 beside EXPERTS=q4: both)
+      formats=$EXPERTS; for step in $STEPS; do
+        case "$step" in *+EXPERTS=*) e=${step#*+EXPERTS=}; formats="$formats,${e%%+*}" ;; esac; done
+      formats=$(echo "$formats" | tr , '\n' | awk 'NF && !seen[$0]++' | paste -sd, -)
+      { timeout $((end - SECONDS)) env EXPERTS="$formats" bash "$0" setup > "$OUT/setup.log" 2>&1 && touch "$D/setup.done"; } &
       setup=$!
     fi
     for step in ${STEPS:?STEPS=the steps to run}; do
