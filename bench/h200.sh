@@ -49,8 +49,8 @@
 #                                each layer waiting for its picks (`decodeahead`; ABLATE=, CAPPED_ONLY=1, ROUNDS_ONLY=1)
 #   bash bench/h200.sh peers     # (after `setup` too: its conversion is made again after the repack) long-prompt prefill at --cap 4 beside mlx-vlm's expert offload
 #                                at the same expert budget and resident mlx-lm (bench/prefill_peers.py; PROMPTS=, ENGINES=)
-#   bash bench/h200.sh cgroups   # what memory cgroups the machine offers a root process: its own group writable or not,
-#                                and whether a cgroup2 or a v1 memory hierarchy can be mounted (the host cap's check)
+#   bash bench/h200.sh cgroups   # what memory cgroups the machine offers root; where none is mounted, cgroup2 mounted at
+#                                /sys/fs/cgroup (then `hosttier` runs each --host-cap run in a cgroup of that size)
 #   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile: host reads, the host tier, and the host tier with MLX's CUDA graphs
 #                                off: where a capped token's host time goes
 # A fresh machine spends ~3 minutes compiling kernels on its first runs: `prepare` hides them behind `setup`. The
@@ -259,17 +259,18 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
       --out "$OUT/prefill-peers-${CARD}-$(echo "${PROMPTS:-2048,8192}" | tr , -)" | grep -v '^ '
     ;;
   cgroups)
+    # what memory cgroups the machine offers root; where none is mounted (a bare VM's init mounts none), cgroup2 is
+    # mounted at /sys/fs/cgroup, so the steps after (hosttier: a cgroup equal to --host-cap) and the tests that take
+    # a capped cgroup (tests/conftest.py capped_cgroup) find one
+    usable() { python3 -c "from tests.conftest import cgroup_dir; print(cgroup_dir())"; }
     {
-      echo "own: $(cat /proc/self/cgroup | tr '\n' ' ')"; echo "fs: $(stat -fc %T /sys/fs/cgroup 2>&1)"
-      grep -E '^Cap(Eff|Bnd)' /proc/self/status; grep cgroup /proc/mounts || true
-      for f in cgroup.controllers cgroup.subtree_control memory.max memory/memory.limit_in_bytes; do
-        echo "$f: $(cat /sys/fs/cgroup/$f 2>&1 | head -c 200)"; done
-      mkdir /sys/fs/cgroup/streamoe-probe 2>&1 && echo "mkdir in /sys/fs/cgroup: ok" && rmdir /sys/fs/cgroup/streamoe-probe
-      mkdir -p /tmp/cg2 /tmp/cgm
-      mount -t cgroup2 none /tmp/cg2 2>&1 && echo "mount cgroup2: ok: $(cat /tmp/cg2/cgroup.controllers)" \
-        && { mkdir /tmp/cg2/streamoe-probe 2>&1 && echo "mkdir in the mounted cgroup2: ok: $(ls /tmp/cg2/streamoe-probe | tr '\n' ' ')" && rmdir /tmp/cg2/streamoe-probe; umount /tmp/cg2; }
-      mount -t cgroup -o memory none /tmp/cgm 2>&1 && echo "mount v1 memory: ok" \
-        && { mkdir /tmp/cgm/streamoe-probe 2>&1 && echo "mkdir in v1 memory: ok" && rmdir /tmp/cgm/streamoe-probe; umount /tmp/cgm; }
+      echo "own: $(tr '\n' ' ' < /proc/self/cgroup)"; echo "fs: $(stat -fc %T /sys/fs/cgroup 2>&1)"
+      grep -E '^CapEff' /proc/self/status; grep cgroup /proc/mounts || echo "no cgroup mounted"
+      echo "usable: $(usable)"
+      if [ "$(usable)" = None ] && ! grep -q " /sys/fs/cgroup " /proc/mounts; then
+        mount -t cgroup2 none /sys/fs/cgroup 2>&1 && echo "mounted cgroup2 at /sys/fs/cgroup: $(cat /sys/fs/cgroup/cgroup.controllers)"
+        echo "usable now: $(usable)"
+      fi
       true
     } 2>&1 | tee "$OUT/cgroups-${CARD}.txt"
     ;;
