@@ -8,7 +8,8 @@ decodes TOKENS greedy tokens (the end of turn drawn as any other) after a chat p
 `--forced`: the decode steps are fed a held-out text's tokens instead (teacher forcing), so the picks follow varied
 tokens whatever the model would write. Per layer: the experts picked at all, the share of picks that fall in the
 quarter of experts picked most (what a hot tier of a quarter holds at best), and the share of a token's picks the
-token before also picked; over the decode: the distinct tokens.
+token before also picked; over the decode: the distinct tokens. `--residual-scale F`: the projections into the
+residual stream scaled by F once loaded (a checkpoint drawn with them smaller, as GPT-2 draws them).
 
     python -m bench.routing --family qwen3_moe --size small --layers 48 --name routing-qwen3_moe-small-48-layers
 """
@@ -54,15 +55,22 @@ def router(layer):
     return None, None
 
 
-def measure(ckpt: Path, text: dict, tokens: int, forced: bool) -> dict:
+def measure(ckpt: Path, text: dict, tokens: int, forced: bool, residual_scale: float = 1.0) -> dict:
     import mlx.core as mx
     from mlx_lm import load, stream_generate
 
     model, tok = load(str(ckpt))
+    inner = model.language_model.model if hasattr(model, "language_model") else model.model
+    if residual_scale != 1:  # every projection into the residual stream scaled: its scales (and affine biases)
+        for layer in inner.layers:
+            for path, mod in layer.named_modules():
+                if path.endswith(("o_proj", "down_proj")) and getattr(mod, "mode", "affine") == "affine":
+                    mod.scales, mod.biases = mod.scales * residual_scale, mod.biases * residual_scale
+                elif path.endswith(("o_proj", "down_proj")):
+                    raise SystemExit(f"--residual-scale: {path} is {mod.mode}, not affine codes")
     k = text.get("num_experts_per_tok") or text["experts_per_token"]
     n_experts = text.get("num_experts") or text.get("num_local_experts")
     picks: dict[int, list[np.ndarray]] = {}
-    inner = model.language_model.model if hasattr(model, "language_model") else model.model
     for i, layer in enumerate(inner.layers):
         mod, name = router(layer)
         if mod is None:
@@ -109,6 +117,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--forced", action="store_true", help="decode a held-out text's tokens (teacher forcing), not the "
                     "model's own greedy tokens")
+    ap.add_argument("--residual-scale", type=float, default=1.0, help="scale every layer's projections into the "
+                    "residual stream (o_proj, down_proj) by this once loaded: how the picks would spread in a "
+                    "checkpoint drawn so")
     ap.add_argument("--name", default=None, help="bench/results/NAME.json (default: routing-FAMILY-SIZE[-N-layers])")
     ap.add_argument("--scratch", type=Path, default=None, help="work directory, kept (default: a fresh temporary directory, removed at the end)")
     a = ap.parse_args()
@@ -116,9 +127,11 @@ def main() -> None:
         ckpt = scratch / f"{a.family}-{a.size}-{a.layers or 'own'}"
         text = checkpoint(ckpt, a.family, a.size, a.layers)
         res = {"family": a.family, "size": a.size, "layers": text["num_hidden_layers"],
-               "tokens_decoded": "held-out text" if a.forced else "greedy", **measure(ckpt, text, a.tokens, a.forced)}
+               "tokens_decoded": "held-out text" if a.forced else "greedy", "residual_scale": a.residual_scale,
+               **measure(ckpt, text, a.tokens, a.forced, a.residual_scale)}
     name = a.name or (f"routing-{a.family}-{a.size}" + (f"-{a.layers}-layers" if a.layers else "")
-                      + ("-forced" if a.forced else ""))
+                      + ("-forced" if a.forced else "")
+                      + (f"-residual-x{a.residual_scale:g}" if a.residual_scale != 1 else ""))
     write_result(name, "routing", [res])
 
 
