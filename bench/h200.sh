@@ -259,7 +259,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
       --out "$OUT/prefill-peers-${CARD}-$(echo "${PROMPTS:-2048,8192}" | tr , -)" | grep -v '^ '
     ;;
   cgroups)
-    # what memory cgroups the machine offers root; where none is mounted (a bare VM's init mounts none), cgroup2 is
+    # what memory cgroups the machine offers root; where none is mounted, cgroup2 is
     # mounted at /sys/fs/cgroup, so the steps after (hosttier: a cgroup equal to --host-cap) and the tests that take
     # a capped cgroup (tests/conftest.py capped_cgroup) find one
     usable() { python3 -c "from tests.conftest import cgroup_dir; print(cgroup_dir())"; }
