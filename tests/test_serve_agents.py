@@ -747,8 +747,12 @@ def test_responses_are_stored_and_continued_by_id(server, oc):
     assert [i.id for i in one.data] == [i.id for i in asc.data[:2]] and one.has_more and one.last_id == asc.data[1].id
     rest = oc.responses.input_items.list(many.id, order="asc", after=one.last_id)
     assert [i.id for i in rest.data] == [i.id for i in asc.data[2:]]
+    includes = ["message.input_image.image_url", responses_api.ENCRYPTED]  # as the items are kept: listed as they are
+    named = oc.responses.input_items.list(many.id, order="asc", include=includes)
+    assert named.model_dump() == asc.model_dump()
     for query, param in (("limit=0", "limit"), ("limit=%C2%B2", "limit"), ("order=up", "order"), ("after=x", "after"),
-                         ("page=2", "page")):
+                         ("page=2", "page"), ("include[]=message.output_text.logprobs&include[]=x", "include"),
+                         ("include=message.input_text", "include")):
         r = fetch(f"{server.url}/v1/responses/{many.id}/input_items?{query}")
         assert r.status == 400 and r.json()["error"]["param"] == param, (query, r.text)
     page = {f.name: f.samples[0].value for f in text_string_to_metric_families(fetch(server.url + "/metrics").text)}

@@ -56,6 +56,11 @@ COUNT_FIELDS = {"conversation", "input", "instructions", "model", "parallel_tool
                 "previous_response_id", "reasoning", "text", "tool_choice", "tools", "truncation"}
 LOGPROBS = "message.output_text.logprobs"
 ENCRYPTED = "reasoning.encrypted_content"
+# what `include` may name (the SDK's ResponseIncludable); a listed input item carries all of it that it holds, as
+# given: its image URLs, its reasoning's encrypted content (the tool calls that hold the others are refused here)
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+              ENCRYPTED, LOGPROBS)
 SUMMARIES = ("auto", "concise", "detailed")
 SEALED = "streamoe.1."  # what opens this server's `encrypted_content`: the reasoning's UTF-8, base64url-encoded
 # the fields of each input item: (defined, honoured); `id` and `status` name an item a client got back

@@ -340,9 +340,13 @@ class API:
 
     async def input_items(self, request: Request) -> Response:
         """A stored response's input items (those its request gave; the chain before it is the earlier responses'),
-        OpenAI's page of them: `order` (desc, the default, or asc), `limit` (1-100, 20), `after` (an item id).
-        Read on the prepare thread: they may hold images."""
-        q = self.query(request, {"order", "limit", "after"})
+        OpenAI's page of them: `order` (desc, the default, or asc), `limit` (1-100, 20), `after` (an item id),
+        `include` (each item is listed as given, so it holds whatever an includable adds). Read on the prepare
+        thread: they may hold images."""
+        q = self.query(request, {"order", "limit", "after", "include", "include[]"})
+        for value in request.query_params.getlist("include") + request.query_params.getlist("include[]"):
+            if value not in responses_api.INCLUDABLE:
+                raise bad(f"'include' value {value!r} is not one of {', '.join(responses_api.INCLUDABLE)}", "include")
         rid = request.path_params["rid"]
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
