@@ -9,7 +9,7 @@ decodes TOKENS greedy tokens (the end of turn drawn as any other) after a chat p
 tokens whatever the model would write. Per layer: the experts picked at all, the share of picks that fall in the
 quarter of experts picked most (what a hot tier of a quarter holds at best), and the share of a token's picks the
 token before also picked; over the decode: the distinct tokens. `--residual-scale F`: the projections into the
-residual stream scaled by F once loaded (a checkpoint drawn with them smaller, as GPT-2 draws them).
+residual stream scaled by F once loaded (how the checkpoint would route drawn with them F times as large).
 
     python -m bench.routing --family qwen3_moe --size small --layers 48 --name routing-qwen3_moe-small-48-layers
 """
@@ -41,7 +41,7 @@ def checkpoint(out: Path, family: str, size: str, layers: int | None) -> dict:
         if "max_window_layers" in text:
             text["max_window_layers"] = layers
     out.mkdir(parents=True, exist_ok=True)
-    write_checkpoint(out, config, seed=0, exact=True, token_base=token_base(size, family))
+    write_checkpoint(out, config, seed=0, exact=size != "full", token_base=token_base(size, family))  # as `synth`
     return text
 
 
@@ -112,7 +112,8 @@ def measure(ckpt: Path, text: dict, tokens: int, forced: bool, residual_scale: f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default="qwen3_moe")
-    ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--size", default="small", choices=["tiny", "small", "full"],
+                    help="full: the real shapes, drawn as `synth` draws them (random codes)")
     ap.add_argument("--layers", type=int, default=None, help="the checkpoint this many layers deep")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--forced", action="store_true", help="decode a held-out text's tokens (teacher forcing), not the "

@@ -17,6 +17,10 @@ generator seeded by (seed, crc32(name)), so a tensor's bytes do not depend on wh
   CPU, so codes are drawn directly as uniform random uint32 words and each group gets a bf16 scale of
   random sign and magnitude ≈ 0.02/std(code) (x U(0.75, 1.25)) and a bias of -scale·(2^b-1)/2 plus a
   little noise: the dequantized weights have mean ≈ 0 and std ≈ 0.02 like real ones, at disk speed.
+- Qwen3-MoE, gpt-oss and Mixtral draw their projections into the residual stream (o_proj, the experts'
+  down_proj, their biases) smaller, at 2/sqrt(2·layers·hidden·fan-in) (`formats.export.residual_std`): drawn at
+  0.02 their stacks of plain attention send every token's hidden state one way, every router picks the same few
+  experts, and a capped run measures a model that never streams (`bench/routing.py`).
 - Norm weights ≈ 1 (the export already holds `1 + w`; `linear_attn.norm` ≈ 1 as well), `A_log` =
   log U(1, 16), `dt_bias` and `conv1d` small normals, the vision tower bf16 and unquantized
   (LayerNorm weights ≈ 1, biases ≈ 0).
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
 import sys
@@ -629,13 +634,13 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
 
 
-def _float_values(kind: str, rng: np.random.Generator, n: int) -> np.ndarray:
+def _float_values(kind: str, rng: np.random.Generator, n: int, std: float = 0.02) -> np.ndarray:
     if kind == "one":
         return 1.0 + 0.02 * rng.standard_normal(n, dtype=np.float32)
     if kind == "zero":
-        return 0.01 * rng.standard_normal(n, dtype=np.float32)
+        return std / 2 * rng.standard_normal(n, dtype=np.float32)
     if kind == "normal":
-        return 0.02 * rng.standard_normal(n, dtype=np.float32)
+        return std * rng.standard_normal(n, dtype=np.float32)
     if kind == "sink":  # attention sinks: logits of the size of a head's scores
         return rng.standard_normal(n, dtype=np.float32)
     if kind == "a_log":
@@ -667,7 +672,7 @@ def _chunks(spec: Spec):
 def _plain_bytes(spec: Spec, seed: int):
     rng = _rng(seed, spec.name)
     for n in _chunks(spec):
-        yield _encode(_float_values(spec.kind, rng, n), spec.dtype)
+        yield _encode(_float_values(spec.kind, rng, n, spec.std), spec.dtype)
 
 
 def _code_std(bits: int) -> float:
@@ -676,14 +681,15 @@ def _code_std(bits: int) -> float:
 
 
 def _fast_scales(spec: Spec, n: int, rng: np.random.Generator) -> np.ndarray:
-    """Per-group scales: magnitude 0.02/std(code) x U(0.75, 1.25), random sign (as mx.quantize gives)."""
+    """Per-group scales: magnitude std/std(code) x U(0.75, 1.25), random sign (as mx.quantize gives)."""
     u = rng.random(n, dtype=np.float32) - np.float32(0.5)
-    return np.copysign(np.float32(0.75) + np.abs(u), u) * np.float32(0.02 / _code_std(spec.bits))
+    return np.copysign(np.float32(0.75) + np.abs(u), u) * np.float32(spec.std / _code_std(spec.bits))
 
 
 def _fast_quant_bytes(spec: Spec, seed: int):
-    """Streaming path (full): random codes, then scales/biases that make the dequantized std ≈ 0.02 (MXFP4: E8M0
-    scales 2^-8 .. 2^-6 over uniform E2M1 codes, whose std is about 2.9: a dequantized std of about 0.03)."""
+    """Streaming path (full): random codes, then scales/biases that make the dequantized std ≈ spec.std (MXFP4: E8M0
+    scales 2^-8 .. 2^-6 over uniform E2M1 codes, whose std is about 2.9: a dequantized std of about 0.03 at 0.02,
+    the exponents shifted by log2(std/0.02) rounded)."""
     if spec.kind == "qweight":
         rng = _rng(seed, spec.name)
         for n in _chunks(spec):
@@ -692,7 +698,8 @@ def _fast_quant_bytes(spec: Spec, seed: int):
     if spec.mode == "mxfp4":
         rng = _rng(seed, spec.name)
         for n in _chunks(spec):
-            yield rng.integers(127 - 8, 127 - 5, n, dtype=np.uint8).tobytes()
+            shift = round(math.log2(spec.std / 0.02))
+            yield rng.integers(127 - 8 + shift, 127 - 5 + shift, n, dtype=np.uint8).tobytes()
         return
     # scales and biases replay the same scale stream, so bias = -scale * mid holds group by group
     srng = _rng(seed, f"{spec.module}.scales")
@@ -703,12 +710,12 @@ def _fast_quant_bytes(spec: Spec, seed: int):
         if spec.kind == "scales":
             yield _bf16(s).tobytes()
         else:
-            b = s * -mid + np.float32(0.002) * brng.standard_normal(n, dtype=np.float32)
+            b = s * -mid + np.float32(spec.std / 10) * brng.standard_normal(n, dtype=np.float32)
             yield _bf16(b).tobytes()
 
 
 class _ExactQuantizer:
-    """tiny/small: a real `mx.quantize` of a bf16 N(0, 0.02) weight; keeps one module's three tensors."""
+    """tiny/small: a real `mx.quantize` of a bf16 N(0, std) weight; keeps one module's three tensors."""
 
     def __init__(self, seed: int):
         self.seed = seed
@@ -720,7 +727,7 @@ class _ExactQuantizer:
             import mlx.core as mx
 
             rng = _rng(self.seed, spec.module)
-            w = 0.02 * rng.standard_normal(spec.float_shape, dtype=np.float32)
+            w = spec.std * rng.standard_normal(spec.float_shape, dtype=np.float32)
             self.module = spec.module
             if spec.mode == "mxfp4":
                 wq, scales = mx.quantize(mx.array(w).astype(mx.bfloat16), group_size=spec.group, bits=4, mode="mxfp4")

@@ -7,6 +7,7 @@ family lists its tensors in mlx-lm's module order (the order `model.parameters()
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ class Spec:
     bits: int = 0  # quantized tensors only
     mode: str = "affine"  # quantized tensors only: affine, or mxfp4 (codes and uint8 scales, no biases)
     group: int = 0  # quantized tensors only: values per scale
+    std: float = 0.02  # the spread of a drawn weight (a quantized module's dequantized one); its bias draws half
 
     @property
     def nbytes(self) -> int:
@@ -56,10 +58,11 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
         a_log_dtype = "BF16" if has_8bit else "F32"
     out: list[Spec] = []
 
-    def plain(name: str, shape: tuple[int, ...], kind: str, dtype: str = "BF16") -> None:
-        out.append(Spec(name, dtype, tuple(shape), kind))
+    def plain(name: str, shape: tuple[int, ...], kind: str, dtype: str = "BF16", std: float = 0.02) -> None:
+        out.append(Spec(name, dtype, tuple(shape), kind, std=std))
 
-    def linear(module: str, out_dim: int, in_dim: int, lead: tuple[int, ...] = (), bias: bool = False) -> None:
+    def linear(module: str, out_dim: int, in_dim: int, lead: tuple[int, ...] = (), bias: bool = False,
+               std: float = 0.02) -> None:
         """A quantized linear layer (affine, or MXFP4 where the config says so), then its own bias if it has one."""
         mode = quant_mode(quant, module)
         bits, group = (4, MXFP4_GROUP) if mode == "mxfp4" else a.quant_params(module)
@@ -67,12 +70,15 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
             raise StreamoeError(f"config.json: {module} has input dimension {in_dim}, "
                                 f"not a multiple of the group size {group}")
         scale_dtype = MXFP4_SCALE if mode == "mxfp4" else "BF16"
-        out.append(Spec(f"{module}.weight", "U32", (*lead, out_dim, in_dim * bits // 32), "qweight", bits, mode, group))
-        out.append(Spec(f"{module}.scales", scale_dtype, (*lead, out_dim, in_dim // group), "scales", bits, mode, group))
+        out.append(Spec(f"{module}.weight", "U32", (*lead, out_dim, in_dim * bits // 32), "qweight", bits, mode, group,
+                        std))
+        out.append(Spec(f"{module}.scales", scale_dtype, (*lead, out_dim, in_dim // group), "scales", bits, mode, group,
+                        std))
         if mode == "affine":
-            out.append(Spec(f"{module}.biases", "BF16", (*lead, out_dim, in_dim // group), "biases", bits, mode, group))
+            out.append(Spec(f"{module}.biases", "BF16", (*lead, out_dim, in_dim // group), "biases", bits, mode, group,
+                            std))
         if bias:
-            plain(f"{module}.bias", (*lead, out_dim), "zero")
+            plain(f"{module}.bias", (*lead, out_dim), "zero", std=std)
 
     v = config.get("vision_config")
     if v is not None:
@@ -173,13 +179,28 @@ def fused_gdn_rows(a: ModelArgs) -> dict[str, dict[str, np.ndarray]]:
             "in_proj_ba": {"in_proj_b": ba[:, :r].ravel(), "in_proj_a": ba[:, r:].ravel()}}
 
 
-def _gqa(a: ModelArgs, linear, p: str, bias: bool = False) -> None:
+def residual_std(a: ModelArgs, fan_in: int) -> float:
+    """The spread a synthetic projection into the residual stream (o_proj, down_proj) is drawn with where the family
+    routes by its plain attention: 2/sqrt(2·layers·hidden·fan_in).
+
+    Drawn at the 0.02 of every other weight, a layer's attention output is 1.5 times the embedding at hidden 256 and
+    17 times it at Qwen3-30B-A3B's 2048, and near the same for every token (attention averages the values): every
+    router sees about one input, the picks fall on a few experts and greedy decode loops (`bench/routing.py`: the
+    busiest quarter of the experts takes 0.85-0.996 of the picks). Drawn so, the first attention's write is about
+    0.15 of the embedding at 8 layers, 0.6/sqrt(2·layers) at any width and depth (GPT-2's residual scaling with the
+    fan-ins divided out), and the picks spread. Qwen3.6's gated attention and gated delta rule spread them as drawn
+    (0.35): its tensors keep 0.02.
+    """
+    return 2.0 / math.sqrt(2 * a.num_hidden_layers * a.hidden_size * fan_in)
+
+
+def _gqa(a: ModelArgs, linear, p: str, bias: bool = False, o_std: float = 0.02) -> None:
     """Grouped-query attention's four projections under `p`, in mlx-lm's order: q, k, v, o."""
     nq, nkv, hd, h = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size
     linear(f"{p}.q_proj", nq * hd, h, bias=bias)
     linear(f"{p}.k_proj", nkv * hd, h, bias=bias)
     linear(f"{p}.v_proj", nkv * hd, h, bias=bias)
-    linear(f"{p}.o_proj", h, nq * hd, bias=bias)
+    linear(f"{p}.o_proj", h, nq * hd, bias=bias, std=o_std)
 
 
 def _qwen3_moe_tensors(a: ModelArgs, plain, linear) -> None:
@@ -192,7 +213,7 @@ def _qwen3_moe_tensors(a: ModelArgs, plain, linear) -> None:
     for i in range(a.num_hidden_layers):
         L = f"model.layers.{i}"
         p = f"{L}.self_attn"
-        _gqa(a, linear, p)
+        _gqa(a, linear, p, o_std=residual_std(a, a.num_attention_heads * hd))
         plain(f"{p}.q_norm.weight", (hd,), "one")
         plain(f"{p}.k_norm.weight", (hd,), "one")
         plain(f"{L}.input_layernorm.weight", (h,), "one")
@@ -201,7 +222,7 @@ def _qwen3_moe_tensors(a: ModelArgs, plain, linear) -> None:
         linear(f"{m}.gate", e, h)
         linear(f"{m}.switch_mlp.gate_proj", inter, h, (e,))
         linear(f"{m}.switch_mlp.up_proj", inter, h, (e,))
-        linear(f"{m}.switch_mlp.down_proj", h, inter, (e,))
+        linear(f"{m}.switch_mlp.down_proj", h, inter, (e,), std=residual_std(a, inter))
     plain("model.norm.weight", (h,), "one")
     if not a.tie_word_embeddings:
         linear("lm_head", vocab, h)
@@ -220,11 +241,11 @@ def _gpt_oss_tensors(a: ModelArgs, plain, linear) -> None:
         L = f"model.layers.{i}"
         p = f"{L}.self_attn"
         plain(f"{p}.sinks", (nq,), "sink")
-        _gqa(a, linear, p, bias=True)
+        _gqa(a, linear, p, bias=True, o_std=residual_std(a, nq * a.head_dim))
         m = f"{L}.mlp"
         linear(f"{m}.experts.gate_proj", inter, h, (e,), bias=True)
         linear(f"{m}.experts.up_proj", inter, h, (e,), bias=True)
-        linear(f"{m}.experts.down_proj", h, inter, (e,), bias=True)
+        linear(f"{m}.experts.down_proj", h, inter, (e,), bias=True, std=residual_std(a, inter))
         linear(f"{m}.router", e, h, bias=True)
         plain(f"{L}.input_layernorm.weight", (h,), "one")
         plain(f"{L}.post_attention_layernorm.weight", (h,), "one")
@@ -239,12 +260,12 @@ def _mixtral_tensors(a: ModelArgs, plain, linear) -> None:
     linear("model.embed_tokens", vocab, h)
     for i in range(a.num_hidden_layers):
         L = f"model.layers.{i}"
-        _gqa(a, linear, f"{L}.self_attn")
+        _gqa(a, linear, f"{L}.self_attn", o_std=residual_std(a, a.num_attention_heads * a.head_dim))
         m = f"{L}.block_sparse_moe"
         linear(f"{m}.gate", e, h)
         linear(f"{m}.switch_mlp.gate_proj", inter, h, (e,))
         linear(f"{m}.switch_mlp.up_proj", inter, h, (e,))
-        linear(f"{m}.switch_mlp.down_proj", h, inter, (e,))
+        linear(f"{m}.switch_mlp.down_proj", h, inter, (e,), std=residual_std(a, inter))
         plain(f"{L}.input_layernorm.weight", (h,), "one")
         plain(f"{L}.post_attention_layernorm.weight", (h,), "one")
     plain("model.norm.weight", (h,), "one")

@@ -163,10 +163,26 @@ class Detokenizer:
     however long the answer (re-decoding the answer every token made 4,000 tokens cost 1.5 s), and an
     incomplete UTF-8 sequence is held back until it completes. The pieces join to `TextIO.decode` of all ids.
     `skip_special`: the tokenizer's special tokens (Qwen's `<|im_end|>`, not its `<think>`) written as nothing, as
-    vLLM's `skip_special_tokens` writes them."""
+    vLLM's `skip_special_tokens` writes them.
+
+    A byte-fallback tokenizer (Llama's, Mixtral's) can break the join: bytes that form no character decode as one
+    U+FFFD each, together with any byte token before them ("c" then 0xBB decode as two), so text already written
+    would change; the streaming decoder refuses the token then. Such a token is written as what it adds to the
+    token before it, the bytes that form no character left out, and the stream goes on from it."""
 
     def __init__(self, text: TextIO, skip_special: bool = False):
-        self.tokenizer, self.stream = text.tokenizer, DecodeStream(skip_special_tokens=skip_special)
+        self.tokenizer, self.skip_special = text.tokenizer, skip_special
+        self.stream, self.last = DecodeStream(skip_special_tokens=skip_special), None
 
     def add(self, tok: int) -> str:
-        return self.stream.step(self.tokenizer, tok) or ""
+        before, self.last = self.last, tok
+        try:
+            return self.stream.step(self.tokenizer, tok) or ""
+        except Exception:  # tokenizers' "Invalid prefix encountered while decoding stream" (a bare Exception)
+            pass
+        alone = self.tokenizer.decode([before], skip_special_tokens=self.skip_special)
+        both = self.tokenizer.decode([before, tok], skip_special_tokens=self.skip_special)
+        piece = both[len(alone):] if both.startswith(alone) else both
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special)
+        self.stream.step(self.tokenizer, tok)  # what comes next is written as it adds to this token
+        return piece.lstrip("\ufffd")

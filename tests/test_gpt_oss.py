@@ -298,7 +298,7 @@ def test_a_compiled_decode_step_is_the_step_built_op_by_op(conv, monkeypatch):
 def test_decode_layers_run_ahead_of_their_picks_give_the_same_bits(conv, monkeypatch):
     """Decode layers run ahead of their picks, thrown away and rewound where one missed, over sliding-window and
     full layers with sinks and a q8 KV cache: the bits of each layer waiting for its picks, and of the resident run."""
-    ahead, usual, resident = run_ahead_bits(conv, monkeypatch, 16, kv="q8")
+    ahead, usual, resident = run_ahead_bits(conv, monkeypatch, 24, kv="q8")
     assert ahead == usual == resident
 
 
