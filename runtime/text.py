@@ -180,8 +180,9 @@ class Detokenizer:
             return self.stream.step(self.tokenizer, tok) or ""
         except Exception:  # tokenizers' "Invalid prefix encountered while decoding stream" (a bare Exception)
             pass
-        alone = self.tokenizer.decode([before], skip_special_tokens=self.skip_special)
-        both = self.tokenizer.decode([before, tok], skip_special_tokens=self.skip_special)
+        context = [before] if before is not None else []
+        alone = self.tokenizer.decode(context, skip_special_tokens=self.skip_special)
+        both = self.tokenizer.decode([*context, tok], skip_special_tokens=self.skip_special)
         piece = both[len(alone):] if both.startswith(alone) else both
         self.stream = DecodeStream(skip_special_tokens=self.skip_special)
         self.stream.step(self.tokenizer, tok)  # what comes next is written as it adds to this token
