@@ -81,6 +81,9 @@ gpu_tests() {
   $PYTEST "$@" ${skip[@]+"${skip[@]}"} 2>&1 | tee >(grep --line-buffered -oE '^[^ ]+::[^ ]+ PASSED' | awk '{print $1; fflush()}' >> "$passed")
 }
 STEP=${1:-}
+needs_checkpoint() {  # whether a step (STEP+VAR=value...) works on `setup`'s Qwen3.6 checkpoint
+  case "${1%%+*}" in gputest|gpuexact|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family|cgroups) return 1 ;; esac
+}
 case "$1" in
   lease)
     # The same command in every call of a lease, so nothing has to be decided between calls (an idle machine is
@@ -101,8 +104,9 @@ case "$1" in
     elif ls /root/stage/*.whl >/dev/null 2>&1; then  # wheels carried after the install (.whl3)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/stage/*.whl && rm /root/stage/*.whl
     fi
-    setup=""
-    if [ ! -f "$D/setup.done" ]; then
+    setup="" needs=""  # setup only where a step needs the Qwen3.6 checkpoint
+    for step in $STEPS; do ! needs_checkpoint "$step" || needs=1; done
+    if [ -n "$needs" ] && [ ! -f "$D/setup.done" ]; then
       # the conversion holds every expert format a step names (prefill+EXPERTS=q3 beside EXPERTS=q4: both)
       formats=$EXPERTS; for step in $STEPS; do
         case "$step" in *+EXPERTS=*) e=${step#*+EXPERTS=}; formats="$formats,${e%%+*}" ;; esac; done
@@ -113,10 +117,10 @@ case "$1" in
     for step in ${STEPS:?STEPS=the steps to run}; do
       mark="$D/${step//[^A-Za-z0-9_.=-]/_}"
       [ -f "$mark" ] && continue
-      case "${step%%+*}" in gputest|gpuexact|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family|cgroups) ;;
-        *) [ -z "$setup" ] || wait "$setup" || true; setup=""
-           [ -f "$D/setup.done" ] || { echo "lease: $step skipped: no checkpoint (setup.log)"; continue; } ;;
-      esac
+      if needs_checkpoint "$step"; then
+        [ -z "$setup" ] || wait "$setup" || true; setup=""
+        [ -f "$D/setup.done" ] || { echo "lease: $step skipped: no checkpoint (setup.log)"; continue; }
+      fi
       [ $((end - SECONDS)) -gt 20 ] || break
       echo "lease: $step ($((end - SECONDS)) s left)"
       name=${step%%+*}; settings=""; [ "$step" = "$name" ] || settings=${step#*+}
