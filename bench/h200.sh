@@ -49,6 +49,7 @@
 #                                each layer waiting for its picks (`decodeahead`; ABLATE=, CAPPED_ONLY=1, ROUNDS_ONLY=1)
 #   bash bench/h200.sh peers     # (after `setup` too: its conversion is made again after the repack) long-prompt prefill at --cap 4 beside mlx-vlm's expert offload
 #                                at the same expert budget and resident mlx-lm (bench/prefill_peers.py; PROMPTS=, ENGINES=)
+#   FAMILY=qwen3_moe bash bench/h200.sh routing  # (no checkpoint) bench/routing.py on the family's full size, all its layers
 #   bash bench/h200.sh cgroups   # what memory cgroups the machine offers root; where none is mounted, cgroup2 mounted at
 #                                /sys/fs/cgroup (then `hosttier` runs each --host-cap run in a cgroup of that size)
 #   bash bench/h200.sh hostprof  # (after setup) --cap 4 --host-cap 24 under cProfile: host reads, the host tier, and the host tier with MLX's CUDA graphs
@@ -82,7 +83,7 @@ gpu_tests() {
 }
 STEP=${1:-}
 needs_checkpoint() {  # whether a step (STEP+VAR=value...) works on `setup`'s Qwen3.6 checkpoint
-  case "${1%%+*}" in gputest|gpuexact|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family|cgroups) return 1 ;; esac
+  case "${1%%+*}" in gputest|gpuexact|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family|routing|cgroups) return 1 ;; esac
 }
 case "$1" in
   lease)
@@ -261,6 +262,14 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     python3 -m bench.prefill_peers --ckpt "$S/full-ckpt" --model "$S/full-conv" --cap 4 --prompts "${PROMPTS:-2048,8192}" \
       --experts q4 --warmup 512 --work "$S/peers" --engines "${ENGINES:-streamoe,mlx-vlm,mlx-lm}" \
       --out "$OUT/prefill-peers-${CARD}-$(echo "${PROMPTS:-2048,8192}" | tr , -)" | grep -v '^ '
+    ;;
+  routing)
+    # how FAMILY's full-size synthetic routes, all its layers deep, as stock mlx-lm decodes it (bench/routing.py;
+    # the 2-core machine cannot decode it): the share of picks its busiest quarter of experts takes
+    F=${FAMILY:-qwen3_moe}
+    python3 -m bench.routing --family "$F" --size full --scratch "$S/routing-$F" --name "routing-$F-full-$CARD" \
+      | grep -v '^ ' && cp "bench/results/routing-$F-full-$CARD.json" "$OUT/"
+    rm -rf "$S/routing-$F"
     ;;
   cgroups)
     # what memory cgroups the machine offers root; where none is mounted, cgroup2 is
