@@ -106,7 +106,7 @@ def measure(ckpt: Path, text: dict, tokens: int, forced: bool, residual_scale: f
                                                             for t in range(1, len(a))])), 3)})
     return {"decoded": len(ids), "distinct_tokens": len(set(ids)), "experts": n_experts, "top_k": k,
             "top_quarter_share_mean": round(float(np.mean([ly["top_quarter_share"] for ly in layers])), 3),
-            "repeat_share_mean": round(float(np.mean([ly["repeat_share"] for ly in layers])), 3), "layers": layers}
+            "repeat_share_mean": round(float(np.mean([ly["repeat_share"] for ly in layers])), 3), "per_layer": layers}
 
 
 def main() -> None:
