@@ -8,7 +8,8 @@ decodes TOKENS greedy tokens (the end of turn drawn as any other) after a chat p
 `--forced`: the decode steps are fed a held-out text's tokens instead (teacher forcing), so the picks follow varied
 tokens whatever the model would write. Per layer: the experts picked at all, the share of picks that fall in the
 quarter of experts picked most (what a hot tier of a quarter holds at best), and the share of a token's picks the
-token before also picked; over the decode: the distinct tokens. `--residual-scale F`: the projections into the
+token before also picked; over the decode: the distinct tokens; and the first layer's attention output over the prompt
+as a multiple of the embedding (how far one write outweighs the tokens). `--residual-scale F`: the projections into the
 residual stream scaled by F once loaded (how the checkpoint would route drawn with them F times as large).
 
     python -m bench.routing --family qwen3_moe --size small --layers 48 --name routing-qwen3_moe-small-48-layers
@@ -55,6 +56,29 @@ def router(layer):
     return None, None
 
 
+def first_write(model, inner, prompt: list[int]) -> float | None:
+    """The first layer's attention output over the prompt as a multiple of the embedding (root mean squares): how far
+    one write into the residual stream outweighs the tokens it starts from. None where that layer has no softmax
+    attention (Qwen3.6's first is a Gated DeltaNet)."""
+    import mlx.core as mx
+
+    layer = inner.layers[0]
+    attn = getattr(layer, "self_attn", None)
+    if attn is None:
+        return None
+    seen = []
+
+    def recorded(*args, **kw):
+        seen.append(attn(*args, **kw))
+        return seen[-1]
+
+    layer.self_attn = recorded
+    mx.eval(model(mx.array([prompt])))
+    layer.self_attn = attn
+    rms = [float(mx.sqrt(mx.mean(a.astype(mx.float32) ** 2))) for a in (seen[0], inner.embed_tokens(mx.array(prompt)))]
+    return round(rms[0] / rms[1], 3)
+
+
 def measure(ckpt: Path, text: dict, tokens: int, forced: bool, residual_scale: float = 1.0) -> dict:
     import mlx.core as mx
     from mlx_lm import load, stream_generate
@@ -68,6 +92,8 @@ def measure(ckpt: Path, text: dict, tokens: int, forced: bool, residual_scale: f
                     mod.scales, mod.biases = mod.scales * residual_scale, mod.biases * residual_scale
                 elif path.endswith(("o_proj", "down_proj")):
                     raise SystemExit(f"--residual-scale: {path} is {mod.mode}, not affine codes")
+    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    write = first_write(model, inner, prompt)
     k = text.get("num_experts_per_tok") or text["experts_per_token"]
     n_experts = text.get("num_experts") or text.get("num_local_experts")
     picks: dict[int, list[np.ndarray]] = {}
@@ -84,7 +110,6 @@ def measure(ckpt: Path, text: dict, tokens: int, forced: bool, residual_scale: f
             return logits
 
         setattr(mod, name, recorded)
-    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
     if forced:  # decode steps fed a held-out text's tokens, one a step, whatever the model would write
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -104,7 +129,7 @@ def measure(ckpt: Path, text: dict, tokens: int, forced: bool, residual_scale: f
                        "top_quarter_share": round(float(counts[:max(1, n_experts // 4)].sum() / counts.sum()), 3),
                        "repeat_share": round(float(np.mean([len(set(a[t]) & set(a[t - 1])) / k
                                                             for t in range(1, len(a))])), 3)})
-    return {"decoded": len(ids), "distinct_tokens": len(set(ids)), "experts": n_experts, "top_k": k,
+    return {"first_attention_vs_embedding": write, "decoded": len(ids), "distinct_tokens": len(set(ids)), "experts": n_experts, "top_k": k,
             "top_quarter_share_mean": round(float(np.mean([ly["top_quarter_share"] for ly in layers])), 3),
             "repeat_share_mean": round(float(np.mean([ly["repeat_share"] for ly in layers])), 3), "per_layer": layers}
 
