@@ -183,13 +183,13 @@ def residual_std(a: ModelArgs, fan_in: int) -> float:
     """The spread a synthetic projection into the residual stream (o_proj, down_proj) is drawn with where the family
     routes by its plain attention: 2/sqrt(2·layers·hidden·fan_in).
 
-    Drawn at the 0.02 of every other weight, a layer's attention output is 1.5 times the embedding at hidden 256 and
-    17 times it at Qwen3-30B-A3B's 2048, and near the same for every token (attention averages the values): every
-    router sees about one input, the picks fall on a few experts and greedy decode loops (`bench/routing.py`: the
-    busiest quarter of the experts takes 0.82-0.996 of the picks). Drawn so, the first attention's write is about
-    0.15 of the embedding at 8 layers, 0.6/sqrt(2·layers) at any width and depth (GPT-2's residual scaling with the
-    fan-ins divided out), and the picks spread. Qwen3.6's gated attention and gated delta rule spread them as drawn
-    (0.35): its tensors keep 0.02.
+    Drawn at the 0.02 of every other weight, the first layer's attention output is 2.2 times the embedding at hidden
+    256 and 25 times it at Qwen3-30B-A3B's 2048, and near the same for every token (attention averages the values):
+    every router sees about one input, the picks fall on a few experts and greedy decode loops (`bench/routing.py`:
+    the busiest quarter of the experts takes 0.82-0.996 of the picks). Drawn so, it is about 0.85/sqrt(2·layers) of
+    the embedding at any width and depth (GPT-2's residual scaling with the fan-ins divided out; 0.21 at 8 layers,
+    0.086 at 48), and the picks spread. Qwen3.6's gated attention and gated delta rule spread them as drawn (0.35):
+    its tensors keep 0.02.
     """
     return 2.0 / math.sqrt(2 * a.num_hidden_layers * a.hidden_size * fan_in)
 
