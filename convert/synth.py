@@ -68,7 +68,7 @@ import numpy as np
 
 from ..formats.config import text_config
 from ..formats.errors import StreamoeError, fail
-from ..formats.export import Spec, specs
+from ..formats.export import INIT_STD, Spec, specs
 from ..formats.safetensors import build_header, tensor_nbytes
 from .synth_tokenizer import (
     HARMONY_BASE,
@@ -634,7 +634,7 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
 
 
-def _float_values(kind: str, rng: np.random.Generator, n: int, std: float = 0.02) -> np.ndarray:
+def _float_values(kind: str, rng: np.random.Generator, n: int, std: float = INIT_STD) -> np.ndarray:
     if kind == "one":
         return 1.0 + 0.02 * rng.standard_normal(n, dtype=np.float32)
     if kind == "zero":
@@ -697,8 +697,8 @@ def _fast_quant_bytes(spec: Spec, seed: int):
         return
     if spec.mode == "mxfp4":
         rng = _rng(seed, spec.name)
+        shift = round(math.log2(spec.std / INIT_STD))
         for n in _chunks(spec):
-            shift = round(math.log2(spec.std / 0.02))
             yield rng.integers(127 - 8 + shift, 127 - 5 + shift, n, dtype=np.uint8).tobytes()
         return
     # scales and biases replay the same scale stream, so bias = -scale * mid holds group by group

@@ -17,6 +17,8 @@ from .errors import StreamoeError
 from .record import MXFP4_GROUP, MXFP4_SCALE
 from .safetensors import tensor_nbytes
 
+INIT_STD = 0.02  # the spread a drawn weight gets (the configs' `initializer_range`) unless its family says otherwise
+
 
 @dataclass(frozen=True)
 class Spec:
@@ -29,7 +31,7 @@ class Spec:
     bits: int = 0  # quantized tensors only
     mode: str = "affine"  # quantized tensors only: affine, or mxfp4 (codes and uint8 scales, no biases)
     group: int = 0  # quantized tensors only: values per scale
-    std: float = 0.02  # the spread of a drawn weight (a quantized module's dequantized one); its bias draws half
+    std: float = INIT_STD  # the spread of a drawn weight (a quantized module's dequantized one); its bias draws half
 
     @property
     def nbytes(self) -> int:
@@ -58,11 +60,11 @@ def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
         a_log_dtype = "BF16" if has_8bit else "F32"
     out: list[Spec] = []
 
-    def plain(name: str, shape: tuple[int, ...], kind: str, dtype: str = "BF16", std: float = 0.02) -> None:
+    def plain(name: str, shape: tuple[int, ...], kind: str, dtype: str = "BF16", std: float = INIT_STD) -> None:
         out.append(Spec(name, dtype, tuple(shape), kind, std=std))
 
     def linear(module: str, out_dim: int, in_dim: int, lead: tuple[int, ...] = (), bias: bool = False,
-               std: float = 0.02) -> None:
+               std: float = INIT_STD) -> None:
         """A quantized linear layer (affine, or MXFP4 where the config says so), then its own bias if it has one."""
         mode = quant_mode(quant, module)
         bits, group = (4, MXFP4_GROUP) if mode == "mxfp4" else a.quant_params(module)
@@ -194,7 +196,7 @@ def residual_std(a: ModelArgs, fan_in: int) -> float:
     return 2.0 / math.sqrt(2 * a.num_hidden_layers * a.hidden_size * fan_in)
 
 
-def _gqa(a: ModelArgs, linear, p: str, bias: bool = False, o_std: float = 0.02) -> None:
+def _gqa(a: ModelArgs, linear, p: str, bias: bool = False, o_std: float = INIT_STD) -> None:
     """Grouped-query attention's four projections under `p`, in mlx-lm's order: q, k, v, o."""
     nq, nkv, hd, h = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size
     linear(f"{p}.q_proj", nq * hd, h, bias=bias)

@@ -94,7 +94,7 @@ def conv(tmp_path_factory) -> Path:
     from streamoe.formats import export
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(export, "residual_std", lambda a, fan_in: 0.02)
+        mp.setattr(export, "residual_std", lambda a, fan_in: export.INIT_STD)
         ckpt = make(tmp_path_factory.mktemp("go") / "tiny")
     out = tmp_path_factory.mktemp("goconv") / "tiny"
     convert(ckpt, out, progress=False)
