@@ -491,3 +491,59 @@ def test_stale_temporaries_of_killed_runs_are_removed(tmp_path):
     (stale / "model.safetensors").write_bytes(b"partial")
     make(tmp_path / "ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_a_specs_spread_is_the_drawn_weights(mode):
+    """Both draws of a quantized module (tiny/small: `mx.quantize` of normals; full: random codes and scales) give a
+    dequantized weight of the spread its Spec names: about 0.02 by default (full MXFP4: 0.03), and residual_std's
+    smaller spreads in proportion (an eighth here)."""
+    import mlx.core as mx
+
+    from streamoe.convert.synth import _ExactQuantizer, _fast_quant_bytes
+    from streamoe.formats.export import INIT_STD, Spec
+
+    bits, group, rows, cols = 4, (32 if mode == "mxfp4" else 64), 256, 512
+
+    def dequantized(std: float, exact: bool) -> np.ndarray:
+        parts = [Spec("m.weight", "U32", (rows, cols * bits // 32), "qweight", bits, mode, group, std),
+                 Spec("m.scales", "U8" if mode == "mxfp4" else "BF16", (rows, cols // group), "scales", bits, mode,
+                      group, std)]
+        if mode == "affine":
+            parts.append(Spec("m.biases", "BF16", (rows, cols // group), "biases", bits, mode, group, std))
+        quantizer = _ExactQuantizer(seed=5)
+        raw = [quantizer.bytes_for(s) if exact else b"".join(_fast_quant_bytes(s, 5)) for s in parts]
+        w = mx.array(np.frombuffer(raw[0], "<u4").reshape(parts[0].shape))
+        if mode == "mxfp4":
+            scales = mx.array(np.frombuffer(raw[1], np.uint8).reshape(parts[1].shape))
+            out = mx.dequantize(w, scales, group_size=group, bits=bits, mode="mxfp4")
+        else:
+            scales, biases = (mx.array(np.frombuffer(r, "<u2").reshape(parts[1].shape)).view(mx.bfloat16)
+                              for r in raw[1:])
+            out = mx.dequantize(w, scales, biases, group_size=group, bits=bits)
+        return np.array(out.astype(mx.float32))
+
+    for exact in (True, False):
+        base, small = dequantized(INIT_STD, exact), dequantized(INIT_STD / 8, exact)
+        assert base.shape == (rows, cols) and abs(float(base.mean())) < 0.002
+        assert (0.018 if exact or mode == "affine" else 0.027) < base.std() < (0.022 if exact or mode == "affine" else 0.035)
+        assert small.std() / base.std() == pytest.approx(1 / 8, rel=0.03), (exact, small.std(), base.std())
+
+
+def test_plain_attention_families_draw_their_residual_projections_smaller():
+    """qwen3_moe, gpt_oss and Mixtral draw o_proj and the experts' down_proj (and their biases) at residual_std, every
+    other tensor at 0.02; Qwen3.6, whose gates spread its picks as drawn, keeps 0.02 everywhere."""
+    from streamoe.formats.config import ModelArgs
+    from streamoe.formats.export import INIT_STD, residual_std
+
+    for family in ("qwen3_moe", "gpt_oss", "mixtral"):
+        config = make_config("small", text_only=True, family=family)
+        a = ModelArgs.from_config(config)
+        std = {s.name: s.std for s in specs(config)}
+        o = next(n for n in std if n.endswith("layers.0.self_attn.o_proj.weight"))
+        down = next(n for n in std if n.endswith("down_proj.weight") and ".layers.0." in n)
+        assert std[o] == residual_std(a, a.num_attention_heads * a.head_dim) < INIT_STD / 4, family
+        assert std[down] == residual_std(a, a.moe_intermediate_size) < INIT_STD / 4, family
+        assert std[o.replace(".weight", ".scales")] == std[o]
+        assert {v for n, v in std.items() if "o_proj" not in n and "down_proj" not in n} == {INIT_STD}, family
+    assert {s.std for s in specs(make_config("small", text_only=True))} == {INIT_STD}
