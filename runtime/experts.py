@@ -68,7 +68,8 @@ GPU_ALLOC_PAGE = 16384  # MLX's GPU allocators (CUDA, Metal) count a buffer of m
 # 0.824 against 0.798 of mlx-lm's token time, medians of 4 paired runs on the small model at a quarter cap
 # (`bench.gpu_compare --paired`): the mixer computes while the host builds the routing and the experts' bookkeeping.
 # On an H100 (qwen3_moe full-size synthetic, --cap 4, 98.5 % of picks held, layers run ahead where they seldom miss):
-# 23.6 and 23.9 against 27.5 and 26.7 ms a token, 2 interleaved pairs (`bench.gpu_compare --ablate eagermixer@CAP`)
+# 23.6 and 23.9 against 27.5 and 26.7 ms a token, 2 interleaved pairs (`bench.gpu_compare --ablate eagermixer@CAP`);
+# where picks miss (17.8 % held) the disk sets the token either way: 418 and 441 against 426 and 401 ms
 EAGER_MIXER: tuple[str, ...] = ("cpu", "gpu")
 # the backends on which a streamed decode step queues a layer's routed experts on their own, before the next layer's
 # mixer is built; elsewhere they are queued with that mixer and router, in the next layer's fence: one launch a layer,
@@ -83,7 +84,9 @@ PREFILL_AHEAD = True  # prefill reads the next layer's likely experts while this
 # (qwen3_moe full-size synthetic, --cap 4, 98.5 % of picks held): 28.7-37.7 against 40.0-48.7 ms a token waiting for
 # each layer, 4 interleaved pairs. Not on the CPU, where a wait costs little and a thrown-away layer its whole compute:
 # 15.6-15.8 against 14.6-15.0 ms (qwen3_moe small synthetic, 200 of 512 experts held, 3 interleaved pairs).
-# `bench.gpu_compare --ablate decodeahead@CAP` runs the other setting (docs/performance.md)
+# Where most picks miss (Qwen3.6 at --cap 4; qwen3_moe full size drawn to spread its picks, 17.8 % held) no layer runs
+# ahead, so it costs nothing there. `bench.gpu_compare --ablate decodeahead@CAP` runs the other setting
+# (docs/performance.md)
 DECODE_AHEAD: tuple[str, ...] = ("gpu",)
 # Where the pools are host memory (the plan's `host_reads`), how a decode step's kernels reach its picks: "take", one
 # gather a segment copies the picks' rows into device memory (a plain copy kernel, many loads in flight) and the
