@@ -243,10 +243,13 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                     line = line[:-1] + "; " + ranks.ranks_line(ranks.rank_summaries(group, s)) + "]"
                 if eng.opts.rank == 0:
                     print(line, file=sys.stderr)
-            if constraint is not None and not constraint.complete and not (stop is not None and stop.is_set()):
+            stopped = stop is not None and stop.is_set()
+            if constraint is not None and not constraint.complete and not stopped:
                 status = 1
                 if eng.opts.rank == 0:
                     print(f"streamoe: error: {cut_short(len(out), max_tokens, eng)}", file=sys.stderr, flush=True)
+            elif not stopped and len(out) < max_tokens and eng.offset >= eng.opts.ctx and eng.opts.rank == 0:
+                print(f"(the answer was cut by the context: --ctx {eng.opts.ctx} is full)", file=sys.stderr, flush=True)
             if stats is None:  # kept only for --stats: a long chat must not grow them outside the plan
                 del eng.steps[:]
             if not chat:

@@ -600,9 +600,23 @@ def test_a_chat_turn_of_several_lines_is_one_turn(tiny_conv):
         assert want in got and got.count("> ") == 2, got  # one answer, then the prompt the input's end closes
 
 
-def test_prompt_longer_than_ctx(tiny_conv):
-    one_error_line(cli("run", tiny_conv, "--cap", "1", "--ctx", "8", "-p", "a b c d e f g h i j k l m n o p", "--raw"),
-                   "longer than the planned context --ctx 8")
+def test_prompt_longer_than_ctx_names_the_ctx_it_needs(tiny_conv):
+    run = ("run", tiny_conv, "--cap", "1", "-p", "a b c d e f g h i j k l m n o p", "--raw", "--temp", "0", "-n", "1")
+    line = one_error_line(cli(*run, "--ctx", "8"), "longer than the planned context --ctx 8")
+    need = int(re.search(r"it needs --ctx (\d+)", line).group(1))
+    one_error_line(cli(*run, "--ctx", str(need - 1)), f"it needs --ctx {need}")
+    cli(*run, "--ctx", str(need), check=True)  # and the one token it answers
+
+
+def test_an_answer_cut_by_the_context_says_so(tiny_conv):
+    """An answer that fills --ctx ends there with one line saying why; one that ends by itself or by -n says nothing."""
+    run = ("run", tiny_conv, "--cap", "1", "--raw", "--temp", "0", "-p", "def f(x):")
+    cut = cli(*run, "--ctx", "40", "-n", "100", check=True)
+    assert "(the answer was cut by the context: --ctx 40 is full)" in cut.stderr.splitlines()
+    prompt, answered = (int(re.search(pat, cut.stderr).group(1)) for pat in (r"prefill (\d+) tokens", r"\[(\d+) tokens"))
+    assert prompt + answered - 1 == 40  # every answer token fed but the last, drawn from the last position's logits
+    for more in (("--ctx", "40", "-n", "20"), ("--ctx", "4096", "-n", "100")):
+        assert "cut by the context" not in cli(*run, *more, check=True).stderr
 
 
 @pytest.mark.parametrize("args,needle", [(["--top-p", "0"], "--top-p"), (["--temp", "-1"], "--temp"),
