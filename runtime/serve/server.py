@@ -113,17 +113,24 @@ def decode_json(raw: bytearray, limits: Limits) -> dict:
     return body
 
 
+HEARD_S = 0.25  # how often a handler asks whether its client is still there
+
+
 async def next_event(job: Job, request: Request, timeout_s: float | None = None) -> tuple | None:
-    """Wait for the worker's next event, giving up (and cancelling the job) if the client disconnects;
-    after `timeout_s` without one, ("keepalive", None)."""
+    """Wait for the worker's next event, giving up (and cancelling the job) if the client disconnects, which is
+    asked every `HEARD_S` whether events come or not (a whole answer's tokens come every few milliseconds, and a
+    client that gave up must not hold the engine to its max_tokens); after `timeout_s` without one,
+    ("keepalive", None)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        try:
-            return await job.next(0.25)
-        except asyncio.TimeoutError:
+        if time.monotonic() - job.heard >= HEARD_S:
+            job.heard = time.monotonic()
             if await request.is_disconnected():
                 job.cancel.set()
                 return None
+        try:
+            return await job.next(HEARD_S)
+        except asyncio.TimeoutError:
             if deadline is not None and time.monotonic() >= deadline:
                 return ("keepalive", None)
 

@@ -253,6 +253,7 @@ class Job:
     held: int = 0  # bytes it holds now, on the loop's side (`arrive`)
     writing: int = 0  # of which the event a stream's handler is writing
     overflowed: bool = False
+    heard: float = field(default_factory=time.monotonic)  # when its handler last asked whether the client is there
 
     @property
     def ids(self) -> list[int]:
