@@ -25,6 +25,7 @@ from .openai_api import (
     continued,
     final_text,
     parse_tools,
+    typed,
 )
 
 FIELDS = {"max_tokens", "messages", "model", "cache_control", "container", "context_management", "diagnostics",
@@ -222,6 +223,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, bool, str | None, dict, bool]
             _cache_control(t, where)
             if not isinstance(t.get("name"), str) or not t["name"]:
                 raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
+            typed(t, f"{where}.", ("strict",), ("description",))
             schema = t.get("input_schema")
             if not isinstance(schema, dict):
                 raise bad(f"{where}.input_schema must be a JSON schema object", f"{where}.input_schema")
@@ -238,6 +240,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, bool, str | None, dict, bool]
             raise bad("'tool_choice' must be an object ({'type': 'auto' | 'any' | 'tool' | 'none'})", "tool_choice")
         check_fields(tc, {"type", "name", "disable_parallel_tool_use"}, {"type", "name", "disable_parallel_tool_use"},
                      "tool_choice.", API)
+        typed(tc, "tool_choice.", ("disable_parallel_tool_use",))
         kind = tc.get("type")
         if kind == "tool":
             if not isinstance(tc.get("name"), str):

@@ -272,6 +272,17 @@ def _flag(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
+def typed(obj: dict, where: str, flags: tuple[str, ...] = (), strings: tuple[str, ...] = ()) -> None:
+    """A nested object's fields that must be true or false (`flags`) or strings (`strings`) where given: a tool's
+    `strict` of "false" must not read as true."""
+    for key in flags:
+        if obj.get(key) is not None and not isinstance(obj[key], bool):
+            raise bad(f"'{where}{key}' must be true or false", f"{where}{key}")
+    for key in strings:
+        if obj.get(key) is not None and not isinstance(obj[key], str):
+            raise bad(f"'{where}{key}' must be a string", f"{where}{key}")
+
+
 # The fields of each API's body (OpenAI's, as its client types them, and the extensions of vLLM's and mlx-lm's
 # servers this one implements); a field not in the API's HONOURED set is refused whenever it is set (not null).
 EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "return_token_ids", "min_tokens", "stop_token_ids",
@@ -454,6 +465,7 @@ def parse_response_format(rf, req: GenRequest) -> None:
     if not isinstance(js, dict) or not isinstance(js.get("schema"), dict) or set(js) - {"name", "schema", "strict", "description"}:
         raise bad("'response_format.json_schema' must be {'name', 'schema': {...}, 'strict', 'description'}",
                   "response_format")
+    typed(js, "response_format.json_schema.", ("strict",), ("name", "description"))
     req.json_schema = js["schema"]
 
 
@@ -632,6 +644,7 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
             raise bad(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", f"tools[{j}]")
         check_fields(t, {"type", "function"}, {"type", "function"}, f"tools[{j}].", "the OpenAI API")
         check_fields(fn, TOOL_FIELDS, TOOL_FIELDS, f"tools[{j}].function.", "the OpenAI API")
+        typed(fn, f"tools[{j}].function.", ("strict",), ("description",))
         params = fn.get("parameters")
         if not isinstance(params, dict | None):
             raise bad(f"tools[{j}].function.parameters must be a JSON schema object", f"tools[{j}].function.parameters")

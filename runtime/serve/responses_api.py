@@ -37,6 +37,7 @@ from .openai_api import (
     parse_response_format,
     parse_tools,
     thinks_at,
+    typed,
 )
 from .response_store import ResponseStore
 
@@ -248,6 +249,7 @@ def parse_tools_choice(body: dict) -> tuple[list[dict] | None, bool, str | None,
                          {"type", "name", "description", "parameters", "strict"}, f"{where}.", "the Responses API")
             if not isinstance(t.get("name"), str) or not t["name"]:
                 raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
+            typed(t, f"{where}.", ("strict",), ("description",))
             params = t.get("parameters") or {"type": "object", "properties": {}}
             fn = {"name": t["name"], **({"description": t["description"]} if t.get("description") is not None else {}),
                   "parameters": params}
@@ -372,6 +374,7 @@ def parse(body: dict, so, counting: bool = False, store: ResponseStore | None = 
         fmt = text.get("format")
         echoed_format = fmt
         if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # Responses puts the schema's fields flat
+            typed(fmt, "text.format.", ("strict",), ("name", "description"))
             fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
         try:
             parse_response_format(fmt, req)
