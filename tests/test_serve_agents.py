@@ -587,6 +587,15 @@ def test_anthropic_fields_refused_with_400_naming_them(body, param):
 
 # ---- the Responses API over HTTP
 
+def test_responses_a_message_cut_by_max_output_tokens_is_incomplete(oc):
+    kw = {"model": "tiny", "input": "What shape is it?", "temperature": 0, "max_output_tokens": 1,
+          "reasoning": {"effort": "none"}, "store": False}
+    r = oc.responses.create(**kw)
+    assert (r.status, r.incomplete_details.reason, r.output[0].status) == ("incomplete", "max_output_tokens", "incomplete")
+    done = [e for e in oc.responses.create(**kw, stream=True) if e.type == "response.output_item.done"]
+    assert [e.item.status for e in done] == ["incomplete"]
+
+
 def test_responses_text_whole_and_streamed_equal_the_engine(server, oc, ref):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What shape is it?"}]
     ids = chat_ids(ref, msgs, think=False)
@@ -599,6 +608,7 @@ def test_responses_text_whole_and_streamed_equal_the_engine(server, oc, ref):
     assert r.usage.input_tokens == len(ids) and r.usage.output_tokens == len(want)
     assert r.status == ("incomplete" if len(want) == 12 else "completed") and r.store is True  # OpenAI's default
     assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.output[0].status == r.status  # a message cut by max_output_tokens is incomplete, as its response
     evs = list(oc.responses.create(**kw, stream=True))
     kinds = [e.type for e in evs]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",

@@ -482,7 +482,8 @@ class Output:
     def _summary(self) -> dict:
         return {"item_id": self.open["id"], "output_index": len(self.items) - 1, "summary_index": 0}
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
+        """The open item ended: `status` "incomplete" where the answer was cut inside it (max_output_tokens)."""
         item, out = self.open, []
         if item is None:
             return out
@@ -500,7 +501,7 @@ class Output:
             out.append(self._ev("response.reasoning_summary_part.done", **self._summary(), part=dict(summary)))
         if item["type"] == "reasoning" and self.api.get("sealed"):
             item["encrypted_content"] = seal(part["text"])
-        item["status"] = "completed"
+        item["status"] = status
         out.append(self._ev("response.output_item.done", output_index=len(self.items) - 1, item=item))
         self.open = None
         return out
@@ -551,7 +552,8 @@ class Output:
             for what, x in v:
                 out += self._call(x) if what == "tool_call" else self._text(what, x)
             return out
-        out = self._close()
+        cut = kind == "error" or (v["finish_reason"] == "length" and not any(i["type"] == "function_call" for i in self.items))
+        out = self._close("incomplete" if cut else "completed")
         if kind == "error":
             err: APIError = v
             self.status, self.error = "failed", {"code": err.code or err.kind, "message": err.message}
@@ -564,7 +566,7 @@ class Output:
                       "output_tokens": u["completion_tokens"],
                       "output_tokens_details": {"reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]},
                       "total_tokens": u["total_tokens"]}
-        if v["finish_reason"] == "length" and not any(i["type"] == "function_call" for i in self.items):
+        if cut:
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
         else:
             self.status = "completed"
