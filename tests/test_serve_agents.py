@@ -587,6 +587,25 @@ def test_anthropic_fields_refused_with_400_naming_them(body, param):
 
 # ---- the Responses API over HTTP
 
+def test_responses_retrieve_takes_the_sdks_include_where_the_response_kept_it(oc):
+    kw = {"model": "tiny", "input": "What shape is it?", "temperature": 0, "max_output_tokens": 4,
+          "reasoning": {"effort": "none"}}
+    kept = oc.responses.create(**kw, include=["message.output_text.logprobs"])
+    assert kept.output[0].content[0].logprobs
+    got = oc.responses.retrieve(kept.id, include=["message.output_text.logprobs"], stream=False,
+                                include_obfuscation=False)
+    assert got.model_dump() == kept.model_dump()
+    plain = oc.responses.create(**kw)
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.responses.retrieve(plain.id, include=["message.output_text.logprobs"])
+    assert e.value.body["param"] == "include[0]" and "answered without it" in e.value.body["message"]
+    for query, param in (({"include": ["web_search_call.results"]}, "include[0]"), ({"include_obfuscation": True},
+                                                                                     "include_obfuscation")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oc.responses.retrieve(plain.id, **query)
+        assert e.value.body["param"] == param
+
+
 def test_responses_a_message_cut_by_max_output_tokens_is_incomplete(oc):
     kw = {"model": "tiny", "input": "What shape is it?", "temperature": 0, "max_output_tokens": 1,
           "reasoning": {"effort": "none"}, "store": False}

@@ -586,6 +586,21 @@ class Output:
         self.store.put(response, items, self.api.get("previous"))
 
 
+def check_kept(response: dict, include: list[str]) -> None:
+    """That a stored response holds what a retrieval's `include` names: the logprobs of its text and the encrypted
+    content of its reasoning are kept only where the request that made it included them."""
+    for j, inc in enumerate(include):
+        if inc not in (LOGPROBS, ENCRYPTED):
+            raise bad(f"'include' value {inc!r} is not supported ({LOGPROBS!r} and {ENCRYPTED!r} are)", f"include[{j}]")
+        if inc == LOGPROBS:
+            lacking = any(p.get("text") and not p.get("logprobs") for i in response["output"] if i["type"] == "message"
+                          for p in i["content"])
+        else:
+            lacking = any("encrypted_content" not in i for i in response["output"] if i["type"] == "reasoning")
+        if lacking:
+            raise bad(f"'include' value {inc!r}: {response['id']} was answered without it, so it holds none", f"include[{j}]")
+
+
 ITEM_PREFIX = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}  # else "msg"
 
 

@@ -333,16 +333,25 @@ class API:
         return dict(request.query_params)
 
     async def response(self, request: Request) -> Response:
-        """A stored response, as it was answered (`GET`), or deleted (`DELETE`)."""
-        self.query(request, set())
+        """A stored response, as it was answered (`GET`), or deleted (`DELETE`). GET takes the SDK's `include`,
+        held where the response was answered with it (what it was answered without was never kept: a 400 says so),
+        and `stream` and `include_obfuscation` false (a stored response is not replayed as events here)."""
         rid = request.path_params["rid"]
         if request.method == "DELETE":
+            self.query(request, set())
             if self.store is None or not self.store.delete(rid):
                 raise self.missing(rid)
             return JSONResponse({"id": rid, "object": "response", "deleted": True})
+        q = self.query(request, {"include", "include[]", "stream", "include_obfuscation"})
+        for key in ("stream", "include_obfuscation"):
+            if q.get(key, "false") != "false":
+                raise bad(f"'{key}': a stored response is returned whole here, not replayed as events", key)
+        include = request.query_params.getlist("include") + request.query_params.getlist("include[]")
         raw = self.store.response(rid) if self.store is not None else None
         if raw is None:
             raise self.missing(rid)
+        if include:
+            responses_api.check_kept(json.loads(raw), include)
         return Response(raw, media_type="application/json")
 
     async def input_items(self, request: Request) -> Response:
