@@ -458,6 +458,21 @@ def test_eight_concurrent_clients_all_answered_right(client, ref, triangle):
     assert got == want
 
 
+def test_live_stats_count_the_tokens_of_an_answer_as_it_streams(conv, tmp_path):
+    """/v1/stats while a resident answer streams (the page's live panel): its tokens' rate, not zeros until the end.
+    Resident, each step is queued before the token before it is read: it is counted once its own token is."""
+    s = start_server(conv, tmp_path / "resident.log", "--cap", "2")
+    try:
+        body = json.dumps({"prompt": CODE[0], "temperature": 0, "max_tokens": 1500, "stream": True,
+                           "ignore_eos": True}).encode()
+        sock = raw_request(s.port, "/v1/completions", body)
+        live = wait_for(lambda: (st := fetch(s.url + "/v1/stats").json()).get("tokens", 0) >= 20 and st, what="20 tokens")
+        sock.close()
+        assert live["state"] == "decode" and live["tok_s"] > 0 and live["mib_read_token"] == 0, live
+    finally:
+        assert stop_server(s) == 0, s.text()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_stops_its_generation(server, client, ref, stream):
     """Streamed, the next token's write fails; whole, the handler asks every `HEARD_S` while tokens come."""

@@ -843,9 +843,14 @@ class _Running:
         self.tokens = self.ms = self.picks = self.hits = self.read = self.busy_ms = 0
 
     def add(self, steps: list, seen: int) -> int:
-        for st in steps[seen:]:
-            if st.phase != "decode" or st.t_token is None:  # counted once its token has reached the client
+        """Counts the steps from `seen` on; returns where to start next time: at a decode step whose token has not
+        reached the client yet (one queued ahead of it), which is counted once it has."""
+        for i in range(seen, len(steps)):
+            st = steps[i]
+            if st.phase != "decode":
                 continue
+            if st.t_token is None:
+                return i
             self.tokens += 1
             self.ms += st.ms
             self.busy_ms += st.disk_busy_ms
