@@ -166,6 +166,8 @@ def open_checkpoint(root: str | Path) -> Checkpoint:
             raise fail(root / "config.json", f"text config lacks integer {key!r}")
     ModelArgs.from_config(config, root / "config.json")  # every fact the conversion relies on, refused here if wrong
 
+    if not os.path.lexists(root / "tokenizer.json"):  # the converted directory carries it: `run` reads nothing else
+        raise fail(root / "tokenizer.json", "missing (a checkpoint must carry its tokenizer)")
     index_path = root / "model.safetensors.index.json"
     if os.path.lexists(index_path):
         wm, total = read_index(index_path)

@@ -278,6 +278,13 @@ def _(tmp, ck, conv):
     return ["convert", c, tmp / "out"], (str(c / "model-x.safetensors"), "missing shard")
 
 
+@case("checkpoint-without-tokenizer")
+def _(tmp, ck, conv):
+    c = copy(ck, tmp / "ck")
+    (c / "tokenizer.json").unlink()
+    return ["convert", c, tmp / "out"], (str(c / "tokenizer.json"), "missing")
+
+
 @case("index-names-absent-tensor")
 def _(tmp, ck, conv):
     c = copy(ck, tmp / "ck")
