@@ -12,3 +12,7 @@ class StreamoeError(Exception):
 def fail(path: object, problem: str) -> StreamoeError:
     """Build the canonical `PATH: problem` error."""
     return StreamoeError(f"{path}: {problem}")
+
+
+class ContextFull(StreamoeError):
+    """A prompt longer than what the planned context (--ctx) has left: a chat can go on once it is emptied."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..formats.errors import StreamoeError, fail
+from ..formats.errors import ContextFull, StreamoeError, fail
 from ..formats.files import write_whole
 from ..formats.manifest import load_manifest
 from . import ranks, session
@@ -193,12 +193,15 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 eng.close()
                 raise
     try:
-        turns = [prompt] if prompt is not None else None
+        turns = [prompt] if prompt is not None else []  # with --chat, -p is the chat's first turn
+        if chat and sys.stdin.isatty():
+            with contextlib.suppress(ImportError):
+                import readline  # noqa: F401  (input() then edits the line and keeps the turns' history)
         while True:
-            if turns is not None:
-                if not turns:
-                    break
+            if turns:
                 user = turns.pop(0)
+            elif not chat:
+                break
             else:
                 if group is not None:
                     eng.watchdog.idle()  # a person may take their time: only a step waits on the peers
@@ -207,6 +210,12 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                     user = ranks.from_rank0(group, user)  # every rank answers rank 0's turn
                 if user is None:
                     break
+                if user == CLEAR:  # the conversation emptied; its system message (and the sampler's draws) kept
+                    eng.reset()
+                    fed, messages = [], messages[:1] if messages and messages[0]["role"] == "system" else []
+                    if eng.opts.rank == 0:
+                        print("(the conversation is cleared)", file=sys.stderr, flush=True)
+                    continue
             if raw:
                 ids = eng.text.encode(user) if fed else eng.text.encode_prompt(user)
             else:
@@ -227,7 +236,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             except StreamoeError as e:  # a chat's turn refused before it changed the conversation: the chat goes on
                 if not chat or group is not None or eng.offset != offset0 or len(eng.steps) != n0:
                     raise
-                print(f"streamoe: error: {e} (not sent; the chat goes on)", file=sys.stderr, flush=True)
+                clear = "; /clear empties the conversation" if isinstance(e, ContextFull) and eng.offset else ""
+                print(f"streamoe: error: {e} (not sent; the chat goes on{clear})", file=sys.stderr, flush=True)
                 if not raw:
                     messages.pop()
                 continue
@@ -249,7 +259,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 if eng.opts.rank == 0:
                     print(f"streamoe: error: {cut_short(len(out), max_tokens, eng)}", file=sys.stderr, flush=True)
             elif not stopped and len(out) < max_tokens and eng.offset >= eng.opts.ctx and eng.opts.rank == 0:
-                print(f"(the answer was cut by the context: --ctx {eng.opts.ctx} is full)", file=sys.stderr, flush=True)
+                clear = "; /clear empties the conversation" if chat else ""
+                print(f"(the answer was cut by the context: --ctx {eng.opts.ctx} is full{clear})", file=sys.stderr, flush=True)
             if stats is None:  # kept only for --stats: a long chat must not grow them outside the plan
                 del eng.steps[:]
             if not chat:
@@ -288,10 +299,14 @@ def read_line(prompt: str) -> str | None:
         raise fail("<stdin>", "the input is not valid UTF-8 text") from None
 
 
+CLEAR = "/clear"  # a chat's command: empty the conversation
+
+
 def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
     """The chat's next turn from stdin (None: the chat ends); `/image PATH` lines attach images to it. A turn of
     several lines (pasted code) is written between two lines of three double quotes (ollama's form), or as lines
-    that end in a backslash (llama.cpp's), which joins them with a newline."""
+    that end in a backslash (llama.cpp's), which joins them with a newline. `/clear` (`CLEAR`) empties the
+    conversation; an empty line is no turn."""
     while True:
         user = read_line("> ")
         if user is None:
@@ -305,6 +320,10 @@ def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
             user = user[:-1] + "\n" + line
         if user.strip() in ("/quit", "/exit"):
             return None
+        if user.strip() == CLEAR:
+            return CLEAR
+        if not user.strip():  # an empty line is no turn
+            continue
         if not user.startswith("/image "):
             return user
         path = Path(user[7:].strip())

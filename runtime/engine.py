@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..formats.checks import check_open
 from ..formats.config import ModelArgs
-from ..formats.errors import StreamoeError
+from ..formats.errors import ContextFull, StreamoeError
 from ..formats.manifest import load_manifest, safe_path
 from . import ranks
 from .constrain import Constraint
@@ -216,7 +216,7 @@ class Engine:
         if not tokens:
             raise StreamoeError("empty prompt")
         if self.offset + len(tokens) > self.opts.ctx:
-            raise StreamoeError(f"prompt of {len(tokens)} tokens (+{self.offset} in context) is longer than the planned "
+            raise ContextFull(f"prompt of {len(tokens)} tokens (+{self.offset} in context) is longer than the planned "
                                 f"context --ctx {self.opts.ctx}: it needs --ctx {self.offset + len(tokens)} and the "
                                 "answer's tokens")
         return self._prefill_chunks(tokens, progress=progress)

@@ -600,6 +600,24 @@ def test_a_chat_turn_of_several_lines_is_one_turn(tiny_conv):
         assert want in got and got.count("> ") == 2, got  # one answer, then the prompt the input's end closes
 
 
+def test_chat_clear_empties_the_conversation_and_p_is_its_first_turn(tiny_conv, tmp_path):
+    """`/clear` starts the conversation anew (the next turn's logits are a fresh chat's first turn's, bit for bit);
+    `-p` with `--chat` is the chat's first turn; an empty line is no turn; a turn the full context refuses says
+    that `/clear` empties it."""
+    run = ("run", tiny_conv, "--cap", "1", "--ctx", "256", "--temp", "0", "-n", "6", "-q", "--chat")
+
+    def logits(name: str, *args: str, typed: str) -> bytes:
+        cli(*run, *args, "--logits-out", tmp_path / f"{name}.npz", input=typed, check=True)
+        return np.load(tmp_path / f"{name}.npz")["logits"].tobytes()
+
+    fresh = logits("fresh", typed="What colour is it?\n")
+    cleared = logits("cleared", typed="What shape is it?\n/clear\n\nWhat colour is it?\n")
+    assert cleared.endswith(fresh) and len(cleared) == 2 * len(fresh)
+    assert logits("first", "-p", "What shape is it?", typed="/clear\nWhat colour is it?\n") == cleared
+    full = cli(*run[:4], "--ctx", "40", *run[6:], input="What shape is it?\nWhat colour is it?\n" * 2, check=True)
+    assert "; /clear empties the conversation)" in full.stderr, full.stderr
+
+
 def test_prompt_longer_than_ctx_names_the_ctx_it_needs(tiny_conv):
     run = ("run", tiny_conv, "--cap", "1", "-p", "a b c d e f g h i j k l m n o p", "--raw", "--temp", "0", "-n", "1")
     line = one_error_line(cli(*run, "--ctx", "8"), "longer than the planned context --ctx 8")
