@@ -56,6 +56,7 @@ def browser():
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, read by the tests
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,860"):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
@@ -168,6 +169,7 @@ def test_chat_page_answers_streams_and_shows_the_plan(server, browser, conv, tmp
     assert answer.find_element(By.TAG_NAME, "details").get_attribute("open") is None  # thinking stays collapsed
     assert browser.find_elements(By.CSS_SELECTOR, ".msg.user img")  # the attached picture is shown
     screenshot(browser, Path(os.environ.get("STREAMOE_SCREENSHOT") or tmp_path / "chat-page.png"))
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []  # no 404 (a favicon), no error
 
 
 def test_the_page_asks_for_the_api_key_once(browser, tiny_conv, tmp_path):
@@ -219,6 +221,7 @@ def test_stop_cancels_the_generation_on_the_server(endless, browser):
     WebDriverWait(browser, 10).until(lambda d: fetch(endless.url + "/v1/stats").json()["state"] == "idle")
     assert browser.find_element(By.ID, "send").get_attribute("disabled") is None
     assert browser.find_element(By.ID, "stop").get_attribute("disabled")
+    WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "t-state").text == "idle")  # the panel too
 
 
 def test_new_chat_cancels_what_runs_and_the_next_question_answers(endless, browser):

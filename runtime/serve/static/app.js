@@ -81,7 +81,20 @@ function showStats(s) {
 }
 
 async function poll() {
-  try { showStats(await (await api("/v1/stats")).json()); } catch (e) { /* the next poll will tell */ }
+  try {
+    const s = await (await api("/v1/stats")).json();
+    showStats(s);
+    return s;
+  } catch (e) { return null; /* the next poll will tell */ }
+}
+
+// once an answer has ended here, until the server says so: a stopped one ends there at its next token
+async function settle() {
+  for (let i = 0; i < 20; i++) {
+    const s = await poll();
+    if (!s || (s.state !== "prefill" && s.state !== "decode")) return;
+    await new Promise((done) => setTimeout(done, 150));
+  }
 }
 
 function bubble(cls) {
@@ -180,7 +193,7 @@ async function send(text) {
   } finally {
     clearInterval(timer);
     if (running === abort) { running = null; $("stop").disabled = true; }
-    await poll();
+    settle();  // not awaited: the page takes the next question at once
   }
 }
 
