@@ -18,7 +18,14 @@ from ..formats.errors import ContextFull, StreamoeError, fail
 from ..formats.files import write_whole
 from ..formats.manifest import load_manifest
 from . import ranks, session
-from .constrain import Constraint, ThinkingBudget, guide_tokenizer, json_answer, reasoning_close
+from .constrain import (
+    Constraint,
+    ThinkingBudget,
+    guide_tokenizer,
+    json_answer,
+    reasoning_close,
+    reasoning_header,
+)
 from .engine import Engine, Options
 from .image import PipedImage, check_preprocessor, load_image
 from .sampling import Sampler
@@ -144,7 +151,8 @@ def answer_shape(eng: Engine, schema: dict | None, thinking: bool, budget: int |
     if close is None:
         eng.close()
         raise StreamoeError("--thinking-budget needs the template's '</think>' token, which the model's tokenizer lacks")
-    return lambda: ThinkingBudget(close, budget, eng.args.vocab_size, json() if json is not None else None)
+    header = reasoning_header(eng.text, harmony)
+    return lambda: ThinkingBudget(close, budget, eng.args.vocab_size, json() if json is not None else None, header)
 
 
 def json_constraint(eng: Engine, schema: dict, thinking: bool, harmony: bool = False) -> Callable[[], Constraint]:

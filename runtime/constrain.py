@@ -224,16 +224,19 @@ class ThinkingBudget:
     `</think>`; in harmony `<|end|>` and the final message's header, `HARMONY_CLOSE`), and the answer goes on from
     there under `then` (the request's own constraint, if any), as Qwen's model card closes a budgeted thought. The
     same interface as `Constraint`, so `Engine.generate` draws a forced token once the previous one is read, like
-    any masked one."""
+    any masked one. `header` (harmony's, `reasoning_header`): (the token that ends a message's header, the header
+    of the final message); the tokens up to the first header's end are not reasoning and not counted, and a first
+    header that opens the final message (gpt-oss may answer at once) ends the budget unforced."""
 
-    def __init__(self, close: int | list[int], budget: int, vocab: int, then: Constraint | None = None):
+    def __init__(self, close: int | list[int], budget: int, vocab: int, then: Constraint | None = None,
+                 header: tuple[int, list[int]] | None = None):
         self.close = [close] if isinstance(close, int) else list(close)
-        self.budget, self.vocab, self.then = budget, vocab, then
-        self.written, self.forced, self.closed = 0, 0, False
+        self.budget, self.vocab, self.then, self.header = budget, vocab, then, header
+        self.written, self.forced, self.closed, self.opening = 0, 0, False, [] if header is not None else None
 
     @property
     def forcing(self) -> bool:
-        return not self.closed and self.written >= self.budget
+        return not self.closed and self.opening is None and self.written >= self.budget
 
     @property
     def active(self) -> bool:
@@ -252,7 +255,12 @@ class ThinkingBudget:
         if self.forcing:
             self.forced += 1
             self.closed = self.forced == len(self.close)
+        elif self.opening is not None and (self.opening or tok == self.header[1][0]):  # the first message's header
+            self.opening.append(tok)
+            if tok == self.header[0]:
+                self.closed, self.opening = self.opening[:-1] == self.header[1], None
         elif not self.closed:
+            self.opening = None  # where the model wrote no header, its reasoning began at once
             self.written += 1
             self.closed = tok == self.close[0]
         if self.then is not None:
@@ -303,6 +311,12 @@ class TokenMask:
 
 
 HARMONY_CLOSE = f"{H_END}{H_START}assistant{H_CHANNEL}final{H_MESSAGE}"  # an analysis message closed, the answer opened
+
+
+def reasoning_header(text, harmony: bool) -> tuple[int, list[int]] | None:
+    """`ThinkingBudget`'s `header` in harmony: `<|message|>`, and the header before it that opens the final message
+    (`<|channel|>final`); None elsewhere (Qwen's template opens the thinking in the prompt)."""
+    return (text.encode(H_MESSAGE)[0], text.encode(f"{H_CHANNEL}final")) if harmony else None
 
 
 def reasoning_close(text, harmony: bool) -> list[int] | None:

@@ -206,6 +206,34 @@ def test_run_holds_the_final_message_to_the_schema(conv):
         eng.close()
 
 
+def test_a_thinking_budget_ends_where_the_answer_opens_without_reasoning(conv):
+    """gpt-oss may open its final message at once: `<|channel|>final` ends the budget unforced, so the final message
+    is the schema's JSON under the budget as without it (the close was forced into it before). An analysis message
+    longer than the budget is still closed into the final message."""
+    from streamoe.runtime.cli_run import json_constraint
+    from streamoe.runtime.constrain import HARMONY_CLOSE, ThinkingBudget, reasoning_close, reasoning_header
+
+    eng = Engine(conv, Options(cap_gib=8, ctx=512, runtime_bytes=64 << 20))
+    try:
+        made = json_constraint(eng, BOUNDED[0]["function"]["parameters"], thinking=True, harmony=True)
+        close, header = reasoning_close(eng.text, True), reasoning_header(eng.text, True)
+        so = "so so so"
+        for text, budget in (('<|channel|>final<|message|>{"city": "Bern"}', 1),
+                             (f'<|channel|>analysis<|message|>{so}{HARMONY_CLOSE}{{"city": "Bern"}}',
+                              len(eng.text.encode(so)))):
+            b = ThinkingBudget(close, budget, eng.args.vocab_size, made(), header)
+            for t in eng.text.encode(text):
+                assert b.allowed().tolist()[t], (text, t)
+                b.advance(t)
+            assert b.closed and b.complete and b.forced == (len(close) if "analysis" in text else 0)
+        bare = ThinkingBudget(close, len(eng.text.encode(so)), eng.args.vocab_size, None, header)
+        for t in eng.text.encode(so):  # no header at all: the reasoning counted from its first token
+            bare.advance(t)
+        assert bare.forcing and bare.allowed().tolist().index(True) == close[0]
+    finally:
+        eng.close()
+
+
 def test_a_thinking_budget_forces_a_sequence_then_lets_go():
     """`ThinkingBudget` with a close of several tokens (harmony's): after `budget` tokens each is forced in turn,
     then the answer runs free; a close the model writes itself (its first token) ends the budget unforced."""
@@ -258,7 +286,7 @@ def test_anthropics_thinking_budget_is_honoured_in_harmony(conv, server):
     HarmonyOutput makes of them."""
     import anthropic
 
-    from streamoe.runtime.constrain import HARMONY_CLOSE, ThinkingBudget, reasoning_close
+    from streamoe.runtime.constrain import HARMONY_CLOSE, ThinkingBudget, reasoning_close, reasoning_header
 
     ac = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "Think, then answer."}]
@@ -267,7 +295,8 @@ def test_anthropics_thinking_budget_is_honoured_in_harmony(conv, server):
     eng = Engine(conv, Options(cap_gib=8, ctx=1536, runtime_bytes=64 << 20))
     try:
         ids = eng.text.encode_chat(eng.text.chat_text(messages, enable_thinking=True))
-        budget = ThinkingBudget(reasoning_close(eng.text, harmony=True), 1024, eng.args.vocab_size)
+        budget = ThinkingBudget(reasoning_close(eng.text, harmony=True), 1024, eng.args.vocab_size,
+                                header=reasoning_header(eng.text, harmony=True))
         detok = Detokenizer(eng.text)
         text = "".join(detok.add(t) for t, _ in eng.generate(ids, 1040, Sampler(), constraint=budget))
     finally:

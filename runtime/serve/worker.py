@@ -39,6 +39,7 @@ from ..constrain import (
     guide_tokenizer,
     json_answer,
     reasoning_close,
+    reasoning_header,
     tool_call_grammar,
 )
 from ..engine import Engine, Options
@@ -571,7 +572,7 @@ class EngineWorker:
         if close is None:
             raise bad("a thinking budget needs the template's '</think>' token, which the model's tokenizer lacks",
                       "thinking.budget_tokens")
-        return ThinkingBudget(close, req.thinking_budget, self.vocab, grammar)
+        return ThinkingBudget(close, req.thinking_budget, self.vocab, grammar, reasoning_header(self.eng.text, harmony))
 
     def grammar(self, req: GenRequest, thinking: bool) -> Constraint | None:
         """The grammar a request asks for: the JSON of `response_format` (after the reasoning closes, with
