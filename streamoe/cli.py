@@ -462,6 +462,8 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
             so = ServeOptions(model_name="", **serve_sizes(prompt_cache_mib, response_store_mib, max_queue, max_body_mib,
                                                            max_answer_mib, max_connections))
             extra = serve_accounts(model.parent if bare else model, ctx, so, rank, ranks)
+        else:
+            from .runtime import cli_run  # noqa: F401  (imported as run imports it before it opens: likewise)
         if bare:
             plans.append(plan_from_config(model, opts, rank, ranks, extra))
         else:

@@ -536,6 +536,13 @@ def test_cap_too_small_names_smallest_cap(tiny_conv):
     assert p.returncode == 2 and "memory plan" in p.stdout
 
 
+def test_run_fits_the_cap_plan_says_fits(tiny_conv):
+    """`plan` measures the runtime account with what `run` has loaded when it opens (its modules, the tokenizer): a
+    cap 2 MiB over what `plan` needs runs (a run's resident set is within a fraction of a MiB of the plan's)."""
+    need = json.loads(cli("plan", tiny_conv, "--cap", "1", "--json", check=True).stdout)["fixed"]
+    cli("run", tiny_conv, "--cap", f"{(need + (2 << 20)) / 2**30:.6f}", "-p", "hi", "-n", "1", "-q", check=True)
+
+
 def test_a_prompt_from_stdin_or_a_file_is_the_prompt(tiny_conv, tmp_path):
     """`-p -` reads the prompt from stdin (mlx-lm's convention), `--prompt-file` from a file (llama.cpp's -f) or a pipe
     (`-f <(...)`, `-f /dev/stdin`): the same tokens as the text given with -p, newlines and all."""
