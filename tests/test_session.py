@@ -131,7 +131,7 @@ def test_a_chat_turn_too_long_for_the_context_is_refused_and_the_chat_goes_on(tr
         assert p.returncode == 0, p.stderr
         runs[name] = p
     refused = [ln for ln in runs["with"].stderr.splitlines() if "longer than the planned context" in ln]
-    assert len(refused) == 1 and refused[0].endswith("(not sent; the chat goes on)")
+    assert len(refused) == 1 and refused[0].endswith("(not sent; the chat goes on; /clear empties the conversation)")
     la, lb = (np.load(tmp_path / f"{k}.npz")["logits"] for k in ("with", "without"))
     assert la.tobytes() == lb.tobytes()
     assert (tmp_path / "with.zst").read_bytes() == (tmp_path / "without.zst").read_bytes()
