@@ -217,8 +217,8 @@ class Engine:
             raise StreamoeError("empty prompt")
         if self.offset + len(tokens) > self.opts.ctx:
             raise ContextFull(f"prompt of {len(tokens)} tokens (+{self.offset} in context) is longer than the planned "
-                                f"context --ctx {self.opts.ctx}: it needs --ctx {self.offset + len(tokens)} and the "
-                                "answer's tokens")
+                              f"context --ctx {self.opts.ctx}: it needs --ctx {self.offset + len(tokens)} and the "
+                              "answer's tokens")
         return self._prefill_chunks(tokens, progress=progress)
 
     def decode(self, token: int) -> mx.array:
