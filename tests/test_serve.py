@@ -1103,6 +1103,32 @@ def test_cache_salt_shares_the_prompt_cache_only_within_a_salt(client):
     assert e.value.body["param"] == "cache_salt"
 
 
+def test_a_new_conversation_restores_the_system_prompt_and_tools_it_shares(client, ref):
+    """An agent's sessions share a long system prompt and tools, not their first user turn: the prompt cache keeps
+    that head (`EngineWorker.head_tokens`), so a new conversation prefills only its own turn, with the same bits as
+    a prompt that restored nothing (another `cache_salt`)."""
+    system = {"role": "system", "content": "You are a careful assistant who answers about shapes. " * 30}
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": f"Tool number {i}.",
+                                               "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+             for i in range(3)]
+
+    def ask(question: str, salt: str):
+        r = client.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": question}],
+                                           tools=tools, temperature=0, max_tokens=4, logprobs=True,
+                                           extra_body={"cache_salt": salt, "return_token_ids": True})
+        lps = [(t.token, t.logprob) for t in r.choices[0].logprobs.content] if r.choices[0].logprobs else []
+        return r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens, r.choices[0].model_extra["token_ids"], lps
+
+    first = ask("Which shape?", "head")
+    again = ask("What colour is it?", "head")
+    fresh = ask("What colour is it?", "head-fresh")
+    prompt = chat_ids(ref, [system, {"role": "user", "content": "What colour is it?"}], tools=tools)
+    head = len(ref.text.encode_chat(ref.text.chat_text([system, {"role": "user", "content": "\u2063"}], tools=tools,
+                                                        add_generation_prompt=False).split("\u2063")[0]))
+    assert first[0] == fresh[0] == 0 and again[0] == head >= 256 and again[1] == len(prompt)
+    assert again[2:] == fresh[2:]  # the same tokens and logprobs, restored or not
+
+
 def test_ignore_eos_runs_the_answer_on_through_its_end_of_turn(client, ref):
     """vLLM's `ignore_eos` (benchmark clients send it, false unless asked): false is the plain answer, 3 tokens;
     true draws the end-of-turn token as any other, writes and counts it, and runs on to `max_tokens`: the plain

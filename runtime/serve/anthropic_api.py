@@ -52,7 +52,8 @@ def error_body(err: APIError) -> dict:
 
 
 def _cache_control(block: dict, where: str) -> None:
-    """`cache_control` is honoured by construction: every prompt's prefix is cached (see prompt_cache)."""
+    """`cache_control` is honoured by construction: a conversation's prefix is cached at its assistant headers, and
+    the system prompt and tools where they end (`EngineWorker.head_tokens`), whatever the breakpoints say."""
     cc, name = block.get("cache_control"), f"{where}.cache_control" if where else "cache_control"
     if cc is not None and (not isinstance(cc, dict) or cc.get("type") != "ephemeral"):
         raise bad(f"'{name}' must be {{'type': 'ephemeral'}}", name)

@@ -87,7 +87,7 @@ def key_items(ids: list[int], image_pad: int | None, image_hashes: list[str],
 
 def boundaries(ids: list[int], header: list[int]) -> list[int]:
     """Where a chat prompt's segments end: just after every assistant header (and nowhere when the header is
-    empty, as for raw completions)."""
+    empty, as for raw completions); the worker adds where its system prompt and tools end (`Job.head`)."""
     if not header:
         return []
     h, n = len(header), len(ids)

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import os
 import queue
@@ -255,6 +256,7 @@ class Job:
     writing: int = 0  # of which the event a stream's handler is writing
     overflowed: bool = False
     heard: float = field(default_factory=time.monotonic)  # when its handler last asked whether the client is there
+    head: int = 0  # the prompt's system messages and tools, a prompt cache boundary (`EngineWorker.head_tokens`)
 
     @property
     def ids(self) -> list[int]:
@@ -327,6 +329,9 @@ def answer_bytes(ev: tuple, whole: bool) -> int:
     return total * 5 // 4 * (2 if whole else 1)
 
 
+HEAD_MARK = "\u2063"  # a user message's text that no template writes: where a rendering's head ends
+
+
 def assistant_header(text) -> list[int]:
     """The tokens a chat template writes to open an assistant turn, both as the generation prompt and when
     it re-renders a past answer (`<|im_start|>assistant\\n` for ChatML): the boundary a conversation's next
@@ -381,8 +386,9 @@ class EngineWorker:
         return self.tool_format == "harmony" and req.kind == "chat"
 
     # ---- on the server's prepare thread: turn a request into a job (or an APIError)
-    def render(self, req: GenRequest) -> str:
-        """The prompt as the template renders it, the request's text marked as text (see `chat_template`)."""
+    def render(self, req: GenRequest, generation: bool | None = None) -> str:
+        """The prompt as the template renders it, the request's text marked as text (see `chat_template`);
+        `generation`: with the generation prompt (default: unless the request continues its last message)."""
         if self.eng.text.template is None:
             raise bad("the model has no chat template; use /v1/completions")
         if req.tools and not self.eng.text.template.takes_tools:
@@ -392,8 +398,8 @@ class EngineWorker:
         if req.force_call is not None:  # a forced tool call is the whole answer: no thinking before it
             kw["enable_thinking"] = False
         try:
-            return self.eng.text.chat_text(req.messages, tools=req.tools, add_generation_prompt=not req.continue_final,
-                                           **kw)
+            return self.eng.text.chat_text(req.messages, tools=req.tools, add_generation_prompt=not req.continue_final
+                                           if generation is None else generation, **kw)
         except TemplateFailure as e:
             raise bad(f"the chat template ({e.path.name}) refused the messages: {e.reason}", "messages") from None
 
@@ -460,6 +466,21 @@ class EngineWorker:
             raise self.too_long(len(ids), "messages" if req.kind == "chat" else "prompt")
         return ids, thinking, given
 
+    def head_tokens(self, req: GenRequest, ids: list[int]) -> int:
+        """How many of a chat prompt's tokens are its system messages and tools and the user header after them: the
+        prefix every conversation on the same system prompt and tools shares (an agent's next session, its
+        sub-agents), a prompt cache boundary where it holds at least a prefill step (0: none)."""
+        lead = list(itertools.takewhile(lambda m: m.get("role") in ("system", "developer"), req.messages))
+        if not lead and not req.tools:
+            return 0
+        probe = dataclasses.replace(req, messages=[*lead, {"role": "user", "content": HEAD_MARK}], continue_final=False)
+        try:
+            text = self.render(probe, generation=False)
+        except APIError:
+            return 0
+        head = self.eng.text.encode_chat(text[:text.find(HEAD_MARK)]) if HEAD_MARK in text else []
+        return len(head) if len(head) >= self.eng.plan.prefill_step and ids[:len(head)] == head else 0
+
     def prepare(self, req: GenRequest) -> Job:
         """The request rendered, length-checked and tokenized into a job (or an APIError). It runs on the
         server's prepare thread, one at a time: the plan's `requests` account counts one prompt in work."""
@@ -507,7 +528,8 @@ class EngineWorker:
                           text if isinstance(text, str) else None)
                    for p, text in zip(prompts, req.prompts or [None], strict=False) for i in range(req.n)]
         # each prompt's i-th choice is drawn with seed + i, as vLLM seeds its choices
-        return Job(req, choices, thinking, prefix=given, constraint=self.constraint(req, thinking))
+        return Job(req, choices, thinking, prefix=given, constraint=self.constraint(req, thinking),
+                   head=self.head_tokens(req, ids) if req.kind == "chat" else 0)
 
     def tokenize(self, req: GenRequest, special: bool) -> list[int]:
         """vLLM's /tokenize: the ids the request's prompt is prefilled as (`prepare`'s), with the tokenizer's BOS
@@ -670,6 +692,15 @@ class EngineWorker:
         if self.lock is not None and self.lock.broken is not None:
             raise self.lock.broken  # the ranks may be out of step: the server stops, and its peers with it
 
+    def keep(self, key: tuple) -> None:
+        """The conversation's state now, the first `len(key)` items of its prompt, into the prompt cache (where it
+        is not there already and fits its budget)."""
+        if self.cache.wants(need := snapshot_nbytes(self.eng)) and not self.cache.holds(key):
+            self.cache.make_room(need)
+            self.cache.add(capture(self.eng, key))
+            if self.lock is not None:  # every rank keeps the same snapshots, each its own copy
+                self.lock.tell("capture", id=snapshot_id(key), keep=[snapshot_id(k) for k in self.cache.snaps])
+
     def _answer(self, job: Job, index: int, constraint, paths: list[str]) -> dict:
         """The job's choice at `index`, shaped by `constraint`: its info for the "choice_done" or "done" event."""
         eng, req, choice = self.eng, job.req, job.choices[index]
@@ -683,7 +714,7 @@ class EngineWorker:
         scores = None
         if echo and req.logprobs:  # every prompt position's prediction: the whole prompt prefilled, none restored
             scores = PromptScores(ids, req.top_logprobs)
-        marks = boundaries(ids, self.header) if req.kind == "chat" else None
+        marks = sorted({job.head, *boundaries(ids, self.header)} - {0}) if req.kind == "chat" else None
         step = eng.plan.prefill_step
         # restored only where this prompt's own prefill cuts (a chat's after each assistant header, a completion's
         # on the engine's prefill steps), so the rest is prefilled as a fresh prompt's is: the same bits
@@ -723,11 +754,8 @@ class EngineWorker:
                 else:
                     eng.prefill(ids[a:b])
             a = b
-        if cuts and self.cache.wants(need := snapshot_nbytes(eng)) and not self.cache.holds(key[:a]):
-            self.cache.make_room(need)
-            self.cache.add(capture(eng, key[:a]))
-            if self.lock is not None:  # every rank keeps the same snapshots, each its own copy
-                self.lock.tell("capture", id=snapshot_id(key[:a]), keep=[snapshot_id(k) for k in self.cache.snaps])
+            if b == job.head or b == cuts[-1]:  # the head new conversations share, and the prompt's last cut
+                self.keep(key[:b])
         tools = (req.tools or True) if req.parse_tools else None
         out = (HarmonyOutput(tools, req.stop, req.include_stop) if self.harmony(req) else
                ChatOutput(job.thinking, tools, req.stop, self.tool_format, req.include_stop))
