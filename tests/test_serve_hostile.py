@@ -488,6 +488,30 @@ def test_a_pipelined_head_counts_from_its_own_first_byte():
     assert closed and status == 431
 
 
+def test_a_whole_head_over_the_limit_in_one_read_is_refused_too():
+    """A head that arrives whole in one read (its end in the same data) is measured before it is parsed: over the
+    bound, a 431, on a fresh connection and on a kept-alive one; kept-alive heads under it are each measured from
+    their own first byte (three of 700 bytes on one connection: no 431)."""
+    with guarded_uvicorn(1024) as port:
+        statuses = []
+        for before in (b"", b"GET / HTTP/1.1\r\nHost: h\r\n\r\n"):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.settimeout(10)
+            if before:
+                s.sendall(before)
+                assert answer(s)[0] == 200
+            s.sendall(b"GET / HTTP/1.1\r\nHost: h\r\nX-Pad: " + b"a" * 2000 + b"\r\n\r\n")
+            statuses.append(answer(s)[0])
+            s.close()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.settimeout(10)
+        for _ in range(3):
+            s.sendall(b"GET / HTTP/1.1\r\nHost: h\r\nX-Pad: " + b"a" * 660 + b"\r\n\r\n")
+            statuses.append(answer(s)[0])
+        s.close()
+    assert statuses == [431, 431, 200, 200, 200]
+
+
 def test_accepted_sockets_inherit_the_bounded_buffers():
     from streamoe.runtime.serve.door import SOCKET_BUFFER, bound_socket_buffers
 

@@ -252,6 +252,7 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s
         in_head = True  # a request head is awaited or arriving (from the start, or a message's first byte)
         head_bytes = 0  # bytes received while in it
         ended = False  # a message ended in the data being parsed (the next one then begins inside it)
+        awaiting = False  # a message ended with the data it came in: the next data begins a head
         parsing = 0  # the length of that data
 
         send_timer: asyncio.TimerHandle | None = None
@@ -282,6 +283,10 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s
         def data_received(self, data: bytes) -> None:
             if self in lingering:
                 return  # the rest of a body nobody reads: dropped unparsed, until the client closes or LINGER_S
+            if self.in_head or self.awaiting:  # a head goes on or begins here: too long even where it ends here?
+                end = data.find(b"\r\n\r\n")
+                if self.head_bytes + (len(data) if end < 0 else end + 4) > max_head_bytes:
+                    return self.refuse_head()
             self.ended, self.parsing = False, len(data)
             super().data_received(data)
             if self.transport.is_closing():
@@ -289,15 +294,19 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s
             if self.in_head:
                 self.head_bytes += len(data)
                 if self.head_bytes > max_head_bytes:
-                    self.disarm()
-                    self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: "
-                                         b"application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-                                         % (len(too_large), too_large))
-                    self.transport.close()
+                    self.refuse_head()
             elif self.cycle is None or self.cycle.response_complete:
                 self.arm()  # bytes between requests that begin none (blank lines): a head's deadline all the same
 
+        def refuse_head(self) -> None:
+            self.disarm()
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: "
+                                 b"application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(too_large), too_large))
+            self.transport.close()
+
         def on_message_begin(self) -> None:
+            self.awaiting = False
             super().on_message_begin()
             # a pipelined message begun after one that ended in this data: only what follows this data counts
             self.in_head, self.head_bytes = True, -self.parsing if self.ended else 0
@@ -311,7 +320,8 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s
                 self.cycle.transport = Lingering(self, self.cycle)
 
         def on_message_complete(self) -> None:
-            self.ended = True
+            self.ended = self.awaiting = True
+            self.head_bytes = 0  # the next head's bytes are counted from here
             super().on_message_complete()
 
         def linger(self, cycle) -> None:
