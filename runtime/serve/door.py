@@ -4,7 +4,8 @@ request bodies within the plan's `requests` account, and the connections uvicorn
 Without `--api-key` the API has no authentication, so a web page the user visits must not be able to use it: a
 `Host` other
 than the names this server answers to (loopback names, the bound address, `--allow-host`) is a DNS-rebinding
-attempt and is refused with 421; a request carrying an `Origin` other than the page's own is refused with 403
+attempt and is refused with 421 (an HTTP/1.1 request without one with 400; an HTTP/1.0 one, which has none and no
+browser sends, is this machine's); a request carrying an `Origin` other than the page's own is refused with 403
 before anything runs (a `text/plain` POST needs no preflight, so omitting CORS headers is not enough), unless
 `--cors-origin` allows it, in which case Starlette's CORSMiddleware answers its preflight and tags its
 responses. With `--api-key` every `/v1/` route, `/metrics`, `/tokenize` and `/detokenize` also needs the key, as
@@ -88,6 +89,8 @@ class Door:
         headers = {k: v for k, v in scope["headers"] if k in (b"host", b"origin", b"authorization", b"x-api-key")}
         raw_host = headers.get(b"host", b"").decode("latin-1")
         name = host_name(raw_host) if raw_host else None
+        if name is None and b"host" not in headers and scope.get("http_version") == "1.0":
+            name = "localhost"  # HTTP/1.0 has no Host (a bare health probe); a browser always sends one
         if name is None:
             return await refuse(send, 400, "the request has no valid Host header", "bad_host")
         if not self.host_ok(name):
