@@ -572,6 +572,11 @@ def test_bad_requests_get_their_status_and_an_openai_error(server, triangle):
     assert "root:" not in fetch(u + "/static/..%2F..%2F..%2F..%2Fetc%2Fpasswd").text
 
 
+def test_an_integer_of_too_many_digits_is_said_in_jsons_words(server):
+    r = fetch(server.url + "/v1/completions", "POST", b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}")
+    assert r.status == 400 and r.json()["error"]["message"].endswith("an integer of more than 4300 digits"), r.text
+
+
 def test_prompt_cache_over_http_a_second_turn_prefills_only_what_is_new(client, ref):
     first = [{"role": "user", "content": "Is it a circle?"}]
     r1 = client.chat.completions.create(model="tiny", messages=first, temperature=0, max_tokens=8)

@@ -100,6 +100,8 @@ def decode_json(raw: bytearray, limits: Limits) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
+        if "int_max_str_digits" in str(e):  # Python's bound on an integer's digits, said in JSON's words
+            raise bad(f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits") from None
         raise bad(f"the body is not valid JSON ({e})") from None
     except RecursionError:
         raise bad("the body is not valid JSON (nested too deeply)") from None
