@@ -196,7 +196,8 @@ def test_bodies_are_admitted_before_they_are_read(server):
     assert r.status == 503 and r.json()["error"]["code"] == "queue_full", r.text
     for s in stalled:
         status, _, body = answer(s, timeout=10)
-        assert status == 408 and json.loads(body)["error"]["code"] == "body_timeout"
+        err = json.loads(body)["error"]
+        assert status == 408 and (err["type"], err["code"]) == ("invalid_request_error", "body_timeout"), err
         s.close()
     r = post(server, "/v1/completions", {"prompt": CODE, "max_tokens": 2, "temperature": 0})
     assert r.status == 200, r.text

@@ -31,8 +31,9 @@ class APIError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-                             429: "rate_limit_error", 503: "server_overloaded"}.get(status, "server_error")
+        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error",
+                             413: "invalid_request_error", 429: "rate_limit_error",
+                             503: "server_overloaded"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
