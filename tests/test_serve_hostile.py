@@ -492,7 +492,8 @@ def test_a_pipelined_head_counts_from_its_own_first_byte():
 def test_a_whole_head_over_the_limit_in_one_read_is_refused_too():
     """A head that arrives whole in one read (its end in the same data) is measured before it is parsed: over the
     bound, a 431, on a fresh connection and on a kept-alive one; kept-alive heads under it are each measured from
-    their own first byte (three of 700 bytes on one connection: no 431)."""
+    their own first byte (three of 700 bytes on one connection: no 431), and a head whose end is split across reads
+    is not charged with the body after it."""
     with guarded_uvicorn(1024) as port:
         statuses = []
         for before in (b"", b"GET / HTTP/1.1\r\nHost: h\r\n\r\n"):
@@ -509,8 +510,13 @@ def test_a_whole_head_over_the_limit_in_one_read_is_refused_too():
         for _ in range(3):
             s.sendall(b"GET / HTTP/1.1\r\nHost: h\r\nX-Pad: " + b"a" * 660 + b"\r\n\r\n")
             statuses.append(answer(s)[0])
+        # a head whose end is split across two reads, the second read carrying a body over the bound: no 431
+        s.sendall(b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 2000\r\n\r")
+        time.sleep(0.2)
+        s.sendall(b"\n" + b"a" * 2000)
+        statuses.append(answer(s)[0])
         s.close()
-    assert statuses == [431, 431, 200, 200, 200]
+    assert statuses == [431, 431, 200, 200, 200, 200]
 
 
 def test_accepted_sockets_inherit_the_bounded_buffers():

@@ -286,9 +286,9 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s
         def data_received(self, data: bytes) -> None:
             if self in lingering:
                 return  # the rest of a body nobody reads: dropped unparsed, until the client closes or LINGER_S
-            if self.in_head or self.awaiting:  # a head goes on or begins here: too long even where it ends here?
-                end = data.find(b"\r\n\r\n")
-                if self.head_bytes + (len(data) if end < 0 else end + 4) > max_head_bytes:
+            if self.in_head or self.awaiting:  # a head that ends in this data, measured before it is parsed (one
+                end = data.find(b"\r\n\r\n")  # that goes on past it is counted below, as it arrives)
+                if end >= 0 and self.head_bytes + end + 4 > max_head_bytes:
                     return self.refuse_head()
             self.ended, self.parsing = False, len(data)
             super().data_received(data)
