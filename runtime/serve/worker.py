@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import io
 import itertools
 import json
@@ -29,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 from ...formats.errors import StreamoeError
@@ -356,6 +358,7 @@ class EngineWorker:
         self.cache = PromptCache(so.prompt_cache_bytes)
         self.defaults = {**generation_defaults(eng.root), **so.sampling}
         self.header = assistant_header(eng.text)
+        self.last_head = (b"", np.zeros(0, np.int32))  # the last head's digest and ids (prepare thread's: head_tokens)
         self.tool_format = eng.text.template.tool_format if eng.text.template is not None else "json"
         self.pad = eng.manifest.config.get("image_token_id")
         self.vocab = eng.args.vocab_size
@@ -478,8 +481,14 @@ class EngineWorker:
             text = self.render(probe, generation=False)
         except APIError:
             return 0
-        head = self.eng.text.encode_chat(text[:text.find(HEAD_MARK)]) if HEAD_MARK in text else []
-        return len(head) if len(head) >= self.eng.plan.prefill_step and ids[:len(head)] == head else 0
+        if HEAD_MARK not in text:
+            return 0
+        text = text[:text.find(HEAD_MARK)]
+        digest = hashlib.blake2b(text.encode()).digest()
+        if digest != self.last_head[0]:  # an agent sends the same head every request: encoded once
+            self.last_head = (digest, np.array(self.eng.text.encode_chat(text), np.int32))
+        n, head = len(self.last_head[1]), self.last_head[1]
+        return n if n >= self.eng.plan.prefill_step and np.array_equal(np.array(ids[:n], np.int32), head) else 0
 
     def prepare(self, req: GenRequest) -> Job:
         """The request rendered, length-checked and tokenized into a job (or an APIError). It runs on the
