@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -124,10 +125,12 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
     try:
         eng = Engine(model, opts, group)
         harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
+        work = {"--json-schema": digest(json.dumps(json_schema, sort_keys=True).encode()) if json_schema else None,
+                "--thinking-budget": thinking_budget, "-n": max_tokens, "--ctx": opts.ctx}
         return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
                     max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
                     save_session=save_session, load_session=load_session, seed_given=seed_given,
-                    constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget, harmony))
+                    constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget, harmony), work=work)
     except RuntimeError as e:
         lost = ranks.lost_peer(e, group) if group is not None else None
         if lost is None:
@@ -175,7 +178,8 @@ def json_constraint(eng: Engine, schema: dict, thinking: bool, harmony: bool = F
 def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
          max_tokens: int, sampler: Sampler, stats: Path | None, logits_out: Path | None, quiet: bool,
          save_session: Path | None, load_session: Path | None, seed_given: bool = False,
-         constrained: Callable[[], Constraint | ThinkingBudget] | None = None) -> int:
+         constrained: Callable[[], Constraint | ThinkingBudget] | None = None, work: dict | None = None) -> int:
+    """`work`: what decides an answer's steps besides its prompt, which every rank checks it shares (`ranks.same_work`)."""
     logits: list | None = [] if logits_out else None
     status = 0
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -235,6 +239,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 ids = eng.text.encode_chat(eng.text.turn_close() + text if fed else text)
                 messages.append(msg)
             n0, offset0 = len(eng.steps), eng.offset
+            if group is not None:
+                ranks.same_work(group, {**(work or {}), "the prompt": f"{len(ids)} tokens {digest(np.array(ids, np.int64).tobytes())}"})
             turn_images, images = list(images), []
             constraint = constrained() if constrained is not None else None
             try:
@@ -286,6 +292,11 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
         if group.rank() == 0:  # its file holds every rank's records
             write_outputs(records, stats, logits_out, logits)
     return status
+
+
+def digest(data: bytes) -> str:
+    """A short name for what two ranks compare (`ranks.same_work`)."""
+    return hashlib.sha256(data).hexdigest()[:12]
 
 
 def cut_short(n: int, max_tokens: int, eng: Engine) -> str:

@@ -98,6 +98,26 @@ def open_together(group: Group, open_: Callable[[], None], close: Callable[[], N
     raise StreamoeError(f"{first['where']} could not open: {first['error']}{more}")
 
 
+def same_work(group: Group, work: dict[str, object]) -> None:
+    """Stop every rank before an answer's first step where a rank was given other work than rank 0's (`work`: what
+    decides how many steps an answer takes, by the option that sets it: -n, --ctx, the prompt...). Each rank ends
+    an answer by itself, so a rank told to stop sooner would leave the others waiting on an exchange it never
+    makes, or pair one of theirs with an exchange of another shape: garbage, not an error. Rank 0 says which rank
+    and what differs, in one line; the others exit 2 silently."""
+    told = [json.loads(b) for b in gather_bytes(group, json.dumps({"where": where(group), "work": work}).encode())]
+    mine = told[0]["work"]
+    odd = next((t for t in told if t["work"] != mine), None)
+    if odd is None:
+        return
+    if group.rank() != 0:
+        raise SystemExit(2)
+    theirs = odd["work"]
+    what = "; ".join(f"{k} {theirs.get(k)}, not {mine.get(k)}" for k in sorted(mine.keys() | theirs.keys())
+                     if theirs.get(k) != mine.get(k))
+    raise StreamoeError(f"{odd['where']} was given other work than rank 0 ({what}): start every rank with the same "
+                        "command (mlx.launch does)")
+
+
 def all_agree(group: Group, flag: bool) -> bool:
     """Whether `flag` holds on every rank (e.g. every share resident, so every rank pipelines its steps alike)."""
     n = mx.distributed.all_sum(mx.array(int(flag), dtype=mx.int32), group=group, stream=_stream()).item()

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -196,27 +197,67 @@ def test_plan_shows_each_ranks_share_and_hot_tier(small_conv):
     assert "rank 1 of 2: experts e % 2 == 1 of every layer (32 of 64)" in text
 
 
-def test_a_peer_that_leaves_mid_answer_stops_the_other_with_one_line(ring, small_conv, tmp_path):
-    """Two ranks started by hand (no launcher to kill the survivor): rank 1 answers 2 tokens and exits while
-    rank 0 still decodes; rank 0 stops with one line naming itself (the lost link, or the watchdog)."""
+def by_hand(tmp_path: Path, rank0: list[str], rank1: list[str]) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """Two ranks of `streamoe run SMALL_CONV ...` started by hand (no launcher to kill a survivor): rank 0 with
+    arguments `rank0`, rank 1 with `rank1`; the watchdog's limit is 3 s."""
     port = free_port_pair()
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
-    # the watchdog's limit: how long rank 0 waits once rank 1 is gone (here the lost link is not seen first)
     env = {**os.environ, "MLX_HOSTFILE": str(hosts), "STREAMOE_RANK_TIMEOUT": "3"}
-    cmd = [sys.executable, "-m", "streamoe.cli", "run", str(small_conv), "--cap", "0.3", "--ctx", "256",
-           "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", PROMPT, "-q"]
-    leaver = subprocess.Popen([*cmd, "-n", "2"], env={**env, "MLX_RANK": "1"}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "streamoe.cli", "run"]
+    one = subprocess.Popen([*cmd, *rank1], env={**env, "MLX_RANK": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    zero = subprocess.Popen([*cmd, *rank0], env={**env, "MLX_RANK": "0"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return zero, one
+
+
+def test_a_peer_that_leaves_mid_answer_stops_the_other_with_one_line(ring, small_conv, tmp_path):
+    """Rank 1 is killed once rank 0 has shown the answer's first bytes; rank 0 stops with one line naming itself
+    (the lost link, or the watchdog)."""
+    cmd = [str(small_conv), "--cap", "0.3", "--ctx", "256", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-p", PROMPT,
+           "-q", "-n", "200"]
+    zero, one = by_hand(tmp_path, cmd, cmd)
+    guard = threading.Timer(90, zero.kill)
+    guard.start()
     try:
-        p = subprocess.run([*cmd, "-n", "200"], env={**env, "MLX_RANK": "0"}, capture_output=True, text=True, timeout=90)
+        first = zero.stdout.read(1)  # the answer streams: rank 0 is mid-answer
+        one.kill()
+        out, err = zero.communicate(timeout=90)
     finally:
-        leaver.kill()
-        leaver.wait()
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("streamoe:")]
-    assert len(lines) == 1 and lines[0].startswith("streamoe: error: rank 0 of 2 on "), p.stderr
+        guard.cancel()
+        for p in (zero, one):
+            p.kill()
+            p.communicate()
+    err = err.decode()
+    assert first and zero.returncode == 2 and "Traceback" not in err, err
+    assert len(first + out) < 200  # it did not finish: ended by the lost peer, mid-answer
+    lines = [ln for ln in err.splitlines() if ln.startswith("streamoe:")]
+    assert len(lines) == 1 and lines[0].startswith("streamoe: error: rank 0 of 2 on "), err
     assert "lost its peer ranks" in lines[0] or "no exchange with its peer ranks" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("differs", [["-n", "2"], ["-p", "The slow brown fox"], ["--ctx", "128"]])
+def test_ranks_given_other_work_stop_before_the_first_step(ring, small_conv, tmp_path, differs):
+    """Rank 1 started with another -n, prompt or context than rank 0: each rank ends an answer by itself, so
+    rank 1 would stop exchanging while rank 0 still waits, or pair exchanges of other shapes. Every rank stops
+    before the answer's first step; rank 0 says which rank, and what differs."""
+    base = {"-n": "200", "-p": PROMPT, "--ctx": "256"}
+    args = [str(small_conv), "--cap", "0.3", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-q"]
+    zero, one = by_hand(tmp_path, [*args, *(x for kv in base.items() for x in kv)],
+                        [*args, *(x for kv in {**base, differs[0]: differs[1]}.items() for x in kv)])
+    try:
+        out, err = zero.communicate(timeout=90)
+        one_out, one_err = one.communicate(timeout=30)
+    finally:
+        for p in (zero, one):
+            p.kill()
+    err = err.decode()
+    assert zero.returncode == 2 and one.returncode == 2 and out == b"" and one_out == "", err
+    assert "streamoe:" not in one_err, one_err  # rank 0 alone speaks
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("streamoe: error: rank 1 of 2 on "), err
+    said = {"-n": "(-n 2, not 200)", "-p": "(the prompt ", "--ctx": "(--ctx 128, not 256)"}[differs[0]]
+    assert "was given other work than rank 0 (" in err and said in err, err
 
 
 # ---- `streamoe serve` across ranks: rank 0 serves, rank 1 repeats its engine calls (runtime/serve/lockstep.py)
