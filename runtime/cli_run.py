@@ -239,9 +239,10 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 ids = eng.text.encode_chat(eng.text.turn_close() + text if fed else text)
                 messages.append(msg)
             n0, offset0 = len(eng.steps), eng.offset
-            if group is not None:
-                ranks.same_work(group, {**(work or {}), "the prompt": f"{len(ids)} tokens {digest(np.array(ids, np.int64).tobytes())}"})
             turn_images, images = list(images), []
+            if group is not None:  # each host reads its own --image files
+                ranks.same_work(group, {**(work or {}), "the prompt": f"{len(ids)} tokens {digest(np.array(ids, np.int64).tobytes())}",
+                                        "--image": " ".join(file_digest(p) for p in turn_images) or None})
             constraint = constrained() if constrained is not None else None
             try:
                 with ctrl_c_stops_the_answer(chat and group is None) as stop:
@@ -297,6 +298,14 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
 def digest(data: bytes) -> str:
     """A short name for what two ranks compare (`ranks.same_work`)."""
     return hashlib.sha256(data).hexdigest()[:12]
+
+
+def file_digest(path: Path) -> str:
+    """`digest` of a file's bytes; "unreadable" where it cannot be read (the image's own check then says why)."""
+    try:
+        return digest(Path(path).read_bytes())
+    except OSError:
+        return "unreadable"
 
 
 def cut_short(n: int, max_tokens: int, eng: Engine) -> str:

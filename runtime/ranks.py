@@ -105,15 +105,15 @@ def same_work(group: Group, work: dict[str, object]) -> None:
     makes, or pair one of theirs with an exchange of another shape: garbage, not an error. Rank 0 says which rank
     and what differs, in one line; the others exit 2 silently."""
     told = [json.loads(b) for b in gather_bytes(group, json.dumps({"where": where(group), "work": work}).encode())]
-    mine = told[0]["work"]
-    odd = next((t for t in told if t["work"] != mine), None)
+    rank0 = told[0]["work"]
+    odd = next((t for t in told if t["work"] != rank0), None)
     if odd is None:
         return
     if group.rank() != 0:
         raise SystemExit(2)
     theirs = odd["work"]
-    what = "; ".join(f"{k} {theirs.get(k)}, not {mine.get(k)}" for k in sorted(mine.keys() | theirs.keys())
-                     if theirs.get(k) != mine.get(k))
+    what = "; ".join(f"{k} {theirs.get(k)}, not {rank0.get(k)}" for k in sorted(rank0.keys() | theirs.keys())
+                     if theirs.get(k) != rank0.get(k))
     raise StreamoeError(f"{odd['where']} was given other work than rank 0 ({what}): start every rank with the same "
                         "command (mlx.launch does)")
 

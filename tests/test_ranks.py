@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 from streamoe.runtime.plan import MiB, Options, plan_for
 from streamoe.runtime.serve.openai_api import Limits
@@ -236,13 +237,18 @@ def test_a_peer_that_leaves_mid_answer_stops_the_other_with_one_line(ring, small
     assert "lost its peer ranks" in lines[0] or "no exchange with its peer ranks" in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("differs", [["-n", "2"], ["-p", "The slow brown fox"], ["--ctx", "128"]])
+@pytest.mark.parametrize("differs", [["-n", "2"], ["-p", "The slow brown fox"], ["--ctx", "128"], ["--image", "blue"]])
 def test_ranks_given_other_work_stop_before_the_first_step(ring, small_conv, tmp_path, differs):
-    """Rank 1 started with another -n, prompt or context than rank 0: each rank ends an answer by itself, so
-    rank 1 would stop exchanging while rank 0 still waits, or pair exchanges of other shapes. Every rank stops
+    """Rank 1 started with another -n, prompt, context or image than rank 0: each rank ends an answer by itself,
+    so rank 1 would stop exchanging while rank 0 still waits, or pair exchanges of other shapes. Every rank stops
     before the answer's first step; rank 0 says which rank, and what differs."""
+    for color in ("red", "blue"):  # the same size: the same tokens, other pixels
+        Image.new("RGB", (64, 64), color).save(tmp_path / f"{color}.png")
     base = {"-n": "200", "-p": PROMPT, "--ctx": "256"}
-    args = [str(small_conv), "--cap", "0.3", "--runtime-mib", str(RUNTIME_MIB), "--raw", "-q"]
+    if differs[0] == "--image":
+        base["--image"], differs = str(tmp_path / "red.png"), ["--image", str(tmp_path / "blue.png")]
+    args = [str(small_conv), "--runtime-mib", str(RUNTIME_MIB), "-q",
+            *(["--cap", "0.6", "--no-think"] if "--image" in base else ["--cap", "0.3", "--raw"])]
     zero, one = by_hand(tmp_path, [*args, *(x for kv in base.items() for x in kv)],
                         [*args, *(x for kv in {**base, differs[0]: differs[1]}.items() for x in kv)])
     try:
@@ -256,7 +262,7 @@ def test_ranks_given_other_work_stop_before_the_first_step(ring, small_conv, tmp
     assert "streamoe:" not in one_err, one_err  # rank 0 alone speaks
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("streamoe: error: rank 1 of 2 on "), err
-    said = {"-n": "(-n 2, not 200)", "-p": "(the prompt ", "--ctx": "(--ctx 128, not 256)"}[differs[0]]
+    said = {"-n": "(-n 2, not 200)", "-p": "(the prompt ", "--ctx": "(--ctx 128, not 256)", "--image": "(--image "}[differs[0]]
     assert "was given other work than rank 0 (" in err and said in err, err
 
 
