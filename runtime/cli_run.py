@@ -281,7 +281,9 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             if not chat:
                 break
         if save_session:
-            extra = {"raw": raw, "messages": messages, "tokens": fed, "sampler": sampler.state()}
+            extra = {"raw": raw, "messages": messages, "tokens": fed}
+            if not sampler.greedy or (load_session and "sampler" in saved):  # a greedy conversation drew with no seed
+                extra["sampler"] = sampler.state()
             size = session.save_session(eng, save_session, extra)
             print(f"(saved {eng.offset} tokens of conversation to {save_session}, {size / 2**20:.2f} MiB)", file=sys.stderr)
     finally:

@@ -200,6 +200,11 @@ def test_a_run_draws_with_a_new_seed_unless_given_and_shows_it(tiny_conv, tmp_pa
     assert seed(on) == 5
     one_error_line(cli(*common, "-p", "four", "--load-session", tmp_path / "s.zst", "--seed", 6),
                    str(tmp_path / "s.zst"), "draws with seed 5, not --seed 6")
+    # a greedy conversation drew nothing: its session holds no seed, and a sampled run on it seeds anew
+    cli(*common, "-p", "one two three", "--temp", "0", "--save-session", tmp_path / "g.zst", check=True)
+    on = [cli(*common, "-p", "four", "--load-session", tmp_path / "g.zst", check=True) for _ in range(2)]
+    assert seed(on[0]) != seed(on[1])
+    assert seed(cli(*common, "-p", "four", "--load-session", tmp_path / "g.zst", "--seed", 6, check=True)) == 6
 
 
 def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
