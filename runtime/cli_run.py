@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -320,9 +321,14 @@ def cut_short(n: int, max_tokens: int, eng: Engine) -> str:
 
 
 def read_line(prompt: str) -> str | None:
-    """One line of stdin (None at its end)."""
+    """One line of stdin (None at its end). The prompt is shown only to a person at a terminal, and never into
+    what stdout is redirected to (stdout holds the answers alone)."""
+    shown = prompt if sys.stdin.isatty() else ""
     try:
-        return input(prompt)
+        if shown and not sys.stdout.isatty():
+            print(shown, end="", file=sys.stderr, flush=True)
+            shown = ""
+        return input(shown)
     except EOFError:
         return None
     except UnicodeDecodeError:
@@ -330,6 +336,7 @@ def read_line(prompt: str) -> str | None:
 
 
 CLEAR = "/clear"  # a chat's command: empty the conversation
+COMMANDS = "/image PATH (attach an image to the next turn), /clear (empty the conversation), /quit"
 
 
 def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
@@ -354,7 +361,12 @@ def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
             return CLEAR
         if not user.strip():  # an empty line is no turn
             continue
-        if not user.startswith("/image "):
+        command = user.split()[0] if user.startswith("/") else ""
+        if command not in ("", "/image") and re.fullmatch(r"/[A-Za-z]+", command):  # /help, or a mistyped command
+            known = "" if command == "/help" else f"unknown command {command} (not sent; a turn that starts with '/' is sent with a space before it). "
+            print(f"({known}The commands: {COMMANDS})", file=sys.stderr, flush=True)
+            continue
+        if command != "/image":
             return user
         path = Path(user[7:].strip())
         try:  # a file that cannot be the image is said now, in one line, and the chat goes on

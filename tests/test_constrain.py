@@ -269,7 +269,7 @@ def test_run_json_schema_constrains_each_answer(tiny_conv, tmp_path):
                 check=True).stdout.strip()  # a schema file that is a pipe (`--json-schema <(jq ...)`)
     assert piped == outs[0]
     chat = cli(*run, "--cap", "8", "--chat", "--json-schema", json.dumps(schema), input="one\ntwo\n", check=True).stdout
-    answers = [ln.removeprefix("> ") for ln in chat.splitlines() if ln.removeprefix("> ").startswith("{")]
+    answers = [ln for ln in chat.splitlines() if ln.startswith("{")]
     assert len(answers) == 2
     for a in answers:
         jsonschema.validate(json.loads(a), schema)

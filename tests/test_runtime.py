@@ -604,7 +604,18 @@ def test_a_chat_turn_of_several_lines_is_one_turn(tiny_conv):
     assert want
     for typed in ('"""\ndef f(x):\n    return x\n"""\n', "def f(x):\\\n    return x\n"):
         got = cli(*run, "--chat", input=typed, check=True).stdout
-        assert want in got and got.count("> ") == 2, got  # one answer, then the prompt the input's end closes
+        assert got.strip() == want, got  # one answer; no prompt shown where no person types (stdin piped)
+
+
+def test_chat_help_and_a_mistyped_command_are_not_sent(tiny_conv):
+    """`/help` lists the commands; an unknown `/word` (a mistyped `/image`) is said, not sent as a turn; a turn
+    that starts with '/' goes as text after a space, or where its first word is no command (a path)."""
+    run = ("run", tiny_conv, "--cap", "1", "--ctx", "256", "--raw", "--temp", "0", "-n", "4", "--chat")
+    p = cli(*run, input="/help\n/imgae x.png\n/bogus\n /bogus\n/usr/bin is where?\n", check=True)
+    notes = [ln for ln in p.stderr.splitlines() if ln.startswith("(")]
+    assert notes[0].startswith("(The commands: /image PATH"), p.stderr
+    assert notes[1].startswith("(unknown command /imgae (not sent;") and notes[2].startswith("(unknown command /bogus"), notes
+    assert p.stderr.count(" tokens, ") == 2  # " /bogus" and the path: two turns answered
 
 
 def test_chat_clear_empties_the_conversation_and_p_is_its_first_turn(tiny_conv, tmp_path):
