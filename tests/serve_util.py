@@ -57,9 +57,10 @@ class Served:
 
 
 def start_server(conv: Path, log: Path, *args, cgroup: Path | None = None, timeout: float = 120,
-                 sigint_ignored: bool = False, env: dict[str, str] | None = None) -> Served:
-    """`streamoe serve CONV ARGS` on a free port, its stdout and stderr in `log`; returns once /health answers.
-    `sigint_ignored`: started as a shell's background job is, with SIGINT ignored; `env`: added to its environment."""
+                 sigint_ignored: bool = False, env: dict[str, str] | None = None, stdout: Path | None = None) -> Served:
+    """`streamoe serve CONV ARGS` on a free port, its stdout and stderr in `log` (its stdout in `stdout` where
+    given); returns once /health answers. `sigint_ignored`: started as a shell's background job is, with SIGINT
+    ignored; `env`: added to its environment."""
     import shlex
 
     port = free_port()
@@ -67,8 +68,8 @@ def start_server(conv: Path, log: Path, *args, cgroup: Path | None = None, timeo
     if cgroup is not None or sigint_ignored:
         join = f"echo $$ > {cgroup}/cgroup.procs && " if cgroup is not None else ""
         cmd = ["sh", "-c", ("trap '' INT; " if sigint_ignored else "") + f"{join}exec {shlex.join(cmd)}"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
+    with open(log, "w") as out, open(stdout or os.devnull, "w") as apart:
+        proc = subprocess.Popen(cmd, stdout=apart if stdout else out, stderr=out, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
                                                                                   "PYTHONFAULTHANDLER": "1"})
     served = Served(proc, port, log)
     if answers_health(served.url, proc, timeout, lambda: f"streamoe serve exited with {proc.returncode}:\n{served.text()}"):

@@ -796,11 +796,14 @@ def test_serve_refuses_a_bad_model_in_one_line(tmp_path):
     one_error_line(cli("serve", tmp_path / "nowhere", "--port", 1), "nowhere")
 
 
-def test_ctrl_c_stops_a_server_started_with_sigint_ignored(conv, tmp_path):
-    """A shell's background job inherits SIGINT as ignored; the server still stops cleanly on it."""
-    s = start_server(conv, tmp_path / "bg.log", "--cap", "2", sigint_ignored=True)
+def test_a_background_server_logs_to_stderr_and_stops_on_ctrl_c(conv, tmp_path):
+    """A shell's background job inherits SIGINT as ignored; the server still stops cleanly on it. Its log, the
+    access lines included, goes to stderr: stdout stays empty."""
+    s = start_server(conv, tmp_path / "bg.log", "--cap", "2", sigint_ignored=True, stdout=tmp_path / "stdout")
+    assert fetch(s.url + "/v1/models").status == 200
     assert stop_server(s) == 0, s.text()
-    assert "streamoe: stopped" in s.text()
+    assert "streamoe: stopped" in s.text() and '"GET /v1/models HTTP/1.1" 200' in s.text(), s.text()
+    assert (tmp_path / "stdout").read_text() == ""
 
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -743,7 +744,9 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     # uvicorn's own concurrency limit (503 to a request beyond it) stays above what the guarded protocol holds,
     # evicted connections included until they are gone: only runaway tasks meet it
     conns = connection_limit(so.max_connections, reserve=64 + ACCEPT_BURST)
-    config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"),
+    logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    logs["handlers"]["access"]["stream"] = "ext://sys.stderr"  # uvicorn's default is stdout: a log is no result
+    config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"), log_config=logs,
                             timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s, so.send_timeout_s), loop="uvloop",
                             limit_concurrency=conns + ACCEPT_BURST + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
                             backlog=LISTEN_BACKLOG)
