@@ -222,6 +222,8 @@ def validate(out: Path, source: Path | None, samples: int, as_json: bool) -> Non
 
     from .convert.validate import validate as run_validate
 
+    if source is None and given("samples"):
+        raise StreamoeError("--samples counts the experts compared with --source: give --source")
     report = run_validate(out, source=source, samples=samples)
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -541,6 +543,10 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
         raise StreamoeError("--image needs the chat template; drop --raw")
     if system is not None and raw:
         raise StreamoeError("--system needs the chat template; drop --raw")
+    if no_think and raw:
+        raise StreamoeError("--no-think renders the chat template, which --raw leaves out: give one of them")
+    if prefetch_width == 0 and given("prefetch_waste"):
+        raise StreamoeError("--prefetch-waste bounds the guesses that --prefetch-width 0 turns off: give one of them")
     if thinking_budget is not None and (raw or no_think):
         raise StreamoeError(f"--thinking-budget bounds the thinking the chat template opens; drop {'--raw' if raw else '--no-think'}")
     if load_session and system is not None:

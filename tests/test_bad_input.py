@@ -489,6 +489,11 @@ def _(tmp, ck, conv):
     return ["validate", conv, "--samples", "0"], ("--samples",)
 
 
+@case("validate-samples-without-source")
+def _(tmp, ck, conv):
+    return ["validate", conv, "--samples", "3"], ("--samples counts the experts compared with --source",)
+
+
 @case("manifest-not-json")
 def _(tmp, ck, conv):
     c = copy(conv, tmp / "conv")

@@ -658,8 +658,11 @@ def test_an_answer_cut_by_the_context_says_so(tiny_conv):
 @pytest.mark.parametrize("args,needle", [(["--top-p", "0"], "--top-p"), (["--temp", "-1"], "--temp"),
                                          (["--top-k", "-2"], "--top-k"), (["--experts", "q2"], "--experts"),
                                          (["--prefill-chunk", "big"], "--prefill-chunk"),
-                                         (["--prefill-chunk", "0"], "--prefill-chunk")])
+                                         (["--prefill-chunk", "0"], "--prefill-chunk"),
+                                         (["--raw", "--no-think"], "--no-think renders the chat template"),
+                                         (["--prefetch-width", "0", "--prefetch-waste", "0.5"], "--prefetch-width 0 turns off")])
 def test_bad_sampling_options(tiny_conv, args, needle):
+    """A bad value, or an option that another makes meaningless: one line, exit 2 (never silently ignored)."""
     p = cli("run", tiny_conv, "-p", "hi", *args)
     assert p.returncode == 2
     one_error_line(p, needle)
