@@ -368,6 +368,9 @@ def convert(
         raise fail(out, f"unknown expert format(s) {bad}: choose from {', '.join(FORMATS)}")
     out = Path(out)
     check_not_source(ckpt_path, out)
+    if out.is_symlink():  # `~/models/q -> /mnt/nvme/q`: the conversion goes where the link points, the link stays
+        out = Path(os.path.realpath(out))
+        print(f"(OUT is a link: converting into {out})", file=sys.stderr, flush=True)
     unfinished = os.path.lexists(out / JOURNAL)  # a run killed after publishing: finished below, under the lock
     if not unfinished:
         check_out(ckpt_path, out, force)
@@ -540,9 +543,7 @@ def remove_old(out: Path) -> None:
     for old in out.parent.glob(f".{glob.escape(out.name)}.old-*"):
         if not old.name.removeprefix(f".{out.name}.old-").isdigit():
             continue
-        if old.is_symlink():  # OUT was a link to a conversion: the link is replaced, its target left alone
-            old.unlink()
-        elif old.is_dir() and is_ours(old):
+        if old.is_dir() and not old.is_symlink() and is_ours(old):
             try:
                 remove_ours(old)
             except OSError as e:  # the new conversion is in place: a leftover is not its failure, but it is said

@@ -59,6 +59,21 @@ def test_force_never_touches_the_source_or_its_parents(tiny_ckpt, tmp_path):
     assert sorted(p.name for p in ck.iterdir()) == before
 
 
+def test_an_out_that_is_a_link_converts_into_its_target(tiny_ckpt, tiny_conv, tmp_path):
+    """OUT a link (`~/models/q -> /mnt/nvme/q`, an empty directory, a conversion with --force, or a name not yet
+    made): the conversion lands where the link points, and the link stays."""
+    (tmp_path / "empty").mkdir()
+    shutil.copytree(tiny_conv, tmp_path / "old")
+    for target, force in (("empty", ()), ("old", ("--force",)), ("new", ())):
+        link = tmp_path / f"to-{target}"
+        link.symlink_to(tmp_path / target)
+        p = cli("convert", tiny_ckpt, link, *force, check=True)
+        assert f"(OUT is a link: converting into {tmp_path / target})" in p.stderr
+        assert link.is_symlink() and (tmp_path / target / "manifest.json").is_file()
+        assert validate(link)["ok"] and validate(tmp_path / target)["ok"]
+    assert not [x.name for x in tmp_path.iterdir() if x.name.startswith(".")]  # no partial, old or lock left
+
+
 # ---- locks: concurrent writers of one OUT or one session file
 
 
