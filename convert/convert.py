@@ -32,7 +32,7 @@ from ..formats import quant
 from ..formats.blobs import BlobTensor, plan_blob
 from ..formats.checks import source_problem
 from ..formats.config import is_expert_tensor, quant_for
-from ..formats.direct import RangeReader, UncachedWriter, aligned_buffer
+from ..formats.direct import RangeReader, UncachedWriter, aligned_buffer, file_checksum
 from ..formats.errors import StreamoeError, fail
 from ..formats.files import check_writable_dir, exclusive_lock, kind, os_fail, read_json
 from ..formats.layout import FORMATS, derived_formats, format_layout, layer_file
@@ -256,7 +256,9 @@ def remove_ours(d: Path) -> None:
 
 
 def load_journal(tmp: Path, fp: str) -> dict:
-    """Finished files of an interrupted run with the same source, or {} (and a clean directory)."""
+    """Finished files of an interrupted run with the same source, or {} (and a clean directory). A file is kept
+    only where its size and checksum are the journal's (read whole once: a file changed since, even in place,
+    is written again rather than published under a checksum it does not have)."""
     j = tmp / JOURNAL
     if j.is_file():
         try:
@@ -266,6 +268,7 @@ def load_journal(tmp: Path, fp: str) -> dict:
                     k: v
                     for k, v in doc["done"].items()
                     if (tmp / k).is_file() and (tmp / k).stat().st_size == v["size"]
+                    and file_checksum(tmp / k) == v["checksum"]
                 }
         except (StreamoeError, KeyError, TypeError, AttributeError):
             pass

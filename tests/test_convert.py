@@ -176,6 +176,9 @@ def test_kill_9_mid_conversion_then_rerun_validates(small_ckpt, tmp_path):
     assert tmp.exists()
     done_before = json.loads((tmp / "journal.json").read_text())["done"]
     assert "nonexpert.bin" in done_before
+    with open(tmp / "nonexpert.bin", "r+b") as f:  # changed in place since the journal said it was done
+        f.seek(100)
+        f.write(bytes(b ^ 0xFF for b in f.read(4)))
     cli("convert", small_ckpt, out, "--experts", "q4,q3", check=True)
     assert validate(out, source=small_ckpt, samples=3)["ok"]
     assert not tmp.exists()
