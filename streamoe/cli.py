@@ -149,16 +149,16 @@ class OneLineGroup(click.Group):
     """Usage errors (a bad option value, a missing argument) are one stderr line too, not click's usage block."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        try:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:  # the command is `streamoe` however it was started (`python -m streamoe`): in usage lines and hints
+            return super().main(args, prog_name or "streamoe", complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
-            cmd = f" {e.ctx.command_path}" if getattr(e, "ctx", None) is not None else ""
-            hint = f" (see streamoe{cmd.removeprefix(' streamoe')} --help)" if isinstance(e, click.UsageError) else ""
+            cmd = e.ctx.command_path if getattr(e, "ctx", None) is not None else "streamoe"
+            hint = f" (see {cmd} --help)" if isinstance(e, click.UsageError) else ""
             click.echo(_line(f"streamoe: error: {e.format_message()}{hint}"), err=True)
             sys.exit(e.exit_code)
-        except click.exceptions.Abort:
-            click.echo("streamoe: aborted", err=True)
-            sys.exit(1)
+        except click.exceptions.Abort:  # Ctrl-C outside a command's own handling (`user_errors`): the same exit
+            click.echo("streamoe: interrupted", err=True)
+            sys.exit(130)
 
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})

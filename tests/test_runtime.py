@@ -668,6 +668,16 @@ def test_bad_sampling_options(tiny_conv, args, needle):
     one_error_line(p, needle)
 
 
+def test_python_m_streamoe_is_the_command_and_its_hints_name_it(tiny_conv):
+    """`python -m streamoe` runs the CLI; however started, a usage error's hint names `streamoe COMMAND --help`."""
+    for module in ("streamoe", "streamoe.cli"):
+        p = subprocess.run([sys.executable, "-m", module, "run", str(tiny_conv), "-n", "0", "-p", "hi"],
+                           capture_output=True, text=True, timeout=120)
+        assert one_error_line(p, "--max-tokens").endswith("(see streamoe run --help)"), p.stderr
+    p = subprocess.run([sys.executable, "-m", "streamoe", "plan", "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("Usage: streamoe plan [OPTIONS] MODEL"), p.stdout
+
+
 def test_plan_prints_the_prefill_chunk(tiny_conv):
     p = cli("plan", tiny_conv, "--cap", "1", "--runtime-mib", "64", "--json", "--prefill-chunk", "96", check=True)
     assert (json.loads(p.stdout)["prefill_chunk"], json.loads(p.stdout)["prefill_step"]) == (96, 96)

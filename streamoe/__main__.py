@@ -1,0 +1,5 @@
+"""`python -m streamoe`: the `streamoe` command."""
+
+from .cli import main
+
+main()
