@@ -69,6 +69,7 @@ import numpy as np
 from ..formats.config import text_config
 from ..formats.errors import StreamoeError, fail
 from ..formats.export import INIT_STD, Spec, specs
+from ..formats.files import check_writable_dir, existing_ancestor
 from ..formats.safetensors import build_header, tensor_nbytes
 from .synth_tokenizer import (
     HARMONY_BASE,
@@ -767,13 +768,6 @@ def _check_out(out: Path) -> None:
             raise fail(out, "exists and is not empty (will not overwrite)")
 
 
-def _existing_ancestor(path: Path) -> Path:
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
 def _remove_stale_temps(out: Path) -> None:
     """Remove temporaries that interrupted (killed) runs for the same OUT left behind."""
     for tmp in out.parent.glob(f".{glob.escape(out.name)}.synth-*.tmp"):
@@ -815,7 +809,8 @@ def synth(out: Path, *, size: str, variant: str | None, text_only: bool, seed: i
 
     _check_out(out)
     target = Path(os.path.abspath(out))  # '.', '..' and trailing slashes resolved
-    anchor = _existing_ancestor(target.parent)
+    check_writable_dir(target.parent, out)  # a read-only or locked place, before its free space is weighed
+    anchor = existing_ancestor(target.parent)
     try:
         free = shutil.disk_usage(anchor).free
     except OSError as e:
