@@ -156,7 +156,8 @@ def open_checkpoint(root: str | Path) -> Checkpoint:
     check_config_sizes(config, root / "config.json")
     mt = config.get("model_type")
     if not isinstance(mt, str) or mt not in SUPPORTED_MODEL_TYPES:
-        raise fail(root / "config.json", f"unsupported model_type {str(mt)[:40]!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
+        what = "has no model_type" if mt is None else f"unsupported model_type {str(mt)[:40]!r}"
+        raise fail(root / "config.json", f"{what} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
     q = config.get("quantization")
     if not isinstance(q, dict) or "bits" not in q or "group_size" not in q:
         raise fail(root / "config.json", "no quantization block: streamoe converts quantized (4-bit) exports")

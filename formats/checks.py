@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from .config import family_of, is_expert_tensor, text_config
 from .direct import file_checksum
-from .errors import StreamoeError
+from .errors import StreamoeError, fail
 from .files import kind as file_kind
 from .manifest import Manifest, load_manifest, safe_path
 
@@ -25,8 +25,9 @@ def _strip(name: str) -> str:
     return name.removeprefix("language_model.")
 
 
-def expected_tensors(config: dict, vision: bool) -> list:
-    """The non-expert tensors the runtime loads for this config (synth's table of the real export), as Specs."""
+def expected_tensors(config: dict, vision: bool, path: object = "config.json") -> list:
+    """The non-expert tensors the runtime loads for this config (synth's table of the real export), as Specs;
+    `path`: the config's file, which a config this version cannot read is named by."""
     from .export import specs
 
     q = config.get("quantization") or {}
@@ -39,9 +40,10 @@ def expected_tensors(config: dict, vision: bool) -> list:
         table = specs(cfg)
     except StreamoeError:
         raise
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise StreamoeError(f"config.json: not a config this version can check the weights against ({type(e).__name__}: "
-                            f"{str(e)[:80]})") from None
+    except KeyError as e:
+        raise fail(path, f"not a config this version can check the weights against: it has no {str(e.args[0])[:40]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise fail(path, f"not a config this version can check the weights against ({type(e).__name__}: {str(e)[:80]})") from None
     tied = bool(text_config(config).get("tie_word_embeddings", False))
     family = family_of(config) or ""
     return [s for s in table if not is_expert_tensor(s.name, family)
@@ -82,17 +84,17 @@ def tensor_problem(m: Manifest, kind: str) -> str | None:
     if blob is None:
         return None
     have = {_strip(t.name): t for t in blob[1]}
-    specs = [s for s in expected_tensors(m.config, vision=kind == "vision")
+    specs = [s for s in expected_tensors(m.config, kind == "vision", m.root / "config.json")
              if (kind == "vision") == s.name.startswith("vision_tower.")]
     return _first_mismatch(specs, have, f" from the {kind} blob", _dtype_problem)
 
 
-def source_problem(config: dict, shapes: dict[str, tuple[int, ...]]) -> str | None:
+def source_problem(config: dict, shapes: dict[str, tuple[int, ...]], path: object = "config.json") -> str | None:
     """The first non-expert tensor the model needs that a source checkpoint (`shapes`: name -> shape) lacks or
     holds in another shape than its config implies, or None: checked before `convert` writes anything, so it
     never publishes a directory that `validate` and `run` refuse."""
     have = {_strip(name): SimpleNamespace(shape=shape) for name, shape in shapes.items()}
-    return _first_mismatch(expected_tensors(config, vision=True), have, "")
+    return _first_mismatch(expected_tensors(config, True, path), have, "")
 
 
 def file_problem(m: Manifest, f: dict) -> str | None:

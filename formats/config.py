@@ -159,7 +159,8 @@ class ModelArgs:
         model_type = family_of(config)
         if model_type not in FAMILIES:
             mt = config.get("model_type", text.get("model_type"))
-            raise fail(path, f"unsupported model_type {str(mt)[:40]!r} (supported: {', '.join(FAMILIES)})")
+            what = "has no model_type" if mt is None else f"unsupported model_type {str(mt)[:40]!r}"
+            raise fail(path, f"{what} (supported: {', '.join(FAMILIES)})")
         n_key, width_key = expert_keys(config)
         if int(need(n_key)) <= 0:
             raise fail(path, f"{n_key} must be > 0 (only the MoE model is supported)")

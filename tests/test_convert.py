@@ -317,13 +317,16 @@ def test_index_names_missing_tensor(tiny_ckpt, tmp_path):
     (lambda c: c["quantization"].update(mode="mxfp4"), "unsupported quantization mode"),
     (lambda c: c["quantization"].update(bits=8), "unsupported expert quantization"),
     (lambda c: c["text_config"].update(moe_intermediate_size=128), "but the config implies"),
+    (lambda c: c.pop("model_type"), "config.json: has no model_type (supported: "),
+    (lambda c: c["vision_config"].pop("depth"), "config.json: not a config this version can check the weights against: it has no 'depth'"),
 ])
 def test_bad_config(tiny_ckpt, tmp_path, edit, needle):
     ck = broken_copy(tiny_ckpt, tmp_path / "ck")
     cfg = json.loads((ck / "config.json").read_text())
     edit(cfg)
     (ck / "config.json").write_text(json.dumps(cfg))
-    one_error_line(cli("convert", ck, tmp_path / "o"), needle)
+    line = one_error_line(cli("convert", ck, tmp_path / "o"), needle)
+    assert not needle.startswith("config.json") or line.startswith(f"streamoe: error: {ck / 'config.json'}: "), line
     assert not (tmp_path / "o").exists()
 
 
