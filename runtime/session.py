@@ -70,7 +70,7 @@ def load_session(eng, path: str | Path) -> dict:
         for key, what in (("experts", "expert format (--experts)"), ("dtype", "compute dtype (--dtype)"),
                           ("kv", "KV cache format (--kv)"), ("model", "model or weights")):
             if meta.get(key) != mine[key]:
-                raise fail(path, f"saved with a different {what}: {meta.get(key)} here {mine[key]}")
+                raise fail(path, f"saved with a different {what}: the session's {meta.get(key)}, this run's {mine[key]}")
         n = int(meta["tokens"])
         if n > eng.opts.ctx:
             raise fail(path, f"the session holds {n} tokens, more than the planned context --ctx {eng.opts.ctx}")

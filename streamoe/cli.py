@@ -535,7 +535,10 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
         raise StreamoeError("--chat reads its turns from stdin, so '-p -' cannot read a prompt from it")
     if stdin_read_by and any(is_stdin(p) for p in images):
         raise StreamoeError(f"--image and {stdin_read_by} both read stdin: give one of them another file or pipe")
+    source = prompt_file or ("stdin" if prompt == "-" else "--prompt")
     prompt = read_prompt(prompt, prompt_file)
+    if raw and prompt == "":  # no template around it: nothing to answer
+        raise StreamoeError(f"{source}: the prompt is empty, and --raw feeds it as it is: give some text")
     schema = read_schema(json_schema) if json_schema is not None else None
     if prompt is None and not chat:
         raise StreamoeError("give --prompt TEXT, --prompt-file PATH or --chat")

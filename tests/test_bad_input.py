@@ -630,6 +630,18 @@ def _(tmp, ck, conv):
     return run_args(conv, "--raw", "--system", "be brief"), ("--system needs the chat template",)
 
 
+@case("run-raw-empty-prompt-file")
+def _(tmp, ck, conv):
+    (tmp / "empty.txt").write_text("")
+    return ["run", conv, "--cap", "1", "--raw", "-f", tmp / "empty.txt", "-n", "1"], (
+        str(tmp / "empty.txt"), "the prompt is empty, and --raw feeds it as it is")
+
+
+@case("run-raw-empty-prompt")
+def _(tmp, ck, conv):
+    return ["run", conv, "--cap", "1", "--raw", "-p", "", "-n", "1"], ("--prompt: the prompt is empty",)
+
+
 @case("run-one-file-for-two-outputs")
 def _(tmp, ck, conv):
     return run_args(conv, "--stats", tmp / "out", "--save-session", tmp / "out"), (

@@ -226,7 +226,7 @@ def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
         ([d / "flipped"], "damaged"),
         ([d / "notsession"], "session metadata"),
         ([d / "other-model"], "different model"),
-        ([good, "--kv", "float16"], "--kv"),
+        ([good, "--kv", "float16"], "(--kv): the session's float32, this run's float16"),
         ([good, "--ctx", "8"], "--ctx 8"),
         ([good, "--experts", "q3"], "--experts"),
     ]
