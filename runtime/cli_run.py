@@ -125,6 +125,8 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
             save_session = None
     try:
         eng = Engine(model, opts, group)
+        if eng.plan.past_native and opts.rank == 0:
+            print(f"streamoe: note: {eng.plan.past_native}", file=sys.stderr, flush=True)
         harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
         work = {"--json-schema": digest(json.dumps(json_schema, sort_keys=True).encode()) if json_schema else None,
                 "--thinking-budget": thinking_budget, "-n": max_tokens, "--ctx": opts.ctx}

@@ -323,9 +323,20 @@ class MemoryPlan:
         unused = max(0, self.cap - self.fixed - self.hot_slots * self.slot_bytes)
         return self.accounts["allocator cache"] + unused
 
+    @property
+    def past_native(self) -> str | None:
+        """A note where the planned context runs past the model's own (llama.cpp warns the same): allowed, as a
+        context the positions never reach costs nothing, but positions past it are ones the model never saw."""
+        if self.native_ctx is None or self.ctx <= self.native_ctx:
+            return None
+        return (f"--ctx {self.ctx:,} is past the model's own context of {self.native_ctx:,} tokens: positions beyond it "
+                "were never trained, and answers there may degrade")
+
     def render(self) -> str:
         rows = [f"memory plan: cap {self.cap / GiB:.2f} GiB, ctx {self.ctx}, experts {self.expert_format} "
                 f"({self.stride:,} B per expert, {self.slot_bytes:,} B per slot)"]
+        if self.past_native:
+            rows.append(f"  (note: {self.past_native})")
         if self.ranks > 1:
             rows.append(f"  rank {self.rank} of {self.ranks}: experts e % {self.ranks} == {self.rank} of every layer "
                         f"({self.n_experts} of {self.all_experts}); --cap is this host's")

@@ -106,6 +106,17 @@ def test_plan_from_the_bare_config_of_the_real_model(tmp_path):
     assert plan["kv_formats"]["float32"]["token_bytes"] == 196_608 and plan["native_ctx"] == 40960
 
 
+def test_a_context_past_the_models_own_is_allowed_with_a_note(conv):
+    """--ctx past max_position_embeddings (40,960 here) plans and runs, as in llama.cpp, with one note on stderr
+    (plan prints it in the plan); at the model's own context there is none."""
+    args = ["--cap", "4", "--runtime-mib", "100"]
+    note = "--ctx 41,000 is past the model's own context of 40,960 tokens"
+    assert note in cli("plan", conv, *args, "--ctx", "41000", check=True).stdout
+    assert "past the model's own" not in cli("plan", conv, *args, "--ctx", "40960", check=True).stdout
+    p = cli("run", conv, *args, "--ctx", "41000", "-p", "hi", "-n", "2", "-q", "--raw", check=True)
+    assert p.stderr.splitlines() == [f"streamoe: note: {note}: positions beyond it were never trained, and answers there may degrade"]
+
+
 # ------------------------------------------------------------------------------------ synth, convert, validate
 
 
