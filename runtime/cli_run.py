@@ -129,7 +129,8 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
             print(f"streamoe: note: {eng.plan.past_native}", file=sys.stderr, flush=True)
         harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
         work = {"--json-schema": digest(json.dumps(json_schema, sort_keys=True).encode()) if json_schema else None,
-                "--thinking-budget": thinking_budget, "-n": max_tokens, "--ctx": opts.ctx}
+                "--thinking-budget": thinking_budget, "-n": max_tokens, "--chat": chat, "-q": quiet, "--raw": raw,
+                "--no-think": not think}
         return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
                     max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
                     save_session=save_session, load_session=load_session, seed_given=seed_given,
@@ -182,7 +183,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
          max_tokens: int, sampler: Sampler, stats: Path | None, logits_out: Path | None, quiet: bool,
          save_session: Path | None, load_session: Path | None, seed_given: bool = False,
          constrained: Callable[[], Constraint | ThinkingBudget] | None = None, work: dict | None = None) -> int:
-    """`work`: what decides an answer's steps besides its prompt, which every rank checks it shares (`ranks.same_work`)."""
+    """`work`: what decides the run's collectives besides each prompt, which every rank checks it shares
+    (`ranks.same_work`) before the first."""
     logits: list | None = [] if logits_out else None
     status = 0
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -208,6 +210,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 eng.close()
                 raise
     try:
+        if group is not None:
+            ranks.same_work(group, work or {})
         turns = [prompt] if prompt is not None else []  # with --chat, -p is the chat's first turn
         if chat and sys.stdin.isatty():
             with contextlib.suppress(ImportError):
@@ -244,7 +248,7 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             n0, offset0 = len(eng.steps), eng.offset
             turn_images, images = list(images), []
             if group is not None:  # each host reads its own --image files
-                ranks.same_work(group, {**(work or {}), "the prompt": f"{len(ids)} tokens {digest(np.array(ids, np.int64).tobytes())}",
+                ranks.same_work(group, {"the prompt": f"{len(ids)} tokens {digest(np.array(ids, np.int64).tobytes())}",
                                         "--image": " ".join(file_digest(p) for p in turn_images) or None})
             constraint = constrained() if constrained is not None else None
             try:

@@ -20,7 +20,7 @@ from ..formats.checks import check_open
 from ..formats.config import ModelArgs
 from ..formats.errors import ContextFull, StreamoeError
 from ..formats.manifest import load_manifest, safe_path
-from . import ranks
+from . import ranks, session
 from .constrain import Constraint
 from .conversation import Conversation
 from .copy_engine import open_copy_engine
@@ -80,6 +80,13 @@ class Engine:
         self.opts = replace(self.opts, rank=group.rank(), ranks=group.size())
         self.watchdog = ranks.Watchdog(group)
         ranks.open_together(group, self._open, self.close)
+        try:  # every rank computes the trunk: the same model, formats and context on each
+            fp = session.fingerprint(self)
+            ranks.same_work(group, {"the model": fp["model"], "--experts": fp["experts"], "--dtype": str(self.dtype).removeprefix("mlx.core."),
+                                    "--kv": fp["kv"], "--ctx": self.opts.ctx, "images": self.opts.images})
+        except BaseException:
+            self.close()
+            raise
         self.pipelined = ranks.all_agree(group, self.experts.resident)  # every rank queues the same steps
         # every rank cuts a prompt into the same chunks (each chunk's layers exchange block by block): the
         # smallest any rank planned, whose activations fit every rank's account

@@ -23,6 +23,7 @@ without a layer's exchange.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -40,9 +41,10 @@ Group = mx.distributed.Group
 RANK_TIMEOUT = float(os.environ.get("STREAMOE_RANK_TIMEOUT", "300"))  # seconds a step may wait on its peers
 
 
+@functools.cache
 def find_group() -> Group | None:
     """The group `mlx.launch` started this process in; None when it runs alone (a group of one is the
-    single-host engine, unchanged)."""
+    single-host engine, unchanged). One per process: the command's checks and its engine ask the same."""
     g = mx.distributed.init()
     return g if g.size() > 1 else None
 
@@ -99,11 +101,11 @@ def open_together(group: Group, open_: Callable[[], None], close: Callable[[], N
 
 
 def same_work(group: Group, work: dict[str, object]) -> None:
-    """Stop every rank before an answer's first step where a rank was given other work than rank 0's (`work`: what
-    decides how many steps an answer takes, by the option that sets it: -n, --ctx, the prompt...). Each rank ends
-    an answer by itself, so a rank told to stop sooner would leave the others waiting on an exchange it never
-    makes, or pair one of theirs with an exchange of another shape: garbage, not an error. Rank 0 says which rank
-    and what differs, in one line; the others exit 2 silently."""
+    """Stop every rank where one was started with other settings or work than rank 0 (`work`, by the option that
+    sets each: the model, --kv, --dtype and --ctx at open; -n, the prompt... before an answer). Every rank computes
+    the trunk and ends an answer by itself, so a rank that differs gives other rows without a word, or stops
+    exchanging while the others wait, or pairs an exchange of theirs with one of another shape: garbage, not an
+    error. Rank 0 says which rank and what differs, in one line; the others exit 2 silently."""
     told = [json.loads(b) for b in gather_bytes(group, json.dumps({"where": where(group), "work": work}).encode())]
     rank0 = told[0]["work"]
     odd = next((t for t in told if t["work"] != rank0), None)
@@ -114,8 +116,8 @@ def same_work(group: Group, work: dict[str, object]) -> None:
     theirs = odd["work"]
     what = "; ".join(f"{k} {theirs.get(k)}, not {rank0.get(k)}" for k in sorted(rank0.keys() | theirs.keys())
                      if theirs.get(k) != rank0.get(k))
-    raise StreamoeError(f"{odd['where']} was given other work than rank 0 ({what}): start every rank with the same "
-                        "command (mlx.launch does)")
+    raise StreamoeError(f"{odd['where']} differs from rank 0 ({what}): start every rank with the same command "
+                        "(mlx.launch does)")
 
 
 def all_agree(group: Group, flag: bool) -> bool:

@@ -527,6 +527,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     """Answer a prompt (or chat) with MODEL, a converted directory, inside --cap GiB."""
     from .runtime.cli_run import run_cli
     from .runtime.image import PipedImage, read_image_source
+    from .runtime.ranks import find_group
     from .runtime.sampling import Sampler
 
     stdin_read_by = ("--chat" if chat else "-p -" if prompt == "-" else
@@ -535,6 +536,12 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
         raise StreamoeError("--chat reads its turns from stdin, so '-p -' cannot read a prompt from it")
     if stdin_read_by and any(is_stdin(p) for p in images):
         raise StreamoeError(f"--image and {stdin_read_by} both read stdin: give one of them another file or pipe")
+    group = find_group()
+    if group is not None and stdin_read_by in ("-p -", "--prompt-file"):  # mlx.launch never ends the ranks' stdin
+        if group.rank() != 0:
+            sys.exit(2)
+        raise StreamoeError(f"across ranks (mlx.launch) {stdin_read_by} would wait for ever: stdin never ends there; "
+                            "give -p TEXT or --prompt-file FILE")
     source = prompt_file or ("stdin" if prompt == "-" else "--prompt")
     prompt = read_prompt(prompt, prompt_file)
     if raw and prompt == "":  # no template around it: nothing to answer
@@ -561,7 +568,8 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     if seed is None:  # as mlx-lm and llama.cpp: each sampled run its own draws; a greedy one draws nothing
         seed = 0 if Sampler(**sampling).greedy else secrets.randbits(63)
     sampling["seed"] = seed
-    vision = bool(images) or (chat and not raw and has_vision(model))  # a text-only model's chat is text
+    # a text-only model's chat is text, and so is a chat across ranks (no /image there)
+    vision = bool(images) or (chat and not raw and group is None and has_vision(model))
     if given("max_pixels") and not vision:
         raise StreamoeError("--max-pixels sizes the vision account, and this run plans none (no --image"
                             f"{'' if raw or not chat else ': the model has no vision tower'})")

@@ -237,20 +237,32 @@ def test_a_peer_that_leaves_mid_answer_stops_the_other_with_one_line(ring, small
     assert "lost its peer ranks" in lines[0] or "no exchange with its peer ranks" in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("differs", [["-n", "2"], ["-p", "The slow brown fox"], ["--ctx", "128"], ["--image", "blue"]])
-def test_ranks_given_other_work_stop_before_the_first_step(ring, small_conv, tmp_path, differs):
-    """Rank 1 started with another -n, prompt, context or image than rank 0: each rank ends an answer by itself,
-    so rank 1 would stop exchanging while rank 0 still waits, or pair exchanges of other shapes. Every rank stops
-    before the answer's first step; rank 0 says which rank, and what differs."""
+DIFFERS = {  # rank 1's difference from rank 0, and what rank 0's line says of it
+    "n": (["-n", "2"], "(-n 2, not 200)"),
+    "prompt": (["-p", "The slow brown fox"], "(the prompt "),
+    "ctx": (["--ctx", "128"], "(--ctx 128, not 256)"),
+    "kv": (["--kv", "q8"], "(--kv q8, not float32)"),
+    "dtype": (["--dtype", "float16"], "(--dtype float16, not float32; --kv float16, not float32)"),
+    "quiet": (["-q"], "(-q True, not False)"),
+    "image": (["--image", "blue.png"], "(--image "),
+}
+
+
+@pytest.mark.parametrize("differs", sorted(DIFFERS))
+def test_ranks_started_otherwise_stop_before_the_first_step(ring, small_conv, tmp_path, differs):
+    """Rank 1 started with another -n, prompt, context, KV or compute dtype, -q or image than rank 0. Every rank
+    computes the trunk (another --kv or --dtype gives other rows without a word) and ends an answer by itself
+    (another -n stops its exchanges while rank 0 waits, or pairs exchanges of other shapes; -q skips one). Every
+    rank stops before the first step; rank 0 says which rank, and what differs."""
     for color in ("red", "blue"):  # the same size: the same tokens, other pixels
         Image.new("RGB", (64, 64), color).save(tmp_path / f"{color}.png")
-    base = {"-n": "200", "-p": PROMPT, "--ctx": "256"}
-    if differs[0] == "--image":
-        base["--image"], differs = str(tmp_path / "red.png"), ["--image", str(tmp_path / "blue.png")]
-    args = [str(small_conv), "--runtime-mib", str(RUNTIME_MIB), "-q",
-            *(["--cap", "0.6", "--no-think"] if "--image" in base else ["--cap", "0.3", "--raw"])]
-    zero, one = by_hand(tmp_path, [*args, *(x for kv in base.items() for x in kv)],
-                        [*args, *(x for kv in {**base, differs[0]: differs[1]}.items() for x in kv)])
+    change, said = DIFFERS[differs]
+    base = ["-n", "200", "-p", PROMPT, "--ctx", "256", "--runtime-mib", str(RUNTIME_MIB), "--dtype", "float32"]
+    base += (["--cap", "0.6", "--no-think", "--image", str(tmp_path / "red.png")] if differs == "image"
+             else ["--cap", "0.3", "--raw"])
+    one_args = [*base, *change] if differs != "image" else [*base, "--image", str(tmp_path / "blue.png")]
+    zero, one = by_hand(tmp_path, [str(small_conv), *base, *([] if differs == "quiet" else ["-q"])],
+                        [str(small_conv), *one_args, *([] if differs == "quiet" else ["-q"])])
     try:
         out, err = zero.communicate(timeout=90)
         one_out, one_err = one.communicate(timeout=30)
@@ -262,8 +274,16 @@ def test_ranks_given_other_work_stop_before_the_first_step(ring, small_conv, tmp
     assert "streamoe:" not in one_err, one_err  # rank 0 alone speaks
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("streamoe: error: rank 1 of 2 on "), err
-    said = {"-n": "(-n 2, not 200)", "-p": "(the prompt ", "--ctx": "(--ctx 128, not 256)", "--image": "(--image "}[differs[0]]
-    assert "was given other work than rank 0 (" in err and said in err, err
+    assert " differs from rank 0 (" in err and said in err, err
+
+
+def test_a_prompt_from_stdin_is_refused_across_ranks(ring, small_conv):
+    """mlx.launch never ends its ranks' stdin: `-p -` would wait for ever, so it is refused in one line."""
+    p = launch(sys.executable, "-m", "streamoe.cli", "run", str(small_conv), "--cap", "0.3", "--ctx", "256", "--raw",
+               "-p", "-", stdin="hello\n", timeout=60)
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("streamoe:")]
+    assert lines == ["streamoe: error: across ranks (mlx.launch) -p - would wait for ever: stdin never ends there; "
+                     "give -p TEXT or --prompt-file FILE"], p.stderr
 
 
 # ---- `streamoe serve` across ranks: rank 0 serves, rank 1 repeats its engine calls (runtime/serve/lockstep.py)
