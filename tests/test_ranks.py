@@ -156,10 +156,13 @@ def test_two_resident_ranks_pipeline_to_the_same_logits(ring, small_conv, tmp_pa
 
 def test_a_chat_across_ranks_answers_rank_0s_turns_as_one_host(ring, small_conv, tmp_path):
     """Rank 0 reads the turns and shares each; an /image line is refused there (the others could not see it),
-    and the chat goes on. `/quit` ends it (the launcher does not pass on the end of stdin)."""
-    args = ["--cap", "0.6", "--ctx", "512", "--runtime-mib", str(RUNTIME_MIB), "--chat", "-n", "6", "-q", "--seed", "3"]
-    cli("run", small_conv, *args, "--logits-out", tmp_path / "one.npz", input="hello there\nwhat next\n", check=True)
-    two = run_ranked(small_conv, *args, "--logits-out", tmp_path / "two.npz",
+    and the chat goes on. `/quit` ends it (the launcher does not pass on the end of stdin). Taking no image, the
+    chat plans no vision account: it opens at a cap one host's chat (which takes images) does not fit."""
+    args = ["--ctx", "512", "--runtime-mib", str(RUNTIME_MIB), "--chat", "-n", "6", "-q", "--seed", "3"]
+    one_error_line(cli("run", small_conv, "--cap", "0.3", *args, input="hi\n"), "too small")
+    cli("run", small_conv, "--cap", "0.6", *args, "--logits-out", tmp_path / "one.npz", input="hello there\nwhat next\n",
+        check=True)
+    two = run_ranked(small_conv, "--cap", "0.3", *args, "--logits-out", tmp_path / "two.npz",
                      stdin="hello there\n/image /no/such.png\nwhat next\n/quit\n")
     assert (tmp_path / "two.npz").exists(), two.stderr
     a, b = np.load(tmp_path / "one.npz")["logits"], np.load(tmp_path / "two.npz")["logits"]
