@@ -201,14 +201,14 @@ def test_plan_shows_each_ranks_share_and_hot_tier(small_conv):
     assert "rank 1 of 2: experts e % 2 == 1 of every layer (32 of 64)" in text
 
 
-def by_hand(tmp_path: Path, rank0: list[str], rank1: list[str]) -> tuple[subprocess.Popen, subprocess.Popen]:
-    """Two ranks of `streamoe run SMALL_CONV ...` started by hand (no launcher to kill a survivor): rank 0 with
+def by_hand(tmp_path: Path, rank0: list[str], rank1: list[str], command: str = "run") -> tuple[subprocess.Popen, subprocess.Popen]:
+    """Two ranks of `streamoe COMMAND ...` started by hand (no launcher to kill a survivor): rank 0 with
     arguments `rank0`, rank 1 with `rank1`; the watchdog's limit is 3 s."""
     port = free_port_pair()
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     env = {**os.environ, "MLX_HOSTFILE": str(hosts), "STREAMOE_RANK_TIMEOUT": "3"}
-    cmd = [sys.executable, "-m", "streamoe.cli", "run"]
+    cmd = [sys.executable, "-m", "streamoe.cli", command]
     one = subprocess.Popen([*cmd, *rank1], env={**env, "MLX_RANK": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     zero = subprocess.Popen([*cmd, *rank0], env={**env, "MLX_RANK": "0"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -278,6 +278,25 @@ def test_ranks_started_otherwise_stop_before_the_first_step(ring, small_conv, tm
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("streamoe: error: rank 1 of 2 on "), err
     assert " differs from rank 0 (" in err and said in err, err
+
+
+def test_servers_ranks_started_otherwise_stop_before_serving(ring, small_conv, tmp_path):
+    """`serve` across ranks: a rank with another context (checked at the engine's open) or another prompt cache
+    (each rank keeps the snapshots rank 0's cache holds) stops every rank before any request, in one line."""
+    base = [str(small_conv), "--cap", "2", "--runtime-mib", str(RUNTIME_MIB), "--no-images", "--port", str(free_port_pair())]
+    for change, said in ((["--ctx", "128"], "(--ctx 128, not 256)"), (["--prompt-cache-mib", "4"], "(--prompt-cache-mib 4.0, not 8.0)")):
+        rank1 = [*base, "--ctx", "256", "--prompt-cache-mib", "8", *change]
+        zero, one = by_hand(tmp_path, [*base, "--ctx", "256", "--prompt-cache-mib", "8"], rank1, "serve")
+        try:
+            out, err = zero.communicate(timeout=120)
+            one.communicate(timeout=30)
+        finally:
+            for p in (zero, one):
+                p.kill()
+        err = err.decode()
+        assert zero.returncode == 2 and one.returncode == 2 and out == b"", err
+        lines = [ln for ln in err.splitlines() if ln.startswith("streamoe:")]
+        assert len(lines) == 1 and "rank 1 of 2 on " in lines[0] and " differs from rank 0 " + said in lines[0], err
 
 
 def test_a_prompt_from_stdin_is_refused_across_ranks(ring, small_conv):

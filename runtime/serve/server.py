@@ -733,6 +733,13 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     if group is not None:
         opts = dataclasses.replace(opts, images=False)
     sock = bind(host, port, group)
+    if group is not None:  # every rank keeps the snapshots rank 0's prompt cache holds, inside its own plan
+        try:
+            ranks.same_work(group, {"--prompt-cache-mib": so.prompt_cache_bytes / 2**20})
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
     if sock is None:
         return follow_rank0(root, opts, so, group)
     server = Server(root, opts, so, group)
