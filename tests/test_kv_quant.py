@@ -165,7 +165,7 @@ def test_session_restores_a_quantized_cache_bit_identical(tiny_conv, tmp_path, k
     eng.close()
 
     eng = engine(tiny_conv, "q8" if kv == "q4" else "q4")
-    with pytest.raises(StreamoeError, match=f"KV cache format \\(--kv\\): {kv} here"):
+    with pytest.raises(StreamoeError, match=f"KV cache format \\(--kv\\): the session's {kv}, this run's {'q8' if kv == 'q4' else 'q4'}"):
         load_session(eng, tmp_path / "a.zst")
     eng.close()
 

@@ -431,7 +431,7 @@ def test_existing_output_is_refused(tmp_path):
 def test_unwritable_and_odd_outputs(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    for out, words in ((blocker, "not a directory"), (blocker / "sub", "cannot create")):
+    for out, words in ((blocker, "not a directory"), (blocker / "sub", "is a regular file, not a directory")):
         result = CliRunner().invoke(main, ["synth", str(out)])
         assert result.exit_code == 2, result.output
         lines = result.stderr.strip().splitlines()
