@@ -92,7 +92,7 @@ class ImageConfig:
             patch_size=int(vc.get("patch_size", 16)),
             temporal_patch_size=int(vc.get("temporal_patch_size", 2)),
             merge_size=int(vc.get("spatial_merge_size", 2)),
-            min_pixels=min(int(min_pixels), int(max_pixels)),
+            min_pixels=min(int(min_pixels), int(max_pixels)),  # a budget under the floor lowers the floor
             max_pixels=int(max_pixels),
             rescale_factor=float(pre.get("rescale_factor", 1 / 255.0)),
             image_mean=tuple(float(v) for v in pre.get("image_mean", (0.5, 0.5, 0.5))),
@@ -211,15 +211,29 @@ def smart_resize(
         beta = math.sqrt(min_pixels / (height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
-    # The rule above can overshoot the budget only through its `max(factor, ...)` clamp or the
-    # ceilings of the upscale branch (extreme aspect ratios, tiny budgets). streamoe's memory
-    # plan relies on the budget, so shave the longer side until the area fits again.
-    while h_bar * w_bar > max_pixels and max(h_bar, w_bar) > factor:
-        if h_bar >= w_bar:
-            h_bar -= factor
-        else:
-            w_bar -= factor
     return h_bar, w_bar
+
+
+def resized_bound(factor: int, min_pixels: int, max_pixels: int) -> int:
+    """The most pixels `smart_resize` returns for any image (aspect ratio up to `MAX_ASPECT_RATIO`): what the
+    vision account is planned for. The rule keeps to max_pixels but for its `max(factor, ...)` clamp (a side
+    thinner than `factor` after scaling: the other side up to sqrt(ratio * max_pixels)) and the ceilings of its
+    upscale branch (both sides rounded up past min_pixels); the reference processors give those sizes, and so
+    does streamoe, so the plan holds them rather than the image being cut to the budget."""
+    r = MAX_ASPECT_RATIO
+    clamped = factor * math.floor(math.sqrt(r * max_pixels) / factor) * factor
+    root = math.sqrt(min_pixels)
+    upscaled = min_pixels + factor * root * (math.sqrt(r) + 1 / math.sqrt(r)) + factor * factor
+    return max(max_pixels, clamped, math.ceil(upscaled))
+
+
+def read_preprocessor(root: Path) -> dict | None:
+    """The model's image preprocessor config (`preprocessor_config.json`, else `processor_config.json`), if any."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        p = Path(root) / name
+        if p.is_file():
+            return read_json(p)
+    return None
 
 
 def preprocess(img: Image.Image, cfg: ImageConfig | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:

@@ -9,7 +9,6 @@ nothing of the encoder stays resident; the plan's vision account holds one image
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,7 +18,7 @@ import numpy as np
 from ..formats.direct import RangeReader
 from ..formats.errors import ContextFull, StreamoeError
 from ..formats.manifest import safe_path
-from .image import ImageConfig, load_image, preprocess
+from .image import ImageConfig, load_image, preprocess, read_preprocessor
 from .mrope import expand_image_tokens, image_positions
 from .vision import VisionArgs, VisionEncoder
 from .weights import read_tensor
@@ -31,13 +30,7 @@ if TYPE_CHECKING:
 def image_config(eng: Engine) -> ImageConfig:
     """How this model's images are resized and cut into patches: its config and preprocessor file, within the
     engine's pixel budget (`--max-pixels`)."""
-    pre = None
-    for name in ("preprocessor_config.json", "processor_config.json"):
-        p = eng.root / name
-        if p.is_file():
-            pre = json.loads(p.read_text())
-            break
-    return ImageConfig.from_config(eng.manifest.config, pre, max_pixels=eng.opts.max_pixels)
+    return ImageConfig.from_config(eng.manifest.config, read_preprocessor(eng.root), max_pixels=eng.opts.max_pixels)
 
 
 def encode_image(eng: Engine, path) -> tuple[mx.array, tuple[int, int, int]]:

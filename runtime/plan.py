@@ -624,8 +624,9 @@ def choose_chunk(plan: MemoryPlan, per_token: int) -> None:
 def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> MemoryPlan:
     """The plan for a converted directory (from its manifest). The runtime allowance is measured with the
     tokenizer loaded, as `Engine` does, so `streamoe plan` and `streamoe run` agree."""
+    from .image import read_preprocessor
     from .text import TextIO
-    from .vision import vision_account
+    from .vision import resized_pixels, vision_account
     from .weights import resident_bytes
 
     m = manifest or load_manifest(root)
@@ -644,7 +645,8 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
     if opts.images:
         if m.blob("vision") is None:
             raise fail(m.root / "manifest.json", "the model has no vision tower (text-only export); images are not supported")
-        vision = vision_account(m.config, opts.max_pixels, opts.max_decode_pixels)
+        pre = read_preprocessor(m.root)
+        vision = vision_account(m.config, opts.max_pixels, opts.max_decode_pixels, pre)
     plan = plan_with_limits(native_context(m.config), args=ModelArgs.from_config(m.config, m.root / "manifest.json"),
                             cap=int(opts.cap_gib * GiB),
                      ctx=opts.ctx, expert_format=experts, stride=fmts[experts].layout.stride,
@@ -656,7 +658,8 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
                      rank=opts.rank, ranks=opts.ranks, split=split, host_cap=host_cap,
                      driver=driver_bytes(opts) if split else (0, None), host_reads=host_reads_wanted(opts))
     if opts.images:
-        plan.notes["vision"] = (f"images up to {opts.max_pixels:,} px after resizing, files up to "
+        plan.notes["vision"] = (f"images up to {resized_pixels(m.config, opts.max_pixels, pre):,} px after resizing "
+                                f"(the preprocessor's rule at --max-pixels {opts.max_pixels:,}), files up to "
                                 f"{opts.max_decode_pixels / 1e6:.0f} Mpx; encoder weights streamed block by block")
     return plan
 

@@ -372,12 +372,23 @@ def peak_bytes(args: VisionArgs, max_pixels: int, dtype_bytes: int = 4, stored_b
     return int(1.25 * max(phases))
 
 
-def vision_account(config: dict, max_pixels: int, max_decode_pixels: int) -> int:
+def vision_account(config: dict, max_pixels: int, max_decode_pixels: int, preprocessor: dict | None = None) -> int:
     """The plan's vision account: the larger of decoding the biggest accepted file and encoding the biggest
-    resized image (weights of one stage + activations), plus the image's patches and its embeddings."""
+    resized image (weights of one stage + activations), plus the image's patches and its embeddings. The biggest
+    resized image is the most the preprocessor's resize gives at this budget (`resized_pixels`)."""
     from .image import decode_peak_bytes
 
     va = VisionArgs.from_config(config)
-    n = max_patches(va, max_pixels)
+    pixels = resized_pixels(config, max_pixels, preprocessor)
+    n = max_patches(va, pixels)
     staged = n * va.patch_dim * 4 + n // va.spatial_merge_size**2 * va.out_hidden_size * 4 * 2
-    return max(decode_peak_bytes(max_decode_pixels), peak_bytes(va, max_pixels)) + staged
+    return max(decode_peak_bytes(max_decode_pixels), peak_bytes(va, pixels)) + staged
+
+
+def resized_pixels(config: dict, max_pixels: int, preprocessor: dict | None = None) -> int:
+    """The most pixels an image is resized to under `--max-pixels` and the model's preprocessor (its
+    `longest_edge` lowers the budget, its `shortest_edge` is the floor): `image.resized_bound`."""
+    from .image import ImageConfig, resized_bound
+
+    cfg = ImageConfig.from_config(config, preprocessor, max_pixels=max_pixels)
+    return resized_bound(cfg.factor, cfg.min_pixels, cfg.max_pixels)

@@ -246,6 +246,7 @@ def plan_from_config(path: Path, opts: Options, rank: int = 0, ranks: int = 1, e
     from .formats.layout import format_layout, source_layout
     from .formats.limits import check_config_sizes
     from .formats.safetensors import tensor_nbytes
+    from .runtime.image import read_preprocessor
     from .runtime.plan import (
         GiB,
         default_dtype,
@@ -273,7 +274,8 @@ def plan_from_config(path: Path, opts: Options, rank: int = 0, ranks: int = 1, e
         nonexpert = resident_bytes(((name, dt, tensor_nbytes(dt, shape)) for name, dt, shape in table
                                     if not is_expert_tensor(name, args.model_type) and not name.startswith("vision_tower.")),
                                    itemsize(dtype))
-        vision = vision_account(config, opts.max_pixels, opts.max_decode_pixels) if opts.images else 0
+        vision = (vision_account(config, opts.max_pixels, opts.max_decode_pixels, read_preprocessor(Path(path).parent))
+                  if opts.images else 0)
         return plan_with_limits(native_context(config), args=args, cap=int(opts.cap_gib * GiB), ctx=opts.ctx,
                                 expert_format=experts, stride=lay.stride, slot=slot_bytes(lay, dtype), expert_mode=lay.mode,
                                 nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(opts),

@@ -32,6 +32,7 @@ from streamoe.runtime.image import (
     load_image,
     num_image_tokens,
     preprocess,
+    resized_bound,
     smart_resize,
 )
 from streamoe.runtime.vision import VisionArgs, VisionEncoder, max_patches, peak_bytes
@@ -96,26 +97,29 @@ def processor():
 
 
 def test_smart_resize_matches_reference():
+    """The reference's sizes for every image, extreme aspect ratios and small budgets included (where its
+    `max(factor, ...)` clamp and upscale ceilings pass max_pixels), each within the bound the plan holds."""
     pytest.importorskip("mlx_vlm")
     from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_image
 
     rng = np.random.default_rng(7)
     sizes = [(1, 1), (1, 200), (200, 1), (31, 33), (48, 48), (640, 640), (641, 639), (1080, 1920),
-             (4000, 3000), (10, 1999)]
+             (4000, 3000), (10, 1999), (40, 8000), (8000, 40), (97, 4477), (2885, 154)]
     sizes += [tuple(int(v) for v in rng.integers(1, 3000, 2)) for _ in range(300)]
-    for budget in [(DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS), (56 * 56, 14 * 14 * 4 * 1280), (32 * 32, 320 * 320)]:
+    sizes += [(int(h), int(h * r)) for h, r in zip(rng.integers(1, 60, 100), rng.uniform(20, 200, 100), strict=True)]
+    budgets = [(DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS), (56 * 56, 14 * 14 * 4 * 1280), (32 * 32, 320 * 320),
+               (4096, 65536), (4096, 20000), (16, 96 * 96), (1024, 4096)]
+    for budget in budgets:
+        bound = resized_bound(32, *budget)
         for h, w in sizes:
             if max(h, w) / min(h, w) > 200:
                 continue
             ours = smart_resize(h, w, 32, *budget)
             assert ours == _smart_resize_image(h, w, 32, *budget), (h, w, budget)
-            assert ours[0] % 32 == 0 and ours[1] % 32 == 0 and ours[0] * ours[1] <= budget[1]
-
-
-def test_smart_resize_never_exceeds_budget():
-    # the reference overshoots here (its max(factor, ...) clamp gives 32x1024 > 96x96)
+            assert ours[0] % 32 == 0 and ours[1] % 32 == 0 and ours[0] * ours[1] <= bound, (h, w, budget)
     h, w = smart_resize(100, 10000, 32, 16, 96 * 96)
-    assert h * w <= 96 * 96 and h % 32 == 0 and w % 32 == 0
+    assert (h, w) == _smart_resize_image(100, 10000, 32, 16, 96 * 96) and h * w > 96 * 96  # the reference's clamp
+    assert resized_bound(32, DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS) == DEFAULT_MAX_PIXELS  # the defaults never pass it
     with pytest.raises(StreamoeError, match="aspect"):
         smart_resize(1, 201)
 
