@@ -572,6 +572,34 @@ def test_bad_requests_get_their_status_and_an_openai_error(server, triangle):
     assert "root:" not in fetch(u + "/static/..%2F..%2F..%2F..%2Fetc%2Fpasswd").text
 
 
+def test_counting_an_image_an_answer_refuses_is_refused_too(server, triangle, tmp_path):
+    """count_tokens and input_tokens decode each image as an answer does: a good one counts as the answer's
+    prompt does; one an answer refuses (an aspect past 200:1, a truncated file) is a 400 naming it, not a
+    count or a 500."""
+    from PIL import Image
+
+    Image.new("RGB", (2, 500)).save(tmp_path / "thin.png")
+    (tmp_path / "cut.png").write_bytes(triangle.read_bytes()[:300])
+    u = server.url
+
+    def counts(png: Path) -> list:
+        b64 = data_url(png).split(",", 1)[1]
+        anthropic = fetch(u + "/v1/messages/count_tokens", "POST", {"model": "tiny", "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+            {"type": "text", "text": "What shape?"}]}]})
+        responses = fetch(u + "/v1/responses/input_tokens", "POST", {"model": "tiny", "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(png)}, {"type": "input_text", "text": "What shape?"}]}]})
+        return [anthropic, responses]
+
+    for r in counts(triangle):
+        assert r.status == 200 and r.json()["input_tokens"] > 20, r.text
+    for png, words in ((tmp_path / "thin.png", "image 1: aspect ratio of 2x500 exceeds 200:1"),
+                       (tmp_path / "cut.png", "image 1: truncated or corrupt image")):
+        for r in counts(png):
+            assert r.status == 400 and words in r.json()["error"]["message"], r.text
+    assert fetch(u + "/health").status == 200
+
+
 def test_an_integer_of_too_many_digits_is_said_in_jsons_words(server):
     r = fetch(server.url + "/v1/completions", "POST", b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}")
     assert r.status == 400 and r.json()["error"]["message"].endswith("an integer of more than 4300 digits"), r.text

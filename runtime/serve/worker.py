@@ -46,7 +46,7 @@ from ..constrain import (
     tool_call_grammar,
 )
 from ..engine import Engine, Options
-from ..image import num_image_tokens
+from ..image import PipedImage, load_image, num_image_tokens
 from ..image_prompt import image_config, prefill_images
 from ..plan import MiB, current_rss
 from ..sampling import Sampler
@@ -642,17 +642,26 @@ class EngineWorker:
         except StreamoeError as e:
             raise bad(str(e), where) from None
 
-    def prompt_tokens(self, job: Job) -> int:
+    def prompt_tokens(self, job: Job, checked: bool = False) -> int:
         """How many tokens the job's prompt prefills: its ids, each image placeholder counted as the tokens
-        its image becomes (from the image's size alone, as the preprocessor resizes it)."""
+        its image becomes (from the image's size alone, as the preprocessor resizes it). `checked` (a count
+        asked for by itself: count_tokens, input_tokens): each image decoded as an answer decodes it, so an image
+        an answer refuses is refused here too (400, naming it), not counted."""
         if not job.req.images:
             return len(job.ids)
         eng = self.eng
         cfg = image_config(eng)
         n = len(job.ids) - len(job.req.images)
-        for raw in job.req.images:
-            with Image.open(io.BytesIO(raw)) as im:
-                n += num_image_tokens(im.height, im.width, cfg)
+        for i, raw in enumerate(job.req.images):
+            try:
+                if checked:
+                    im = load_image(PipedImage(Path(f"image {i + 1}"), raw), eng.opts.max_decode_pixels)
+                    n += num_image_tokens(im.height, im.width, cfg)
+                    continue
+                with Image.open(io.BytesIO(raw)) as im:
+                    n += num_image_tokens(im.height, im.width, cfg)
+            except StreamoeError as e:
+                raise bad(str(e)) from None
         return n
 
     # ---- on the worker thread
