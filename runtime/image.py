@@ -44,7 +44,7 @@ MAX_ASPECT_RATIO = 200
 # Largest image `run --image` reads from a pipe (`<(curl -s URL)`): held from the start, in the plan's account.
 MAX_PIPED_IMAGE_BYTES = 64 << 20
 
-SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP")
+SUPPORTED_FORMATS = ("PNG", "JPEG", "MPO", "WEBP")  # MPO: a JPEG with more pictures after the first (phones write them)
 # Modes Pillow converts to RGB faithfully. Alpha is dropped (not composited), as the reference
 # loader does with `convert("RGB")`. 16/32-bit integer and float modes would be clipped to 255 by
 # that conversion, so they are refused rather than silently turned white.

@@ -494,6 +494,8 @@ def rq(**kw) -> dict:
     (rq(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]), "input[0].content[0].file_id"),
     (rq(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]),
      "input[0].content[0].image_url"),
+    (rq(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:,", "detail": "low"}]}]),
+     "input[0].content[0].detail"),  # every image is read at up to --max-pixels: "low" would not be honoured
 ])
 def test_responses_fields_refused_with_400_naming_them(body, param):
     with pytest.raises(APIError) as e:

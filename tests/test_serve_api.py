@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -289,6 +290,29 @@ def test_images_only_as_checked_data_urls(url, status, words):
     with pytest.raises(APIError) as e:
         parse_chat(body, Limits(max_image_bytes=2000))
     assert e.value.status == status and words in e.value.message
+
+
+def test_an_image_as_clients_write_it_is_read():
+    """Base64 wrapped at 76 columns or ending in a line break, the scheme and media type in capitals, and a phone's
+    JPEG with a second picture after the first (MPO: read as its first): each is the image, as mlx-vlm reads it."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 10, 10)).save(buf, "PNG")
+    png = buf.getvalue()
+    mpo = io.BytesIO()
+    first = Image.new("RGB", (64, 48), "red")
+    first.save(mpo, "MPO", save_all=True, append_images=[Image.new("RGB", (64, 48), "blue")])
+    b64 = base64.b64encode(png).decode()
+    for url, raw in (("data:image/png;base64," + base64.encodebytes(png).decode(), png),
+                     ("DATA:IMAGE/PNG;BASE64," + b64 + "\n", png),
+                     ("data:image/jpeg;base64," + base64.b64encode(mpo.getvalue()).decode(), mpo.getvalue())):
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        assert parse_chat(body, Limits()).images == [raw]
+    assert Image.open(io.BytesIO(mpo.getvalue())).format == "MPO"
+    from streamoe.runtime.image import PipedImage, load_image
+
+    assert load_image(PipedImage(Path("phone.jpg"), mpo.getvalue())).getpixel((5, 5))[0] > 200  # its first picture: red
 
 
 def test_a_good_request_normalised():

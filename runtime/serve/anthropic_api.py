@@ -8,8 +8,6 @@ it does not define, are refused with a 400 naming them.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 
 from .openai_api import (
@@ -23,6 +21,7 @@ from .openai_api import (
     check_fields,
     check_image,
     continued,
+    decode_base64_image,
     final_text,
     parse_tools,
     typed,
@@ -79,13 +78,7 @@ def _image(block: dict, where: str, so, images: list[bytes]) -> dict:
     data = src.get("data")
     if not isinstance(data, str):
         raise bad(f"{where}.source.data must be a base64 string", f"{where}.source.data")
-    if len(data) * 3 // 4 > so.limits.max_image_bytes + 3:
-        raise APIError(413, f"{where}: the image is {len(data) * 3 / 4 / 2**20:.1f} MiB; at most "
-                            f"{so.limits.max_image_bytes / 2**20:.1f} MiB per image", where)
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise bad(f"{where}.source.data is not valid base64", f"{where}.source.data") from None
+    raw = decode_base64_image(data, so.limits, where, f"{where}.source.data", f"{where}.source.data")
     check_image(raw, so.limits, where)
     if len(images) >= so.limits.max_images:
         raise bad(so.limits.too_many_images(), where)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import jsonschema
 import numpy as np
 
+from ..image import SUPPORTED_FORMATS
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
 
 class APIError(Exception):
@@ -472,23 +473,30 @@ def parse_response_format(rf, req: GenRequest) -> None:
 
 def decode_image(url: str, limits: Limits, where: str) -> bytes:
     """A `data:image/...;base64,...` URL -> the image's bytes, with its header checked (format, pixel count)."""
-    if not url.startswith("data:"):
+    if url[:5].lower() != "data:":  # a URL's scheme is case-insensitive
         raise bad(f"{where}: only data: URLs are accepted (the server fetches no URL and reads no file)", where)
     head, sep, data = url[5:].partition(",")
-    if not sep or not head.endswith(";base64"):
+    if not sep or not head.lower().endswith(";base64"):
         raise bad(f"{where}: a data: URL must be base64 encoded (data:image/png;base64,...)", where)
-    mime = head[: -len(";base64")].split(";")[0]
+    mime = head[: -len(";base64")].split(";")[0].lower()
     if mime and not mime.startswith("image/"):
         raise bad(f"{where}: media type {mime!r} is not an image", where)
+    raw = decode_base64_image(data, limits, where, where, "the data: URL")
+    check_image(raw, limits, where)
+    return raw
+
+
+def decode_base64_image(data: str, limits: Limits, where: str, param: str, what: str) -> bytes:
+    """An image's base64 text -> its bytes, within the per-image limit (413). Whitespace is skipped, as in
+    base64 wrapped at 76 columns (MIME) or pasted with a line break; any other stray character is a 400."""
+    data = "".join(data.split())
     if len(data) * 3 // 4 > limits.max_image_bytes + 3:
         raise APIError(413, f"{where}: the image is {len(data) * 3 / 4 / 2**20:.1f} MiB; at most "
                             f"{limits.max_image_bytes / 2**20:.1f} MiB per image", where)
     try:
-        raw = base64.b64decode(data, validate=True)
+        return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise bad(f"{where}: the data: URL is not valid base64", where) from None
-    check_image(raw, limits, where)
-    return raw
+        raise bad(f"{what} is not valid base64 (standard alphabet, padded)", param) from None
 
 
 def check_image(raw: bytes, limits: Limits, where: str) -> None:
@@ -504,7 +512,7 @@ def check_image(raw: bytes, limits: Limits, where: str) -> None:
                   f"{limits.max_decode_pixels:,} pixels are decoded", where) from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise bad(f"{where}: not an image (no PNG, JPEG or WebP header)", where) from None
-    if fmt not in IMAGE_FORMATS:
+    if fmt not in SUPPORTED_FORMATS:
         raise bad(f"{where}: unsupported image format {fmt} (PNG, JPEG and WebP are supported)", where)
     if w * h > limits.max_decode_pixels or w <= 0 or h <= 0:
         raise bad(f"{where}: image of {w}x{h} pixels; at most {limits.max_decode_pixels:,} pixels are decoded", where)

@@ -143,7 +143,7 @@ def _user_content(content, where: str, so, images: list[bytes]):
         elif kind == "input_image":
             if part.get("file_id") is not None:
                 raise bad(f"{pw}.file_id: this server keeps no files; send the image as a data: URL", f"{pw}.file_id")
-            _choice(part, "detail", ("auto", "low", "high", "original"), f"{pw}.detail")
+            _choice(part, "detail", ("auto", "high"), f"{pw}.detail")  # every image is read at up to --max-pixels
             url = part.get("image_url")
             if not isinstance(url, str):
                 raise bad(f"{pw}.image_url must be a data: URL string", f"{pw}.image_url")
