@@ -82,7 +82,7 @@ def check_input_file(path: str | os.PathLike, what: str = "file") -> os.stat_res
     except OSError as e:
         raise os_fail(path, e, f"cannot read the {what}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise fail(path, f"is {kind(st.st_mode)}, expected a {what}")
+        raise fail(path, f"is {kind(st.st_mode)}, expected {article(what)}")
     return st
 
 
@@ -104,6 +104,11 @@ def existing_ancestor(path: Path) -> Path:
     while not os.path.lexists(p) and p != p.parent:
         p = p.parent
     return p
+
+
+def article(what: str) -> str:
+    """`what` after "a" or "an" ("an image", "a session file")."""
+    return f"{'an' if what[:1].lower() in 'aeiou' else 'a'} {what}"
 
 
 def check_writable_dir(d: Path, path: object) -> None:
@@ -237,14 +242,14 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
     """A whole small side file, refused past `limit` bytes (checked before reading)."""
     st = check_input_file(path, what)
     if st.st_size > limit:
-        raise fail(path, f"{st.st_size} bytes is too large for a {what} (at most {limit})")
+        raise fail(path, f"{st.st_size} bytes is too large for {article(what)} (at most {limit})")
     try:
         with open(path, "rb") as f:
             data = f.read(limit + 1)
     except OSError as e:
         raise os_fail(path, e, f"cannot read the {what}") from None
     if len(data) > limit:
-        raise fail(path, f"too large for a {what} (at most {limit} bytes)")
+        raise fail(path, f"too large for {article(what)} (at most {limit} bytes)")
     return data
 
 
@@ -273,9 +278,9 @@ def read_named(path: str | os.PathLike, what: str, limit: int) -> bytes:
         raise os_fail(path, e, f"cannot read the {what}") from None
     data = b"".join(chunks)
     if len(data) > limit:
-        raise fail(path, f"gave more than {limit} bytes: too large for a {what}")
+        raise fail(path, f"gave more than {limit} bytes: too large for {article(what)}")
     if not data:
-        raise fail(path, f"is a pipe that gave nothing (no one writes to it?), expected a {what}")
+        raise fail(path, f"is a pipe that gave nothing (no one writes to it?), expected {article(what)}")
     return data
 
 

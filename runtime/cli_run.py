@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -232,8 +233,10 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 if user == CLEAR:  # the conversation emptied; its system message (and the sampler's draws) kept
                     eng.reset()
                     fed, messages = [], messages[:1] if messages and messages[0]["role"] == "system" else []
+                    dropped = f" and the {len(images)} image(s) attached to the next turn dropped" if images else ""
+                    images = []
                     if eng.opts.rank == 0:
-                        print("(the conversation is cleared)", file=sys.stderr, flush=True)
+                        print(f"(the conversation is cleared{dropped})", file=sys.stderr, flush=True)
                     continue
             if raw:
                 ids = eng.text.encode(user) if fed else eng.text.encode_prompt(user)
@@ -345,6 +348,19 @@ CLEAR = "/clear"  # a chat's command: empty the conversation
 COMMANDS = "/image PATH (attach an image to the next turn), /clear (empty the conversation), /quit"
 
 
+def image_path(text: str) -> Path | None:
+    """The file an `/image` line names, as a terminal's drag and drop writes it: quoted ('my pic.png'), with
+    escaped spaces (my\\ pic.png) or bare (my pic.png); `~` is the home directory. None: no file named."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        words = shlex.split(text)
+    except ValueError:  # an unclosed quote: the text as typed
+        words = []
+    return Path(os.path.expanduser(words[0] if len(words) == 1 else text))
+
+
 def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
     """The chat's next turn from stdin (None: the chat ends); `/image PATH` lines attach images to it. A turn of
     several lines (pasted code) is written between two lines of three double quotes (ollama's form), or as lines
@@ -374,7 +390,10 @@ def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
             continue
         if command != "/image":
             return user
-        path = Path(user[7:].strip())
+        path = image_path(user[len("/image"):])
+        if path is None:
+            print("(/image needs a file: /image PATH)", file=sys.stderr, flush=True)
+            continue
         try:  # a file that cannot be the image is said now, in one line, and the chat goes on
             if across:
                 raise StreamoeError(f"{path}: across ranks a chat takes no /image (give --image with --prompt)")

@@ -498,7 +498,7 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
                    "-n or the context) is printed as far as it got, one line says so, and the exit status is 1.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
               help="An image for the prompt (repeatable): a PNG, JPEG or WebP file, or a pipe (--image <(curl -s URL), "
-                   "read whole, at most 64 MiB, its bytes planned in the cap).")
+                   "--image - for stdin; read whole, at most 64 MiB, its bytes planned in the cap).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
 @click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
@@ -532,6 +532,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     from .runtime.ranks import find_group
     from .runtime.sampling import Sampler
 
+    images = tuple(Path("/dev/stdin") if str(p) == "-" else p for p in images)  # `--image -`: stdin, as `-p -`
     stdin_read_by = ("--chat" if chat else "-p -" if prompt == "-" else
                      "--prompt-file" if prompt_file is not None and is_stdin(prompt_file) else None)
     if prompt == "-" and chat:

@@ -158,9 +158,9 @@ def test_run_and_serve_refuse_max_pixels_with_no_vision_account(tiny_conv, pictu
     cli("run", tiny_conv, "--cap", "1", "-p", "hi", "-n", "2", "--max-pixels", "40000", "--image", picture, check=True)
 
 
-def run_piped(conv: Path, image: bytes, *args) -> subprocess.CompletedProcess:
-    """`streamoe run CONV --image /dev/stdin ARGS`, the image's bytes written into its stdin, a pipe."""
-    p = subprocess.run([sys.executable, "-m", "streamoe.cli", "run", str(conv), "--image", "/dev/stdin", *map(str, args)],
+def run_piped(conv: Path, image: bytes, *args, stdin: str = "/dev/stdin") -> subprocess.CompletedProcess:
+    """`streamoe run CONV --image /dev/stdin ARGS` (or `--image -`), the image's bytes written into its stdin, a pipe."""
+    p = subprocess.run([sys.executable, "-m", "streamoe.cli", "run", str(conv), "--image", stdin, *map(str, args)],
                        input=image, capture_output=True, timeout=300)
     return subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(), p.stderr.decode())
 
@@ -175,6 +175,7 @@ def test_an_image_from_a_pipe_is_planned_and_answered_as_its_file(tiny_conv, pic
     by_pipe = run_piped(tiny_conv, data, "--cap", "1", *opts)
     assert by_pipe.returncode == 0, by_pipe.stderr
     assert by_pipe.stdout == by_file.stdout and by_file.stdout.strip()
+    assert run_piped(tiny_conv, data, "--cap", "1", *opts, stdin="-").stdout == by_file.stdout  # `--image -`, as `-p -`
     planned = json.loads(cli("plan", tiny_conv, "--ctx", "512", "--runtime-mib", "64", "--images", "--json",
                              check=True).stdout)
     held = planned["fixed"] + len(data)
@@ -201,6 +202,28 @@ def test_chat_turns_and_cli_image(tiny_conv, picture):
                        input=f"/image {picture}\nWhat is it?\nAnd now?\n/quit\n", capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert summaries(p.stderr) == 2 and "attached" in p.stderr
+
+
+def test_chat_image_lines_as_terminals_write_them(tiny_conv, picture, tmp_path):
+    """`/image` of a path a terminal's drag and drop writes (quoted, spaces escaped, or under `~`) attaches it; a
+    bare `/image` says what it needs; `/clear` drops an image attached to the next turn, and says so."""
+    spaced = tmp_path / "my pic.png"
+    spaced.write_bytes(picture.read_bytes())
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "p.png").write_bytes(picture.read_bytes())
+    lines = (f"/image '{spaced}'\n/image {str(spaced).replace(' ', chr(92) + ' ')}\n/image ~/p.png\nWhat is it?\n"
+             f"/image\n/image {picture}\n/clear\nAnd now?\n/quit\n")
+    p = subprocess.run([sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--chat", "-n", "3",
+                        "--stats", str(tmp_path / "s.jsonl")], input=lines, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HOME": str(home)})
+    assert p.returncode == 0 and "streamoe: error" not in p.stderr, p.stderr
+    assert p.stderr.count("(attached ") == 4 and f"(attached {home / 'p.png'} to the next turn)" in p.stderr
+    assert "(/image needs a file: /image PATH)" in p.stderr
+    assert "(the conversation is cleared and the 1 image(s) attached to the next turn dropped)" in p.stderr
+    prefills = [json.loads(ln)["n_tokens"] for ln in (tmp_path / "s.jsonl").read_text().splitlines() if '"prefill"' in ln]
+    text_only = cli("run", tiny_conv, "--cap", "1", "-p", "And now?", "-n", "1", "--stats", tmp_path / "t.jsonl", check=True)
+    assert text_only and prefills[-1] == json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])["n_tokens"]
 
 
 def test_chat_refuses_a_bad_image_in_one_line_and_goes_on(tiny_conv, picture, tmp_path):
