@@ -18,6 +18,8 @@ written: the client sees what the model said rather than losing it.
 from __future__ import annotations
 
 import json
+import re
+from decimal import Decimal
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
@@ -26,6 +28,38 @@ PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
 H_START, H_CHANNEL, H_MESSAGE, H_END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 HARMONY_CALL = f"{H_CHANNEL}commentary to=functions."  # a harmony call's header up to its tool's name
 HARMONY_ARGS = f" <|constrain|>json{H_MESSAGE}"  # and after it, up to the arguments
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_exact(text: str):
+    """JSON as the model wrote it: a number with a fraction or an exponent kept as a `Decimal` (a float rounds
+    0.1000000000000000055 to 0.1 and turns 1E999 into infinity, which JSON cannot hold); NaN and Infinity,
+    which are not JSON, refused (ValueError)."""
+    return json.loads(text, parse_float=Decimal, parse_constant=_no_constant)
+
+
+def dumps_exact(obj, **kw) -> str:
+    """`json.dumps` of what `loads_exact` read, each `Decimal` written as its own digits."""
+    numbers: list[Decimal] = []
+    mark = "\x00streamoe-number-{}\x00"
+
+    def swap(o):
+        if isinstance(o, Decimal):
+            numbers.append(o)
+            return mark.format(len(numbers) - 1)
+        if isinstance(o, dict):
+            return {k: swap(v) for k, v in o.items()}
+        if isinstance(o, list | tuple):
+            return [swap(v) for v in o]
+        return o
+
+    text = json.dumps(swap(obj), ensure_ascii=False, **kw)
+    if not numbers:
+        return text
+    return re.sub(r'"\\u0000streamoe-number-(\d+)\\u0000"', lambda m: str(numbers[int(m.group(1))]), text)
 
 
 def call_prefix(fmt: str, name: str | None) -> str:
@@ -47,7 +81,7 @@ def parse_call(body: str, fmt: str = "json", tools: list[dict] | None = None) ->
     if fmt == "xml":
         return _parse_xml(body, tools or [])
     try:
-        obj = json.loads(body)
+        obj = loads_exact(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -55,12 +89,12 @@ def parse_call(body: str, fmt: str = "json", tools: list[dict] | None = None) ->
     args = obj.get("arguments", {})
     if isinstance(args, str):  # arguments double-encoded as a JSON string
         try:
-            args = json.loads(args)
+            args = loads_exact(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
         return None
-    return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+    return {"name": obj["name"], "arguments": dumps_exact(args)}
 
 
 def _name(text: str, start: int) -> tuple[str, int] | None:
@@ -106,7 +140,7 @@ def _parse_xml(body: str, tools: list[dict]) -> dict | None:
         value = value[:-1] if value.endswith("\n") else value
         args[key] = typed(value, props.get(key))
         pos = close + len(PARAM_CLOSE)
-    return {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
+    return {"name": name, "arguments": dumps_exact(args)}
 
 
 def _properties(tools: list[dict], name: str) -> dict:
@@ -119,7 +153,7 @@ def _properties(tools: list[dict], name: str) -> dict:
     return {}
 
 
-_KINDS = {"boolean": bool, "object": dict, "array": list, "integer": int, "number": int | float}
+_KINDS = {"boolean": bool, "object": dict, "array": list, "integer": int, "number": int | Decimal}
 
 
 def _matches(v, kind: str) -> bool:
@@ -142,11 +176,11 @@ def typed(value: str, schema) -> object:
     if s in ("null", "None", "NULL"):
         return None
     try:
-        v = json.loads(s)
+        v = loads_exact(s)
     except ValueError:
         v = {"true": True, "false": False}.get(s.lower(), value)
     for kind in kinds:
-        if kind == "integer" and isinstance(v, float) and v.is_integer():
+        if kind == "integer" and isinstance(v, Decimal) and v.is_finite() and v == v.to_integral_value():
             return int(v)
         if _matches(v, kind):
             return v

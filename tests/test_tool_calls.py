@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from streamoe.runtime.serve.chat_output import ChatOutput, collect
 from streamoe.runtime.serve.openai_api import Limits, parse_chat
 from streamoe.runtime.serve.worker import EngineWorker, ServeOptions, open_engine
 from streamoe.runtime.text import TextIO
-from streamoe.runtime.tool_calls import call_prefix, parse_call, typed
+from streamoe.runtime.tool_calls import call_prefix, loads_exact, parse_call, typed
 
 from .conftest import REPO, TINY_MODEL
 
@@ -121,7 +122,7 @@ def test_a_json_call_after_the_reasoning_closes_at_every_split():
     ("3.0", {"type": "integer"}, 3),
     ("3.5", {"type": "integer"}, "3.5"),
     ("three", {"type": "integer"}, "three"),
-    (" -2.5e1 ", {"type": "number"}, -25.0),
+    (" -2.5e1 ", {"type": "number"}, Decimal("-2.5e1")),  # as written: `dumps_exact` gives back its digits
     ("7", {"type": "number"}, 7),
     ("True", {"type": "boolean"}, True),
     ("false", {"type": "boolean"}, False),
@@ -153,6 +154,22 @@ def test_parse_call_exact_structures():
     assert parse_call('{"name": "f", "arguments": {"a": "é"}}') == {"name": "f", "arguments": '{"a": "é"}'}
     assert parse_call('{"name": "f", "arguments": {"a": 1}}', "xml") is None  # the template's form only
     assert parse_call(xml, "json") is None
+
+
+def test_a_calls_numbers_are_given_back_as_the_model_wrote_them():
+    """Arguments keep the model's digits: a float would round 0.1000000000000000055511151231257827 to 0.1 and
+    turn -825E2406 into -Infinity (not JSON; an Anthropic answer holding it could not be written at all)."""
+    from streamoe.runtime.serve.server import PacedJSONResponse
+
+    body = '{"name": "f", "arguments": {"x": -825E2406, "y": 0.1000000000000000055511151231257827, "n": [1, 2.50]}}'
+    want = '{"x": -8.25E+2408, "y": 0.1000000000000000055511151231257827, "n": [1, 2.50]}'
+    assert parse_call(body) == {"name": "f", "arguments": want}
+    xml = "<function=f>\n<parameter=x>\n-825E2406\n</parameter>\n</function>"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"type": "number"}}}}}]
+    assert parse_call(xml, "xml", tools)["arguments"] == '{"x": -8.25E+2408}'
+    assert parse_call('{"name": "f", "arguments": {"x": NaN}}') is None  # not JSON
+    rendered = PacedJSONResponse({"input": loads_exact(want)}).body
+    assert rendered == ('{"input":' + want.replace(", ", ",").replace(": ", ":") + "}").encode()
 
 
 @pytest.mark.parametrize("block", [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from ..tool_calls import loads_exact
 from .openai_api import (
     APIError,
     GenRequest,
@@ -471,7 +472,7 @@ class Output:
         out.append(self._ev("content_block_start", index=i, content_block=dict(block)))
         out.append(self._ev("content_block_delta", index=i, delta={"type": "input_json_delta",
                                                                  "partial_json": call["arguments"]}))
-        block["input"] = json.loads(call["arguments"])
+        block["input"] = loads_exact(call["arguments"])  # its numbers as written (the response: `dumps_exact`)
         out.append(self._ev("content_block_stop", index=i))
         return out
 

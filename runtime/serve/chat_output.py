@@ -8,10 +8,19 @@ it at once, so a streamed answer and a non-streamed one are the same by construc
 
 from __future__ import annotations
 
-import json
 import re
 
-from ..tool_calls import H_CHANNEL, H_END, H_MESSAGE, H_START, ToolCallStream, hold_newlines, partial_suffix
+from ..tool_calls import (
+    H_CHANNEL,
+    H_END,
+    H_MESSAGE,
+    H_START,
+    ToolCallStream,
+    dumps_exact,
+    hold_newlines,
+    loads_exact,
+    partial_suffix,
+)
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -261,11 +270,11 @@ class HarmonyOutput:
         if self.call:
             name, text = self.recipient[len("functions."):], self.call
             try:
-                args = json.loads(text)
+                args = loads_exact(text)
             except ValueError:
                 args = None
             if isinstance(args, dict) and name:
-                out.append(("tool_call", {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}))
+                out.append(("tool_call", {"name": name, "arguments": dumps_exact(args)}))
             else:
                 self._content(text, self.call_at, out)
         self.call, self.in_header = "", True

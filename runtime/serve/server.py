@@ -38,6 +38,7 @@ from starlette.staticfiles import StaticFiles
 from ...formats.errors import StreamoeError
 from .. import ranks
 from ..plan import current_rss
+from ..tool_calls import dumps_exact
 from . import anthropic_api, responses_api
 from .chat_output import collect
 from .door import (
@@ -429,7 +430,11 @@ class API:
 class PacedJSONResponse(JSONResponse):
     """A whole answer written a piece at a time (`door.PIECE`): each piece waits while the connection's write
     buffer is over its mark, so an answer its client does not read stays with its request (inside the `requests`
-    account, until the send deadline drops the connection) rather than all in the event loop's buffer."""
+    account, until the send deadline drops the connection) rather than all in the event loop's buffer. A tool
+    call's numbers are written as the model wrote them (`dumps_exact`)."""
+
+    def render(self, content) -> bytes:
+        return dumps_exact(content, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
