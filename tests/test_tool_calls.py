@@ -156,6 +156,23 @@ def test_parse_call_exact_structures():
     assert parse_call(xml, "json") is None
 
 
+def test_stop_strings_match_the_content_not_a_calls_block():
+    """A stop string that a call's arguments hold (a quote) leaves the call whole, forced or written by the model;
+    the content after the call still ends at it."""
+    forced = ChatOutput(False, TOOLS, ['"'])
+    evs = forced.given('<tool_call>\n{"name": "get_weather", "arguments": ')
+    for piece in ('{"city"', ': "Paris"}}', "\n</tool_call>", '\nDone" and more'):
+        evs += forced.feed(piece)
+    evs += forced.flush()
+    assert collect(evs) == {"content": "Done", "reasoning_content": None,
+                            "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]}
+    assert forced.stopped
+    free = ChatOutput(False, TOOLS, ['"'])
+    evs = [e for piece in ("Sure.\n", "<tool_call>", '\n{"name": "clock", "arguments": {}}\n', "</tool_call>")
+           for e in free.feed(piece)] + free.flush()
+    assert collect(evs) == {"content": "Sure.", "reasoning_content": None, "tool_calls": [{"name": "clock", "arguments": "{}"}]}
+
+
 def test_a_calls_numbers_are_given_back_as_the_model_wrote_them():
     """Arguments keep the model's digits: a float would round 0.1000000000000000055511151231257827 to 0.1 and
     turn -825E2406 into -Infinity (not JSON; an Anthropic answer holding it could not be written at all)."""

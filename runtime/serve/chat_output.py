@@ -152,7 +152,9 @@ class ChatOutput:
                 if not text:
                     return
                 self.started = True
-            if self.matching:  # what the stop strings let through starts where their held text did
+            # a tool call's block is no content: the stop strings match neither it nor what it holds
+            inside_call = self.tools is not None and self.tools.in_call and not self.stop.buf
+            if self.matching and not inside_call:  # what the stop strings let through starts where their held text did
                 at -= len(self.stop.buf)
                 text = self.stop.feed(text)
             self._content(text, at, out)
