@@ -30,6 +30,7 @@ from .tool_calls import (
     HARMONY_ARGS,
     PARAM_CLOSE,
     PARAM_OPEN,
+    xml_raw,
 )
 
 BITS = mx.array(np.arange(32, dtype=np.uint32))
@@ -91,23 +92,27 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer, 
             rules.append(f"call{i}: {opening} anyparam* {json.dumps(FUNCTION_CLOSE)} {close}")
             calls.append(f"call{i}")
             continue
-        props, required, parts = params(fn).get("properties") or {}, set(params(fn).get("required") or []), []
+        schema = params(fn)
+        props, required, parts = schema.get("properties") or {}, set(schema.get("required") or []), []
+        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what a property's $ref points into
         for j, (key, sub) in enumerate(props.items()):
             head, sub = json.dumps(f"{PARAM_OPEN}{key}>\n", ensure_ascii=False), sub if isinstance(sub, dict) else {}
-            if isinstance(sub.get("enum"), list) and sub["enum"] and all(isinstance(v, str) for v in sub["enum"]):
-                body = f"{head} (" + " | ".join(json.dumps(v, ensure_ascii=False) for v in sub["enum"]) + f") {end_param}"
-            elif sub.get("type") == "string" and isinstance(sub.get("maxLength"), int):
+            raw = xml_raw(sub)
+            if raw == "enum":
+                words = sub["enum"] if "enum" in sub else [sub["const"]]
+                body = f"{head} (" + " | ".join(json.dumps(v, ensure_ascii=False) for v in words) + f") {end_param}"
+            elif raw == "text" and isinstance(sub.get("maxLength"), int):
                 body = f"{head} /(?s:.{{0,{sub['maxLength']}}}){end_re}/"
-            elif sub.get("type") == "string":  # written raw, as the template writes it
+            elif raw == "text":  # written raw, as the template writes it
                 body = f"{head} text"
-            else:
-                body = f"{head} {js(sub)} {end_param}"
+            else:  # written as JSON, which `tool_calls.typed` reads back
+                body = f"{head} {js({**defs, **sub})} {end_param}"
             rules.append(f"p{i}_{j}: {body}")
             parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
         opening = "" if name is not None else json.dumps(f"{FUNCTION_OPEN}{fn['name']}>\n", ensure_ascii=False) + " "
         rules.append(f"call{i}: {opening}{' '.join(parts)} {json.dumps(FUNCTION_CLOSE)} {close}")
         calls.append(f"call{i}")
-    return start + " | ".join(calls) + "\n" + "\n".join(rules) + "\n"
+    return start + "(" + " | ".join(calls) + ")\n" + "\n".join(rules) + "\n"  # the newline before any call
 
 
 def _literal(tokenizer, text: str) -> str:

@@ -164,12 +164,38 @@ def _matches(v, kind: str) -> bool:
     return kind in _KINDS and isinstance(v, _KINDS[kind])
 
 
+RAW_STRING_KEYS = frozenset({"type", "description", "title", "maxLength", "default", "examples"})
+
+
+def xml_raw(schema) -> str | None:
+    """How an XML parameter of this schema is written under a strict grammar (`constrain.tool_call_grammar`) and
+    read back (`typed`): "enum" (one of its strings, raw: an enum or const of strings), "text" (a plain string, raw,
+    as the template writes it; a `maxLength` the only bound), or None: as JSON, so that every other keyword
+    (pattern, anyOf, a list of types, $ref...) holds, and `typed` reads the JSON back."""
+    if not isinstance(schema, dict):
+        return None
+    words = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
+    if isinstance(words, list) and words and all(isinstance(v, str) for v in words):
+        return "enum"
+    kinds = schema.get("type")
+    if (kinds == "string" or isinstance(kinds, list) and "string" in kinds) and set(schema) <= RAW_STRING_KEYS:
+        return "text"  # a list of types with "string": raw too, as `typed` reads it (vLLM's and mlx-lm's parsers)
+    return None
+
+
 def typed(value: str, schema) -> object:
     """An XML parameter's text as the value its schema's `type` says (a list of types: the first that fits):
     JSON for numbers, objects, arrays and null; `true`/`false` in any case for booleans (templates render
     Python's `True`); `None` or `null` as null. Strings, untyped keys and text that fits no type stay text."""
     kinds = schema.get("type") if isinstance(schema, dict) else None
     kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if isinstance(schema, dict) and schema and xml_raw(schema) is None and (not kinds or "string" in kinds):
+        try:  # a value a strict grammar wrote as JSON: untyped (a const, anyOf, $ref...), or a bounded string
+            v = loads_exact(value.strip())
+            if not kinds or isinstance(v, str):
+                return v
+        except ValueError:
+            pass
     if not kinds or "string" in kinds:
         return value
     s = value.strip()

@@ -43,11 +43,11 @@ def _engine(conv, slots: int | None) -> Engine:
     return Engine(conv, Options(cap_gib=cap, ctx=512, runtime_bytes=RUNTIME))
 
 
-def _answer(eng: Engine, grammar: str, sampler: Sampler, **kw) -> str:
+def _answer(eng: Engine, grammar: str, sampler: Sampler, n: int = 120, **kw) -> str:
     guide = guide_tokenizer(eng.text.tokenizer, eng.args.vocab_size, eng.text.stop_ids)
     c = Constraint(guide, grammar, eng.args.vocab_size, **kw)
     eng.reset()
-    return eng.text.decode([t for t, _ in eng.generate(eng.text.encode("Give me JSON:"), 120, sampler, constraint=c)])
+    return eng.text.decode([t for t, _ in eng.generate(eng.text.encode("Give me JSON:"), n, sampler, constraint=c)])
 
 
 @pytest.mark.parametrize("slots", [None, 6])
@@ -98,25 +98,48 @@ def test_constrained_tokens_are_identical_across_caps(tiny_conv):
     assert outs[0] == outs[1]
 
 
+# what JSON Schema asks beyond a plain type per property: a $ref into $defs, a const, a pattern, anyOf, a list of types
+RICH = [{"type": "function", "function": {"name": "place", "parameters": {
+    "type": "object", "required": ["at", "kind", "code", "id", "note"], "additionalProperties": False,
+    "$defs": {"Pt": {"type": "object", "required": ["x", "y"], "additionalProperties": False,
+                     "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}},
+    "properties": {"at": {"$ref": "#/$defs/Pt"}, "kind": {"const": "fixed"}, "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                   "id": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "maxLength": 4}]},
+                   "note": {"type": ["string", "null"], "maxLength": 5}}}}}]
+
+
 @pytest.mark.parametrize("fmt", ["json", "xml"])
-@pytest.mark.parametrize("name", ["get_weather", None])
+@pytest.mark.parametrize("name", ["get_weather", None, "place"])
 def test_forced_calls_have_schema_valid_arguments(tiny_conv, fmt, name):
-    """The constraint covers what follows the call's prefix up to the block's close, then only a stop."""
+    """The constraint covers what follows the call's prefix up to the block's close, then only a stop; the
+    arguments parse back valid against the tool's schema, whatever keywords it uses (`RICH`), in either form."""
     from streamoe.runtime.tool_calls import call_prefix, parse_call
 
+    tools = RICH if name == "place" else TOOLS
     eng = _engine(tiny_conv, None)
     for seed in range(3):
-        text = _answer(eng, tool_call_grammar(fmt, TOOLS, name, eng.text.tokenizer),
-                       Sampler(temp=1.0, top_k=50, seed=seed))
+        text = _answer(eng, tool_call_grammar(fmt, tools, name, eng.text.tokenizer),
+                       Sampler(temp=1.0, top_k=50, seed=seed), 300)
         assert text.endswith("\n</tool_call>")  # the block closed, then only a stop token
         call = call_prefix(fmt, name)[len("<tool_call>\n"):] + text[: -len("\n</tool_call>")]
-        parsed = parse_call(call, fmt, TOOLS)
+        parsed = parse_call(call, fmt, tools)
         assert parsed is not None, call
         assert name is None or parsed["name"] == name
         args = json.loads(parsed["arguments"])
-        tool = next(t for t in TOOLS if t["function"]["name"] == parsed["name"])
+        tool = next(t for t in tools if t["function"]["name"] == parsed["name"])
         jsonschema.validate(args, tool["function"]["parameters"])
     eng.close()
+
+
+def test_a_lazy_xml_call_of_any_tool_opens_with_the_templates_newline(tiny_conv):
+    """After the model's `<tool_call>`, a call of any of the strict tools starts with the newline the template
+    writes (the alternatives grouped: the newline had bound to the first tool's only)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_conv / "tokenizer.json"))
+    c = _lazy(tok, "xml")
+    c.advance(tok.token_to_id("<tool_call>"))
+    assert not _allows(c, tok, "<function=now>") and _allows(c, tok, "\n<function=now>")
 
 
 def test_a_schema_that_does_not_compile_is_refused(tiny_conv):
