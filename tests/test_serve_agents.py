@@ -251,6 +251,8 @@ PREFILLED = [{"role": "user", "content": "Write a Python function that adds two 
     (chat(messages=[{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}, "x": 1}]}]),
      "messages[0].tool_calls[0].x"),
     (chat(tools=[{"type": "function", "function": {"name": "f", "paramters": {}}}]), "tools[0].function.paramters"),
+    (chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), "tools[0].function.name"),
+    (chat(tools=[{"type": "function", "function": {"name": "a>b"}}]), "tools[0].function.name"),
     (chat(tools=[{"type": "function", "function": {"name": "f", "strict": "false"}}]), "tools[0].function.strict"),
     (chat(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]), "tools[0].function.description"),
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "no"}}),

@@ -635,6 +635,9 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
 TOOL_FIELDS = {"name", "description", "parameters", "strict"}
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # OpenAI's and Anthropic's names, and MCP's with '.' or ':'
+
+
 def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
     """(tools to render, whether to parse tool calls, the call to force) from `tools` and `tool_choice`:
     "required" forces a call ("", any tool), a named tool forces that one (the worker writes the start of
@@ -660,6 +663,9 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
         if params and params.get("type", "object") != "object":  # a call's arguments are an object
             raise bad(f"tools[{j}]: a tool's parameters must be a JSON schema of type 'object', got type "
                       f"{params['type']!r}", f"tools[{j}].function.parameters")
+        if not TOOL_NAME.fullmatch(fn["name"]):
+            raise bad(f"tools[{j}].function.name {fn['name'][:80]!r}: a tool's name is letters, digits, '_', '-', '.' "
+                      "or ':', at most 128 (the model writes it inside its call's markup)", f"tools[{j}].function.name")
         if fn["name"] in names:
             raise bad(f"tools[{j}]: the tool name {fn['name']!r} is given twice", f"tools[{j}].function.name")
         names.append(fn["name"])
