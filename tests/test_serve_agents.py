@@ -216,6 +216,32 @@ def test_chat_parallel_calls_off_and_strict_schemas(text):
         assert (msg.content or "").count('"name": "get_weather"') == (2 if body["tools"] is strict else 0)
 
 
+def test_calls_of_an_answer_cut_by_max_tokens_finish_by_length(text):
+    """Calls made, then the answer cut by its token limit (one more call perhaps cut short): "length", and
+    Anthropic's "max_tokens", not "tool_calls": a client must not run the calls of an answer that did not end."""
+    evs = answer_events(text, rendered(text, "", "", 2))
+    cut = evs[:-1] + [("done", {**evs[-1][1], "finish_reason": "length"})]
+    for stream in (False, True):
+        body = {"messages": [{"role": "user", "content": "?"}], "tools": CHAT_TOOLS, "stream": stream}
+        for got, want in ((evs, "tool_calls"), (cut, "length")):
+            out = OpenAIOutput(job_for(parse_chat(body, Limits())), "m")
+            sent = [s for ev in got for s in out.feed(ev)]
+            if stream:
+                finishes = [c["finish_reason"] for s in sent if s.startswith("data: {")
+                            for c in json.loads(s[6:])["choices"] if c.get("finish_reason")]
+                assert finishes == [want], sent
+            else:
+                assert out.result()["choices"][0]["finish_reason"] == want
+    so = ServeOptions("m")
+    for got, want in ((evs, "tool_use"), (cut, "max_tokens")):
+        out = anthropic_api.Output(job_for(anthropic_api.parse(
+            {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "?"}],
+             "tools": [{"name": "get_weather", "input_schema": CHAT_TOOLS[0]["function"]["parameters"]}]}, so)), "m")
+        for ev in got:
+            out.feed(ev)
+        assert out.result()["stop_reason"] == want
+
+
 def chat(**kw) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **kw}
 

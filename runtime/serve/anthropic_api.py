@@ -494,10 +494,10 @@ class Output:
         cached = u["prompt_tokens_details"]["cached_tokens"]
         self.usage = {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
                       "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
-        if any(b["type"] == "tool_use" for b in self.blocks):
-            self.stop_reason = "tool_use"
-        elif v["finish_reason"] == "length":
+        if v["finish_reason"] == "length":  # before tool_use: an answer cut short is not one to run the calls of
             self.stop_reason = "max_tokens"
+        elif any(b["type"] == "tool_use" for b in self.blocks):
+            self.stop_reason = "tool_use"
         elif v.get("stop_sequence") is not None:
             self.stop_reason, self.stop_sequence = "stop_sequence", v["stop_sequence"]
         else:

@@ -427,6 +427,12 @@ class API:
             "original_input_tokens": n + api.get("cleared_tokens", 0)}})})
 
 
+def finish_reason(engine: str | None, calls: int) -> str | None:
+    """A chat choice's finish_reason: "tool_calls" where it made calls, unless -n cut it ("length": a client must
+    not run calls of an answer that did not end, one of them perhaps cut short)."""
+    return "tool_calls" if calls and engine != "length" else engine
+
+
 class PacedJSONResponse(JSONResponse):
     """A whole answer written a piece at a time (`door.PIECE`): each piece waits while the connection's write
     buffer is over its mark, so an answer its client does not read stays with its request (inside the `requests`
@@ -559,7 +565,7 @@ class OpenAIOutput:
         usage = v.get("usage") or {}
         if "completion_tokens" in usage:  # the choice's own at "choice_done", every choice's at the end
             self.tokens = usage["completion_tokens"] - (self.before if kind == "done" else 0)
-        out = [self._chunk(finish="tool_calls" if self.n_calls else v["finish_reason"], streamoe=v.get("telemetry"))]
+        out = [self._chunk(finish=finish_reason(v["finish_reason"], self.n_calls), streamoe=v.get("telemetry"))]
         if kind == "choice_done":  # the next choice follows
             self.before, self.tokens = self.before + self.tokens, 0
             self.first_prompt_ids = self.first_prompt_ids or v.get("prompt_token_ids")
@@ -583,7 +589,7 @@ class OpenAIOutput:
                 del msg["tool_calls"]
             if msg["reasoning_content"] is None:
                 del msg["reasoning_content"]
-            finish = "tool_calls" if msg.get("tool_calls") else self.info.get("finish_reason")
+            finish = finish_reason(self.info.get("finish_reason"), len(msg.get("tool_calls") or ()))
             choice = {"index": self.index, "message": msg, "finish_reason": finish, "logprobs": lps}
         else:
             text = self.echoed + "".join(str(v) for _, v in self.evs)
