@@ -25,6 +25,9 @@ def _strip(name: str) -> str:
     return name.removeprefix("language_model.")
 
 
+UNREADABLE_CONFIG = "not a config this version can check the weights against"
+
+
 def expected_tensors(config: dict, vision: bool, path: object = "config.json") -> list:
     """The non-expert tensors the runtime loads for this config (synth's table of the real export), as Specs;
     `path`: the config's file, which a config this version cannot read is named by."""
@@ -41,9 +44,9 @@ def expected_tensors(config: dict, vision: bool, path: object = "config.json") -
     except StreamoeError:
         raise
     except KeyError as e:
-        raise fail(path, f"not a config this version can check the weights against: it has no {str(e.args[0])[:40]!r}") from None
+        raise fail(path, f"{UNREADABLE_CONFIG}: it has no {str(e.args[0])[:40]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError) as e:
-        raise fail(path, f"not a config this version can check the weights against ({type(e).__name__}: {str(e)[:80]})") from None
+        raise fail(path, f"{UNREADABLE_CONFIG} ({type(e).__name__}: {str(e)[:80]})") from None
     tied = bool(text_config(config).get("tie_word_embeddings", False))
     family = family_of(config) or ""
     return [s for s in table if not is_expert_tensor(s.name, family)

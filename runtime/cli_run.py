@@ -385,7 +385,8 @@ def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
             continue
         command = user.split()[0] if user.startswith("/") else ""
         if command not in ("", "/image") and re.fullmatch(r"/[A-Za-z]+", command):  # /help, or a mistyped command
-            known = "" if command == "/help" else f"unknown command {command} (not sent; a turn that starts with '/' is sent with a space before it). "
+            known = "" if command == "/help" else (f"unknown command {command} (not sent; a turn that starts with '/' "
+                                                   "is sent with a space before it). ")
             print(f"({known}The commands: {COMMANDS})", file=sys.stderr, flush=True)
             continue
         if command != "/image":

@@ -82,8 +82,9 @@ class Engine:
         ranks.open_together(group, self._open, self.close)
         try:  # every rank computes the trunk: the same model, formats and context on each
             fp = session.fingerprint(self)
-            ranks.same_work(group, {"the model": fp["model"], "--experts": fp["experts"], "--dtype": str(self.dtype).removeprefix("mlx.core."),
-                                    "--kv": fp["kv"], "--ctx": self.opts.ctx, "images": self.opts.images})
+            ranks.same_work(group, {"the model": fp["model"], "--experts": fp["experts"], "--kv": fp["kv"],
+                                    "--dtype": str(self.dtype).removeprefix("mlx.core."), "--ctx": self.opts.ctx,
+                                    "images": self.opts.images})
         except BaseException:
             self.close()
             raise

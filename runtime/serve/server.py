@@ -765,7 +765,8 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
     conns = connection_limit(so.max_connections, reserve=64 + ACCEPT_BURST)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["handlers"]["access"]["stream"] = "ext://sys.stderr"  # uvicorn's default is stdout: a log is no result
-    config = uvicorn.Config(create_app(server, host), log_level=log_level, access_log=log_level in ("debug", "info"), log_config=logs,
+    config = uvicorn.Config(create_app(server, host), log_level=log_level, log_config=logs,
+                            access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s, so.send_timeout_s), loop="uvloop",
                             limit_concurrency=conns + ACCEPT_BURST + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
                             backlog=LISTEN_BACKLOG)
