@@ -42,21 +42,17 @@ def loads_exact(text: str):
 
 
 def dumps_exact(obj, **kw) -> str:
-    """`json.dumps` of what `loads_exact` read, each `Decimal` written as its own digits."""
+    """`json.dumps` of what `loads_exact` read, each `Decimal` written as its own digits (what holds none is
+    written as `json.dumps` writes it, nothing copied)."""
     numbers: list[Decimal] = []
-    mark = "\x00streamoe-number-{}\x00"
 
-    def swap(o):
-        if isinstance(o, Decimal):
-            numbers.append(o)
-            return mark.format(len(numbers) - 1)
-        if isinstance(o, dict):
-            return {k: swap(v) for k, v in o.items()}
-        if isinstance(o, list | tuple):
-            return [swap(v) for v in o]
-        return o
+    def number(o):
+        if not isinstance(o, Decimal):
+            raise TypeError(f"{type(o).__name__} is not JSON serializable")
+        numbers.append(o)
+        return f"\x00streamoe-number-{len(numbers) - 1}\x00"
 
-    text = json.dumps(swap(obj), ensure_ascii=False, **kw)
+    text = json.dumps(obj, ensure_ascii=False, default=number, **kw)
     if not numbers:
         return text
     return re.sub(r'"\\u0000streamoe-number-(\d+)\\u0000"', lambda m: str(numbers[int(m.group(1))]), text)
