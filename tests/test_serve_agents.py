@@ -524,6 +524,8 @@ def rq(**kw) -> dict:
      "input[0].content[0].image_url"),
     (rq(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:,", "detail": "low"}]}]),
      "input[0].content[0].detail"),  # every image is read at up to --max-pixels: "low" would not be honoured
+    (rq(input=[{"role": "developer", "content": [{"type": "input_image", "image_url": "data:,"}]}, "hi"]),
+     "input[0].content[0]"),  # an image in a user message only, as on the chat route
 ])
 def test_responses_fields_refused_with_400_naming_them(body, param):
     with pytest.raises(APIError) as e:

@@ -125,9 +125,10 @@ def _text_of(parts, where: str, kinds: tuple[str, ...]) -> str:
     return "".join(out)
 
 
-def _user_content(content, where: str, so, images: list[bytes]):
+def _user_content(content, where: str, so, images: list[bytes], user: bool = True):
     """A user or system message's content: a string, or input_text/input_image parts in the chat template's
-    form (images decoded from their data: URLs, appended to `images`)."""
+    form (images decoded from their data: URLs, appended to `images`; in a user message only, as on the chat
+    route: the templates place images in user turns)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
@@ -141,6 +142,9 @@ def _user_content(content, where: str, so, images: list[bytes]):
                 raise bad(f"{pw}.text must be a string", pw)
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "input_image":
+            if not user:
+                raise bad(f"{pw}: an image goes in a user message (as on the chat route), not a system or developer "
+                          "one", pw)
             if part.get("file_id") is not None:
                 raise bad(f"{pw}.file_id: this server keeps no files; send the image as a data: URL", f"{pw}.file_id")
             _choice(part, "detail", ("auto", "high"), f"{pw}.detail")  # every image is read at up to --max-pixels
@@ -189,7 +193,7 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
             role = item.get("role")
             if role in ("user", "system", "developer"):
                 msgs.append({"role": "user" if role == "user" else "system",
-                             "content": _user_content(item.get("content"), f"{where}.content", so, images)})
+                             "content": _user_content(item.get("content"), f"{where}.content", so, images, role == "user")})
             elif role == "assistant":
                 text = _text_of(item.get("content"), f"{where}.content", ("output_text", "input_text", "refusal"))
                 if msgs and msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
