@@ -145,6 +145,21 @@ def test_a_served_answer_is_the_harmony_parse_of_the_tokens_drawn(conv, oc):
         (getattr(msg, "reasoning_content", None) or "")
 
 
+def test_reasoning_effort_is_the_one_gpt_oss_knows(conv, oc):
+    """gpt-oss's template takes low, medium or high: "xhigh" renders as "high" (as Anthropic's route maps it);
+    "none" and "minimal", which turn thinking off in templates with that switch, are a 400: gpt-oss always reasons."""
+    text = TextIO(conv, load_manifest(conv).config)
+    msgs = [{"role": "user", "content": "hi"}]
+    for effort, want in (("xhigh", "high"), ("low", "low")):
+        r = oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, reasoning_effort=effort,
+                                       extra_body={"return_token_ids": True})
+        assert f"Reasoning: {want}\n" in text.decode(r.prompt_token_ids), text.decode(r.prompt_token_ids)
+    for effort in ("none", "minimal"):
+        with pytest.raises(openai.BadRequestError) as e:
+            oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, reasoning_effort=effort)
+        assert "gpt-oss always reasons" in e.value.message and e.value.body["param"] == "reasoning_effort"
+
+
 BOUNDED = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}},
     {"type": "function", "function": {"name": "get_time", "parameters": {

@@ -493,6 +493,8 @@ class EngineWorker:
     def prepare(self, req: GenRequest) -> Job:
         """The request rendered, length-checked and tokenized into a job (or an APIError). It runs on the
         server's prepare thread, one at a time: the plan's `requests` account counts one prompt in work."""
+        if self.harmony(req):
+            harmony_effort(req)
         ids, thinking, given = self.prompt_ids(req)
         if (before := req.api.get("before_edits")) is not None:  # an API's context edits: the tokens they cleared
             sent, edited = (self.eng.text.encode_chat(self.render(r))
@@ -912,6 +914,17 @@ class _Running:
         return {"tok_s": self.tokens / (self.ms / 1000) if self.ms else 0.0,
                 "hit_rate": self.hits / self.picks if self.picks else 0.0, "mib_read_token": self.read / MiB / n,
                 "disk_busy": self.busy_ms / self.ms if self.ms else 0.0}
+
+
+def harmony_effort(req: GenRequest) -> None:
+    """The reasoning effort as gpt-oss's template takes it (low, medium, high): "xhigh" is its "high", as on the
+    Anthropic route; "none" and "minimal", which turn thinking off in templates with that switch, are refused:
+    gpt-oss always reasons."""
+    effort = req.template_kwargs.get("reasoning_effort")
+    if effort in ("none", "minimal"):
+        raise bad(f"'reasoning_effort' {effort!r}: gpt-oss always reasons; give low, medium or high", "reasoning_effort")
+    if effort == "xhigh":
+        req.template_kwargs["reasoning_effort"] = "high"
 
 
 @contextlib.contextmanager
