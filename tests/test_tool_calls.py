@@ -269,6 +269,21 @@ def test_a_forced_call_writes_the_xml_start_and_its_answer_is_parsed(worker, hf)
     assert said.startswith(got["content"][len(job.prefix):])  # less only an unfinished UTF-8 sequence
 
 
+def test_an_xml_parameter_name_that_would_split_its_block_is_refused(worker):
+    """In the XML form a parameter's name is written inside `<parameter=...>`: one holding '>' is a 400 naming
+    the tool; an ordinary name is rendered."""
+    from streamoe.runtime.serve.openai_api import APIError
+
+    def tools(key: str) -> list[dict]:
+        return [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {key: {"type": "string"}}}}}]
+
+    with pytest.raises(APIError) as e:
+        worker.prepare(parse_chat({"messages": [{"role": "user", "content": "?"}], "tools": tools("a>b")}, Limits()))
+    assert e.value.status == 400 and e.value.param == "tools[0].function.parameters" and "'a>b'" in e.value.message
+    assert worker.prepare(parse_chat({"messages": [{"role": "user", "content": "?"}], "tools": tools("a_b")}, Limits())).ids
+
+
 def test_a_tools_name_that_could_forge_markup_is_refused():
     """A name is written inside the call's markup (and a forced call's prefix): one holding a special token, '>' or
     a space is a 400 naming it, before anything is rendered."""

@@ -495,6 +495,8 @@ class EngineWorker:
         server's prepare thread, one at a time: the plan's `requests` account counts one prompt in work."""
         if self.harmony(req):
             harmony_effort(req)
+        if self.tool_format == "xml":
+            xml_keys(req.tools or [])
         ids, thinking, given = self.prompt_ids(req)
         if (before := req.api.get("before_edits")) is not None:  # an API's context edits: the tokens they cleared
             sent, edited = (self.eng.text.encode_chat(self.render(r))
@@ -914,6 +916,18 @@ class _Running:
         return {"tok_s": self.tokens / (self.ms / 1000) if self.ms else 0.0,
                 "hit_rate": self.hits / self.picks if self.picks else 0.0, "mib_read_token": self.read / MiB / n,
                 "disk_busy": self.busy_ms / self.ms if self.ms else 0.0}
+
+
+def xml_keys(tools: list[dict]) -> None:
+    """In the XML tool-call form (Qwen3.5/3.6) a parameter's name is written inside `<parameter=NAME>`: one holding
+    '<', '>' or a line break would split its block, so it is refused (400 naming the tool)."""
+    for j, t in enumerate(tools):
+        params = t["function"].get("parameters") or {}
+        props = params.get("properties") if isinstance(params, dict) else None
+        for key in props if isinstance(props, dict) else ():
+            if any(c in key for c in "<>\n\r"):
+                raise bad(f"tools[{j}]: parameter name {key[:60]!r}: this model's calls write it inside "
+                          "<parameter=...>, so it may hold no '<', '>' or line break", f"tools[{j}].function.parameters")
 
 
 def harmony_effort(req: GenRequest) -> None:
