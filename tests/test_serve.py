@@ -595,7 +595,9 @@ def test_counting_an_image_an_answer_refuses_is_refused_too(server, triangle, tm
         assert r.status == 200 and r.json()["input_tokens"] > 20, r.text
     for png, words in ((tmp_path / "thin.png", "image 1: aspect ratio of 2x500 exceeds 200:1"),
                        (tmp_path / "cut.png", "image 1: truncated or corrupt image")):
-        for r in counts(png):
+        answer = fetch(u + "/v1/chat/completions", "POST", {"max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(png)}}, {"type": "text", "text": "What shape?"}]}]})
+        for r in [*counts(png), answer]:  # the count as the answer: a 400 naming the image
             assert r.status == 400 and words in r.json()["error"]["message"], r.text
     assert fetch(u + "/health").status == 200
 

@@ -657,15 +657,19 @@ class EngineWorker:
         cfg = image_config(eng)
         n = len(job.ids) - len(job.req.images)
         for i, raw in enumerate(job.req.images):
+            name = f"image {i + 1}"
             try:
-                if checked:
-                    im = load_image(PipedImage(Path(f"image {i + 1}"), raw), eng.opts.max_decode_pixels)
-                    n += num_image_tokens(im.height, im.width, cfg)
-                    continue
-                with Image.open(io.BytesIO(raw)) as im:
-                    n += num_image_tokens(im.height, im.width, cfg)
+                if checked:  # its errors name the image
+                    size = load_image(PipedImage(Path(name), raw), eng.opts.max_decode_pixels).size
+                else:
+                    with Image.open(io.BytesIO(raw)) as im:
+                        size = im.size
+                n += num_image_tokens(size[1], size[0], cfg)
             except StreamoeError as e:
-                raise bad(str(e)) from None
+                msg = str(e) if str(e).startswith(name + ":") else f"{name}: {e}"
+                if checked:
+                    raise bad(msg) from None
+                raise StreamoeError(msg) from None  # an answer's error: a 400 from `run`
         return n
 
     # ---- on the worker thread
