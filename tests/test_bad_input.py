@@ -637,6 +637,11 @@ def _(tmp, ck, conv):
         str(tmp / "empty.txt"), "the prompt is empty, and --raw feeds it as it is")
 
 
+@case("run-empty-image-path")
+def _(tmp, ck, conv):
+    return run_args(conv, "--image", ""), ("--image needs an image file, not an empty path",)
+
+
 @case("run-raw-empty-prompt")
 def _(tmp, ck, conv):
     return ["run", conv, "--cap", "1", "--raw", "-p", "", "-n", "1"], ("--prompt: the prompt is empty",)
