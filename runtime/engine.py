@@ -35,6 +35,7 @@ from .plan import (
     current_rss,
     default_dtype,
     expert_format,
+    high_water_rss,
     kv_bits,
     kv_dtype,
     plan_for,
@@ -153,10 +154,11 @@ class Engine:
     def summary(self, steps: list[StepStats]) -> dict:
         """`telemetry.summarize` of these steps against the plan: the process's peak against the cap, or, where the
         device has memory of its own, MLX's peak against --cap and the process's against --host-cap."""
+        host_peak = max(self.peak_rss, high_water_rss())  # the samples at each step, and what fell between them
         if not self.plan.split:
-            return summarize(steps, self.peak_rss, self.plan.cap)
+            return summarize(steps, host_peak, self.plan.cap)
         device_peak = mx.get_peak_memory() - self.experts.pools.host_bytes  # pools in host memory: the host's
-        return summarize(steps, device_peak, self.plan.cap, host=(self.peak_rss, self.plan.host_cap))
+        return summarize(steps, device_peak, self.plan.cap, host=(host_peak, self.plan.host_cap))
 
     @property
     def offset(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,6 +207,22 @@ def current_rss() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # macOS reports bytes
+
+
+def high_water_rss() -> int:
+    """The most this process has held resident since it started (the kernel's high-water mark, VmHWM): a peak
+    between two samples (an image decoded, a prompt tokenized) included."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 def host_rss() -> int:

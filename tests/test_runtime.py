@@ -806,3 +806,22 @@ def test_pipelined_resident_generate_equals_the_plain_loop(small_conv, max_token
         eng.close()
     assert results[0] == results[1]
     assert len(results[0][0]) >= 1
+
+
+def test_the_summarys_peak_holds_what_fell_between_two_steps(tiny_conv):
+    """The summary's peak is the process's high-water mark, not only the samples taken at each step: a transient
+    between two steps (an image decoded, a prompt tokenized) is in it. Here 256 MiB held and freed after the
+    answer's steps."""
+    from streamoe.runtime.plan import current_rss
+    from streamoe.runtime.sampling import Sampler
+
+    eng = Engine(tiny_conv, Options(cap_gib=1, ctx=128, runtime_bytes=RUNTIME))
+    try:
+        list(eng.generate(eng.text.encode("def f(x):"), 4, Sampler()))
+        held = np.ones(256 << 20, dtype=np.uint8)  # touched: resident
+        at = current_rss()
+        del held
+        assert eng.peak_rss < at  # no step sampled it
+        assert eng.summary(eng.steps)["peak_gib"] * 2**30 >= at - (1 << 20)
+    finally:
+        eng.close()
