@@ -138,6 +138,22 @@ def open_image_file(path: str | os.PathLike) -> BinaryIO:
         raise fail(path, f"cannot read ({e.strerror or e})") from None
 
 
+def check_header(img: Image.Image, path: object, max_decode_pixels: int = MAX_DECODE_PIXELS) -> None:
+    """What an opened image's header says, checked before any pixel is decoded: its format, size, aspect ratio
+    and pixel mode (one line naming `path` for each problem)."""
+    if img.format not in SUPPORTED_FORMATS:
+        raise fail(path, f"unsupported image format {img.format} (PNG, JPEG and WebP are supported)")
+    w, h = img.size
+    if w <= 0 or h <= 0:
+        raise fail(path, f"image has zero size ({w}x{h})")
+    if w * h > max_decode_pixels:
+        raise fail(path, f"image too large: {w}x{h} = {w * h:,} pixels declared, at most {max_decode_pixels:,} are decoded")
+    if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
+        raise fail(path, f"aspect ratio of {w}x{h} exceeds {MAX_ASPECT_RATIO}:1")
+    if img.mode not in CONVERTIBLE_MODES:
+        raise fail(path, f"unsupported pixel mode {img.mode} (8-bit grayscale, palette, RGB(A), CMYK supported)")
+
+
 def load_image(source: str | os.PathLike | PipedImage, max_decode_pixels: int = MAX_DECODE_PIXELS) -> Image.Image:
     """Decode a PNG/JPEG/WebP file (or a pipe's bytes) into an RGB image with its EXIF orientation applied."""
     if isinstance(source, PipedImage):
@@ -152,21 +168,7 @@ def load_image(source: str | os.PathLike | PipedImage, max_decode_pixels: int = 
                 img = Image.open(f)
             except UnidentifiedImageError:
                 raise fail(path, "not an image (no PNG, JPEG or WebP header)") from None
-            if img.format not in SUPPORTED_FORMATS:
-                raise fail(path, f"unsupported image format {img.format} (PNG, JPEG and WebP are supported)")
-            w, h = img.size
-            if w <= 0 or h <= 0:
-                raise fail(path, f"image has zero size ({w}x{h})")
-            if w * h > max_decode_pixels:
-                raise fail(
-                    path,
-                    f"image too large: {w}x{h} = {w * h:,} pixels declared, at most "
-                    f"{max_decode_pixels:,} are decoded",
-                )
-            if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
-                raise fail(path, f"aspect ratio of {w}x{h} exceeds {MAX_ASPECT_RATIO}:1")
-            if img.mode not in CONVERTIBLE_MODES:
-                raise fail(path, f"unsupported pixel mode {img.mode} (8-bit grayscale, palette, RGB(A), CMYK supported)")
+            check_header(img, path, max_decode_pixels)
             img.load()  # decodes now, while the file is open; a truncated file fails here
             img = ImageOps.exif_transpose(img)
             # A palette with a transparency entry makes Pillow warn on convert; alpha is dropped anyway.

@@ -46,7 +46,7 @@ from ..constrain import (
     tool_call_grammar,
 )
 from ..engine import Engine, Options
-from ..image import PipedImage, load_image, num_image_tokens
+from ..image import check_header, num_image_tokens
 from ..image_prompt import image_config, prefill_images
 from ..plan import MiB, current_rss
 from ..sampling import Sampler
@@ -648,9 +648,10 @@ class EngineWorker:
 
     def prompt_tokens(self, job: Job, checked: bool = False) -> int:
         """How many tokens the job's prompt prefills: its ids, each image placeholder counted as the tokens
-        its image becomes (from the image's size alone, as the preprocessor resizes it). `checked` (a count
-        asked for by itself: count_tokens, input_tokens): each image decoded as an answer decodes it, so an image
-        an answer refuses is refused here too (400, naming it), not counted."""
+        its image becomes (from the image's size alone, as the preprocessor resizes it: no pixel decoded, so a
+        count holds no decode's memory beside the worker's). Each image's header is checked as an answer checks
+        it: one an answer refuses (format, size, aspect, mode) is an error naming it, a 400 where `checked` (a count
+        asked for by itself: count_tokens, input_tokens), else a `StreamoeError`, the answer's 400."""
         if not job.req.images:
             return len(job.ids)
         eng = self.eng
@@ -659,17 +660,14 @@ class EngineWorker:
         for i, raw in enumerate(job.req.images):
             name = f"image {i + 1}"
             try:
-                if checked:  # its errors name the image
-                    size = load_image(PipedImage(Path(name), raw), eng.opts.max_decode_pixels).size
-                else:
-                    with Image.open(io.BytesIO(raw)) as im:
-                        size = im.size
-                n += num_image_tokens(size[1], size[0], cfg)
+                with Image.open(io.BytesIO(raw)) as im:
+                    check_header(im, name, eng.opts.max_decode_pixels)
+                    n += num_image_tokens(im.height, im.width, cfg)
             except StreamoeError as e:
                 msg = str(e) if str(e).startswith(name + ":") else f"{name}: {e}"
                 if checked:
                     raise bad(msg) from None
-                raise StreamoeError(msg) from None  # an answer's error: a 400 from `run`
+                raise StreamoeError(msg) from None
         return n
 
     # ---- on the worker thread
