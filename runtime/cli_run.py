@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from ..formats.direct import new_hash
 from ..formats.errors import ContextFull, StreamoeError, fail
 from ..formats.files import write_whole
 from ..formats.manifest import load_manifest
@@ -308,8 +308,10 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
 
 
 def digest(data: bytes) -> str:
-    """A short name for what two ranks compare (`ranks.same_work`)."""
-    return hashlib.sha256(data).hexdigest()[:12]
+    """A short name for what two ranks compare (`ranks.same_work`), by the project's one hash (`formats.direct`)."""
+    h = new_hash()
+    h.update(data)
+    return h.hexdigest()[:12]
 
 
 def file_digest(path: Path) -> str:

@@ -229,13 +229,16 @@ def resized_bound(factor: int, min_pixels: int, max_pixels: int) -> int:
     return max(max_pixels, clamped, math.ceil(upscaled))
 
 
+def preprocessor_file(root: Path) -> Path | None:
+    """The model's image preprocessor config file: `preprocessor_config.json`, else `processor_config.json`."""
+    return next((Path(root) / n for n in ("preprocessor_config.json", "processor_config.json")
+                 if os.path.lexists(Path(root) / n)), None)
+
+
 def read_preprocessor(root: Path) -> dict | None:
-    """The model's image preprocessor config (`preprocessor_config.json`, else `processor_config.json`), if any."""
-    for name in ("preprocessor_config.json", "processor_config.json"):
-        p = Path(root) / name
-        if p.is_file():
-            return read_json(p)
-    return None
+    """The model's image preprocessor config (`preprocessor_file`), if it has one."""
+    p = preprocessor_file(root)
+    return None if p is None else read_json(p, "preprocessor config")
 
 
 def preprocess(img: Image.Image, cfg: ImageConfig | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -272,10 +275,8 @@ def num_image_tokens(height: int, width: int, cfg: ImageConfig | None = None) ->
 
 def check_preprocessor(root: Path, config: dict) -> None:
     """The image preprocessor's config parses and holds sane numbers (the engine reads it on the first image)."""
-    for name in ("preprocessor_config.json", "processor_config.json"):
-        p = root / name
-        if not os.path.lexists(p):
-            continue
+    p = preprocessor_file(root)
+    if p is not None:
         pre = read_json(p, "preprocessor config")
         try:
             cfg = ImageConfig.from_config(config, pre)
@@ -287,4 +288,3 @@ def check_preprocessor(root: Path, config: dict) -> None:
         if not ok:
             raise fail(p, "preprocessor values are not usable (sizes must be positive integers, "
                           "image_mean/image_std three finite numbers, std non-zero)")
-        return

@@ -572,11 +572,11 @@ def test_bad_requests_get_their_status_and_an_openai_error(server, triangle):
     assert "root:" not in fetch(u + "/static/..%2F..%2F..%2F..%2Fetc%2Fpasswd").text
 
 
-def test_counting_an_image_an_answer_refuses_is_refused_too(server, triangle, tmp_path):
-    """count_tokens and input_tokens check each image's header as an answer does (no pixel decoded): a good one
-    counts as the answer's prompt does; one whose header an answer refuses (an aspect past 200:1) is a 400
-    naming it, from the counts and the answer alike, not a count or a 500. A file cut after its header is
-    counted (its size is known), and the answer refuses it, naming it."""
+def test_an_image_header_an_answer_refuses_is_refused_when_parsed(server, triangle, tmp_path):
+    """Every route checks each image's header when it parses the request (`image.check_header`, as `run` checks a
+    file): a good image counts as the answer's prompt does; one an answer refuses (an aspect past 200:1) is a 400
+    naming its part, from count_tokens, input_tokens and an answer alike, not a count or a 500. A file cut after
+    its header is counted (no pixel is decoded to count), and the answer, which decodes it, refuses it."""
     from PIL import Image
 
     Image.new("RGB", (2, 500)).save(tmp_path / "thin.png")
@@ -594,11 +594,12 @@ def test_counting_an_image_an_answer_refuses_is_refused_too(server, triangle, tm
 
     for r in counts(triangle):
         assert r.status == 200 and r.json()["input_tokens"] > 20, r.text
-    for png, words, counted in ((tmp_path / "thin.png", "image 1: aspect ratio of 2x500 exceeds 200:1", False),
+    for png, words, counted in ((tmp_path / "thin.png", "aspect ratio of 2x500 exceeds 200:1", False),
                                 (tmp_path / "cut.png", "image 1: truncated or corrupt image", True)):
         answer = fetch(u + "/v1/chat/completions", "POST", {"max_tokens": 2, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_url(png)}}, {"type": "text", "text": "What shape?"}]}]})
         assert answer.status == 400 and words in answer.json()["error"]["message"], answer.text
+        assert counted or answer.json()["error"]["param"] == "messages[0].content[0]", answer.text
         for r in counts(png):
             assert (r.status, words in r.text) == ((200, False) if counted else (400, True)), r.text
     assert fetch(u + "/health").status == 200

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import jsonschema
 import numpy as np
 
-from ..image import SUPPORTED_FORMATS
+from ...formats.errors import StreamoeError
+from ..image import check_header
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -500,22 +501,21 @@ def decode_base64_image(data: str, limits: Limits, where: str, param: str, what:
 
 
 def check_image(raw: bytes, limits: Limits, where: str) -> None:
+    """An image's header, checked as `run` checks a file's (`image.check_header`: format, size, aspect ratio, pixel
+    mode) when the request is parsed: a 400 naming the part, before the request is queued or counted."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            img = Image.open(io.BytesIO(raw))
-            fmt, (w, h) = img.format, img.size
+            check_header(Image.open(io.BytesIO(raw)), where, limits.max_decode_pixels)
     except Image.DecompressionBombError:  # a header claiming more pixels than Pillow's own limit
         raise bad(f"{where}: the image's header claims more pixels than Pillow decodes; at most "
                   f"{limits.max_decode_pixels:,} pixels are decoded", where) from None
+    except StreamoeError as e:
+        raise bad(str(e), where) from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise bad(f"{where}: not an image (no PNG, JPEG or WebP header)", where) from None
-    if fmt not in SUPPORTED_FORMATS:
-        raise bad(f"{where}: unsupported image format {fmt} (PNG, JPEG and WebP are supported)", where)
-    if w * h > limits.max_decode_pixels or w <= 0 or h <= 0:
-        raise bad(f"{where}: image of {w}x{h} pixels; at most {limits.max_decode_pixels:,} pixels are decoded", where)
 
 
 def image_hash(raw: bytes) -> str:

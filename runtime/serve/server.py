@@ -412,14 +412,13 @@ class API:
 
     async def input_tokens(self, request: Request) -> Response:
         n = await self.prepared(request, lambda body: self.worker.prompt_tokens(
-            self.worker.prepare(self.served(responses_api.parse(body, self.so, counting=True, store=self.store))),
-            checked=True))
+            self.worker.prepare(self.served(responses_api.parse(body, self.so, counting=True, store=self.store)))))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": n})
 
     async def count_tokens(self, request: Request) -> Response:
         def make(body: dict) -> tuple[int, dict]:
             job = self.worker.prepare(self.served(anthropic_api.parse(body, self.so, counting=True)))
-            return self.worker.prompt_tokens(job, checked=True), job.req.api
+            return self.worker.prompt_tokens(job), job.req.api
 
         n, api = await self.prepared(request, make)
         edits = api.get("context_management")

@@ -46,7 +46,7 @@ from ..constrain import (
     tool_call_grammar,
 )
 from ..engine import Engine, Options
-from ..image import check_header, num_image_tokens
+from ..image import num_image_tokens
 from ..image_prompt import image_config, prefill_images
 from ..plan import MiB, current_rss
 from ..sampling import Sampler
@@ -646,28 +646,18 @@ class EngineWorker:
         except StreamoeError as e:
             raise bad(str(e), where) from None
 
-    def prompt_tokens(self, job: Job, checked: bool = False) -> int:
+    def prompt_tokens(self, job: Job) -> int:
         """How many tokens the job's prompt prefills: its ids, each image placeholder counted as the tokens
-        its image becomes (from the image's size alone, as the preprocessor resizes it: no pixel decoded, so a
-        count holds no decode's memory beside the worker's). Each image's header is checked as an answer checks
-        it: one an answer refuses (format, size, aspect, mode) is an error naming it, a 400 where `checked` (a count
-        asked for by itself: count_tokens, input_tokens), else a `StreamoeError`, the answer's 400."""
+        its image becomes (from the image's size alone, as the preprocessor resizes it; its header was checked
+        when the request was parsed, `openai_api.check_image`)."""
         if not job.req.images:
             return len(job.ids)
         eng = self.eng
         cfg = image_config(eng)
         n = len(job.ids) - len(job.req.images)
-        for i, raw in enumerate(job.req.images):
-            name = f"image {i + 1}"
-            try:
-                with Image.open(io.BytesIO(raw)) as im:
-                    check_header(im, name, eng.opts.max_decode_pixels)
-                    n += num_image_tokens(im.height, im.width, cfg)
-            except StreamoeError as e:
-                msg = str(e) if str(e).startswith(name + ":") else f"{name}: {e}"
-                if checked:
-                    raise bad(msg) from None
-                raise StreamoeError(msg) from None
+        for raw in job.req.images:
+            with Image.open(io.BytesIO(raw)) as im:
+                n += num_image_tokens(im.height, im.width, cfg)
         return n
 
     # ---- on the worker thread
