@@ -509,6 +509,23 @@ def test_logit_bias_steers_the_answer(client, ref):
     assert r.choices[0].model_extra["token_ids"] == [zebra] * 3
 
 
+def test_a_completion_that_writes_think_is_text_as_generated(client, ref):
+    """/v1/completions reads no reasoning (as vLLM's): an answer that opens with `<think>` keeps it in its text, its
+    stop strings match it and each of its tokens has a logprob; the chat route reads the same tokens as reasoning."""
+    think = ref.text.tokenizer.token_to_id("<think>")
+    r = client.completions.create(model="tiny", prompt=CODE[1], temperature=0, max_tokens=3, logit_bias={str(think): 100},
+                                  logprobs=0, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == [think] * 3 and r.choices[0].text == "<think>" * 3
+    assert r.choices[0].logprobs.tokens == ["<think>"] * 3
+    assert (r.usage.completion_tokens_details is None or not r.usage.completion_tokens_details.reasoning_tokens)
+    r = client.completions.create(model="tiny", prompt=CODE[1], temperature=0, max_tokens=3, logit_bias={str(think): 100},
+                                  stop=["k><"])
+    assert r.choices[0].text == "<thin" and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0,
+                                       max_tokens=3, logit_bias={str(think): 100}, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"][0] == think and "<think>" not in (r.choices[0].message.content or "")
+
+
 def test_a_full_queue_is_503_and_hung_up_requests_leave_it(server, client, ref):
     body = json.dumps({"prompt": CODE[2], "temperature": 0, "max_tokens": 600, "stream": True}).encode()
     socks = [raw_request(server.port, "/v1/completions", body)]

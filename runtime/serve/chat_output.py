@@ -63,19 +63,20 @@ class ChatOutput:
     `thinking` says the prompt left the model inside `<think>`: text up to `</think>` is reasoning (newlines
     around it trimmed), the rest is content (leading newlines trimmed). Otherwise an answer that opens with
     `<think>` itself (Qwen3's template leaves the tag to the model) is reasoning up to `</think>` just the same,
-    as vLLM's and mlx-lm's reasoning parsers read it.
+    as vLLM's and mlx-lm's reasoning parsers read it. A completion (`reasons` false) is text alone: no reasoning is
+    read from it, whatever it holds (vLLM parses no reasoning on /v1/completions).
 
     `spans` says which of the text fed became content: (offset, length) in the text fed (text `given` lies before
     it, at negative offsets), one per content event, in order; so the tokens whose text the content holds, and no
     reasoning or markup, are the ones a caller gives logprobs for."""
 
     def __init__(self, thinking: bool, tools: list[dict] | bool | None, stops: list[str], tool_format: str = "json",
-                 include_stop: bool = False):
+                 include_stop: bool = False, reasons: bool = True):
         self.stop = StopMatcher(stops, include_stop)
         self.phase = "reasoning" if thinking else "content"
         self.tools = ToolCallStream(tool_format, tools if isinstance(tools, list) else None) if tools else None
         self.pending, self.newlines, self.started = "", "", False
-        self.opening = not thinking  # the answer's start may still be the model's own `<think>`
+        self.opening = reasons and not thinking  # the answer's start may still be the model's own `<think>`
         self.matching = True  # whether content goes through the stop strings (not text `given`)
         self.fed = 0  # characters fed (`feed`): where the next text fed starts
         self.spans: list[tuple[int, int]] = []

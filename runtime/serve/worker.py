@@ -772,7 +772,7 @@ class EngineWorker:
                 self.keep(key[:b])
         tools = (req.tools or True) if req.parse_tools else None
         out = (HarmonyOutput(tools, req.stop, req.include_stop) if self.harmony(req) else
-               ChatOutput(job.thinking, tools, req.stop, self.tool_format, req.include_stop))
+               ChatOutput(job.thinking, tools, req.stop, self.tool_format, req.include_stop, reasons=req.kind == "chat"))
         echoed = not echo  # completions' `echo`: the prompt, and its tokens' logprobs, go out before the answer
 
         def echo_prompt() -> None:
