@@ -14,7 +14,9 @@ The host cap is kept by measurement, not only by the plan: what a CUDA process h
 driver's and libraries' own buffers, compiled kernels) grows after open and is not known in advance. So a slot's
 pages are committed only when a record first lands in it and the process's host memory leaves room (`room`, given
 the resident set once per layer), and when the process nears the cap the least valuable records are given back
-to the system (their pages dropped) until it fits again. A committed slot is locked in memory where the limit
+to the system (their pages dropped) until it fits again. What grows and shrinks again between two measurements
+(a kernel compiled) the kernel's high-water mark shows: the room the tier leaves widens to the largest such
+transient seen. A committed slot is locked in memory where the limit
 allows (pinned: never swapped out); on CUDA it is page-locked through the driver (`runtime/copy_engine.py`), so
 the GPU's copy engine moves it into a device slot with no host copy.
 
@@ -34,6 +36,7 @@ from collections.abc import Callable
 
 from ..formats.direct import aligned_buffer
 from .copy_engine import CopyEngine
+from .plan import own_device_memory
 from .tier import HotTier
 
 Key = tuple[int, int]  # (layer, expert)
@@ -41,7 +44,11 @@ Key = tuple[int, int]  # (layer, expert)
 
 # anonymous mmap memory is shared (shmem): on Linux only MADV_REMOVE frees its pages (elsewhere MADV_DONTNEED)
 DROP = getattr(mmap, "MADV_REMOVE", getattr(mmap, "MADV_DONTNEED", 0))
-MARGIN = 64 << 20  # bytes of the host cap the tier leaves to the process's own growth between two measurements
+# bytes of the host cap the tier leaves, at first, to the process's own growth between two measurements; a
+# transient seen larger (`room`'s `peak`) widens it. CUDA compiles kernels in the process (NVRTC), so it starts
+# wider there: on an H100, --cap 4 --host-cap 8 peaked 0.09 GiB over its cap with 64 MiB left, kernels compiled
+# while the tier was full (VmHWM; bench/results/host-tier-h100-code-a99542c.json)
+MARGIN, CUDA_MARGIN = 64 << 20, 256 << 20
 MEASURE_S = 0.005  # the process's host memory is measured at most this often (a /proc read: 40-100 us each)
 
 
@@ -67,6 +74,9 @@ class HostTier:
         # its free slots have no pages (never used, or given back): one is committed only while there is room
         self.tier = HotTier(n_slots, 0, n_layers, n_experts, scratch=0, policy=policy)
         self.headroom = 0 if cap is not None else n_slots * stride  # bytes that more committed slots may take
+        # what the cap leaves to the rest of the process between two measurements
+        self.margin = CUDA_MARGIN if own_device_memory() else MARGIN
+        self.measured = self.peak = 0  # the last measurement, and the highest peak seen
         self.ready: set[int] = set()  # slots whose record has been read
         self.pins: dict[int, int] = {}  # slot -> holders (reads in flight, bytes not yet taken)
         self.lock = threading.Lock()
@@ -124,24 +134,30 @@ class HostTier:
             self.tier.evict(slot)
             self._unpin(slot)
 
-    def check(self, measure: Callable[[], int]) -> None:
-        """`room(measure())`, at most every MEASURE_S. Measured once a layer, a `--cap 4 --host-cap 24` token read
-        /proc 40 times; between two measurements the tier counts its own commits (`take`), and MARGIN is left for
+    def check(self, measure: Callable[[], tuple[int, int | None]]) -> None:
+        """`room(*measure())`, at most every MEASURE_S. Measured once a layer, a `--cap 4 --host-cap 24` token read
+        /proc 40 times; between two measurements the tier counts its own commits (`take`), and `margin` is left for
         the rest of the process's growth."""
         if self.cap is None:
             return
         now = time.monotonic()
         if now >= self.due:
             self.due = now + MEASURE_S
-            self.room(measure())
+            self.room(*measure())
 
-    def room(self, host_bytes: int) -> None:
+    def room(self, host_bytes: int, peak: int | None = None) -> None:
         """The process holds `host_bytes` of host memory now: more slots may be committed while that stays under
-        the cap (less MARGIN); over it, unpinned records are given back, least valuable first, until it is not."""
+        the cap (less `margin`); over it, unpinned records are given back, least valuable first, until it is not.
+        `peak`: the most it has held (the kernel's high-water mark, where it compares): a new peak above this
+        measurement and the last was a transient between them, which the margin holds from now on."""
         if self.cap is None:
             return
         with self.lock:
-            self.headroom = self.cap - MARGIN - host_bytes
+            if peak is not None and peak > self.peak:
+                self.margin = max(self.margin, peak - max(host_bytes, self.measured))
+                self.peak = peak
+            self.measured = host_bytes
+            self.headroom = self.cap - self.margin - host_bytes
             while self.headroom < 0:
                 v = self.tier.occupied_victim()
                 if v is None:

@@ -232,6 +232,12 @@ def host_rss() -> int:
     return current_rss() - (0 if own_device_memory() else mx.get_active_memory())
 
 
+def host_memory() -> tuple[int, int | None]:
+    """`host_rss()`, and the most it has been (VmHWM) where the two compare: with MLX's arrays in the device's own
+    memory (CUDA), not where they are subtracted (the CPU backend planned as split)."""
+    return host_rss(), high_water_rss() if own_device_memory() else None
+
+
 def size(n: int) -> str:
     return f"{n / GiB:8.3f} GiB" if n >= 0.1 * GiB else f"{n / MiB:8.2f} MiB"
 

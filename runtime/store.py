@@ -37,7 +37,7 @@ from ..formats.layout import detect_format, record_layouts
 from ..formats.manifest import Manifest, safe_path
 from ..formats.record import RecordLayout
 from .host_tier import HostTier
-from .plan import host_rss
+from .plan import host_memory
 
 GUESSES_WAIT = True  # guesses yield to demand reads (bench/gpu_compare's `guesswait` ablation turns it off)
 
@@ -207,7 +207,7 @@ class ExpertStore:
         futs: list[Future] = [Future() for _ in keys]
         jobs = []
         if self.host is not None and queue is self.demand:  # off the guesses
-            self.host.check(host_rss)
+            self.host.check(host_memory)
         for f, (layer, e) in zip(futs, keys, strict=True):
             slot, ready = self.host.take((layer, e)) if self.host is not None else (None, False)
             if ready:  # in the host tier: no disk read

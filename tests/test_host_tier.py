@@ -305,6 +305,25 @@ def test_the_host_cap_is_kept_by_measurement():
     assert {host.take((0, e))[0] for e in (5, 6)} == {slots[e] for e in set(range(3)) - set(kept)}
 
 
+def test_a_transient_between_two_measurements_widens_the_margin():
+    """A high-water mark above both of two measurements is a peak the tier did not see (kernels compiled while it was
+    full): from then on the tier leaves that much room, giving back records to make it; a peak it saw changes
+    nothing."""
+    stride = 4096
+    host = HostTier(8, stride, 1, 8, cap=MARGIN + 6 * stride)
+    host.room(0, 0)
+    for e in range(6):
+        s, _ = host.take((0, e))
+        host.filled(s)
+        host.release(s)
+    host.room(6 * stride, 6 * stride)  # the tier's own six records: measured, no transient
+    assert host.margin == MARGIN and sum(host.has((0, e)) for e in range(6)) == 6
+    host.room(6 * stride, 6 * stride + MARGIN + 2 * stride)  # a peak MARGIN + 2 records above: two given back
+    assert host.margin == MARGIN + 2 * stride and sum(host.has((0, e)) for e in range(6)) == 4
+    host.room(4 * stride, 6 * stride + MARGIN + 2 * stride)  # the same peak again: nothing new
+    assert host.margin == MARGIN + 2 * stride and host.headroom == 0
+
+
 def test_the_host_memory_is_measured_at_most_every_measure_s(monkeypatch):
     """`check` measures at once, then not again until MEASURE_S has passed; without a cap, never."""
     import streamoe.runtime.host_tier as host_tier_mod
@@ -313,9 +332,9 @@ def test_the_host_memory_is_measured_at_most_every_measure_s(monkeypatch):
     monkeypatch.setattr(host_tier_mod.time, "monotonic", lambda: now[0])
     measured = []
 
-    def measure() -> int:
+    def measure() -> tuple[int, None]:
         measured.append(now[0])
-        return 0
+        return 0, None
 
     host = HostTier(4, 4096, 1, 8, cap=MARGIN + 3 * 4096)
     for t in (100.0, 100.001, 100.0049, 100.005, 100.006, 100.02):
@@ -337,7 +356,7 @@ def test_a_fill_the_tier_cannot_hold_goes_through_the_ring(small_conv):
     host = HostTier(512, lay.stride, 8, 64, cap=MARGIN + 10 * lay.stride)
     store = ExpertStore.open(small_conv, m, "q4", io_threads=4, ring=4, host=host)
     try:
-        host.room = lambda host_bytes: HostTier.room(host, 0)  # room for ten, whatever this process holds
+        host.room = lambda host_bytes, peak=None: HostTier.room(host, 0)  # room for ten, whatever this process holds
         store.fill_host()
         assert sum(store.in_host((li, e)) for li in range(8) for e in range(64)) == 10
         assert not host.pins and sorted(store.free) == [0, 1, 2, 3]
