@@ -279,6 +279,12 @@ def test_stop_strings_and_seeds(client, ref):
     a, b, c = (client.completions.create(model="tiny", prompt=CODE[2], temperature=0.9, top_p=0.9, seed=s, max_tokens=6)
                for s in (7, 7, 8))
     assert a.choices[0].text == b.choices[0].text != c.choices[0].text
+    # every int64 its own draw (OpenAI's and vLLM's seed type): 0 and -2**63 differ, and 2**63 is out of range
+    a, b = (client.completions.create(model="tiny", prompt=CODE[2], temperature=1.0, seed=s, max_tokens=12,
+                                      extra_body={"return_token_ids": True}) for s in (0, -(1 << 63)))
+    assert a.choices[0].token_ids != b.choices[0].token_ids
+    with pytest.raises(openai.BadRequestError, match="'seed' must be between -9223372036854775808 and 9223372036854775807"):
+        client.completions.create(model="tiny", prompt=CODE[2], seed=1 << 63, max_tokens=1)
 
 
 def test_sampling_fields_are_honoured_exactly_as_streamoe_run_samples(client, ref):

@@ -262,8 +262,13 @@ def _number(body: dict, key: str, lo: float, hi: float, integer: bool = False):
     if isinstance(v, bool) or not ok:
         raise bad(f"'{key}' must be {'an integer' if integer else 'a number'}, got {type(v).__name__}", key)
     if not lo <= v <= hi:
-        raise bad(f"'{key}' must be between {lo:g} and {hi:g}, got {v}", key)
+        raise bad(f"'{key}' must be between {_bound(lo)} and {_bound(hi)}, got {v}", key)
     return v
+
+
+def _bound(x: float) -> str:
+    """A range's end as a client would write it: an integer in full (1073741824, not 1.07374e+09)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def _flag(body: dict, key: str, default: bool = False) -> bool:
@@ -358,7 +363,7 @@ def _common(body: dict, req: GenRequest) -> None:
     top_k = _number(body, "top_k", -1, 1 << 30, integer=True)
     if top_k is not None:
         req.sampling["top_k"] = max(top_k, 0)  # -1 (vLLM's "off") is 0 here
-    req.seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
+    req.seed = _number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True)  # an int64, as OpenAI and vLLM take it
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

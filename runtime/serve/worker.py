@@ -506,7 +506,7 @@ class EngineWorker:
         prompts = [ids]  # a completion's batch of prompts: together inside the context, as the plan holds one's ids
         for prompt in req.prompts[1:]:
             prompts.append(self.completion_ids(prompt, ctx - sum(map(len, prompts))))
-        seed = secrets.randbits(63) if req.seed is None else req.seed % (1 << 63)
+        seed = secrets.randbits(64) if req.seed is None else req.seed % (1 << 64)  # each int64 its own 64-bit key
         if req.kind == "completion" and req.echo and req.logprobs:
             if self.lock is not None:
                 raise bad("'echo' with 'logprobs' (the prompt's logprobs) needs one host, not ranks", "echo")
@@ -537,7 +537,7 @@ class EngineWorker:
         if share < 1 and want:
             raise bad(f"the prompts leave {ctx - sum(map(len, prompts))} tokens of the planned context (--ctx {ctx}) "
                       f"for {len(prompts) * req.n} answers", "n" if req.n > 1 else "prompt")
-        choices = [Choice(Sampler(**sampling, seed=(seed + i) % (1 << 63)), p, min(want, share),
+        choices = [Choice(Sampler(**sampling, seed=(seed + i) % (1 << 64)), p, min(want, share),
                           text if isinstance(text, str) else None)
                    for p, text in zip(prompts, req.prompts or [None], strict=False) for i in range(req.n)]
         # each prompt's i-th choice is drawn with seed + i, as vLLM seeds its choices
