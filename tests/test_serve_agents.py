@@ -545,6 +545,8 @@ def test_responses_text_format_is_a_response_format():
     r = responses_api.parse(rq(text={"format": {"type": "json_object"}}), so)
     assert r.json_output and r.json_schema is None
     assert not responses_api.parse(rq(text={"format": {"type": "text"}}), so).json_output
+    with pytest.raises(APIError, match="'text.format.name' is required"):  # named by its own (flat) path
+        responses_api.parse(rq(text={"format": {"type": "json_schema", "schema": schema}}), so)
 
 
 def am(**kw) -> dict:

@@ -266,6 +266,17 @@ def chat(**kw) -> dict:
     (chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
         {**CALLS[0], "index": 1}]}]), "messages[1].tool_calls[0].index"),
     (chat(chat_template_kwargs={"enable_thinking": "no"}), "chat_template_kwargs"),
+    # a field of another role's message, as OpenAI's schema has none there (it would be dropped)
+    (chat(messages=[{"role": "user", "content": "hi", "tool_calls": CALLS}]), "messages[0].tool_calls"),
+    (chat(messages=[{"role": "user", "content": "hi", "reasoning_content": "secret"}]), "messages[0].reasoning_content"),
+    (chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tool_call_id": "a"}]),
+     "messages[1].tool_call_id"),
+    (chat(messages=[{"role": "tool", "content": "4", "tool_call_id": "a", "name": "f"}]), "messages[0].name"),
+    (chat(messages=[{"role": "user", "content": []}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].text"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}), "response_format"),
+    (chat(metadata={"k" * 65: "v"}), "metadata"),
+    (chat(metadata={"k": "v" * 513}), "metadata"),
 ])
 def test_bad_fields_are_400_naming_the_field(body, param):
     with pytest.raises(APIError) as e:

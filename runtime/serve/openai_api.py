@@ -80,12 +80,14 @@ def _string(body: dict, key: str, where: str | None = None) -> str | None:
 
 
 def _metadata(body: dict, key: str = "metadata", most: int = 16) -> dict | None:
-    """`metadata` (or another field of labels, `key`): at most 16 string values (OpenAI's limit), kept as the API
-    echoes them."""
+    """`metadata` (or another field of labels, `key`): at most 16 string values (OpenAI's limits: keys of at most
+    64 characters, values of at most 512), kept as the API echoes them."""
     metadata = body.get(key)
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > most
                                  or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise bad(f"'{key}' must be an object of at most {most} string values", key)
+    if key == "metadata" and metadata and (long := next((k for k, v in metadata.items() if len(k) > 64 or len(v) > 512), None)):
+        raise bad(f"'metadata' key {long[:80]!r}: keys are at most 64 characters and values at most 512", key)
     return metadata
 
 
@@ -311,6 +313,9 @@ CHAT_HONOURED = CHAT_FIELDS - {"audio", "function_call", "functions", "moderatio
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call",
                   "reasoning_content", "reasoning"}  # the last two: vLLM's, a tool loop's earlier thinking
 MESSAGE_HONOURED = MESSAGE_FIELDS - {"refusal", "audio", "function_call"}
+# the fields each role's message has in OpenAI's schema (vLLM's reasoning fields an assistant's): any other is a 400
+ROLE_FIELDS = {"assistant": MESSAGE_FIELDS - {"tool_call_id"}, "tool": {"role", "content", "tool_call_id"},
+               **dict.fromkeys(("system", "developer", "user"), {"role", "content", "name"})}
 
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_STOP_IDS = 64  # vLLM's `stop_token_ids` one request may give
@@ -474,6 +479,8 @@ def parse_response_format(rf, req: GenRequest) -> None:
         raise bad("'response_format.json_schema' must be {'name', 'schema': {...}, 'strict', 'description'}",
                   "response_format")
     typed(js, "response_format.json_schema.", ("strict",), ("name", "description"))
+    if not js.get("name"):  # OpenAI's and vLLM's: the schema's name is required
+        raise bad("'response_format.json_schema.name' is required (a non-empty string)", "response_format")
     req.json_schema = js["schema"]
 
 
@@ -534,6 +541,8 @@ def _content(content, role: str, where: str, limits: Limits, images: list[bytes]
         return content
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or a list of parts", f"{where}.content")
+    if not content:
+        raise bad(f"{where}.content must be a string or a non-empty list of parts", f"{where}.content")
     parts = []
     for j, part in enumerate(content):
         pw = f"{where}.content[{j}]"
@@ -544,7 +553,7 @@ def _content(content, role: str, where: str, limits: Limits, images: list[bytes]
             check_fields(part, {"type", kind, "prompt_cache_breakpoint"}, {"type", kind}, f"{pw}.", "the OpenAI API")
         if kind == "text":
             if not isinstance(part.get("text"), str):
-                raise bad(f"{pw}.text must be a string", pw)
+                raise bad(f"{pw}.text must be a string", f"{pw}.text")
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "image_url":
             if role != "user":
@@ -616,6 +625,8 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
         check_fields(m, MESSAGE_FIELDS, MESSAGE_HONOURED, f"{where}.", "the OpenAI API")
+        if stray := [k for k in MESSAGE_FIELDS - ROLE_FIELDS[role] if m.get(k) is not None]:
+            raise bad(f"{where}.{stray[0]}: a message of role {role!r} has no '{stray[0]}' field", f"{where}.{stray[0]}")
         msg = {"role": "system" if role == "developer" else role,
                "content": _content(m.get("content"), role, where, limits, images)}
         if _string(m, "name", f"{where}.name") is not None:  # given to the template, which renders it or not

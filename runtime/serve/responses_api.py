@@ -383,7 +383,8 @@ def parse(body: dict, so, counting: bool = False, store: ResponseStore | None = 
         try:
             parse_response_format(fmt, req)
         except APIError as e:
-            raise bad(str(e.message).replace("'response_format", "'text.format"), "text.format") from None
+            message = str(e.message).replace("'response_format.json_schema", "'text.format")  # its fields are flat
+            raise bad(message.replace("'response_format", "'text.format"), "text.format") from None
     reasoning, summary = body.get("reasoning"), None
     if reasoning is not None:
         if not isinstance(reasoning, dict):
