@@ -517,6 +517,8 @@ def rq(**kw) -> dict:
     (rq(input=[{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "x"}, "hi"]),
      "input[0].encrypted_content"),
     (rq(input=[{"type": "web_search_call", "id": "x"}]), "input[0].type"),
+    (rq(input=[{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "nope", "output": "x"}]),
+     "input[1].call_id"),
     (rq(input=[{"type": ["message"], "role": "user", "content": "hi"}]), "input[0].type"),
     (rq(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]), "input[0].content[0]"),
     (rq(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]), "input[0].content[0].file_id"),

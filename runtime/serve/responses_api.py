@@ -170,7 +170,7 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise bad("'input' must be a string or a non-empty list of items", "input")
     msgs: list[dict] = []
-    reasoning = ""
+    reasoning, called = "", set()  # the call ids of the function_call items so far
 
     def assistant() -> dict:
         nonlocal reasoning
@@ -207,6 +207,7 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
             name, call_id = item.get("name"), item.get("call_id")
             if not isinstance(name, str) or not name or not isinstance(call_id, str):
                 raise bad(f"{where} must have a string 'name' and 'call_id'", where)
+            called.add(call_id)
             msg = assistant()
             msg.setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function",
@@ -215,6 +216,9 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise bad(f"{where}.call_id must be a string", f"{where}.call_id")
+            if call_id not in called:  # OpenAI's check: an output answers a call the conversation holds
+                raise bad(f"{where}: no tool call found for function call output with call_id {call_id[:80]!r}",
+                          f"{where}.call_id")
             out = _text_of(item.get("output"), f"{where}.output", ("input_text", "output_text"))
             msgs.append({"role": "tool", "tool_call_id": call_id, "content": out})
         elif kind == "reasoning":  # its text, else its sealed text, else its summary's, joins the next assistant turn
