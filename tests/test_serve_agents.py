@@ -1500,3 +1500,12 @@ def test_metrics_count_what_was_served(server, oc):
 def test_no_traceback_in_the_server_log(server):
     log = server.text()
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+
+def test_a_responses_prompt_past_the_context_names_its_input(oc):
+    """The Responses API's conversation is its `input`: a prompt the planned context cannot hold is a 400 naming that
+    field (the chat route's own name, `messages`, is no field of this API)."""
+    for words in ("word " * 30 * CTX, "word " * (CTX + 8)):  # past any token length; past it once tokenized
+        with pytest.raises(openai.BadRequestError) as e:
+            oc.responses.create(model="tiny", input=words, max_output_tokens=2)
+        assert e.value.body["param"] == "input" and "planned context" in e.value.body["message"]

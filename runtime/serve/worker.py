@@ -404,7 +404,8 @@ class EngineWorker:
             return self.eng.text.chat_text(req.messages, tools=req.tools, add_generation_prompt=not req.continue_final
                                            if generation is None else generation, **kw)
         except TemplateFailure as e:
-            raise bad(f"the chat template ({e.path.name}) refused the messages: {e.reason}", "messages") from None
+            raise bad(f"the chat template ({e.path.name}) refused the messages: {e.reason}",
+                      req.api.get("messages_field", "messages")) from None
 
     def cut_after_final(self, prompt: str, final: str) -> tuple[str, int, str]:
         """A continued conversation's rendering (`continue_final`) cut right after its last message's text, where
@@ -432,20 +433,21 @@ class EngineWorker:
         """The (first) prompt's token ids, rendered and checked; whether the model starts in its reasoning; and
         the answer's forced start (a tool call's opening, written into the prompt)."""
         thinking, given = False, ""
+        field = req.api.get("messages_field", "messages")  # the request's own name for its conversation
         if req.kind == "chat":
             if req.images and self.lock is not None:
                 raise bad("across ranks (mlx.launch) a request takes no images: they reach rank 0 alone, and every "
-                          "rank must encode them; serve images on one host", "messages")
+                          "rank must encode them; serve images on one host", field)
             if req.images and not self.eng.opts.images:
                 raise bad(f"this server takes no images: it {self.so.limits.images_off or 'was started without them'}",
-                          "messages")
+                          field)
             if (least := self.bound.quick(message_chars(req.messages))) >= self.eng.opts.ctx:
-                raise self.too_long(least, "messages", "at least ")  # before the template copies the text
+                raise self.too_long(least, field, "at least ")  # before the template copies the text
             if req.continue_final and self.harmony(req):
                 raise bad("a harmony chat (gpt-oss) cannot continue its last message here: its answer is read by "
-                          "channel from the start of its turn", "messages")
+                          "channel from the start of its turn", field)
             prompt = self.render(req)
-            self.check_length(prompt, "messages")
+            self.check_length(prompt, field)
             before = len(prompt)  # where the answer's text begins: the answer's own, or the start it continues
             if req.continue_final:
                 prompt, before, text = self.cut_after_final(prompt, final_text(req.messages))
@@ -462,11 +464,11 @@ class EngineWorker:
             ids = self.eng.text.encode_chat(prompt)
             if ids.count(self.pad) != len(req.images):  # message text never holds one (it is encoded as text)
                 raise bad(f"the chat template wrote {ids.count(self.pad)} image placeholders for {len(req.images)} "
-                          "images", "messages")
+                          "images", field)
         else:
             ids = self.completion_ids(req.prompt)
         if len(ids) >= self.eng.opts.ctx:
-            raise self.too_long(len(ids), "messages" if req.kind == "chat" else "prompt")
+            raise self.too_long(len(ids), field if req.kind == "chat" else "prompt")
         return ids, thinking, given
 
     def head_tokens(self, req: GenRequest, ids: list[int]) -> int:
