@@ -411,6 +411,24 @@ def test_anthropic_blocks_become_the_chat_messages():
                             CONVO[2], {"role": "user", "content": "Thanks"}]
 
 
+def test_anthropic_turns_of_one_role_combine_and_an_empty_final_turn_is_no_prefill():
+    """As Anthropic's API: consecutive messages of one role are one turn (two user messages, then a tool call's
+    result beside a second user message), and an empty final assistant message leaves the answer unstarted."""
+    so = ServeOptions("m")
+    req = anthropic_api.parse(am(messages=[
+        {"role": "user", "content": "What is the weather"}, {"role": "user", "content": [{"type": "text", "text": " in Paris?"}]},
+        {"role": "assistant", "content": [TOOL_USE]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18 degrees, sunny"}]},
+        {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": ""}], tools=ANTH_TOOLS), so)
+    assert req.messages == [{"role": "user", "content": "What is the weather in Paris?"},
+                            {"role": "assistant", "content": "", "tool_calls": [
+                                {"id": "t1", "type": "function", "function": {"name": "get_weather",
+                                                                              "arguments": {"city": "Paris"}}}]},
+                            {"role": "tool", "tool_call_id": "t1", "content": "18 degrees, sunny"},
+                            {"role": "user", "content": "Thanks"}]
+    assert not req.continue_final
+
+
 THOUGHT_LOOP = [  # a tool loop after the user's question, each call after a thought
     {"role": "user", "content": "What is the weather in Paris and in Oslo?"},
     {"role": "assistant", "content": [{"type": "thinking", "thinking": "Paris first: call the tool.", "signature": "s"},
@@ -558,6 +576,9 @@ def am(**kw) -> dict:
 PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
 
 
+TOOL_USE = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}
+
+
 @pytest.mark.parametrize("body, param", [
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}, "model"),
@@ -567,7 +588,23 @@ PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
     (am(max_tokens=4096, thinking={"type": "enabled", "budget_tokens": 2048, "display": "omitted"}), "thinking.display"),
     (am(thinking={"type": "adaptive", "budget_tokens": 2048}), "thinking.budget_tokens"),  # not a field of theirs
     (am(thinking={"type": "disabled", "budget_tokens": 2048}), "thinking.budget_tokens"),
-    (am(tools=[{"name": "t", "input_schema": {"type": "string"}}]), "tools"),  # a call's input is an object
+    (am(tools=[{"name": "t", "input_schema": {"type": "string"}}]), "tools[0].input_schema"),  # input is an object
+    (am(tools=[{"name": "t t", "input_schema": {"type": "object"}}]), "tools[0].name"),
+    (am(max_tokens=4096, thinking={"type": "enabled", "budget_tokens": 2048}, tools=ANTH_TOOLS,
+        tool_choice={"type": "any"}), "tool_choice"),  # a forced call has no thinking: refused, not dropped
+    (am(thinking={"type": "adaptive"}, tools=ANTH_TOOLS, tool_choice={"type": "tool", "name": "get_weather"}),
+     "tool_choice"),
+    (am(messages=[{"role": "user", "content": ""}]), "messages[0].content[0].text"),
+    (am(messages=[{"role": "user", "content": [{"type": "text", "text": " \n"}]}]), "messages[0].content[0].text"),
+    (am(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                  {"role": "user", "content": "hi"}]), "messages[1].content[0].text"),
+    (am(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "4"}]}]),
+     "messages[0].content[0].tool_use_id"),  # answers no call
+    (am(messages=[PREFILLED[0], {"role": "assistant", "content": [TOOL_USE]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "other", "content": "4"}]}],
+        tools=ANTH_TOOLS), "messages[2].content[0].tool_use_id"),
+    (am(messages=[PREFILLED[0], {"role": "assistant", "content": [TOOL_USE]}, {"role": "user", "content": "and?"}],
+        tools=ANTH_TOOLS), "messages[1].content[0]"),  # a call left unanswered
     (am(output_config={"effort": "huge"}), "output_config.effort"),
     (am(output_config={"task_budget": {"type": "tokens", "total": 1000}}), "output_config.task_budget"),
     (am(context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}), "context_management.edits[0].type"),

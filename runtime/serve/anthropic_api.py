@@ -122,41 +122,69 @@ def _tool_result(block: dict, where: str) -> dict:
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
 
 
-def parse_messages(messages, so, images: list[bytes]) -> list[dict]:
-    """Anthropic turns -> chat messages: a user turn's tool_result blocks become tool messages (first, as
-    the API orders them), its text and images one user message; an assistant turn's text, tool_use and
-    thinking blocks one assistant message."""
+def _turns(messages) -> list[tuple[str, list[tuple[dict, str]]]]:
+    """The request's messages as turns: (role, [(block, where)]), consecutive messages of one role combined into one
+    turn, as Anthropic's API combines them; each block keeps the place it was given at, for errors."""
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
-    out: list[dict] = []
+    turns: list[tuple[str, list[tuple[dict, str]]]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object", where)
         check_fields(m, {"role", "content"}, {"role", "content"}, f"{where}.", API)
         role = m.get("role")
-        blocks = _blocks(m.get("content"), f"{where}.content")
+        if role not in ("user", "assistant"):
+            raise bad(f"{where}.role must be 'user' or 'assistant', got {role!r}", f"{where}.role")
+        final = i == len(messages) - 1 and role == "assistant"
+        if final and m.get("content") in ("", []):  # an empty final assistant turn: no prefill, as Anthropic's API
+            break
+        blocks = [(b, f"{where}.content[{j}]") for j, b in enumerate(_blocks(m.get("content"), f"{where}.content"))]
+        for b, bw in blocks:  # every text non-empty, as Anthropic's API requires (a prefill's trailing space: `_prefill`)
+            if b.get("type") == "text" and isinstance(b.get("text"), str) and not (b["text"].strip() or final):
+                raise bad(f"{bw}: text content blocks must contain non-whitespace text", f"{bw}.text")
+        if turns and turns[-1][0] == role:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((role, blocks))
+    return turns
+
+
+def parse_messages(messages, so, images: list[bytes]) -> list[dict]:
+    """Anthropic turns -> chat messages: a user turn's tool_result blocks become tool messages (first, as
+    the API orders them), its text and images one user message; an assistant turn's text, tool_use and
+    thinking blocks one assistant message. As Anthropic's API checks them: each tool_use is answered by a
+    tool_result in the next turn, and each tool_result answers a tool_use of the turn before it."""
+    out: list[dict] = []
+    asked: dict[str, str] = {}  # the last assistant turn's tool_use ids not yet answered -> where each was given
+    for role, blocks in _turns(messages):
         if role == "user":
             parts: list[dict] = []
-            for j, b in enumerate(blocks):
-                bw = f"{where}.content[{j}]"
+            for b, bw in blocks:
                 kind = b.get("type")
                 if kind == "text":
                     parts.append({"type": "text", "text": _text_block(b, bw)})
                 elif kind == "image":
                     parts.append(_image(b, bw, so, images))
                 elif kind == "tool_result":
-                    out.append(_tool_result(b, bw))
+                    result = _tool_result(b, bw)
+                    if asked.pop(result["tool_call_id"], None) is None:
+                        raise bad(f"{bw}: unexpected tool_use_id {result['tool_call_id'][:80]!r}: each tool_result "
+                                  "must answer a tool_use block of the turn before it", f"{bw}.tool_use_id")
+                    out.append(result)
                 else:
                     raise bad(f"{bw}.type {kind!r} is not supported in a user turn (text, image and tool_result "
                               "are)", f"{bw}.type")
+            if asked:
+                _unanswered(asked)
             if parts:
                 simple = all(p["type"] == "text" for p in parts)
                 out.append({"role": "user", "content": "".join(p["text"] for p in parts) if simple else parts})
-        elif role == "assistant":
+        else:
+            if asked:
+                _unanswered(asked)
             msg: dict = {"role": "assistant", "content": ""}
-            for j, b in enumerate(blocks):
-                bw = f"{where}.content[{j}]"
+            for b, bw in blocks:
                 kind = b.get("type")
                 if kind == "text":
                     msg["content"] += _text_block(b, bw)
@@ -167,6 +195,7 @@ def parse_messages(messages, so, images: list[bytes]) -> list[dict]:
                         raise bad(f"{bw} must have a string 'id' and 'name'", bw)
                     if not isinstance(b.get("input", {}), dict):
                         raise bad(f"{bw}.input must be an object", f"{bw}.input")
+                    asked[b["id"]] = bw
                     msg.setdefault("tool_calls", []).append(
                         {"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": b.get("input", {})}})
                 elif kind == "thinking":
@@ -178,9 +207,16 @@ def parse_messages(messages, so, images: list[bytes]) -> list[dict]:
                     raise bad(f"{bw}.type {kind!r} is not supported in an assistant turn (text, tool_use and "
                               "thinking are)", f"{bw}.type")
             out.append(msg)
-        else:
-            raise bad(f"{where}.role must be 'user' or 'assistant', got {role!r}", f"{where}.role")
+    if not out:
+        raise bad("'messages' holds only an empty assistant turn", "messages")
     return out
+
+
+def _unanswered(asked: dict[str, str]) -> None:
+    ids, where = list(asked), next(iter(asked.values()))
+    raise bad(f"{where}: tool_use ids were found without tool_result blocks immediately after: "
+              f"{', '.join(i[:80] for i in ids)}. Each tool_use block must have a corresponding tool_result block in "
+              "the next message", where)
 
 
 def _system(system) -> list[dict]:
@@ -248,8 +284,10 @@ def _tools(body: dict) -> tuple[list[dict] | None, bool, str | None, dict, bool]
         parallel = not tc.get("disable_parallel_tool_use")
     try:
         got = parse_tools({"tools": chat_tools, "tool_choice": choice})
-    except APIError as e:
-        raise bad(e.message, "tools" if e.param and e.param.startswith("tools") else e.param) from None
+    except APIError as e:  # the chat form's path to a field ("tools[0].function.name") as this API names it
+        def named(text: str) -> str:
+            return text.replace(".function.parameters", ".input_schema").replace(".function.", ".")
+        raise bad(named(e.message), e.param and named(e.param)) from None
     return (*got, strict, parallel)
 
 
@@ -311,6 +349,9 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
     _output_config(body, req)
     req.messages = _system(body.get("system")) + parse_messages(body.get("messages"), so, req.images)
     req.tools, req.parse_tools, req.force_call, strict, parallel = _tools(body)
+    if req.force_call is not None and req.template_kwargs["enable_thinking"] and thinking is not None:
+        raise bad("thinking may not be enabled when tool_choice forces tool use (give 'thinking': {'type': "
+                  "'disabled'}, or 'tool_choice' auto)", "tool_choice")
     req.api = {"strict": strict, "parallel": parallel, "format_field": "output_config.format"}
     _context_management(body, req)
     if req.messages[-1]["role"] == "assistant":
