@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import typing
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response, ResponseStreamEvent
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from streamoe.runtime.engine import Engine, Options
@@ -576,6 +578,12 @@ def am(**kw) -> dict:
 PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a")).decode()
 
 
+def jpeg_b64() -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (0, 90, 200)).save(buf, "JPEG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 TOOL_USE = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}
 
 
@@ -647,6 +655,8 @@ TOOL_USE = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"ci
      "messages[0].content[0].source"),
     (am(messages=[{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/gif", "data": PNG}}]}]), "messages[0].content[0].source.media_type"),
+    (am(messages=[{"role": "user", "content": [{"type": "image", "source": {  # a JPEG said to be a PNG
+        "type": "base64", "media_type": "image/png", "data": jpeg_b64()}}]}]), "messages[0].content[0].source.media_type"),
     (am(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {"type": "x"}}]}]),
      "messages[0].content[0].cache_control"),
 ])

@@ -80,7 +80,9 @@ def _image(block: dict, where: str, so, images: list[bytes]) -> dict:
     if not isinstance(data, str):
         raise bad(f"{where}.source.data must be a base64 string", f"{where}.source.data")
     raw = decode_base64_image(data, so.limits, where, f"{where}.source.data", f"{where}.source.data")
-    check_image(raw, so.limits, where)
+    if (found := check_image(raw, so.limits, where)) != src["media_type"]:  # as Anthropic's API checks it
+        raise bad(f"{where}.source: the image is {found}, not the media_type given ({src['media_type']})",
+                  f"{where}.source.media_type")
     if len(images) >= so.limits.max_images:
         raise bad(so.limits.too_many_images(), where)
     images.append(raw)

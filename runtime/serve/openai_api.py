@@ -512,15 +512,21 @@ def decode_base64_image(data: str, limits: Limits, where: str, param: str, what:
         raise bad(f"{what} is not valid base64 (standard alphabet, padded)", param) from None
 
 
-def check_image(raw: bytes, limits: Limits, where: str) -> None:
+MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "WEBP": "image/webp"}  # by Pillow's format
+
+
+def check_image(raw: bytes, limits: Limits, where: str) -> str:
     """An image's header, checked as `run` checks a file's (`image.check_header`: format, size, aspect ratio, pixel
-    mode) when the request is parsed: a 400 naming the part, before the request is queued or counted."""
+    mode) when the request is parsed: a 400 naming the part, before the request is queued or counted. Its media
+    type (image/png, image/jpeg or image/webp)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            check_header(Image.open(io.BytesIO(raw)), where, limits.max_decode_pixels)
+            img = Image.open(io.BytesIO(raw))
+            check_header(img, where, limits.max_decode_pixels)
+            return MEDIA_TYPES[img.format]
     except Image.DecompressionBombError:  # a header claiming more pixels than Pillow's own limit
         raise bad(f"{where}: the image's header claims more pixels than Pillow decodes; at most "
                   f"{limits.max_decode_pixels:,} pixels are decoded", where) from None
