@@ -86,6 +86,12 @@ def test_a_foreign_origin_generates_nothing(server):
     assert "access-control-allow-origin" not in headers
     status, _, _ = post(p, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, Origin="null")
     assert status == 403
+    # on Anthropic's route, in Anthropic's shape
+    status, _, body = post(p, "/v1/messages", {"model": "m", "max_tokens": 2, "messages": []}, Origin="http://evil.test")
+    assert status == 403 and json.loads(body)["error"]["type"] == "permission_error", body
+    status, _, body = post(p, "/v1/messages", {"model": "m", "max_tokens": 2, "messages": []}, host="evil.test")
+    assert status == 421 and json.loads(body) == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": json.loads(body)["error"]["message"]}}, body
     assert generated(server) == before
     # the page itself (same origin) and an allowed origin generate
     status, _, _ = post(p, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0},

@@ -194,6 +194,8 @@ def test_bodies_are_admitted_before_they_are_read(server):
     # of the body and drops it before closing), not a reset connection
     r = post(server, "/v1/completions", {"prompt": "a" * 400_000, "max_tokens": 1})
     assert r.status == 503 and r.json()["error"]["code"] == "queue_full", r.text
+    r = post(server, "/v1/messages", b"{" + b" " * 400_000 + b"}")  # Anthropic's route: its overload, 529
+    assert r.status == 529 and r.json()["error"]["type"] == "overloaded_error" and r.json()["type"] == "error", r.text
     for s in stalled:
         status, _, body = answer(s, timeout=10)
         err = json.loads(body)["error"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from ..tool_calls import loads_exact
+from .door import anthropic_error
 from .openai_api import (
     APIError,
     GenRequest,
@@ -39,16 +40,12 @@ EFFORT_OF = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", 
 COUNT_FIELDS = {"messages", "model", "cache_control", "context_management", "mcp_servers", "output_config", "speed",
                 "system", "thinking", "tool_choice", "tools", "user_profile_id", "workspace_id"}
 API = "the Anthropic Messages API"
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-               529: "overloaded_error"}
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
 
 
 def error_body(err: APIError) -> dict:
     """Anthropic's error object: `{"type": "error", "error": {"type", "message"}}`."""
-    kind = ERROR_TYPES.get(err.status, "invalid_request_error" if 400 <= err.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
+    return anthropic_error(err.status, err.message)
 
 
 def _cache_control(block: dict, where: str) -> None:

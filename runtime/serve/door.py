@@ -29,17 +29,38 @@ LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD = ("0.0.0.0", "::", "")
 
 
-def error_body(status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
-               anthropic: bool = False) -> bytes:
-    if anthropic:
-        return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+# Anthropic's error types by status, on the routes of its API (an overload is its 529 there, OpenAI's 503 elsewhere)
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def anthropic_route(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def anthropic_status(status: int) -> int:
+    return 529 if status == 503 else status
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    """Anthropic's error object: `{"type": "error", "error": {"type", "message"}}`."""
+    kind = ANTHROPIC_ERRORS.get(anthropic_status(status), "invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body(status: int, message: str, code: str | None = None, kind: str = "invalid_request_error") -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
 
-async def refuse(send, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
-                 headers: tuple = (), anthropic: bool = False) -> None:
-    """An error response sent straight from ASGI, the request's body left unread."""
-    body = error_body(status, message, code, kind, anthropic)
+async def refuse(send, scope, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
+                 headers: tuple = ()) -> None:
+    """An error response sent straight from ASGI, the request's body left unread, in the shape of the API its path
+    speaks (Anthropic's under /v1/messages, else OpenAI's)."""
+    if anthropic_route(scope["path"]):
+        status = anthropic_status(status)
+        body = json.dumps(anthropic_error(status, message)).encode()
+    else:
+        body = error_body(status, message, code, kind)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), *headers]})
@@ -92,22 +113,20 @@ class Door:
         if name is None and b"host" not in headers and scope.get("http_version") == "1.0":
             name = "localhost"  # HTTP/1.0 has no Host (a bare health probe); a browser always sends one
         if name is None:
-            return await refuse(send, 400, "the request has no valid Host header", "bad_host")
+            return await refuse(send, scope, 400, "the request has no valid Host header", "bad_host")
         if not self.host_ok(name):
-            return await refuse(send, 421, f"this server does not answer to the host {name!r} (start it with "
+            return await refuse(send, scope, 421, f"this server does not answer to the host {name!r} (start it with "
                                 f"--allow-host {name} to allow that name)", "misdirected_host")
         origin = headers.get(b"origin")
         if origin is not None:
             o = origin.decode("latin-1").rstrip("/").lower()
             same = o in (f"{scope.get('scheme', 'http')}://{raw_host.lower()}",)
             if not same and not self.any_origin and o not in self.origins:
-                return await refuse(send, 403, f"cross-origin requests from {o} are refused (start the server "
+                return await refuse(send, scope, 403, f"cross-origin requests from {o} are refused (start the server "
                                     "with --cors-origin ORIGIN to allow one)", "cross_origin", "permission_error")
         if self.key is not None and not self.key_ok(scope, headers):
-            anthropic = scope["path"].startswith("/v1/messages")
-            return await refuse(send, 401, "this server needs its API key (Authorization: Bearer KEY, or x-api-key: KEY)",
-                                "invalid_api_key", "authentication_error" if anthropic else "invalid_request_error",
-                                ((b"www-authenticate", b"Bearer"),), anthropic)
+            return await refuse(send, scope, 401, "this server needs its API key (Authorization: Bearer KEY, or x-api-key: "
+                                "KEY)", "invalid_api_key", headers=((b"www-authenticate", b"Bearer"),))
         await self.app(scope, receive, send)
 
     def key_ok(self, scope, headers: dict) -> bool:
@@ -137,7 +156,7 @@ class Admission:
         if scope["type"] != "http" or scope["method"] not in self.METHODS:
             return await self.app(scope, receive, send)
         if self.inside >= self.slots:
-            return await refuse(send, 503, f"the server is busy: {self.slots} requests are already admitted "
+            return await refuse(send, scope, 503, f"the server is busy: {self.slots} requests are already admitted "
                                 "(queued or running); retry later", "queue_full", "server_overloaded",
                                 ((b"retry-after", b"1"),))
         self.inside += 1

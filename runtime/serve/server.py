@@ -48,6 +48,8 @@ from .door import (
     Admission,
     Door,
     RateLimitedLoopErrors,
+    anthropic_route,
+    anthropic_status,
     bound_socket_buffers,
     connection_limit,
     guarded_protocol,
@@ -611,9 +613,9 @@ class OpenAIOutput:
 def error_response(err: APIError, request: Request | None = None) -> Response:
     """The error in the shape of the API the request spoke: Anthropic's under /v1/messages, else OpenAI's."""
     headers = {"Retry-After": "1"} if err.status in (429, 503) else None
-    anthropic = request is not None and request.url.path.startswith("/v1/messages")
-    return JSONResponse(anthropic_api.error_body(err) if anthropic else err.body(), status_code=err.status,
-                        headers=headers)
+    if request is not None and anthropic_route(request.url.path):  # its overload is 529
+        return JSONResponse(anthropic_api.error_body(err), status_code=anthropic_status(err.status), headers=headers)
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 async def on_api_error(request: Request, exc: Exception) -> Response:
