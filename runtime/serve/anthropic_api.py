@@ -472,14 +472,14 @@ class Output:
 
     def start(self) -> list[str]:
         """message_start, with the input side of the usage as Anthropic sends it there: the prompt's tokens and how
-        many the prompt cache held. Those are known once the worker looked the prompt up ("started"): until
+        many the prompt cache held; then a ping, as Anthropic's stream has one there. Those are known once the worker looked the prompt up ("started"): until
         then (a request still queued when the stream began) it waits for that event."""
         if self.job.started is None or self.started:
             return []
         u, self.started = self.job.started, True
         cached = u["cached_tokens"]
         self.usage.update(input_tokens=u["prompt_tokens"] - cached, cache_read_input_tokens=cached)
-        return [self._ev("message_start", message=self.message())]
+        return [self._ev("message_start", message=self.message()), self._ev("ping")]  # Anthropic's order
 
     def _close(self) -> list[str]:
         if self.open is None:
