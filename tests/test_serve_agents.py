@@ -1448,8 +1448,11 @@ def test_completion_echo_gives_the_prompt_with_its_logprobs_then_the_answer(oc, 
         oc.completions.create(model="tiny", prompt=prompt, max_tokens=0)  # 0 only with echo
 
 
-def test_models_by_id(oc):
+def test_models_by_id(oc, ac):
     assert [m.id for m in oc.models.list().data] == ["tiny", *ALIASES]
+    page = ac.models.list()  # the same route read by Anthropic's client: its own fields are there
+    assert [(m.id, m.type, m.display_name) for m in page.data] == [(n, "model", n) for n in ("tiny", *ALIASES)]
+    assert page.has_more is False and page.first_id == "tiny" and ac.models.retrieve(ALIASES[0]).id == ALIASES[0]
     assert [oc.models.retrieve(name).id for name in ("tiny", *ALIASES)] == ["tiny", *ALIASES]
     with pytest.raises(openai.NotFoundError) as e:
         oc.models.retrieve("gpt-5")

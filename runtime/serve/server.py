@@ -190,11 +190,14 @@ class API:
         return JSONResponse({"status": "ok", "queue": self.server.queue.qsize()})
 
     def model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "streamoe",
-                "max_model_len": self.worker.eng.opts.ctx}
+        """A served name as both APIs list a model: OpenAI's fields (vLLM's `max_model_len` too) and Anthropic's."""
+        return {"id": name, "object": "model", "created": 0, "owned_by": "streamoe", "max_model_len": self.worker.eng.opts.ctx,
+                "type": "model", "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self.model_card(n) for n in self.so.served_names]})
+        names = self.so.served_names  # the list as OpenAI's API sends it, with the fields of Anthropic's page
+        return JSONResponse({"object": "list", "data": [self.model_card(n) for n in names], "has_more": False,
+                             "first_id": names[0], "last_id": names[-1]})
 
     async def plan(self, request: Request) -> Response:
         p = self.worker.eng.plan
