@@ -1561,3 +1561,12 @@ def test_a_responses_prompt_past_the_context_names_its_input(oc):
         with pytest.raises(openai.BadRequestError) as e:
             oc.responses.create(model="tiny", input=words, max_output_tokens=2)
         assert e.value.body["param"] == "input" and "planned context" in e.value.body["message"]
+
+
+def test_a_count_refuses_an_answers_fields_by_name():
+    """count_tokens counts a prompt: an answer's field (max_tokens, stream) is a 400 that says so, naming it."""
+    for field_, value in (("max_tokens", 8), ("stream", True)):
+        with pytest.raises(APIError, match=f"'{field_}' is a field of an answer, not of a count") as e:
+            anthropic_api.parse({"model": "m", "messages": [{"role": "user", "content": "hi"}], field_: value},
+                                ServeOptions("m", limits=Limits()), counting=True)
+        assert e.value.param == field_

@@ -292,6 +292,8 @@ def _tools(body: dict) -> tuple[list[dict] | None, bool, str | None, dict, bool]
 
 def parse(body: dict, so, counting: bool = False) -> GenRequest:
     """A Messages (or count_tokens) request -> the chat `GenRequest` that answers it, or a 400 naming the field."""
+    if counting and (answer := next((k for k in body if k in FIELDS - COUNT_FIELDS), None)):
+        raise bad(f"'{answer}' is a field of an answer, not of a count (count_tokens counts the prompt)", answer)
     check_fields(body, COUNT_FIELDS if counting else FIELDS, HONOURED, api=API)
     req = GenRequest(kind="chat", model=body.get("model"))
     if not isinstance(req.model, str) or not req.model:
