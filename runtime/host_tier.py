@@ -16,9 +16,9 @@ pages are committed only when a record first lands in it and the process's host 
 the resident set once per layer), and when the process nears the cap the least valuable records are given back
 to the system (their pages dropped) until it fits again. What grows and shrinks again between two measurements
 (a kernel compiled) the kernel's high-water mark shows: the room the tier leaves widens to the largest such
-transient seen. A committed slot is locked in memory where the limit
-allows (pinned: never swapped out); on CUDA it is page-locked through the driver (`runtime/copy_engine.py`), so
-the GPU's copy engine moves it into a device slot with no host copy.
+transient seen. A committed slot is locked in memory where the limit allows (pinned: never swapped out); on CUDA
+it is page-locked through the driver (`runtime/copy_engine.py`), so the GPU's copy engine moves it into a device
+slot with no host copy.
 
 The store (`runtime/store.py`) owns it: placement happens on the thread that queues reads, completion on the
 I/O threads, and release on the copy threads, so every change is under one lock. A slot is pinned from the

@@ -474,8 +474,9 @@ class Output:
 
     def start(self) -> list[str]:
         """message_start, with the input side of the usage as Anthropic sends it there: the prompt's tokens and how
-        many the prompt cache held; then a ping, as Anthropic's stream has one there. Those are known once the worker looked the prompt up ("started"): until
-        then (a request still queued when the stream began) it waits for that event."""
+        many the prompt cache held (then a ping, as Anthropic's stream has one there). Those are known once the
+        worker looked the prompt up ("started"): until then (a request still queued when the stream began) it waits
+        for that event."""
         if self.job.started is None or self.started:
             return []
         u, self.started = self.job.started, True
