@@ -1570,3 +1570,32 @@ def test_a_count_refuses_an_answers_fields_by_name():
             anthropic_api.parse({"model": "m", "messages": [{"role": "user", "content": "hi"}], field_: value},
                                 ServeOptions("m", limits=Limits()), counting=True)
         assert e.value.param == field_
+
+
+def test_anthropic_tool_result_holds_an_image(ac, ref, triangle):
+    """A tool_result may hold images, as Claude Code's file reads return them: the template renders the image inside
+    the tool's response, so the prompt holds the image's tokens there (counted as a call counts them); a
+    tool_result after a turn's text is refused, as Anthropic's API refuses it (the images would change order)."""
+    from streamoe.runtime.image import num_image_tokens
+    from streamoe.runtime.image_prompt import image_config
+
+    img = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                       "data": base64.b64encode(triangle.read_bytes()).decode()}}
+
+    def loop(result) -> list[dict]:
+        return [{"role": "user", "content": "Open picture.png"}, {"role": "assistant", "content": [TOOL_USE]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": result}]}]
+
+    kw = {"model": "tiny", "tools": ANTH_TOOLS, "thinking": {"type": "disabled"}}
+    with_image = loop([img, {"type": "text", "text": "picture.png"}])
+    m = ac.messages.create(max_tokens=4, extra_body=GREEDY, messages=with_image, **kw)
+    n = ac.messages.count_tokens(messages=with_image, **kw).input_tokens
+    plain = ac.messages.count_tokens(messages=loop("picture.png"), **kw).input_tokens
+    with Image.open(triangle) as im:
+        pads = num_image_tokens(im.height, im.width, image_config(ref))
+    assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens == plain + pads + 2  # + vision start and end
+    late = with_image[:2] + [{"role": "user", "content": [{"type": "text", "text": "here:"},
+                                                          {"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.count_tokens(messages=late, **kw)
+    assert "come first" in e.value.body["error"]["message"]

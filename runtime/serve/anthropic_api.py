@@ -97,28 +97,37 @@ def _blocks(content, where: str) -> list:
     return content
 
 
-def _tool_result(block: dict, where: str) -> dict:
+def _tool_result(block: dict, where: str, so, images: list[bytes]) -> dict:
+    """A tool_result block -> a tool message: its text, or its text and images as parts (a tool that read an image
+    file, as Claude Code's does), which the template renders inside the tool's response."""
     check_fields(block, {"type", "tool_use_id", "content", "is_error", "cache_control"},
                  {"type", "tool_use_id", "content", "is_error", "cache_control"}, f"{where}.", API)
     _cache_control(block, where)
     if not isinstance(block.get("tool_use_id"), str):
         raise bad(f"{where}.tool_use_id must be a string", f"{where}.tool_use_id")
     content = block.get("content", "")
-    if isinstance(content, list):
-        texts = []
+    if isinstance(content, str):
+        parts = [{"type": "text", "text": content}]
+    elif isinstance(content, list):
+        parts = []
         for k, b in enumerate(content):
-            if not isinstance(b, dict) or b.get("type") != "text":
-                raise bad(f"{where}.content[{k}]: only text blocks are accepted in a tool result",
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": _text_block(b, f"{where}.content[{k}]")})
+            elif kind == "image":
+                parts.append(_image(b, f"{where}.content[{k}]", so, images))
+            else:
+                raise bad(f"{where}.content[{k}]: only text and image blocks are accepted in a tool result",
                           f"{where}.content[{k}]")
-            texts.append(_text_block(b, f"{where}.content[{k}]"))
-        content = "".join(texts)
-    elif not isinstance(content, str):
-        raise bad(f"{where}.content must be a string or a list of text blocks", f"{where}.content")
+    else:
+        raise bad(f"{where}.content must be a string or a list of text and image blocks", f"{where}.content")
     if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
         raise bad(f"{where}.is_error must be true or false", f"{where}.is_error")
-    if block.get("is_error"):
-        content = "Error: " + content  # the template has no error flag: the model reads it in the result
-    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
+    if block.get("is_error"):  # the template has no error flag: the model reads it in the result
+        parts.insert(0, {"type": "text", "text": "Error: "})
+    if all(p["type"] == "text" for p in parts):
+        return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": "".join(p["text"] for p in parts)}
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": parts}
 
 
 def _turns(messages) -> list[tuple[str, list[tuple[dict, str]]]]:
@@ -153,7 +162,8 @@ def parse_messages(messages, so, images: list[bytes]) -> list[dict]:
     """Anthropic turns -> chat messages: a user turn's tool_result blocks become tool messages (first, as
     the API orders them), its text and images one user message; an assistant turn's text, tool_use and
     thinking blocks one assistant message. As Anthropic's API checks them: each tool_use is answered by a
-    tool_result in the next turn, and each tool_result answers a tool_use of the turn before it."""
+    tool_result in the next turn, each tool_result answers a tool_use of the turn before it, and a turn's
+    tool_result blocks come before its other blocks (so images, in results and beside them, keep their order)."""
     out: list[dict] = []
     asked: dict[str, str] = {}  # the last assistant turn's tool_use ids not yet answered -> where each was given
     for role, blocks in _turns(messages):
@@ -166,7 +176,10 @@ def parse_messages(messages, so, images: list[bytes]) -> list[dict]:
                 elif kind == "image":
                     parts.append(_image(b, bw, so, images))
                 elif kind == "tool_result":
-                    result = _tool_result(b, bw)
+                    if parts:
+                        raise bad(f"{bw}: a turn's tool_result blocks come first, before its text and images",
+                                  f"{bw}.type")
+                    result = _tool_result(b, bw, so, images)
                     if asked.pop(result["tool_call_id"], None) is None:
                         raise bad(f"{bw}: unexpected tool_use_id {result['tool_call_id'][:80]!r}: each tool_result "
                                   "must answer a tool_use block of the turn before it", f"{bw}.tool_use_id")
