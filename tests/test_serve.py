@@ -697,9 +697,17 @@ def test_max_tokens_is_clamped_to_what_the_planned_context_holds(conv):
     eng = open_engine(conv, Options(cap_gib=8, ctx=48, runtime_bytes=RUNTIME_MIB * MiB), so := ServeOptions("t"))
     w = EngineWorker(eng, so)
     job = w.prepare(parse_chat({"messages": [{"role": "user", "content": "Where is the shape?"}], "max_tokens": 10**6,
-                                "temperature": 0}, Limits()))
+                                "temperature": 0, "ignore_eos": True}, Limits()))
     assert job.choices[0].max_tokens == 48 - len(job.ids) and job.choices[0].sampler.temp == 0
+    job.sink = []
     w.run(job)
+    done = [v for k, v in job.sink if k == "done"][0]  # the context ended it, not max_tokens (Anthropic tells them apart)
+    assert (done["finish_reason"], done["context_full"], done["usage"]["completion_tokens"]) == ("length", True, 48 - len(job.ids))
+    job = w.prepare(parse_chat({"messages": [{"role": "user", "content": "?"}], "max_tokens": 3, "ignore_eos": True},
+                               Limits()))
+    job.sink = []
+    w.run(job)
+    assert [(v["finish_reason"], v["context_full"]) for k, v in job.sink if k == "done"] == [("length", False)]
     unset = w.prepare(parse_chat({"messages": [{"role": "user", "content": "?"}]}, Limits()))
     assert (unset.choices[0].sampler.temp, unset.choices[0].sampler.top_p, unset.choices[0].sampler.top_k) == (1.0, 0.95, 20)  # generation_config.json
     assert unset.choices[0].max_tokens == 48 - len(unset.ids)

@@ -236,7 +236,8 @@ def test_calls_of_an_answer_cut_by_max_tokens_finish_by_length(text):
             else:
                 assert out.result()["choices"][0]["finish_reason"] == want
     so = ServeOptions("m")
-    for got, want in ((evs, "tool_use"), (cut, "max_tokens")):
+    full = cut[:-1] + [("done", {**cut[-1][1], "context_full": True})]  # the context ended it, before max_tokens
+    for got, want in ((evs, "tool_use"), (cut, "max_tokens"), (full, "model_context_window_exceeded")):
         out = anthropic_api.Output(job_for(anthropic_api.parse(
             {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "?"}],
              "tools": [{"name": "get_weather", "input_schema": CHAT_TOOLS[0]["function"]["parameters"]}]}, so)), "m")

@@ -551,7 +551,8 @@ class Output:
         self.usage = {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
                       "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
         if v["finish_reason"] == "length":  # before tool_use: an answer cut short is not one to run the calls of
-            self.stop_reason = "max_tokens"
+            # Anthropic's reason for an answer the context window ended before its max_tokens
+            self.stop_reason = "model_context_window_exceeded" if v.get("context_full") else "max_tokens"
         elif any(b["type"] == "tool_use" for b in self.blocks):
             self.stop_reason = "tool_use"
         elif v.get("stop_sequence") is not None:

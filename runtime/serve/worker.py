@@ -863,7 +863,10 @@ class EngineWorker:
         self.live = {**self.live, "last": tele}
         print(f"streamoe: {job.id} {prompt_tokens} prompt tokens ({cached} cached), {n} generated, "
               f"{s['tok_s']:.1f} tok/s, hit rate {100 * s['hit_rate']:.0f}%", file=sys.stderr, flush=True)
-        return {"finish_reason": finish, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+        # cut by the planned context rather than the tokens asked for (max_tokens above what the context leaves)
+        context_full = finish == "length" and (req.max_tokens is None or n < req.max_tokens)
+        return {"finish_reason": finish, "context_full": context_full,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                                                    "total_tokens": prompt_tokens + n,
                                                    "prompt_tokens_details": {"cached_tokens": cached},
                                                    "completion_tokens_details": {"reasoning_tokens": reasoning}},
