@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from ..formats.direct import aligned_buffer
 from .copy_engine import CopyEngine
-from .plan import own_device_memory
+from .plan import host_growth
 from .tier import HotTier
 
 Key = tuple[int, int]  # (layer, expert)
@@ -44,11 +44,6 @@ Key = tuple[int, int]  # (layer, expert)
 
 # anonymous mmap memory is shared (shmem): on Linux only MADV_REMOVE frees its pages (elsewhere MADV_DONTNEED)
 DROP = getattr(mmap, "MADV_REMOVE", getattr(mmap, "MADV_DONTNEED", 0))
-# bytes of the host cap the tier leaves, at first, to the process's own growth between two measurements; a
-# transient seen larger (`room`'s `peak`) widens it. CUDA compiles kernels in the process (NVRTC), so it starts
-# wider there: on an H100, --cap 4 --host-cap 8 peaked 0.09 GiB over its cap with 64 MiB left, kernels compiled
-# while the tier was full (VmHWM; bench/results/host-tier-h100-code-a99542c.json)
-MARGIN, CUDA_MARGIN = 64 << 20, 256 << 20
 MEASURE_S = 0.005  # the process's host memory is measured at most this often (a /proc read: 40-100 us each)
 
 
@@ -74,8 +69,7 @@ class HostTier:
         # its free slots have no pages (never used, or given back): one is committed only while there is room
         self.tier = HotTier(n_slots, 0, n_layers, n_experts, scratch=0, policy=policy)
         self.headroom = 0 if cap is not None else n_slots * stride  # bytes that more committed slots may take
-        # what the cap leaves to the rest of the process between two measurements
-        self.margin = CUDA_MARGIN if own_device_memory() else MARGIN
+        self.margin = host_growth()  # what the cap leaves to the rest of the process between two measurements
         self.measured = self.peak = 0  # the last measurement, and the highest peak seen
         self.ready: set[int] = set()  # slots whose record has been read
         self.pins: dict[int, int] = {}  # slot -> holders (reads in flight, bytes not yet taken)

@@ -232,6 +232,16 @@ def host_rss() -> int:
     return current_rss() - (0 if own_device_memory() else mx.get_active_memory())
 
 
+# the host cap's room for the process's growth between two of the host tier's measurements: wider on CUDA, which
+# compiles kernels in the process (NVRTC): on an H100, --cap 4 --host-cap 8 peaked 0.09 GiB over its cap with 64 MiB
+# left, kernels compiled while the tier stood full (VmHWM; bench/results/host-tier-h100-code-a99542c.json)
+HOST_GROWTH, CUDA_HOST_GROWTH = 64 << 20, 256 << 20
+
+
+def host_growth() -> int:
+    return CUDA_HOST_GROWTH if own_device_memory() else HOST_GROWTH
+
+
 def host_memory() -> tuple[int, int | None]:
     """`host_rss()`, and the most it has been (VmHWM) where the two compare: with MLX's arrays in the device's own
     memory (CUDA), not where they are subtracted (the CPU backend planned as split)."""
@@ -560,7 +570,10 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
         plan.host_cap = host_cap
         plan.accounts.pop("read staging")
         plan.host_accounts = {"runtime": plan.accounts.pop("runtime"),
-                              "read staging": plan.read_staging * stride, "upload ring": ring * stride}
+                              "read staging": plan.read_staging * stride, "upload ring": ring * stride,
+                              "growth": host_growth()}
+        plan.notes["growth"] = ("what grows between two measurements of the host tier (kernels compiled in the process, "
+                                "on CUDA); it widens to the largest transient seen")
         plan.accounts["upload ring"] = ring * stride  # an MLX allocation, so MLX counts it too, though it lives on the host
         plan.notes["upload ring"] = f"{ring} records the device copies from: host memory mapped for it"
         if driver[0]:

@@ -20,7 +20,8 @@ import streamoe.runtime.plan as plan_mod
 from streamoe.runtime import experts as experts_mod
 from streamoe.runtime.copy_engine import CopyEngine
 from streamoe.runtime.engine import Engine, Options, plan_for
-from streamoe.runtime.host_tier import MARGIN, HostTier
+from streamoe.runtime.host_tier import HostTier
+from streamoe.runtime.plan import HOST_GROWTH as MARGIN
 from streamoe.runtime.plan import GiB, host_rss, read_ring
 from streamoe.runtime.store import ExpertStore
 
@@ -91,7 +92,8 @@ def test_the_plan_splits_into_the_devices_and_the_hosts_accounts(small_conv, spl
     p = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME, host_cap_gib=1))
     ring = read_ring(Options(), 8) * p.stride
     ahead = 64 * p.stride  # a layer's experts read ahead in prefill (plan.prefill_ahead): host memory
-    assert p.split and p.host_accounts == {"runtime": RUNTIME, "read staging": ring + ahead, "upload ring": ring}
+    assert p.split and p.host_accounts == {"runtime": RUNTIME, "read staging": ring + ahead, "upload ring": ring,
+                                           "growth": MARGIN}  # the room the host tier leaves the process's growth
     assert "read staging" in uncapped.host_accounts and "read staging" not in uncapped.accounts
     assert "runtime" not in p.accounts and p.accounts["upload ring"] == ring
     assert p.host_slots == 8 * 64  # 1 GiB holds every record beside the host accounts
