@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -229,12 +230,13 @@ class ThinkingBudget:
     `</think>`; in harmony `<|end|>` and the final message's header, `HARMONY_CLOSE`), and the answer goes on from
     there under `then` (the request's own constraint, if any), as Qwen's model card closes a budgeted thought. The
     same interface as `Constraint`, so `Engine.generate` draws a forced token once the previous one is read, like
-    any masked one. `header` (harmony's, `reasoning_header`): (the token that ends a message's header, the header
-    of the final message); the tokens up to the first header's end are not reasoning and not counted, and a first
-    header that opens the final message (gpt-oss may answer at once) ends the budget unforced."""
+    any masked one. `header` (harmony's, `reasoning_header`): (the token that ends a message's header, the token
+    that starts one, whether a header's tokens open the final message); the tokens up to the first header's end
+    are not reasoning and not counted, and a first header that opens the final message (gpt-oss may answer at once)
+    ends the budget unforced, however the model spelt it in tokens."""
 
     def __init__(self, close: int | list[int], budget: int, vocab: int, then: Constraint | None = None,
-                 header: tuple[int, list[int]] | None = None):
+                 header: tuple[int, int, Callable[[list[int]], bool]] | None = None):
         self.close = [close] if isinstance(close, int) else list(close)
         self.budget, self.vocab, self.then, self.header = budget, vocab, then, header
         self.written, self.forced, self.closed, self.opening = 0, 0, False, [] if header is not None else None
@@ -260,10 +262,10 @@ class ThinkingBudget:
         if self.forcing:
             self.forced += 1
             self.closed = self.forced == len(self.close)
-        elif self.opening is not None and (self.opening or tok == self.header[1][0]):  # the first message's header
+        elif self.opening is not None and (self.opening or tok == self.header[1]):  # the first message's header
             self.opening.append(tok)
             if tok == self.header[0]:
-                self.closed, self.opening = self.opening[:-1] == self.header[1], None
+                self.closed, self.opening = self.header[2](self.opening[:-1]), None
         elif not self.closed:
             self.opening = None  # where the model wrote no header, its reasoning began at once
             self.written += 1
@@ -318,10 +320,13 @@ class TokenMask:
 HARMONY_CLOSE = f"{H_END}{H_START}assistant{H_CHANNEL}final{H_MESSAGE}"  # an analysis message closed, the answer opened
 
 
-def reasoning_header(text, harmony: bool) -> tuple[int, list[int]] | None:
-    """`ThinkingBudget`'s `header` in harmony: `<|message|>`, and the header before it that opens the final message
-    (`<|channel|>final`); None elsewhere (Qwen's template opens the thinking in the prompt)."""
-    return (text.encode(H_MESSAGE)[0], text.encode(f"{H_CHANNEL}final")) if harmony else None
+def reasoning_header(text, harmony: bool) -> tuple[int, int, Callable[[list[int]], bool]] | None:
+    """`ThinkingBudget`'s `header` in harmony: `<|message|>`, `<|channel|>`, and whether a header's tokens spell
+    `<|channel|>final` (by their text: a grammar's "final" may be written in other tokens than the tokenizer's own);
+    None elsewhere (Qwen's template opens the thinking in the prompt)."""
+    if not harmony:
+        return None
+    return text.encode(H_MESSAGE)[0], text.encode(H_CHANNEL)[0], lambda ids: text.decode(ids) == f"{H_CHANNEL}final"
 
 
 def reasoning_close(text, harmony: bool) -> list[int] | None:

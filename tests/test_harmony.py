@@ -233,11 +233,17 @@ def test_a_thinking_budget_ends_where_the_answer_opens_without_reasoning(conv):
         made = json_constraint(eng, BOUNDED[0]["function"]["parameters"], thinking=True, harmony=True)
         close, header = reasoning_close(eng.text, True), reasoning_header(eng.text, True)
         so = "so so so"
-        for text, budget in (('<|channel|>final<|message|>{"city": "Bern"}', 1),
-                             (f'<|channel|>analysis<|message|>{so}{HARMONY_CLOSE}{{"city": "Bern"}}',
-                              len(eng.text.encode(so)))):
+        final = eng.text.encode('<|channel|>final<|message|>{"city": "Bern"}')
+        # "final" in other tokens than the tokenizer's own, as the grammar lets the model write it
+        spelt = [t for piece in ("<|channel|>", "fi", "n", "al", '<|message|>{"city": "Bern"}')
+                 for t in eng.text.encode(piece)]
+        assert eng.text.decode(spelt) == eng.text.decode(final) and spelt != final
+        for ids, budget in ((final, 1), (spelt, 1),
+                            (eng.text.encode(f'<|channel|>analysis<|message|>{so}{HARMONY_CLOSE}{{"city": "Bern"}}'),
+                             len(eng.text.encode(so)))):
             b = ThinkingBudget(close, budget, eng.args.vocab_size, made(), header)
-            for t in eng.text.encode(text):
+            text = eng.text.decode(ids)
+            for t in ids:
                 assert b.allowed().tolist()[t], (text, t)
                 b.advance(t)
             assert b.closed and b.complete and b.forced == (len(close) if "analysis" in text else 0)
