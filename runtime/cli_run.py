@@ -214,6 +214,7 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
         if group is not None:
             ranks.same_work(group, work or {})
         turns = [prompt] if prompt is not None else []  # with --chat, -p is the chat's first turn
+        interrupted = False
         if chat and sys.stdin.isatty():
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401  (input() then edits the line and keeps the turns' history)
@@ -225,7 +226,10 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             else:
                 if group is not None:
                     eng.watchdog.idle()  # a person may take their time: only a step waits on the peers
-                user = read_turn(eng, images, raw, group is not None) if eng.opts.rank == 0 else None
+                try:
+                    user = read_turn(eng, images, raw, group is not None) if eng.opts.rank == 0 else None
+                except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat as Ctrl-D does: its session saved
+                    user, interrupted = None, True
                 if group is not None:
                     user = ranks.from_rank0(group, user)  # every rank answers rank 0's turn
                 if user is None:
@@ -296,6 +300,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 extra["sampler"] = sampler.state()
             size = session.save_session(eng, save_session, extra)
             print(f"(saved {eng.offset} tokens of conversation to {save_session}, {size / 2**20:.2f} MiB)", file=sys.stderr)
+        if interrupted:
+            raise KeyboardInterrupt  # then the command ends as any Ctrl-C ends it (130, one line)
     finally:
         eng.close()
         if group is None:

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -277,3 +278,27 @@ def test_session_of_an_empty_conversation_round_trips(tiny_conv, tmp_path):
     load_session(eng, tmp_path / "s.zst")
     assert turn(eng, FIRST) == expect
     eng.close()
+
+
+def test_ctrl_c_at_the_chats_prompt_saves_its_session(tiny_conv, tmp_path):
+    """Ctrl-C while the chat waits for a turn ends it as Ctrl-D does, its session saved (it was lost), then exits as
+    any Ctrl-C does: 130, one line; the saved session is the one an ended chat saves."""
+    common = [sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--ctx", "256", "--chat",
+              "--temp", "0", "-n", "6"]
+    p = subprocess.Popen([*common, "--save-session", tmp_path / "cut.zst"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdin.write(b"Hello\n")
+    p.stdin.flush()
+    err = b""
+    while b" tokens, " not in err and (more := os.read(p.stderr.fileno(), 4096)):  # the answer's summary line
+        err += more
+    time.sleep(0.5)  # at the prompt, reading the next turn
+    p.send_signal(signal.SIGINT)
+    _, rest = p.communicate(timeout=120)
+    err = (err + rest).decode()
+    assert p.returncode == 130 and err.strip().endswith("streamoe: interrupted") and "Traceback" not in err, err
+    assert "(saved " in err
+    ended = subprocess.run([*common, "--save-session", tmp_path / "ended.zst"], input=b"Hello\n", capture_output=True,
+                           timeout=300)
+    assert ended.returncode == 0, ended.stderr.decode()
+    assert (tmp_path / "cut.zst").read_bytes() == (tmp_path / "ended.zst").read_bytes()
