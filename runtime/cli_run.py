@@ -32,6 +32,7 @@ from .constrain import (
 from .engine import Engine, Options
 from .image import PipedImage, check_preprocessor, load_image
 from .sampling import Sampler
+from .serve.chat_output import ChatOutput, HarmonyOutput
 from .telemetry import summary_line
 from .text import Detokenizer
 
@@ -43,15 +44,37 @@ def prefill_bar(tokens: int, show: bool, delay: float = 1.0, mininterval: float 
                 leave=False, dynamic_ncols=True, delay=delay, mininterval=mininterval)
 
 
+class ReasoningApart:
+    """An answer's text as `--json-schema` writes it: the JSON alone on stdout, so that it parses; the reasoning
+    before it (the thinking, or harmony's analysis) on stderr, the markup between them (`</think>`, the final
+    message's header) in neither. Read as the server reads an answer (`ChatOutput`, `HarmonyOutput`)."""
+
+    def __init__(self, thinking: bool, harmony: bool):
+        self.parser = HarmonyOutput(None, []) if harmony else ChatOutput(thinking, None, [])
+
+    def write(self, text: str) -> None:
+        self._show(self.parser.feed(text))
+
+    def flush(self) -> None:
+        self._show(self.parser.flush())
+
+    @staticmethod
+    def _show(events: list) -> None:
+        for kind, text in events:
+            (sys.stdout if kind == "content" else sys.stderr).write(text)
+        sys.stderr.flush()
+
+
 def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler, logits: list | None,
            images: list | None = None, context: list[int] | None = None,
            constraint: Constraint | ThinkingBudget | None = None, stop: threading.Event | None = None,
-           progress: bool = False) -> list[int]:
-    """The answer's tokens, streamed to stdout. Once `stop` is set (Ctrl-C in a chat) it ends after the token in
-    hand, which is then fed as the last token of an answer cut by --max-tokens is: the conversation holds what
-    was shown (unless the context is full, where that token is left out of it and of what is returned).
-    `progress`: a bar for the prompt's prefill (`prefill_bar`)."""
+           progress: bool = False, apart: ReasoningApart | None = None) -> list[int]:
+    """The answer's tokens, streamed to stdout (with `apart`, its reasoning to stderr). Once `stop` is set (Ctrl-C
+    in a chat) it ends after the token in hand, which is then fed as the last token of an answer cut by
+    --max-tokens is: the conversation holds what was shown (unless the context is full, where that token is left out
+    of it and of what is returned). `progress`: a bar for the prompt's prefill (`prefill_bar`)."""
     detok = Detokenizer(eng.text)
+    write = apart.write if apart is not None else sys.stdout.write
     out = []
     bar = prefill_bar(len(prompt_ids), progress)
 
@@ -67,7 +90,7 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
         if logits is not None:
             logits.append(lg)
         out.append(tok)
-        sys.stdout.write(detok.add(tok))
+        write(detok.add(tok))
         sys.stdout.flush()
         if stop is not None and stop.is_set():
             break
@@ -75,6 +98,8 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
         stop = None
     tokens.close()  # a step queued past the last token is taken back
     bar.close()  # where the prefill never told its end (a prompt refused before it)
+    if apart is not None:
+        apart.flush()
     sys.stdout.write("\n")
     if stop is not None and out:
         print("(stopped)", file=sys.stderr, flush=True)
@@ -129,13 +154,15 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         if eng.plan.past_native and opts.rank == 0:
             print(f"streamoe: note: {eng.plan.past_native}", file=sys.stderr, flush=True)
         harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
+        reasons = think and not raw and eng.text.tokenizer.token_to_id("</think>") is not None  # as json_answer waits
         work = {"--json-schema": digest(json.dumps(json_schema, sort_keys=True).encode()) if json_schema else None,
                 "--thinking-budget": thinking_budget, "-n": max_tokens, "--chat": chat, "-q": quiet, "--raw": raw,
                 "--no-think": not think}
         return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
                     max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
                     save_session=save_session, load_session=load_session, seed_given=seed_given,
-                    constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget, harmony), work=work)
+                    constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget, harmony), work=work,
+                    apart=(lambda: ReasoningApart(reasons, harmony)) if json_schema is not None and not raw else None)
     except RuntimeError as e:
         lost = ranks.lost_peer(e, group) if group is not None else None
         if lost is None:
@@ -183,9 +210,10 @@ def json_constraint(eng: Engine, schema: dict, thinking: bool, harmony: bool = F
 def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
          max_tokens: int, sampler: Sampler, stats: Path | None, logits_out: Path | None, quiet: bool,
          save_session: Path | None, load_session: Path | None, seed_given: bool = False,
-         constrained: Callable[[], Constraint | ThinkingBudget] | None = None, work: dict | None = None) -> int:
+         constrained: Callable[[], Constraint | ThinkingBudget] | None = None, work: dict | None = None,
+         apart: Callable[[], ReasoningApart] | None = None) -> int:
     """`work`: what decides the run's collectives besides each prompt, which every rank checks it shares
-    (`ranks.same_work`) before the first."""
+    (`ranks.same_work`) before the first. `apart`: each answer's reasoning written apart from it (`ReasoningApart`)."""
     logits: list | None = [] if logits_out else None
     status = 0
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -261,7 +289,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             try:
                 with ctrl_c_stops_the_answer(chat and group is None) as stop:
                     out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids,
-                                 constraint=constraint, stop=stop, progress=not quiet and eng.opts.rank == 0)
+                                 constraint=constraint, stop=stop, progress=not quiet and eng.opts.rank == 0,
+                                 apart=apart() if apart is not None else None)
             except StreamoeError as e:  # a chat's turn refused before it changed the conversation: the chat goes on
                 if not chat or group is not None or eng.offset != offset0 or len(eng.steps) != n0:
                     raise

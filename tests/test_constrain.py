@@ -324,3 +324,15 @@ def test_run_thinking_budget_closes_the_thought_at_its_tokens(tiny_conv):
     assert cli(*run, "--thinking-budget", n, check=True).stdout == cli(*run, check=True).stdout != want
     for flag in ("--raw", "--no-think"):
         one_error_line(cli(*run, "--thinking-budget", budget, flag), "--thinking-budget", flag)
+
+
+def test_run_json_schema_writes_the_json_alone_to_stdout(tiny_conv):
+    """With the model's thinking on, `run --json-schema` writes the JSON alone to stdout, so that it parses (`> out.json`,
+    `| jq`), and the thinking before it to stderr, with the markup between them (`</think>`) in neither."""
+    from .conftest import cli
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    p = cli("run", tiny_conv, "--ctx", "256", "--cap", "8", "--temp", "1", "--seed", "5", "-n", "60", "-q",
+            "--thinking-budget", "6", "-p", "Give JSON:", "--json-schema", json.dumps(schema), check=True)
+    jsonschema.validate(json.loads(p.stdout), schema)
+    assert p.stdout.startswith("{") and p.stderr.strip() and "think>" not in p.stdout + p.stderr, (p.stdout, p.stderr)

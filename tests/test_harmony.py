@@ -346,3 +346,13 @@ def test_a_completion_is_the_text_as_written(conv, oc):
 def test_other_templates_keep_their_own_parser():
     out = ChatOutput(False, None, [])
     assert collect(out.feed("<|channel|>final<|message|>x") + out.flush())["content"] == "<|channel|>final<|message|>x"
+
+
+def test_run_json_schema_writes_the_final_messages_json_alone(conv):
+    """`run --json-schema` on gpt-oss: stdout is the final message's JSON alone (it parses), the analysis on stderr,
+    the headers in neither; with the budget closing the analysis after two tokens."""
+    from .conftest import cli
+
+    p = cli("run", conv, "--cap", 8, "--ctx", 512, "--temp", 0, "-n", 40, "-q", "--thinking-budget", 2,
+            "--json-schema", json.dumps(BOUNDED[0]["function"]["parameters"]), "-p", "Where?", check=True)
+    assert isinstance(json.loads(p.stdout), dict) and "<|" not in p.stdout + p.stderr, (p.stdout, p.stderr)
