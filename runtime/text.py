@@ -140,10 +140,12 @@ GREEDY = {"temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penal
 def generation_defaults(root: Path) -> dict:
     """The sampling a checkpoint asks for in generation_config.json (temperature, top_p, top_k, min_p,
     repetition_penalty), keyed as `Sampler` takes them, used where a request or `run` sets none: greedy when the
-    file is absent or says do_sample false."""
+    file is absent, says do_sample false, or asks for no sampling at all (no do_sample and none of those fields:
+    Mixtral's holds only its token ids), as transformers reads it."""
     p = root / "generation_config.json"
     gen = files.read_json(p, "generation config") if p.is_file() else {}
-    if not gen or gen.get("do_sample") is False:
+    asked = gen.get("do_sample", any(k in gen for k in ("temperature", "top_p", "top_k", "min_p")))
+    if not asked:
         return dict(GREEDY)
     try:
         return {"temp": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),

@@ -569,10 +569,12 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     check_run_paths(model, stats, logits_out, save_session, load_session,
                     ((prompt_file, "prompt file (--prompt-file)"), *((p, "image (--image)") for p in images),
                      *(((Path(json_schema), "schema file (--json-schema)"),) if json_schema and os.path.isfile(json_schema) else ())))
-    sampling = {**(generation_defaults_of(model)), **sampling}
+    given_sampling, sampling = sampling, {**(generation_defaults_of(model)), **sampling}
     if seed is None:  # as mlx-lm and llama.cpp: each sampled run its own draws; a greedy one draws nothing
         seed = 0 if Sampler(**sampling).greedy else secrets.randbits(63)
     sampling["seed"] = seed
+    if not quiet and not Sampler(**sampling).greedy and os.environ.get("MLX_RANK", "0") == "0":
+        print(f"streamoe: {sampling_line(sampling, given_sampling)}", file=sys.stderr)
     # a text-only model's chat is text, and so is a chat across ranks (no /image there)
     vision = bool(images) or (chat and not raw and group is None and has_vision(model))
     if given("max_pixels") and not vision:
@@ -623,6 +625,20 @@ def has_vision(model: Path) -> bool:
         return load_manifest(model).blob("vision") is not None
     except StreamoeError:
         return False
+
+
+def sampling_line(sampling: dict, given: dict) -> str:
+    """How a sampled run draws, once on stderr as llama.cpp says it: the settings in force, and which of them came
+    from the checkpoint's generation_config.json rather than a flag."""
+    names = {"temp": "temperature", "top_p": "top-p", "top_k": "top-k", "min_p": "min-p",
+             "presence_penalty": "presence penalty", "frequency_penalty": "frequency penalty",
+             "repetition_penalty": "repetition penalty"}
+    off = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+           "repetition_penalty": 1.0}
+    shown = [f"{names[k]} {sampling[k]:g}" for k in names if k in sampling and sampling[k] != off.get(k)]
+    config = [names[k] for k in names if k in sampling and k not in given and sampling[k] != off.get(k)]
+    source = f" ({', '.join(config)} from generation_config.json)" if config else ""
+    return f"sampling: {', '.join(shown)}{source}; --temp 0 for greedy"
 
 
 def generation_defaults_of(model: Path) -> dict:

@@ -215,3 +215,22 @@ def test_streamed_text_is_the_decoded_answer():
     assert len(ids) > 1  # a character split over tokens: held back until it completes
     d = Detokenizer(text)
     assert [d.add(t) for t in ids][:-1] == [""] * (len(ids) - 1)
+
+
+def test_a_sampled_run_says_once_how_it_draws(tiny_conv):
+    """`run` sampling says so once on stderr, as llama.cpp does: the settings in force and which came from the
+    checkpoint's generation_config.json; a greedy run and `-q` say nothing of it."""
+    from streamoe.cli import sampling_line
+
+    from .conftest import cli
+
+    line = sampling_line({"temp": 1.0, "top_p": 0.95, "top_k": 5, "min_p": 0.0, "repetition_penalty": 1.0,
+                          "presence_penalty": 1.5, "seed": 3}, {"top_k": 5, "presence_penalty": 1.5})
+    assert line == ("sampling: temperature 1, top-p 0.95, top-k 5, presence penalty 1.5 (temperature, top-p from "
+                    "generation_config.json); --temp 0 for greedy")
+    run = ("run", tiny_conv, "--cap", 8, "--ctx", 128, "-n", 2, "--raw", "-p", "def")
+    said = [ln for ln in cli(*run, "--top-k", 5, "--presence-penalty", 1.5, check=True).stderr.splitlines()
+            if "sampling:" in ln]
+    assert said == [f"streamoe: {line}"]
+    for quiet in (("--temp", 0), ("-q",)):
+        assert "sampling:" not in cli(*run, *quiet, check=True).stderr

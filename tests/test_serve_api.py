@@ -421,6 +421,11 @@ def test_sampling_defaults_come_from_generation_config(tmp_path):
     assert generation_defaults(tmp_path / "none") == greedy  # no file: greedy
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.7, "min_p": 0.1, "repetition_penalty": 1.1}')
     assert generation_defaults(tmp_path) == {**greedy, "temp": 0.7, "min_p": 0.1, "repetition_penalty": 1.1}
+    # token ids alone (Mixtral's): no sampling asked for, greedy as transformers reads it (it was temperature 1)
+    (tmp_path / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
+    assert generation_defaults(tmp_path) == greedy
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true}')
+    assert generation_defaults(tmp_path) == {**greedy, "temp": 1.0}
 
 
 def test_run_takes_unset_sampling_from_generation_config():
