@@ -129,7 +129,7 @@ class Engine:
         if share is not None:  # this rank's experts are local experts 0..len(share)-1
             n, guess = len(share), ranks.local_router(guess, share)
         self.experts = StreamingExperts(store, self.lay, a.num_hidden_layers, n, min(k, n), self.plan.expert_slots,
-                                        o.tier, prefetch_width(o, k), guess, self.dtype,
+                                        o.tier, prefetch_width(o, k, n), guess, self.dtype,
                                         waste_budget=o.prefetch_waste, streams=self.model.streams,
                                         kernel=expert_kernel(self.lay, a), uploads=self.plan.ring, engine=engine,
                                         host_pools=self.plan.host_reads)

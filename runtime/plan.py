@@ -142,10 +142,10 @@ def expert_format(opts: Options, m: Manifest) -> str:
     return "q4" if "q4" in fmts else fmts[0]
 
 
-def read_ring(opts: Options, top_k: int) -> int:
+def read_ring(opts: Options, top_k: int, n_experts: int) -> int:
     """Records of host staging the reads land in: a layer's misses and guesses, plus one per I/O thread. On a
     discrete GPU the upload ring holds as many; the read staging holds a layer's experts more (`prefill_ahead`)."""
-    return 2 * top_k + prefetch_width(opts, top_k) + opts.io_threads
+    return 2 * top_k + prefetch_width(opts, top_k, n_experts) + opts.io_threads
 
 
 def prefill_ahead(split: bool, n_experts: int) -> int:
@@ -168,8 +168,10 @@ def share_of(rank: int, ranks: int, n_experts: int) -> list[int]:
     return list(range(rank, n_experts, ranks))
 
 
-def prefetch_width(opts: Options, top_k: int) -> int:
-    return top_k if opts.prefetch_width is None else opts.prefetch_width
+def prefetch_width(opts: Options, top_k: int, n_experts: int) -> int:
+    """Guesses a layer reads ahead for the next: --prefetch-width (default the model's top-k), at most every expert
+    there is (a wider one would plan staging for guesses that cannot be made)."""
+    return min(top_k if opts.prefetch_width is None else opts.prefetch_width, n_experts)
 
 
 KV_BITS = {"q8": 8, "q4": 4}  # quantized KV formats: affine codes in groups of KV_GROUP (runtime/models/cache.py)
@@ -683,14 +685,14 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
             raise fail(m.root / "manifest.json", "the model has no vision tower (text-only export); images are not supported")
         pre = read_preprocessor(m.root)
         vision = vision_account(m.config, opts.max_pixels, opts.max_decode_pixels, pre)
-    plan = plan_with_limits(native_context(m.config), args=ModelArgs.from_config(m.config, m.root / "manifest.json"),
-                            cap=int(opts.cap_gib * GiB),
+    args = ModelArgs.from_config(m.config, m.root / "manifest.json")
+    plan = plan_with_limits(native_context(m.config), args=args, cap=int(opts.cap_gib * GiB),
                      ctx=opts.ctx, expert_format=experts, stride=fmts[experts].layout.stride,
                      expert_mode=fmts[experts].layout.mode,
                      slot=slot_bytes(fmts[experts].layout, dtype),
                      nonexpert_resident=resident_bytes(((t.name, t.dtype, t.nbytes) for t in table), itemsize(dtype)),
                      dtype=dtype, kv_dtype=kv_format(opts), prefill_chunk=opts.prefill_chunk, runtime_bytes=opts.runtime_bytes,
-                     vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"])), extra=opts.extra_accounts,
+                     vision_bytes=vision, ring=read_ring(opts, int(m.model["top_k"]), args.num_experts), extra=opts.extra_accounts,
                      rank=opts.rank, ranks=opts.ranks, split=split, host_cap=host_cap,
                      driver=driver_bytes(opts) if split else (0, None), host_reads=host_reads_wanted(opts))
     if opts.images:

@@ -281,7 +281,7 @@ def plan_from_config(path: Path, opts: Options, rank: int = 0, ranks: int = 1, e
                                 nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(opts),
                                 runtime_bytes=opts.runtime_bytes, prefill_chunk=opts.prefill_chunk, rank=rank,
                                 ranks=ranks, split=split, host_cap=host_bytes, vision_bytes=vision,
-                                ring=read_ring(opts, args.num_experts_per_tok), extra=extra)
+                                ring=read_ring(opts, args.num_experts_per_tok, args.num_experts), extra=extra)
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
     except StreamoeError as e:

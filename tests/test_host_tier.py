@@ -90,7 +90,7 @@ def test_the_plan_splits_into_the_devices_and_the_hosts_accounts(small_conv, spl
     cap = caps_for(small_conv, 10, None).cap_gib  # the device's plan: the runtime allowance is the host's
     uncapped = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME))
     p = plan_for(small_conv, Options(cap_gib=cap, ctx=256, runtime_bytes=RUNTIME, host_cap_gib=1))
-    ring = read_ring(Options(), 8) * p.stride
+    ring = read_ring(Options(), 8, 64) * p.stride
     ahead = 64 * p.stride  # a layer's experts read ahead in prefill (plan.prefill_ahead): host memory
     assert p.split and p.host_accounts == {"runtime": RUNTIME, "read staging": ring + ahead, "upload ring": ring,
                                            "growth": MARGIN}  # the room the host tier leaves the process's growth

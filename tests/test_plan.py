@@ -92,7 +92,9 @@ def plan(args: ModelArgs, cap: float, **kw) -> MemoryPlan:
 def test_hand_computed_values_are_the_ones_above():
     assert (KV, LINEAR, ACTIVATIONS, STAGING, READ_STAGING) == (167_772_160, 67_361_280, 360_675_328, 503_316_480,
                                                                 113_246_208)
-    assert read_ring(Options(), top_k=8) == RING
+    assert read_ring(Options(), top_k=8, n_experts=256) == RING
+    # a --prefetch-width past the experts a layer has plans the staging of every expert, no more
+    assert read_ring(Options(prefetch_width=1000), top_k=8, n_experts=256) == 2 * 8 + 256 + Options().io_threads
     assert RecordLayout.make(2048, 512, 4, 64).stride == STRIDE_Q4
     assert slot_bytes(RecordLayout.make(2048, 512, 4, 64), "float32") == SLOT_F32 == 1_966_080
     assert slot_bytes(RecordLayout.make(2048, 512, 4, 64), "bfloat16") == STRIDE_Q4  # as stored
