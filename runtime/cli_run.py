@@ -130,10 +130,10 @@ def ctrl_c_stops_the_answer(on: bool) -> Iterator[threading.Event | None]:
 def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, chat: bool, raw: bool, system: str | None, think: bool,
             max_tokens: int, sampling: dict, stats: Path | None, logits_out: Path | None, quiet: bool,
             save_session: Path | None = None, load_session: Path | None = None, json_schema: dict | None = None,
-            thinking_budget: int | None = None, seed_given: bool = False) -> int:
+            thinking_budget: int | None = None, seed_given: bool = False, drawn: str | None = None) -> int:
     """Answer the prompt or chat; the exit status: 0, or 1 where an answer's constrained format (--json-schema) was
     cut short (its line already said so). `seed_given`: the sampling's seed was asked for (`--seed`), so a loaded
-    session drawing with another one is refused."""
+    session drawing with another one is refused. `drawn`: how a sampled run draws, said once the model is open."""
     sampler = Sampler(**sampling)
     group = ranks.find_group()
     if group is None:
@@ -153,6 +153,8 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         eng = Engine(model, opts, group)
         if eng.plan.past_native and opts.rank == 0:
             print(f"streamoe: note: {eng.plan.past_native}", file=sys.stderr, flush=True)
+        if drawn is not None and opts.rank == 0:
+            print(f"streamoe: {drawn}", file=sys.stderr, flush=True)
         harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
         reasons = think and not raw and eng.text.tokenizer.token_to_id("</think>") is not None  # as json_answer waits
         work = {"--json-schema": digest(json.dumps(json_schema, sort_keys=True).encode()) if json_schema else None,

@@ -573,8 +573,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     if seed is None:  # as mlx-lm and llama.cpp: each sampled run its own draws; a greedy one draws nothing
         seed = 0 if Sampler(**sampling).greedy else secrets.randbits(63)
     sampling["seed"] = seed
-    if not quiet and not Sampler(**sampling).greedy and os.environ.get("MLX_RANK", "0") == "0":
-        print(f"streamoe: {sampling_line(sampling, given_sampling)}", file=sys.stderr)
+    drawn = None if quiet or Sampler(**sampling).greedy else sampling_line(sampling, given_sampling)
     # a text-only model's chat is text, and so is a chat across ranks (no /image there)
     vision = bool(images) or (chat and not raw and group is None and has_vision(model))
     if given("max_pixels") and not vision:
@@ -590,7 +589,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     status = run_cli(model, opts, prompt=prompt, images=sources, chat=chat, raw=raw, system=system,
                      think=not no_think, max_tokens=max_tokens, sampling=sampling, stats=stats, logits_out=logits_out,
                      quiet=quiet, save_session=save_session, load_session=load_session, json_schema=schema,
-                     thinking_budget=thinking_budget, seed_given=given("seed"))
+                     thinking_budget=thinking_budget, seed_given=given("seed"), drawn=drawn)
     if status:
         sys.exit(status)
 
