@@ -21,6 +21,7 @@ from streamoe.runtime.engine import Engine, Options
 from streamoe.runtime.plan import MiB, chunk_token_bytes, default_dtype
 from streamoe.runtime.sampling import Sampler
 from streamoe.runtime.serve.openai_api import Limits, parse_chat, parse_completion
+from streamoe.runtime.serve.prompt_cache import boundaries
 from streamoe.runtime.serve.worker import EngineWorker, ServeOptions, open_engine, requests_bytes
 from streamoe.runtime.weights import mx_dtype
 
@@ -1321,3 +1322,42 @@ def test_benchmark_clients_payloads_are_answered(server):
         assert r.text.rstrip().endswith("data: [DONE]") and events[-1]["usage"]["completion_tokens"] > 0, r.text[-300:]
         if body.get("ignore_eos"):
             assert events[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_a_chat_and_a_completion_share_no_snapshot_even_where_their_cuts_meet(conv):
+    """A chat's prefill is cut at its assistant headers, a completion's at whole steps: where a chat's header falls on
+    the step grid (512 here), a snapshot of one is still not restored into the other, whichever came first; each
+    answer's logits are those of a server without a prompt cache."""
+    opts = Options(cap_gib=8, ctx=CTX, runtime_bytes=RUNTIME_MIB * MiB)
+
+    def worker(budget: int) -> EngineWorker:
+        return EngineWorker(open_engine(conv, opts, so := ServeOptions("t", prompt_cache_bytes=budget)), so)
+
+    def answer(w: EngineWorker, body: dict, parse) -> tuple[bytes, int]:
+        job = w.prepare(parse({**body, "temperature": 0, "max_tokens": 2}, Limits()) if parse is parse_chat
+                        else parse({**body, "temperature": 0, "max_tokens": 2}))
+        job.logits, job.sink = [], []
+        w.run(job)
+        (done,) = [v for k, v in job.sink if k == "done"]
+        return np.stack(job.logits).tobytes(), done["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    off = worker(0)
+    step = off.eng.plan.prefill_step
+    for k in range(400, 600):  # a filler whose last assistant header ends on the grid
+        msgs = [{"role": "user", "content": "def a():"}, {"role": "assistant", "content": "return 1"},
+                {"role": "user", "content": "Explain:" + " a" * k}]
+        ids = off.prepare(parse_chat({"messages": msgs}, Limits())).ids
+        if 2 * step in boundaries(ids, off.header):
+            break
+    else:
+        pytest.fail("no filler put an assistant header on the step grid")
+    chat, completion = ({"messages": msgs}, parse_chat), ({"prompt": ids + ids[:3]}, parse_completion)
+    want = {name: answer(off, *req)[0] for name, req in (("chat", chat), ("completion", completion))}
+    off.eng.close()
+    for first, then in (("completion", "chat"), ("chat", "completion")):
+        on = worker(8 * MiB)
+        reqs = {"chat": chat, "completion": completion}
+        answer(on, *reqs[first])  # keeps its snapshot at 512
+        got, cached = answer(on, *reqs[then])
+        on.eng.close()
+        assert (got == want[then], cached) == (True, 0), (first, then, cached)

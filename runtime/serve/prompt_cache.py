@@ -72,9 +72,11 @@ def clear(eng) -> None:
 
 
 def key_items(ids: list[int], image_pad: int | None, image_hashes: list[str],
-              salt: str | None = None) -> tuple[Item, ...]:
+              salt: str | None = None, cut: str | None = None) -> tuple[Item, ...]:
     """The cache key of a prompt: its token ids with each image placeholder replaced by that image's hash; with a
-    `salt` (vLLM's `cache_salt`), its first item salted, so the prompt shares snapshots only with the same salt's."""
+    `salt` (vLLM's `cache_salt`), its first item salted, so the prompt shares snapshots only with the same salt's;
+    with `cut`, how its prefill is cut (a chat's at its assistant headers, a completion's at whole steps): a
+    snapshot holds the bits of one cutting, so a prompt restores only those of its own kind."""
     out: list[Item] = []
     it = iter(image_hashes)
     for t in ids:
@@ -82,6 +84,8 @@ def key_items(ids: list[int], image_pad: int | None, image_hashes: list[str],
         out.append(t if h is None else ("image", h))  # a placeholder without an image (raw text) is a token
     if salt is not None and out:
         out[0] = ("salt", salt, out[0])
+    if cut is not None and out:
+        out[0] = ("cut", cut, out[0])
     return tuple(out)
 
 

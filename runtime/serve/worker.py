@@ -725,7 +725,7 @@ class EngineWorker:
         self._paths = paths
         del eng.steps[:]  # telemetry is per request; the list must not grow for the server's lifetime
         hashes = [image_hash(b) for b in req.images]
-        key = key_items(ids, self.pad, hashes, req.cache_salt)
+        key = key_items(ids, self.pad, hashes, req.cache_salt, req.kind)  # a chat's and a completion's cuts differ
         echo = req.kind == "completion" and req.echo
         scores = None
         if echo and req.logprobs:  # every prompt position's prediction: the whole prompt prefilled, none restored
