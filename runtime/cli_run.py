@@ -153,8 +153,6 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         eng = Engine(model, opts, group)
         if eng.plan.past_native and opts.rank == 0:
             print(f"streamoe: note: {eng.plan.past_native}", file=sys.stderr, flush=True)
-        if drawn is not None and opts.rank == 0:
-            print(f"streamoe: {drawn}", file=sys.stderr, flush=True)
         harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
         reasons = think and not raw and eng.text.tokenizer.token_to_id("</think>") is not None  # as json_answer waits
         work = {"--json-schema": digest(json.dumps(json_schema, sort_keys=True).encode()) if json_schema else None,
@@ -162,7 +160,7 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
                 "--no-think": not think}
         return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
                     max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
-                    save_session=save_session, load_session=load_session, seed_given=seed_given,
+                    save_session=save_session, load_session=load_session, seed_given=seed_given, drawn=drawn,
                     constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget, harmony), work=work,
                     apart=(lambda: ReasoningApart(reasons, harmony)) if json_schema is not None and not raw else None)
     except RuntimeError as e:
@@ -213,9 +211,10 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
          max_tokens: int, sampler: Sampler, stats: Path | None, logits_out: Path | None, quiet: bool,
          save_session: Path | None, load_session: Path | None, seed_given: bool = False,
          constrained: Callable[[], Constraint | ThinkingBudget] | None = None, work: dict | None = None,
-         apart: Callable[[], ReasoningApart] | None = None) -> int:
+         apart: Callable[[], ReasoningApart] | None = None, drawn: str | None = None) -> int:
     """`work`: what decides the run's collectives besides each prompt, which every rank checks it shares
-    (`ranks.same_work`) before the first. `apart`: each answer's reasoning written apart from it (`ReasoningApart`)."""
+    (`ranks.same_work`) before the first. `apart`: each answer's reasoning written apart from it (`ReasoningApart`).
+    `drawn`: how a sampled run draws, said once before the first answer (after every check that may refuse it)."""
     logits: list | None = [] if logits_out else None
     status = 0
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -288,6 +287,9 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 ranks.same_work(group, {"the prompt": f"{len(ids)} tokens {digest(np.array(ids, np.int64).tobytes())}",
                                         "--image": " ".join(file_digest(p) for p in turn_images) or None})
             constraint = constrained() if constrained is not None else None
+            if drawn is not None and eng.opts.rank == 0:
+                print(f"streamoe: {drawn}", file=sys.stderr, flush=True)
+                drawn = None
             try:
                 with ctrl_c_stops_the_answer(chat and group is None) as stop:
                     out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids,
