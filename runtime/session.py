@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..formats.dtypes import DTYPES
+from ..formats.dtypes import COMPUTE, DTYPES
 from ..formats.errors import fail
 from ..formats.session import SessionReader, header_limit, write_session
 from .conversation import Conversation, StateTensor, TensorSpec, from_host, host_view
@@ -70,7 +70,9 @@ def load_session(eng, path: str | Path) -> dict:
         for key, what in (("experts", "expert format (--experts)"), ("dtype", "compute dtype (--dtype)"),
                           ("kv", "KV cache format (--kv)"), ("model", "model or weights")):
             if meta.get(key) != mine[key]:
-                raise fail(path, f"saved with a different {what}: the session's {meta.get(key)}, this run's {mine[key]}")
+                said = {v: k for k, v in COMPUTE.items()} if key == "dtype" else {}  # as the flag says it: bfloat16
+                raise fail(path, f"saved with a different {what}: the session's {said.get(meta.get(key), meta.get(key))}, "
+                                 f"this run's {said.get(mine[key], mine[key])}")
         n = int(meta["tokens"])
         if n > eng.opts.ctx:
             raise fail(path, f"the session holds {n} tokens, more than the planned context --ctx {eng.opts.ctx}")

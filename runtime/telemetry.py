@@ -103,8 +103,10 @@ def prefill_mib_token(steps: list[StepStats]) -> float:
 
 
 def summary_line(s: dict) -> str:
-    return (f"[{s['tokens']} tokens, {s['tok_s']:.2f} tok/s, {s['ms_token']:.1f} ms/token = compute {s['compute_ms']:.1f} + "
-            f"I/O wait {s['io_wait_ms']:.1f} + other {s['other_ms']:.1f}; hit rate {100 * s['hit_rate']:.1f}% "
+    rate = (f"{s['tokens']} tokens, {s['tok_s']:.2f} tok/s, {s['ms_token']:.1f} ms/token = compute {s['compute_ms']:.1f} + "
+            f"I/O wait {s['io_wait_ms']:.1f} + other {s['other_ms']:.1f}" if s["tokens"] > 1 else
+            f"{s['tokens']} token{'' if s['tokens'] == 1 else 's'} (a rate needs two)")  # tok/s: the gaps between tokens
+    return (f"[{rate}; hit rate {100 * s['hit_rate']:.1f}% "
             f"(+{100 * s['read_ahead_rate']:.1f}% read ahead"
             + (f", +{100 * s['host_hit_rate']:.1f}% from the host tier, {s['mib_host_token']:.2f} MiB/token"
                if s.get("mib_host_token") else "") + "), "

@@ -453,6 +453,8 @@ def test_telemetry_adds_up_and_validates(small_conv, tmp_path):
     assert recs[0]["phase"] == "prefill" and sum(r["phase"] == "decode" for r in recs) >= 1
     assert "tok/s" in p.stderr and "hit rate" in p.stderr
     assert "disk busy" not in p.stderr  # everything resident at this cap: nothing read in decode
+    one = cli("run", small_conv, "--cap", "1", "--ctx", "256", "-p", "hello", "-n", "1", "--raw", check=True)
+    assert "[1 token (a rate needs two); hit rate" in one.stderr and "0.00 tok/s" not in one.stderr, one.stderr
 
 
 def test_cli_logits_out_equal_across_caps(small_conv, tmp_path):

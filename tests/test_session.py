@@ -228,6 +228,7 @@ def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
         ([d / "notsession"], "session metadata"),
         ([d / "other-model"], "different model"),
         ([good, "--kv", "float16"], "(--kv): the session's float32, this run's float16"),
+        ([good, "--dtype", "bfloat16"], "(--dtype): the session's float32, this run's bfloat16"),  # the flag's words
         ([good, "--ctx", "8"], "--ctx 8"),
         ([good, "--experts", "q3"], "--experts"),
     ]
