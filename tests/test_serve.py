@@ -1361,3 +1361,22 @@ def test_a_chat_and_a_completion_share_no_snapshot_even_where_their_cuts_meet(co
         got, cached = answer(on, *reqs[then])
         on.eng.close()
         assert (got == want[then], cached) == (True, 0), (first, then, cached)
+
+
+def test_return_token_ids_streamed_are_the_whole_answers(client):
+    """vLLM's `return_token_ids` on a stream: each chunk carries the ids of its tokens and the prompt's ids come once,
+    on the chat's top level or on each completion choice; together they are the whole answer's, with `n` too."""
+    ask = {"model": "tiny", "temperature": 1.0, "seed": 3, "max_tokens": 12, "extra_body": {"return_token_ids": True}}
+    chat = {"messages": [{"role": "user", "content": "Where is the shape?"}], "n": 2}
+    whole = client.chat.completions.create(**ask, **chat)
+    chunks = list(client.chat.completions.create(**ask, **chat, stream=True))
+    for i, c in enumerate(whole.choices):
+        assert [t for k in chunks for ch in k.choices if ch.index == i for t in ch.model_extra["token_ids"]] \
+            == c.model_extra["token_ids"]
+    prompts = [k.model_extra["prompt_token_ids"] for k in chunks if k.model_extra.get("prompt_token_ids")]
+    assert prompts == [whole.model_extra["prompt_token_ids"]] * 2  # once for each choice
+    whole = client.completions.create(**ask, prompt=CODE[1])
+    chunks = list(client.completions.create(**ask, prompt=CODE[1], stream=True))
+    assert [t for k in chunks for t in k.choices[0].model_extra["token_ids"]] == whole.choices[0].model_extra["token_ids"]
+    assert [k.choices[0].model_extra["prompt_token_ids"] for k in chunks
+            if k.choices[0].model_extra.get("prompt_token_ids")] == [whole.model_extra["prompt_token_ids"]]

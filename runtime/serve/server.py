@@ -483,6 +483,8 @@ class OpenAIOutput:
 
     def _next_choice(self) -> None:
         self.evs, self.lps, self.pending, self.n_calls, self.info = [], [], [], 0, {}
+        self.ids: list[int] = []  # a stream's token ids not yet on a chunk (vLLM's `return_token_ids`)
+        self.prompt_ids: list[int] | None = None  # the choice's prompt ids, for its next chunk
         self.offset = 0  # completions' text_offset of the next token
         self.echoed = ""  # completions' `echo`: the prompt, before the answer
         self.kept_calls = 0  # tool calls the answer keeps so far (`_honour`)
@@ -510,6 +512,14 @@ class OpenAIOutput:
         if not self.chat or "content" in choice["delta"] or finish is not None:
             lps, self.pending = self.pending, []
         choice["logprobs"] = self._logprobs(lps) if lps else None
+        if self.job.req.return_token_ids and self.job.req.stream:  # vLLM's: each chunk's tokens, its prompt first
+            choice["token_ids"], self.ids = self.ids, []
+            if self.prompt_ids is not None:
+                if self.chat:
+                    extra = {"prompt_token_ids": self.prompt_ids, **extra}
+                else:
+                    choice["prompt_token_ids"] = self.prompt_ids
+                self.prompt_ids = None
         if self.job.req.continuous_usage:  # vLLM's: the usage so far, on every chunk
             prompt, done = (self.job.started or {}).get("prompt_tokens", 0), self.before + self.tokens
             extra = {"usage": {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done},
@@ -545,6 +555,12 @@ class OpenAIOutput:
         if kind == "logprobs":
             self.pending += v
             self.lps += v
+            return []
+        if kind == "ids":
+            self.ids += v
+            return []
+        if kind == "prompt_ids":
+            self.prompt_ids = v
             return []
         if kind == "prompt":  # completions' `echo`: the prompt's text and its tokens' logprobs come first
             self.echoed = v["text"]

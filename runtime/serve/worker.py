@@ -788,6 +788,9 @@ class EngineWorker:
         if evs:
             job.emit(("delta", evs))
         detok = Detokenizer(eng.text, skip_special=self.skips_special(req))
+        streamed_ids = req.return_token_ids and req.stream
+        if streamed_ids:  # the choice's prompt, as rendered, before its first tokens
+            job.emit(("prompt_ids", list(ids)))
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
         first = last = 0.0  # when the answer's first and latest tokens came (the latency histograms)
         finish, reasoning = None, 0
@@ -807,6 +810,8 @@ class EngineWorker:
                     break
                 n += 1
                 toks.append(tok)
+                if streamed_ids:  # vLLM's `return_token_ids` streamed: each chunk's tokens on it
+                    job.emit(("ids", [tok]))
                 if job.logits is not None:
                     job.logits.append(lg)
                 now = time.monotonic()
