@@ -271,7 +271,7 @@ def chat(**kw) -> dict:
     (chat(messages=[{"role": "user", "content": "hi", "reasoning_content": "secret"}]), "messages[0].reasoning_content"),
     (chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tool_call_id": "a"}]),
      "messages[1].tool_call_id"),
-    (chat(messages=[{"role": "tool", "content": "4", "tool_call_id": "a", "name": "f"}]), "messages[0].name"),
+    (chat(messages=[{"role": "tool", "content": "4", "tool_call_id": "a", "reasoning": "r"}]), "messages[0].reasoning"),
     (chat(messages=[{"role": "user", "content": []}]), "messages[0].content"),
     (chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].text"),
     (chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}), "response_format"),

@@ -313,8 +313,9 @@ CHAT_HONOURED = CHAT_FIELDS - {"audio", "function_call", "functions", "moderatio
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio", "function_call",
                   "reasoning_content", "reasoning"}  # the last two: vLLM's, a tool loop's earlier thinking
 MESSAGE_HONOURED = MESSAGE_FIELDS - {"refusal", "audio", "function_call"}
-# the fields each role's message has in OpenAI's schema (vLLM's reasoning fields an assistant's): any other is a 400
-ROLE_FIELDS = {"assistant": MESSAGE_FIELDS - {"tool_call_id"}, "tool": {"role", "content", "tool_call_id"},
+# the fields each role's message has in OpenAI's schema (vLLM's reasoning fields an assistant's, and a tool result's
+# `name`, which LangChain and others send and templates may render): any other is a 400
+ROLE_FIELDS = {"assistant": MESSAGE_FIELDS - {"tool_call_id"}, "tool": {"role", "content", "tool_call_id", "name"},
                **dict.fromkeys(("system", "developer", "user"), {"role", "content", "name"})}
 
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
