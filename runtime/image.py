@@ -44,7 +44,8 @@ MAX_ASPECT_RATIO = 200
 # Largest image `run --image` reads from a pipe (`<(curl -s URL)`): held from the start, in the plan's account.
 MAX_PIPED_IMAGE_BYTES = 64 << 20
 
-SUPPORTED_FORMATS = ("PNG", "JPEG", "MPO", "WEBP")  # MPO: a JPEG with more pictures after the first (phones write them)
+SUPPORTED_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF")  # MPO: a JPEG with more pictures after the first (phones write them)
+FORMATS = "PNG, JPEG, WebP or a still GIF"  # as OpenAI's and Anthropic's APIs take images
 # Modes Pillow converts to RGB faithfully. Alpha is dropped (not composited), as the reference
 # loader does with `convert("RGB")`. 16/32-bit integer and float modes would be clipped to 255 by
 # that conversion, so they are refused rather than silently turned white.
@@ -142,7 +143,9 @@ def check_header(img: Image.Image, path: object, max_decode_pixels: int = MAX_DE
     """What an opened image's header says, checked before any pixel is decoded: its format, size, aspect ratio
     and pixel mode (one line naming `path` for each problem)."""
     if img.format not in SUPPORTED_FORMATS:
-        raise fail(path, f"unsupported image format {img.format} (PNG, JPEG and WebP are supported)")
+        raise fail(path, f"unsupported image format {img.format} (give {FORMATS})")
+    if img.format == "GIF" and getattr(img, "n_frames", 1) > 1:  # OpenAI's and Anthropic's APIs take still GIFs
+        raise fail(path, f"an animated GIF ({img.n_frames} frames): give one picture ({FORMATS})")
     w, h = img.size
     if w <= 0 or h <= 0:
         raise fail(path, f"image has zero size ({w}x{h})")
@@ -167,7 +170,7 @@ def load_image(source: str | os.PathLike | PipedImage, max_decode_pixels: int = 
             try:
                 img = Image.open(f)
             except UnidentifiedImageError:
-                raise fail(path, "not an image (no PNG, JPEG or WebP header)") from None
+                raise fail(path, f"not an image ({FORMATS} is)") from None
             check_header(img, path, max_decode_pixels)
             img.load()  # decodes now, while the file is open; a truncated file fails here
             img = ImageOps.exif_transpose(img)

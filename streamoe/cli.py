@@ -497,7 +497,7 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
                    "file or pipe holding it ('{}': any JSON object), by llguidance. An answer cut before its JSON ends (by "
                    "-n or the context) is printed as far as it got, one line says so, and the exit status is 1.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
-              help="An image for the prompt (repeatable): a PNG, JPEG or WebP file, or a pipe (--image <(curl -s URL), "
+              help="An image for the prompt (repeatable): a PNG, JPEG, WebP or still GIF file, or a pipe (--image <(curl -s URL), "
                    "--image - for stdin; read whole, at most 64 MiB, its bytes planned in the cap).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")

@@ -657,7 +657,7 @@ TOOL_USE = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"ci
     (am(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}]),
      "messages[0].content[0].source"),
     (am(messages=[{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/gif", "data": PNG}}]}]), "messages[0].content[0].source.media_type"),
+        "type": "base64", "media_type": "image/bmp", "data": PNG}}]}]), "messages[0].content[0].source.media_type"),
     (am(messages=[{"role": "user", "content": [{"type": "image", "source": {  # a JPEG said to be a PNG
         "type": "base64", "media_type": "image/png", "data": jpeg_b64()}}]}]), "messages[0].content[0].source.media_type"),
     (am(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {"type": "x"}}]}]),
@@ -1600,3 +1600,26 @@ def test_anthropic_tool_result_holds_an_image(ac, ref, triangle):
     with pytest.raises(anthropic.BadRequestError) as e:
         ac.messages.count_tokens(messages=late, **kw)
     assert "come first" in e.value.body["error"]["message"]
+
+
+def test_a_still_gif_is_an_image_on_every_route():
+    """A still GIF is taken where OpenAI's and Anthropic's APIs take one (`image_url` data URL, base64 `image/gif`);
+    an animated one is a 400 naming its part."""
+    def gif(frames: int) -> str:
+        pics = [Image.new("RGB", (32, 32), (40 * i, 90, 200)) for i in range(frames)]
+        buf = io.BytesIO()
+        pics[0].save(buf, "GIF", save_all=frames > 1, append_images=pics[1:])
+        return base64.b64encode(buf.getvalue()).decode()
+
+    def both(data: str) -> list:
+        chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": f"data:image/gif;base64,{data}"}}]}]}
+        msgs = am(messages=[{"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/gif", "data": data}}]}])
+        return [lambda: parse_chat(chat, Limits()), lambda: anthropic_api.parse(msgs, ServeOptions("m", limits=Limits()))]
+
+    assert [len(parse().images) for parse in both(gif(1))] == [1, 1]
+    for parse in both(gif(2)):
+        with pytest.raises(APIError, match="an animated GIF") as e:
+            parse()
+        assert e.value.param == "messages[0].content[0]"

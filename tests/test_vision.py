@@ -156,6 +156,19 @@ def test_load_and_preprocess_match_reference_loader(processor, tmp_path):
     assert grid == tuple(expected["image_grid_thw"][0].tolist())
 
 
+def test_a_still_gif_is_read_as_the_reference_loader_reads_it(tmp_path):
+    """A still GIF (OpenAI's and Anthropic's APIs take them) is read as mlx-vlm's loader reads it: its one picture in
+    RGB, the same pixels as the same picture in a PNG."""
+    pytest.importorskip("mlx_vlm")
+    from mlx_vlm.utils import load_image as ref_load_image
+
+    picture = noise_image(30, 50).convert("P")
+    picture.save(tmp_path / "a.gif")
+    picture.save(tmp_path / "a.png")
+    ours, ref, png = load_image(tmp_path / "a.gif"), ref_load_image(str(tmp_path / "a.gif")), load_image(tmp_path / "a.png")
+    assert np.array_equal(np.asarray(ours), np.asarray(ref.convert("RGB"))) and np.array_equal(np.asarray(ours), np.asarray(png))
+
+
 def test_decode_budget_is_stated():
     assert decode_peak_bytes() == 12 * MAX_DECODE_PIXELS < 400 << 20
 
@@ -338,8 +351,11 @@ def test_bad_images_fail_with_the_path(tmp_path):
     Image.new("L", (300, 1)).save(tmp_path / "strip.png")
     check_fails(tmp_path / "strip.png", "aspect ratio")
 
-    Image.new("RGB", (16, 16)).save(tmp_path / "anim.gif")
-    check_fails(tmp_path / "anim.gif", "unsupported image format GIF")
+    frames = [Image.new("RGB", (16, 16), c) for c in ((200, 0, 0), (0, 200, 0))]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
+    check_fails(tmp_path / "anim.gif", "an animated GIF (2 frames)")
+    Image.new("RGB", (16, 16)).save(tmp_path / "a.bmp")
+    check_fails(tmp_path / "a.bmp", "unsupported image format BMP")
 
     Image.fromarray(np.full((20, 30), 40000, np.uint16)).save(tmp_path / "deep.png")
     check_fails(tmp_path / "deep.png", "unsupported pixel mode")
@@ -362,7 +378,7 @@ def test_declared_size_is_checked_before_decoding(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("mode,fmt", [("CMYK", "JPEG"), ("P", "PNG"), ("RGBA", "PNG"), ("L", "JPEG"),
-                                      ("LA", "PNG"), ("1", "PNG"), ("RGB", "WEBP")])
+                                      ("LA", "PNG"), ("1", "PNG"), ("RGB", "WEBP"), ("P", "GIF")])
 def test_other_modes_are_converted_to_rgb(tmp_path, mode, fmt):
     source = noise_image(24, 40).convert(mode)
     if mode == "P":

@@ -40,7 +40,7 @@ EFFORT_OF = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", 
 COUNT_FIELDS = {"messages", "model", "cache_control", "context_management", "mcp_servers", "output_config", "speed",
                 "system", "thinking", "tool_choice", "tools", "user_profile_id", "workspace_id"}
 API = "the Anthropic Messages API"
-IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
 
 
 def error_body(err: APIError) -> dict:

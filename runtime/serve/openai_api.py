@@ -21,7 +21,7 @@ import jsonschema
 import numpy as np
 
 from ...formats.errors import StreamoeError
-from ..image import check_header
+from ..image import FORMATS, check_header
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -513,7 +513,8 @@ def decode_base64_image(data: str, limits: Limits, where: str, param: str, what:
         raise bad(f"{what} is not valid base64 (standard alphabet, padded)", param) from None
 
 
-MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "WEBP": "image/webp"}  # by Pillow's format
+MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "WEBP": "image/webp",
+               "GIF": "image/gif"}  # by Pillow's format
 
 
 def check_image(raw: bytes, limits: Limits, where: str) -> str:
@@ -534,7 +535,7 @@ def check_image(raw: bytes, limits: Limits, where: str) -> str:
     except StreamoeError as e:
         raise bad(str(e), where) from None
     except (UnidentifiedImageError, OSError, ValueError):
-        raise bad(f"{where}: not an image (no PNG, JPEG or WebP header)", where) from None
+        raise bad(f"{where}: not an image ({FORMATS} is)", where) from None
 
 
 def image_hash(raw: bytes) -> str:
