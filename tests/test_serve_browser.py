@@ -320,3 +320,26 @@ def test_two_memories_on_the_page(conv, browser, tmp_path, monkeypatch):
         assert "read by the GPU over the bus" in browser.find_element(By.ID, "plan-note").text
     finally:
         stop_server(s)
+
+
+def test_a_failed_question_comes_back_to_the_box(server, browser):
+    """A question the server refuses (longer than the planned context) shows its error under the answer's bubble,
+    marks the question's bubble, leaves the conversation without that turn and gives the question back to the box
+    (it was lost); the next question is answered in a conversation of its own turns."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    open_page(browser, server)
+    browser.find_element(By.ID, "new").click()
+    long = "word " * 6000
+    browser.execute_script("document.getElementById('prompt').value = arguments[0]", long)
+    browser.find_element(By.ID, "prompt").send_keys(Keys.END, Keys.ENTER)
+    WebDriverWait(browser, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-state=error]"))
+    assert "planned context" in browser.find_element(By.CSS_SELECTOR, ".msg.assistant .error-line").text
+    assert browser.execute_script("return document.getElementById('prompt').value") == long
+    assert "failed" in browser.find_elements(By.CSS_SELECTOR, ".msg.user")[-1].get_attribute("class")
+    assert browser.execute_script("return history.length") == 0
+    browser.execute_script("document.getElementById('prompt').value = ''")
+    ask(browser, "Hello", 2)
+    assert browser.execute_script("return history.map((m) => m.role)") == ["user", "assistant"]

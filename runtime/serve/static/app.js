@@ -5,7 +5,7 @@
 const $ = (id) => document.getElementById(id);
 const MiB = 1 << 20;
 const history = [];  // the conversation as OpenAI messages (answers without their thinking)
-let model = null, imageURL = null, busy = false;
+let model = null, imageURL = null, imageName = "", busy = false;
 let running = null;  // the AbortController of the answer streaming now: Stop and New chat abort its fetch
 let chatId = 0;      // bumped by New chat: an answer of an earlier chat never writes into this one's history
 
@@ -84,8 +84,21 @@ async function poll() {
   try {
     const s = await (await api("/v1/stats")).json();
     showStats(s);
+    if (model === null) loadPlan().catch(() => {});  // the plan failed to load (the server was down): again
+    else $("status").textContent = "ready";
     return s;
-  } catch (e) { return null; /* the next poll will tell */ }
+  } catch (e) {
+    $("status").textContent = "disconnected";  // the server is gone; the next poll tells when it is back
+    return null;
+  }
+}
+
+// An error response's message: the API's error object, else what the HTTP status says (a proxy's HTML page)
+async function errorOf(r) {
+  const text = await r.text();
+  try { return JSON.parse(text).error.message; } catch (e) {
+    return `HTTP ${r.status} ${r.statusText}` + (text ? `: ${text.slice(0, 120)}` : "");
+  }
 }
 
 // once an answer has ended here, until the server says so: a stopped one ends there at its next token
@@ -105,14 +118,18 @@ function bubble(cls) {
 }
 
 function scroll() { $("log").scrollTop = $("log").scrollHeight; }
+// whether the log shows its end: a stream follows the answer only then, not while the reader is further up
+function atBottom() { const l = $("log"); return l.scrollHeight - l.scrollTop - l.clientHeight < 40; }
 
+// One turn: the question, then its answer streamed. False where it failed: the turn is out of the conversation
+// (its bubbles marked, the answer so far kept on the page) and the caller gives the question back to the box.
 async function send(text) {
   const parts = imageURL ? [{type: "image_url", image_url: {url: imageURL}}, {type: "text", text}] : text;
   const user = bubble("user");
   if (imageURL) { const img = document.createElement("img"); img.src = imageURL; user.appendChild(img); }
   user.appendChild(document.createTextNode(text));
   history.push({role: "user", content: parts});
-  imageURL = null; $("image").value = ""; $("attached").textContent = "";
+  imageURL = null; imageName = ""; $("image").value = ""; $("attached").textContent = "";
 
   const out = bubble("assistant");
   out.dataset.state = "waiting";
@@ -134,12 +151,12 @@ async function send(text) {
   const mine = chatId, abort = new AbortController();
   running = abort;
   $("stop").disabled = false;
-  let answer = "", reasoning = "", calls = [], usage = null, tele = null, chunks = 0;
+  let answer = "", reasoning = "", calls = [], usage = null, tele = null, chunks = 0, finish = null;
   try {
     // aborting closes the connection, and the server stops generating at its next token
     const r = await api("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
                                                 body: JSON.stringify(req), signal: abort.signal});
-    if (!r.ok) throw new Error((await r.json()).error.message);
+    if (!r.ok) throw new Error(await errorOf(r));
     out.dataset.state = "streaming";
     const reader = r.body.getReader(), dec = new TextDecoder();
     let buf = "";
@@ -157,6 +174,8 @@ async function send(text) {
         if (ev.usage) usage = ev.usage;
         if (ev.streamoe) tele = ev.streamoe;
         const d = ev.choices.length ? ev.choices[0].delta : {};
+        if (ev.choices.length && ev.choices[0].finish_reason) finish = ev.choices[0].finish_reason;
+        const follow = atBottom();
         if (d.reasoning_content) {
           reasoning += d.reasoning_content; thinking.hidden = false;
           thinking.querySelector("pre").textContent = reasoning;
@@ -168,7 +187,7 @@ async function send(text) {
           t.className = "tool"; t.textContent = `→ ${c.function.name}(${c.function.arguments})`;
           out.insertBefore(t, meta);
         }
-        scroll();
+        if (follow) scroll();
       }
     }
     const msg = {role: "assistant", content: answer};
@@ -176,20 +195,32 @@ async function send(text) {
     history.push(msg);
     if (tele) showStats({...tele, state: "idle", tokens: tele.tokens, rss: tele.rss, cap: tele.cap,
                          prompt_tokens: usage && usage.prompt_tokens, cached_tokens: tele.cached_tokens});
+    const cached = usage && usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
     if (usage) meta.textContent = `${usage.completion_tokens} tokens · prompt ${usage.prompt_tokens} ` +
-      `(${usage.prompt_tokens_details.cached_tokens} cached)` + (tele ? ` · ${tele.tok_s.toFixed(2)} tok/s` : "");
+      `(${cached} cached)` + (tele ? ` · ${tele.tok_s.toFixed(2)} tok/s` : "");
+    if (finish === "length") {  // cut by max tokens (or the context): said, and a thought cut short shown
+      meta.textContent += answer || calls.length ? " · cut at max tokens" : " · cut at max tokens, still thinking";
+      if (!answer && !calls.length) thinking.open = true;
+    }
     out.dataset.state = "done";
+    return true;
   } catch (e) {
     if (abort.signal.aborted) {  // Stop (the answer so far stays, in the page and the conversation) or New chat
       if (mine === chatId) history.push({role: "assistant", content: answer});
       meta.textContent = "stopped";
       out.dataset.state = "stopped";
-    } else {
+    } else {  // the answer so far stays on the page, the error under it; the turn leaves the conversation
       out.classList.add("error");
-      content.textContent = "Error: " + e.message;
+      user.classList.add("failed");
+      const err = document.createElement("div");
+      err.className = "error-line";
+      err.textContent = "Error: " + e.message + " (not in the conversation; the question is back in the box)";
+      out.insertBefore(err, meta);
       if (mine === chatId) history.pop();
       out.dataset.state = "error";
+      return false;
     }
+    return true;
   } finally {
     clearInterval(timer);
     if (running === abort) { running = null; $("stop").disabled = true; }
@@ -199,21 +230,31 @@ async function send(text) {
 
 $("form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
-  const text = $("prompt").value.trim();
+  const typed = $("prompt").value, text = typed.trim();
   if (!text || busy) return;
+  const image = [imageURL, imageName];
   busy = true; $("send").disabled = true; $("prompt").value = "";
-  try { await send(text); } finally { busy = false; $("send").disabled = false; $("prompt").focus(); scroll(); }
+  let sent = false;
+  try { sent = await send(text); } finally {
+    busy = false; $("send").disabled = false;
+    if (!sent && !$("prompt").value) {  // a failed turn's question back in the box, its image attached again
+      $("prompt").value = typed;
+      if (image[0] && !imageURL) { [imageURL, imageName] = image; $("attached").textContent = imageName; }
+    }
+    $("prompt").focus(); scroll();
+  }
 });
 
 $("prompt").addEventListener("keydown", (ev) => {
+  if (ev.isComposing || ev.keyCode === 229) return;  // Enter that picks an input method's candidate: not a send
   if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("form").requestSubmit(); }
 });
 
 $("image").addEventListener("change", () => {
   const f = $("image").files[0];
-  if (!f) { imageURL = null; return; }
+  if (!f) { imageURL = null; imageName = ""; $("attached").textContent = ""; return; }
   const rd = new FileReader();
-  rd.onload = () => { imageURL = rd.result; $("attached").textContent = f.name; };
+  rd.onload = () => { imageURL = rd.result; imageName = f.name; $("attached").textContent = f.name; };
   rd.readAsDataURL(f);
 });
 
