@@ -133,7 +133,7 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
             thinking_budget: int | None = None, seed_given: bool = False, drawn: str | None = None) -> int:
     """Answer the prompt or chat; the exit status: 0, or 1 where an answer's constrained format (--json-schema) was
     cut short (its line already said so). `seed_given`: the sampling's seed was asked for (`--seed`), so a loaded
-    session drawing with another one is refused. `drawn`: how a sampled run draws, said once the model is open."""
+    session drawing with another one is refused. `drawn`: how a sampled run draws, said before its first answer."""
     sampler = Sampler(**sampling)
     group = ranks.find_group()
     if group is None:

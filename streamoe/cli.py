@@ -494,8 +494,9 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
 @click.option("--json-schema", default=None, metavar="SCHEMA|FILE",
               help="Constrain each answer (after its thinking) to JSON valid against this schema, given inline or as a "
-                   "file or pipe holding it ('{}': any JSON object), by llguidance. An answer cut before its JSON ends (by "
-                   "-n or the context) is printed as far as it got, one line says so, and the exit status is 1.")
+                   "file or pipe holding it ('{}': any JSON object), by llguidance. stdout holds the JSON alone (the "
+                   "thinking goes to stderr). An answer cut before its JSON ends (by -n or the context) is printed as "
+                   "far as it got, one line says so, and the exit status is 1.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
               help="An image for the prompt (repeatable): a PNG, JPEG, WebP or still GIF file, or a pipe (--image <(curl -s URL), "
                    "--image - for stdin; read whole, at most 64 MiB, its bytes planned in the cap).")
