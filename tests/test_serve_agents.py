@@ -1548,6 +1548,13 @@ def test_metrics_count_what_was_served(server, oc):
     assert after[("vllm:num_requests_waiting", tiny)] == 0 and after[("vllm:num_requests_running", tiny)] == 0
     reason = (("finished_reason", r.choices[0].finish_reason), ("model_name", "tiny"))
     assert grew("vllm:request_success_total", reason) == 1
+    # the prompt cache's work under vLLM's prefix cache names: the same question again is found in it
+    again = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is it red?"}], temperature=0,
+                                       max_tokens=8, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    cached, final = again.usage.prompt_tokens_details.cached_tokens, metrics(server)
+    assert cached > 0 and final[("streamoe_cached_prompt_tokens_total", ())] - after[("streamoe_cached_prompt_tokens_total", ())] == cached
+    assert final[("vllm:prefix_cache_hits_total", tiny)] == final[("streamoe_cached_prompt_tokens_total", ())]
+    assert final[("vllm:prefix_cache_queries_total", tiny)] == final[("streamoe_prompt_tokens_total", ())]
 
 
 def test_no_traceback_in_the_server_log(server):

@@ -80,6 +80,8 @@ def exposition(worker, queued: int, requests: dict, store=None) -> str:
     out += family("answers_total", "counter", "Answers the engine finished.", [({}, worker.served)])
     out += family("prompt_tokens_total", "counter", "Prompt tokens of the finished answers, cached ones included.",
                   [({}, tot["prompt_tokens"])])
+    out += family("cached_prompt_tokens_total", "counter", "Prompt tokens of the finished answers restored from the "
+                  "prompt cache, not prefilled.", [({}, tot["cached_tokens"])])
     out += family("generated_tokens_total", "counter", "Tokens generated in the finished answers.",
                   [({}, tot["generated_tokens"])])
     out += family("expert_bytes_read_total", "counter", "Expert bytes read from the SSD by the finished answers.",
@@ -118,7 +120,10 @@ def exposition(worker, queued: int, requests: dict, store=None) -> str:
     vllm = [("num_requests_running", "gauge", "Requests the engine is answering.", busy),
             ("num_requests_waiting", "gauge", "Requests waiting for the engine.", queued),
             ("prompt_tokens_total", "counter", "Prompt tokens of the finished answers.", tot["prompt_tokens"]),
-            ("generation_tokens_total", "counter", "Tokens generated in the finished answers.", tot["generated_tokens"])]
+            ("generation_tokens_total", "counter", "Tokens generated in the finished answers.", tot["generated_tokens"]),
+            # vLLM's prefix cache counters: prompt tokens looked up, and those found (the prompt cache's snapshots)
+            ("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prompt cache.", tot["prompt_tokens"]),
+            ("prefix_cache_hits_total", "counter", "Prompt tokens the prompt cache held.", tot["cached_tokens"])]
     for name, kind, help_text, value in vllm:
         out += family(name, kind, help_text, [(model, value)], prefix="vllm:")
     out += family("request_success_total", "counter", "Finished answers, by why they ended.",

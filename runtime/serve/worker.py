@@ -365,7 +365,8 @@ class EngineWorker:
         self.guide = None  # llguidance's tokenizer, made on the first constrained request
         self.live: dict = {"state": "idle"}
         self.served = 0
-        self.totals = {"prompt_tokens": 0, "generated_tokens": 0, "bytes_read": 0, "host_hits": 0}  # over the server's lifetime
+        self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "bytes_read": 0,
+                       "host_hits": 0}  # over the server's lifetime
         self.latency = {name: Histogram(bounds) for name, (_, bounds) in LATENCIES.items()}  # the requests', ditto
         self.finished: Counter = Counter()  # answers by finish reason, ditto
         self.token_text = TokenText(eng.text)
@@ -855,6 +856,7 @@ class EngineWorker:
         self.served += 1
         self.finished[finish] += 1
         self.totals["prompt_tokens"] += prompt_tokens
+        self.totals["cached_tokens"] += cached
         self.totals["generated_tokens"] += n
         self.totals["bytes_read"] += sum(ly.bytes_read for st in eng.steps for ly in st.layers)
         self.totals["host_hits"] += sum(ly.hits_host for st in eng.steps for ly in st.layers)
