@@ -136,14 +136,15 @@ def harmony_json_grammar(schema: dict | None, tokenizer) -> str:
             "\"assistant\"\n")
 
 
-def json_answer(tokens, schema: dict | None, tokenizer, vocab: int, thinking: bool, harmony: bool) -> Constraint:
+def json_answer(tokens, schema: dict | None, tokenizer, vocab: int, thinking: bool, harmony: bool,
+                opener: int | None = None) -> Constraint:
     """An answer held to JSON valid against `schema` (None: any object), as `run --json-schema` and `serve`'s
     structured outputs hold it: after the template's `</think>` where the prompt leaves the model thinking; in a
     harmony chat from the first token, the `final` message's text after a free `analysis` (`harmony_json_grammar`)."""
     if harmony:
         return Constraint(tokens, harmony_json_grammar(schema, tokenizer), vocab)
-    after = tokenizer.token_to_id("</think>") if thinking else None
-    return Constraint(tokens, json_grammar(schema), vocab, after=after)
+    after = tokenizer.token_to_id("</think>") if thinking or opener is not None else None
+    return Constraint(tokens, json_grammar(schema), vocab, after=after, opener=opener)
 
 
 def guarded(call, *args, **kw):
@@ -176,10 +177,13 @@ class Constraint:
     the grammar is lazy, as llama.cpp's lazy grammars and vLLM's structural tags apply a strict tool's schema:
     the answer runs free, and from each `trigger` token the model writes (past `after`) to the grammar's end the
     grammar holds (a call block the model opened, `tool_call_grammar(..., opened=True)`), then it runs free again;
-    or, `once`, only a stop token may follow the first block (one call: `parallel_tool_calls` false)."""
+    or, `once`, only a stop token may follow the first block (one call: `parallel_tool_calls` false). With an
+    `opener` (Qwen3's `<think>`, which its template leaves to the model): an answer whose first token is it reasons
+    free until `after`, as vLLM starts a grammar where the reasoning ends; any other first token starts the grammar
+    there."""
 
     def __init__(self, tokens, grammar: str, vocab: int, after: int | None = None, trigger: int | None = None,
-                 once: bool = False):
+                 once: bool = False, opener: int | None = None):
         import llguidance
 
         err = guarded(llguidance.LLMatcher.validate_grammar, grammar, tokens)
@@ -187,9 +191,10 @@ class Constraint:
             raise StreamoeError(f"the grammar does not compile ({err.splitlines()[0][:200]})")
         self.matcher = guarded(llguidance.LLMatcher, tokens, grammar, log_level=0)
         self.fresh = self.matcher.deep_copy() if trigger is not None else None  # each block starts from it
-        self.vocab, self.after, self.trigger, self.once = vocab, after, trigger, once
-        self.armed = after is None  # past `after`: the grammar starts here (or at the next trigger)
+        self.vocab, self.after, self.trigger, self.once, self.opener = vocab, after, trigger, once, opener
+        self.armed = after is None or opener is not None  # past `after`: the grammar starts here (or at the next trigger)
         self.active = self.armed and trigger is None
+        self.first = opener is not None  # the first token, which may open the model's reasoning, is still to come
 
     @property
     def complete(self) -> bool:
@@ -202,12 +207,17 @@ class Constraint:
         if not self.active:
             return None
         words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
-        bits = (mx.array(words)[:, None] >> BITS) & 1
-        return bits.reshape(-1)[: self.vocab].astype(mx.bool_)
+        bits = ((mx.array(words)[:, None] >> BITS) & 1).reshape(-1)[: self.vocab].astype(mx.bool_)
+        return bits | (mx.arange(self.vocab) == self.opener) if self.first else bits
 
     def advance(self, tok: int) -> None:
         """Feed the token drawn. A token the grammar refuses cannot be drawn from its mask; it would leave the
         matcher in its error state, which ends the constraint rather than the answer."""
+        if self.first:
+            self.first = False
+            if tok == self.opener:  # the model opened its reasoning: the grammar waits for its close
+                self.armed = self.active = False
+                return
         if not self.active:
             if not self.armed:
                 self.armed = tok == self.after

@@ -248,3 +248,42 @@ def test_a_checkpoint_missing_a_head_norm_is_named(ckpt, tmp_path):
                                              "is missing"):
         convert(bad, tmp_path / "conv", progress=False)
     assert not (tmp_path / "conv").exists()
+
+
+def test_a_grammar_waits_for_the_reasoning_the_model_opens(conv):
+    """Qwen3's template leaves `<think>` to the model: a structured output or a strict tool's grammar starts where the
+    model's reasoning closes if it opens one (its first token), as vLLM starts it, else at once. The reasoning runs
+    free (here a `<tool_call>` inside it, which armed the call grammar and left only a stop after it), the JSON
+    follows the close."""
+    from streamoe.runtime.engine import Engine, Options
+    from streamoe.runtime.serve.openai_api import Limits, parse_chat
+    from streamoe.runtime.serve.worker import EngineWorker, ServeOptions
+
+    eng = Engine(conv, Options(cap_gib=8, ctx=2048, runtime_bytes=RUNTIME))
+    w = EngineWorker(eng, ServeOptions("t"))
+    tok = eng.text.tokenizer
+    think, close, call = (tok.token_to_id(t) for t in ("<think>", "</think>", "<tool_call>"))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    try:
+        for body, opens in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, True),
+                            ({"tools": [{"type": "function", "function": {"name": "get", "strict": True, "parameters": schema}}],
+                              "parallel_tool_calls": False}, True),
+                            ({"response_format": {"type": "json_object"}}, False)):
+            req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "temperature": 0, **body}, Limits())
+            c = w.prepare(req).constraint
+            first = c.allowed()
+            if not opens:  # the model did not open it: the grammar holds from the first token
+                assert c.opener == think and first.tolist()[think] and first.tolist()[tok.encode("{").ids[0]]
+                c.advance(tok.encode("{").ids[0])
+                assert c.active and not c.allowed().tolist()[think]
+                continue
+            assert first is None or first.tolist()[think]
+            c.advance(think)  # the model opens its reasoning: nothing holds it, a call's opening included
+            for t in (tok.encode("so").ids[0], call, tok.encode("x").ids[0]):
+                assert c.allowed() is None
+                c.advance(t)
+            c.advance(close)
+            if "response_format" in body:  # the JSON from the close on
+                assert c.active and c.allowed().tolist()[tok.encode("{").ids[0]] and not c.allowed().tolist()[think]
+    finally:
+        eng.close()

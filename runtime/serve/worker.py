@@ -634,20 +634,32 @@ class EngineWorker:
         if self.guide is None:
             self.guide = guide_tokenizer(tok, self.vocab, self.eng.text.stop_ids)
         where = fmt if shaped else "tools"
-        after = tok.token_to_id("</think>") if thinking else None
+        opener = self.model_opens_thinking(req, thinking)
+        after = tok.token_to_id("</think>") if thinking or opener is not None else None
         try:
             if req.json_output:
-                return json_answer(self.guide, req.json_schema, tok, self.vocab, thinking, self.harmony(req))
+                return json_answer(self.guide, req.json_schema, tok, self.vocab, thinking, self.harmony(req), opener)
             if req.answer_grammar is not None:
-                return Constraint(self.guide, req.answer_grammar, self.vocab, after=after)
+                return Constraint(self.guide, req.answer_grammar, self.vocab, after=after, opener=opener)
             if lazy:
                 free = frozenset(t["function"]["name"] for t in req.tools) - strict
                 grammar = tool_call_grammar(self.tool_format, req.tools, None, tok, free=free, opened=True)
-                return Constraint(self.guide, grammar, self.vocab, after=after, trigger=trigger, once=once)
+                return Constraint(self.guide, grammar, self.vocab, after=after, trigger=trigger, once=once, opener=opener)
             grammar = tool_call_grammar(self.tool_format, req.tools, req.force_call or None, tok)
             return Constraint(self.guide, grammar, self.vocab)
         except StreamoeError as e:
             raise bad(str(e), where) from None
+
+    def model_opens_thinking(self, req: GenRequest, thinking: bool) -> int | None:
+        """`<think>` where the answer may open its own reasoning: a chat with thinking on whose template leaves the
+        tag to the model (Qwen3's; Qwen3.5's opens it in the prompt: `thinking`), so a grammar waits for the close
+        if the model thinks; None elsewhere."""
+        tok = self.eng.text.tokenizer
+        on = req.template_kwargs.get("enable_thinking", self.so.think is not False)
+        opener, close = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+        if thinking or not on or req.kind != "chat" or self.harmony(req) or req.force_call is not None:
+            return None
+        return opener if opener is not None and close is not None else None
 
     def prompt_tokens(self, job: Job) -> int:
         """How many tokens the job's prompt prefills: its ids, each image placeholder counted as the tokens
