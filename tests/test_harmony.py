@@ -49,6 +49,17 @@ def test_channels_become_reasoning_content_and_calls():
     assert [ANSWER[a:a + n] for a, n in out.spans] == ["Looking it up.", "Sunny in both."]  # where logprobs go
 
 
+def test_a_call_on_the_analysis_channel_is_a_call():
+    """gpt-oss writes calls on `analysis` too (`<|channel|>analysis to=functions.NAME`): a call, as vLLM's harmony
+    parser takes it, not reasoning; the analysis text around it stays reasoning."""
+    text = ('<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>analysis '
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Bern"}<|call|>')
+    for pieces in (None, 1, 5):
+        got, _ = parse(text, pieces=pieces)
+        assert got == {"reasoning_content": "Look it up.", "content": None,
+                       "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Bern"}'}]}, pieces
+
+
 @pytest.mark.parametrize("pieces", [1, 2, 3, 7])
 def test_streamed_in_pieces_is_the_whole_answer(pieces):
     assert parse(ANSWER, pieces=pieces)[0] == parse(ANSWER)[0]

@@ -245,8 +245,14 @@ class HarmonyOutput:
         return self.stop.stopped
 
     @property
+    def calling(self) -> bool:
+        """Whether the open message is a call (to `functions.NAME`), on whatever channel: gpt-oss writes calls on
+        `analysis` too, as vLLM's parser takes them."""
+        return bool(self.tools and self.recipient and self.recipient.startswith("functions."))
+
+    @property
     def phase(self) -> str:
-        return "reasoning" if not self.in_header and self.channel == "analysis" else "content"
+        return "reasoning" if not self.in_header and self.channel == "analysis" and not self.calling else "content"
 
     def _content(self, s: str, at: int, out: list[Event], matching: bool = True) -> None:
         if matching:
@@ -260,11 +266,11 @@ class HarmonyOutput:
         """Text of the open message."""
         if not s:
             return
-        if self.channel == "analysis":
-            out.append(("reasoning", s))
-        elif self.tools and self.recipient and self.recipient.startswith("functions."):
+        if self.calling:
             self.call_at = self.call_at if self.call else at
             self.call += s
+        elif self.channel == "analysis":
+            out.append(("reasoning", s))
         else:
             self._content(s, at, out)
 
