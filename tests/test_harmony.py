@@ -82,6 +82,10 @@ def test_what_does_not_parse_stays_text():
     assert parse(headless)[0]["content"] == "no header<|end|>then an answer"
     unfinished = "<|channel|>analysis<|message|>half a thought"
     assert parse(unfinished)[0] == {"content": "", "reasoning_content": "half a thought", "tool_calls": None}
+    # a header cut short (max_tokens) is markup, not content; a forced call's header the server wrote too
+    for cut in ("<|channel|>analysis<|message|>so<|end|><|start|>as", "<|channel|>commentary to=functions.get <|cons"):
+        for pieces in (None, 1):
+            assert parse(cut, pieces=pieces)[0]["content"] in (None, ""), (cut, pieces)
 
 
 def test_the_reasoning_phase_is_the_analysis_text():

@@ -331,8 +331,8 @@ class HarmonyOutput:
     def flush(self) -> list[Event]:
         out: list[Event] = []
         if not self.stop.stopped:
-            if self.in_header:
-                if self.buf.strip():  # a header never finished: not markup after all
+            if self.in_header:  # a header cut short (by max_tokens) is markup, dropped; words with no mark are text
+                if self.buf.strip() and H_START not in self.buf and H_CHANNEL not in self.buf:
                     self._content(self.buf, self.at, out)
             else:
                 self._text(self.buf, self.at, out)
