@@ -1630,3 +1630,19 @@ def test_a_still_gif_is_an_image_on_every_route():
         with pytest.raises(APIError, match="an animated GIF") as e:
             parse()
         assert e.value.param == "messages[0].content[0]"
+
+
+def test_anthropic_gives_no_thinking_block_unless_thinking_was_asked_for():
+    """A model that reasons whatever it is told (gpt-oss) still gives no thinking block to a request that did not ask
+    for thinking (absent or disabled), as Anthropic's API; with thinking asked for, the block is there."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0},
+             "completion_tokens_details": {"reasoning_tokens": 2}}
+    events = [("delta", [("reasoning", "Let me see."), ("content", "Bern.")]),
+              ("done", {"finish_reason": "stop", "usage": usage, "stop_sequence": None})]
+    for thinking, blocks in ((None, ["text"]), ({"type": "disabled"}, ["text"]), ({"type": "adaptive"}, ["thinking", "text"])):
+        body = am(**({"thinking": thinking} if thinking else {}))
+        out = anthropic_api.Output(job_for(anthropic_api.parse(body, ServeOptions("m"))), "m")
+        for ev in events:
+            out.feed(ev)
+        assert [b["type"] for b in out.result()["content"]] == blocks, thinking
+        assert out.result()["usage"]["output_tokens"] == 4  # its tokens are counted, as Anthropic bills them

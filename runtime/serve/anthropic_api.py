@@ -504,6 +504,8 @@ class Output:
         return [self._ev("content_block_stop", index=len(self.blocks) - 1)]
 
     def _text(self, kind: str, text: str) -> list[str]:
+        if kind == "reasoning" and not self.job.req.template_kwargs.get("enable_thinking", True):
+            return []  # thinking not asked for: no thinking block, as Anthropic's API (gpt-oss reasons regardless)
         block = "thinking" if kind == "reasoning" else "text"
         out = []
         if self.open is None or self.open["type"] != block:
