@@ -347,7 +347,7 @@ def test_chat_fields_honoured():
 def test_anthropic_stream_blocks_thinking_text_and_tool_use(text):
     so = ServeOptions("m")
     req = anthropic_api.parse({"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "?"}],
-                               "tools": ANTH_TOOLS, "stream": True}, so)
+                               "tools": ANTH_TOOLS, "stream": True, "thinking": {"type": "adaptive"}}, so)
     out = anthropic_api.Output(job_for(req), "m")
     evs = [json.loads(s.split("data: ", 1)[1]) for s in out.start()]
     for ev in answer_events(text, rendered(text, "Paris is in France.", "Let me look.", 1)):
