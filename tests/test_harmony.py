@@ -173,6 +173,9 @@ def test_reasoning_effort_is_the_one_gpt_oss_knows(conv, oc):
         with pytest.raises(openai.BadRequestError) as e:
             oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, reasoning_effort=effort)
         assert "gpt-oss always reasons" in e.value.message and e.value.body["param"] == "reasoning_effort"
+    with pytest.raises(openai.BadRequestError) as e:  # the Responses API names its own field
+        oc.responses.create(model="tiny", input="hi", max_output_tokens=1, reasoning={"effort": "minimal"})
+    assert e.value.body["param"] == "reasoning.effort" and "'reasoning.effort' 'minimal'" in e.value.message
 
 
 BOUNDED = [{"type": "function", "function": {"name": "get_weather", "parameters": {

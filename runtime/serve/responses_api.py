@@ -416,7 +416,7 @@ def parse(body: dict, so, counting: bool = False, store: ResponseStore | None = 
     for key in ("user", "safety_identifier", "prompt_cache_key"):
         _string(body, key)
     req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False, "format_field": "text.format",
-               "messages_field": "input",
+               "messages_field": "input", "effort_field": "reasoning.effort",
                "summary": summary is not None, "sealed": ENCRYPTED in include,
                "store": store is not None and body.get("store") is not False, "previous": previous, "given": given,
                "echo": {"instructions": instructions, "max_output_tokens": req.max_tokens, "metadata": metadata or {},

@@ -952,7 +952,8 @@ def harmony_effort(req: GenRequest) -> None:
     gpt-oss always reasons."""
     effort = req.template_kwargs.get("reasoning_effort")
     if effort in ("none", "minimal"):
-        raise bad(f"'reasoning_effort' {effort!r}: gpt-oss always reasons; give low, medium or high", "reasoning_effort")
+        field_ = req.api.get("effort_field", "reasoning_effort")  # the request's own name for it
+        raise bad(f"'{field_}' {effort!r}: gpt-oss always reasons; give low, medium or high", field_)
     if effort == "xhigh":
         req.template_kwargs["reasoning_effort"] = "high"
 
