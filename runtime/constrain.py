@@ -243,17 +243,19 @@ class ThinkingBudget:
     any masked one. `header` (harmony's, `reasoning_header`): (the token that ends a message's header, the token
     that starts one, whether a header's tokens open the final message); the tokens up to the first header's end
     are not reasoning and not counted, and a first header that opens the final message (gpt-oss may answer at once)
-    ends the budget unforced, however the model spelt it in tokens."""
+    ends the budget unforced, however the model spelt it in tokens. `opener` (Qwen3's `<think>`, which its template
+    leaves to the model): the reasoning is counted after the answer's first token where that is it; an answer that
+    opens with anything else did not reason, and nothing is forced."""
 
     def __init__(self, close: int | list[int], budget: int, vocab: int, then: Constraint | None = None,
-                 header: tuple[int, int, Callable[[list[int]], bool]] | None = None):
+                 header: tuple[int, int, Callable[[list[int]], bool]] | None = None, opener: int | None = None):
         self.close = [close] if isinstance(close, int) else list(close)
-        self.budget, self.vocab, self.then, self.header = budget, vocab, then, header
+        self.budget, self.vocab, self.then, self.header, self.opener = budget, vocab, then, header, opener
         self.written, self.forced, self.closed, self.opening = 0, 0, False, [] if header is not None else None
 
     @property
     def forcing(self) -> bool:
-        return not self.closed and self.opening is None and self.written >= self.budget
+        return not self.closed and self.opening is None and self.opener is None and self.written >= self.budget
 
     @property
     def active(self) -> bool:
@@ -269,7 +271,9 @@ class ThinkingBudget:
         return self.then.allowed() if self.then is not None else None
 
     def advance(self, tok: int) -> None:
-        if self.forcing:
+        if self.opener is not None:  # the first token: the model opens its reasoning, or there is none to cap
+            self.closed, self.opener = tok != self.opener, None
+        elif self.forcing:
             self.forced += 1
             self.closed = self.forced == len(self.close)
         elif self.opening is not None and (self.opening or tok == self.header[1]):  # the first message's header

@@ -17,7 +17,7 @@ from streamoe.formats.config import ModelArgs
 from streamoe.formats.export import tensor_table
 from streamoe.formats.manifest import load_manifest
 
-from .conftest import LOGIT_ATOL, REPO, cli, one_error_line
+from .conftest import LOGIT_ATOL, REPO, RUNTIME, cli, one_error_line
 from .test_runtime import (
     PROMPTS,
     assert_logits_across_caps,
@@ -269,3 +269,22 @@ def test_a_chat_with_a_text_only_model(conv, tmp_path):
     prefill = json.loads(stats.read_text().splitlines()[0])
     text = TextIO(conv, load_manifest(conv).config)
     assert prefill["phase"] == "prefill" and prefill["n_tokens"] == 1 + len(text.encode("def f(x):"))  # <s> first
+
+
+def test_a_thinking_budget_is_refused_by_a_model_that_cannot_close_its_reasoning(conv):
+    """Mixtral has no `</think>`: Anthropic's budget_tokens cannot be held, and is a 400 naming it (it was dropped)."""
+    from streamoe.runtime.engine import Engine, Options
+    from streamoe.runtime.serve import anthropic_api
+    from streamoe.runtime.serve.openai_api import APIError
+    from streamoe.runtime.serve.worker import EngineWorker, ServeOptions
+
+    eng = Engine(conv, Options(cap_gib=8, ctx=4096, runtime_bytes=RUNTIME))
+    w = EngineWorker(eng, ServeOptions("t"))
+    try:
+        body = {"model": "t", "max_tokens": 2048, "messages": [{"role": "user", "content": "hi"}],
+                "thinking": {"type": "enabled", "budget_tokens": 1024}}
+        with pytest.raises(APIError, match="needs the template's '</think>' token") as e:
+            w.prepare(anthropic_api.parse(body, w.so))
+        assert e.value.param == "thinking.budget_tokens"
+    finally:
+        eng.close()

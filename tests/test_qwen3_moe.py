@@ -287,3 +287,35 @@ def test_a_grammar_waits_for_the_reasoning_the_model_opens(conv):
                 assert c.active and c.allowed().tolist()[tok.encode("{").ids[0]] and not c.allowed().tolist()[think]
     finally:
         eng.close()
+
+
+def test_a_thinking_budget_holds_the_reasoning_the_model_opens(conv):
+    """Anthropic's budget_tokens on Qwen3 (its template leaves `<think>` to the model): counted from the model's own
+    `<think>`, then `</think>` forced, as where the prompt opens the reasoning (it was dropped without a word); an
+    answer that opens with anything else reasons not, and nothing is forced."""
+    from streamoe.runtime.constrain import ThinkingBudget
+    from streamoe.runtime.engine import Engine, Options
+    from streamoe.runtime.serve import anthropic_api
+    from streamoe.runtime.serve.worker import EngineWorker, ServeOptions
+
+    eng = Engine(conv, Options(cap_gib=8, ctx=4096, runtime_bytes=RUNTIME))
+    w = EngineWorker(eng, ServeOptions("t"))
+    tok = eng.text.tokenizer
+    think, close, vocab = tok.token_to_id("<think>"), tok.token_to_id("</think>"), eng.args.vocab_size
+    try:
+        body = {"model": "t", "max_tokens": 2048, "messages": [{"role": "user", "content": "hi"}],
+                "thinking": {"type": "enabled", "budget_tokens": 1024}}
+        b = w.prepare(anthropic_api.parse(body, w.so)).constraint
+        assert isinstance(b, ThinkingBudget) and b.opener == think and b.budget == 1024
+    finally:
+        eng.close()
+    word = tok.encode("so").ids[0]
+    opened = ThinkingBudget([close], 2, vocab, opener=think)
+    for t in (think, word, word):
+        assert not opened.forcing
+        opened.advance(t)
+    assert opened.forcing and opened.allowed().tolist().index(True) == close
+    plain = ThinkingBudget([close], 0, vocab, opener=think)  # a budget of 0: nothing before the first token
+    assert not plain.forcing and plain.allowed() is None
+    plain.advance(word)
+    assert plain.closed and not plain.forcing

@@ -604,13 +604,17 @@ class EngineWorker:
     def shaped(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | None:
         grammar = self.grammar(req, thinking)
         harmony = self.harmony(req) and req.force_call is None  # gpt-oss reasons whatever the request says
-        if req.thinking_budget is None or not (thinking or harmony):
+        if req.thinking_budget is None:
             return grammar
         close = reasoning_close(self.eng.text, harmony)
-        if close is None:
+        if close is None:  # a budget this model's reasoning cannot be held to is refused, not dropped
             raise bad("a thinking budget needs the template's '</think>' token, which the model's tokenizer lacks",
                       "thinking.budget_tokens")
-        return ThinkingBudget(close, req.thinking_budget, self.vocab, grammar, reasoning_header(self.eng.text, harmony))
+        opener = None if thinking or harmony else self.model_opens_thinking(req, thinking)
+        if not (thinking or harmony or opener is not None):
+            return grammar  # no reasoning in this answer: nothing to cap
+        return ThinkingBudget(close, req.thinking_budget, self.vocab, grammar, reasoning_header(self.eng.text, harmony),
+                              opener=opener)
 
     def grammar(self, req: GenRequest, thinking: bool) -> Constraint | None:
         """The grammar a request asks for: the JSON of `response_format` (after the reasoning closes, with
