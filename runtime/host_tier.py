@@ -147,9 +147,10 @@ class HostTier:
         if self.cap is None:
             return
         with self.lock:
-            if peak is not None and peak > self.peak:
-                self.margin = max(self.margin, peak - max(host_bytes, self.measured))
-                self.peak = peak
+            if peak is not None:  # the first measurement's peak is the process's before the tier (opening): no transient
+                if self.measured and peak > self.peak:
+                    self.margin = max(self.margin, peak - max(host_bytes, self.measured))
+                self.peak = max(self.peak, peak)
             self.measured = host_bytes
             self.headroom = self.cap - self.margin - host_bytes
             while self.headroom < 0:

@@ -310,17 +310,18 @@ def test_the_host_cap_is_kept_by_measurement():
 def test_a_transient_between_two_measurements_widens_the_margin():
     """A high-water mark above both of two measurements is a peak the tier did not see (kernels compiled while it was
     full): from then on the tier leaves that much room, giving back records to make it; a peak it saw changes
-    nothing."""
+    nothing, and the first measurement's peak (the process's before the tier: its weights loaded) is no transient."""
     stride = 4096
     host = HostTier(8, stride, 1, 8, cap=MARGIN + 6 * stride)
-    host.room(0, 0)
+    host.room(0, MARGIN + 5 * stride)  # opening peaked above what the process holds now, more than the margin
+    assert host.margin == MARGIN and host.headroom == 6 * stride
     for e in range(6):
         s, _ = host.take((0, e))
         host.filled(s)
         host.release(s)
     host.room(6 * stride, 6 * stride)  # the tier's own six records: measured, no transient
     assert host.margin == MARGIN and sum(host.has((0, e)) for e in range(6)) == 6
-    host.room(6 * stride, 6 * stride + MARGIN + 2 * stride)  # a peak MARGIN + 2 records above: two given back
+    host.room(6 * stride, 6 * stride + MARGIN + 2 * stride)  # a peak MARGIN + 2 records above: that much given back
     assert host.margin == MARGIN + 2 * stride and sum(host.has((0, e)) for e in range(6)) == 4
     host.room(4 * stride, 6 * stride + MARGIN + 2 * stride)  # the same peak again: nothing new
     assert host.margin == MARGIN + 2 * stride and host.headroom == 0
