@@ -520,7 +520,7 @@ MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "W
 def check_image(raw: bytes, limits: Limits, where: str) -> str:
     """An image's header, checked as `run` checks a file's (`image.check_header`: format, size, aspect ratio, pixel
     mode) when the request is parsed: a 400 naming the part, before the request is queued or counted. Its media
-    type (image/png, image/jpeg or image/webp)."""
+    type (`MEDIA_TYPES`)."""
     from PIL import Image, UnidentifiedImageError
 
     try:

@@ -602,7 +602,8 @@ class EngineWorker:
         return shaped
 
     def shaped(self, req: GenRequest, thinking: bool) -> Constraint | ThinkingBudget | None:
-        grammar = self.grammar(req, thinking)
+        opener = self.model_opens_thinking(req, thinking)
+        grammar = self.grammar(req, thinking, opener)
         harmony = self.harmony(req) and req.force_call is None  # gpt-oss reasons whatever the request says
         if req.thinking_budget is None:
             return grammar
@@ -610,18 +611,18 @@ class EngineWorker:
         if close is None:  # a budget this model's reasoning cannot be held to is refused, not dropped
             raise bad("a thinking budget needs the template's '</think>' token, which the model's tokenizer lacks",
                       "thinking.budget_tokens")
-        opener = None if thinking or harmony else self.model_opens_thinking(req, thinking)
         if not (thinking or harmony or opener is not None):
             return grammar  # no reasoning in this answer: nothing to cap
         return ThinkingBudget(close, req.thinking_budget, self.vocab, grammar, reasoning_header(self.eng.text, harmony),
                               opener=opener)
 
-    def grammar(self, req: GenRequest, thinking: bool) -> Constraint | None:
+    def grammar(self, req: GenRequest, thinking: bool, opener: int | None = None) -> Constraint | None:
         """The grammar a request asks for: the JSON of `response_format` (after the reasoning closes, with
         thinking on), or vLLM's structured regex, choice or grammar (the same way), a forced call's arguments,
         valid against the tool's schema, or, with strict tools, each call block the model opens after its
         reasoning: a strict tool's arguments valid against its schema (the other tools' free), the text around the
-        calls free; without parallel calls, only a stop after the first."""
+        calls free; without parallel calls, only a stop after the first. `opener`: the `<think>` the model may open
+        the answer with (`model_opens_thinking`), after whose close the grammar starts."""
         fmt = req.api.get("format_field", "response_format")  # the field that shaped the answer, in the request's API
         shaped = req.json_output or req.answer_grammar is not None
         if shaped and req.force_call is not None:
@@ -638,7 +639,6 @@ class EngineWorker:
         if self.guide is None:
             self.guide = guide_tokenizer(tok, self.vocab, self.eng.text.stop_ids)
         where = fmt if shaped else "tools"
-        opener = self.model_opens_thinking(req, thinking)
         after = tok.token_to_id("</think>") if thinking or opener is not None else None
         try:
             if req.json_output:
@@ -889,10 +889,9 @@ class EngineWorker:
         # cut by the planned context rather than the tokens asked for (max_tokens above what the context leaves)
         context_full = finish == "length" and (req.max_tokens is None or n < req.max_tokens)
         return {"finish_reason": finish, "context_full": context_full,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                                   "total_tokens": prompt_tokens + n,
-                                                   "prompt_tokens_details": {"cached_tokens": cached},
-                                                   "completion_tokens_details": {"reasoning_tokens": reasoning}},
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
+                          "prompt_tokens_details": {"cached_tokens": cached},
+                          "completion_tokens_details": {"reasoning_tokens": reasoning}},
                 "telemetry": tele, "token_ids": toks, "prompt_token_ids": ids, "stop_sequence": out.stop.matched}
 
 
