@@ -70,6 +70,8 @@ export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o -i -m1 "h[0-9][0-9][0-9]" | tr "A-Z" "a-z")
 CARD=${CARD:-gpu}
 export STREAMOE_CODE=${CODE:-${STREAMOE_CODE:-}}
+# the memory cgroup `cgroups` made where the process's own group could not hold capped children
+[ ! -f /root/lease/cgroup ] || export STREAMOE_CGROUP="$(cat /root/lease/cgroup)"
 cd "$REPO"
 # a test past TEST_LIMIT seconds: every thread's stack, then the run ends (a timer thread: a signal would wait for MLX)
 PYTEST="python3 -m pytest -vv -rA --durations=0 --tb=short -p no:cacheprovider -o timeout=${TEST_LIMIT:-240} -o timeout_method=thread -m gpu"
@@ -283,6 +285,20 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
       if [ "$(usable)" = None ] && ! grep -q " /sys/fs/cgroup " /proc/mounts; then
         mount -t cgroup2 none /sys/fs/cgroup 2>&1 && echo "mounted cgroup2 at /sys/fs/cgroup: $(cat /sys/fs/cgroup/cgroup.controllers)"
         echo "usable now: $(usable)"
+      fi
+      own=/sys/fs/cgroup$(sed -n 's/^0:://p' /proc/self/cgroup)
+      if [ "$(usable)" = None ] && [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+        # own group: its controllers, what it gives its children, how many processes share it (v2 lets a group
+        # with processes give its children no controller, and the others are the machine's, not ours to move)
+        echo "own group: controllers '$(cat "$own/cgroup.controllers" 2>&1)' subtree '$(cat "$own/cgroup.subtree_control" 2>&1)'" \
+          "processes $(wc -l < "$own/cgroup.procs" 2>&1)"
+        echo "root: controllers '$(cat /sys/fs/cgroup/cgroup.controllers)' subtree '$(cat /sys/fs/cgroup/cgroup.subtree_control)'"
+        # a group of our own at the root (no processes: memory can be given to its children), named to the
+        # later steps by /root/lease/cgroup -> STREAMOE_CGROUP (tests/conftest.py cgroup_dir)
+        g=/sys/fs/cgroup/streamoe_bench
+        grep -qw memory /sys/fs/cgroup/cgroup.subtree_control || echo +memory > /sys/fs/cgroup/cgroup.subtree_control
+        mkdir -p "$g" /root/lease && echo "$g" > /root/lease/cgroup && echo "usable at the root: $(STREAMOE_CGROUP=$g usable)"
+        [ "$(STREAMOE_CGROUP=$g usable)" != None ] || rm -f /root/lease/cgroup
       fi
       true
     } 2>&1 | tee "$OUT/cgroups-${CARD}.txt"
