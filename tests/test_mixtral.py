@@ -272,10 +272,11 @@ def test_a_chat_with_a_text_only_model(conv, tmp_path):
 
 
 def test_a_thinking_budget_is_refused_by_a_model_that_cannot_close_its_reasoning(conv):
-    """Mixtral has no `</think>`: Anthropic's budget_tokens cannot be held, and is a 400 naming it (it was dropped)."""
+    """Mixtral has no `</think>`: Anthropic's budget_tokens cannot be held, and is a 400 naming it (it was dropped);
+    a request asking it to reason at all is a 400 naming its field."""
     from streamoe.runtime.engine import Engine, Options
-    from streamoe.runtime.serve import anthropic_api
-    from streamoe.runtime.serve.openai_api import APIError
+    from streamoe.runtime.serve import anthropic_api, responses_api
+    from streamoe.runtime.serve.openai_api import APIError, Limits, parse_chat
     from streamoe.runtime.serve.worker import EngineWorker, ServeOptions
 
     eng = Engine(conv, Options(cap_gib=8, ctx=4096, runtime_bytes=RUNTIME))
@@ -286,5 +287,22 @@ def test_a_thinking_budget_is_refused_by_a_model_that_cannot_close_its_reasoning
         with pytest.raises(APIError, match="needs the template's '</think>' token") as e:
             w.prepare(anthropic_api.parse(body, w.so))
         assert e.value.param == "thinking.budget_tokens"
+        # asked to reason in each API's own words: refused naming that field (they were taken and did nothing);
+        # asked not to reason, or not asked, it answers
+        msgs, m = [{"role": "user", "content": "hi"}], {"model": "t"}
+        for parse, asks, field_ in (
+                (lambda b: parse_chat(b, Limits()), {**m, "messages": msgs, "reasoning_effort": "low"}, "reasoning_effort"),
+                (lambda b: responses_api.parse(b, w.so), {**m, "input": "hi", "reasoning": {"effort": "high"}},
+                 "reasoning.effort"),
+                (lambda b: anthropic_api.parse(b, w.so), {**m, "messages": msgs, "max_tokens": 8,
+                                                          "thinking": {"type": "adaptive"}}, "thinking")):
+            with pytest.raises(APIError, match="this model does not reason") as e:
+                w.prepare(parse(asks))
+            assert e.value.param == field_
+        for req in (parse_chat({**m, "messages": msgs, "reasoning_effort": "none"}, Limits()),
+                    responses_api.parse({**m, "input": "hi", "reasoning": {"effort": "minimal"}}, w.so),
+                    anthropic_api.parse({**m, "messages": msgs, "max_tokens": 8, "thinking": {"type": "disabled"}}, w.so),
+                    parse_chat({**m, "messages": msgs}, Limits())):
+            assert w.prepare(req).ids
     finally:
         eng.close()

@@ -366,7 +366,8 @@ def parse(body: dict, so, counting: bool = False) -> GenRequest:
     if req.force_call is not None and req.template_kwargs["enable_thinking"] and thinking is not None:
         raise bad("thinking may not be enabled when tool_choice forces tool use (give 'thinking': {'type': "
                   "'disabled'}, or 'tool_choice' auto)", "tool_choice")
-    req.api = {"strict": strict, "parallel": parallel, "format_field": "output_config.format"}
+    req.api = {"strict": strict, "parallel": parallel, "format_field": "output_config.format",
+               "asks_thinking": "thinking" if thinking is not None and thinking["type"] != "disabled" else None}
     _context_management(body, req)
     if req.messages[-1]["role"] == "assistant":
         _prefill(req, thinking, f"messages[{len(body['messages']) - 1}]")

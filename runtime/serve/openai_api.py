@@ -757,6 +757,8 @@ def parse_chat(body: dict, limits: Limits) -> GenRequest:
                       "reasoning_effort")
         req.template_kwargs["enable_thinking"] = thinks_at(effort)
         req.template_kwargs.setdefault("reasoning_effort", effort)  # gpt-oss's template takes the effort itself
+        if thinks_at(effort):
+            req.api["asks_thinking"] = "reasoning_effort"  # the field a model without reasoning refuses
     _continue_final(body, req)
     return req
 

@@ -389,7 +389,7 @@ def parse(body: dict, so, counting: bool = False, store: ResponseStore | None = 
         except APIError as e:
             message = str(e.message).replace("'response_format.json_schema", "'text.format")  # its fields are flat
             raise bad(message.replace("'response_format", "'text.format"), "text.format") from None
-    reasoning, summary = body.get("reasoning"), None
+    reasoning, summary, effort = body.get("reasoning"), None, None
     if reasoning is not None:
         if not isinstance(reasoning, dict):
             raise bad("'reasoning' must be an object", "reasoning")
@@ -417,6 +417,7 @@ def parse(body: dict, so, counting: bool = False, store: ResponseStore | None = 
         _string(body, key)
     req.api = {"strict": strict, "parallel": body.get("parallel_tool_calls") is not False, "format_field": "text.format",
                "messages_field": "input", "effort_field": "reasoning.effort",
+               "asks_thinking": "reasoning.effort" if effort is not None and thinks_at(effort) else None,
                "summary": summary is not None, "sealed": ENCRYPTED in include,
                "store": store is not None and body.get("store") is not False, "previous": previous, "given": given,
                "echo": {"instructions": instructions, "max_output_tokens": req.max_tokens, "metadata": metadata or {},
