@@ -15,6 +15,7 @@ from streamoe.formats.errors import StreamoeError
 from streamoe.runtime.constrain import (
     Constraint,
     ThinkingBudget,
+    closed,
     guide_tokenizer,
     json_grammar,
     tool_call_grammar,
@@ -129,6 +130,42 @@ def test_forced_calls_have_schema_valid_arguments(tiny_conv, fmt, name):
         tool = next(t for t in tools if t["function"]["name"] == parsed["name"])
         jsonschema.validate(args, tool["function"]["parameters"])
     eng.close()
+
+
+@pytest.mark.parametrize("name", ["weather", None])
+def test_a_forced_calls_arguments_hold_only_the_keys_its_tool_declares(tiny_conv, name):
+    """A tool whose parameters say nothing of other keys (most hand-written tools, Anthropic's examples): a forced
+    call's arguments close after the declared keys, nested objects too, as vLLM's default backend (xgrammar, strict
+    mode) holds them; open, a model wrote keys, the same ones again included, until its tokens ran out."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_conv / "tokenizer.json"))
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string"}, "at": {"type": "object", "properties": {"lat": {"type": "number"}}}}}}}]
+    guide = guide_tokenizer(tok, tok.get_vocab_size(), {1})
+    c = Constraint(guide, tool_call_grammar("json", tools, name, tok), tok.get_vocab_size())
+    head = '{"city": "Oslo", "at": {"lat": 1' if name else '{"name": "weather", "arguments": {"city": "Oslo", "at": {"lat": 1'
+    for t in tok.encode(head, add_special_tokens=False).ids:
+        c.advance(t)
+    assert not _allows(c, tok, ', "') and _allows(c, tok, "}")  # the nested object: no key but lat
+    c.advance(tok.encode("}", add_special_tokens=False).ids[0])
+    assert not _allows(c, tok, ', "') and _allows(c, tok, "}")  # the arguments: no key but city and at
+
+
+def test_closed_closes_objects_that_list_their_properties_and_only_those():
+    open_ = {"type": "object", "properties": {
+        "a": {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+        "b": {"anyOf": [{"$ref": "#/$defs/P"}, {"type": "null"}]}, "c": {"type": "object"},
+        "d": {"type": "object", "properties": {}, "additionalProperties": {"type": "string"}}},
+        "$defs": {"P": {"type": "object", "properties": {"y": {"type": "string"}}}}}
+    out = closed(open_)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["P"]["additionalProperties"] is False
+    assert out["properties"]["c"] == {"type": "object"}  # no properties listed: any object
+    assert out["properties"]["d"]["additionalProperties"] == {"type": "string"}  # said: kept
+    assert "additionalProperties" not in open_ and "additionalProperties" not in open_["$defs"]["P"]  # a copy
 
 
 def test_a_lazy_xml_call_of_any_tool_opens_with_the_templates_newline(tiny_conv):
