@@ -14,11 +14,13 @@ Each draw's key comes from the seed and the number of tokens drawn before it (`S
 gives the same tokens at every cap, prefetch width and tier policy (the logits are the same bits), in a
 pipelined or a step-by-step loop, and a saved conversation goes on drawing where it stopped.
 
-Order, as vLLM and transformers apply them: repetition, presence and frequency penalties on the raw logits;
-then OpenAI's `logit_bias` (added to the chosen ids' logits, greedy or not; -100 bans a token); then
-temperature, top-k, top-p (on the top-k renormalised), min-p (against the most likely token); then the
-draw. The repetition penalty (transformers' form: a positive logit divided by it, a negative one multiplied)
-counts the prompt and the answer; the presence and frequency penalties (OpenAI's form) count the answer.
+Order, as vLLM's sampler applies them: OpenAI's `logit_bias` (added to the chosen ids' logits, greedy or not;
+-100 bans a token); then the repetition, presence and frequency penalties; then temperature, min-p (against the
+most likely token), top-k, and top-p over what min-p and top-k left, renormalised (vLLM's form: the least likely
+tokens dropped while their mass, summed from the least likely up, is at most 1 - top_p); then the draw. The
+repetition penalty (transformers' form: a positive logit divided by it, a negative one multiplied) counts the
+prompt and the answer; the presence and frequency penalties (OpenAI's form) count the answer. Top-k keeps k
+tokens, a tie at the k-th broken by position (mlx-lm's form; vLLM keeps every token tied with the k-th).
 """
 
 from __future__ import annotations
@@ -113,11 +115,12 @@ class Sampler:
         """The next token (a lazy uint32 scalar) from logits [V], the `drawn`-th draw of this sampler, among the
         `allowed` tokens ([V] bool, a grammar's; None: all), and the penalties' state with it added. Nothing
         here waits for the device."""
-        x = self._penalise(logits, pen)
+        x = logits
         if self.bias:
             if self._bias is None:
                 self._bias = (mx.array([t for t, _ in self.bias], mx.uint32), mx.array([b for _, b in self.bias], mx.float32))
             x = x.astype(mx.float32).at[self._bias[0]].add(self._bias[1])
+        x = self._penalise(x, pen)
         if allowed is not None:
             x = mx.where(allowed, x, -math.inf)
         tok = (mx.argmax(x) if self.greedy else self._draw(x, drawn)).astype(mx.uint32)
@@ -160,13 +163,15 @@ class Sampler:
 
 def _filtered_draw(z: mx.array, key: mx.array, inv_temp: mx.array, log_min_p: mx.array, top_p: mx.array,
                    min_p: bool, nucleus: bool, ids: mx.array | None) -> mx.array:
-    """Temperature, min-p and (z sorted largest first) top-p on float32 logits z, then the seeded draw: an id of z,
-    or of `ids` where z holds the logits of those ids."""
+    """Temperature, min-p and (z sorted largest first) top-p over what min-p left, on float32 logits z, then the
+    seeded draw: an id of z, or of `ids` where z holds the logits of those ids."""
     z = (z - z.max()) * inv_temp  # max first: a tiny temperature sends the rest to -inf, never nan
     keep = z >= log_min_p if min_p else None
     if nucleus:
-        p = mx.softmax(z)
-        inside = (mx.cumsum(p) - p) < top_p  # the smallest prefix whose mass reaches top_p
+        p = mx.softmax(z if keep is None else mx.where(keep, z, -math.inf))
+        # the tail of mass at most 1 - top_p dropped, summed from its least likely token up as vLLM sums it; the
+        # most likely token (z 0) kept whatever the rounding
+        inside = (mx.cumsum(p, reverse=True) > 1 - top_p) | (z == 0)
         keep = inside if keep is None else keep & inside
     if keep is not None:
         z = mx.where(keep, z, -math.inf)

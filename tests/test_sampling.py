@@ -40,23 +40,26 @@ def test_a_draw_adds_few_kernels_to_the_step():
 
 
 def _keep_set(x: np.ndarray, s: Sampler) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, probabilities) the filters leave, in float64 on the host: the reference the draws must follow."""
+    """(ids, probabilities) the filters leave, in float64 on the host, in vLLM's order (temperature, min-p, top-k,
+    then top-p over what those left, renormalised): the reference the draws must follow."""
     order = np.argsort(-x, kind="stable")
-    if s.top_k:
-        order = order[: s.top_k]
     z = (x[order] - x[order[0]]) / s.temp
     p = np.exp(z) / np.exp(z).sum()
     keep = np.ones(len(order), bool)
     if s.min_p:
         keep &= p >= s.min_p * p[0]
+    if s.top_k:
+        keep[s.top_k:] = False
     if s.top_p < 1:
-        keep &= (np.cumsum(p) - p) < s.top_p
+        q = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+        keep &= (np.cumsum(q) - q) < s.top_p
     q = np.where(keep, p, 0)
     return order, q / q.sum()
 
 
 @pytest.mark.parametrize("kw", [dict(temp=0.7, top_k=5), dict(temp=1.0, top_p=0.6, top_k=20),
-                                dict(temp=1.3, top_p=0.8), dict(temp=1.0, min_p=0.2, top_k=50), dict(temp=2.0)])
+                                dict(temp=1.3, top_p=0.8), dict(temp=1.0, min_p=0.2, top_k=50), dict(temp=2.0),
+                                dict(temp=1.5, top_p=0.6, min_p=0.1), dict(temp=1.5, top_p=0.6, min_p=0.1, top_k=30)])
 def test_draws_follow_the_filtered_distribution(kw):
     V = 64
     x = np.random.default_rng(7).standard_normal(V).astype(np.float32) * 2
@@ -97,6 +100,22 @@ def test_penalties_follow_their_formulas():
         seen.add(tok.item())
         counts[tok.item()] += 1
     assert len(seen) > 20  # the penalties moved the argmax from token to token
+
+
+def test_logit_bias_comes_before_the_penalties_as_in_vllm():
+    """vLLM adds the bias, then applies the penalties: a multiplicative repetition penalty acts on the biased logit
+    (the other order chose another token here)."""
+    V = 512
+    x = np.random.default_rng(5).standard_normal(V).astype(np.float32) * 3
+    seen = int(np.argsort(x)[-2])  # the second likeliest, in the prompt
+    s = Sampler(repetition_penalty=2.0, logit_bias={seen: 5.0})
+    ref = x.astype(np.float64)
+    ref[seen] += 5.0
+    ref[seen] = ref[seen] / 2 if ref[seen] > 0 else ref[seen] * 2
+    other = x.astype(np.float64)
+    other[seen] = (other[seen] / 2 if other[seen] > 0 else other[seen] * 2) + 5.0
+    assert int(np.argmax(ref)) != int(np.argmax(other))  # the two orders disagree here
+    assert s(mx.array(x), s.start([seen], V), 0)[0].item() == int(np.argmax(ref))
 
 
 def test_logit_bias_is_added_to_the_logits_before_the_draw():
