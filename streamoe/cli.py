@@ -731,7 +731,8 @@ def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, sa
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback is reachable "
               "from other machines (give them --api-key).")
 @click.option("--api-key", envvar="STREAMOE_API_KEY", default=None, metavar="KEY",
-              help="Every /v1/ route and /metrics need this key (Authorization: Bearer KEY, or x-api-key: KEY); the chat "
+              help="Every /v1/ route, /metrics, /tokenize and /detokenize need this key (Authorization: Bearer KEY, or "
+                   "x-api-key: KEY); the chat "
                    "page asks for it. Also read from STREAMOE_API_KEY, which keeps it out of the process list.")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True)
 @click.option("--model-name", default=None, help="The model id clients see (default: MODEL's directory name).")

@@ -1261,6 +1261,24 @@ def test_anthropic_tools_and_tool_choice(ac, ref):
         assert m.content[0].type == "tool_use" or m.content[0].text.startswith(start)  # the call forced
 
 
+def test_a_forced_call_beside_a_format_is_the_answer(oc):
+    """The agents SDK sends `output_type`'s format with `tool_choice` required or named: the call is the answer (the
+    format holds the text of the turn after it), on Chat Completions and Responses, as OpenAI's API takes both."""
+    unit = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}
+    for choice in ("required", {"type": "function", "function": {"name": "units"}}):
+        r = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Units?"}], max_tokens=32,
+                                       temperature=0, response_format=fmt, tool_choice=choice, tools=[
+                                           {"type": "function", "function": {"name": "units", "parameters": unit}}])
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments)["unit"] in ("c", "f")
+    r = oc.responses.create(model="tiny", input="Units?", max_output_tokens=32, temperature=0, tool_choice="required",
+                            text={"format": {"type": "json_schema", **fmt["json_schema"]}},
+                            tools=[{"type": "function", "name": "units", "parameters": unit}])
+    assert [o.type for o in r.output if o.type != "reasoning"] == ["function_call"]
+
+
 def test_anthropic_structured_outputs_follow_the_schema(ac):
     """`output_config.format` constrains the text block to the schema, as `response_format` does a chat answer. The
     schema bounds every field, so a sampled answer (its seed random) ends inside `max_tokens`: an unbounded integer

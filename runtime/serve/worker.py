@@ -629,10 +629,10 @@ class EngineWorker:
         calls free; without parallel calls, only a stop after the first. `opener`: the `<think>` the model may open
         the answer with (`model_opens_thinking`), after whose close the grammar starts."""
         fmt = req.api.get("format_field", "response_format")  # the field that shaped the answer, in the request's API
-        shaped = req.json_output or req.answer_grammar is not None
-        if shaped and req.force_call is not None:
-            raise bad(f"'{fmt}' and a forced tool call ('tool_choice') cannot both shape one answer", fmt)
-        if req.answer_grammar is not None and self.harmony(req):
+        # a forced call is the whole answer, so a format, which holds an answer's text, holds the text of the turn
+        # after the call (OpenAI's API takes both; the agents SDK sends both, then tool_choice auto)
+        shaped = (req.json_output or req.answer_grammar is not None) and req.force_call is None
+        if shaped and req.answer_grammar is not None and self.harmony(req):
             raise bad(f"'{fmt}': on a harmony model (gpt-oss) this server holds an answer to JSON only", fmt)
         tok = self.eng.text.tokenizer
         trigger = tok.token_to_id(CALL_OPEN)
@@ -646,9 +646,9 @@ class EngineWorker:
         where = fmt if shaped else "tools"
         after = tok.token_to_id("</think>") if thinking or opener is not None else None
         try:
-            if req.json_output:
+            if shaped and req.json_output:
                 return json_answer(self.guide, req.json_schema, tok, self.vocab, thinking, self.harmony(req), opener)
-            if req.answer_grammar is not None:
+            if shaped:
                 return Constraint(self.guide, req.answer_grammar, self.vocab, after=after, opener=opener)
             if lazy:
                 free = frozenset(t["function"]["name"] for t in req.tools) - strict
