@@ -968,6 +968,18 @@ def test_min_tokens_holds_the_end_off_and_stop_token_ids_end_the_answer(client, 
     r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20,
                                   extra_body={"stop_token_ids": [stop_at], "min_tokens": 8, "return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == masked_greedy(ref, code, 20, stops, 8)
+    # a stop string the answer writes in its first tokens ends it there, but not under min_tokens: vLLM matches stop
+    # strings only once the answer has more tokens than min_tokens, and then only one that ends in the newer text
+    held = masked_greedy(ref, code, 20, set(ref.text.stop_ids), 8)
+    text, early = ref.text.decode(held), ref.text.decode(held[:8])
+    stop = ref.text.decode(held[:3])[-2:]
+    assert len(stop) == 2 and text.find(stop) < len(ref.text.decode(held[:3]))
+    r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20, stop=[stop])
+    assert r.choices[0].text == text[:text.find(stop)] and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20, stop=[stop],
+                                  extra_body={"min_tokens": 8})
+    at = text.find(stop, len(early) - len(stop) + 1)
+    assert r.choices[0].text == (text[:at] if at >= 0 else text) and len(r.choices[0].text) >= len(early)
     for body, field in [({"stop_token_ids": [10**6]}, "stop_token_ids"), ({"stop_token_ids": "1"}, "stop_token_ids"),
                         ({"min_tokens": 30}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
                         ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens")]:

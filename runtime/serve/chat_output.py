@@ -34,18 +34,23 @@ class StopMatcher:
     def __init__(self, stops: list[str], include: bool = False):
         self.stops, self.buf, self.stopped, self.include = [s for s in stops if s], "", False, include
         self.matched: str | None = None  # the stop string that ended the answer
+        # vLLM's `min_tokens`: while the answer has no more tokens than it, no stop string is matched (the caller
+        # sets `held`); then only one that ends in text fed after (`old`: the characters of `buf` fed while held)
+        self.held, self.old = False, 0
 
     def feed(self, text: str) -> str:
         if self.stopped:
             return ""
         self.buf += text
-        hits = [(i, s) for i, s in ((self.buf.find(s), s) for s in self.stops) if i >= 0]
+        hits = [] if self.held else [
+            (i, s) for i, s in ((self.buf.find(s, max(0, self.old - len(s) + 1)), s) for s in self.stops) if i >= 0]
         if hits:
             at, self.matched = min(hits)
             out, self.buf, self.stopped = self.buf[:at + len(self.matched) * self.include], "", True
             return out
         keep = partial_suffix(self.buf, self.stops)
         out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        self.old = len(self.buf) if self.held else 0
         return out
 
     def flush(self) -> str:

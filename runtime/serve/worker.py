@@ -846,6 +846,7 @@ class EngineWorker:
                         self.latency["time_to_first_token_seconds"].observe(last - job.arrived)
                 if out.phase == "reasoning":  # the token is fed before it can close the thinking
                     reasoning += 1
+                out.stop.held = n <= req.min_tokens  # vLLM's: no stop string ends an answer of min_tokens or fewer
                 piece = detok.add(tok)
                 evs = out.feed(piece)
                 echo_prompt()
