@@ -386,7 +386,7 @@ def read_line(prompt: str) -> str | None:
 
 
 CLEAR = "/clear"  # a chat's command: empty the conversation
-COMMANDS = "/image PATH (attach an image to the next turn), /clear (empty the conversation), /quit"
+COMMANDS = "/image PATH (attach an image to the next turn), /clear (empty the conversation), /help (this list), /quit"
 
 
 def image_path(text: str) -> Path | None:
