@@ -1439,6 +1439,12 @@ def test_completion_logprobs_whole_and_streamed(oc, ref):
     got = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for g in got for t in g.tokens] == lp.tokens and [o for g in got for o in g.text_offset] == lp.text_offset
     assert [v for g in got for v in g.token_logprobs] == lp.token_logprobs
+    # a drawn token outside the likeliest is in its position's dict too: up to logprobs + 1 entries (OpenAI's legacy
+    # completions: "the API will always return the logprob of the sampled token"; vLLM's the same)
+    r = oc.completions.create(model="tiny", prompt=prompt, temperature=2.0, seed=3, max_tokens=24, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert all(d[t] == v and 1 <= len(d) <= 2 for t, v, d in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True))
+    assert any(len(d) == 2 for d in lp.top_logprobs)
 
 
 def test_completion_echo_gives_the_prompt_with_its_logprobs_then_the_answer(oc, ref):

@@ -500,8 +500,11 @@ class OpenAIOutput:
             at += len(e["token"])
         if not whole:
             self.offset = at
+        # each position's likeliest tokens and the one chosen, which "the API will always return" (OpenAI's legacy
+        # completions: up to logprobs + 1 of them; vLLM's the same, the chosen first)
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                "top_logprobs": [None if e["top_logprobs"] is None else
+                                 {e["token"]: e["logprob"], **{t["token"]: t["logprob"] for t in e["top_logprobs"]}}
                                  for e in entries],
                 "text_offset": offsets}
 
