@@ -945,6 +945,8 @@ def test_min_tokens_holds_the_end_off_and_stop_token_ids_end_the_answer(client, 
     assert len(want) >= 12
     kw = dict(model="tiny", messages=msgs, temperature=0, max_tokens=20)
     extra = {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True}
+    r = client.chat.completions.create(**kw, extra_body=extra)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] is None  # its own end
     r = client.chat.completions.create(**kw, extra_body={**extra, "min_tokens": 12})
     got = r.choices[0].model_extra["token_ids"]
     assert got == want and r.usage.completion_tokens == len(want)
@@ -964,6 +966,7 @@ def test_min_tokens_holds_the_end_off_and_stop_token_ids_end_the_answer(client, 
                                   extra_body={"stop_token_ids": [stop_at], "return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == cut and r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == ref.text.decode(cut) and r.usage.completion_tokens == len(cut)
+    assert r.choices[0].model_extra["stop_reason"] == stop_at  # vLLM's: what ended it
     stops = set(ref.text.stop_ids) | {stop_at}
     r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20,
                                   extra_body={"stop_token_ids": [stop_at], "min_tokens": 8, "return_token_ids": True})
@@ -976,6 +979,10 @@ def test_min_tokens_holds_the_end_off_and_stop_token_ids_end_the_answer(client, 
     assert len(stop) == 2 and text.find(stop) < len(ref.text.decode(held[:3]))
     r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20, stop=[stop])
     assert r.choices[0].text == text[:text.find(stop)] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    streamed = list(client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20, stop=[stop],
+                                              stream=True))
+    assert [c.choices[0].model_extra.get("stop_reason") for c in streamed if c.choices[0].finish_reason] == [stop]
     r = client.completions.create(model="tiny", prompt=CODE[0], temperature=0, max_tokens=20, stop=[stop],
                                   extra_body={"min_tokens": 8})
     at = text.find(stop, len(early) - len(stop) + 1)

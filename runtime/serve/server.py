@@ -527,6 +527,8 @@ class OpenAIOutput:
             prompt, done = (self.job.started or {}).get("prompt_tokens", 0), self.before + self.tokens
             extra = {"usage": {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done},
                      **extra}
+        if finish is not None:  # vLLM's: the stop string or stop token id that ended the answer, else null
+            choice["stop_reason"] = self.info.get("stop_reason")
         return sse({**self.base, "choices": [{**choice, "finish_reason": finish}], **extra})
 
     def start(self) -> list[str]:
@@ -617,6 +619,7 @@ class OpenAIOutput:
         else:
             text = self.echoed + "".join(str(v) for _, v in self.evs)
             choice = {"index": self.index, "text": text, "finish_reason": self.info.get("finish_reason"), "logprobs": lps}
+        choice["stop_reason"] = self.info.get("stop_reason")  # vLLM's: the stop string or token id that ended it
         if self.job.req.return_token_ids:
             choice["token_ids"] = self.info.get("token_ids", [])
             if len(self.job.req.prompts) > 1:  # a batch of prompts: each choice's own

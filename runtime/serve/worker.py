@@ -815,7 +815,7 @@ class EngineWorker:
             job.emit(("prompt_ids", list(ids)))
         n, t0, seen, dec, toks = 0, time.perf_counter(), 0, _Running(), []
         first = last = 0.0  # when the answer's first and latest tokens came (the latency histograms)
-        finish, reasoning = None, 0
+        finish, reasoning, stop_token = None, 0, None
         content = ContentTokens() if req.logprobs else None  # the tokens logprobs are given for
         if self.lock is not None:  # every rank runs the same loop; closing it early ends it there on every rank
             gen = self.lock.generate(ids, a, choice.max_tokens, choice.sampler, constraint, stops)
@@ -828,7 +828,7 @@ class EngineWorker:
                     print(f"streamoe: {job.id} cancelled after {n} tokens (its client went away or the server is stopping)", file=sys.stderr, flush=True)
                     return {"finish_reason": None, "cancelled": True, "tokens": n}
                 if tok in req.stop_token_ids:  # as the model's own end of turn: not written, not counted
-                    finish = "stop"
+                    finish, stop_token = "stop", tok
                     break
                 n += 1
                 toks.append(tok)
@@ -898,7 +898,8 @@ class EngineWorker:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
                           "prompt_tokens_details": {"cached_tokens": cached},
                           "completion_tokens_details": {"reasoning_tokens": reasoning}},
-                "telemetry": tele, "token_ids": toks, "prompt_token_ids": ids, "stop_sequence": out.stop.matched}
+                "telemetry": tele, "token_ids": toks, "prompt_token_ids": ids, "stop_sequence": out.stop.matched,
+                "stop_reason": stop_token if stop_token is not None else out.stop.matched}
 
 
 def choices_usage(usages: list[dict], n: int) -> dict:
