@@ -627,7 +627,7 @@ def has_vision(model: Path) -> bool:
         return False
 
 
-def sampling_line(sampling: dict, given: dict) -> str:
+def sampling_line(sampling: dict, given: dict, hint: str = "--temp 0 for greedy") -> str:
     """How a sampled run draws, once on stderr as llama.cpp says it: the settings in force, and which of them came
     from the checkpoint's generation_config.json rather than a flag."""
     names = {"temp": "temperature", "top_p": "top-p", "top_k": "top-k", "min_p": "min-p",
@@ -638,7 +638,7 @@ def sampling_line(sampling: dict, given: dict) -> str:
     shown = [f"{names[k]} {sampling[k]:g}" for k in names if k in sampling and sampling[k] != off.get(k)]
     config = [names[k] for k in names if k in sampling and k not in given and sampling[k] != off.get(k)]
     source = f" ({', '.join(config)} from generation_config.json)" if config else ""
-    return f"sampling: {', '.join(shown)}{source}; --temp 0 for greedy"
+    return f"sampling: {', '.join(shown)}{source}; {hint}"
 
 
 def generation_defaults_of(model: Path) -> dict:
@@ -799,6 +799,12 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
                       keepalive_s=sse_keepalive)
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads,
                           verify, images, max_pixels, runtime_mib, host_cap)
+    from .runtime.sampling import Sampler
+
+    # what a request that sets no sampling field gets, as vLLM logs the generation config's defaults it took
+    drawn = {**generation_defaults_of(model), **sampling}
+    click.echo(sampling_line(drawn, sampling, "where a request sets none") if not Sampler(**drawn).greedy
+               else "sampling: greedy where a request sets none", err=True)
     run_server(model, opts, so, host, port, log_level)
 
 

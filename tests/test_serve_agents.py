@@ -1581,6 +1581,23 @@ def test_metrics_count_what_was_served(server, oc):
     assert final[("vllm:prefix_cache_queries_total", tiny)] == final[("streamoe_prompt_tokens_total", ())]
 
 
+def test_a_response_echoes_the_sampling_in_force(oc, conv):
+    """A response's `temperature` and `top_p` are the values it was drawn with: the checkpoint's where the request
+    gave none (they were null), as OpenAI's API echoes its defaults."""
+    gc = json.loads((conv / "generation_config.json").read_text())
+    r = oc.responses.create(model="tiny", input="hi", max_output_tokens=1, reasoning={"effort": "none"})
+    assert (r.temperature, r.top_p) == (gc["temperature"], gc["top_p"])
+    r = oc.responses.create(model="tiny", input="hi", max_output_tokens=1, temperature=0, reasoning={"effort": "none"})
+    assert (r.temperature, r.top_p) == (0, gc["top_p"])
+
+
+def test_the_server_says_how_a_request_that_sets_no_sampling_draws(server, conv):
+    """Once on stderr at start, as vLLM logs the generation config's defaults it took."""
+    gc = json.loads((conv / "generation_config.json").read_text())
+    want = f"sampling: temperature {gc['temperature']:g}, top-p {gc['top_p']:g}, top-k {gc['top_k']}"
+    assert server.text().count(want) == 1 and "where a request sets none" in server.text()
+
+
 def test_no_traceback_in_the_server_log(server):
     log = server.text()
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
