@@ -1162,8 +1162,8 @@ def test_anthropic_stop_sequences_images_and_thinking(ac, ref, triangle):
     said = ref.text.decode(greedy(ref, chat_ids(ref, msgs, think=True), 24))
     m = ac.messages.create(model="tiny", max_tokens=24, extra_body=GREEDY, thinking={"type": "adaptive"}, messages=msgs)
     thought, answer = said.split("</think>")
-    assert [b.type for b in m.content] == (["thinking"] if thought.strip("\n") else []) + ["text"]
-    assert m.content[-1].text == answer.lstrip("\n")
+    assert [b.type for b in m.content] == ["thinking", "text"]  # empty or not: thinking was asked for
+    assert m.content[0].thinking == thought.strip("\n") and m.content[-1].text == answer.lstrip("\n")
 
 
 def test_anthropic_thinks_only_when_asked_unless_the_operator_says(tiny_conv, tmp_path):
@@ -1201,6 +1201,21 @@ def test_anthropic_thinks_only_when_asked_unless_the_operator_says(tiny_conv, tm
         assert [b.type for b in adaptive.content] == ["thinking"] and adaptive.content[0].thinking == said_on.lstrip("\n")
         assert adaptive.usage.input_tokens + adaptive.usage.cache_read_input_tokens == len(on)
         assert chat.reasoning_content == said_on.lstrip("\n") and chat.content == ""
+
+
+def test_anthropic_thinking_asked_for_opens_with_a_thinking_block_even_an_empty_one(ac):
+    """The trained model closes its thought at once; with thinking asked for, the message still opens with a (empty)
+    thinking block, whole and streamed, as Anthropic's API answers whenever thinking is on; not asked, none."""
+    kw = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "What shape is it?"}],
+          "extra_body": GREEDY}
+    m = ac.messages.create(**kw, thinking={"type": "adaptive"})
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.content[0].thinking == ""
+    with ac.messages.stream(**kw, thinking={"type": "adaptive"}) as st:
+        starts = [ev.content_block.type for ev in st if ev.type == "content_block_start"]
+        assert [b.model_dump(exclude={"parsed_output"}) for b in st.get_final_message().content] == \
+            [b.model_dump() for b in m.content]
+    assert starts == ["thinking", "text"]
+    assert [b.type for b in ac.messages.create(**kw).content] == ["text"]
 
 
 def test_anthropic_thinking_budget_closes_the_thought_at_its_tokens(tiny_conv, tmp_path):

@@ -504,13 +504,22 @@ class Output:
         self.open = None
         return [self._ev("content_block_stop", index=len(self.blocks) - 1)]
 
+    def _thinking_first(self) -> list[str]:
+        """An empty thinking block where thinking was asked for and the answer opens with another block (the
+        model's reasoning was empty): Anthropic's API answers with a thinking block first whenever thinking is on."""
+        if self.blocks or self.api.get("asks_thinking") != "thinking":
+            return []
+        self.blocks.append({"type": "thinking", "thinking": "", "signature": ""})
+        return [self._ev("content_block_start", index=0, content_block=dict(self.blocks[0])),
+                self._ev("content_block_stop", index=0)]
+
     def _text(self, kind: str, text: str) -> list[str]:
         if kind == "reasoning" and not self.job.req.template_kwargs.get("enable_thinking", True):
             return []  # thinking not asked for: no thinking block, as Anthropic's API (gpt-oss reasons regardless)
         block = "thinking" if kind == "reasoning" else "text"
-        out = []
+        out = [] if block == "thinking" else self._thinking_first()
         if self.open is None or self.open["type"] != block:
-            out = self._close()
+            out += self._close()
             self.open = {"type": "thinking", "thinking": "", "signature": ""} if block == "thinking" else \
                 {"type": "text", "text": ""}
             self.blocks.append(self.open)
@@ -524,7 +533,7 @@ class Output:
         verdict = call_verdict(self.api, call, calls)
         if verdict != "call":
             return self._text("content", call_text(call)) if verdict == "text" else []
-        out = self._close()
+        out = self._thinking_first() + self._close()
         block = {"type": "tool_use", "id": f"toolu_{self.job.id[:12]}{calls}", "name": call["name"], "input": {}}
         self.blocks.append(block)
         i = len(self.blocks) - 1
@@ -549,6 +558,7 @@ class Output:
         out = self._close()
         if kind == "error":
             return out + [self._ev("error", error=error_body(v)["error"])]
+        out += self._thinking_first()
         u = v["usage"]
         cached = u["prompt_tokens_details"]["cached_tokens"]
         self.usage = {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
