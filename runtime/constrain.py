@@ -22,6 +22,7 @@ import numpy as np
 from ..formats.errors import StreamoeError
 from .tool_calls import (
     CALL_CLOSE,
+    CALL_OPEN,
     FUNCTION_CLOSE,
     FUNCTION_OPEN,
     H_CHANNEL,
@@ -139,6 +140,22 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer, 
         rules.append(f"call{i}: {opening}{' '.join(parts)} {json.dumps(FUNCTION_CLOSE)} {close}")
         calls.append(f"call{i}")
     return start + "(" + " | ".join(calls) + ")\n" + "\n".join(rules) + "\n"  # the newline before any call
+
+
+def json_or_calls_grammar(fmt: str, tools: list[dict], tokenizer, schema: dict | None, free: frozenset[str],
+                          once: bool) -> str:
+    """An answer that is either JSON following `schema` (a structured output; None: any object) or the model's tool
+    calls (each a `<tool_call>` block as the lazy grammar holds one, `free` tools taking any arguments; one
+    with `once`), as OpenAI's API lets a model with a format and tools answer: held to the format, a model given
+    tools could never call one (vLLM's form)."""
+    json_grammar(schema)  # a schema llguidance cannot compile: the same one line as elsewhere
+    call = tool_call_grammar(fmt, tools, None, tokenizer, free=free, opened=True)
+    assert call.startswith("start: ")
+    value = "%json" + json.dumps({**(schema if schema is not None else {"type": "object"}), "x-guidance": COMPACT},
+                                 ensure_ascii=False)
+    opened = f"{_literal(tokenizer, CALL_OPEN)} call"
+    calls = opened if once else f"{opened} ({_literal(tokenizer, chr(10))} {opened})*"
+    return f"start: {value} | calls\ncalls: {calls}\ncall: {call[len('start: '):]}"
 
 
 def _literal(tokenizer, text: str) -> str:

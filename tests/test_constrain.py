@@ -18,6 +18,7 @@ from streamoe.runtime.constrain import (
     closed,
     guide_tokenizer,
     json_grammar,
+    json_or_calls_grammar,
     tool_call_grammar,
 )
 from streamoe.runtime.engine import Engine, Options
@@ -151,6 +152,30 @@ def test_a_forced_calls_arguments_hold_only_the_keys_its_tool_declares(tiny_conv
     assert not _allows(c, tok, ', "') and _allows(c, tok, "}")  # the nested object: no key but lat
     c.advance(tok.encode("}", add_special_tokens=False).ids[0])
     assert not _allows(c, tok, ', "') and _allows(c, tok, "}")  # the arguments: no key but city and at
+
+
+@pytest.mark.parametrize("fmt", ["json", "xml"])
+@pytest.mark.parametrize("once", [True, False])
+def test_a_format_beside_tools_takes_the_json_or_the_calls(tiny_conv, fmt, once):
+    """A JSON format with tools the model may call (OpenAI's API lets it choose): the answer opens with the JSON or
+    with `<tool_call>`, and then is all that; calls follow one another unless parallel calls are off (`once`)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_conv / "tokenizer.json"))
+    ids = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    guide = guide_tokenizer(tok, tok.get_vocab_size(), {1})
+    grammar = json_or_calls_grammar(fmt, TOOLS, tok, SCHEMA, frozenset(), once)
+    c = Constraint(guide, grammar, tok.get_vocab_size())
+    assert _allows(c, tok, "{") and _allows(c, tok, "<tool_call>") and not _allows(c, tok, "Sure")
+    call = {"json": '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+            "xml": "<tool_call>\n<function=now>\n</function>\n</tool_call>"}[fmt]
+    for t in ids(call):
+        c.advance(t)
+    assert _allows(c, tok, "\n<tool_call>") != once and not _allows(c, tok, "{")
+    c = Constraint(guide, grammar, tok.get_vocab_size())
+    for t in ids('{"name": "ab", "age": 3, "tags": [], "ok": true}'):
+        c.advance(t)
+    assert not _allows(c, tok, "<tool_call>") and not _allows(c, tok, " ")
 
 
 def test_closed_closes_objects_that_list_their_properties_and_only_those():

@@ -1294,6 +1294,23 @@ def test_a_forced_call_beside_a_format_is_the_answer(oc):
     assert [o.type for o in r.output if o.type != "reasoning"] == ["function_call"]
 
 
+def test_a_format_beside_tools_lets_the_model_call_them(oc, ref):
+    """An agent with tools and an output type (tool_choice auto, a JSON format): the model may call a tool (here
+    pushed to by a logit_bias on `<tool_call>`) or answer in the format; it was held to the JSON and never called."""
+    unit = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "strict": True, "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Units?"}], max_tokens=32, temperature=0,
+              response_format=fmt, parallel_tool_calls=False, reasoning_effort="none", tools=[
+                  {"type": "function", "function": {"name": "units", "parameters": unit, "strict": True}}])
+    opener = ref.text.tokenizer.token_to_id("<tool_call>")
+    r = oc.chat.completions.create(**kw, logit_bias={str(opener): 100})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments)["unit"] in ("c", "f")
+    r = oc.chat.completions.create(**kw, logit_bias={str(opener): -100})
+    assert json.loads(r.choices[0].message.content) in ({"ok": True}, {"ok": False})
+
+
 def test_anthropic_structured_outputs_follow_the_schema(ac):
     """`output_config.format` constrains the text block to the schema, as `response_format` does a chat answer. The
     schema bounds every field, so a sampled answer (its seed random) ends inside `max_tokens`: an unbounded integer

@@ -41,6 +41,7 @@ from ..constrain import (
     TokenMask,
     guide_tokenizer,
     json_answer,
+    json_or_calls_grammar,
     reasoning_close,
     reasoning_header,
     tool_call_grammar,
@@ -641,6 +642,10 @@ class EngineWorker:
         strict, once = set(req.api.get("strict") or {}), not req.api.get("parallel", True)
         lazy = (not shaped and req.force_call is None and req.parse_tools and bool(req.tools)
                 and bool(strict or once) and trigger in tok.get_added_tokens_decoder())  # calls open with one token
+        # a JSON format beside tools the model may call: the answer is the JSON or the calls (OpenAI's API lets it
+        # choose; held to the format from its first token, an agent with an output type never got to call a tool)
+        calls_too = (shaped and req.json_output and req.parse_tools and bool(req.tools) and not self.harmony(req)
+                     and trigger in tok.get_added_tokens_decoder())
         if not shaped and req.force_call is None and not lazy:
             return None
         if self.guide is None:
@@ -648,6 +653,10 @@ class EngineWorker:
         where = fmt if shaped else "tools"
         after = tok.token_to_id("</think>") if thinking or opener is not None else None
         try:
+            if calls_too:
+                free = frozenset(t["function"]["name"] for t in req.tools) - strict
+                grammar = json_or_calls_grammar(self.tool_format, req.tools, tok, req.json_schema, free, once)
+                return Constraint(self.guide, grammar, self.vocab, after=after, opener=opener)
             if shaped and req.json_output:
                 return json_answer(self.guide, req.json_schema, tok, self.vocab, thinking, self.harmony(req), opener)
             if shaped:
