@@ -629,8 +629,9 @@ class EngineWorker:
         thinking on), or vLLM's structured regex, choice or grammar (the same way), a forced call's arguments,
         valid against the tool's schema, or, with strict tools, each call block the model opens after its
         reasoning: a strict tool's arguments valid against its schema (the other tools' free), the text around the
-        calls free; without parallel calls, only a stop after the first. `opener`: the `<think>` the model may open
-        the answer with (`model_opens_thinking`), after whose close the grammar starts."""
+        calls free; without parallel calls, only a stop after the first; a JSON format beside tools the model may
+        call, the JSON or the calls. `opener`: the `<think>` the model may open the answer with
+        (`model_opens_thinking`), after whose close the grammar starts."""
         fmt = req.api.get("format_field", "response_format")  # the field that shaped the answer, in the request's API
         # a forced call is the whole answer, so a format, which holds an answer's text, holds the text of the turn
         # after the call (OpenAI's API takes both; the agents SDK sends both, then tool_choice auto)
@@ -652,9 +653,9 @@ class EngineWorker:
             self.guide = guide_tokenizer(tok, self.vocab, self.eng.text.stop_ids)
         where = fmt if shaped else "tools"
         after = tok.token_to_id("</think>") if thinking or opener is not None else None
+        free = frozenset(t["function"]["name"] for t in req.tools or ()) - strict  # the tools taking any arguments
         try:
             if calls_too:
-                free = frozenset(t["function"]["name"] for t in req.tools) - strict
                 grammar = json_or_calls_grammar(self.tool_format, req.tools, tok, req.json_schema, free, once)
                 return Constraint(self.guide, grammar, self.vocab, after=after, opener=opener)
             if shaped and req.json_output:
@@ -662,7 +663,6 @@ class EngineWorker:
             if shaped:
                 return Constraint(self.guide, req.answer_grammar, self.vocab, after=after, opener=opener)
             if lazy:
-                free = frozenset(t["function"]["name"] for t in req.tools) - strict
                 grammar = tool_call_grammar(self.tool_format, req.tools, None, tok, free=free, opened=True)
                 return Constraint(self.guide, grammar, self.vocab, after=after, trigger=trigger, once=once, opener=opener)
             grammar = tool_call_grammar(self.tool_format, req.tools, req.force_call or None, tok)
