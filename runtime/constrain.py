@@ -105,8 +105,13 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer, 
     if fmt == "json":
         if name is not None:
             return f"{start}{js(params(fns[0]))} {_literal(tokenizer, '}')} {close}\n"
-        calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params(fn)},
-                            "required": ["name", "arguments"], "additionalProperties": False} for fn in fns]}
+        # a tool's schema moved under the calls' `$defs` where its `$ref`s point into it (at its root: `#/$defs/X`),
+        # each of them re-pointed there: inside the wrapper, `#` is the wrapper's root
+        moved = {f"tool{i}": rerooted(params(fn), f"#/$defs/tool{i}") for i, fn in enumerate(fns) if refers(params(fn))}
+        calls = {"anyOf": [{"type": "object", "properties": {
+            "name": {"const": fn["name"]}, "arguments": {"$ref": f"#/$defs/tool{i}"} if f"tool{i}" in moved else params(fn)},
+            "required": ["name", "arguments"], "additionalProperties": False} for i, fn in enumerate(fns)],
+            **({"$defs": moved} if moved else {})}
         return f"{start}{js(calls)} {close}\n"
     end_param = json.dumps(f"\n{PARAM_CLOSE}\n")
     end_re = r"\n" + PARAM_CLOSE.replace("/", r"\/") + r"\n"  # the same, inside a /regex/
@@ -140,6 +145,24 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer, 
         rules.append(f"call{i}: {opening}{' '.join(parts)} {json.dumps(FUNCTION_CLOSE)} {close}")
         calls.append(f"call{i}")
     return start + "(" + " | ".join(calls) + ")\n" + "\n".join(rules) + "\n"  # the newline before any call
+
+
+def refers(schema) -> bool:
+    """Whether a schema holds a `$ref` anywhere."""
+    if isinstance(schema, dict):
+        return "$ref" in schema or any(refers(v) for v in schema.values())
+    return isinstance(schema, list) and any(refers(v) for v in schema)
+
+
+def rerooted(schema, at: str):
+    """`schema` with each `$ref` that points into it from its root (`#...`) pointing at the same place under `at`,
+    where the schema is moved inside another."""
+    if isinstance(schema, list):
+        return [rerooted(v, at) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rerooted(v, at)
+            for k, v in schema.items()}
 
 
 def json_or_calls_grammar(fmt: str, tools: list[dict], tokenizer, schema: dict | None, free: frozenset[str],

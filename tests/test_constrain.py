@@ -114,10 +114,11 @@ RICH = [{"type": "function", "function": {"name": "place", "parameters": {
 @pytest.mark.parametrize("name", ["get_weather", None, "place"])
 def test_forced_calls_have_schema_valid_arguments(tiny_conv, fmt, name):
     """The constraint covers what follows the call's prefix up to the block's close, then only a stop; the
-    arguments parse back valid against the tool's schema, whatever keywords it uses (`RICH`), in either form."""
+    arguments parse back valid against the tool's schema, whatever keywords it uses (`RICH`), in either form, named
+    or any of the tools (whose schemas one grammar holds: a `$ref` into a tool's `$defs` still finds them)."""
     from streamoe.runtime.tool_calls import call_prefix, parse_call
 
-    tools = RICH if name == "place" else TOOLS
+    tools = RICH + TOOLS if name in ("place", None) else TOOLS  # any of them: a $ref inside the calls' wrapper
     eng = _engine(tiny_conv, None)
     for seed in range(3):
         text = _answer(eng, tool_call_grammar(fmt, tools, name, eng.text.tokenizer),
