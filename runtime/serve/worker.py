@@ -609,14 +609,14 @@ class EngineWorker:
         grammar = self.grammar(req, thinking, opener)
         harmony = self.harmony(req) and req.force_call is None  # gpt-oss reasons whatever the request says
         close = reasoning_close(self.eng.text, harmony)
-        if close is None and req.thinking_budget is not None:  # a budget it cannot be held to: refused, not dropped
-            raise bad("a thinking budget needs the template's '</think>' token, which the model's tokenizer lacks",
-                      "thinking.budget_tokens")
         if close is None and not self.harmony(req) and (asked := req.api.get("asks_thinking")):
             # a model without reasoning (Mixtral) asked to reason: refused, as OpenAI's API refuses reasoning_effort
             # on a model without reasoning; asked not to (effort "none", thinking disabled), it does as asked
             raise bad(f"'{asked}': this model does not reason (its tokenizer has no '</think>'); leave it out",
                       asked)
+        if close is None and req.thinking_budget is not None:  # a budget it cannot be held to: refused, not dropped
+            raise bad("a thinking budget needs the template's '</think>' token, which the model's tokenizer lacks",
+                      "thinking.budget_tokens")
         if req.thinking_budget is None:
             return grammar
         if not (thinking or harmony or opener is not None):
