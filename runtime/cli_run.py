@@ -154,15 +154,20 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         if eng.plan.past_native and opts.rank == 0:
             print(f"streamoe: note: {eng.plan.past_native}", file=sys.stderr, flush=True)
         harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
-        reasons = think and not raw and eng.text.tokenizer.token_to_id("</think>") is not None  # as json_answer waits
+        # where the prompt leaves the model inside `<think>` (Qwen3.5's template), the answer reasons until `</think>`;
+        # where the template leaves the tag to the model (Qwen3's), an answer that opens with it does (`opener`)
+        tok = eng.text.tokenizer
+        reasons = think and not raw and not harmony and tok.token_to_id("</think>") is not None
+        opens = reasons and eng.text.chat_prompt([{"role": "user", "content": "."}]).rstrip().endswith("<think>")
+        opener = tok.token_to_id("<think>") if reasons and not opens else None
         work = {"--json-schema": digest(json.dumps(json_schema, sort_keys=True).encode()) if json_schema else None,
                 "--thinking-budget": thinking_budget, "-n": max_tokens, "--chat": chat, "-q": quiet, "--raw": raw,
                 "--no-think": not think}
         return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
                     max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
                     save_session=save_session, load_session=load_session, seed_given=seed_given, drawn=drawn,
-                    constrained=answer_shape(eng, json_schema, think and not raw, thinking_budget, harmony), work=work,
-                    apart=(lambda: ReasoningApart(reasons, harmony)) if json_schema is not None and not raw else None)
+                    constrained=answer_shape(eng, json_schema, opens, thinking_budget, harmony, opener), work=work,
+                    apart=(lambda: ReasoningApart(opens, harmony)) if json_schema is not None and not raw else None)
     except RuntimeError as e:
         lost = ranks.lost_peer(e, group) if group is not None else None
         if lost is None:
@@ -174,12 +179,14 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         raise StreamoeError(f"{ranks.where(group)}: {e}") from None  # which rank said it, beside rank 0's line
 
 
-def answer_shape(eng: Engine, schema: dict | None, thinking: bool, budget: int | None,
-                 harmony: bool = False) -> Callable[[], Constraint | ThinkingBudget] | None:
+def answer_shape(eng: Engine, schema: dict | None, thinking: bool, budget: int | None, harmony: bool = False,
+                 opener: int | None = None) -> Callable[[], Constraint | ThinkingBudget] | None:
     """What shapes each answer, made fresh for each: JSON valid against `schema` (`json_constraint`), under a cap of
     `budget` tokens on the thinking (`ThinkingBudget`: the template's `</think>` forced once the thinking took them,
-    as the server does for Anthropic's budget_tokens). None: nothing."""
-    json = json_constraint(eng, schema, thinking, harmony) if schema is not None else None
+    as the server does for Anthropic's budget_tokens). `thinking`: the prompt leaves the model inside `<think>`;
+    `opener`: the `<think>` an answer may open its own reasoning with, where the template leaves it to the model.
+    None: nothing."""
+    json = json_constraint(eng, schema, thinking, harmony, opener) if schema is not None else None
     if budget is None:
         return json
     close = reasoning_close(eng.text, harmony)
@@ -187,10 +194,12 @@ def answer_shape(eng: Engine, schema: dict | None, thinking: bool, budget: int |
         eng.close()
         raise StreamoeError("--thinking-budget needs the template's '</think>' token, which the model's tokenizer lacks")
     header = reasoning_header(eng.text, harmony)
-    return lambda: ThinkingBudget(close, budget, eng.args.vocab_size, json() if json is not None else None, header)
+    return lambda: ThinkingBudget(close, budget, eng.args.vocab_size, json() if json is not None else None, header,
+                                  opener=opener)
 
 
-def json_constraint(eng: Engine, schema: dict, thinking: bool, harmony: bool = False) -> Callable[[], Constraint]:
+def json_constraint(eng: Engine, schema: dict, thinking: bool, harmony: bool = False,
+                    opener: int | None = None) -> Callable[[], Constraint]:
     """A fresh constraint for each answer: JSON valid against `schema`, after the reasoning closes where the
     template leaves the model thinking; in a harmony chat (gpt-oss), the `final` message's text, after a free
     `analysis` message, as `serve` holds it. A schema llguidance cannot compile fails here, in one line, the engine
@@ -198,7 +207,7 @@ def json_constraint(eng: Engine, schema: dict, thinking: bool, harmony: bool = F
     guide = guide_tokenizer(eng.text.tokenizer, eng.args.vocab_size, eng.text.stop_ids)
 
     def made() -> Constraint:
-        return json_answer(guide, schema, eng.text.tokenizer, eng.args.vocab_size, thinking, harmony)
+        return json_answer(guide, schema, eng.text.tokenizer, eng.args.vocab_size, thinking, harmony, opener)
     try:
         made()
     except StreamoeError as e:

@@ -289,6 +289,20 @@ def test_a_grammar_waits_for_the_reasoning_the_model_opens(conv):
         eng.close()
 
 
+@pytest.mark.parametrize("temp", ["0", "1"])
+def test_run_json_schema_holds_an_answer_that_does_not_open_its_reasoning(conv, temp):
+    """`run --json-schema` with thinking on, where the template leaves `<think>` to the model: an answer that opens
+    with anything else is JSON from its first token (it waited for a `</think>` the model never writes, and ended
+    "in its thinking" with no JSON)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    p = cli("run", conv, "--cap", "8", "--temp", temp, "--seed", "3", "-n", "60", "-q", "-p", "Give JSON:",
+            "--json-schema", json.dumps(schema), "--runtime-mib", RUNTIME >> 20, check=True)
+    jsonschema.validate(json.loads(p.stdout), schema)
+
+
 def test_a_thinking_budget_holds_the_reasoning_the_model_opens(conv):
     """Anthropic's budget_tokens on Qwen3 (its template leaves `<think>` to the model): counted from the model's own
     `<think>`, then `</think>` forced, as where the prompt opens the reasoning (it was dropped without a word); an
