@@ -693,9 +693,10 @@ def _switch_glu_blas(x, w, slots, kernel: ExpertKernel):
     """`_switch_glu` for many tokens on the CPU backend (prefill), expert by expert: each picked slot's matrices
     dequantized once and multiplied by numpy's BLAS with all the (token, pick) rows that picked it. Through
     `gather_qmm` every row re-reads its expert's codes at the quantized mat-vec's speed (0.8 GMAC/s a core); here
-    an expert's weights serve all its rows. The rows go BLAS_TILE at a time, zero-padded, so every product has one
-    shape: BLAS picks its kernel (and its rounding) by the shape, and an expert's group grows where other ranks'
-    picks fill it (`ranks.RankExperts`). As for `QLinear._blas`, the path depends only on the number of tokens."""
+    an expert's weights serve all its rows. The rows go BLAS_TILE at a time, zero-padded, as the columns of the
+    product, so every product has one shape and a row's bits depend on neither its group's size nor its place in the
+    tile: BLAS picks its kernel (and its rounding) by the shape, and an expert's group grows where other ranks' picks
+    fill it (`ranks.RankExperts`). As for `QLinear._blas`, the path depends only on the number of tokens."""
     n, k = slots.shape
     xs = np.asarray(x.astype(mx.float32))
     flat = np.asarray(slots).reshape(-1)
@@ -724,7 +725,9 @@ def _switch_glu_blas(x, w, slots, kernel: ExpertKernel):
                         u = min(c, t + BLAS_TILE)
                         tile[: u - t] = inp[t:u]
                         tile[u - t:] = 0
-                        out[t:u, r0:r1] = (tile @ dense[m].T)[: u - t]
+                        # the tile's rows as the product's columns: a row's place in the tile then changes none of its
+                        # bits (as rows, OpenBLAS's AVX-512 kernels round a row by where it falls in the tile)
+                        out[t:u, r0:r1] = (dense[m] @ tile.T).T[: u - t]
         y = mx.array(out).astype(x.dtype)
         return y if bias is None else y + bias[sorted_slots]
 
