@@ -803,9 +803,9 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
 
     # what a request that sets no sampling field gets, as vLLM logs the generation config's defaults it took
     drawn = {**generation_defaults_of(model), **sampling}
-    click.echo(sampling_line(drawn, sampling, "where a request sets none") if not Sampler(**drawn).greedy
-               else "sampling: greedy where a request sets none", err=True)
-    run_server(model, opts, so, host, port, log_level)
+    note = (sampling_line(drawn, sampling, "where a request sets none") if not Sampler(**drawn).greedy
+            else "sampling: greedy where a request sets none")
+    run_server(model, opts, so, host, port, log_level, note)  # the note after the plan: a model that opens
 
 
 if __name__ == "__main__":

@@ -757,8 +757,8 @@ def follow_rank0(root: Path, opts, so, group: ranks.Group) -> None:
         eng.close()
 
 
-def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -> None:
-    """Open the engine on this thread (its plan printed to stderr), run the HTTP server on another, and
+def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info", note: str | None = None) -> None:
+    """Open the engine on this thread (its plan printed to stderr, then `note`), run the HTTP server on another, and
     answer queued requests here until SIGINT or SIGTERM: then the running and queued requests end with a
     `shutting_down` error (streams with that event and `[DONE]`), the HTTP server drains for up to 2 s,
     and the process exits 0. A second signal exits at once.
@@ -782,6 +782,8 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info") -
         return follow_rank0(root, opts, so, group)
     server = Server(root, opts, so, group)
     print(server.worker.eng.plan.render(), file=sys.stderr)
+    if note is not None:
+        print(note, file=sys.stderr)
     if (notice := exposure(host, so.api_key is not None)) is not None:
         print(notice, file=sys.stderr)
     # the event loop accepts what is queued at once, before the guarded protocol evicts any idle one: the
