@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -1642,6 +1643,20 @@ def test_a_responses_prompt_past_the_context_names_its_input(oc):
         with pytest.raises(openai.BadRequestError) as e:
             oc.responses.create(model="tiny", input=words, max_output_tokens=2)
         assert e.value.body["param"] == "input" and "planned context" in e.value.body["message"]
+
+
+def test_a_prompt_past_the_context_is_refused_in_the_words_agents_read(oc, ac):
+    """Agents compact their conversation when the API says it is too long: OpenAI's error code
+    `context_length_exceeded` and its "maximum context length" (vLLM's too); Anthropic's "prompt is too long: N tokens
+    > M maximum"."""
+    words = "word " * (CTX + 8)
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": words}], max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded"
+    assert e.value.body["message"].startswith(f"This model's maximum context length is {CTX} tokens")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": words}])
+    assert re.fullmatch(rf"prompt is too long: \d+ tokens > {CTX - 1} maximum", e.value.body["error"]["message"])
 
 
 def test_a_count_refuses_an_answers_fields_by_name():

@@ -45,7 +45,7 @@ IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
 
 def error_body(err: APIError) -> dict:
     """Anthropic's error object: `{"type": "error", "error": {"type", "message"}}`."""
-    return anthropic_error(err.status, err.message)
+    return anthropic_error(err.status, err.anthropic or err.message)
 
 
 def _cache_control(block: dict, where: str) -> None:

@@ -30,9 +30,10 @@ class APIError(Exception):
     """A request the server refuses: HTTP status + OpenAI's error object."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, anthropic: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.anthropic = anthropic  # the message in Anthropic's own words, where its clients read them
         self.kind = kind or {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error",
                              413: "invalid_request_error", 429: "rate_limit_error",
                              503: "server_overloaded"}.get(status, "server_error")

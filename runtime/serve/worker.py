@@ -422,9 +422,13 @@ class EngineWorker:
                   "given, so the answer cannot continue it", "messages")
 
     def too_long(self, tokens: int, param: str, how: str = "") -> APIError:
+        """A prompt the planned context cannot hold, in the words agents read to compact their conversation: OpenAI's
+        code `context_length_exceeded` and "maximum context length" (vLLM's too), Anthropic's "prompt is too long:
+        N tokens > M maximum"."""
         ctx = self.eng.opts.ctx
-        return bad(f"the prompt is {how}{tokens} tokens; the planned context (--ctx {ctx}) holds {ctx - 1} "
-                   "with one token to answer", param)
+        return APIError(400, f"This model's maximum context length is {ctx} tokens: the prompt is {how}{tokens} tokens; "
+                        f"the planned context (--ctx {ctx}) holds {ctx - 1} with one token to answer", param,
+                        code="context_length_exceeded", anthropic=f"prompt is too long: {tokens} tokens > {ctx - 1} maximum")
 
     def check_length(self, text: str, param: str) -> None:
         """Refuse, before tokenizing it, a text that cannot fit the planned context at any token length."""
