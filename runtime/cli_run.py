@@ -28,6 +28,7 @@ from .constrain import (
     json_answer,
     reasoning_close,
     reasoning_header,
+    think_opener,
 )
 from .engine import Engine, Options
 from .image import PipedImage, check_preprocessor, load_image
@@ -156,10 +157,9 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
         # where the prompt leaves the model inside `<think>` (Qwen3.5's template), the answer reasons until `</think>`;
         # where the template leaves the tag to the model (Qwen3's), an answer that opens with it does (`opener`)
-        tok = eng.text.tokenizer
-        reasons = think and not raw and not harmony and tok.token_to_id("</think>") is not None
-        opens = reasons and eng.text.chat_prompt([{"role": "user", "content": "."}]).rstrip().endswith("<think>")
-        opener = tok.token_to_id("<think>") if reasons and not opens else None
+        tag = think_opener(eng.text.tokenizer) if think and not raw and not harmony else None
+        opens = tag is not None and eng.text.chat_prompt([{"role": "user", "content": "."}]).rstrip().endswith("<think>")
+        opener = None if opens else tag
         work = {"--json-schema": digest(json.dumps(json_schema, sort_keys=True).encode()) if json_schema else None,
                 "--thinking-budget": thinking_budget, "-n": max_tokens, "--chat": chat, "-q": quiet, "--raw": raw,
                 "--no-think": not think}

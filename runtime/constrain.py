@@ -107,11 +107,12 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer, 
             return f"{start}{js(params(fns[0]))} {_literal(tokenizer, '}')} {close}\n"
         # a tool's schema moved under the calls' `$defs` where its `$ref`s point into it (at its root: `#/$defs/X`),
         # each of them re-pointed there: inside the wrapper, `#` is the wrapper's root
-        moved = {f"tool{i}": rerooted(params(fn), f"#/$defs/tool{i}") for i, fn in enumerate(fns) if refers(params(fn))}
+        schemas = [params(fn) for fn in fns]
+        moved = {f"tool{i}": rerooted(p, f"#/$defs/tool{i}") for i, p in enumerate(schemas) if refers(p)}
         calls = {"anyOf": [{"type": "object", "properties": {
-            "name": {"const": fn["name"]}, "arguments": {"$ref": f"#/$defs/tool{i}"} if f"tool{i}" in moved else params(fn)},
-            "required": ["name", "arguments"], "additionalProperties": False} for i, fn in enumerate(fns)],
-            **({"$defs": moved} if moved else {})}
+            "name": {"const": fn["name"]}, "arguments": {"$ref": f"#/$defs/tool{i}"} if f"tool{i}" in moved else p},
+            "required": ["name", "arguments"], "additionalProperties": False}
+            for i, (fn, p) in enumerate(zip(fns, schemas, strict=True))], **({"$defs": moved} if moved else {})}
         return f"{start}{js(calls)} {close}\n"
     end_param = json.dumps(f"\n{PARAM_CLOSE}\n")
     end_re = r"\n" + PARAM_CLOSE.replace("/", r"\/") + r"\n"  # the same, inside a /regex/
@@ -145,6 +146,13 @@ def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer, 
         rules.append(f"call{i}: {opening}{' '.join(parts)} {json.dumps(FUNCTION_CLOSE)} {close}")
         calls.append(f"call{i}")
     return start + "(" + " | ".join(calls) + ")\n" + "\n".join(rules) + "\n"  # the newline before any call
+
+
+def think_opener(tokenizer) -> int | None:
+    """`<think>`, where the tokenizer has it and `</think>`: the token an answer opens its own reasoning with where
+    the template leaves the tag to the model (Qwen3's), which a grammar or a thinking budget then waits on."""
+    opener, close = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    return opener if opener is not None and close is not None else None
 
 
 def refers(schema) -> bool:

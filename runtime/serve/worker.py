@@ -44,6 +44,7 @@ from ..constrain import (
     json_or_calls_grammar,
     reasoning_close,
     reasoning_header,
+    think_opener,
     tool_call_grammar,
 )
 from ..engine import Engine, Options
@@ -678,12 +679,10 @@ class EngineWorker:
         """`<think>` where the answer may open its own reasoning: a chat with thinking on whose template leaves the
         tag to the model (Qwen3's; Qwen3.5's opens it in the prompt: `thinking`), so a grammar waits for the close
         if the model thinks; None elsewhere."""
-        tok = self.eng.text.tokenizer
         on = req.template_kwargs.get("enable_thinking", self.so.think is not False)
-        opener, close = tok.token_to_id("<think>"), tok.token_to_id("</think>")
         if thinking or not on or req.kind != "chat" or self.harmony(req) or req.force_call is not None:
             return None
-        return opener if opener is not None and close is not None else None
+        return think_opener(self.eng.text.tokenizer)
 
     def prompt_tokens(self, job: Job) -> int:
         """How many tokens the job's prompt prefills: its ids, each image placeholder counted as the tokens
