@@ -422,7 +422,6 @@ def parse(body: dict, so, counting: bool = False, store: ResponseStore | None = 
                "store": store is not None and body.get("store") is not False, "previous": previous, "given": given,
                "echo": {"instructions": instructions, "max_output_tokens": req.max_tokens, "metadata": metadata or {},
                         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
-                        "temperature": req.sampling.get("temp"), "top_p": req.sampling.get("top_p"),
                         "top_logprobs": req.top_logprobs, "text": {"format": echoed_format or {"type": "text"}},
                         "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
                         "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": summary},
@@ -450,14 +449,14 @@ class Output:
         return f"event: {kind}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     def response(self) -> dict:
-        e = self.api["echo"]
+        e, drawn = self.api["echo"], self.job.choices[0].sampler  # the sampling in force: the checkpoint's where not given
         return {"id": f"resp_{self.job.id}", "object": "response", "created_at": self.job.created,
                 "status": self.status, "model": self.model, "output": [dict(i) for i in self.items],
                 "error": self.error, "incomplete_details": self.incomplete, "instructions": e["instructions"],
                 "max_output_tokens": e["max_output_tokens"], "metadata": e["metadata"],
                 "parallel_tool_calls": e["parallel_tool_calls"], "previous_response_id": self.api.get("previous"),
                 "reasoning": e["reasoning"], "store": self.api.get("store", False), "background": False,
-                "temperature": e["temperature"], "top_p": e["top_p"], "top_logprobs": e["top_logprobs"], "text": e["text"],
+                "temperature": drawn.temp, "top_p": drawn.top_p, "top_logprobs": e["top_logprobs"], "text": e["text"],
                 "tool_choice": e["tool_choice"], "tools": e["tools"], "truncation": "disabled", "user": e["user"],
                 "safety_identifier": e["safety_identifier"], "prompt_cache_key": e["prompt_cache_key"],
                 "usage": self.usage}

@@ -533,8 +533,6 @@ class EngineWorker:
             if beyond:
                 raise bad(f"'logit_bias' names token id {beyond[0]}; the tokenizer has {words:,}", "logit_bias")
         sampling = {**self.defaults, **req.sampling}
-        if echo := req.api.get("echo"):  # a response echoes the values in force (the checkpoint's, where not given)
-            echo.update(temperature=sampling.get("temp", 0.0), top_p=sampling.get("top_p", 1.0))
         for name in ("stop_token_ids", "allowed_token_ids"):
             if beyond := [t for t in getattr(req, name) if t >= self.vocab]:
                 raise bad(f"'{name}' names token id {beyond[0]}; the model has {self.vocab:,}", name)
