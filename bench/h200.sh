@@ -28,6 +28,8 @@
 #                                grouped by expert (one gather_qmm batch of up to 16 rows per expert)
 #   bash bench/h200.sh grouped   # (no checkpoint) a prefill step's routed experts per pick against grouped by expert, `rows`
 #                                pairs to a gather_qmm batch, grouped on the host or the device (bench/experts_grouped.py)
+#   bash bench/h200.sh kernels   # (after setup) one resident decode step's kernels timed by Nsight Compute, streamoe's and
+#                                mlx-lm's: device ms a token against its wall clock, and where it goes (bench/gpu_kernels.py)
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds (ROUNDS=);
 #                                VARIANTS=picks_by_four: then the decode step's picks in gather_qmm calls of four, against as is
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
@@ -193,6 +195,18 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
   rounds)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --skip-parts --variants "${VARIANTS:-}" \
       --rounds "${ROUNDS:-7}" --out "$OUT/gpu-rounds-${CARD}.json" | grep -v '^ '
+    ;;
+  kernels)
+    # one resident decode step's kernels under Nsight Compute, each engine in its own process (bench/gpu_kernels.py)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for e in streamoe mlx_lm; do
+      "$NCU" --profile-from-start off --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
+        --print-units base --log-file "$OUT/kernels-$e.csv" python3 -m bench.gpu_kernels --engine $e --ckpt "$S/full-ckpt" \
+        --model "$S/full-conv" --steps "${STEPS_PROFILED:-3}" 2>&1 | grep -v '^==PROF==' | tail -5
+    done
+    python3 -m bench.gpu_kernels --parse streamoe="$OUT/kernels-streamoe.csv" mlx_lm="$OUT/kernels-mlx_lm.csv" \
+      --steps "${STEPS_PROFILED:-3}" --out "$OUT/gpu-kernels-${CARD}.json" | head -60
+    gzip -f "$OUT"/kernels-*.csv
     ;;
   sampling)
     python3 -m bench.sampling --model "$S/full-conv" --caps resident,4 --tokens 64 --rounds 3 --ctx 1024 \
