@@ -200,7 +200,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     # one resident decode step's kernels under Nsight Compute, each engine in its own process (bench/gpu_kernels.py)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for e in streamoe mlx_lm; do
-      "$NCU" --profile-from-start off --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
+      timeout 240 "$NCU" --profile-from-start off --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
         --print-units base --log-file "$OUT/kernels-$e.csv" python3 -m bench.gpu_kernels --engine $e --ckpt "$S/full-ckpt" \
         --model "$S/full-conv" --steps "${STEPS_PROFILED:-3}" 2>&1 | grep -v '^==PROF==' | tail -5
     done
