@@ -970,6 +970,16 @@ def test_responses_image_and_tool_result_items_render_as_chat(oc, ref, triangle)
     assert r.output_text == said.split("</think>")[-1].lstrip("\n")
 
 
+def test_a_strict_tool_renders_the_same_prompt_on_the_responses_and_chat_routes(oc, ref):
+    """A tool marked strict reaches the template as the chat route gives it (`strict` kept in its function), so
+    an agent that moves between the routes sends the same prompt and shares its cached prefix."""
+    strict = [{**CHAT_TOOLS[0], "function": {**CHAT_TOOLS[0]["function"], "strict": True}}]
+    ids = chat_ids(ref, CONVO[:1], tools=strict)
+    assert ids != chat_ids(ref, CONVO[:1], tools=CHAT_TOOLS)  # the template writes the flag
+    counted = oc.responses.input_tokens.count(input=CONVO[0]["content"], tools=[{**RESP_TOOLS[0], "strict": True}])
+    assert counted.input_tokens == len(ids)
+
+
 def test_responses_logprobs_are_the_chat_routes_logprobs(oc):
     """`include: ["message.output_text.logprobs"]`: the same entries the chat route gives (checked against the
     engine's logits below), on the output text, whole and streamed."""
@@ -1003,7 +1013,8 @@ def test_openai_agents_sdk_default_agent(server, ref):
                   model=OpenAIResponsesModel(model="tiny", openai_client=client),
                   model_settings=ModelSettings(temperature=0, max_tokens=16, reasoning=Reasoning(effort="none")))
     tools = [{"type": "function", "function": {"name": "get_weather", "description": get_weather.description,
-                                               "parameters": get_weather.params_json_schema}}]
+                                               "parameters": get_weather.params_json_schema,
+                                               "strict": get_weather.strict_json_schema}}]  # the SDK's default: True
     system = {"role": "system", "content": "Answer briefly."}
     turns = (([CONVO[0]], CONVO[0]["content"]),
              (CONVO, [{"role": "user", "content": CONVO[0]["content"]},

@@ -260,7 +260,7 @@ def parse_tools_choice(body: dict) -> tuple[list[dict] | None, bool, str | None,
             typed(t, f"{where}.", ("strict",), ("description",))
             params = t.get("parameters") or {"type": "object", "properties": {}}
             fn = {"name": t["name"], **({"description": t["description"]} if t.get("description") is not None else {}),
-                  "parameters": params}
+                  "parameters": params, **({"strict": t["strict"]} if "strict" in t else {})}  # as the chat route renders it
             chat_tools.append({"type": "function", "function": fn})
             if t.get("strict"):
                 strict[t["name"]] = params
