@@ -72,8 +72,9 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
            progress: bool = False, apart: ReasoningApart | None = None) -> list[int]:
     """The answer's tokens, streamed to stdout (with `apart`, its reasoning to stderr). Once `stop` is set (Ctrl-C
     in a chat) it ends after the token in hand, which is then fed as the last token of an answer cut by
-    --max-tokens is: the conversation holds what was shown (unless the context is full, where that token is left out
-    of it and of what is returned). `progress`: a bar for the prompt's prefill (`prefill_bar`)."""
+    --max-tokens is: the conversation holds what was shown (where the context is full, that token is left out of
+    the caches, as the engine leaves an answer's last token there: `Engine.unfed`, which a saved session keeps).
+    `progress`: a bar for the prompt's prefill (`prefill_bar`)."""
     detok = Detokenizer(eng.text)
     write = apart.write if apart is not None else sys.stdout.write
     out = []
@@ -107,9 +108,7 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
         if eng.offset < eng.opts.ctx:
             eng.decode(out[-1])
         else:
-            out.pop()
-            if logits is not None:
-                logits.pop()
+            eng.unfed = out[-1:]
     return out
 
 
@@ -238,6 +237,13 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             eng.close()
             raise StreamoeError(f"{load_session}: saved {'with' if saved['raw'] else 'without'} --raw; run it the same way")
         messages, fed = saved.get("messages", []), saved.get("tokens", [])
+        if saved.get("unfed"):  # shown, left out of a full context: fed now, as a context with room fed it
+            if eng.offset + len(saved["unfed"]) > eng.opts.ctx:
+                eng.close()
+                raise StreamoeError(f"{load_session}: the last answer's final token did not fit its context; load it "
+                                    f"with --ctx {eng.offset + len(saved['unfed'])} or more to go on")
+            for tok in saved["unfed"]:
+                eng.decode(tok)
         if "sampler" in saved:  # a sampled conversation goes on drawing where it stopped
             try:
                 asked = sampler.seed
@@ -337,7 +343,7 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             if not chat:
                 break
         if save_session:
-            extra = {"raw": raw, "messages": messages, "tokens": fed}
+            extra = {"raw": raw, "messages": messages, "tokens": fed, **({"unfed": eng.unfed} if eng.unfed else {})}
             if not sampler.greedy or (load_session and "sampler" in saved):  # a greedy conversation drew with no seed
                 extra["sampler"] = sampler.state()
             size = session.save_session(eng, save_session, extra)

@@ -141,6 +141,8 @@ class Engine:
                          else ranks.RankExperts(self.experts, self.group, a.num_experts, self.watchdog))
         self.conversation = self._new_conversation()
         self.steps: list[StepStats] = []
+        # the last answer's final token where the context had no room to feed it: shown, not in the caches
+        self.unfed: list[int] = []
         self.rss = self.peak_rss = current_rss()  # the last sample, and the peak of every sample
         # called with (model, hidden states [1, T, H], offset) by each prefill step while set: what reads every
         # position's prediction (a server's prompt logprobs, `serve.logprobs.PromptScores`), within the activations
@@ -280,6 +282,7 @@ class Engine:
         caller, and a decode step's `ms` is the interval since the previous token did, so the summary's
         tok/s is the rate the caller sees, whatever was overlapped."""
         t_start = time.perf_counter()
+        self.unfed = []
         stops = self.text.stop_ids if stops is None else stops
         logits = prefill_images(self, prompt, images, progress) if images else self.prefill(prompt, progress)
         pen = sampler.start(prompt if context is None else context, logits.shape[0])
@@ -334,6 +337,7 @@ class Engine:
                     y, pen = draw(logits, pen, drawn)
                     made_by = self.steps[-1]
                 else:
+                    self.unfed = [tok]
                     return
             mx.eval(logits)  # the last token's step, kept: the cache holds the whole answer
             if made_by.ms == 0.0:

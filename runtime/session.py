@@ -92,14 +92,15 @@ def load_session(eng, path: str | Path) -> dict:
         except BaseException:
             eng.reset()  # never a half-restored state: an empty conversation instead
             raise
-    extra = check_extra(path, meta.get("extra", {}), eng.opts.ctx)
+    extra = check_extra(path, meta.get("extra", {}), eng.opts.ctx, eng.args.vocab_size)
     conv.resume(n, int(meta["rope_delta"]))
     return extra
 
 
-def check_extra(path: Path, extra: dict, ctx: int) -> dict:
-    """What `streamoe run` keeps beside the state (raw flag, messages, token history, sampler), typed before
-    it is used: a session file is input like any other."""
+def check_extra(path: Path, extra: dict, ctx: int, vocab: int) -> dict:
+    """What `streamoe run` keeps beside the state (raw flag, messages, token history, the answer's final token a
+    full context left out of the state, sampler), typed before it is used: a session file is input like any
+    other."""
     if "raw" in extra and not isinstance(extra["raw"], bool):
         raise fail(path, "session 'raw' must be true or false")
     msgs = extra.get("messages", [])
@@ -107,10 +108,15 @@ def check_extra(path: Path, extra: dict, ctx: int) -> dict:
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str | list) for m in msgs):
         raise fail(path, "session 'messages' must be a list of {role, content} objects")
-    toks = extra.get("tokens", [])
+    toks, unfed = extra.get("tokens", []), extra.get("unfed", [])
+    ctx += bool(unfed)  # the history holds an unfed token beyond what the state holds
     if not isinstance(toks, list) or len(toks) > ctx or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in toks):
-        raise fail(path, f"session 'tokens' must be a list of at most {ctx} token ids")
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in toks):
+        raise fail(path, f"session 'tokens' must be a list of at most {ctx} token ids, each below the model's "
+                         f"vocabulary of {vocab}")
+    if not isinstance(unfed, list) or len(unfed) > 1 or (unfed and toks[-1:] != unfed):
+        raise fail(path, "session 'unfed' must be the last of its 'tokens' (an answer's final token its full "
+                         "context left out) or nothing")
     if "sampler" in extra and not isinstance(extra["sampler"], dict):
         raise fail(path, "session 'sampler' must be an object {seed, drawn}")
     return extra

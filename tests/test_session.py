@@ -182,6 +182,28 @@ def test_a_sampled_chat_split_by_a_saved_session_draws_the_same_tokens(tiny_conv
     assert c.stdout != a.stdout
 
 
+@pytest.mark.parametrize("draw", [["--temp", "0"], ["--temp", "1", "--top-k", "20", "--seed", "5"]])
+def test_a_session_saved_with_its_context_full_continues_as_one_saved_with_room(tiny_conv, tmp_path, draw):
+    """The answer's last token, shown but left out of a full context, is fed when the session is loaded with room
+    for it: the next turn's logits are those of the same answer saved where the context had room."""
+    first = "one two three"
+    p = len(TextIO(tiny_conv, load_manifest(tiny_conv).config).encode_prompt(first))
+    common = ["run", tiny_conv, "--cap", "1", "--raw", *draw]
+    full = cli(*common, "--ctx", p + 3, "-n", "8", "-p", first, "--save-session", tmp_path / "full.zst", check=True)
+    assert "cut by the context" in full.stderr
+    room = cli(*common, "--ctx", 256, "-n", 4, "-p", first, "--save-session", tmp_path / "room.zst", check=True)
+    assert full.stdout == room.stdout  # the same 4 tokens: 3 fed, the last shown
+    after = {}
+    for name in ("full", "room"):
+        cli(*common, "--ctx", 256, "-n", 6, "-p", " four five", "--load-session", tmp_path / f"{name}.zst",
+            "--logits-out", tmp_path / f"{name}.npz", "--save-session", tmp_path / f"{name}-2.zst", check=True)
+        after[name] = np.load(tmp_path / f"{name}.npz")["logits"].tobytes()
+    assert after["full"] == after["room"]
+    assert (tmp_path / "full-2.zst").read_bytes() == (tmp_path / "room-2.zst").read_bytes()
+    again = one_error_line(cli(*common, "--ctx", p + 3, "-p", " four", "--load-session", tmp_path / "full.zst"))
+    assert str(tmp_path / "full.zst") in again and "--ctx" in again
+
+
 def test_a_run_draws_with_a_new_seed_unless_given_and_shows_it(tiny_conv, tmp_path):
     """Sampled, `run` seeds its draws anew each time (as mlx-lm and llama.cpp do) and shows the seed on its summary
     line; given back as --seed, the run draws the same tokens. A greedy run shows none. A loaded session goes on with
@@ -238,8 +260,13 @@ def test_bad_session_files_are_one_line_each(tiny_conv, small_conv, tmp_path):
     eng = engine(tiny_conv)
     turn(eng, FIRST, 4)
     save_session(eng, tmp_path / "good.zst", {"raw": True, "messages": [], "tokens": FIRST})
+    vocab = eng.args.vocab_size  # a history token is counted by the penalties, an unfed one fed: each a real id
+    save_session(eng, tmp_path / "big-id.zst", {"raw": True, "messages": [], "tokens": [*FIRST[:-1], vocab]})
+    save_session(eng, tmp_path / "unfed.zst", {"raw": True, "messages": [], "tokens": FIRST, "unfed": [FIRST[0]]})
     eng.close()
-    for args, needle in bad_sessions(tmp_path / "good.zst", tmp_path, small_conv):
+    for args, needle in [*bad_sessions(tmp_path / "good.zst", tmp_path, small_conv),
+                         ([tmp_path / "big-id.zst"], f"below the model's vocabulary of {vocab}"),
+                         ([tmp_path / "unfed.zst"], "'unfed' must be the last of its 'tokens'")]:
         p = cli("run", tiny_conv, "--cap", "1", "--raw", "-p", "x", "-n", "2", "--load-session", *args)
         line = one_error_line(p, needle)
         assert str(args[0]) in line
