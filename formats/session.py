@@ -10,10 +10,12 @@ file fails as a whole when it is read to the end, not as a quietly different con
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import zstandard
@@ -38,13 +40,20 @@ META_TYPES = {"version": int, "tokens": int, "rope_delta": int, "model": str, "e
               "extra": dict}
 
 
-def write_session(path: str | os.PathLike, meta: dict, entries: list[tuple[str, str, tuple[int, ...]]],
-                  blocks: Iterable[bytes | memoryview], level: int = 3) -> int:
-    """Write `entries` (name, safetensors dtype, shape), whose bytes `blocks` yields back to back in that
-    order, with `meta`; atomically (a temporary file renamed over `path`). Returns the file size."""
+def session_lock(path: str | os.PathLike) -> AbstractContextManager[None]:
+    """The lock of one session file (`.NAME.lock` beside it): a command that will save `path` holds it from its
+    start, so a second one saving the same file fails at once, before it computes an answer it could not save."""
     path = Path(path)
-    with exclusive_lock(path.with_name(f".{path.name}.lock"), path, "this session file"):
-        return _write_locked(path, meta, entries, blocks, level)
+    return exclusive_lock(path.with_name(f".{path.name}.lock"), path, "this session file")
+
+
+def write_session(path: str | os.PathLike, meta: dict, entries: list[tuple[str, str, tuple[int, ...]]],
+                  blocks: Iterable[bytes | memoryview], level: int = 3, locked: bool = False) -> int:
+    """Write `entries` (name, safetensors dtype, shape), whose bytes `blocks` yields back to back in that
+    order, with `meta`; atomically (a temporary file renamed over `path`), under its `session_lock` (`locked`:
+    the caller holds it). Returns the file size."""
+    with contextlib.nullcontext() if locked else session_lock(path):
+        return _write_locked(Path(path), meta, entries, blocks, level)
 
 
 def _write_locked(path: Path, meta: dict, entries: list[tuple[str, str, tuple[int, ...]]],

@@ -20,6 +20,7 @@ from ..formats.direct import new_hash
 from ..formats.errors import ContextFull, StreamoeError, fail
 from ..formats.files import write_whole
 from ..formats.manifest import load_manifest
+from ..formats.session import session_lock
 from . import ranks, session
 from .constrain import (
     Constraint,
@@ -149,33 +150,36 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
         if group.rank() != 0:  # rank 0 alone prints and writes files
             sys.stdout = open(os.devnull, "w")
             save_session = None
-    try:
-        eng = Engine(model, opts, group)
-        if eng.plan.past_native and opts.rank == 0:
-            print(f"streamoe: note: {eng.plan.past_native}", file=sys.stderr, flush=True)
-        harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
-        # where the prompt leaves the model inside `<think>` (Qwen3.5's template), the answer reasons until `</think>`;
-        # where the template leaves the tag to the model (Qwen3's), an answer that opens with it does (`opener`)
-        tag = think_opener(eng.text.tokenizer) if think and not raw and not harmony else None
-        opens = tag is not None and eng.text.chat_prompt([{"role": "user", "content": "."}]).rstrip().endswith("<think>")
-        opener = None if opens else tag
-        work = {"--json-schema": digest(json.dumps(json_schema, sort_keys=True).encode()) if json_schema else None,
-                "--thinking-budget": thinking_budget, "-n": max_tokens, "--chat": chat, "-q": quiet, "--raw": raw,
-                "--no-think": not think}
-        return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
-                    max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
-                    save_session=save_session, load_session=load_session, seed_given=seed_given, drawn=drawn,
-                    constrained=answer_shape(eng, json_schema, opens, thinking_budget, harmony, opener), work=work,
-                    apart=(lambda: ReasoningApart(opens, harmony)) if json_schema is not None and not raw else None)
-    except RuntimeError as e:
-        lost = ranks.lost_peer(e, group) if group is not None else None
-        if lost is None:
-            raise
-        raise lost from None
-    except StreamoeError as e:
-        if group is None or group.rank() == 0:
-            raise
-        raise StreamoeError(f"{ranks.where(group)}: {e}") from None  # which rank said it, beside rank 0's line
+    # a run that will save a session holds its lock from here: a second one saving the same file fails before it
+    # opens the model, not after its answer (and a lock that cannot be made is found now too)
+    with session_lock(save_session) if save_session else contextlib.nullcontext():
+        try:
+            eng = Engine(model, opts, group)
+            if eng.plan.past_native and opts.rank == 0:
+                print(f"streamoe: note: {eng.plan.past_native}", file=sys.stderr, flush=True)
+            harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
+            # where the prompt leaves the model inside `<think>` (Qwen3.5's template), the answer reasons until `</think>`;
+            # where the template leaves the tag to the model (Qwen3's), an answer that opens with it does (`opener`)
+            tag = think_opener(eng.text.tokenizer) if think and not raw and not harmony else None
+            opens = tag is not None and eng.text.chat_prompt([{"role": "user", "content": "."}]).rstrip().endswith("<think>")
+            opener = None if opens else tag
+            work = {"--json-schema": digest(json.dumps(json_schema, sort_keys=True).encode()) if json_schema else None,
+                    "--thinking-budget": thinking_budget, "-n": max_tokens, "--chat": chat, "-q": quiet, "--raw": raw,
+                    "--no-think": not think}
+            return _run(eng, group, prompt=prompt, images=images, chat=chat, raw=raw, system=system, think=think,
+                        max_tokens=max_tokens, sampler=sampler, stats=stats, logits_out=logits_out, quiet=quiet,
+                        save_session=save_session, load_session=load_session, seed_given=seed_given, drawn=drawn,
+                        constrained=answer_shape(eng, json_schema, opens, thinking_budget, harmony, opener), work=work,
+                        apart=(lambda: ReasoningApart(opens, harmony)) if json_schema is not None and not raw else None)
+        except RuntimeError as e:
+            lost = ranks.lost_peer(e, group) if group is not None else None
+            if lost is None:
+                raise
+            raise lost from None
+        except StreamoeError as e:
+            if group is None or group.rank() == 0:
+                raise
+            raise StreamoeError(f"{ranks.where(group)}: {e}") from None  # which rank said it, beside rank 0's line
 
 
 def answer_shape(eng: Engine, schema: dict | None, thinking: bool, budget: int | None, harmony: bool = False,
@@ -346,7 +350,7 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             extra = {"raw": raw, "messages": messages, "tokens": fed, **({"unfed": eng.unfed} if eng.unfed else {})}
             if not sampler.greedy or (load_session and "sampler" in saved):  # a greedy conversation drew with no seed
                 extra["sampler"] = sampler.state()
-            size = session.save_session(eng, save_session, extra)
+            size = session.save_session(eng, save_session, extra, locked=True)
             print(f"(saved {eng.offset} tokens of conversation to {save_session}, {size / 2**20:.2f} MiB)", file=sys.stderr)
         if interrupted:
             raise KeyboardInterrupt  # then the command ends as any Ctrl-C ends it (130, one line)

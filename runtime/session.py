@@ -51,14 +51,15 @@ def _blocks(tensors: list[StateTensor]) -> Iterator[np.ndarray]:
             yield _bytes(t.array)
 
 
-def save_session(eng, path: str | Path, extra: dict) -> int:
-    """Write the engine's conversation state and `extra` (JSON-able) to `path`; returns the file size."""
+def save_session(eng, path: str | Path, extra: dict, locked: bool = False) -> int:
+    """Write the engine's conversation state and `extra` (JSON-able) to `path` (`locked`: the caller holds its
+    `session_lock`); returns the file size."""
     conv: Conversation = eng.conversation
     tensors = conv.tensors()
     mx.eval([t.array for t in tensors])
     meta = {**fingerprint(eng), "tokens": conv.offset, "rope_delta": conv.rope_delta, "extra": extra}
     return write_session(path, meta, [(t.name, code_of(t.array.dtype), tuple(t.array.shape)) for t in tensors],
-                         _blocks(tensors))
+                         _blocks(tensors), locked=locked)
 
 
 def load_session(eng, path: str | Path) -> dict:

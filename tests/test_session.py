@@ -297,6 +297,32 @@ def test_failed_save_names_the_file_and_leaves_nothing(tiny_conv, tmp_path):
     assert (tmp_path / "s.zst").read_bytes() == b"old" and [f.name for f in tmp_path.iterdir()] == ["s.zst"]
 
 
+def test_a_run_saving_a_session_holds_its_lock_from_the_start(tiny_conv, tmp_path):
+    """Two runs saving one session file do not interleave: while a chat that will save it waits for its next turn, a
+    second run saving the same file fails at once, before its model opens, naming the lock; the chat then saves. A
+    lock that cannot be made (a path under /proc) is refused before the answer too."""
+    target = tmp_path / "s.zst"
+    common = [sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--raw", "-n", "3", "--temp", "0"]
+    chat = subprocess.Popen([*common, "--chat", "--save-session", target], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / ".s.zst.lock").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = subprocess.run([*common, "-p", "one", "--save-session", target], capture_output=True, text=True,
+                                timeout=300)
+        line = one_error_line(second, "another streamoe command is writing this session file", ".s.zst.lock")
+        assert second.stdout == "" and str(target) in line
+        out, err = chat.communicate("one two\n", timeout=300)
+    finally:
+        chat.kill()
+    assert chat.returncode == 0 and "saved" in err and target.exists()
+    assert not (tmp_path / ".s.zst.lock").exists()
+    unmakeable = subprocess.run([*common, "-p", "one", "--save-session", "/proc/streamoe-s.zst"], capture_output=True,
+                                text=True, timeout=300)
+    assert one_error_line(unmakeable, "/proc/") and unmakeable.stdout == ""
+
+
 def test_session_of_an_empty_conversation_round_trips(tiny_conv, tmp_path):
     eng = engine(tiny_conv)
     save_session(eng, tmp_path / "s.zst", {})
