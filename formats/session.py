@@ -87,8 +87,9 @@ def check_meta(path: Path, doc: str | None) -> dict:
     if not isinstance(meta, dict):
         raise fail(path, "session metadata is not a JSON object")
     if meta.get("version") != VERSION or isinstance(meta.get("version"), bool):
-        raise fail(path, f"session format version {str(meta.get('version'))[:20]} is not supported "
-                         f"(this streamoe reads version {VERSION})")
+        given = meta.get("version")
+        said = f"{given}" if type(given) is int else f"{json.dumps(given)[:20]} (not an integer)"
+        raise fail(path, f"session format version {said} is not supported (this streamoe reads version {VERSION})")
     for key, typ in META_TYPES.items():
         v = meta.get(key)
         if not isinstance(v, typ) or isinstance(v, bool):
