@@ -135,6 +135,15 @@ def is_stream(st: os.stat_result) -> bool:
     return stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)
 
 
+def is_stdout(st: os.stat_result) -> bool:
+    """Whether `st` is the file this process's standard output is."""
+    try:
+        out = os.fstat(1)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino)
+
+
 def names_a_descriptor(path: str | os.PathLike) -> bool:
     """Whether `path` reaches its file through /proc (/dev/stdout, /dev/stderr, /dev/fd/N): an open descriptor of
     this process, whatever it points at. Written where it points, never replaced by a rename (that would replace
@@ -204,6 +213,10 @@ def write_whole(path: str | os.PathLike, write: Callable[[BinaryIO], None], what
         try:
             with f:
                 write(f)
+        except BrokenPipeError:
+            if is_stdout(st):  # stdout's reader left (`| head`): the quiet end of a shell tool, as for the answer
+                raise
+            raise fail(path, f"cannot write the {what}: its reader closed the pipe") from None
         except OSError as e:
             raise os_fail(path, e, f"cannot write the {what}") from None
         return

@@ -226,3 +226,13 @@ def test_a_reader_that_leaves_stdout_ends_the_run_quietly(tiny_conv):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141 and err == "", err
+    # the same where the output that meets the gone reader is a file named as stdout (--logits-out /dev/stdout)
+    p = subprocess.Popen([sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--raw", "-p",
+                          "import os", "-n", "40", "--temp", "0", "-q", "--logits-out", "/dev/stdout"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = b""
+    while not seen.endswith(b"PK\x03\x04"):  # the answer, then the start of the logits' .npz (a zip)
+        seen += p.stdout.read(1) or pytest.fail(f"no .npz on stdout: {seen!r}")
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
