@@ -137,6 +137,8 @@ class SessionReader:
 
     def _declared_size(self, size: int) -> int | None:
         """The zstd frame's declared content size (None when the writer did not record it)."""
+        if size == 0:
+            raise fail(self.path, "is empty: not a streamoe session")
         try:
             with open(self.path, "rb") as f:
                 params = zstandard.get_frame_parameters(f.read(min(size, 18)))

@@ -506,7 +506,8 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @click.option("--thinking-budget", type=click.IntRange(min=0, max=1 << 31), default=None, metavar="N",
               help="End each answer's thinking after N tokens: the template's </think> is then written for the model "
                    "and the answer goes on (Anthropic's thinking.budget_tokens). Needs the template's thinking on.")
-@click.option("--max-tokens", "-n", type=click.IntRange(min=1, max=1 << 31), default=256, show_default=True)
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1, max=1 << 31), default=256, show_default=True,
+              help="Tokens an answer may take at most (each turn's, with --chat); the context may end it sooner.")
 @sampling_options
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=None,
               help="Seed of the sampled tokens (default: a new one each run, shown in the summary line): the same seed "
