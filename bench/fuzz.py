@@ -517,11 +517,11 @@ def session_inputs(world: World) -> st.SearchStrategy:
             h = {**h, "__metadata__": {"streamoe_session": json.dumps(m)}}
         hb = encode(h)
         content = struct.pack("<Q", len(hb)) + hb + body
-        return zstandard.ZstdCompressor(write_content_size=sized).compress(content)
+        return zstandard.ZstdCompressor(write_content_size=sized, write_checksum=True).compress(content)
 
     def frame_declaring(length: int) -> bytes:
         buf = io.BytesIO()
-        with zstandard.ZstdCompressor().stream_writer(buf, closefd=False) as w:
+        with zstandard.ZstdCompressor(write_checksum=True).stream_writer(buf, closefd=False) as w:
             w.write(struct.pack("<Q", length) + b"{" * 64)
         return buf.getvalue()
 

@@ -144,6 +144,8 @@ class SessionReader:
                 params = zstandard.get_frame_parameters(f.read(min(size, 18)))
         except (zstandard.ZstdError, OSError):
             raise fail(self.path, "not a streamoe session (not a zstandard frame)") from None
+        if not params.has_checksum:  # streamoe always writes one: without it damage would go unnoticed
+            raise fail(self.path, "not a streamoe session (its zstandard frame carries no checksum)")
         cs = params.content_size
         return None if cs in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) else cs
 

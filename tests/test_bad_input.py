@@ -724,7 +724,7 @@ def _(tmp, ck, conv):
 def _(tmp, ck, conv):
     """The issue's cap breaker: a tiny frame whose container declares a 100 MiB header."""
     buf = io.BytesIO()
-    with zstandard.ZstdCompressor(level=19).stream_writer(buf, closefd=False) as w:
+    with zstandard.ZstdCompressor(level=19, write_checksum=True).stream_writer(buf, closefd=False) as w:
         w.write(struct.pack("<Q", 100 << 20))
         for _ in range(100):
             w.write(bytes(1 << 20))
@@ -754,7 +754,7 @@ def _(tmp, ck, conv):
     meta["version"] = True
     head["__metadata__"]["streamoe_session"] = json.dumps(meta)
     h = json.dumps(head).encode()
-    p.write_bytes(zstandard.ZstdCompressor().compress(struct.pack("<Q", len(h)) + h + raw[8 + n:]))
+    p.write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(struct.pack("<Q", len(h)) + h + raw[8 + n:]))
     return run_args(conv, "--load-session", p), (str(p), "version")
 
 

@@ -119,7 +119,7 @@ def test_two_converts_race_into_one_out(tiny_ckpt, tmp_path):
 def test_session_declaring_a_huge_header_stays_inside_the_cap(tiny_conv, tmp_path):
     bomb = tmp_path / "bomb.zst"
     buf = io.BytesIO()
-    with zstandard.ZstdCompressor(level=19).stream_writer(buf, closefd=False) as w:
+    with zstandard.ZstdCompressor(level=19, write_checksum=True).stream_writer(buf, closefd=False) as w:
         w.write(struct.pack("<Q", 100 << 20))
         for _ in range(100):
             w.write(bytes(1 << 20))

@@ -237,8 +237,10 @@ def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
     flipped = bytearray(blob)
     flipped[len(blob) // 2] ^= 0xFF
     (d / "flipped").write_bytes(bytes(flipped))
-    (d / "notsession").write_bytes(zstandard.ZstdCompressor().compress(b"\x02\x00\x00\x00\x00\x00\x00\x00{}"))
+    (d / "notsession").write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(b"\x02\x00\x00\x00\x00\x00\x00\x00{}"))
     (d / "empty").write_bytes(b"")
+    inner = zstandard.ZstdDecompressor().decompress(blob)
+    (d / "unchecked").write_bytes(zstandard.ZstdCompressor(write_checksum=False).compress(inner))
     write_session(d / "v2", {"version": 2}, [], [])
     write_session(d / "v-text", {"version": "1"}, [], [])
     eng = Engine(small_conv, Options(cap_gib=8, ctx=64, runtime_bytes=RUNTIME))
@@ -252,6 +254,7 @@ def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
         ([d / "flipped"], "damaged"),
         ([d / "notsession"], "session metadata"),
         ([d / "empty"], "is empty: not a streamoe session"),
+        ([d / "unchecked"], "carries no checksum"),
         ([d / "v2"], "session format version 2 is not supported (this streamoe reads version 1)"),
         ([d / "v-text"], 'version "1" (not an integer) is not supported'),
         ([d / "other-model"], "different model"),
