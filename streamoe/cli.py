@@ -111,7 +111,8 @@ PREFILL_CHUNK = click.option("--prefill-chunk", type=PrefillChunk(), default="au
                              help="Prompt tokens per chunk: each chunk reads a layer's experts once. auto: the largest "
                                   "that fits beside the fixed accounts with the hot tier keeping half its size; the "
                                   "logits are the same at every cap (kernels run over 256 tokens at a time). A number: "
-                                  "chunks and kernel calls of that many tokens.")
+                                  "chunks and kernel calls of that many tokens (other kernel shapes round otherwise: "
+                                  "logits differ from auto's in their last bits).")
 
 
 def expert_list(ctx, param, value: str | None) -> list[str] | None:
