@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path)
     ap.add_argument("--experts", default="q4")
     ap.add_argument("--warm", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--parse", nargs="+", metavar="ENGINE=CSV", help="the logs ncu wrote, one per engine")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
