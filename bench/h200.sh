@@ -202,7 +202,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     for e in streamoe mlx_lm; do
       timeout 240 "$NCU" --profile-from-start off --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
         --print-units base --log-file "$OUT/kernels-$e.csv" python3 -m bench.gpu_kernels --engine $e --ckpt "$S/full-ckpt" \
-        --model "$S/full-conv" --steps "${STEPS_PROFILED:-1}" 2>&1 | grep -v '^==PROF==' | tail -5
+        --model "$S/full-conv" --steps "${STEPS_PROFILED:-1}" 2>&1 | { grep -v "^==PROF==" || true; } | tail -5
     done
     python3 -m bench.gpu_kernels --parse streamoe="$OUT/kernels-streamoe.csv" mlx_lm="$OUT/kernels-mlx_lm.csv" \
       --steps "${STEPS_PROFILED:-1}" --out "$OUT/gpu-kernels-${CARD}.json" | head -60
