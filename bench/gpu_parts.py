@@ -197,6 +197,8 @@ def variant(name: str, eng: Engine):
             delta_rule.GDN_FORM = name[4:]
         elif name == "uncompiled_step":  # each layer's one-token call built op by op, as before `COMPILED_STEP`
             kernels.COMPILED_STEP = False
+        elif name == "delta_rule_warps":  # the delta-rule kernel in blocks of 32 threads (4x the blocks), same bits
+            delta_rule.DELTA_RULE_THREADS = 32
         elif name == "picks_by_four":  # a decode step's picks in two gather_qmm calls of four (CUDA's mat-vec kernel)
             kernels.PICKS_PER_CALL = 4
         elif name == "cache_account_only":  # the allocator cache as before plan.cache_limit
@@ -208,6 +210,7 @@ def variant(name: str, eng: Engine):
         yield
     finally:
         delta_rule.GDN_FORM = None
+        delta_rule.DELTA_RULE_THREADS = 128
         kernels.PICKS_PER_CALL = None
         kernels.COMPILED_STEP = compiled_step
         mx.set_cache_limit(limit)

@@ -31,7 +31,8 @@
 #   bash bench/h200.sh kernels   # (after setup) one resident decode step's kernels timed by Nsight Compute, streamoe's and
 #                                mlx-lm's: device ms a token against its wall clock, and where it goes (bench/gpu_kernels.py)
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds (ROUNDS=);
-#                                VARIANTS=picks_by_four: then the decode step's picks in gather_qmm calls of four, against as is
+#                                VARIANTS=picks_by_four: then the decode step's picks in gather_qmm calls of four, against as is;
+#                                VARIANTS=delta_rule_warps: the delta-rule kernel in blocks of 32 threads (the same bits)
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
 #   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy), 11 rounds: best runs

@@ -350,9 +350,10 @@ def test_gpu_pools_are_updated_in_place_whatever_mlx_has_cached(small_conv, monk
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the delta-rule kernel is CUDA's form (delta_rule.gdn_form)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_delta_rule_kernel_is_the_token_loop(dtype):
+def test_gpu_delta_rule_kernel_is_the_token_loop(dtype, monkeypatch):
     """CUDA runs the delta rule as one kernel (delta_rule.delta_rule_cuda): grouped heads, one token and a prompt's
     worth, against the token loop (float32 state; the kernel sums over dk in another order: 1e-5 relative)."""
+    from streamoe.runtime.models import delta_rule
     from streamoe.runtime.models.delta_rule import delta_rule_cuda, gated_delta_loop
 
     rng = np.random.default_rng(3)
@@ -376,6 +377,11 @@ def test_gpu_delta_rule_kernel_is_the_token_loop(dtype):
             assert err < (1e-5 if dtype == "float32" else 1e-2), (L, err)
         y2, s2 = delta_rule_cuda(qk, conv, log_g, beta, s0, Hk, Hv, dk, dv)
         assert mx.array_equal(y, y2) and mx.array_equal(s, s2)  # deterministic
+        for threads in (32, 64):  # a block's size changes where rows run, not one bit of them
+            monkeypatch.setattr(delta_rule, "DELTA_RULE_THREADS", threads)
+            y3, s3 = delta_rule_cuda(qk, conv, log_g, beta, s0, Hk, Hv, dk, dv)
+            assert mx.array_equal(y, y3) and mx.array_equal(s, s3), threads
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
