@@ -28,6 +28,8 @@
 #                                grouped by expert (one gather_qmm batch of up to 16 rows per expert)
 #   bash bench/h200.sh grouped   # (no checkpoint) a prefill step's routed experts per pick against grouped by expert, `rows`
 #                                pairs to a gather_qmm batch, grouped on the host or the device (bench/experts_grouped.py)
+#   bash bench/h200.sh experts-qmv  # (no checkpoint) a decode step's routed experts as one warp a row against gather_qmm
+#                                (bench/experts_qmv.py: the kernel's difference from the float32 product, device ms a call)
 #   bash bench/h200.sh kernels   # (after setup) one resident decode step's kernels timed by Nsight Compute, streamoe's and
 #                                mlx-lm's: device ms a token against its wall clock, and where it goes (bench/gpu_kernels.py)
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds (ROUNDS=);
@@ -88,7 +90,7 @@ gpu_tests() {
 }
 STEP=${1:-}
 needs_checkpoint() {  # whether a step (STEP+VAR=value...) works on `setup`'s Qwen3.6 checkpoint
-  case "${1%%+*}" in gputest|gpuexact|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family|routing|cgroups) return 1 ;; esac
+  case "${1%%+*}" in gputest|gpuexact|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family|routing|cgroups|experts-qmv) return 1 ;; esac
 }
 case "$1" in
   lease)
@@ -196,6 +198,9 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
   rounds)
     python3 -m bench.gpu_parts --ckpt "$S/full-ckpt" --model "$S/full-conv" --experts q4 --skip-parts --variants "${VARIANTS:-}" \
       --rounds "${ROUNDS:-7}" --out "$OUT/gpu-rounds-${CARD}.json" | grep -v '^ '
+    ;;
+  experts-qmv)
+    python3 -m bench.experts_qmv --out "$OUT/experts-qmv-${CARD}.json"
     ;;
   kernels)
     # one resident decode step's kernels under Nsight Compute, each engine in its own process (bench/gpu_kernels.py)

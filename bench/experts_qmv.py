@@ -1,0 +1,145 @@
+"""A decode step's routed experts as one warp per output row (a gather mat-vec), against MLX's `gather_qmm`, which
+CUDA runs as its `qmm_sm80` GEMM kernel: 28.4 us a gate or up call for 8 picks of Qwen3.6 on an H100, 32 blocks
+for 132 SMs, about 5 % of the memory's speed (`bench/gpu_kernels.py`, docs/performance.md).
+
+    python -m bench.experts_qmv --out R.json     # on a GPU (CUDA); Qwen3.6's shapes by default
+
+For each projection shape (gate/up: N = 512 rows of K = 2048; down: N = 2048 of K = 512) and affine 4-bit experts
+in a pool of 256 slots, 8 picks of one token: the kernel's result against `gather_qmm`'s (largest difference,
+relative to the largest value; the sums run in another order, so not the same bits), each one's difference from
+the float32 product of the dequantized weights, and each one's device time a call (n calls built, then evaluated at once, divided by n). `gate_up` also times one kernel computing both
+projections of a pick (one launch for two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+# one warp a (pick, output row): its lanes read the row's words side by side, each word 8 codes of one group, and
+# sum scale * (codes . x) + bias * sum(x) group by group; then the warp adds its lanes' sums
+_SOURCE = """
+    const unsigned int gid = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int warp = gid / 32, lane = gid % 32;
+    const unsigned int picks = slots_shape[0];
+    if (warp >= picks * MATS * N) return;
+    const unsigned int p = warp / (MATS * N), m = (warp / N) % MATS, n = warp % N;
+    const size_t slot = slots[p];
+    const auto* xr = x + (size_t)rows[p] * K;
+    const uint32_t* wr = (m == 0 ? w0 : w1) + (slot * N + n) * (K / 8);
+    const auto* sr = (m == 0 ? s0 : s1) + (slot * N + n) * (K / GROUP);
+    const auto* br = (m == 0 ? b0 : b1) + (slot * N + n) * (K / GROUP);
+    float acc = 0.f;
+    for (unsigned int i = lane; i < K / 8; i += 32) {
+        const uint32_t word = wr[i];
+        float qx = 0.f, sx = 0.f;
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float xv = static_cast<float>(xr[i * 8 + j]);
+            qx += static_cast<float>((word >> (4 * j)) & 15u) * xv;
+            sx += xv;
+        }
+        const unsigned int g = i * 8 / GROUP;
+        acc += static_cast<float>(sr[g]) * qx + static_cast<float>(br[g]) * sx;
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) y[((size_t)m * picks + p) * N + n] = static_cast<T>(acc);
+"""
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel("streamoe_experts_qmv", ["x", "rows", "slots", "w0", "s0", "b0", "w1", "s1", "b1"], ["y"],
+                               _SOURCE)
+
+
+def gather_qmv(x: mx.array, rows: mx.array, slots: mx.array, mats: list[tuple[mx.array, mx.array, mx.array]],
+               group: int = 64, threads: int = 256) -> mx.array:
+    """y [len(mats), P, N]: for each pick p, row x[rows[p]] [K] times the slot slots[p] of each quantized matrix
+    (w [S, N, K/8] uint32, scales and biases [S, N, K/group]), affine 4-bit."""
+    w0, s0, b0 = mats[0]
+    w1, s1, b1 = mats[-1]
+    n, k, picks = w0.shape[1], x.shape[-1], slots.shape[0]
+    total = len(mats) * picks * n * 32
+    (y,) = _kernel()(inputs=[x, rows, slots, w0, s0, b0, w1, s1, b1],
+                     template=[("T", x.dtype), ("K", k), ("N", n), ("GROUP", group), ("MATS", len(mats))],
+                     grid=(total, 1, 1), threadgroup=(threads, 1, 1),
+                     output_shapes=[(len(mats), picks, n)], output_dtypes=[x.dtype])
+    return y
+
+
+def device_ms(f, n: int = 100) -> float:
+    mx.eval(f())
+    t = time.perf_counter()
+    mx.eval([f() for _ in range(n)])
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def measure(mats: list, slots: mx.array, picks: int, per_pick: bool, threads: list[int]) -> dict:
+    """One projection shape: the kernel against `gather_qmm` (x one row for every pick, or one row a pick)."""
+    n, k = mats[0][0].shape[1], mats[0][0].shape[2] * 8
+    x = mx.random.normal((picks if per_pick else 1, k)).astype(mx.bfloat16)
+    rows = mx.arange(picks).astype(mx.uint32) if per_pick else mx.zeros((picks,), mx.uint32)
+    mx.eval(mats, x, rows, slots)
+    xe = x[:, None, None, :] if per_pick else x[None, None, None, :]  # [P, 1, 1, K] / [1, 1, 1, K]
+    rhs = slots[:, None] if per_pick else slots[None, :]
+
+    def ref():
+        return [mx.gather_qmm(xe, *m, rhs_indices=rhs, transpose=True, group_size=64, bits=4) for m in mats]
+
+    f32 = mx.float32
+    exact = [(mx.dequantize(w[slots], s[slots].astype(f32), b[slots].astype(f32), group_size=64, bits=4)
+              @ x[rows].astype(f32)[:, :, None])[..., 0] for w, s, b in mats]  # [P, N], float32 throughout
+
+    def off(got: list[mx.array]) -> float:  # the largest difference from the float32 product, over its largest value
+        return max(float(mx.abs(g.astype(f32) - e).max() / mx.abs(e).max()) for g, e in zip(got, exact, strict=True))
+
+    theirs = [r.reshape(picks, n) for r in ref()]
+    row = {"N": n, "K": k, "gather_qmm_ms": round(device_ms(ref), 4), "gather_qmm_off": off(theirs)}
+    for t in threads:
+        got = gather_qmv(x, rows, slots, mats, threads=t)
+        row[f"qmv_{t}"] = {"ms": round(device_ms(lambda t=t: gather_qmv(x, rows, slots, mats, threads=t)), 4),
+                           "off": off(list(got)),
+                           "from_gather_qmm": max(float(mx.abs(g.astype(f32) - h.astype(f32)).max()
+                                                       / mx.abs(h.astype(f32)).max()) for g, h in zip(list(got), theirs, strict=True))}
+        if len(mats) == 2:  # one launch per matrix, as gather_qmm has
+            row[f"qmv_{t}_apart_ms"] = round(device_ms(
+                lambda t=t: [gather_qmv(x, rows, slots, [m], threads=t) for m in mats]), 4)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=512)
+    ap.add_argument("--slots", type=int, default=256)
+    ap.add_argument("--picks", type=int, default=8)
+    ap.add_argument("--threads", default="256,128", help="block sizes to try")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    from bench.common import machine
+
+    mx.random.seed(0)
+    dt = mx.bfloat16
+    res = {"machine": machine(), "picks": a.picks, "slots": a.slots, "shapes": {}}
+    slots = mx.random.randint(0, a.slots, (a.picks,)).astype(mx.uint32)
+
+    def experts(n, k):
+        return mx.quantize((mx.random.normal((a.slots, n, k)) * 0.02).astype(dt), group_size=64, bits=4)
+
+    for name, n, k, per_pick in (("gate_up", a.inter, a.hidden, False), ("down", a.hidden, a.inter, True)):
+        mats = [experts(n, k) for _ in range(2 if name == "gate_up" else 1)]
+        res["shapes"][name] = row = measure(mats, slots, a.picks, per_pick, [int(v) for v in a.threads.split(",")])
+        print(name, json.dumps(row), flush=True)
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
