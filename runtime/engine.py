@@ -282,9 +282,9 @@ class Engine:
         caller, and a decode step's `ms` is the interval since the previous token did, so the summary's
         tok/s is the rate the caller sees, whatever was overlapped."""
         t_start = time.perf_counter()
-        self.unfed = []
         stops = self.text.stop_ids if stops is None else stops
         logits = prefill_images(self, prompt, images, progress) if images else self.prefill(prompt, progress)
+        self.unfed = []  # a prompt refused before this (a full context) leaves the last answer's as it was
         pen = sampler.start(prompt if context is None else context, logits.shape[0])
         drawn = sampler.drawn
 
@@ -360,6 +360,7 @@ class Engine:
         """An empty conversation, in the same caches: new ones would be allocated beside the old before those are
         let go, a second KV cache (1.3 GiB at 131K positions in q8) the plan does not hold."""
         self.conversation.clear()
+        self.unfed = []
 
     def prefill_embedded(self, ids: list[int], positions: mx.array, emb: mx.array, rope_next: int,
                          progress: Callable[[int, int], None] | None = None) -> mx.array:

@@ -200,6 +200,15 @@ def test_a_session_saved_with_its_context_full_continues_as_one_saved_with_room(
         after[name] = np.load(tmp_path / f"{name}.npz")["logits"].tobytes()
     assert after["full"] == after["room"]
     assert (tmp_path / "full-2.zst").read_bytes() == (tmp_path / "room-2.zst").read_bytes()
+    # a chat whose next turn the full context refuses keeps that token for its session; one emptied by /clear does not
+    chat = [sys.executable, "-m", "streamoe.cli", *map(str, common), "--ctx", str(p + 3), "-n", "8", "--chat"]
+    for name, turns in (("refused", [first, " four"]), ("cleared", [first, "/clear", "x"])):
+        done = subprocess.run([*chat, "--save-session", tmp_path / f"{name}.zst"], input="\n".join(turns) + "\n",
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        on = cli(*common, "--ctx", 256, "-n", 6, "-p", " four five", "--load-session", tmp_path / f"{name}.zst",
+                 "--logits-out", tmp_path / f"{name}.npz", check=True)
+        assert (np.load(tmp_path / f"{name}.npz")["logits"].tobytes() == after["room"]) == (name == "refused"), on.stderr
     again = one_error_line(cli(*common, "--ctx", p + 3, "-p", " four", "--load-session", tmp_path / "full.zst"))
     assert str(tmp_path / "full.zst") in again and "--ctx" in again
 
