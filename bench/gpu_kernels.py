@@ -97,6 +97,13 @@ def parse(path: Path, steps: int) -> dict:
     }
 
 
+def positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive number of steps")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=("streamoe", "mlx_lm"))
@@ -104,10 +111,14 @@ def main() -> None:
     ap.add_argument("--model", type=Path)
     ap.add_argument("--experts", default="q4")
     ap.add_argument("--warm", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--steps", type=positive, default=1, metavar="N", help="decode steps profiled (and in the logs)")
     ap.add_argument("--parse", nargs="+", metavar="ENGINE=CSV", help="the logs ncu wrote, one per engine")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    if a.parse and not all("=" in p for p in a.parse):
+        ap.error("--parse takes ENGINE=CSV pairs (streamoe=S.csv mlx_lm=R.csv)")
+    if not a.parse and not (a.engine and a.ckpt and a.model):
+        ap.error("--engine, --ckpt and --model are needed to profile (or --parse ENGINE=CSV ...)")
     if a.parse:
         from bench.common import machine
 

@@ -167,6 +167,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp"))
     ap.add_argument("--name", default="host-tier")
     a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
     sp = speeds(a.model, a.experts)
     print(json.dumps(sp), flush=True)
     results = []

@@ -99,7 +99,8 @@ def _attention_elements(fn, nq: int, nkv: int, hd: int, n: int, L: int, item: in
     """`plan.attention_elements` at the given attention shape (it reads only these fields of ModelArgs)."""
     from types import SimpleNamespace
 
-    return fn(SimpleNamespace(num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd), n, L, item, bits)
+    return fn(SimpleNamespace(num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd, attention_sinks=False),
+              n, L, item, bits)
 
 
 if __name__ == "__main__":

@@ -165,12 +165,13 @@ def triangle_url(scratch: Path) -> str:
 
 
 def quarter_cap(model: Path, ctx: int, runtime_mib: int, cache_mib: float) -> float:
-    """A cap whose hot tier holds a quarter of the experts, with the server's default accounts."""
+    """A cap whose hot tier holds a quarter of the experts, with the accounts the server adds (`serve_accounts`)."""
     from streamoe.runtime.engine import Options, plan_for
-    from streamoe.runtime.serve.worker import ServeOptions, requests_bytes
+    from streamoe.runtime.serve.worker import ServeOptions, serve_accounts
 
-    extra = int(cache_mib * 2**20) + requests_bytes(ServeOptions("bench"), model, ctx)
-    p = plan_for(model, Options(cap_gib=64, ctx=ctx, images=True, runtime_bytes=runtime_mib * 2**20 + extra))
+    so = ServeOptions("bench", prompt_cache_bytes=int(cache_mib * 2**20))
+    p = plan_for(model, Options(cap_gib=64, ctx=ctx, images=True, runtime_bytes=runtime_mib * 2**20,
+                                extra_accounts=serve_accounts(model, ctx, so)))
     return (p.fixed + p.n_layers * p.n_experts // 4 * p.slot_bytes + p.slot_bytes // 2) / 2**30
 
 
