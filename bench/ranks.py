@@ -86,7 +86,8 @@ def run_once(model: Path, n: int, cap: float, tokens: int, work: Path) -> dict:
         per_rank.append({"rank": r, "mib_read_token": sum(s["bytes_read"] for s in decode) / len(decode) / 2**20,
                          "hit_rate": hits / picks if picks else 1.0,
                          "layers_with_no_pick": sum(ly["picks"] == 0 for s in decode for ly in s["layers"])})
-    return {"ranks": n, "cap_gib": cap, "tokens": tokens,
+    made = int(re.search(r"\[(\d+) tokens", line).group(1))  # fewer than asked where the model ended its answer
+    return {"ranks": n, "cap_gib": cap, "tokens_asked": tokens, "tokens": made,
             "tok_s": float(re.search(r"([\d.]+) tok/s", line).group(1)), "per_rank": per_rank,
             "summary": line, "logits": np.load(logits)["logits"]}
 
