@@ -266,6 +266,10 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
         if chat and sys.stdin.isatty():
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401  (input() then edits the line and keeps the turns' history)
+        if chat and group is None and threading.current_thread() is threading.main_thread():
+            # explicitly, as serve does: a process started with SIGINT ignored (a shell's background job, some test
+            # runners) gets no Ctrl-C handler from Python, and Ctrl-C at the prompt would not end the chat
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         while True:
             if turns:
                 user = turns.pop(0)
