@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import time
@@ -431,13 +432,6 @@ def visible(n_keys: int, first_query: int, n_queries: int, key_start: int, windo
     return mask & (q < k + window) if window else mask
 
 
-def per_head(x: mx.array, codes: tuple, matmul) -> mx.array:
-    """matmul(x[b, h], codes[.][b, h]) for every sequence b and KV head h, stacked back to [B, nkv, ...]."""
-    B, nkv = x.shape[:2]
-    rows = [mx.stack([matmul(x[b, h], tuple(c[b, h] for c in codes)) for h in range(nkv)]) for b in range(B)]
-    return mx.stack(rows)
-
-
 def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, bits: int, window: int = 0,
                         sinks: mx.array | None = None) -> mx.array:
     """Causal attention of q [B, nq, L, hd] over quantized keys/values ((codes, scales, biases), each
@@ -446,8 +440,9 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
     the probability goes nowhere), as `mx.fast.scaled_dot_product_attention(sinks=)` computes them.
 
     The query heads that share a KV head are stacked as rows of one matmul ([rep * L, hd]) rather than
-    broadcast against the codes, and the L query positions go a block at a time (`score_rows`), so what is
-    materialized is one block's scores (and their softmax), not L x N x nq of them for a long prompt.
+    broadcast against the codes, the L query positions go a block at a time (`score_rows`), and each (sequence, KV
+    head) goes through scores, softmax and values before the next, so what is materialized is one head's share of
+    one block's scores (and their softmax), not L x N x nq of them for a long prompt.
     Each (sequence, KV head) is its own matmul: its live codes `[N, ...]` (under a window, the last of them) are
     a contiguous run of the cache's rows, where the batched `[B, nkv, N, ...]` view is strided past the unused positions, and MLX's
     CUDA kernels take only contiguous codes."""
@@ -459,27 +454,37 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
     rep = nq // nkv
     q = (q * scale).reshape(B, nkv, rep, L, D)
     rows = score_rows(nq, N - start, q.dtype.size)
-    outs = []
+    outs, last = [], None
     for a in range(0, L, rows):
         b = min(L, a + rows)
-        qb = q[:, :, :, a:b].reshape(B, nkv, rep * (b - a), D)
-        if outs:  # left lazy, MLX would schedule every block's scores at once (measured: all of them live)
-            mx.eval(outs[-1])
-        s = per_head(qb, keys, lambda x, c: quantized_matmul(x, *c, KV_GROUP, bits))
-        if L > 1:  # query position a+i sits at key position N - L + a + i
-            mask = visible(N, N - L + a, b - a, start, window)
-            s = mx.where(mask, s.reshape(B, nkv, rep, b - a, N - start), mx.finfo(s.dtype).min).reshape(s.shape)
-        if sinks is not None:
-            sink = mx.broadcast_to(sinks.astype(s.dtype).reshape(1, nkv, rep, 1, 1), (B, nkv, rep, b - a, 1))
-            s = mx.concatenate([sink.reshape(B, nkv, rep * (b - a), 1), s], axis=-1)
-        p = mx.softmax(s, axis=-1, precise=True)
-        if sinks is not None:
-            p = p[..., 1:]
-        o = per_head(p, values, lambda x, c: mx.quantized_matmul(x, *c, transpose=False, group_size=KV_GROUP,
-                                                                  bits=bits))
-        outs.append(o.reshape(B, nkv, rep, b - a, D))
+        mask = visible(N, N - L + a, b - a, start, window) if L > 1 else None  # query a+i sits at key N - L + a + i
+        heads = []
+        for i, h in itertools.product(range(B), range(nkv)):
+            if last is not None:  # left lazy, MLX would schedule every head's scores at once (all of them live)
+                mx.eval(last)
+            last = _head_attention(q[i, h, :, a:b], tuple(c[i, h] for c in keys), tuple(c[i, h] for c in values),
+                                   bits, mask, None if sinks is None else sinks.reshape(nkv, rep)[h])
+            heads.append(last)
+        outs.append(mx.stack(heads).reshape(B, nkv, rep, b - a, D))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(B, nq, L, D)
+
+
+def _head_attention(q: mx.array, keys: tuple, values: tuple, bits: int, mask: mx.array | None,
+                    sinks: mx.array | None) -> mx.array:
+    """One (sequence, KV head) of `quantized_attention`: q [rep, T, D] (scaled) over its contiguous codes, through
+    scores, softmax and values, so only this head's scores are live: [rep, T, D]."""
+    rep, T, D = q.shape
+    s = quantized_matmul(q.reshape(rep * T, D), *keys, KV_GROUP, bits)
+    if mask is not None:
+        s = mx.where(mask, s.reshape(rep, T, -1), mx.finfo(s.dtype).min).reshape(s.shape)
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.astype(s.dtype).reshape(rep, 1, 1), (rep, T, 1)).reshape(rep * T, 1)
+        s = mx.concatenate([sink, s], axis=-1)
+    p = mx.softmax(s, axis=-1, precise=True)
+    if sinks is not None:
+        p = p[..., 1:]
+    return mx.quantized_matmul(p, *values, transpose=False, group_size=KV_GROUP, bits=bits).reshape(rep, T, D)
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None, scale: float, window: int = 0,
