@@ -460,8 +460,8 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float, b
         mask = visible(N, N - L + a, b - a, start, window) if L > 1 else None  # query a+i sits at key N - L + a + i
         heads = []
         for i, h in itertools.product(range(B), range(nkv)):
-            if last is not None:  # left lazy, MLX would schedule every head's scores at once (all of them live)
-                mx.eval(last)
+            if last is not None and L > 1:  # a prompt's block: left lazy, MLX would schedule every head's scores at
+                mx.eval(last)                  # once (all of them live); a decode step's are small and must not sync
             last = _head_attention(q[i, h, :, a:b], tuple(c[i, h] for c in keys), tuple(c[i, h] for c in values),
                                    bits, mask, None if sinks is None else sinks.reshape(nkv, rep)[h])
             heads.append(last)
