@@ -1,77 +1,26 @@
-"""A decode step's routed experts as one warp per output row (a gather mat-vec), against MLX's `gather_qmm`, which
-CUDA runs as its `qmm_sm80` GEMM kernel: 28.4 us a gate or up call for 8 picks of Qwen3.6 on an H100, 32 blocks
-for 132 SMs, about 5 % of the memory's speed (`bench/gpu_kernels.py`, docs/performance.md).
+"""A decode step's routed experts one warp an output row (`kernels.gather_qmv`, a gather mat-vec) against MLX's
+`gather_qmm`, which CUDA runs as its `qmm_sm80` GEMM kernel: 28.4 us a gate or up call for 8 picks of Qwen3.6 on an
+H100, 32 blocks for 132 SMs, about 5 % of the memory's speed (`bench/gpu_kernels.py`, docs/performance.md).
 
     python -m bench.experts_qmv --out R.json     # on a GPU (CUDA); Qwen3.6's shapes by default
 
 For each projection shape (gate/up: N = 512 rows of K = 2048; down: N = 2048 of K = 512) and affine 4-bit experts
 in a pool of 256 slots, 8 picks of one token: the kernel's result against `gather_qmm`'s (largest difference,
 relative to the largest value; the sums run in another order, so not the same bits), each one's difference from
-the float32 product of the dequantized weights, and each one's device time a call (n calls built, then evaluated at once, divided by n). `gate_up` also times one kernel computing both
-projections of a pick (one launch for two).
+the float32 product of the dequantized weights, and each one's device time a call (n calls built, then evaluated
+at once, divided by n). `gate_up` also times one kernel computing both projections of a pick (one launch for two).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-# one warp a (pick, output row): its lanes read the row's words side by side, each word 8 codes of one group, and
-# sum scale * (codes . x) + bias * sum(x) group by group; then the warp adds its lanes' sums
-_SOURCE = """
-    const unsigned int gid = blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned int warp = gid / 32, lane = gid % 32;
-    const unsigned int picks = slots_shape[0];
-    if (warp >= picks * MATS * N) return;
-    const unsigned int p = warp / (MATS * N), m = (warp / N) % MATS, n = warp % N;
-    const size_t slot = slots[p];
-    const auto* xr = x + (size_t)rows[p] * K;
-    const uint32_t* wr = (m == 0 ? w0 : w1) + (slot * N + n) * (K / 8);
-    const auto* sr = (m == 0 ? s0 : s1) + (slot * N + n) * (K / GROUP);
-    const auto* br = (m == 0 ? b0 : b1) + (slot * N + n) * (K / GROUP);
-    float acc = 0.f;
-    for (unsigned int i = lane; i < K / 8; i += 32) {
-        const uint32_t word = wr[i];
-        float qx = 0.f, sx = 0.f;
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float xv = static_cast<float>(xr[i * 8 + j]);
-            qx += static_cast<float>((word >> (4 * j)) & 15u) * xv;
-            sx += xv;
-        }
-        const unsigned int g = i * 8 / GROUP;
-        acc += static_cast<float>(sr[g]) * qx + static_cast<float>(br[g]) * sx;
-    }
-    #pragma unroll
-    for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);
-    if (lane == 0) y[((size_t)m * picks + p) * N + n] = static_cast<T>(acc);
-"""
-
-
-@functools.cache
-def _kernel():
-    return mx.fast.cuda_kernel("streamoe_experts_qmv", ["x", "rows", "slots", "w0", "s0", "b0", "w1", "s1", "b1"], ["y"],
-                               _SOURCE)
-
-
-def gather_qmv(x: mx.array, rows: mx.array, slots: mx.array, mats: list[tuple[mx.array, mx.array, mx.array]],
-               group: int = 64, threads: int = 256) -> mx.array:
-    """y [len(mats), P, N]: for each pick p, row x[rows[p]] [K] times the slot slots[p] of each quantized matrix
-    (w [S, N, K/8] uint32, scales and biases [S, N, K/group]), affine 4-bit."""
-    w0, s0, b0 = mats[0]
-    w1, s1, b1 = mats[-1]
-    n, k, picks = w0.shape[1], x.shape[-1], slots.shape[0]
-    total = len(mats) * picks * n * 32
-    (y,) = _kernel()(inputs=[x, rows, slots, w0, s0, b0, w1, s1, b1],
-                     template=[("T", x.dtype), ("K", k), ("N", n), ("GROUP", group), ("MATS", len(mats))],
-                     grid=(total, 1, 1), threadgroup=(threads, 1, 1),
-                     output_shapes=[(len(mats), picks, n)], output_dtypes=[x.dtype])
-    return y
+from streamoe.runtime.models.kernels import gather_qmv
 
 
 def device_ms(f, n: int = 100) -> float:
@@ -103,14 +52,14 @@ def measure(mats: list, slots: mx.array, picks: int, per_pick: bool, threads: li
     theirs = [r.reshape(picks, n) for r in ref()]
     row = {"N": n, "K": k, "gather_qmm_ms": round(device_ms(ref), 4), "gather_qmm_off": off(theirs)}
     for t in threads:
-        got = gather_qmv(x, rows, slots, mats, threads=t)
-        row[f"qmv_{t}"] = {"ms": round(device_ms(lambda t=t: gather_qmv(x, rows, slots, mats, threads=t)), 4),
+        got = gather_qmv(x, rows, slots, mats, 64, threads=t)
+        row[f"qmv_{t}"] = {"ms": round(device_ms(lambda t=t: gather_qmv(x, rows, slots, mats, 64, threads=t)), 4),
                            "off": off(list(got)),
                            "from_gather_qmm": max(float(mx.abs(g.astype(f32) - h.astype(f32)).max()
                                                        / mx.abs(h.astype(f32)).max()) for g, h in zip(list(got), theirs, strict=True))}
         if len(mats) == 2:  # one launch per matrix, as gather_qmm has
             row[f"qmv_{t}_apart_ms"] = round(device_ms(
-                lambda t=t: [gather_qmv(x, rows, slots, [m], threads=t) for m in mats]), 4)
+                lambda t=t: [gather_qmv(x, rows, slots, [m], 64, threads=t) for m in mats]), 4)
     return row
 
 

@@ -33,7 +33,9 @@ def profiler(on: bool) -> None:
         raise SystemExit(f"cuProfiler{'Start' if on else 'Stop'} returned CUDA error {rc}")
 
 
-def decode(engine: str, ckpt: Path, model: Path, experts: str, warm: int, steps: int) -> None:
+def decode(engine: str, ckpt: Path, model: Path, experts: str, warm: int, steps: int, setting: str = "as_is") -> None:
+    import contextlib
+
     import mlx.core as mx
 
     ids = list(range(100, 116))
@@ -53,6 +55,10 @@ def decode(engine: str, ckpt: Path, model: Path, experts: str, warm: int, steps:
         from streamoe.runtime.engine import Engine, Options
 
         eng = Engine(model, Options(cap_gib=64, ctx=2048, experts=experts, runtime_bytes=600 << 20))
+        from bench.gpu_parts import variant
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(variant(setting, eng))  # held to the process's end
         for t in ids:
             logits = eng.decode(t)
 
@@ -111,6 +117,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path)
     ap.add_argument("--experts", default="q4")
     ap.add_argument("--warm", type=int, default=12)
+    ap.add_argument("--variant", default="as_is", help="streamoe: one of bench/gpu_parts.py's settings (experts_qmv, ...)")
     ap.add_argument("--steps", type=positive, default=1, metavar="N", help="decode steps profiled (and in the logs)")
     ap.add_argument("--parse", nargs="+", metavar="ENGINE=CSV", help="the logs ncu wrote, one per engine")
     ap.add_argument("--out", type=Path)
@@ -129,7 +136,7 @@ def main() -> None:
         if a.out:
             a.out.write_text(text + "\n")
         return
-    decode(a.engine, a.ckpt, a.model, a.experts, a.warm, a.steps)
+    decode(a.engine, a.ckpt, a.model, a.experts, a.warm, a.steps, a.variant)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,7 @@ def pipelined(step, first: mx.array, n: int) -> dict:
 def variant(name: str, eng: Engine):
     """One setting changed around a streamoe loop (`as_is`: none)."""
     limit, compiled_step = eng.plan.cache_limit, kernels.COMPILED_STEP
+    warp_rows, qmv = delta_rule.DELTA_RULE_WARP_ROWS, kernels.EXPERTS_QMV
     try:
         if name == "own_stream":  # as mlx-lm's generate_step: its own stream
             with mx.stream(mx.new_stream(mx.default_device())):
@@ -199,6 +200,12 @@ def variant(name: str, eng: Engine):
             kernels.COMPILED_STEP = False
         elif name == "delta_rule_warps":  # the delta-rule kernel in blocks of 32 threads (4x the blocks), same bits
             delta_rule.DELTA_RULE_THREADS = 32
+        elif name == "delta_rule_warp_rows":  # the delta-rule kernel a warp a state row
+            delta_rule.DELTA_RULE_WARP_ROWS = True
+        elif name == "experts_qmv":  # a decode step's routed experts a warp an output row, not gather_qmm
+            kernels.EXPERTS_QMV = True
+        elif name == "both_warp_kernels":  # the two above at once
+            delta_rule.DELTA_RULE_WARP_ROWS = kernels.EXPERTS_QMV = True
         elif name == "picks_by_four":  # a decode step's picks in two gather_qmm calls of four (CUDA's mat-vec kernel)
             kernels.PICKS_PER_CALL = 4
         elif name == "cache_account_only":  # the allocator cache as before plan.cache_limit
@@ -207,13 +214,25 @@ def variant(name: str, eng: Engine):
             mx.set_cache_limit(64 << 30)
         elif name != "as_is":
             raise SystemExit(f"unknown variant {name}")
+        drop_compiled(eng)  # the compiled decode step holds the delta-rule kernel as first traced
         yield
     finally:
         delta_rule.GDN_FORM = None
         delta_rule.DELTA_RULE_THREADS = 128
+        delta_rule.DELTA_RULE_WARP_ROWS = warp_rows
+        kernels.EXPERTS_QMV = qmv
+        drop_compiled(eng)
         kernels.PICKS_PER_CALL = None
         kernels.COMPILED_STEP = compiled_step
         mx.set_cache_limit(limit)
+
+
+def drop_compiled(eng: Engine) -> None:
+    """Forget every layer's compiled functions (`kernels.compiled`): traced again with the settings now in force."""
+    for layer in eng.model.layers:
+        for obj in (layer, *vars(layer).values()):
+            for key in [k for k in getattr(obj, "__dict__", {}) if k.startswith("compiled_")]:
+                del obj.__dict__[key]
 
 
 class WholePool:

@@ -31,10 +31,12 @@
 #   bash bench/h200.sh experts-qmv  # (no checkpoint) a decode step's routed experts as one warp a row against gather_qmm
 #                                (bench/experts_qmv.py: the kernel's difference from the float32 product, device ms a call)
 #   bash bench/h200.sh kernels   # (after setup) one resident decode step's kernels timed by Nsight Compute, streamoe's and
-#                                mlx-lm's: device ms a token against its wall clock, and where it goes (bench/gpu_kernels.py)
+#                                mlx-lm's: device ms a token against its wall clock, and where it goes (bench/gpu_kernels.py);
+#                                VARIANT=experts_qmv: streamoe once more with that setting (bench/gpu_parts.py's `variant`)
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds (ROUNDS=);
 #                                VARIANTS=picks_by_four: then the decode step's picks in gather_qmm calls of four, against as is;
-#                                VARIANTS=delta_rule_warps: the delta-rule kernel in blocks of 32 threads (the same bits)
+#                                VARIANTS=delta_rule_warps: the delta-rule kernel in blocks of 32 threads (the same bits);
+#                                experts_qmv, delta_rule_warp_rows, both_warp_kernels: a warp a row (other bits)
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
 #   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy), 11 rounds: best runs
@@ -205,12 +207,15 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
   kernels)
     # one resident decode step's kernels under Nsight Compute, each engine in its own process (bench/gpu_kernels.py)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    for e in streamoe mlx_lm; do
+    # VARIANT=experts_qmv (one of bench/gpu_parts.py's settings): streamoe once more with it, as streamoe_VARIANT
+    for e in streamoe mlx_lm ${VARIANT:+streamoe_$VARIANT}; do
+      engine=$e setting=as_is; [ "$e" = "streamoe_${VARIANT:-}" ] && engine=streamoe setting=$VARIANT
       timeout 240 "$NCU" --profile-from-start off --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
-        --print-units base --log-file "$OUT/kernels-$e.csv" python3 -m bench.gpu_kernels --engine $e --ckpt "$S/full-ckpt" \
-        --model "$S/full-conv" --steps "${STEPS_PROFILED:-1}" 2>&1 | { grep -v "^==PROF==" || true; } | tail -5
+        --print-units base --log-file "$OUT/kernels-$e.csv" python3 -m bench.gpu_kernels --engine $engine --variant $setting \
+        --ckpt "$S/full-ckpt" --model "$S/full-conv" --steps "${STEPS_PROFILED:-1}" 2>&1 | { grep -v "^==PROF==" || true; } | tail -5
     done
     python3 -m bench.gpu_kernels --parse streamoe="$OUT/kernels-streamoe.csv" mlx_lm="$OUT/kernels-mlx_lm.csv" \
+      ${VARIANT:+streamoe_$VARIANT="$OUT/kernels-streamoe_$VARIANT.csv"} \
       --steps "${STEPS_PROFILED:-1}" --out "$OUT/gpu-kernels-${CARD}.json" | head -60
     gzip -f "$OUT"/kernels-*.csv
     ;;

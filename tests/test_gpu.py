@@ -51,6 +51,27 @@ def test_gpu_logits_bit_identical_across_caps_prefetch_tiers_and_runs(small_conv
             assert data == first, f"logits differ at {key}"
 
 
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the warp-a-row kernels are CUDA's")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_warp_row_kernels_logits_bit_identical_across_caps(small_conv, dtype, monkeypatch):
+    """The decode step's experts a warp an output row (`kernels.EXPERTS_QMV`) and the delta rule a warp a state row
+    (`delta_rule.DELTA_RULE_WARP_ROWS`): the same logits' bits streamed and resident; other bits than the thread
+    and `gather_qmm` forms (so the switches took effect), within float32 rounding of them."""
+    from streamoe.runtime.models import delta_rule, kernels
+
+    monkeypatch.setattr(experts_mod, "VERIFY", True)
+    as_is = np.frombuffer(run(small_conv, None, dtype, steps=6)[0], np.float32)
+    monkeypatch.setattr(kernels, "EXPERTS_QMV", True)
+    monkeypatch.setattr(delta_rule, "DELTA_RULE_WARP_ROWS", True)
+    runs = [run(small_conv, slots, dtype, steps=6) for slots in (None, 24, 0)]
+    assert runs[0][1] == 0 and runs[2][1] > 0
+    assert runs[0][0] == runs[1][0] == runs[2][0]
+    warp = np.frombuffer(runs[0][0], np.float32)
+    assert warp.tobytes() != as_is.tobytes()
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    assert np.abs(warp - as_is).max() <= tol * np.abs(as_is).max(), np.abs(warp - as_is).max()
+
+
 def test_gpu_prompt_logprobs_bit_identical_across_caps(small_conv):
     """A prompt's logprobs (completions' `echo`), read off each prefill step's hidden states 16 rows of logits at a
     time (`logprobs.PromptScores`): the same bits resident and at caps that stream, in bf16, chunked as the plan
@@ -214,12 +235,17 @@ def test_gpu_hidden_states_match_mlx_lm(small_ckpt, small_conv):
     assert max(errs) < 1e-4, [f"step {j // n} layer {j % n}: {e:.2e}" for j, e in enumerate(errs) if e >= 1e-5]
 
 
-def test_gpu_capped_decode_never_copies_a_pool(small_conv, monkeypatch):
+@pytest.mark.parametrize("qmv", [False, True])
+def test_gpu_capped_decode_never_copies_a_pool(small_conv, qmv, monkeypatch):
     """A capped decode's memory stays what the plan counts: every pool update is in place, so the peak over
     decode grows by less than the smallest weight pool (a copied pool would add at least that). Three runs: the
     copy it guards against depended on the timing of MLX's completion handlers (runtime/experts.py,
-    release_pool_readers)."""
+    release_pool_readers). `qmv`: the experts a warp a row (`kernels.EXPERTS_QMV`, CUDA), a custom kernel, which
+    must read a layer's view of the pools where it lies, not a contiguous copy."""
+    from streamoe.runtime.models import kernels
+
     monkeypatch.setattr(experts_mod, "VERIFY", False)  # measure the run as users run it
+    monkeypatch.setattr(kernels, "EXPERTS_QMV", qmv)
     o = dict(ctx=256, prefill_chunk=16, runtime_bytes=RUNTIME, dtype="bfloat16")
     base = plan_for(small_conv, Options(cap_gib=64, **o))
     for _ in range(3):
@@ -349,15 +375,18 @@ def test_gpu_pools_are_updated_in_place_whatever_mlx_has_cached(small_conv, monk
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the delta-rule kernel is CUDA's form (delta_rule.gdn_form)")
+@pytest.mark.parametrize("warp_rows", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_delta_rule_kernel_is_the_token_loop(dtype, monkeypatch):
-    """CUDA runs the delta rule as one kernel (delta_rule.delta_rule_cuda): grouped heads, one token and a prompt's
-    worth, against the token loop (float32 state; the kernel sums over dk in another order: 1e-5 relative)."""
+def test_gpu_delta_rule_kernel_is_the_token_loop(dtype, warp_rows, monkeypatch):
+    """CUDA runs the delta rule as one kernel (delta_rule.delta_rule_cuda), a thread or a warp a state row:
+    grouped heads, one token and a prompt's worth, against the token loop (float32 state; the kernel sums over dk in
+    another order: 1e-5 relative)."""
     from streamoe.runtime.models import delta_rule
     from streamoe.runtime.models.delta_rule import delta_rule_cuda, gated_delta_loop
 
+    monkeypatch.setattr(delta_rule, "DELTA_RULE_WARP_ROWS", warp_rows)
     rng = np.random.default_rng(3)
-    B, Hk, Hv, dk, dv, extra = 2, 2, 4, 32, 16, 24  # conv holds q, k, then v: extra columns before v test VOFF
+    B, Hk, Hv, dk, dv, extra = 2, 2, 4, 64 if warp_rows else 32, 16, 24  # conv: q, k, then v; extra columns test VOFF
 
     def arr(*shape, dt=mx.float32):
         return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dt)
@@ -381,7 +410,56 @@ def test_gpu_delta_rule_kernel_is_the_token_loop(dtype, monkeypatch):
             monkeypatch.setattr(delta_rule, "DELTA_RULE_THREADS", threads)
             y3, s3 = delta_rule_cuda(qk, conv, log_g, beta, s0, Hk, Hv, dk, dv)
             assert mx.array_equal(y, y3) and mx.array_equal(s, s3), threads
-        monkeypatch.undo()
+        monkeypatch.setattr(delta_rule, "DELTA_RULE_THREADS", 128)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="gather_qmv is a CUDA kernel")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_experts_a_warp_a_row_match_the_exact_product_and_gather_qmm(dtype):
+    """`kernels._switch_glu_qmv` (decode's routed experts a warp an output row): against the float32 product of the
+    dequantized weights no further off than `gather_qmm`'s path (bf16: the same roundings of gate, up and the
+    output; float32: 1e-5 relative); each (token, pick) row the same bits alone or in a call of several tokens,
+    run after run; pools read through a view at an offset (a layer's slots of a larger pool) as they are."""
+    from bench.common import random_experts
+    from streamoe.runtime.models import kernels
+
+    dt, f32 = getattr(mx, dtype), mx.float32
+    n_exp, hidden, inter, k = 32, 2048, 512, 8
+    kernel = kernels.ExpertKernel(4, 64, n_experts=n_exp)
+    x = (mx.random.normal((3, hidden), key=mx.random.key(7)) * 0.5).astype(dt)
+    rng = np.random.default_rng(5)
+    picks = mx.array(np.stack([rng.choice(n_exp, k, replace=False) for _ in range(3)]), dtype=mx.uint32)
+
+    def product(a, wq, s, b, bias):  # a [3, k or 1, K] times each pick's dequantized matrix, float32 throughout
+        m = mx.dequantize(wq[picks], s[picks].astype(f32), b[picks].astype(f32), group_size=64, bits=4)
+        y = (m @ a[..., None])[..., 0]
+        return y if bias is None else y + bias[picks].astype(f32)
+
+    def rounded(a):  # the roundings both paths make at the dtype: gate and up, the activation's output
+        return a.astype(dt).astype(f32)
+
+    for bias in (False, True):
+        big = random_experts(2 * n_exp, hidden, inter, 4, dt, bias=bias)
+        w = type(big)(*(None if a is None else a[n_exp:] for a in big))  # views at an offset into the pool
+        got = kernels._switch_glu_qmv(x, w, picks, kernel)
+        theirs = kernels._switch_glu(x, w, picks, kernel)
+        xs = x.astype(f32)[:, None, :]
+        gate = rounded(product(xs, w.gate_w, w.gate_s, w.gate_b, w.gate_bias))
+        up = rounded(product(xs, w.up_w, w.up_s, w.up_b, w.up_bias))
+        h = kernel.act(gate.astype(dt), up.astype(dt)).astype(f32)
+        exact = product(h, w.down_w, w.down_s, w.down_b, w.down_bias)
+        scale = float(mx.abs(exact).max())
+        ours, mlx = (float(mx.abs(y.astype(f32) - exact).max()) / scale for y in (got, theirs))
+        assert got.dtype == dt and got.shape == theirs.shape == (3, k, hidden)
+        if dt == f32:
+            assert ours < 1e-5, (bias, ours, mlx)
+        else:
+            assert ours <= 2 * mlx + 1e-3, (bias, ours, mlx)
+        assert mx.array_equal(got, kernels._switch_glu_qmv(x, w, picks, kernel))  # deterministic
+        one = kernels._switch_glu_qmv(x[1:2], w, picks[1:2], kernel)
+        assert mx.array_equal(one[0], got[1])  # a row alone: the bits it has among others
+        copied = type(w)(*(None if a is None else a + 0 for a in w))  # fresh arrays, no offset
+        assert mx.array_equal(kernels._switch_glu_qmv(x, copied, picks, kernel), got)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -142,26 +142,77 @@ _DELTA_RULE_SOURCE = """
 """
 
 
+_DELTA_RULE_WARP_SOURCE = """
+    // one warp per row j of one value head's state [DV, DK]: lane l holds columns l, l + 32, ..., so every read of
+    // the state, k and q is one contiguous line; the two sums over dk are each the lanes' own, then a butterfly
+    // over the lanes, which leaves the same bits in every lane (each step adds the same two values in either order)
+    const int nb = conv_shape[0], len = conv_shape[1];
+    const unsigned int gid = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int warp = gid / 32, lane = gid % 32;
+    if (warp >= (unsigned int)(nb * HV * DV)) return;
+    const int j = warp % DV, h = (warp / DV) % HV, b = warp / (DV * HV);
+    const int kh = h / (HV / HK);
+    const size_t row = ((size_t)(b * HV + h) * DV + j) * DK;
+    constexpr int PER = DK / 32;
+    float s[PER];
+    #pragma unroll
+    for (int m = 0; m < PER; ++m) s[m] = state[row + lane + 32 * m];
+    for (int t = 0; t < len; ++t) {
+        const size_t bt = (size_t)b * len + t;
+        const float g = expf(log_g[bt * HV + h]);
+        const float w = static_cast<float>(beta[bt * HV + h]);
+        const auto* q = qk + (bt * 2 * HK + kh) * DK;
+        const auto* k = qk + (bt * 2 * HK + HK + kh) * DK;
+        float kk[PER], recall = 0.f;
+        #pragma unroll
+        for (int m = 0; m < PER; ++m) {
+            kk[m] = static_cast<float>(k[lane + 32 * m]);
+            s[m] *= g;
+            recall += s[m] * kk[m];
+        }
+        #pragma unroll
+        for (int off = 16; off > 0; off /= 2) recall += __shfl_xor_sync(0xffffffffu, recall, off);
+        const float delta = (static_cast<float>(conv[bt * CONV + VOFF + h * DV + j]) - recall) * w;
+        float acc = 0.f;
+        #pragma unroll
+        for (int m = 0; m < PER; ++m) { s[m] += kk[m] * delta; acc += s[m] * static_cast<float>(q[lane + 32 * m]); }
+        #pragma unroll
+        for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) y[bt * HV * DV + h * DV + j] = static_cast<T>(acc);
+    }
+    #pragma unroll
+    for (int m = 0; m < PER; ++m) state_out[row + lane + 32 * m] = s[m];
+"""
+
+
 # threads a block of the delta-rule kernel (each thread one state row: the shape changes no bit). 128 gives a decode
 # step of Qwen3.6 32 blocks on an H100's 132 SMs, 31.9 us a call (docs/performance.md); 32 spreads them 4x wider
 DELTA_RULE_THREADS = 128
+# Each state row to a warp (`_DELTA_RULE_WARP_SOURCE`, where dk is a multiple of 32) instead of a thread: the row
+# thread's 128 reads of its row are 32 lines a warp each, and a Qwen3.6 decode step has 4,096 threads on the whole
+# GPU; a warp a row reads each line once, with 32x the threads. Its sums over dk run in another order: other bits
+# than the thread form's (each form the same at every cap), both within float32 rounding of the token loop.
+DELTA_RULE_WARP_ROWS = False
 
 
 @functools.cache
-def _delta_rule_kernel():
-    return mx.fast.cuda_kernel("streamoe_delta_rule", ["qk", "conv", "log_g", "beta", "state"], ["y", "state_out"],
-                               _DELTA_RULE_SOURCE)
+def _delta_rule_kernel(warp_rows: bool):
+    return mx.fast.cuda_kernel("streamoe_delta_rule_warp" if warp_rows else "streamoe_delta_rule",
+                               ["qk", "conv", "log_g", "beta", "state"], ["y", "state_out"],
+                               _DELTA_RULE_WARP_SOURCE if warp_rows else _DELTA_RULE_SOURCE)
 
 
 def delta_rule_cuda(qk, conv, log_g, beta, state, hk: int, hv: int, dk: int, dv: int):
     """The recurrence of a whole call as one CUDA kernel: qk [B, L, 2*Hk, dk] (q, then k: normalised, q scaled),
     conv [B, L, C] (v is its last Hv*dv columns), log_g [B, L, Hv] float32, beta [B, L, Hv] (conv's dtype),
-    state [B, Hv, dv, dk] float32. The token loop's arithmetic in float32, one thread per state row, its sums
-    over dk taken left to right: y [B, L, Hv, dv] in conv's dtype, and the new state. Shapes other than the
-    model's head sizes are read at run time, so every prompt length runs the one compiled kernel."""
+    state [B, Hv, dv, dk] float32. The token loop's arithmetic in float32, one thread per state row (its sums over
+    dk taken left to right) or one warp (`DELTA_RULE_WARP_ROWS`): y [B, L, Hv, dv] in conv's dtype, and the new
+    state. Shapes other than the model's head sizes are read at run time, so every prompt length runs the one
+    compiled kernel."""
     B, L, C = conv.shape
-    n = B * hv * dv
-    return _delta_rule_kernel()(
+    warp_rows = DELTA_RULE_WARP_ROWS and dk % 32 == 0
+    n = B * hv * dv * (32 if warp_rows else 1)
+    return _delta_rule_kernel(warp_rows)(
         inputs=[qk, conv, log_g, beta, state],
         template=[("T", conv.dtype), ("HK", hk), ("HV", hv), ("DK", dk), ("DV", dv), ("CONV", C), ("VOFF", C - hv * dv)],
         grid=(n, 1, 1), threadgroup=(min(DELTA_RULE_THREADS, n), 1, 1),

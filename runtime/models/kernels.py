@@ -544,6 +544,13 @@ PICKS_PER_CALL: int | None = None
 GROUP_PAIRS = 2  # CUDA: from this many (token, pick) pairs per expert on average a call goes grouped by expert
 BLAS_TILE = 16  # CPU: rows per BLAS product in the experts' path (`_switch_glu_blas`)
 BLAS_ROWS_PER_EXPERT = 4  # CPU: dequantizing an expert pays for itself from about this many rows (bench/experts_blas.py)
+# CUDA, affine 4-bit: the routed experts of a call not grouped by expert (a decode step) one warp an output row
+# (`gather_qmv`) instead of `gather_qmm`, whose CUDA kernel runs a decode step's 8 picks as one-row tiles of its GEMM
+# (`qmm_sm80`: 28.4 us a gate or up call of Qwen3.6 on an H100, about 5 % of the memory's speed;
+# `bench/experts_qmv.py`). Each (token, pick) row alone, as before, so a row's bits do not depend on the call; other
+# bits than `gather_qmm`'s (the sums run in another order), the same at every cap.
+EXPERTS_QMV = False
+QMV_THREADS = 256  # threads a block of `gather_qmv` (8 warps: 8 rows)
 
 
 class ExpertKernel(NamedTuple):
@@ -584,6 +591,8 @@ def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
         return _switch_glu_blas(x, w, slots, kernel)
     if groups_by_expert(slots.size, kernel.n_experts, kernel.mode) and _on_cuda():
         return _switch_glu_grouped(x, w, slots, kernel)
+    if EXPERTS_QMV and kernel.mode == "affine" and kernel.bits == 4 and _on_cuda():
+        return _switch_glu_qmv(x, w, slots, kernel)
     if PICKS_PER_CALL and slots.shape[-1] > PICKS_PER_CALL and mx.default_device() != mx.cpu:
         return _by_picks(x, w, slots, kernel, -(-slots.shape[-1] // PICKS_PER_CALL))
     if not streams or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
@@ -624,6 +633,83 @@ def in_batches(x: mx.array, w: ExpertWeights, groups: tuple[mx.array, mx.array, 
     experts, src, back = groups
     y = expert_glu(x[src].reshape(experts.size, -1, x.shape[-1]), w, experts, kernel)
     return y.reshape(-1, x.shape[-1])[back].reshape(x.shape[0], -1, x.shape[-1])
+
+
+# one warp a (pick, output row): its lanes read the row's words side by side, each word 8 codes of one group, and
+# sum scale * (codes . x) + bias * sum(x) group by group; then the warp adds its lanes' sums
+_QMV_SOURCE = """
+    const unsigned int gid = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int warp = gid / 32, lane = gid % 32;
+    const unsigned int picks = slots_shape[0];
+    if (warp >= picks * MATS * N) return;
+    const unsigned int p = warp / (MATS * N), m = (warp / N) % MATS, n = warp % N;
+    const size_t slot = slots[p];
+    const auto* xr = x + (size_t)rows[p] * K;
+    const uint32_t* wr = (m == 0 ? w0 : w1) + (slot * N + n) * (K / 8);
+    const auto* sr = (m == 0 ? s0 : s1) + (slot * N + n) * (K / GROUP);
+    const auto* br = (m == 0 ? b0 : b1) + (slot * N + n) * (K / GROUP);
+    float acc = 0.f;
+    for (unsigned int i = lane; i < K / 8; i += 32) {
+        const uint32_t word = wr[i];
+        float qx = 0.f, sx = 0.f;
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float xv = static_cast<float>(xr[i * 8 + j]);
+            qx += static_cast<float>((word >> (4 * j)) & 15u) * xv;
+            sx += xv;
+        }
+        const unsigned int g = i * 8 / GROUP;
+        acc += static_cast<float>(sr[g]) * qx + static_cast<float>(br[g]) * sx;
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) y[((size_t)m * picks + p) * N + n] = static_cast<T>(acc);
+"""
+
+
+@functools.cache
+def _qmv_kernel():
+    return mx.fast.cuda_kernel("streamoe_experts_qmv", ["x", "rows", "slots", "w0", "s0", "b0", "w1", "s1", "b1"],
+                               ["y"], _QMV_SOURCE)
+
+
+def gather_qmv(x: mx.array, rows: mx.array, slots: mx.array, mats: list[tuple[mx.array, mx.array, mx.array]],
+               group_size: int, threads: int | None = None) -> mx.array:
+    """CUDA: y [len(mats), P, N] of one or two affine 4-bit matrices (w [S, N, K/8] uint32, scales and biases
+    [S, N, K/group] at x's dtype): for each pick p, row x[rows[p]] of x [R, K] times slot slots[p] of each, one warp
+    an output row, in float32 to one rounding at the end (two matrices: gate and up in one launch)."""
+    w0, s0, b0 = mats[0]
+    w1, s1, b1 = mats[-1]
+    n, k, picks = w0.shape[1], x.shape[-1], slots.shape[0]
+    (y,) = _qmv_kernel()(inputs=[x, rows, slots, w0, s0, b0, w1, s1, b1],
+                         template=[("T", x.dtype), ("K", k), ("N", n), ("GROUP", group_size), ("MATS", len(mats))],
+                         grid=(len(mats) * picks * n * 32, 1, 1), threadgroup=(threads or QMV_THREADS, 1, 1),
+                         output_shapes=[(len(mats), picks, n)], output_dtypes=[x.dtype])
+    return y
+
+
+@functools.lru_cache(maxsize=64)
+def pair_rows(tokens: int, k: int) -> tuple[mx.array, mx.array]:
+    """For `tokens` x `k` (token, pick) pairs in order: each pair's token (its row of x), and each pair itself (its
+    row of the hidden activations), uint32 constants made once per shape."""
+    pairs = np.arange(tokens * k, dtype=np.uint32)
+    return mx.array(pairs // k), mx.array(pairs)
+
+
+def _switch_glu_qmv(x, w, slots, kernel: ExpertKernel):
+    """`_switch_glu` through `gather_qmv` (CUDA, affine 4-bit): gate and up in one launch, then down, each pair's
+    rows alone; [N, k, H]."""
+    tokens, k = slots.shape
+    flat, (token_of, pair) = slots.reshape(-1), pair_rows(tokens, k)
+
+    def biased(y, bias):
+        return y if bias is None else y + bias[flat]
+
+    gate, up = gather_qmv(x, token_of, flat, [(w.gate_w, w.gate_s, w.gate_b), (w.up_w, w.up_s, w.up_b)],
+                          kernel.group_size)
+    h = kernel.act(biased(gate, w.gate_bias), biased(up, w.up_bias))
+    y = gather_qmv(h, pair, flat, [(w.down_w, w.down_s, w.down_b)], kernel.group_size)[0]
+    return biased(y, w.down_bias).reshape(tokens, k, -1)
 
 
 def _switch_glu(x, w, slots, kernel: ExpertKernel):
