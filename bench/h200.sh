@@ -166,8 +166,8 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     # what a change to the decode step's kernels must keep, first: logits across caps, tiers and runs (the host tier
     # at every pair of caps, a prompt's logprobs, long prefill chunks), sampled tokens across caps, the compiled step
     # against the step built op by op, the run ahead, hidden states against mlx-lm, the grouped experts' bits, and
-    # every family's bits and tokens
-    { gpu_tests tests/test_gpu.py -k "across_caps_prefetch or prompt_logprobs or compiled_decode_step or run_ahead or hidden_states or grouped or sampled_decode or long_prefill or many_blocks or host_tier" || true
+    # every family's bits and tokens; the warp-a-row kernels (experts, delta rule) against their references
+    { gpu_tests tests/test_gpu.py -k "warp or delta_rule or across_caps_prefetch or prompt_logprobs or compiled_decode_step or run_ahead or hidden_states or grouped or sampled_decode or long_prefill or many_blocks or host_tier" || true
       gpu_tests tests/test_gpu_families.py; } | tee -a "$OUT/gputest-exact-${CARD}.log"
     ;;
   gpurest)
