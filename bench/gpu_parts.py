@@ -180,7 +180,7 @@ def pipelined(step, first: mx.array, n: int) -> dict:
 def variant(name: str, eng: Engine):
     """One setting changed around a streamoe loop (`as_is`: none)."""
     limit, compiled_step = eng.plan.cache_limit, kernels.COMPILED_STEP
-    warp_rows, qmv = delta_rule.DELTA_RULE_WARP_ROWS, kernels.EXPERTS_QMV
+    warp_rows, qmv, route_kernel = delta_rule.DELTA_RULE_WARP_ROWS, kernels.EXPERTS_QMV, kernels.ROUTE_KERNEL
     try:
         if name == "own_stream":  # as mlx-lm's generate_step: its own stream
             with mx.stream(mx.new_stream(mx.default_device())):
@@ -204,8 +204,10 @@ def variant(name: str, eng: Engine):
             delta_rule.DELTA_RULE_WARP_ROWS = True
         elif name == "experts_qmv":  # a decode step's routed experts a warp an output row, not gather_qmm
             kernels.EXPERTS_QMV = True
-        elif name == "both_warp_kernels":  # the two above at once
-            delta_rule.DELTA_RULE_WARP_ROWS = kernels.EXPERTS_QMV = True
+        elif name == "route_kernel":  # the router's top-k and scores as one kernel
+            kernels.ROUTE_KERNEL = True
+        elif name == "warp_kernels":  # the three above at once
+            delta_rule.DELTA_RULE_WARP_ROWS = kernels.EXPERTS_QMV = kernels.ROUTE_KERNEL = True
         elif name == "picks_by_four":  # a decode step's picks in two gather_qmm calls of four (CUDA's mat-vec kernel)
             kernels.PICKS_PER_CALL = 4
         elif name == "cache_account_only":  # the allocator cache as before plan.cache_limit
@@ -220,7 +222,7 @@ def variant(name: str, eng: Engine):
         delta_rule.GDN_FORM = None
         delta_rule.DELTA_RULE_THREADS = 128
         delta_rule.DELTA_RULE_WARP_ROWS = warp_rows
-        kernels.EXPERTS_QMV = qmv
+        kernels.EXPERTS_QMV, kernels.ROUTE_KERNEL = qmv, route_kernel
         drop_compiled(eng)
         kernels.PICKS_PER_CALL = None
         kernels.COMPILED_STEP = compiled_step

@@ -36,7 +36,8 @@
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds (ROUNDS=);
 #                                VARIANTS=picks_by_four: then the decode step's picks in gather_qmm calls of four, against as is;
 #                                VARIANTS=delta_rule_warps: the delta-rule kernel in blocks of 32 threads (the same bits);
-#                                experts_qmv, delta_rule_warp_rows, both_warp_kernels: a warp a row (other bits)
+#                                experts_qmv, delta_rule_warp_rows: a warp a row; route_kernel: the router's top-k as one
+#                                kernel; warp_kernels: the three (each other bits than as is)
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
 #   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy), 11 rounds: best runs

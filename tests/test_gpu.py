@@ -53,15 +53,17 @@ def test_gpu_logits_bit_identical_across_caps_prefetch_tiers_and_runs(small_conv
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the warp-a-row kernels are CUDA's")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gpu_warp_row_kernels_logits_bit_identical_across_caps(small_conv, dtype, monkeypatch):
-    """The decode step's experts a warp an output row (`kernels.EXPERTS_QMV`) and the delta rule a warp a state row
-    (`delta_rule.DELTA_RULE_WARP_ROWS`): the same logits' bits streamed and resident; other bits than the thread
-    and `gather_qmm` forms (so the switches took effect), within float32 rounding of them."""
+def test_gpu_warp_kernels_logits_bit_identical_across_caps(small_conv, dtype, monkeypatch):
+    """The decode step's experts a warp an output row (`kernels.EXPERTS_QMV`), the delta rule a warp a state row
+    (`delta_rule.DELTA_RULE_WARP_ROWS`) and the router's top-k as one kernel (`kernels.ROUTE_KERNEL`): the same
+    logits' bits streamed and resident; other bits than the forms before them (so the switches took effect),
+    within float32 rounding of them."""
     from streamoe.runtime.models import delta_rule, kernels
 
     monkeypatch.setattr(experts_mod, "VERIFY", True)
     as_is = np.frombuffer(run(small_conv, None, dtype, steps=6)[0], np.float32)
     monkeypatch.setattr(kernels, "EXPERTS_QMV", True)
+    monkeypatch.setattr(kernels, "ROUTE_KERNEL", True)
     monkeypatch.setattr(delta_rule, "DELTA_RULE_WARP_ROWS", True)
     runs = [run(small_conv, slots, dtype, steps=6) for slots in (None, 24, 0)]
     assert runs[0][1] == 0 and runs[2][1] > 0
@@ -460,6 +462,38 @@ def test_gpu_experts_a_warp_a_row_match_the_exact_product_and_gather_qmm(dtype):
         assert mx.array_equal(one[0], got[1])  # a row alone: the bits it has among others
         copied = type(w)(*(None if a is None else a + 0 for a in w))  # fresh arrays, no offset
         assert mx.array_equal(kernels._switch_glu_qmv(x, copied, picks, kernel), got)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="top_gates is a CUDA kernel")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_router_kernel_picks_the_largest_gates_as_a_stable_sort_does(dtype):
+    """`kernels.top_gates` (the router's top-k after its softmax, `ROUTE_KERNEL`): the k largest gates of each row,
+    of equal gates the higher index, in ascending (gate, index) order, as the last k of a stable ascending sort;
+    scores each gate over their sum (bf16: the sum rounded once, as `route`'s). Rows with many ties (gates of a
+    few values) and without; Qwen3.6's 256 experts and k = 8, and sizes that leave lanes empty."""
+    from streamoe.runtime.models import kernels
+
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(11)
+    for E, k in ((256, 8), (64, 8), (8, 2), (40, 3)):
+        logits = rng.standard_normal((6, E)).astype(np.float32)
+        logits[:3] = np.round(logits[:3] * 2) / 2  # ties
+        gates = mx.softmax(mx.array(logits).astype(dt), axis=-1, precise=True)
+        for norm in (True, False):
+            inds, scores = kernels.top_gates(gates, k, norm)
+            g = np.array(gates.astype(mx.float32))
+            want = np.array([sorted(range(E), key=lambda e, r=r: (g[r, e], e))[-k:] for r in range(6)])
+            assert inds.dtype == mx.uint32 and scores.dtype == dt
+            assert (np.array(inds) == want).all(), (E, k, np.array(inds), want)
+            picked = np.take_along_axis(g, want, axis=1)
+            ref = picked / np.array(mx.array(picked).astype(dt).sum(axis=-1, keepdims=True).astype(mx.float32)) if norm else picked
+            assert np.abs(np.array(scores.astype(mx.float32)) - ref).max() <= (2**-8 if dtype == "bfloat16" else 1e-6)
+        ours = kernels.top_gates(gates, k, True)
+        theirs = kernels.route(mx.array(logits).astype(dt), k, True)  # argpartition's order may differ: the set
+        apart = np.sort(g, axis=1)[:, ::-1]
+        apart = apart[:, k - 1] > apart[:, k]  # rows whose k-th and next gate differ: one right set
+        assert apart[3:].any()
+        assert (np.sort(np.array(ours[0])[apart], 1) == np.sort(np.array(theirs[0])[apart], 1)).all()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -515,13 +515,85 @@ def attention(q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None, scal
 # routed experts
 
 
+# CUDA: the k largest gates and their renormalised scores as one kernel (`top_gates`) instead of argpartition (a
+# block sort: 12 us a call on an H100), take_along_axis, sum and divide (0.86 ms of a Qwen3.6 token's 9.65 ms of
+# kernels, bench/gpu_kernels.py). An experiment until a GPU measures it (bench/gpu_parts.py's `route_kernel`).
+ROUTE_KERNEL = False
+
+_TOP_GATES_SOURCE = """
+    // one warp a row of E gates: the K largest as a stable ascending sort leaves them last (of equal gates the higher
+    // index ranks higher), in that order, found one at a time by a butterfly over the lanes of (gate, index), which
+    // leaves every lane the same winner; then their gates over their sum (in that order, in float32) where NORM
+    const unsigned int gid = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int row = gid / 32, lane = gid % 32;
+    if (row >= (unsigned int)gates_shape[0]) return;
+    constexpr int PER = (E + 31) / 32;
+    float v[PER];
+    #pragma unroll
+    for (int m = 0; m < PER; ++m) {
+        const int e = lane + 32 * m;
+        v[m] = e < E ? static_cast<float>(gates[(size_t)row * E + e]) : 0.f;
+    }
+    unsigned int taken = 0;
+    float top[K];
+    int at[K];
+    #pragma unroll
+    for (int r = 0; r < K; ++r) {
+        float best = 0.f;
+        int bi = -1;
+        #pragma unroll
+        for (int m = 0; m < PER; ++m) {
+            const int e = lane + 32 * m;
+            if (e < E && !((taken >> m) & 1u) && (bi < 0 || v[m] > best || (v[m] == best && e > bi))) { best = v[m]; bi = e; }
+        }
+        #pragma unroll
+        for (int off = 16; off > 0; off /= 2) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+            if (oi >= 0 && (bi < 0 || ob > best || (ob == best && oi > bi))) { best = ob; bi = oi; }
+        }
+        if (bi % 32 == (int)lane) taken |= 1u << (bi / 32);
+        top[r] = best;
+        at[r] = bi;
+    }
+    if (lane != 0) return;
+    float sum = 0.f;
+    #pragma unroll
+    for (int r = K - 1; r >= 0; --r) sum += top[r];
+    const float total = static_cast<float>(static_cast<T>(sum));
+    #pragma unroll
+    for (int r = 0; r < K; ++r) {
+        inds[(size_t)row * K + K - 1 - r] = at[r];
+        scores[(size_t)row * K + K - 1 - r] = NORM ? static_cast<T>(top[r] / total) : static_cast<T>(top[r]);
+    }
+"""
+
+
+@functools.cache
+def _top_gates_kernel():
+    return mx.fast.cuda_kernel("streamoe_top_gates", ["gates"], ["inds", "scores"], _TOP_GATES_SOURCE)
+
+
+def top_gates(gates: mx.array, k: int, norm_topk: bool) -> tuple[mx.array, mx.array]:
+    """CUDA: `route`'s picks and scores from its gates [..., E] in one kernel, a warp a row."""
+    E, rows = gates.shape[-1], gates.size // gates.shape[-1]
+    inds, scores = _top_gates_kernel()(
+        inputs=[gates.reshape(rows, E)], template=[("T", gates.dtype), ("E", E), ("K", k), ("NORM", bool(norm_topk))],
+        grid=(rows * 32, 1, 1), threadgroup=(min(128, rows * 32), 1, 1),
+        output_shapes=[(rows, k)] * 2, output_dtypes=[mx.uint32, gates.dtype])
+    return inds.reshape(*gates.shape[:-1], k), scores.reshape(*gates.shape[:-1], k)
+
+
 def route(logits: mx.array, k: int, norm_topk: bool) -> tuple[mx.array, mx.array]:
     """Top-k experts: (inds [..., k] uint32, scores [..., k] in the logits' dtype), in router-rank order.
 
     Exactly mlx-lm's arithmetic: the softmax accumulates in float32 (precise) and returns the logits' dtype;
     the k largest picked by argpartition (kth=-k, last k, in the order argpartition leaves them: that order
-    is the one experts are combined in); scores renormalised to sum to 1 (norm_topk_prob)."""
+    is the one experts are combined in); scores renormalised to sum to 1 (norm_topk_prob). `ROUTE_KERNEL`:
+    the picks and scores after the softmax as one CUDA kernel (`top_gates`)."""
     gates = mx.softmax(logits, axis=-1, precise=True)
+    if ROUTE_KERNEL and _on_cuda() and gates.shape[-1] <= 32 * 32:
+        return top_gates(gates, k, norm_topk)
     inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
     scores = mx.take_along_axis(gates, inds, axis=-1)
     if norm_topk:
