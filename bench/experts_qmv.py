@@ -8,7 +8,10 @@ For each projection shape (gate/up: N = 512 rows of K = 2048; down: N = 2048 of 
 in a pool of 256 slots, 8 picks of one token: the kernel's result against `gather_qmm`'s (largest difference,
 relative to the largest value; the sums run in another order, so not the same bits), each one's difference from
 the float32 product of the dequantized weights, and each one's device time a call (n calls built, then evaluated
-at once, divided by n). `gate_up` also times one kernel computing both projections of a pick (one launch for two).
+at once, divided by n: where the host builds a call slower than the device runs it, the host's time). `gate_up`
+also times one kernel computing both projections of a pick (one launch for two). `dense`: one token through a dense
+4-bit matrix (Qwen3.6's LM head, a Gated DeltaNet's input projection, an attention output), the kernel against
+`quantized_matmul`.
 """
 
 from __future__ import annotations
@@ -85,6 +88,21 @@ def main() -> None:
     for name, n, k, per_pick in (("gate_up", a.inter, a.hidden, False), ("down", a.hidden, a.inter, True)):
         mats = [experts(n, k) for _ in range(2 if name == "gate_up" else 1)]
         res["shapes"][name] = row = measure(mats, slots, a.picks, per_pick, [int(v) for v in a.threads.split(",")])
+        print(name, json.dumps(row), flush=True)
+    res["dense"] = {}
+    for name, n, k in (("lm_head", 248320, a.hidden), ("gdn_in_proj", 12288, a.hidden), ("o_proj", a.hidden, 4096)):
+        w = mx.quantize((mx.random.normal((n, k)) * 0.02).astype(dt), group_size=64, bits=4)
+        x = mx.random.normal((1, k)).astype(dt)
+        zero = mx.zeros((1,), mx.uint32)
+        mx.eval(w, x, zero)
+        ours = gather_qmv(x, zero, zero, [tuple(t[None] for t in w)], 64)[0]
+        theirs = mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=4)
+        f32 = mx.float32
+        res["dense"][name] = row = {
+            "N": n, "K": k,
+            "quantized_matmul_ms": round(device_ms(lambda w=w, x=x: mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=4)), 4),
+            "qmv_ms": round(device_ms(lambda w=w, x=x, z=zero: gather_qmv(x, z, z, [tuple(t[None] for t in w)], 64)), 4),
+            "from_quantized_matmul": float(mx.abs(ours.astype(f32) - theirs.astype(f32)).max() / mx.abs(theirs.astype(f32)).max())}
         print(name, json.dumps(row), flush=True)
     if a.out:
         a.out.write_text(json.dumps(res, indent=2) + "\n")
