@@ -180,7 +180,8 @@ def pipelined(step, first: mx.array, n: int) -> dict:
 def variant(name: str, eng: Engine):
     """One setting changed around a streamoe loop (`as_is`: none)."""
     limit, compiled_step = eng.plan.cache_limit, kernels.COMPILED_STEP
-    warp_rows, qmv, route_kernel = delta_rule.DELTA_RULE_WARP_ROWS, kernels.EXPERTS_QMV, kernels.ROUTE_KERNEL
+    warp_rows, qmv, route_kernel, dense = (delta_rule.DELTA_RULE_WARP_ROWS, kernels.EXPERTS_QMV, kernels.ROUTE_KERNEL,
+                                           kernels.DENSE_QMV)
     try:
         if name == "own_stream":  # as mlx-lm's generate_step: its own stream
             with mx.stream(mx.new_stream(mx.default_device())):
@@ -206,6 +207,8 @@ def variant(name: str, eng: Engine):
             kernels.EXPERTS_QMV = True
         elif name == "route_kernel":  # the router's top-k and scores as one kernel
             kernels.ROUTE_KERNEL = True
+        elif name == "dense_qmv":  # one token's dense 4-bit layers a warp an output row
+            kernels.DENSE_QMV = True
         elif name == "warp_kernels":  # the three above at once
             delta_rule.DELTA_RULE_WARP_ROWS = kernels.EXPERTS_QMV = kernels.ROUTE_KERNEL = True
         elif name == "picks_by_four":  # a decode step's picks in two gather_qmm calls of four (CUDA's mat-vec kernel)
@@ -222,7 +225,7 @@ def variant(name: str, eng: Engine):
         delta_rule.GDN_FORM = None
         delta_rule.DELTA_RULE_THREADS = 128
         delta_rule.DELTA_RULE_WARP_ROWS = warp_rows
-        kernels.EXPERTS_QMV, kernels.ROUTE_KERNEL = qmv, route_kernel
+        kernels.EXPERTS_QMV, kernels.ROUTE_KERNEL, kernels.DENSE_QMV = qmv, route_kernel, dense
         drop_compiled(eng)
         kernels.PICKS_PER_CALL = None
         kernels.COMPILED_STEP = compiled_step

@@ -37,7 +37,8 @@
 #                                VARIANTS=picks_by_four: then the decode step's picks in gather_qmm calls of four, against as is;
 #                                VARIANTS=delta_rule_warps: the delta-rule kernel in blocks of 32 threads (the same bits);
 #                                experts_qmv, delta_rule_warp_rows: a warp a row; route_kernel: the router's top-k as one
-#                                kernel; warp_kernels: the three (each other bits than as is)
+#                                kernel; warp_kernels: the three; dense_qmv: one token's dense 4-bit layers a warp a row
+#                                (each other bits than as is)
 #   bash bench/h200.sh sampling  # sampled (checkpoint defaults, with penalties, inside a JSON schema) against greedy decode,
 #                                resident and --cap 4
 #   bash bench/h200.sh sampling-resident  # the same, resident only (the JSON-constrained mode's cost against greedy), 11 rounds: best runs
@@ -168,7 +169,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     # at every pair of caps, a prompt's logprobs, long prefill chunks), sampled tokens across caps, the compiled step
     # against the step built op by op, the run ahead, hidden states against mlx-lm, the grouped experts' bits, and
     # every family's bits and tokens; the warp-a-row kernels (experts, delta rule) against their references
-    { gpu_tests tests/test_gpu.py -k "warp or delta_rule or across_caps_prefetch or prompt_logprobs or compiled_decode_step or run_ahead or hidden_states or grouped or sampled_decode or long_prefill or many_blocks or host_tier" || true
+    { gpu_tests tests/test_gpu.py -k "warp or router or delta_rule or across_caps_prefetch or prompt_logprobs or compiled_decode_step or run_ahead or hidden_states or grouped or sampled_decode or long_prefill or many_blocks or host_tier" || true
       gpu_tests tests/test_gpu_families.py; } | tee -a "$OUT/gputest-exact-${CARD}.log"
     ;;
   gpurest)

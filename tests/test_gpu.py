@@ -464,6 +464,31 @@ def test_gpu_experts_a_warp_a_row_match_the_exact_product_and_gather_qmm(dtype):
         assert mx.array_equal(kernels._switch_glu_qmv(x, copied, picks, kernel), got)
 
 
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="gather_qmv is a CUDA kernel")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_dense_layer_a_warp_a_row_matches_quantized_matmul(dtype, monkeypatch):
+    """One token through a dense 4-bit layer by `gather_qmv` (`kernels.DENSE_QMV`), a bias added: against the
+    float32 product of the dequantized weights no further off than MLX's `quantized_matmul` (float32: 1e-5 of the
+    largest output; bf16: twice its difference and a rounding), the same bits run after run."""
+    from streamoe.runtime.models import kernels
+
+    dt, f32 = getattr(mx, dtype), mx.float32
+    w = mx.quantize(mx.random.normal((1000, 512), key=mx.random.key(3)) / 512**0.5, group_size=64, bits=4)
+    s, b = w[1].astype(dt), w[2].astype(dt)
+    bias = mx.random.normal((1000,), key=mx.random.key(4)).astype(dt)
+    layer = kernels.QLinear(w[0], s, b, 4, 64, (), bias)
+    x = mx.random.normal((1, 1, 512), key=mx.random.key(5)).astype(dt)
+    exact = x.astype(f32) @ mx.dequantize(w[0], s.astype(f32), b.astype(f32), group_size=64, bits=4).T
+    exact = exact + bias.astype(f32)
+    theirs = layer(x)
+    monkeypatch.setattr(kernels, "DENSE_QMV", True)
+    got = layer(x)
+    assert got.shape == theirs.shape == (1, 1, 1000) and got.dtype == dt
+    ours, mlx = (float(mx.abs(y.astype(f32) - exact).max() / mx.abs(exact).max()) for y in (got, theirs))
+    assert ours <= (1e-5 if dtype == "float32" else 2 * mlx + 2**-8), (ours, mlx)
+    assert mx.array_equal(got, layer(x))
+
+
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="top_gates is a CUDA kernel")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_router_kernel_picks_the_largest_gates_as_a_stable_sort_does(dtype):

@@ -114,6 +114,11 @@ class QLinear(NamedTuple):
         rows = self.weight.shape[0]
         if x.size >= BLAS_TOKENS * x.shape[-1] and mx.default_device() == mx.cpu:
             return self._blas(x)
+        if DENSE_QMV and self.bits == 4 and x.size == x.shape[-1] and _on_cuda():
+            zero = pair_rows(1, 1)[1]
+            y = gather_qmv(x.reshape(1, -1), zero, zero, [(self.weight[None], self.scales[None], self.biases[None])],
+                           self.group_size)
+            return y.reshape(*x.shape[:-1], rows)
         if not self.streams or rows < SPLIT_ROWS * len(self.streams):
             return quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
         n = len(self.streams)
@@ -623,6 +628,7 @@ BLAS_ROWS_PER_EXPERT = 4  # CPU: dequantizing an expert pays for itself from abo
 # bits than `gather_qmm`'s (the sums run in another order), the same at every cap.
 EXPERTS_QMV = False
 QMV_THREADS = 256  # threads a block of `gather_qmv` (8 warps: 8 rows)
+DENSE_QMV = False  # CUDA: one token through a dense 4-bit layer (`QLinear`) by `gather_qmv` too, not MLX's qmv
 
 
 class ExpertKernel(NamedTuple):
