@@ -211,8 +211,6 @@ def variant(name: str, eng: Engine):
             kernels.DENSE_QMV = True
         elif name == "warp_kernels":  # the three above at once
             delta_rule.DELTA_RULE_WARP_ROWS = kernels.EXPERTS_QMV = kernels.ROUTE_KERNEL = True
-        elif name == "picks_by_four":  # a decode step's picks in two gather_qmm calls of four (CUDA's mat-vec kernel)
-            kernels.PICKS_PER_CALL = 4
         elif name == "cache_account_only":  # the allocator cache as before plan.cache_limit
             mx.set_cache_limit(eng.plan.accounts["allocator cache"])
         elif name == "cache_unlimited":
@@ -227,7 +225,6 @@ def variant(name: str, eng: Engine):
         delta_rule.DELTA_RULE_WARP_ROWS = warp_rows
         kernels.EXPERTS_QMV, kernels.ROUTE_KERNEL, kernels.DENSE_QMV = qmv, route_kernel, dense
         drop_compiled(eng)
-        kernels.PICKS_PER_CALL = None
         kernels.COMPILED_STEP = compiled_step
         mx.set_cache_limit(limit)
 

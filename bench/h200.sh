@@ -34,8 +34,7 @@
 #                                mlx-lm's: device ms a token against its wall clock, and where it goes (bench/gpu_kernels.py);
 #                                VARIANT=experts_qmv: streamoe once more with that setting (bench/gpu_parts.py's `variant`)
 #   bash bench/h200.sh rounds    # resident decode: stock stream_generate then Engine.generate back to back, 7 rounds (ROUNDS=);
-#                                VARIANTS=picks_by_four: then the decode step's picks in gather_qmm calls of four, against as is;
-#                                VARIANTS=delta_rule_warps: the delta-rule kernel in blocks of 32 threads (the same bits);
+#                                VARIANTS=delta_rule_warps: then the delta-rule kernel in blocks of 32 threads (the same bits);
 #                                experts_qmv, delta_rule_warp_rows: a warp a row; route_kernel: the router's top-k as one
 #                                kernel; warp_kernels: the three; dense_qmv: one token's dense 4-bit layers a warp a row
 #                                (each other bits than as is)
@@ -99,7 +98,7 @@ needs_checkpoint() {  # whether a step (STEP+VAR=value...) works on `setup`'s Qw
 case "$1" in
   lease)
     # The same command in every call of a lease, so nothing has to be decided between calls (an idle machine is
-    # given back after 30 s): `STEPS="gpurest rounds+VARIANTS=picks_by_four prefill+EXPERTS=q4" bash bench/h200.sh lease`,
+    # given back after 30 s): `STEPS="gpurest rounds+VARIANTS=experts_qmv prefill+EXPERTS=q4" bash bench/h200.sh lease`,
     # carrying .whl1 and .whl2 in the first two calls (.whl3 in any later one, for `peers`). It stages and installs the
     # wheels (those that arrive later too), runs `setup` beside
     # the steps that need no checkpoint, then the steps in order (STEP+VAR=value+...: the step with those settings), each

@@ -614,10 +614,6 @@ def route_topk_softmax(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return inds.astype(mx.uint32), scores
 
 
-# GPU, an experiment (`bench/gpu_parts.py --variants picks_by_four`): a call's picks in calls of at most this many.
-# MLX's CUDA `gather_qmm` takes its mat-vec kernel only below 8 rows x batches: a decode step's 8 picks run as
-# one-row tiles of its GEMM kernel instead. None: one call.
-PICKS_PER_CALL: int | None = None
 GROUP_PAIRS = 2  # CUDA: from this many (token, pick) pairs per expert on average a call goes grouped by expert
 BLAS_TILE = 16  # CPU: rows per BLAS product in the experts' path (`_switch_glu_blas`)
 BLAS_ROWS_PER_EXPERT = 4  # CPU: dequantizing an expert pays for itself from about this many rows (bench/experts_blas.py)
@@ -671,8 +667,6 @@ def switch_glu(x: mx.array, w: ExpertWeights, slots: mx.array, kernel: ExpertKer
         return _switch_glu_grouped(x, w, slots, kernel)
     if EXPERTS_QMV and kernel.mode == "affine" and kernel.bits == 4 and _on_cuda():
         return _switch_glu_qmv(x, w, slots, kernel)
-    if PICKS_PER_CALL and slots.shape[-1] > PICKS_PER_CALL and mx.default_device() != mx.cpu:
-        return _by_picks(x, w, slots, kernel, -(-slots.shape[-1] // PICKS_PER_CALL))
     if not streams or slots.shape[-1] < 2 or w.gate_w.shape[-2] * x.shape[-1] < SPLIT_ROWS * 512:
         return _switch_glu(x, w, slots, kernel)
     return _by_picks(x, w, slots, kernel, min(len(streams), slots.shape[-1]), streams)
