@@ -99,6 +99,7 @@ def answer(eng: Engine, prompt_ids: list[int], max_tokens: int, sampler: Sampler
             break
     else:
         stop = None
+    write(detok.tail())  # bytes that form no character, as mlx-lm ends an answer: U+FFFD
     tokens.close()  # a step queued past the last token is taken back
     bar.close()  # where the prefill never told its end (a prompt refused before it)
     if apart is not None:

@@ -160,6 +160,19 @@ def stop_tokens(root: Path, config: dict) -> set[int]:
     return set(eos_ids(config, files.read_json(gen, "generation config") if os.path.lexists(gen) else None))
 
 
+PRIME_TOKENS = 8  # a continued text's last tokens the streaming decoder steps through first (`Detokenizer`)
+
+
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's table (GPT-2's, which Qwen's tokenizers keep): the character each byte is written as."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
+
+
+BYTE_OF_CHAR = _byte_of_char()
+
+
 class Detokenizer:
     """Emits text as tokens arrive, through the `tokenizers` streaming decoder: each token costs the same
     however long the answer (re-decoding the answer every token made 4,000 tokens cost 1.5 s), and an
@@ -172,11 +185,48 @@ class Detokenizer:
     would change; the streaming decoder refuses the token then. Such a token is written as what it adds to the
     token before it, the bytes that form no character left out, and the stream goes on from it."""
 
-    def __init__(self, text: TextIO, skip_special: bool = False):
+    def __init__(self, text: TextIO, skip_special: bool = False, context: list[int] | None = None):
+        """`context`: the ids the answer continues (a completion's prompt, a continued assistant message), whose
+        last few are stepped through first, their text left out: the answer's first piece is then what it adds to
+        them, as vLLM primes its detokenizer, so a SentencePiece tokenizer's space before the first word stays and
+        a character the prompt's last tokens began is completed, not lost."""
         self.tokenizer, self.skip_special = text.tokenizer, skip_special
         self.stream, self.last = DecodeStream(skip_special_tokens=skip_special), None
+        self.held: list[int] = []  # tokens since the last piece written (part of a character)
+        if context:
+            # from a token that opens a character: a window opening inside one would write its stray bytes with the
+            # answer's first piece
+            start = max(0, len(context) - PRIME_TOKENS)
+            while start > 0 and not self._opens_character(context[start]):
+                start -= 1
+            for tok in context[start:]:
+                self.add(tok)
+            self.held = []  # the prompt's own unfinished character is not the answer's to write at its end
+
+    def _opens_character(self, tok: int) -> bool:
+        """Whether a token's bytes do not open with a UTF-8 continuation byte: a byte-fallback token (`<0xNN>`) by
+        its byte, a byte-level BPE token (GPT-2's table: Qwen's) by its first character's byte, any other by its
+        text, which is whole characters."""
+        piece = self.tokenizer.id_to_token(tok) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            first = int(piece[3:5], 16)
+        elif piece and piece[0] in BYTE_OF_CHAR:
+            first = BYTE_OF_CHAR[piece[0]]
+        else:
+            return True
+        return not 0x80 <= first < 0xC0
 
     def add(self, tok: int) -> str:
+        piece = self._step(tok)
+        self.held = [] if piece else [*self.held, tok]
+        return piece
+
+    def tail(self) -> str:
+        """The text of the tokens still held back at the answer's end (bytes that form no character), as
+        `tokenizers` decodes them: U+FFFD for each such sequence, as mlx-lm's detokenizer ends an answer."""
+        return self.tokenizer.decode(self.held, skip_special_tokens=self.skip_special) if self.held else ""
+
+    def _step(self, tok: int) -> str:
         before, self.last = self.last, tok
         try:
             return self.stream.step(self.tokenizer, tok) or ""

@@ -6,6 +6,7 @@ and exit status 2; heavy imports happen inside the commands so `--help` stays in
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import functools
 import math
@@ -589,6 +590,11 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     if piped:
         opts = dataclasses.replace(opts, extra_accounts=(("piped images", piped, "the --image bytes read from pipes, "
                                                                                  "held until encoded"),))
+    if hasattr(sys.stdout, "reconfigure") and codecs.lookup(sys.stdout.encoding or "utf-8").name != "utf-8":
+        sys.stdout.reconfigure(errors="backslashreplace")  # PYTHONIOENCODING=ascii, a Latin-1 locale
+        if not quiet:
+            click.echo(f"streamoe: stdout is {sys.stdout.encoding}: characters it cannot hold are written as "
+                       "backslash escapes (PYTHONIOENCODING=utf-8 writes them)", err=True)
     status = run_cli(model, opts, prompt=prompt, images=sources, chat=chat, raw=raw, system=system,
                      think=not no_think, max_tokens=max_tokens, sampling=sampling, stats=stats, logits_out=logits_out,
                      quiet=quiet, save_session=save_session, load_session=load_session, json_schema=schema,

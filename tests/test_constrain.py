@@ -380,7 +380,7 @@ def test_run_thinking_budget_closes_the_thought_at_its_tokens(tiny_conv):
     eng.close()
     assert close not in thought and close is not None and len(after) == n - budget - 1
     detok = Detokenizer(eng.text)
-    want = "".join(map(detok.add, thought + [close] + after)) + "\n"
+    want = "".join(map(detok.add, thought + [close] + after)) + detok.tail() + "\n"
     run = ("run", tiny_conv, "--cap", "8", "--ctx", "256", "--temp", "0", "-q", "--runtime-mib", RUNTIME >> 20,
            "-p", "Why?", "-n", n)
     assert cli(*run, "--thinking-budget", budget, check=True).stdout == want
@@ -399,3 +399,19 @@ def test_run_json_schema_writes_the_json_alone_to_stdout(tiny_conv):
             "--thinking-budget", "6", "-p", "Give JSON:", "--json-schema", json.dumps(schema), check=True)
     jsonschema.validate(json.loads(p.stdout), schema)
     assert p.stdout.startswith("{") and p.stderr.strip() and "think>" not in p.stdout + p.stderr, (p.stdout, p.stderr)
+
+
+def test_run_to_a_stdout_that_is_not_utf8_writes_escapes_and_says_so(tiny_conv):
+    """A stdout that cannot hold every character (PYTHONIOENCODING=ascii, a Latin-1 locale): the answer is written
+    with backslash escapes for what it cannot hold, not cut by an encoding error, and stderr says so once."""
+    import os
+
+    from .conftest import cli
+
+    schema = {"enum": ["café 你好"]}
+    run = ("run", tiny_conv, "--ctx", "256", "--cap", "8", "-n", "20", "--no-think", "-p", "Say it:",
+           "--json-schema", json.dumps(schema))
+    p = cli(*run, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert p.returncode == 0 and p.stdout.strip() == '"caf\\xe9 \\u4f60\\u597d"', (p.stdout, p.stderr)
+    assert p.stderr.count("stdout is ascii") == 1
+    assert cli(*run, check=True).stdout.strip() == '"café 你好"'

@@ -138,6 +138,18 @@ def test_tokenizer_and_template_are_mixtrals(ckpt, conv):
     assert text.decode(ids) == "A\ufffd\ufffd lines\u00e9 A"
     detok = Detokenizer(text)
     assert [detok.add(t) for t in ids] == ["A", "c", "", " lines", "", "\u00e9", " A"]
+    # a continued text (a completion): the space SentencePiece writes before the answer's first word stays, and
+    # inside a long run of byte tokens the answer starts at a whole character, never with stray bytes
+    prompt, whole = text.encode("hello world"), text.encode("hello world par msg")
+    detok = Detokenizer(text)  # an answer alone (a chat's): its first word without the space, as decoding it gives
+    assert whole[:len(prompt)] == prompt and "".join(detok.add(t) for t in whole[len(prompt):]) == "par msg"
+    detok = Detokenizer(text, context=prompt)
+    assert "".join(detok.add(t) for t in whole[len(prompt):]) == " par msg"
+    run = text.encode("x" + "👩\u200d👩\u200d👧" * 3 + "y")
+    for cut in range(1, len(run)):
+        detok = Detokenizer(text, context=run[:cut])
+        got = "".join(detok.add(t) for t in run[cut:]) + detok.tail()
+        assert text.decode(run).endswith(got) and got.endswith("y") and not got.startswith("\ufffd"), (cut, got)
 
 
 def test_convert_and_validate(ckpt, conv):

@@ -236,6 +236,25 @@ def test_streamed_text_is_the_decoded_answer():
     assert [d.add(t) for t in ids][:-1] == [""] * (len(ids) - 1)
 
 
+def test_a_continued_text_streams_what_it_adds_to_its_prompt():
+    """`Detokenizer(context=...)` (a completion, a continued message): at every cut of a text whose characters span
+    several tokens, the pieces are the text after the prompt's whole characters, a character the prompt began
+    completed by the answer; an answer ending inside a character ends in U+FFFD (`tail`), as decoding gives it."""
+    import json
+
+    from streamoe.runtime.text import TextIO
+
+    text = TextIO(TINY_MODEL, json.loads((TINY_MODEL / "config.json").read_text()))
+    s = "a 👩\u200d👩\u200d👧 b café 你好 x👩\u200d👩\u200d👧👩\u200d👩\u200d👧👩\u200d👩\u200d👧👩\u200d👩\u200d👧 y"
+    ids = text.encode(s)
+    for cut in range(1, len(ids)):
+        d = Detokenizer(text, context=ids[:cut])
+        assert "".join(d.add(t) for t in ids[cut:]) + d.tail() == s[len(text.decode(ids[:cut]).rstrip("\ufffd")):], cut
+    part = text.encode("x🎉")[:-1]
+    d = Detokenizer(text)
+    assert "".join(d.add(t) for t in part) == "x" and d.tail() == "\ufffd" == text.decode(part)[1:]
+
+
 def test_a_sampled_run_says_once_how_it_draws(tiny_conv):
     """`run` sampling says so once on stderr, as llama.cpp does: the settings in force and which came from the
     checkpoint's generation_config.json; a greedy run and `-q` say nothing of it."""

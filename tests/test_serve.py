@@ -1399,3 +1399,29 @@ def test_return_token_ids_streamed_are_the_whole_answers(client):
     assert [t for k in chunks for t in k.choices[0].model_extra["token_ids"]] == whole.choices[0].model_extra["token_ids"]
     assert [k.choices[0].model_extra["prompt_token_ids"] for k in chunks
             if k.choices[0].model_extra.get("prompt_token_ids")] == [whole.model_extra["prompt_token_ids"]]
+
+
+def test_a_completion_writes_what_its_tokens_add_to_the_prompt(client, ref):
+    """A completion's text is what its tokens add to its prompt's (vLLM primes its detokenizer with the prompt): a
+    prompt given as ids that ends inside a character gets that character from the answer's first token; an answer
+    whose last tokens form no character has an entry for every token (OpenAI and vLLM: one a token) though its
+    text leaves them out, as vLLM's does; and the legacy `top_logprobs` name a token that is part of a character
+    `bytes:\\xNN` as OpenAI does, so such tokens do not share (and overwrite) one key."""
+    ids = ref.text.encode('s = "你好')
+    assert ref.text.decode(ids[-1:]) == "\ufffd"  # 好's last byte alone
+    kw = dict(model="tiny", temperature=0, logprobs=5)
+    r = client.completions.create(prompt=ids[:-1], max_tokens=1, **kw,
+                                  extra_body={"allowed_token_ids": ids[-1:], "return_token_ids": True}).choices[0]
+    assert r.model_extra["token_ids"] == ids[-1:] and r.text == "好"
+    # an answer of one token, 好's first byte, never completed
+    r = client.completions.create(prompt=ids[:-3], max_tokens=1, **kw,
+                                  extra_body={"allowed_token_ids": ids[-3:-2], "return_token_ids": True})
+    ch, lead = r.choices[0], "好".encode()[0]
+    assert ch.model_extra["token_ids"] == ids[-3:-2] and ch.text == "" and r.usage.completion_tokens == 1
+    assert ch.logprobs.tokens == [f"bytes:\\x{lead:02x}"]
+    top = ch.logprobs.top_logprobs[0]
+    assert top[ch.logprobs.tokens[0]] == ch.logprobs.token_logprobs[0] and len(top) >= 5  # its own value; 5 more
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          logprobs=True, extra_body={"allowed_token_ids": ids[-3:-2],
+                                                                     "chat_template_kwargs": {"enable_thinking": False}}).choices[0]
+    assert chat.message.content == "" and [e.bytes for e in chat.logprobs.content] == [[lead]]

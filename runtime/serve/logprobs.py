@@ -133,6 +133,7 @@ class ContentTokens:
         self.queue: deque = deque()  # (entry, start, end) of tokens not yet placed, in order
         self.at = 0  # characters of text the tokens gave so far
         self.seen = 0  # spans already read
+        self.end = 0  # where the last of them ends
 
     def add(self, entry: dict, text: str) -> None:
         """A generated token's entry, and the text it gave (as fed to the output)."""
@@ -154,7 +155,19 @@ class ContentTokens:
                     out.append(self.queue.popleft()[0])
                 else:
                     break
+            self.end = b
         self.seen = len(spans)
         if settled:
             self.queue.clear()
+        return out
+
+    def finish(self, spans: list[tuple[int, int]], content_open: bool) -> list[dict]:
+        """`place` at the answer's end, with the tokens whose text never came (bytes that form no character, held
+        back to the end) going with the content where it runs to the end of the text (`content_open`: the answer
+        ended in its content): each of the content's tokens has its entry, as OpenAI and vLLM give one a token,
+        though the text leaves out what forms no character, as vLLM's does."""
+        out = self.place(spans)
+        if content_open and self.end == self.at:
+            out += [entry for entry, s, t in self.queue if s == t == self.at]
+        self.queue.clear()
         return out

@@ -466,6 +466,27 @@ class Output(Protocol):
     def result(self) -> dict: ...
 
 
+def completion_token(entry: dict) -> str:
+    """A token as the legacy completions API names it: its text, or, where its bytes are part of a character (no
+    text of their own), `bytes:\\xNN...` as OpenAI writes such a token: the tokens of one position's
+    `top_logprobs` are keys of one object, and every partial token's text is the same U+FFFD."""
+    raw = entry.get("bytes")
+    if raw is not None:
+        try:
+            bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return entry["token"]
+
+
+def top_completion_tokens(entry: dict) -> dict[str, float]:
+    """A position's `top_logprobs` object of the legacy completions API: the chosen token first, with its own
+    log-probability (another token of the same text does not overwrite it), then the likeliest."""
+    chosen = completion_token(entry)
+    return {chosen: entry["logprob"], **{k: t["logprob"] for t in entry["top_logprobs"]
+                                         if (k := completion_token(t)) != chosen}}
+
+
 class OpenAIOutput:
     """Chat and text completions: `chat.completion(.chunk)` / `text_completion` objects, with logprobs in
     each API's own shape (chat: `content` entries; completions: parallel lists) on the chunk whose text
@@ -502,10 +523,8 @@ class OpenAIOutput:
             self.offset = at
         # each position's likeliest tokens and the one chosen, which "the API will always return" (OpenAI's legacy
         # completions: up to logprobs + 1 of them; vLLM's the same, the chosen first)
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [None if e["top_logprobs"] is None else
-                                 {e["token"]: e["logprob"], **{t["token"]: t["logprob"] for t in e["top_logprobs"]}}
-                                 for e in entries],
+        return {"tokens": [completion_token(e) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [None if e["top_logprobs"] is None else top_completion_tokens(e) for e in entries],
                 "text_offset": offsets}
 
     def _chunk(self, delta: dict | None = None, finish=None, text: str | None = None, **extra) -> str:

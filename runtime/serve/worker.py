@@ -821,7 +821,9 @@ class EngineWorker:
         evs = out.given(job.prefix)  # a forced call's start, an echoed text: part of the answer the client gets
         if evs:
             job.emit(("delta", evs))
-        detok = Detokenizer(eng.text, skip_special=self.skips_special(req))
+        # a completion, or a continued assistant message, writes what its tokens add to the prompt's text
+        continues = req.kind == "completion" or req.continue_final
+        detok = Detokenizer(eng.text, skip_special=self.skips_special(req), context=ids if continues else None)
         streamed_ids = req.return_token_ids and req.stream
         if streamed_ids:  # the choice's prompt, as rendered, before its first tokens
             job.emit(("prompt_ids", list(ids)))
@@ -879,7 +881,7 @@ class EngineWorker:
             self.latency["request_time_per_output_token_seconds"].observe((last - first) / (n - 1))
         evs = out.flush()
         echo_prompt()
-        if content is not None and (lps := content.place(out.spans, settled=True)):
+        if content is not None and (lps := content.finish(out.spans, out.phase == "content")):
             job.emit(("logprobs", lps))
         if evs:
             job.emit(("delta", evs))
