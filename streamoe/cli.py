@@ -128,6 +128,22 @@ def expert_list(ctx, param, value: str | None) -> list[str] | None:
     return list(dict.fromkeys(names))
 
 
+def api_key_value(ctx, param, value: str | None) -> str | None:
+    """--api-key (or STREAMOE_API_KEY): a key a client can send, visible ASCII without spaces. An empty one (an unset
+    variable expanded) is refused, not taken as no key: that would serve without the key the user meant to set."""
+    if value is None and os.environ.get("STREAMOE_API_KEY") == "":  # click reads an empty variable as unset
+        value = ""
+    if value is None:
+        return None
+    if not value:
+        raise click.BadParameter("is empty (an unset variable?): give a key, or leave --api-key and "
+                                 "STREAMOE_API_KEY out to serve without one")
+    if not all("!" <= c <= "~" for c in value):
+        raise click.BadParameter("holds a space, a control or a non-ASCII character, which no client sends in a "
+                                 "header as given: use visible ASCII characters only")
+    return value
+
+
 def expert_format(ctx, param, value: str | None) -> str | None:
     """--experts for plan/run/serve: one expert format's name (None: the one the converted directory has)."""
     from .formats.layout import FORMATS
@@ -738,7 +754,7 @@ def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, sa
 @engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback is reachable "
               "from other machines (give them --api-key).")
-@click.option("--api-key", envvar="STREAMOE_API_KEY", default=None, metavar="KEY",
+@click.option("--api-key", envvar="STREAMOE_API_KEY", default=None, metavar="KEY", callback=api_key_value,
               help="Every /v1/ route, /metrics, /tokenize and /detokenize need this key (Authorization: Bearer KEY, or "
                    "x-api-key: KEY); the chat "
                    "page asks for it. Also read from STREAMOE_API_KEY, which keeps it out of the process list.")
@@ -802,7 +818,7 @@ def serve(model: Path, cap: float, host_cap: float | None, ctx: int, experts: st
         raise StreamoeError("--served-model-name: a name must not be empty")
     so = ServeOptions(model_name=model_name or model.resolve().name, aliases=aliases, limits=limits, **sizes,
                       max_tokens=max_tokens, sampling=sampling, think=think, allow_hosts=allow_host,
-                      cors_origins=cors_origin, api_key=api_key or None, head_timeout_s=head_timeout,
+                      cors_origins=cors_origin, api_key=api_key, head_timeout_s=head_timeout,
                       body_timeout_s=body_timeout, idle_timeout_s=idle_timeout, send_timeout_s=send_timeout,
                       keepalive_s=sse_keepalive)
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads,

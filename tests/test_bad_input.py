@@ -619,6 +619,8 @@ for _cmd, _name, _opts, _needle in [
     (SERVE, "serve-idle-timeout-nan", ["--idle-timeout", "nan"], "--idle-timeout"),
     (SERVE, "serve-sse-keepalive-nan", ["--sse-keepalive", "nan"], "--sse-keepalive"),
     (SERVE, "serve-prompt-cache-huge", ["--prompt-cache-mib", "1e300"], "--prompt-cache-mib"),
+    (SERVE, "serve-api-key-empty", ["--api-key", ""], "--api-key"),  # not "no key": the key meant was unset
+    (SERVE, "serve-api-key-with-a-space", ["--api-key", "my key"], "--api-key"),
 ]:
     def _build(tmp, ck, conv, c=_cmd, o=_opts, n=_needle):
         return [c[0], conv, *c[1:], *o], (n,)
@@ -842,6 +844,14 @@ for _name, _mutate, _needle in [
 
 
 # ---------------------------------------------------------------------------------------------- the test
+
+def test_an_empty_api_key_variable_is_refused_not_read_as_no_key(tiny_conv: Path) -> None:
+    """STREAMOE_API_KEY set but empty (`export STREAMOE_API_KEY=$KEY` with KEY unset): refused in one line, where
+    click alone reads it as unset and the server would answer every client without a key."""
+    p = cli("serve", tiny_conv, "--port", "0", env={**os.environ, "STREAMOE_API_KEY": ""}, timeout=120)
+    assert p.returncode == 2
+    one_error_line(p, "--api-key", "is empty")
+
 
 def test_catalogue_is_large_enough():
     assert len(CASES) >= 60, len(CASES)
