@@ -33,6 +33,18 @@ def read_json(path: Path) -> dict:
     return fsio.read_json(path, path.name)
 
 
+def source_expert_quant(args: ModelArgs, config: Path) -> tuple[int, int]:
+    """(bits, group size) of a checkpoint's routed experts as its config gives them, where streamoe converts them:
+    4-bit (affine or MXFP4); otherwise one line naming the config (convert, and plan from a bare config.json)."""
+    try:
+        bits, group = args.expert_quant(0)
+    except StreamoeError as e:
+        raise fail(config, f"unsupported expert quantization: {e}") from None
+    if bits != 4:
+        raise fail(config, f"unsupported expert quantization ({bits}-bit): streamoe needs 4-bit source experts")
+    return bits, group
+
+
 @dataclass
 class Checkpoint:
     root: Path
@@ -76,13 +88,8 @@ class Checkpoint:
         hidden, inter, n_exp = a.hidden_size, a.moe_intermediate_size, a.num_experts
         prefix, layers = self.expert_keys()
         module = EXPERTS_MODULE[a.model_type]
-        try:
-            bits, group = a.expert_quant(0)
-        except StreamoeError as e:
-            raise fail(self.root / "config.json", f"unsupported expert quantization: {e}") from None
+        bits, group = source_expert_quant(a, self.root / "config.json")
         mode = a.expert_mode(0)
-        if bits != 4:
-            raise fail(self.root / "config.json", f"unsupported expert quantization ({bits}-bit): streamoe needs 4-bit source experts")
         first = min(layers)
 
         def sample(part: str) -> TensorInfo:

@@ -257,7 +257,7 @@ def plan_from_config(path: Path, opts: Options, rank: int = 0, ranks: int = 1, e
     """A plan from a bare config.json, before any download or conversion (`opts.experts` None: the format its
     checkpoint holds, as `convert` writes it by default; `extra`: the caller's own accounts, as
     `Options.extra_accounts`)."""
-    from .convert.source import read_json
+    from .convert.source import read_json, source_expert_quant
     from .formats.config import ModelArgs, is_expert_tensor
     from .formats.dtypes import itemsize
     from .formats.export import tensor_table
@@ -282,6 +282,7 @@ def plan_from_config(path: Path, opts: Options, rank: int = 0, ranks: int = 1, e
     config = read_json(path)
     check_config_sizes(config, path)
     args = ModelArgs.from_config(config, path)
+    source_expert_quant(args, path)  # what convert would refuse, a plan refuses: its sizes would be another model's
     dtype = opts.dtype or default_dtype()
     if opts.images and not isinstance(config.get("vision_config"), dict):
         raise StreamoeError(f"{path}: the model has no vision tower (no vision_config); images are not supported")

@@ -627,6 +627,16 @@ for _cmd, _name, _opts, _needle in [
     CASES[_name] = _build
 
 
+@case("plan-bare-config-of-8-bit-experts")
+def _(tmp, ck, conv):
+    config = json.loads((ck / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        if key in config:
+            config[key]["bits"] = 8  # an export convert refuses: its plan would be of another model's sizes
+    (tmp / "config.json").write_text(json.dumps(config))
+    return ["plan", tmp / "config.json", "--cap", "1"], (str(tmp / "config.json"), "unsupported expert quantization (8-bit)")
+
+
 @case("run-raw-with-a-system-message")
 def _(tmp, ck, conv):
     return run_args(conv, "--raw", "--system", "be brief"), ("--system needs the chat template",)
