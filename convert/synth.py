@@ -69,7 +69,7 @@ import numpy as np
 from ..formats.config import text_config
 from ..formats.errors import StreamoeError, fail
 from ..formats.export import INIT_STD, Spec, specs
-from ..formats.files import check_writable_dir, existing_ancestor
+from ..formats.files import check_writable_dir, exclusive_lock, existing_ancestor
 from ..formats.safetensors import build_header, tensor_nbytes
 from .synth_tokenizer import (
     HARMONY_BASE,
@@ -807,6 +807,9 @@ def synth(out: Path, *, size: str, variant: str | None, text_only: bool, seed: i
         sys.stdout.write("\n".join(lines) + "\n")
         return
 
+    if out.is_symlink():  # `~/ckpt -> /mnt/nvme/ckpt`: written where the link points (its space weighed there), as convert
+        out = Path(os.path.realpath(out))
+        print(f"(OUT is a link: writing into {out})", file=sys.stderr, flush=True)
     _check_out(out)
     target = Path(os.path.abspath(out))  # '.', '..' and trailing slashes resolved
     check_writable_dir(target.parent, out)  # a read-only or locked place, before its free space is weighed
@@ -820,9 +823,21 @@ def synth(out: Path, *, size: str, variant: str | None, text_only: bool, seed: i
         raise fail(out, f"not enough free disk space: needs {need / 2**30:.2f} GiB, "
                         f"{free / 2**30:.2f} GiB free on {anchor}")
 
-    tmp = target.parent / f".{target.name}.synth-{os.getpid()}.tmp"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise fail(out, f"cannot create output directory ({e.strerror})") from None
+    with exclusive_lock(target.parent / f".{target.name}.lock", out, "this OUT"):  # a second synth fails at once
+        _check_out(out)  # again, now that no other run can fill it
+        _write_into(target, out, config, seed, shard_bytes, size, family)
+
+
+def _write_into(target: Path, out: Path, config: dict, seed: int, shard_bytes: int | None, size: str,
+                family: str) -> None:
+    """The checkpoint written into a temporary beside `target`, then renamed to it; the temporary removed on any
+    failure or interruption."""
+    tmp = target.parent / f".{target.name}.synth-{os.getpid()}.tmp"
+    try:
         _remove_stale_temps(target)
         tmp.mkdir()
     except OSError as e:

@@ -12,7 +12,9 @@ import functools
 import math
 import os
 import secrets
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +33,15 @@ def _line(text: str) -> str:
     return " ".join(text.split()).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread: what a command had begun is undone as for Ctrl-C (temporaries
+    removed, locks let go) before it exits 128 + the signal's number, as the signal's own exit would."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated(signum)
+
+
 def user_errors(fn):
     """Turn every failure into one clear stderr line (no traceback) and keep library warnings off stderr.
 
@@ -44,6 +55,10 @@ def user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                if signal.getsignal(sig) == signal.SIG_DFL:  # not one `nohup` set aside
+                    signal.signal(sig, _terminated)
         try:
             with warnings.catch_warnings():
                 if not os.environ.get("STREAMOE_WARNINGS"):
@@ -69,6 +84,9 @@ def user_errors(fn):
         except KeyboardInterrupt:
             click.echo("streamoe: interrupted", err=True)
             sys.exit(130)
+        except Terminated as e:
+            click.echo(f"streamoe: terminated ({signal.Signals(e.args[0]).name})", err=True)
+            sys.exit(128 + e.args[0])
         except Exception as e:
             if os.environ.get("STREAMOE_TRACEBACK"):
                 raise

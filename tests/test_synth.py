@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -548,3 +549,46 @@ def test_plain_attention_families_draw_their_residual_projections_smaller():
         assert {v for n, v in std.items() if "o_proj" not in n and "down_proj" not in n} == {INIT_STD}, family
     assert {s.std for s in specs(make_config("small", text_only=True))} == {INIT_STD}
 
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_synth_ended_by_a_signal_leaves_nothing_behind(tmp_path, sig):
+    """SIGTERM or SIGHUP while `synth` writes (a service stopped, a terminal closed): its temporary directory is
+    removed as for Ctrl-C, one line says why it ended, and the exit status is 128 + the signal's number."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "sg"
+    p = subprocess.Popen([sys.executable, "-m", "streamoe.cli", "synth", str(out), "--size", "small"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".sg.synth-*.tmp")) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    p.send_signal(getattr(signal, sig))
+    _, err = p.communicate(timeout=60)
+    if p.returncode == 0:
+        pytest.skip("synth finished before the signal came")  # a fast disk: nothing left to interrupt
+    assert p.returncode == 128 + getattr(signal, sig), (p.returncode, err)
+    assert err.rstrip().endswith(f"streamoe: terminated ({sig})") and "Traceback" not in err
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+def test_synth_into_a_link_writes_where_it_points_and_a_second_run_waits_for_none(tmp_path):
+    """OUT a link to an empty directory: the checkpoint lands where the link points and the link stays (as convert
+    does), its free space weighed there; while another synth writes OUT (its lock held), a second fails at once in
+    one line, before writing anything."""
+    from streamoe.formats.files import exclusive_lock
+
+    from .conftest import cli, one_error_line
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    p = cli("synth", tmp_path / "link", "--size", "tiny", check=True)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "config.json").is_file()
+    assert "OUT is a link" in p.stderr
+    with exclusive_lock(tmp_path / ".busy.lock", tmp_path / "busy", "this OUT"):
+        p = cli("synth", tmp_path / "busy", "--size", "tiny")
+    assert p.returncode == 2 and not (tmp_path / "busy").exists()
+    one_error_line(p, str(tmp_path / "busy"), "another streamoe command is writing")
+    assert sorted(os.listdir(tmp_path)) == ["link", "target"]
