@@ -59,6 +59,12 @@ def user_errors(fn):
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 if signal.getsignal(sig) == signal.SIG_DFL:  # not one `nohup` set aside
                     signal.signal(sig, _terminated)
+        if sys.stdin is None:  # started with stdin closed (`<&-`): an empty input, as /dev/null gives
+            sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 (the process's stdin for its life)
+        if sys.stdout is None:  # started with stdout closed (`>&-`): a result would be lost without a word
+            click.echo("streamoe: error: stdout is closed, so the result has nowhere to go (redirect it: > FILE, "
+                       "> /dev/null)", err=True)
+            sys.exit(2)
         try:
             with warnings.catch_warnings():
                 if not os.environ.get("STREAMOE_WARNINGS"):

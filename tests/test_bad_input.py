@@ -863,6 +863,26 @@ def test_an_empty_api_key_variable_is_refused_not_read_as_no_key(tiny_conv: Path
     one_error_line(p, "--api-key", "is empty")
 
 
+def test_a_closed_stdout_is_said_and_a_closed_stdin_reads_as_empty(tiny_conv: Path) -> None:
+    """Started with stdout closed (`>&-`): one line and exit 2, not a result lost without a word (plan) or an
+    internal error (run); with stdin closed (`<&-`), `--chat` reads it as an empty input and ends quietly."""
+    import shlex
+    import subprocess
+    import sys
+
+    def shell(args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} -m streamoe.cli {args}"],
+                              capture_output=True, text=True, timeout=120)
+
+    conv = shlex.quote(str(tiny_conv))
+    for args in (f"plan {conv} --cap 1 >&-", f"run {conv} --cap 1 -n 2 -p hi >&-"):
+        p = shell(args)
+        assert p.returncode == 2, (args, p.stderr)
+        one_error_line(p, "stdout is closed")
+    p = shell(f"run {conv} --cap 1 -n 2 --chat -q <&-")
+    assert p.returncode == 0 and "error" not in p.stderr, p.stderr
+
+
 def test_catalogue_is_large_enough():
     assert len(CASES) >= 60, len(CASES)
 
