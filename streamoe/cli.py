@@ -198,6 +198,15 @@ class OneLineGroup(click.Group):
             hint = f" (see {cmd} --help)" if isinstance(e, click.UsageError) else ""
             click.echo(_line(f"streamoe: error: {e.format_message()}{hint}"), err=True)
             sys.exit(e.exit_code)
+        except OSError as e:  # --help or --version written to a stdout that refuses it (/dev/full, a closed pipe)
+            from .formats.files import os_fail
+
+            if isinstance(e, BrokenPipeError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                sys.exit(141)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+            click.echo(_line(f"streamoe: error: {os_fail('stdout', e)}"), err=True)
+            sys.exit(2)
         except click.exceptions.Abort:  # Ctrl-C outside a command's own handling (`user_errors`): the same exit
             click.echo("streamoe: interrupted", err=True)
             sys.exit(130)

@@ -898,3 +898,17 @@ def test_bad_input(name: str, tiny_ckpt: Path, tiny_conv: Path, tmp_path: Path) 
     one_error_line(p, *needles)
     assert tree(scratch) == before, "a failed command wrote or deleted something"
     assert tree(tiny_ckpt) == ck_before and tree(tiny_conv) == conv_before
+
+
+def test_help_and_version_to_a_full_stdout_are_one_line() -> None:
+    """`--help` and `--version` written to a stdout that refuses them (/dev/full): one line naming stdout, exit 2,
+    no traceback."""
+    import subprocess
+    import sys
+
+    for args in (["--version"], ["run", "--help"]):
+        with open("/dev/full", "w") as full:
+            p = subprocess.run([sys.executable, "-m", "streamoe.cli", *args], stdout=full, stderr=subprocess.PIPE,
+                               text=True, timeout=60)
+        assert p.returncode == 2, (args, p.stderr)
+        one_error_line(p, "stdout", "no space left on device")
