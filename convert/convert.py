@@ -457,7 +457,7 @@ def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: b
         unit_scale=True,
         unit_divisor=1024,
         desc="convert",
-        disable=not progress,
+        disable=None if progress else True,  # drawn on a terminal, not into a log
         dynamic_ncols=True,
     )
     try:

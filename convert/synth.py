@@ -874,7 +874,7 @@ def write_checkpoint(directory: Path, config: dict, *, seed: int = 0, shard_byte
     weight_map: dict[str, str] = {}
     quantizer = _ExactQuantizer(seed)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="synth", file=sys.stderr,
-              mininterval=0.5, leave=False) as bar:
+              mininterval=0.5, leave=False, disable=None) as bar:  # drawn on a terminal, not into a log
         for file, entries in shards:
             header, _ = build_header([(s.name, s.dtype, s.shape) for s in entries], {"format": "mlx"})
             with open(directory / file, "wb") as f:
