@@ -194,6 +194,9 @@ class OneLineGroup(click.Group):
         try:  # the command is `streamoe` however it was started (`python -m streamoe`): in usage lines and hints
             return super().main(args, prog_name or "streamoe", complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
+            if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # bare `streamoe`: the help, whole
+                click.echo(e.format_message(), err=True)
+                sys.exit(e.exit_code)
             cmd = e.ctx.command_path if getattr(e, "ctx", None) is not None else "streamoe"
             hint = f" (see {cmd} --help)" if isinstance(e, click.UsageError) else ""
             click.echo(_line(f"streamoe: error: {e.format_message()}{hint}"), err=True)

@@ -900,6 +900,14 @@ def test_bad_input(name: str, tiny_ckpt: Path, tiny_conv: Path, tmp_path: Path) 
     assert tree(tiny_ckpt) == ck_before and tree(tiny_conv) == conv_before
 
 
+def test_streamoe_alone_prints_its_help_whole() -> None:
+    """`streamoe` with no command: its usage and commands as click lays them out (exit 2, as click's), not folded
+    into one error line."""
+    p = cli()
+    assert p.returncode == 2 and p.stderr.startswith("Usage: streamoe") and "\nCommands:\n" in p.stderr, p.stderr
+    assert "error" not in p.stderr and "Traceback" not in p.stderr
+
+
 def test_help_and_version_to_a_full_stdout_are_one_line() -> None:
     """`--help` and `--version` written to a stdout that refuses them (/dev/full): one line naming stdout, exit 2,
     no traceback."""
