@@ -546,6 +546,9 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
     blas = mx.default_device() == mx.cpu if blas is None else blas
     grouped = mx.default_device() == mx.gpu and mx.cuda.is_available() if grouped is None else grouped
     kv, lin = state_bytes(args, ctx, kv_item, bits)
+    if ranks > args.num_experts:
+        raise StreamoeError(f"{ranks} ranks for {args.num_experts} experts a layer: ranks {args.num_experts} and on "
+                            f"would hold none; give at most {args.num_experts} ranks")
     n_exp = len(share_of(rank, ranks, args.num_experts))
     step = min(prefill_step(prefill_chunk), ctx)
     plan = MemoryPlan(cap=cap, ctx=ctx, expert_format=expert_format, stride=stride, n_experts=n_exp,

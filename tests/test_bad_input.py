@@ -637,6 +637,11 @@ def _(tmp, ck, conv):
     return ["plan", tmp / "config.json", "--cap", "1"], (str(tmp / "config.json"), "unsupported expert quantization (8-bit)")
 
 
+@case("plan-more-ranks-than-experts")
+def _(tmp, ck, conv):
+    return ["plan", conv, "--cap", "1", "--ranks", "9"], ("9 ranks for 8 experts", "at most 8")
+
+
 @case("run-raw-with-a-system-message")
 def _(tmp, ck, conv):
     return run_args(conv, "--raw", "--system", "be brief"), ("--system needs the chat template",)
