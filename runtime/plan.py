@@ -17,6 +17,7 @@ import mlx.core as mx
 from ..formats.config import ModelArgs, text_config
 from ..formats.dtypes import itemsize
 from ..formats.errors import StreamoeError, fail
+from ..formats.layout import derived_formats, source_layout
 from ..formats.manifest import Manifest, load_manifest
 from ..formats.record import RecordLayout
 from . import nvml
@@ -679,7 +680,10 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> Mem
     fmts = m.expert_formats()
     experts = expert_format(opts, m)
     if experts not in fmts:
-        raise fail(root / "manifest.json", f"has no {experts} experts (has {', '.join(fmts)}); convert with --experts")
+        made = derived_formats(source_layout(ModelArgs.from_config(m.config, m.root / "manifest.json")))
+        hint = (f"convert with --experts {experts}" if experts in made else
+                f"{experts} is not made from this model's experts, only {' or '.join(made)}")
+        raise fail(root / "manifest.json", f"has no {experts} experts (has {', '.join(fmts)}); {hint}")
     dtype = opts.dtype or default_dtype()
     _, table = m.blob("nonexpert")
     vision = 0

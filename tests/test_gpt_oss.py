@@ -315,7 +315,8 @@ def test_run_and_plan_default_to_the_one_format_there(conv):
     assert re.search(r"\[\d tokens, .* hit rate 100\.0%", p.stderr), p.stderr  # every expert fits in 1 GiB
     p = cli("plan", conv, "--cap", "1", "--ctx", "64", "--json", check=True)
     assert json.loads(p.stdout)["expert_format"] == "mxfp4"
-    one_error_line(cli("plan", conv, "--experts", "q4", "--cap", "1"), "manifest.json", "has no q4 experts (has mxfp4)")
+    one_error_line(cli("plan", conv, "--experts", "q4", "--cap", "1"), "manifest.json", "has no q4 experts (has mxfp4)",
+                   "q4 is not made from this model's experts, only mxfp4")
 
 
 # ------------------------------------------------------------------------------------ bad input
