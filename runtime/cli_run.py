@@ -343,7 +343,7 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             if constraint is not None and not constraint.complete and not stopped:
                 status = 1
                 if eng.opts.rank == 0:
-                    print(f"streamoe: error: {cut_short(len(out), max_tokens, eng)}", file=sys.stderr, flush=True)
+                    print(f"streamoe: error: {cut_short(len(out), max_tokens, eng, constraint)}", file=sys.stderr, flush=True)
             elif not stopped and len(out) < max_tokens and eng.offset >= eng.opts.ctx and eng.opts.rank == 0:
                 clear = "; /clear empties the conversation" if chat else ""
                 print(f"(the answer was cut by the context: --ctx {eng.opts.ctx} is full{clear})", file=sys.stderr, flush=True)
@@ -385,12 +385,15 @@ def file_digest(path: Path) -> str:
         return "unreadable"
 
 
-def cut_short(n: int, max_tokens: int, eng: Engine) -> str:
+def cut_short(n: int, max_tokens: int, eng: Engine, constraint=None) -> str:
     """Why an answer held to --json-schema stopped before its JSON closed (what stdout holds does not parse)."""
     if n >= max_tokens:
         return f"the answer was cut by -n {max_tokens} before its JSON ended (give a larger -n)"
     if eng.offset >= eng.opts.ctx:
         return f"the answer was cut by the context (--ctx {eng.opts.ctx}) before its JSON ended"
+    if constraint is not None and constraint.dead_end:
+        return ("the answer's JSON reached a point where llguidance lets no token continue it (a constraint of the "
+                "schema it cannot write every value of: a multipleOf of a fraction, a cycle of $refs)")
     return "the answer ended in its thinking, before its JSON began"
 
 

@@ -275,6 +275,13 @@ class Constraint:
         anywhere else was cut short, and what it wrote does not parse."""
         return self.armed and self.matcher.is_accepting()
 
+    @property
+    def dead_end(self) -> bool:
+        """Whether an answer that ended by itself (no limit cut it) stopped inside its grammar's match: llguidance
+        let no token continue the value (a schema some of whose values it cannot write, as a `multipleOf` of a
+        fraction), so what was written does not parse."""
+        return self.armed and not self.matcher.is_accepting()
+
     def allowed(self) -> mx.array | None:
         """[V] bool of the tokens the grammar allows next; None while the answer runs free."""
         if not self.active:
@@ -338,6 +345,10 @@ class ThinkingBudget:
     def complete(self) -> bool:
         return self.then.complete if self.then is not None else True
 
+    @property
+    def dead_end(self) -> bool:
+        return self.then is not None and self.then.dead_end
+
     def allowed(self) -> mx.array | None:
         if self.forcing:
             return mx.arange(self.vocab) == self.close[self.forced]
@@ -391,6 +402,10 @@ class TokenMask:
     @property
     def complete(self) -> bool:
         return self.then.complete if self.then is not None else True
+
+    @property
+    def dead_end(self) -> bool:
+        return self.then is not None and self.then.dead_end
 
     def allowed(self) -> mx.array | None:
         inner = self.then.allowed() if self.then is not None else None

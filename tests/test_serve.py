@@ -1425,3 +1425,21 @@ def test_a_completion_writes_what_its_tokens_add_to_the_prompt(client, ref):
                                           logprobs=True, extra_body={"allowed_token_ids": ids[-3:-2],
                                                                      "chat_template_kwargs": {"enable_thinking": False}}).choices[0]
     assert chat.message.content == "" and [e.bytes for e in chat.logprobs.content] == [[lead]]
+
+
+def test_a_schema_llguidance_cannot_finish_is_an_error_not_a_stop(client):
+    """A schema with a value llguidance cannot write (a number `multipleOf` 0.1 between 0.25 and 0.35: it refuses
+    every spelling of 0.3) brings the answer to a point where no token continues it: a 400 naming the format's
+    field, whole or after the streamed chunks, never `finish_reason` "stop" with JSON that does not parse."""
+    schema = {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.1, "minimum": 0.25,
+                                                     "maximum": 0.35}}, "required": ["x"]}
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Give JSON."}], max_tokens=30, temperature=0,
+              response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw)
+    assert e.value.body["param"] == "response_format" and "llguidance" in e.value.body["message"], e.value.body
+    with pytest.raises(openai.APIError) as e:
+        for _ in client.chat.completions.create(**kw, stream=True):
+            pass
+    assert "llguidance" in str(e.value)

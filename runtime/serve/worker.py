@@ -725,6 +725,8 @@ class EngineWorker:
         except Exception as e:
             if self.lock is not None and self.lock.lost:  # across ranks, a peer gone: the server stops (below)
                 job.emit(("error", APIError(503, "the server lost one of its ranks and is stopping", code="shutting_down")))
+            elif isinstance(e, APIError):
+                job.emit(("error", e))
             elif isinstance(e, StreamoeError):
                 msg = str(e)
                 for i, p in enumerate(getattr(self, "_paths", [])):
@@ -887,6 +889,13 @@ class EngineWorker:
             job.emit(("delta", evs))
         if finish is None:
             finish = "length" if n >= choice.max_tokens or eng.offset >= eng.opts.ctx else "stop"
+            if finish == "stop" and constraint is not None and constraint.dead_end:
+                field_ = (req.api.get("format_field", "response_format") if req.json_output or req.answer_grammar
+                          is not None else "tools")
+                raise APIError(400, f"the answer's grammar ('{field_}') reached a point where llguidance lets no "
+                               "token continue it, before its value ended, so what was written does not parse: "
+                               "the schema holds a constraint it cannot write every value of (a multipleOf of a "
+                               "fraction, a cycle of $refs); loosen that part", field_)
         prompt_tokens = cached + sum(s.n_tokens for s in eng.steps if s.phase == "prefill")
         s = eng.summary(eng.steps)
         self.served += 1
