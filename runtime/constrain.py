@@ -229,8 +229,18 @@ def guarded(call, *args, **kw):
     except BaseException as e:
         if type(e).__name__ != "PanicException":
             raise
-        raise StreamoeError(f"the grammar does not compile (llguidance failed on it: {str(e).splitlines()[0][:120]})"
+        raise StreamoeError(f"the grammar does not compile (llguidance failed on it: {one_line(str(e))[:120]})"
                             ) from None
+
+
+def one_line(message: str) -> str:
+    """llguidance's message in one line: its first, and the `error: ...` lines it prints below a quoted source (a
+    regex's "unclosed group"), which the first alone leaves out."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    causes = [ln[len("error:"):].strip() for ln in lines[1:] if ln.startswith("error:")]
+    return " ".join([lines[0].rstrip(":") + (":" if causes else ""), *causes])
 
 
 def json_grammar(schema: dict | None) -> str:
@@ -242,7 +252,7 @@ def json_grammar(schema: dict | None) -> str:
         return guarded(llguidance.LLMatcher.grammar_from_json_schema,
                        schema if schema is not None else {"type": "object"}, overrides=COMPACT)
     except (ValueError, TypeError, RuntimeError) as e:
-        raise StreamoeError(f"the JSON schema does not compile ({str(e).splitlines()[0][:200]})") from None
+        raise StreamoeError(f"the JSON schema does not compile ({one_line(str(e))[:200]})") from None
 
 
 class Constraint:
@@ -261,7 +271,7 @@ class Constraint:
 
         err = guarded(llguidance.LLMatcher.validate_grammar, grammar, tokens)
         if err and not err.startswith("WARNING"):
-            raise StreamoeError(f"the grammar does not compile ({err.splitlines()[0][:200]})")
+            raise StreamoeError(f"the grammar does not compile ({one_line(err)[:200]})")
         self.matcher = guarded(llguidance.LLMatcher, tokens, grammar, log_level=0)
         self.fresh = self.matcher.deep_copy() if trigger is not None else None  # each block starts from it
         self.vocab, self.after, self.trigger, self.once, self.opener = vocab, after, trigger, once, opener
