@@ -111,6 +111,15 @@ def gated_delta_loop(q, k, v, log_g, beta, state):
     return (mx.stack(ys, axis=1) if len(ys) > 1 else ys[0][:, None]), state
 
 
+# token t's inputs of value head h, in both kernels: its decay g, its beta w, and its query and key (key head kh)
+_TOKEN_INPUTS = """
+        const size_t bt = (size_t)b * len + t;
+        const float g = expf(log_g[bt * HV + h]);
+        const float w = static_cast<float>(beta[bt * HV + h]);
+        const auto* q = qk + (bt * 2 * HK + kh) * DK;
+        const auto* k = qk + (bt * 2 * HK + HK + kh) * DK;
+"""
+
 _DELTA_RULE_SOURCE = """
     // one thread per row j of one value head's state [DV, DK], carried through the call's tokens
     const int nb = conv_shape[0], len = conv_shape[1];
@@ -123,12 +132,7 @@ _DELTA_RULE_SOURCE = """
     #pragma unroll
     for (int i = 0; i < DK; ++i) s[i] = state[row + i];
     for (int t = 0; t < len; ++t) {
-        const size_t bt = (size_t)b * len + t;
-        const float g = expf(log_g[bt * HV + h]);
-        const float w = static_cast<float>(beta[bt * HV + h]);
-        const auto* q = qk + (bt * 2 * HK + kh) * DK;
-        const auto* k = qk + (bt * 2 * HK + HK + kh) * DK;
-        float recall = 0.f;
+""" + _TOKEN_INPUTS + """        float recall = 0.f;
         #pragma unroll
         for (int i = 0; i < DK; ++i) { s[i] *= g; recall += s[i] * static_cast<float>(k[i]); }
         const float delta = (static_cast<float>(conv[bt * CONV + VOFF + h * DV + j]) - recall) * w;
@@ -158,12 +162,7 @@ _DELTA_RULE_WARP_SOURCE = """
     #pragma unroll
     for (int m = 0; m < PER; ++m) s[m] = state[row + lane + 32 * m];
     for (int t = 0; t < len; ++t) {
-        const size_t bt = (size_t)b * len + t;
-        const float g = expf(log_g[bt * HV + h]);
-        const float w = static_cast<float>(beta[bt * HV + h]);
-        const auto* q = qk + (bt * 2 * HK + kh) * DK;
-        const auto* k = qk + (bt * 2 * HK + HK + kh) * DK;
-        float kk[PER], recall = 0.f;
+""" + _TOKEN_INPUTS + """        float kk[PER], recall = 0.f;
         #pragma unroll
         for (int m = 0; m < PER; ++m) {
             kk[m] = static_cast<float>(k[lane + 32 * m]);
