@@ -289,8 +289,8 @@ class Constraint:
     def dead_end(self) -> bool:
         """Whether an answer that ended by itself (no limit cut it) stopped inside its grammar's match: llguidance
         let no token continue the value (a schema some of whose values it cannot write, as a `multipleOf` of a
-        fraction), so what was written does not parse."""
-        return self.armed and not self.matcher.is_accepting()
+        fraction), so what was written does not parse. In force only: a lazy grammar between its blocks is not."""
+        return self.active and not self.matcher.is_accepting()
 
     def allowed(self) -> mx.array | None:
         """[V] bool of the tokens the grammar allows next; None while the answer runs free."""
