@@ -184,7 +184,19 @@ def check_output_file(path: str | os.PathLike, what: str = "output file", stream
     check_writable_dir(parent, path)
     if st is not None and not os.access(path, os.W_OK):
         raise fail(path, f"cannot write the {what}: permission denied")
+    tmp = temp_beside(path)  # made and removed now: a place that takes no file (/proc), a name too long for the
+    try:  # temporary, fail here, not after the work
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        os.unlink(tmp)
+    except OSError as e:
+        raise fail(path, f"cannot write the {what} (nor its temporary {tmp.name} beside it): {os_words(e)}") from None
     return path
+
+
+def temp_beside(path: str | os.PathLike) -> Path:
+    """The temporary `write_whole` writes `path` through: beside the file a link names, this process's own."""
+    path = Path(os.path.realpath(path))
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def write_whole(path: str | os.PathLike, write: Callable[[BinaryIO], None], what: str) -> None:
@@ -221,7 +233,7 @@ def write_whole(path: str | os.PathLike, write: Callable[[BinaryIO], None], what
             raise os_fail(path, e, f"cannot write the {what}") from None
         return
     path = Path(os.path.realpath(path))  # through a symlink: the file it names is replaced, the link kept
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temp_beside(path)
     try:
         with open(tmp, "wb") as f:
             write(f)

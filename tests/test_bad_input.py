@@ -642,6 +642,18 @@ def _(tmp, ck, conv):
     return ["plan", conv, "--cap", "1", "--ranks", "9"], ("9 ranks for 8 experts", "at most 8")
 
 
+@case("run-stats-where-no-file-can-be")
+def _(tmp, ck, conv):  # /proc takes no new file: said before the run, not after the answer
+    return run_args(conv, "--stats", "/proc/streamoe-stats.jsonl"), ("/proc/streamoe-stats.jsonl",
+                                                                    "cannot write the telemetry file")
+
+
+@case("run-stats-name-too-long-for-its-temporary")
+def _(tmp, ck, conv):  # a legal name whose temporary beside it is not
+    name = tmp / ("a" * 250)
+    return run_args(conv, "--stats", name), (str(name), "file name too long")
+
+
 @case("run-raw-with-a-system-message")
 def _(tmp, ck, conv):
     return run_args(conv, "--raw", "--system", "be brief"), ("--system needs the chat template",)
