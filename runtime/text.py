@@ -3,6 +3,7 @@ stop tokens and sampling defaults from generation_config, and incremental detoke
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -163,14 +164,13 @@ def stop_tokens(root: Path, config: dict) -> set[int]:
 PRIME_TOKENS = 8  # a continued text's last tokens the streaming decoder steps through first (`Detokenizer`)
 
 
-def _byte_of_char() -> dict[str, int]:
-    """Byte-level BPE's table (GPT-2's, which Qwen's tokenizers keep): the character each byte is written as."""
+@functools.cache
+def byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed (Qwen's tokenizers keep it): the printable character that stands for
+    each byte in a byte-level BPE vocabulary -> that byte."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
     moved = [b for b in range(256) if b not in kept]
     return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
-
-
-BYTE_OF_CHAR = _byte_of_char()
 
 
 class Detokenizer:
@@ -210,8 +210,8 @@ class Detokenizer:
         piece = self.tokenizer.id_to_token(tok) or ""
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             first = int(piece[3:5], 16)
-        elif piece and piece[0] in BYTE_OF_CHAR:
-            first = BYTE_OF_CHAR[piece[0]]
+        elif piece and piece[0] in byte_decoder():
+            first = byte_decoder()[piece[0]]
         else:
             return True
         return not 0x80 <= first < 0xC0

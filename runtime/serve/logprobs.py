@@ -12,6 +12,8 @@ from functools import lru_cache
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..text import byte_decoder
+
 
 def log_softmax(logits) -> mx.array:
     """float32 [V] logits -> log-probabilities, on the device."""
@@ -67,20 +69,6 @@ class PromptScores:
                 self.scores[offset + a + 1 + i] = (c, sorted(zip(t, v, strict=True), key=lambda p: (-p[1], p[0])))
 
 
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet reversed: the printable character that stands for each byte in a
-    byte-level BPE vocabulary -> that byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, n = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
-
-
 TOKEN_CACHE = 8192  # token ids whose text and bytes are kept
 
 
@@ -100,7 +88,7 @@ class TokenText:
 
     def piece(self, tok: int) -> tuple[str, list[int]]:
         piece = self.text.tokenizer.id_to_token(tok) or ""
-        table = _byte_decoder()
+        table = byte_decoder()
         if self.byte_level and piece and tok not in self.added and all(c in table for c in piece):
             raw = bytes(table[c] for c in piece)
         else:
