@@ -12,6 +12,7 @@
 #                                budget: `wastebudget`); each capped run reports the share of decode the disk was busy
 #   bash bench/h200.sh gpuexact  # the GPU tests a change to the decode step's kernels must pass first (bits across caps,
 #                                compiled against op by op, the run ahead, hidden states, grouped experts, the families)
+#   bash bench/h200.sh gpuwarp   # the GPU tests of the warp-a-row kernels alone (experts, dense layers, router, delta rule)
 #   bash bench/h200.sh gpurest   # test_gpu.py's last tests (quantized KV on; the ones a cut gputest run has not reached)
 #   bash bench/h200.sh gpuhost   # the GPU tests of the host tier (records by the copy engine and by the upload ring) and
 #                                of capped decode never copying a pool
@@ -93,7 +94,7 @@ gpu_tests() {
 }
 STEP=${1:-}
 needs_checkpoint() {  # whether a step (STEP+VAR=value...) works on `setup`'s Qwen3.6 checkpoint
-  case "${1%%+*}" in gputest|gpuexact|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family|routing|cgroups|experts-qmv) return 1 ;; esac
+  case "${1%%+*}" in gputest|gpuexact|gpuwarp|gpurest|gpuhost|gpuqmm|grouped|devcpu|sampling-small|family|routing|cgroups|experts-qmv) return 1 ;; esac
 }
 case "$1" in
   lease)
@@ -170,6 +171,10 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root/site', fil
     # every family's bits and tokens; the warp-a-row kernels (experts, delta rule) against their references
     { gpu_tests tests/test_gpu.py -k "warp or router or delta_rule or across_caps_prefetch or prompt_logprobs or compiled_decode_step or run_ahead or hidden_states or grouped or sampled_decode or long_prefill or many_blocks or host_tier" || true
       gpu_tests tests/test_gpu_families.py; } | tee -a "$OUT/gputest-exact-${CARD}.log"
+    ;;
+  gpuwarp)
+    # the warp-a-row kernels alone (experts, dense layers, the router's top-k, the delta rule) against their references
+    gpu_tests tests/test_gpu.py -k "warp or router or delta_rule or never_copies" | tee -a "$OUT/gputest-warp-${CARD}.log"
     ;;
   gpurest)
     # quantized KV last: on code 16549e3 and 413b791 its q4 case ran past 400 s (a hang or a slow compile)
