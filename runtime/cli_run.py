@@ -264,6 +264,9 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             ranks.same_work(group, work or {})
         turns = [prompt] if prompt is not None else []  # with --chat, -p is the chat's first turn
         interrupted = False
+        if chat:  # a turn's bytes that are not UTF-8 then arrive as surrogates (`utf8_turn`), whatever the locale
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                sys.stdin.reconfigure(errors="surrogateescape")
         if chat and sys.stdin.isatty():
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401  (input() then edits the line and keeps the turns' history)
@@ -295,26 +298,19 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                     if eng.opts.rank == 0:
                         print(f"(the conversation is cleared{dropped})", file=sys.stderr, flush=True)
                     continue
-            if raw:
-                ids = eng.text.encode(user) if fed else eng.text.encode_prompt(user)
-            else:
-                # only the new turn: re-rendering the history would differ from what the cache holds (templates
-                # drop past thinking), and a Gated DeltaNet state cannot be rewound to a common prefix
-                msg = {"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": user}]
-                       if images else user}
-                text = eng.text.chat_prompt([msg] if fed else messages + [msg], think=think)
-                ids = eng.text.encode_chat(eng.text.turn_close() + text if fed else text)
-                messages.append(msg)
-            n0, offset0 = len(eng.steps), eng.offset
+            n0, offset0, sent = len(eng.steps), eng.offset, len(messages)
             turn_images, images = list(images), []
-            if group is not None:  # each host reads its own --image files
-                ranks.same_work(group, {"the prompt": f"{len(ids)} tokens {digest(np.array(ids, np.int64).tobytes())}",
-                                        "--image": " ".join(file_digest(p) for p in turn_images) or None})
-            constraint = constrained() if constrained is not None else None
-            if drawn is not None and eng.opts.rank == 0:
-                print(f"streamoe: {drawn}", file=sys.stderr, flush=True)
-                drawn = None
             try:
+                ids, msg = turn_ids(eng, user, fed, messages, len(turn_images), raw, think)
+                if msg is not None:
+                    messages.append(msg)
+                if group is not None:  # each host reads its own --image files
+                    ranks.same_work(group, {"the prompt": f"{len(ids)} tokens {digest(np.array(ids, np.int64).tobytes())}",
+                                            "--image": " ".join(file_digest(p) for p in turn_images) or None})
+                constraint = constrained() if constrained is not None else None
+                if drawn is not None and eng.opts.rank == 0:
+                    print(f"streamoe: {drawn}", file=sys.stderr, flush=True)
+                    drawn = None
                 with ctrl_c_stops_the_answer(chat and group is None) as stop:
                     out = answer(eng, ids, max_tokens, sampler, logits, images=turn_images, context=fed + ids,
                                  constraint=constraint, stop=stop, progress=not quiet and eng.opts.rank == 0,
@@ -323,9 +319,10 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 if not chat or group is not None or eng.offset != offset0 or len(eng.steps) != n0:
                     raise
                 clear = "; /clear empties the conversation" if isinstance(e, ContextFull) and eng.offset else ""
-                print(f"streamoe: error: {e} (not sent; the chat goes on{clear})", file=sys.stderr, flush=True)
-                if not raw:
-                    messages.pop()
+                kept = f"; its {len(turn_images)} image(s) stay attached to the next turn" if turn_images else ""
+                print(f"streamoe: error: {e} (not sent; the chat goes on{clear}{kept})", file=sys.stderr, flush=True)
+                del messages[sent:]
+                images = turn_images + images
                 continue
             fed += ids + out  # as rendered (one pad per image); the cache holds the expanded run, same history
             if not raw:
@@ -370,6 +367,25 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
     return status
 
 
+def turn_ids(eng: Engine, user: str, fed: list[int], messages: list[dict], images: int, raw: bool,
+             think: bool) -> tuple[list[int], dict | None]:
+    """A turn's token ids (only the new turn once the conversation has begun: re-rendering the history would differ
+    from what the cache holds, templates dropping past thinking, and a Gated DeltaNet state cannot be rewound to a
+    common prefix), and the message it adds to the history (None with --raw). A text that cannot fit the context
+    at any token length is refused before it is tokenized: the tokenizer's working set grows with the text."""
+    least = eng.text.bound.at_least(user)
+    if eng.offset + least > eng.opts.ctx:
+        raise ContextFull(f"prompt of at least {least} tokens (+{eng.offset} in context) is longer than the planned "
+                          f"context --ctx {eng.opts.ctx}: it needs --ctx {eng.offset + least} or more and the answer's "
+                          "tokens")
+    if raw:
+        return (eng.text.encode(user) if fed else eng.text.encode_prompt(user)), None
+    msg = {"role": "user", "content": [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": user}]
+           if images else user}
+    text = eng.text.chat_prompt([msg] if fed else messages + [msg], think=think)
+    return eng.text.encode_chat(eng.text.turn_close() + text if fed else text), msg
+
+
 def digest(data: bytes) -> str:
     """A short name for what two ranks compare (`ranks.same_work`), by the project's one hash (`formats.direct`)."""
     h = new_hash()
@@ -412,6 +428,18 @@ def read_line(prompt: str) -> str | None:
         raise fail("<stdin>", "the input is not valid UTF-8 text") from None
 
 
+def utf8_turn(turn: str) -> bool:
+    """Whether a chat's turn is UTF-8 text (stdin's undecodable bytes arrive as surrogates); one line says it is
+    not, and the chat goes on."""
+    try:
+        turn.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        print("streamoe: error: <stdin>: the turn is not valid UTF-8 text (not sent; the chat goes on)",
+              file=sys.stderr, flush=True)
+        return False
+
+
 CLEAR = "/clear"  # a chat's command: empty the conversation
 COMMANDS = "/image PATH (attach an image to the next turn), /clear (empty the conversation), /help (this list), /quit"
 
@@ -442,7 +470,9 @@ def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
             lines = []
             while (line := read_line(". ")) is not None and line.strip() != '"""':
                 lines.append(line)
-            return "\n".join(lines)
+            if utf8_turn(turn := "\n".join(lines)):
+                return turn
+            continue
         while user.endswith("\\") and (line := read_line(". ")) is not None:
             user = user[:-1] + "\n" + line
         if user.strip() in ("/quit", "/exit"):
@@ -458,7 +488,9 @@ def read_turn(eng: Engine, images: list, raw: bool, across: bool) -> str | None:
             print(f"({known}The commands: {COMMANDS})", file=sys.stderr, flush=True)
             continue
         if command != "/image":
-            return user
+            if utf8_turn(user):
+                return user
+            continue
         path = image_path(user[len("/image"):])
         if path is None:
             print("(/image needs a file: /image PATH)", file=sys.stderr, flush=True)

@@ -120,20 +120,28 @@ def test_cli_chat_split_by_a_saved_session_is_the_same_chat(trained_conv, tmp_pa
     assert f"prefill {len(new)} tokens" in second
 
 
-def test_a_chat_turn_too_long_for_the_context_is_refused_and_the_chat_goes_on(trained_conv, tmp_path):
-    """The long turn is said in one line and sent nowhere: the turns around it give the logits and the saved
-    session a chat without it gives."""
+def test_a_chat_turn_too_long_for_the_context_or_not_utf8_is_refused_and_the_chat_goes_on(trained_conv, tmp_path):
+    """Each refused turn is said in one line and sent nowhere: the turns around them give the logits and the saved
+    session a chat without them gives. A turn longer than the context by its tokens is refused once tokenized; one
+    longer at any token length before it is tokenized (a tokenizer holds hundreds of bytes a token); one whose
+    bytes are not UTF-8 whatever stdin's error handling (a strict locale's too)."""
     common = [sys.executable, "-m", "streamoe.cli", "run", str(trained_conv), "--cap", "1", "--ctx", "64", "--no-think",
               "-n", "4", "--temp", "0", "-q", "--chat"]
-    long = " ".join(["shape"] * 80)
+    long, huge = b" ".join([b"shape"] * 80), b"ab " * 20000
     runs = {}
-    for name, turns in (("with", ["What shape?", long, "What colour?"]), ("without", ["What shape?", "What colour?"])):
+    for name, turns in (("with", [b"What shape?", long, b"caf\xe9 \xff?", huge, b"What colour?"]),
+                        ("without", [b"What shape?", b"What colour?"])):
         p = subprocess.run([*common, "--logits-out", tmp_path / f"{name}.npz", "--save-session", tmp_path / f"{name}.zst"],
-                           input="\n".join(turns) + "\n", capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr
-        runs[name] = p
-    refused = [ln for ln in runs["with"].stderr.splitlines() if "longer than the planned context" in ln]
-    assert len(refused) == 1 and refused[0].endswith("(not sent; the chat goes on; /clear empties the conversation)")
+                           input=b"\n".join(turns) + b"\n", capture_output=True, timeout=300,
+                           env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"})
+        assert p.returncode == 0, p.stderr.decode()
+        runs[name] = p.stderr.decode()
+    refused = [ln for ln in runs["with"].splitlines() if ln.startswith("streamoe: error:")]
+    assert len(refused) == 3, runs["with"]
+    assert re.match(r"streamoe: error: prompt of \d+ tokens .* longer than the planned context", refused[0])
+    assert refused[0].endswith("(not sent; the chat goes on; /clear empties the conversation)")
+    assert refused[1] == "streamoe: error: <stdin>: the turn is not valid UTF-8 text (not sent; the chat goes on)"
+    assert re.match(r"streamoe: error: prompt of at least \d+ tokens .* longer than the planned context", refused[2])
     la, lb = (np.load(tmp_path / f"{k}.npz")["logits"] for k in ("with", "without"))
     assert la.tobytes() == lb.tobytes()
     assert (tmp_path / "with.zst").read_bytes() == (tmp_path / "without.zst").read_bytes()

@@ -25,7 +25,6 @@ import tempfile
 import threading
 import time
 import traceback
-import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +51,7 @@ from ..image import num_image_tokens
 from ..image_prompt import image_config, prefill_images
 from ..plan import MiB, current_rss
 from ..sampling import Sampler
-from ..text import Detokenizer, generation_defaults
+from ..text import TOKENIZE_BYTES, Detokenizer, PromptBound, generation_defaults
 from ..tool_calls import CALL_OPEN, call_prefix
 from .chat_output import ChatOutput, HarmonyOutput
 from .door import PIECE, SOCKET_BUFFER, WRITE_BUFFER, socket_bytes
@@ -104,84 +103,19 @@ class ServeOptions:
         while the engine still runs it) keeps at most `Limits.max_kept`, its prompt's token ids and
         `Limits.max_answer` of its answer (`Job.arrive`); the
         prepare thread parses one body or renders and tokenizes one prompt at a time (counted as if both at
-        once), a prompt of more than `prompt_bytes` being refused before it is tokenized (`PromptBound`); the
+        once; a rendered prompt holds at most the text a request keeps, a character at least a byte there and
+        at most 4 in the prompt, and the template's join doubles it for a moment), a prompt of more than
+        `prompt_bytes` being refused before it is tokenized (`PromptBound`); the
         running request's images are also files in memory (`image_files`), less than its body; and every
         connection's kernel socket buffers, bounded (`door.socket_bytes`)."""
         lim = self.limits
         kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx + lim.max_answer)
-        work = lim.parse_peak + PromptBound.render_peak(lim) + TOKENIZE_BYTES * prompt_bytes + lim.max_body
+        work = lim.parse_peak + 2 * 4 * lim.max_kept + TOKENIZE_BYTES * prompt_bytes + lim.max_body
         return kept + work + socket_bytes(self.max_connections)
 
 
 IDS_BYTES = 40  # a token id in a Python list: its pointer and its int object
 ID_CHARS = 8  # a token id in a command's JSON text, with its comma (ids below 10^7)
-# the tokenizer's working set per byte of text it is given (measured 210-250, tokenizers 0.2x, byte-level BPE)
-TOKENIZE_BYTES = 320
-
-
-class PromptBound:
-    """A lower bound on a text's token count, found without tokenizing it: a token covers at most
-    `token_bytes` bytes of the normalised text (the longest vocabulary entry), so N bytes are at least
-    ceil(N / token_bytes) tokens. `token_bytes` is None for a tokenizer that may drop text (a pre-tokenizer
-    that removes whitespace, unknown runs fused into one token): then no bound holds and none is claimed."""
-
-    def __init__(self, tokenizer):
-        spec = json.loads(tokenizer.to_str())
-        model = spec.get("model") or {}
-        parts = _parts(spec.get("pre_tokenizer")) + _parts(spec.get("decoder"))
-        byte_level = any(p.get("type") == "ByteLevel" for p in parts)
-        vocab = model.get("vocab") or {}
-        pieces = list(vocab) if isinstance(vocab, dict) else [v[0] for v in vocab if isinstance(v, list) and v]
-        pieces += [a.get("content", "") for a in spec.get("added_tokens") or []]
-        # a byte-level entry spells each byte as one character; any other spells its text (or more)
-        span = max((len(p) if byte_level else len(p.encode("utf-8", "surrogatepass")) for p in pieces), default=1)
-        forms, self.token_bytes = [], max(1, span)
-        for n in _parts(spec.get("normalizer")):
-            if n.get("type") in ("NFC", "NFD", "NFKC", "NFKD"):
-                forms.append(n["type"])
-            elif n.get("type") != "Prepend" and not _grows(n):
-                self.token_bytes = None  # a normaliser that may remove text
-        self.forms = forms
-        drops = [p for p in _parts(spec.get("pre_tokenizer")) if p.get("type") in ("Whitespace", "WhitespaceSplit",
-                 "BertPreTokenizer") or p.get("behavior") == "Removed"]
-        fused = model.get("fuse_unk") and not model.get("byte_fallback")  # byte fallback: no unknown run to fuse
-        if drops or fused or model.get("type") in ("WordPiece", "WordLevel"):
-            self.token_bytes = None
-
-    CHUNK = 1 << 16
-
-    def at_least(self, text: str) -> int:
-        """Tokens `text` is at least (0 when no bound holds). Normalised and measured a chunk at a time (no
-        copy of a long text); a composition split by a chunk's end is allowed for (8 bytes a chunk)."""
-        if self.token_bytes is None:
-            return 0
-        if text.isascii():
-            return -(-len(text) // self.token_bytes)
-        n = 0
-        for i in range(0, len(text), self.CHUNK):
-            part = text[i:i + self.CHUNK]
-            for form in self.forms:
-                part = unicodedata.normalize(form, part)
-            n += len(part.encode("utf-8", "surrogatepass")) - (8 if self.forms and i else 0)
-        return max(0, -(-n // self.token_bytes))
-
-    @staticmethod
-    def render_peak(limits: Limits) -> int:
-        """A rendered prompt holds at most the text a request keeps (a character takes at least a byte there,
-        at most 4 in the prompt) and the template's join doubles it for a moment."""
-        return 2 * 4 * limits.max_kept
-
-    def quick(self, chars: int) -> int:
-        """Tokens a text of `chars` characters is at least before normalisation (which composes at most 4
-        characters into one): the gate before a template renders it."""
-        return 0 if self.token_bytes is None else chars // ((4 if self.forms else 1) * self.token_bytes)
-
-    def prompt_bytes(self, ctx: int, limits: Limits) -> int:
-        """The largest prompt (UTF-8 bytes) that reaches the tokenizer: what ctx tokens cover, or without a
-        bound the text an admitted request may keep (4 bytes a character)."""
-        return ctx * self.token_bytes if self.token_bytes else 4 * limits.max_kept
-
-
 def message_chars(messages: list[dict]) -> int:
     """Characters of the messages' text a template renders verbatim (past answers excepted: templates may
     drop their reasoning)."""
@@ -196,22 +130,6 @@ def message_chars(messages: list[dict]) -> int:
     return n
 
 
-def _grows(normalizer: dict) -> bool:
-    """Whether a normaliser only replaces a string by one at least as long in UTF-8 (SentencePiece's space to "▁"),
-    so the text it gives is no shorter than the text it was given."""
-    pattern = normalizer.get("pattern") or {}
-    return (normalizer.get("type") == "Replace" and isinstance(pattern.get("String"), str) and pattern["String"] != ""
-            and len(str(normalizer.get("content", "")).encode()) >= len(pattern["String"].encode()))
-
-
-def _parts(node) -> list[dict]:
-    """A tokenizer.json component flattened (a Sequence's members, in order)."""
-    if not isinstance(node, dict):
-        return []
-    inner = node.get("normalizers") or node.get("pretokenizers") or node.get("decoders")
-    return [p for x in inner for p in _parts(x)] if node.get("type") == "Sequence" and inner else [node]
-
-
 def requests_bytes(so: ServeOptions, root: Path, ctx: int) -> int:
     """The plan's `requests` account for serving the model at ROOT with this context."""
     from tokenizers import Tokenizer
@@ -220,7 +138,13 @@ def requests_bytes(so: ServeOptions, root: Path, ctx: int) -> int:
         bound = PromptBound(Tokenizer.from_file(str(Path(root) / "tokenizer.json")))
     except Exception:  # no readable tokenizer: the engine refuses the model in its own words
         return so.requests_bytes(ctx, 4 * so.limits.max_kept)
-    return so.requests_bytes(ctx, bound.prompt_bytes(ctx, so.limits))
+    return so.requests_bytes(ctx, prompt_bytes(bound, ctx, so.limits))
+
+
+def prompt_bytes(bound: PromptBound, ctx: int, limits: Limits) -> int:
+    """The largest prompt (UTF-8 bytes) that reaches the tokenizer: what ctx tokens cover, or without a bound
+    the text an admitted request may keep (4 bytes a character)."""
+    return ctx * bound.token_bytes if bound.token_bytes else 4 * limits.max_kept
 
 
 @dataclass
@@ -372,7 +296,7 @@ class EngineWorker:
         self.latency = {name: Histogram(bounds) for name, (_, bounds) in LATENCIES.items()}  # the requests', ditto
         self.finished: Counter = Counter()  # answers by finish reason, ditto
         self.token_text = TokenText(eng.text)
-        self.bound = PromptBound(eng.text.tokenizer)
+        self.bound = eng.text.bound
         self.lock = Lockstep(eng) if eng.group is not None else None  # across ranks: every engine call told first
         if self.lock is not None:
             self.totals["rank_bytes_read"] = [0] * eng.group.size()
