@@ -928,6 +928,28 @@ def test_the_response_store_keeps_to_its_budget():
     assert store.put(resp(5), items * 2, None) and store.delete("resp_5") and not store.item_of  # an id given twice
 
 
+def test_a_response_the_store_cannot_hold_is_refused_or_says_it_is_not_stored(text):
+    """`store: true` is honoured or refused: a request whose input alone is more than the store holds is a 400
+    naming `store`; an answer that makes its response more than that is not stored and says so (`store` false in
+    the ended response), where a short one is stored and says true."""
+    from streamoe.runtime.serve.response_store import ResponseStore
+
+    store, so = ResponseStore(8192), ServeOptions("m")
+    with pytest.raises(APIError) as e:
+        responses_api.parse({"input": "x" * 9000, "store": True}, so, store=store)
+    assert e.value.status == 400 and e.value.param == "store", e.value.message
+    assert responses_api.parse({"input": "x" * 9000}, so, store=store).api["store"]  # the default: kept where it fits
+    for said, kept in (("Short.", True), (" ".join(["Long."] * 2000), False)):
+        out = responses_api.Output(job_for(responses_api.parse({"input": "?", "store": True}, so, store=store)), "m",
+                                   store)
+        evs = [json.loads(s.split("data: ", 1)[1]) for ev in answer_events(text, rendered(text, "", said, 0))
+               for s in out.feed(ev)]
+        final = evs[-1]["response"]
+        assert evs[-1]["type"] == "response.completed" and final == out.result()
+        assert final["store"] is kept and (store.response(final["id"]) is not None) is kept
+        assert Response.model_validate(final).output_text == said
+
+
 def test_a_continued_request_holds_no_more_than_a_body_may():
     """What a request names from the store (the chain before `previous_response_id`, each `item_reference`'s item) is
     weighed before it is parsed: no more than `--max-body-mib`, as if the client had sent the conversation itself;

@@ -45,6 +45,10 @@ class ResponseStore:
         self.item_of: dict[str, list[str]] = {}  # item id -> the responses holding it, the newest last
         self.lock = threading.Lock()
 
+    def fits(self, items: list[dict]) -> bool:
+        """Whether a request's input `items` alone leave room in the budget for its response."""
+        return sum(len(_text(it)) for it in items) + ENTRY + ITEM * len(items) <= self.budget
+
     def put(self, response: dict, items: list[dict], previous: str | None) -> bool:
         """Keep `response` (with its request's resolved input `items`); False where it alone exceeds the budget."""
         given, answered = tuple(map(_text, items)), tuple(map(_text, response["output"]))

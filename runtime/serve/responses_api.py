@@ -408,6 +408,9 @@ def parse(body: dict, so, counting: bool = False, store: ResponseStore | None = 
     if "input" not in body:
         raise bad("'input' is required", "input")
     items, given = resolve(body, previous, store, so.limits)
+    if body.get("store") is True and store is not None and not store.fits(given):
+        raise bad(f"'store': true, and the input alone is more than the server keeps of all responses "
+                  f"(--response-store-mib {store.budget / 2**20:g}): send store: false", "store")
     msgs = parse_input(items, so, req.images)
     req.messages = ([{"role": "system", "content": instructions}] if instructions else []) + msgs
     req.tools, req.parse_tools, req.force_call, strict = parse_tools_choice(body)
@@ -581,19 +584,24 @@ class Output:
         else:
             self.status = "completed"
         self.final = self.response()  # built once: the last event's, the stored one and a whole answer's
-        self._keep(self.final)
+        if not self._keep(self.final):  # too large for the store: the response says it is not stored
+            self.final = self.response()
         return out + [self._ev(f"response.{self.status}", response=self.final)]
 
     def result(self) -> dict:
         return self.final if self.final is not None else self.response()
 
-    def _keep(self, response: dict) -> None:
+    def _keep(self, response: dict) -> bool:
         """An ended response into the store (where its request did not say `store: false`), with its request's
-        input items, each given an id where the client gave none (`GET .../input_items` lists them by id)."""
+        input items, each given an id where the client gave none (`GET .../input_items` lists them by id).
+        False where it alone is more than the store holds: then it is not stored, and says so (`store` false)."""
         if self.store is None or not self.api.get("store"):
-            return
+            return True
         items = [kept_item(it, f"{self.job.id}in{n}") for n, it in enumerate(self.api["given"])]
-        self.store.put(response, items, self.api.get("previous"))
+        if self.store.put(response, items, self.api.get("previous")):
+            return True
+        self.api["store"] = False
+        return False
 
 
 def check_kept(response: dict, include: list[str]) -> None:
