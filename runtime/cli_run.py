@@ -241,6 +241,10 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
         if saved.get("raw", raw) != raw:
             eng.close()
             raise StreamoeError(f"{load_session}: saved {'with' if saved['raw'] else 'without'} --raw; run it the same way")
+        if not raw and saved.get("think", think) != think:  # the template renders each turn with or without thinking
+            eng.close()
+            raise StreamoeError(f"{load_session}: saved {'without' if saved['think'] else 'with'} --no-think; run it the "
+                                "same way")
         messages, fed = saved.get("messages", []), saved.get("tokens", [])
         if saved.get("unfed"):  # shown, left out of a full context: fed now, as a context with room fed it
             if eng.offset + len(saved["unfed"]) > eng.opts.ctx:
@@ -289,6 +293,9 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                 if group is not None:
                     user = ranks.from_rank0(group, user)  # every rank answers rank 0's turn
                 if user is None:
+                    if images and eng.opts.rank == 0:
+                        print(f"(the chat ends: the {len(images)} image(s) attached to a next turn are not sent)",
+                              file=sys.stderr, flush=True)
                     break
                 if user == CLEAR:  # the conversation emptied; its system message (and the sampler's draws) kept
                     eng.reset()
@@ -349,7 +356,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
             if not chat:
                 break
         if save_session:
-            extra = {"raw": raw, "messages": messages, "tokens": fed, **({"unfed": eng.unfed} if eng.unfed else {})}
+            extra = {"raw": raw, **({} if raw else {"think": think}), "messages": messages, "tokens": fed,
+                     **({"unfed": eng.unfed} if eng.unfed else {})}
             if not sampler.greedy or (load_session and "sampler" in saved):  # a greedy conversation drew with no seed
                 extra["sampler"] = sampler.state()
             size = session.save_session(eng, save_session, extra, locked=True)

@@ -102,8 +102,9 @@ def check_extra(path: Path, extra: dict, ctx: int, vocab: int) -> dict:
     """What `streamoe run` keeps beside the state (raw flag, messages, token history, the answer's final token a
     full context left out of the state, sampler), typed before it is used: a session file is input like any
     other."""
-    if "raw" in extra and not isinstance(extra["raw"], bool):
-        raise fail(path, "session 'raw' must be true or false")
+    for flag in ("raw", "think"):
+        if flag in extra and not isinstance(extra[flag], bool):
+            raise fail(path, f"session '{flag}' must be true or false")
     msgs = extra.get("messages", [])
     if not isinstance(msgs, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)

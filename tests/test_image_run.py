@@ -252,13 +252,15 @@ def test_chat_refuses_a_bad_image_in_one_line_and_goes_on(tiny_conv, picture, tm
 
 def test_chat_turn_refused_keeps_its_images_for_the_next(tiny_conv, picture, tmp_path):
     """A turn refused as too long for the context leaves the images attached to it for the next turn (said in its
-    line): the next turn's prompt is the one `-p ... --image` gives."""
-    turns = f"/image {picture}\n{'ab ' * 3000}\nWhat is it?\n/quit\n"
+    line): the next turn's prompt is the one `-p ... --image` gives. An image attached when the chat ends is said
+    not to be sent."""
+    turns = f"/image {picture}\n{'ab ' * 3000}\nWhat is it?\n/image {picture}\n/quit\n"
     p = subprocess.run([sys.executable, "-m", "streamoe.cli", "run", str(tiny_conv), "--cap", "1", "--chat", "-n", "1",
                         "--stats", str(tmp_path / "s.jsonl")], input=turns, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("streamoe: error:")]
     assert len(errors) == 1 and errors[0].endswith("its 1 image(s) stay attached to the next turn)"), p.stderr
+    assert p.stderr.endswith("(the chat ends: the 1 image(s) attached to a next turn are not sent)\n"), p.stderr
     prefill = [json.loads(ln)["n_tokens"] for ln in (tmp_path / "s.jsonl").read_text().splitlines() if '"prefill"' in ln]
     cli("run", tiny_conv, "--cap", "1", "-p", "What is it?", "--image", picture, "-n", "1", "--stats",
         tmp_path / "t.jsonl", check=True)

@@ -147,6 +147,18 @@ def test_a_chat_turn_too_long_for_the_context_or_not_utf8_is_refused_and_the_cha
     assert (tmp_path / "with.zst").read_bytes() == (tmp_path / "without.zst").read_bytes()
 
 
+def test_a_session_goes_on_with_the_thinking_it_was_saved_with(tiny_conv, tmp_path):
+    """A conversation saved with --no-think renders its next turn so only: loaded without it (or one saved
+    without it loaded with it) is refused in one line naming the file, and loaded the same way it goes on."""
+    common = ["run", tiny_conv, "--cap", "1", "-n", "2", "--temp", "0", "-q"]
+    for flags, other in (([], ["--no-think"]), (["--no-think"], [])):
+        saved = tmp_path / f"s{len(flags)}.zst"
+        cli(*common, *flags, "-p", "Hi", "--save-session", saved, check=True)
+        one_error_line(cli(*common, *other, "-p", "And?", "--load-session", saved), str(saved), "--no-think",
+                       "run it the same way")
+        cli(*common, *flags, "-p", "And?", "--load-session", saved, check=True)
+
+
 def test_ctrl_c_stops_a_chats_answer_and_the_chat_goes_on_from_what_was_shown(tiny_conv, tmp_path):
     """Ctrl-C mid-answer ends that answer after K tokens; the next turn's logits are those of a chat whose
     answers are cut at K by -n (random weights: an answer seldom ends on its own within them; where the next one
