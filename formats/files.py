@@ -241,6 +241,8 @@ def write_whole(path: str | os.PathLike, write: Callable[[BinaryIO], None], what
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
+        if e.filename is not None and os.fsdecode(e.filename) == str(tmp):  # the temporary is ours: the target is named
+            e.filename = None
         raise os_fail(path, e, f"cannot write the {what}") from None
     finally:
         tmp.unlink(missing_ok=True)

@@ -19,7 +19,7 @@ from bench.fuzz import PARSERS, REQUESTS, World, fuzz, target_requests
 from streamoe.convert.synth import synth
 from streamoe.convert.validate import validate
 from streamoe.formats.errors import StreamoeError
-from streamoe.formats.files import exclusive_lock
+from streamoe.formats.files import exclusive_lock, write_whole
 from streamoe.formats.session import write_session
 from streamoe.runtime.engine import Options, plan_for
 
@@ -91,6 +91,15 @@ def test_session_write_under_a_lock_fails_and_keeps_the_old_file(tmp_path):
         with pytest.raises(StreamoeError, match="another streamoe command is writing"):
             write_session(target, {}, [("a", "F32", (4,))], [bytes(16)])
     assert target.read_bytes() == b"old"
+
+
+def test_a_whole_write_that_fails_names_its_target_not_its_temporary(tmp_path):
+    """The temporary beside the target is the writer's own: a failure (a directory gone since the output was
+    checked) names the file asked for."""
+    target = tmp_path / "gone" / "talk.zst"
+    with pytest.raises(StreamoeError) as e:
+        write_whole(target, lambda f: f.write(b"x"), "session")
+    assert str(e.value) == f"{target}: cannot write the session: no such file or directory"
 
 
 def test_two_converts_race_into_one_out(tiny_ckpt, tmp_path):
