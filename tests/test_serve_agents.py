@@ -928,6 +928,38 @@ def test_the_response_store_keeps_to_its_budget():
     assert store.put(resp(5), items * 2, None) and store.delete("resp_5") and not store.item_of  # an id given twice
 
 
+def test_tool_calls_sent_back_as_the_sdks_dump_them_parse_and_their_arguments_are_json():
+    """A call the client got back, sent back as the official SDK dumps it (Anthropic's `toolset_name`, the
+    Responses `async` and `caller`, each null), renders as the call; a Responses call whose arguments are not a JSON
+    object is a 400 naming them, as the chat route's is."""
+    from anthropic.types import ToolUseBlock
+    from openai.types.responses import ResponseFunctionToolCall
+
+    so, ask = ServeOptions("m"), {"role": "user", "content": "Weather in Paris?"}
+    call = ToolUseBlock(id="toolu_1", name="get_weather", input={"city": "Paris"}, type="tool_use").model_dump()
+    assert "toolset_name" in call
+    req = anthropic_api.parse({"model": "m", "max_tokens": 8, "messages": [
+        ask, {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18"}]}]}, so)
+    assert req.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    fc = ResponseFunctionToolCall(call_id="c1", name="get_weather", arguments='{"city": "Paris"}',
+                                  type="function_call").model_dump(by_alias=True)
+    assert {"async", "caller"} <= set(fc)
+    out = {"type": "function_call_output", "call_id": "c1", "output": "18"}
+    req = responses_api.parse({"input": [ask, fc, out], "tools": RESP_TOOLS}, so)
+    assert req.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    for bad_args in ("{bad", "[1]"):
+        with pytest.raises(APIError) as e:
+            responses_api.parse({"input": [ask, {**fc, "arguments": bad_args}, out], "tools": RESP_TOOLS}, so)
+        assert e.value.status == 400 and e.value.param == "input[1].arguments", e.value.message
+        with pytest.raises(APIError) as e:
+            parse_chat({"model": "m", "tools": CHAT_TOOLS, "messages": [
+                ask, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": bad_args}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "18"}]}, so)
+        assert e.value.status == 400 and e.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
 def test_a_response_the_store_cannot_hold_is_refused_or_says_it_is_not_stored(text):
     """`store: true` is honoured or refused: a request whose input alone is more than the store holds is a 400
     naming `store`; an answer that makes its response more than that is not stored and says so (`store` false in

@@ -201,7 +201,7 @@ def parse_messages(messages, so, images: list[bytes]) -> list[dict]:
                 if kind == "text":
                     msg["content"] += _text_block(b, bw)
                 elif kind == "tool_use":
-                    check_fields(b, {"type", "id", "name", "input", "cache_control", "caller"},
+                    check_fields(b, {"type", "id", "name", "input", "cache_control", "caller", "toolset_name"},
                                  {"type", "id", "name", "input", "cache_control"}, f"{bw}.", API)
                     if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) or not b["name"]:
                         raise bad(f"{bw} must have a string 'id' and 'name'", bw)

@@ -24,6 +24,7 @@ from .openai_api import (
     EFFORTS,
     APIError,
     GenRequest,
+    _arguments,
     _choice,
     _metadata,
     _number,
@@ -67,7 +68,7 @@ SEALED = "streamoe.1."  # what opens this server's `encrypted_content`: the reas
 # the fields of each input item: (defined, honoured); `id` and `status` name an item a client got back
 ITEM_FIELDS = {
     "message": ({"type", "role", "content", "id", "status", "phase"}, {"type", "role", "content", "id", "status"}),
-    "function_call": ({"type", "call_id", "name", "arguments", "id", "status", "namespace"},
+    "function_call": ({"type", "call_id", "name", "arguments", "id", "status", "namespace", "async", "caller"},
                       {"type", "call_id", "name", "arguments", "id", "status"}),
     "function_call_output": ({"type", "call_id", "output", "id", "status"}, {"type", "call_id", "output", "id", "status"}),
     "reasoning": ({"type", "id", "summary", "content", "encrypted_content", "status"},
@@ -90,20 +91,6 @@ def unseal(sealed, where: str) -> str:
         pass
     raise bad(f"{where}.encrypted_content was not written by this server: its reasoning cannot be restored",
               f"{where}.encrypted_content")
-
-
-def arguments(args, where: str):
-    """A call's arguments as the object templates iterate (`arguments|items`); a string that is not a JSON
-    object is kept as written (the template renders it verbatim)."""
-    if isinstance(args, dict):
-        return args
-    if not isinstance(args, str):
-        raise bad(f"{where} must be a JSON string", where)
-    try:
-        obj = json.loads(args)
-    except ValueError:
-        return args
-    return obj if isinstance(obj, dict) else args
 
 
 def _text_of(parts, where: str, kinds: tuple[str, ...]) -> str:
@@ -211,7 +198,7 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
             msg = assistant()
             msg.setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function",
-                 "function": {"name": name, "arguments": arguments(item.get("arguments", "{}"), f"{where}.arguments")}})
+                 "function": {"name": name, "arguments": _arguments(item.get("arguments", "{}"), f"{where}.arguments")}})
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
