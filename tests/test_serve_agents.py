@@ -930,8 +930,8 @@ def test_the_response_store_keeps_to_its_budget():
 
 def test_tool_calls_sent_back_as_the_sdks_dump_them_parse_and_their_arguments_are_json():
     """A call the client got back, sent back as the official SDK dumps it (Anthropic's `toolset_name`, the
-    Responses `async` and `caller`, each null), renders as the call; a Responses call whose arguments are not a JSON
-    object is a 400 naming them, as the chat route's is."""
+    Responses `async` and `caller`, each null), renders as the call; a Responses call with no output after it, or
+    whose arguments are not a JSON object, is a 400 naming it, as on the chat route."""
     from anthropic.types import ToolUseBlock
     from openai.types.responses import ResponseFunctionToolCall
 
@@ -948,6 +948,10 @@ def test_tool_calls_sent_back_as_the_sdks_dump_them_parse_and_their_arguments_ar
     out = {"type": "function_call_output", "call_id": "c1", "output": "18"}
     req = responses_api.parse({"input": [ask, fc, out], "tools": RESP_TOOLS}, so)
     assert req.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    for unanswered in ([ask, fc, ask], [ask, fc]):  # a call whose output never comes: OpenAI's 400
+        with pytest.raises(APIError) as e:
+            responses_api.parse({"input": unanswered, "tools": RESP_TOOLS}, so)
+        assert e.value.status == 400 and e.value.param == "input[1]", e.value.message
     for bad_args in ("{bad", "[1]"):
         with pytest.raises(APIError) as e:
             responses_api.parse({"input": [ask, {**fc, "arguments": bad_args}, out], "tools": RESP_TOOLS}, so)

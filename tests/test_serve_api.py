@@ -211,6 +211,9 @@ def png_url(size=(64, 48)) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+ASKED = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": CALLS[:1]}]
+
+
 def chat(**kw) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
 
@@ -277,6 +280,16 @@ def chat(**kw) -> dict:
     (chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}), "response_format"),
     (chat(metadata={"k" * 65: "v"}), "metadata"),
     (chat(metadata={"k": "v" * 513}), "metadata"),
+    # OpenAI's pairing of calls and results (the template renders no ids: a broken pair would go unseen)
+    (chat(messages=[*ASKED, {"role": "tool", "content": "x"}]), "messages[2].tool_call_id"),
+    (chat(messages=[*ASKED, {"role": "tool", "tool_call_id": "zz", "content": "x"}]), "messages[2].tool_call_id"),
+    (chat(messages=[*ASKED, {"role": "tool", "tool_call_id": "a", "content": "x"},
+                    {"role": "tool", "tool_call_id": "a", "content": "x"}]), "messages[3].tool_call_id"),
+    (chat(messages=[*ASKED, {"role": "user", "content": "and?"}]), "messages[1].tool_calls[0]"),
+    (chat(messages=[{"role": "tool", "tool_call_id": "a", "content": "x"}, {"role": "user", "content": "hi"}]),
+     "messages[0].tool_call_id"),
+    (chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [CALLS[0], CALLS[0]]}]),
+     "messages[1].tool_calls[1].id"),
 ])
 def test_bad_fields_are_400_naming_the_field(body, param):
     with pytest.raises(APIError) as e:

@@ -625,7 +625,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
 def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
-    out = []
+    out, asked = [], {}
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -649,12 +649,34 @@ def parse_messages(messages, limits: Limits, images: list[bytes]) -> list[dict]:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         elif msg["content"] is None and role != "assistant":
             raise bad(f"{where}.content is missing", f"{where}.content")
-        if role == "tool" and m.get("tool_call_id") is not None:
-            if not isinstance(m["tool_call_id"], str):
-                raise bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad(f"{where}.tool_call_id must be the id of the call this message answers", f"{where}.tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
+        asked = _answered(asked, msg, where)
         out.append(msg)
     return out
+
+
+def _answered(asked: dict[str, str], msg: dict, where: str) -> dict[str, str]:
+    """The calls left unanswered (id -> where each was made) after `msg`, by OpenAI's rules: an assistant message's
+    calls are each answered by a tool message naming its id, before any other message; a tool message answers one of
+    them. The template does not render the ids, so a history that breaks these pairs its results with the wrong
+    calls: a 400 naming the message."""
+    if msg["role"] == "tool":
+        if asked.pop(msg["tool_call_id"], None) is None:
+            raise bad(f"{where}.tool_call_id {msg['tool_call_id'][:80]!r} answers no call: a message of role 'tool' "
+                      "answers one of the calls of the assistant message before it, once", f"{where}.tool_call_id")
+        return asked
+    if asked:
+        ids = ", ".join(i[:80] for i in asked)
+        raise bad(f"{where}: an assistant message with 'tool_calls' must be followed by tool messages answering each "
+                  f"'tool_call_id'; not answered: {ids}", next(iter(asked.values())))
+    calls = msg.get("tool_calls") or []
+    for j, c in enumerate(calls):
+        if c.get("id") in (c2.get("id") for c2 in calls[:j]):
+            raise bad(f"{where}.tool_calls[{j}].id {c['id'][:80]!r} is given twice", f"{where}.tool_calls[{j}].id")
+    return {c["id"]: f"{where}.tool_calls[{j}]" for j, c in enumerate(calls) if "id" in c}
 
 
 TOOL_FIELDS = {"name", "description", "parameters", "strict"}

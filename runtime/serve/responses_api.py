@@ -157,7 +157,7 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise bad("'input' must be a string or a non-empty list of items", "input")
     msgs: list[dict] = []
-    reasoning, called = "", set()  # the call ids of the function_call items so far
+    reasoning, called = "", {}  # the function_call items so far not answered: call id -> where
 
     def assistant() -> dict:
         nonlocal reasoning
@@ -194,7 +194,7 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
             name, call_id = item.get("name"), item.get("call_id")
             if not isinstance(name, str) or not name or not isinstance(call_id, str):
                 raise bad(f"{where} must have a string 'name' and 'call_id'", where)
-            called.add(call_id)
+            called[call_id] = where
             msg = assistant()
             msg.setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function",
@@ -203,7 +203,7 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise bad(f"{where}.call_id must be a string", f"{where}.call_id")
-            if call_id not in called:  # OpenAI's check: an output answers a call the conversation holds
+            if called.pop(call_id, None) is None:  # OpenAI's check: an output answers a call the conversation holds
                 raise bad(f"{where}: no tool call found for function call output with call_id {call_id[:80]!r}",
                           f"{where}.call_id")
             out = _text_of(item.get("output"), f"{where}.output", ("input_text", "output_text"))
@@ -221,6 +221,10 @@ def parse_input(items, so, images: list[bytes]) -> list[dict]:
         else:
             raise bad(f"{where}.type {kind!r} is not supported (message, function_call, function_call_output and "
                       "reasoning items are)", f"{where}.type")
+    if called:  # and each call has its output (the template renders no ids: results would pair with other calls)
+        call_id, where = next(iter(called.items()))
+        raise bad(f"{where}: no tool output found for function call {call_id[:80]!r}: send a function_call_output "
+                  "item with its call_id", where)
     if not any(m["role"] != "system" for m in msgs):
         raise bad("'input' holds no user, assistant or tool item", "input")
     return msgs
