@@ -66,12 +66,23 @@ SUBSCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", 
               "contains")
 
 
+# what the added tokens' texts are prefixed with in llguidance's view of the tokenizer (a noncharacter no text holds)
+HIDDEN = "\U0010ffff"
+
+
 def guide_tokenizer(tokenizer, vocab: int, stop_ids: set[int]):
     """llguidance's view of the model's tokenizer (`tokenizers.Tokenizer`), made once per model: ~0.1 s at a
-    4K vocabulary, ~1 s at the real one."""
+    4K vocabulary, ~1 s at the real one. Its added tokens (`<tool_call>`, `</think>`, `<|im_end|>`) are control
+    tokens there, written only where a grammar names one by id (`_literal`); their texts are hidden from its
+    tokenizer, which would otherwise spell a grammar's literal "<tool_call>" as the control token, let it through
+    the mask, and then refuse it (llguidance 1.9): a schema's text is written in plain tokens, as `encode_plain`
+    reads a request's."""
     import llguidance
 
-    return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab, eos_token=sorted(stop_ids))
+    spec = json.loads(tokenizer.to_str())
+    for added in spec.get("added_tokens") or []:
+        added["content"] = HIDDEN + added["content"]
+    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab, eos_token=sorted(stop_ids))
 
 
 def tool_call_grammar(fmt: str, tools: list[dict], name: str | None, tokenizer, free: frozenset[str] = frozenset(),
@@ -301,8 +312,9 @@ class Constraint:
         return bits | (mx.arange(self.vocab) == self.opener) if self.first else bits
 
     def advance(self, tok: int) -> None:
-        """Feed the token drawn. A token the grammar refuses cannot be drawn from its mask; it would leave the
-        matcher in its error state, which ends the constraint rather than the answer."""
+        """Feed the token drawn. A token the grammar refuses cannot be drawn from its mask; were one drawn, the
+        matcher's error state allows only a stop token: the answer ends at a `dead_end` (a lazy grammar's block
+        ends instead, and the answer runs free until the next trigger)."""
         if self.first:
             self.first = False
             if tok == self.opener:  # the model opened its reasoning: the grammar waits for its close
@@ -318,7 +330,7 @@ class Constraint:
         self.matcher.consume_token(tok)
         if self.once and self.matcher.is_accepting():
             return  # the call is made: the grammar, complete, allows only a stop token
-        if self.matcher.is_error() or (self.trigger is not None and self.matcher.is_accepting()):
+        if self.trigger is not None and (self.matcher.is_error() or self.matcher.is_accepting()):
             self.active = False  # a lazy grammar's block closed (or broke): free until the next trigger
             if self.fresh is not None:  # (llguidance's `reset` keeps a grammar's forced first token consumed)
                 self.matcher = self.fresh.deep_copy()

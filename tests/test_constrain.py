@@ -67,6 +67,25 @@ def test_random_weights_always_answer_schema_valid_json(tiny_conv, slots):
     assert len(set(texts[:4])) > 1  # the draws still choose
 
 
+def test_a_schemas_text_that_spells_a_control_token_is_written_in_plain_tokens(tiny_conv):
+    """A string the schema holds that is a control token's text (`<tool_call>`, `</think>`, `<|im_end|>`) is
+    written in plain tokens: the control token, which the chat's reader takes for its markup, is never drawn, and
+    the JSON is whole (llguidance would spell it as the control token, then refuse it and leave the rest free)."""
+    eng = _engine(tiny_conv, None)
+    added = set(eng.text.tokenizer.get_added_tokens_decoder())
+    guide = guide_tokenizer(eng.text.tokenizer, eng.args.vocab_size, eng.text.stop_ids)
+    for mark in ["<tool_call>", "</think>", "<think>", "<|im_end|>", "a<tool_call>b"]:
+        schema = {"type": "object", "properties": {"tag": {"const": mark}}, "required": ["tag"],
+                  "additionalProperties": False}
+        c = Constraint(guide, json_grammar(schema), eng.args.vocab_size)
+        eng.reset()
+        out = [t for t, _ in eng.generate(eng.text.encode("Give me JSON:"), 40, Sampler(), constraint=c)]
+        drawn = out[:-1] if out[-1] in eng.text.stop_ids else out
+        assert not added & set(drawn) and c.complete, eng.text.decode(out)
+        assert json.loads(eng.text.decode(drawn)) == {"tag": mark}
+    eng.close()
+
+
 @pytest.mark.parametrize("budget", [1, 7])
 def test_a_thinking_budget_closes_the_reasoning_then_its_grammar_holds(tiny_conv, budget):
     """A thinking budget over a JSON grammar that waits for `</think>`: the reasoning is the first `budget` tokens
