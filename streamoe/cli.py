@@ -168,6 +168,16 @@ def api_key_value(ctx, param, value: str | None) -> str | None:
     return value
 
 
+class FilePath(click.Path):
+    """A file or directory a command names: an empty one (an unset shell variable) is refused, where it would
+    name the working directory."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value:
+            self.fail("is empty (an unset variable?): give a path", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def expert_format(ctx, param, value: str | None) -> str | None:
     """--experts for plan/run/serve: one expert format's name (None: the one the converted directory has)."""
     from .formats.layout import FORMATS
@@ -222,7 +232,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=FilePath(path_type=Path))
 @click.option("--family", type=click.Choice(FAMILIES), default="qwen3_5_moe", show_default=True,
               help="The model family (model_type) whose mlx-community export to write: qwen3_5_moe Qwen3.6-35B-A3B, "
                    "qwen3_moe Qwen3-30B-A3B, gpt_oss gpt-oss-20b, mixtral Mixtral-8x7B-Instruct-v0.1, qwen3_next "
@@ -248,8 +258,8 @@ def synth(out: Path, family: str, size: str, variant: str | None, text_only: boo
 
 
 @main.command()
-@click.argument("ckpt", type=click.Path(path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("ckpt", type=FilePath(path_type=Path))
+@click.argument("out", type=FilePath(path_type=Path))
 @click.option("--experts", default=None, callback=expert_list,
               help="Expert formats to write: q4, q3 or q4,q3 (4-bit affine exports), mxfp4 (MXFP4 exports). "
                    "Default: the format the checkpoint holds (q4, or mxfp4).")
@@ -264,8 +274,8 @@ def convert(ckpt: Path, out: Path, experts: list[str], force: bool) -> None:
 
 
 @main.command()
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--source", type=click.Path(path_type=Path), default=None,
+@click.argument("out", type=FilePath(path_type=Path))
+@click.option("--source", type=FilePath(path_type=Path), default=None,
               help="Also compare sampled experts and tensors byte for byte with this checkpoint.")
 @click.option("--samples", type=click.IntRange(min=1, max=1 << 20), default=16, show_default=True, help="Experts sampled per layer with --source.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report.")
@@ -470,7 +480,7 @@ def serve_sizes(prompt_cache_mib: float, response_store_mib: float, max_queue: i
 
 
 @main.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=FilePath(path_type=Path))
 @common
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes per account).")
 @click.option("--images", is_flag=True, help="Include the vision account (runs with --image or --chat).")
@@ -538,12 +548,12 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 
 
 @main.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=FilePath(path_type=Path))
 @common
 @engine_options
 @click.option("--prompt", "-p", default=None, callback=utf8_text,
               help="One prompt; answered, then exit. '-' reads it from stdin.")
-@click.option("--prompt-file", "-f", type=click.Path(path_type=Path), default=None,
+@click.option("--prompt-file", "-f", type=FilePath(path_type=Path), default=None,
               help="Read the prompt from this UTF-8 file (a prompt too long for a command line), or a pipe: "
                    "-f <(git diff).")
 @click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
@@ -552,7 +562,7 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
                    "file or pipe holding it ('{}': any JSON object), by llguidance. stdout holds the JSON alone (the "
                    "thinking goes to stderr). An answer cut before its JSON ends (by -n or the context) is printed as "
                    "far as it got, one line says so, and the exit status is 1.")
-@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
+@click.option("--image", "images", multiple=True, type=FilePath(path_type=Path),
               help="An image for the prompt (repeatable): a PNG, JPEG, WebP or still GIF file, or a pipe (--image <(curl -s URL), "
                    "--image - for stdin; read whole, at most 64 MiB, its bytes planned in the cap).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
@@ -567,13 +577,13 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @click.option("--seed", type=click.IntRange(min=0, max=(1 << 63) - 1), default=None,
               help="Seed of the sampled tokens (default: a new one each run, shown in the summary line): the same seed "
                    "and inputs give the same tokens, at every cap.")
-@click.option("--stats", type=click.Path(path_type=Path), default=None, help="Write per-step telemetry as JSON lines (a file, or a pipe: --stats >(jq -c .), /dev/stderr).")
-@click.option("--logits-out", type=click.Path(path_type=Path), default=None, help="Save every step's logits (.npz).")
+@click.option("--stats", type=FilePath(path_type=Path), default=None, help="Write per-step telemetry as JSON lines (a file, or a pipe: --stats >(jq -c .), /dev/stderr).")
+@click.option("--logits-out", type=FilePath(path_type=Path), default=None, help="Save every step's logits (.npz).")
 @click.option("--verify", is_flag=True, help="Check every file's checksum before running.")
 @click.option("--quiet", "-q", is_flag=True, help="No summary line.")
-@click.option("--save-session", type=click.Path(path_type=Path), default=None,
+@click.option("--save-session", type=FilePath(path_type=Path), default=None,
               help="At the end, save the conversation (caches, history) to this file (zstd).")
-@click.option("--load-session", type=click.Path(path_type=Path), default=None,
+@click.option("--load-session", type=FilePath(path_type=Path), default=None,
               help="Continue a saved conversation: the prompt (or chat) is its next turn.")
 @user_errors
 def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str, dtype: str | None,
@@ -786,7 +796,7 @@ def check_run_paths(model: Path, stats: Path | None, logits_out: Path | None, sa
 
 
 @main.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=FilePath(path_type=Path))
 @common
 @engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback is reachable "

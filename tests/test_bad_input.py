@@ -128,6 +128,16 @@ def run_args(conv: Path, *more) -> list:
 
 # ---------------------------------------------------------------------------------------------- convert: the source
 
+@case("empty-path")  # an unset variable: "" would be the working directory
+def _(tmp, ck, conv):
+    return ["run", conv, "-p", "hi", "--save-session", ""], ("--save-session", "is empty (an unset variable?)")
+
+
+@case("empty-model")
+def _(tmp, ck, conv):
+    return ["plan", ""], ("MODEL", "is empty (an unset variable?)")
+
+
 @case("ckpt-missing")
 def _(tmp, ck, conv):
     return ["convert", tmp / "nope", tmp / "out"], (str(tmp / "nope"), "missing")
