@@ -599,7 +599,7 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     from .runtime.ranks import find_group
     from .runtime.sampling import Sampler
 
-    if any(not str(p).strip() or str(p) == "." for p in images):  # click makes an empty path "."
+    if any(not str(p).strip() or str(p) == "." for p in images):  # blank, or the working directory
         raise StreamoeError("--image needs an image file, not an empty path or '.'")
     images = tuple(Path("/dev/stdin") if str(p) == "-" else p for p in images)  # `--image -`: stdin, as `-p -`
     stdin_read_by = ("--chat" if chat else "-p -" if prompt == "-" else

@@ -678,7 +678,12 @@ def _(tmp, ck, conv):
 
 @case("run-empty-image-path")
 def _(tmp, ck, conv):
-    return run_args(conv, "--image", ""), ("--image needs an image file, not an empty path",)
+    return run_args(conv, "--image", ""), ("--image", "is empty (an unset variable?)")
+
+
+@case("run-dot-image-path")
+def _(tmp, ck, conv):
+    return run_args(conv, "--image", "."), ("--image needs an image file, not an empty path or '.'",)
 
 
 @case("run-raw-empty-prompt")
