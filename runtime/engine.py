@@ -85,7 +85,8 @@ class Engine:
             fp = session.fingerprint(self)
             ranks.same_work(group, {"the model": fp["model"], "--experts": fp["experts"], "--kv": fp["kv"],
                                     "--dtype": str(self.dtype).removeprefix("mlx.core."), "--ctx": self.opts.ctx,
-                                    "images": self.opts.images})
+                                    "images": self.opts.images, "--prefill-chunk": self.opts.prefill_chunk,
+                                    "--max-pixels": self.opts.max_pixels if self.opts.images else None})
         except BaseException:
             self.close()
             raise

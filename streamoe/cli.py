@@ -609,11 +609,15 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
     if stdin_read_by and any(is_stdin(p) for p in images):
         raise StreamoeError(f"--image and {stdin_read_by} both read stdin: give one of them another file or pipe")
     group = find_group()
-    if group is not None and stdin_read_by in ("-p -", "--prompt-file"):  # mlx.launch never ends the ranks' stdin
+    whole_stdin = [flag for flag, reads in ((stdin_read_by, stdin_read_by in ("-p -", "--prompt-file")),
+                                           ("--image -", any(is_stdin(p) for p in images)),
+                                           ("--json-schema", bool(json_schema) and not json_schema.lstrip().startswith(
+                                               ("{", "[")) and is_stdin(Path(json_schema)))) if reads]
+    if group is not None and whole_stdin:  # mlx.launch never ends the ranks' stdin
         if group.rank() != 0:
             sys.exit(2)
-        raise StreamoeError(f"across ranks (mlx.launch) {stdin_read_by} would wait for ever: stdin never ends there; "
-                            "give -p TEXT or --prompt-file FILE")
+        raise StreamoeError(f"across ranks (mlx.launch) {whole_stdin[0]} would wait for ever: stdin never ends there; "
+                            "give a file (-p TEXT for a prompt)")
     source = prompt_file or ("stdin" if prompt == "-" else "--prompt")
     prompt = read_prompt(prompt, prompt_file)
     if raw and prompt == "":  # no template around it: nothing to answer

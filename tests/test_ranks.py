@@ -248,12 +248,15 @@ DIFFERS = {  # rank 1's difference from rank 0, and what rank 0's line says of i
     "dtype": (["--dtype", "float16"], "(--dtype float16, not float32; --kv float16, not float32)"),
     "quiet": (["-q"], "(-q True, not False)"),
     "image": (["--image", "blue.png"], "(--image "),
+    "max-pixels": (["--max-pixels", "4096"], "(--max-pixels 4096, not 409600)"),
+    "prefill-chunk": (["--prefill-chunk", "16"], "(--prefill-chunk 16, not auto)"),
 }
 
 
 @pytest.mark.parametrize("differs", sorted(DIFFERS))
 def test_ranks_started_otherwise_stop_before_the_first_step(ring, small_conv, tmp_path, differs):
-    """Rank 1 started with another -n, prompt, context, KV or compute dtype, -q or image than rank 0. Every rank
+    """Rank 1 started with another -n, prompt, context, KV or compute dtype, -q, image, --max-pixels or
+    --prefill-chunk (the kernels' shapes) than rank 0. Every rank
     computes the trunk (another --kv or --dtype gives other rows without a word) and ends an answer by itself
     (another -n stops its exchanges while rank 0 waits, or pairs exchanges of other shapes; -q skips one). Every
     rank stops before the first step; rank 0 says which rank, and what differs."""
@@ -261,7 +264,7 @@ def test_ranks_started_otherwise_stop_before_the_first_step(ring, small_conv, tm
         Image.new("RGB", (64, 64), color).save(tmp_path / f"{color}.png")
     change, said = DIFFERS[differs]
     base = ["-n", "200", "-p", PROMPT, "--ctx", "256", "--runtime-mib", str(RUNTIME_MIB), "--dtype", "float32"]
-    base += (["--cap", "0.6", "--no-think", "--image", str(tmp_path / "red.png")] if differs == "image"
+    base += (["--cap", "0.6", "--no-think", "--image", str(tmp_path / "red.png")] if differs in ("image", "max-pixels")
              else ["--cap", "0.3", "--raw"])
     one_args = [*base, *change] if differs != "image" else [*base, "--image", str(tmp_path / "blue.png")]
     zero, one = by_hand(tmp_path, [str(small_conv), *base, *([] if differs == "quiet" else ["-q"])],
@@ -299,13 +302,16 @@ def test_servers_ranks_started_otherwise_stop_before_serving(ring, small_conv, t
         assert len(lines) == 1 and "rank 1 of 2 on " in lines[0] and " differs from rank 0 " + said in lines[0], err
 
 
-def test_a_prompt_from_stdin_is_refused_across_ranks(ring, small_conv):
-    """mlx.launch never ends its ranks' stdin: `-p -` would wait for ever, so it is refused in one line."""
-    p = launch(sys.executable, "-m", "streamoe.cli", "run", str(small_conv), "--cap", "0.3", "--ctx", "256", "--raw",
-               "-p", "-", stdin="hello\n", timeout=60)
+@pytest.mark.parametrize("reads, said", [(["--raw", "-p", "-"], "-p -"), (["-p", "hi", "--image", "-"], "--image -"),
+                                         (["-p", "hi", "--json-schema", "/dev/stdin"], "--json-schema")])
+def test_stdin_read_whole_is_refused_across_ranks(ring, small_conv, reads, said):
+    """mlx.launch never ends its ranks' stdin: a prompt, an image or a schema read from it would wait for ever, so
+    each is refused in one line."""
+    p = launch(sys.executable, "-m", "streamoe.cli", "run", str(small_conv), "--cap", "0.3", "--ctx", "256", *reads,
+               stdin="hello\n", timeout=60)
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("streamoe:")]
-    assert lines == ["streamoe: error: across ranks (mlx.launch) -p - would wait for ever: stdin never ends there; "
-                     "give -p TEXT or --prompt-file FILE"], p.stderr
+    assert lines == [f"streamoe: error: across ranks (mlx.launch) {said} would wait for ever: stdin never ends there; "
+                     "give a file (-p TEXT for a prompt)"], p.stderr
 
 
 # ---- `streamoe serve` across ranks: rank 0 serves, rank 1 repeats its engine calls (runtime/serve/lockstep.py)
