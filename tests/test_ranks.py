@@ -302,6 +302,34 @@ def test_servers_ranks_started_otherwise_stop_before_serving(ring, small_conv, t
         assert len(lines) == 1 and "rank 1 of 2 on " in lines[0] and " differs from rank 0 " + said in lines[0], err
 
 
+def test_a_peer_gone_while_the_server_idles_stops_rank_0_at_its_next_request(ring, small_conv, tmp_path):
+    """Rank 1 killed while the ranked server idles (the ring backend may not report it): rank 0's next command to
+    its peers is a wait the watchdog bounds, so it stops with one line (here within its 3 s limit), not a server
+    that never answers again."""
+    port = free_port()
+    args = [str(small_conv), "--cap", "2", "--runtime-mib", str(RUNTIME_MIB), "--no-images", "--ctx", "256",
+            "--port", str(port), "--log-level", "warning"]
+    zero, one = by_hand(tmp_path, args, args, "serve")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        assert answers_health(f"http://127.0.0.1:{port}", zero, 120, lambda: zero.communicate()[1].decode())
+        client.completions.create(model="small", prompt=PROMPT, max_tokens=2, temperature=0)
+        one.kill()
+        one.communicate()
+        def ask() -> None:
+            with contextlib.suppress(openai.APIError):  # no answer: the server stops
+                client.completions.create(model="small", prompt=PROMPT, max_tokens=2, temperature=0)
+
+        threading.Thread(target=ask, daemon=True).start()
+        err = zero.communicate(timeout=60)[1].decode()
+    finally:
+        for p in (zero, one):
+            p.kill()
+    lines = [ln for ln in err.splitlines() if ln.startswith("streamoe: error:")]
+    assert zero.returncode == 2 and len(lines) == 1 and lines[0].startswith("streamoe: error: rank 0 of 2 on "), err
+    assert "lost its peer ranks" in lines[0] or "no exchange with its peer ranks" in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("reads, said", [(["--raw", "-p", "-"], "-p -"), (["-p", "hi", "--image", "-"], "--image -"),
                                          (["-p", "hi", "--json-schema", "/dev/stdin"], "--json-schema")])
 def test_stdin_read_whole_is_refused_across_ranks(ring, small_conv, reads, said):

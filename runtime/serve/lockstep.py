@@ -66,7 +66,10 @@ class Lockstep:
         self.lost = False  # the backend said a peer is gone
 
     def tell(self, op: str, **fields) -> list[bytes]:
-        """Send a command; returns the followers' replies (what each had ready: a summary after `generate`)."""
+        """Send a command; returns the followers' replies (what each had ready: a summary after `generate`). The
+        followers wait for it: a peer that never answers (gone while the server idled, which the ring backend may
+        not report) is the watchdog's, not a wait for ever."""
+        self.eng.watchdog.tick()
         try:
             return ranks.gather_bytes(self.group, json.dumps({"op": op, **fields}).encode())[1:]
         except Exception as e:
