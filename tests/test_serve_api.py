@@ -298,6 +298,15 @@ def test_bad_fields_are_400_naming_the_field(body, param):
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_calls_without_ids_are_not_paired():
+    """Calls sent back without ids (no result can name them) parse, as before the pairing check: no id is given
+    twice, and none is left unanswered."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    req = parse_chat(chat(messages=[ASKED[0], {"role": "assistant", "tool_calls": [call, call]},
+                                    {"role": "user", "content": "and?"}]), Limits())
+    assert [m["role"] for m in req.messages] == ["user", "assistant", "user"]
+
+
 @pytest.mark.parametrize("url, status, words", [
     ("http://example.com/cat.png", 400, "only data: URLs"),
     ("file:///etc/passwd", 400, "only data: URLs"),

@@ -672,11 +672,13 @@ def _answered(asked: dict[str, str], msg: dict, where: str) -> dict[str, str]:
         ids = ", ".join(i[:80] for i in asked)
         raise bad(f"{where}: an assistant message with 'tool_calls' must be followed by tool messages answering each "
                   f"'tool_call_id'; not answered: {ids}", next(iter(asked.values())))
-    calls = msg.get("tool_calls") or []
-    for j, c in enumerate(calls):
-        if c.get("id") in (c2.get("id") for c2 in calls[:j]):
+    calls: dict[str, str] = {}
+    for j, c in enumerate(msg.get("tool_calls") or []):
+        if "id" in c and c["id"] in calls:
             raise bad(f"{where}.tool_calls[{j}].id {c['id'][:80]!r} is given twice", f"{where}.tool_calls[{j}].id")
-    return {c["id"]: f"{where}.tool_calls[{j}]" for j, c in enumerate(calls) if "id" in c}
+        if "id" in c:
+            calls[c["id"]] = f"{where}.tool_calls[{j}]"
+    return calls
 
 
 TOOL_FIELDS = {"name", "description", "parameters", "strict"}
