@@ -21,6 +21,11 @@ ENTRY = 1024  # what one stored response costs beyond its texts: the entry, its 
 ITEM = 256  # ... and each item's place in the index of item ids
 
 
+def _cost(texts: list[bytes], ids: int) -> int:
+    """What a stored response costs: its texts, its entry, and its items' places in the index of ids."""
+    return sum(map(len, texts)) + ENTRY + ITEM * ids
+
+
 def _text(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -47,7 +52,7 @@ class ResponseStore:
 
     def fits(self, items: list[dict]) -> bool:
         """Whether a request's input `items` alone leave room in the budget for its response."""
-        return sum(len(_text(it)) for it in items) + ENTRY + ITEM * len(items) <= self.budget
+        return _cost([_text(it) for it in items], len(items)) <= self.budget
 
     def put(self, response: dict, items: list[dict], previous: str | None) -> bool:
         """Keep `response` (with its request's resolved input `items`); False where it alone exceeds the budget."""
@@ -55,7 +60,7 @@ class ResponseStore:
         by_id = {it["id"]: t for it, t in zip([*items, *response["output"]], given + answered, strict=True)
                  if isinstance(it.get("id"), str)}
         body = _text(response)
-        cost = len(body) + sum(map(len, given + answered)) + ENTRY + ITEM * len(by_id)
+        cost = _cost([body, *given, *answered], len(by_id))
         entry = Stored(previous, body, given, answered, by_id, cost)
         if cost > self.budget:
             return False
