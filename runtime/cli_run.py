@@ -383,9 +383,7 @@ def turn_ids(eng: Engine, user: str, fed: list[int], messages: list[dict], image
     at any token length is refused before it is tokenized: the tokenizer's working set grows with the text."""
     least = eng.text.bound.at_least(user)
     if eng.offset + least > eng.opts.ctx:
-        raise ContextFull(f"prompt of at least {least} tokens (+{eng.offset} in context) is longer than the planned "
-                          f"context --ctx {eng.opts.ctx}: it needs --ctx {eng.offset + least} or more and the answer's "
-                          "tokens")
+        raise eng.too_long(least, at_least=True)
     if raw:
         return (eng.text.encode(user) if fed else eng.text.encode_prompt(user)), None
     msg = {"role": "user", "content": [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": user}]

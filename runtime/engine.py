@@ -229,10 +229,16 @@ class Engine:
         if not tokens:
             raise StreamoeError("empty prompt")
         if self.offset + len(tokens) > self.opts.ctx:
-            raise ContextFull(f"prompt of {len(tokens)} tokens (+{self.offset} in context) is longer than the planned "
-                              f"context --ctx {self.opts.ctx}: it needs --ctx {self.offset + len(tokens)} and the "
-                              "answer's tokens")
+            raise self.too_long(len(tokens))
         return self._prefill_chunks(tokens, progress=progress)
+
+    def too_long(self, tokens: int, at_least: bool = False, images: bool = False) -> ContextFull:
+        """A prompt of `tokens` (`at_least`: a bound, counted before tokenizing; `images`: with its images' tokens)
+        that the planned context cannot hold beside what it holds already."""
+        least, more = ("at least ", " or more") if at_least else ("", "")
+        return ContextFull(f"prompt of {least}{tokens} tokens{' with its images' if images else ''} (+{self.offset} in "
+                           f"context) is longer than the planned context --ctx {self.opts.ctx}: it needs --ctx "
+                           f"{self.offset + tokens}{more} and the answer's tokens")
 
     def decode(self, token: int) -> mx.array:
         """Feed one generated token; returns the next logits."""

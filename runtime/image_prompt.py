@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..formats.direct import RangeReader
-from ..formats.errors import ContextFull, StreamoeError
+from ..formats.errors import StreamoeError
 from ..formats.manifest import safe_path
 from .image import ImageConfig, load_image, preprocess, read_preprocessor
 from .mrope import expand_image_tokens, image_positions
@@ -62,9 +62,7 @@ def prefill_images(eng: Engine, tokens: list[int], images: list,
     grids = [g for _, g in feats]
     ids = expand_image_tokens(tokens, grids, pad, merge)
     if eng.offset + len(ids) > eng.opts.ctx:
-        raise ContextFull(f"prompt of {len(ids)} tokens with its images (+{eng.offset} in context) is longer than "
-                          f"the planned context --ctx {eng.opts.ctx}: it needs --ctx {eng.offset + len(ids)} and the "
-                          "answer's tokens")
+        raise eng.too_long(len(ids), images=True)
     pos, nxt = image_positions(ids, grids, pad, start, merge)
     base = eng.offset + eng.conversation.rope_delta
     emb = eng.model.embed(mx.array([ids]))
