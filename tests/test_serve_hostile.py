@@ -178,7 +178,7 @@ def health_ms(server) -> float:
 
 def test_bodies_are_admitted_before_they_are_read(server):
     """3 admitted (2 queued + 1 running) stall mid-body; the next 100 are refused before sending a byte of
-    theirs, and one sending a large body reads its refusal; the stalled ones end in 408 at the body deadline,
+    theirs, and so are GETs of stored responses, and one sending a large body reads its refusal; the stalled ones end in 408 at the body deadline,
     and the server answers again."""
     stalled = [raw_head(server.port, 400_000, body=b'{"prompt": "') for _ in range(3)]
     time.sleep(0.3)
@@ -190,6 +190,11 @@ def test_bodies_are_admitted_before_they_are_read(server):
         assert json.loads(body)["error"]["code"] == "queue_full"
         s.close()
     ms.append(health_ms(server))
+    # a stored response's GET holds its texts while it is written: admitted as a body is (DELETE and others are not)
+    for path in ("/v1/responses/resp_x", "/v1/responses/resp_x/input_items"):
+        r = fetch(server.url + path)
+        assert r.status == 503 and r.json()["error"]["code"] == "queue_full", (path, r.text)
+    assert fetch(server.url + "/v1/models").status == 200
     # a client still sending a body larger than the socket buffers reads its 503 (the server reads the rest
     # of the body and drops it before closing), not a reset connection
     r = post(server, "/v1/completions", {"prompt": "a" * 400_000, "max_tokens": 1})
@@ -302,8 +307,8 @@ def test_the_cap_holds_under_every_class_and_answers_stay_greedy(conv, tmp_path)
     ref = Engine(conv, Options(cap_gib=8, ctx=CTX, runtime_bytes=256 * MiB))
     want = ref.text.decode(greedy(ref, ref.text.encode(CODE), 8))
     ref.close()
-    with capped_cgroup(1.0, "hostile") as (cg, read):
-        s = launch(conv, tmp_path / "capped.log", "--cap", 1, "--ctx", CTX, "--max-body-mib", 0.5, "--body-timeout", 2,
+    with capped_cgroup(1.1, "hostile") as (cg, read):
+        s = launch(conv, tmp_path / "capped.log", "--cap", 1.1, "--ctx", CTX, "--max-body-mib", 0.5, "--body-timeout", 2,
                    "--head-timeout", 1, cgroup=cg)
         try:
             hostile_round(s)
@@ -312,7 +317,7 @@ def test_the_cap_holds_under_every_class_and_answers_stay_greedy(conv, tmp_path)
         finally:
             assert stop_server(s) == 0, s.text()[-3000:]
         failcnt, peak = read()
-    assert failcnt == 0 and peak <= 2**30, (failcnt, peak)
+    assert failcnt == 0 and peak <= 1.1 * 2**30, (failcnt, peak)
     assert r.status == 200 and r.json()["choices"][0]["text"] == want
     assert ms < 1000 and "Traceback" not in s.text()
 
@@ -432,21 +437,22 @@ def test_every_head_has_its_deadline(server):
         s.close()
 
 
+async def ok_app(scope, receive, send):
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
 @contextlib.contextmanager
-def guarded_uvicorn(max_head_bytes: int, head_timeout_s: float = 1.0):
-    """uvicorn on uvloop with the server's guarded protocol (a small head bound) in this process, before an
-    app that reads each body and answers `ok`; yields its port."""
+def guarded_uvicorn(max_head_bytes: int = 16 << 10, head_timeout_s: float = 1.0, app=ok_app):
+    """uvicorn on uvloop with the server's guarded protocol (a small head bound) in this process, before `app`
+    (by default one that reads each body and answers `ok`); yields its port."""
     import threading
 
     import uvicorn
 
     from streamoe.runtime.serve.door import guarded_protocol
-
-    async def app(scope, receive, send):
-        while (await receive()).get("more_body"):
-            pass
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"ok"})
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -521,6 +527,131 @@ def test_a_whole_head_over_the_limit_in_one_read_is_refused_too():
     assert statuses == [431, 431, 200, 200, 200, 200]
 
 
+class Held:
+    """An app that answers `ok` at once, but holds each request to /held until `release` (from another thread);
+    counts the requests it began."""
+
+    def __init__(self):
+        self.begun, self.loop, self.gates = 0, None, []
+
+    async def __call__(self, scope, receive, send):
+        import asyncio
+
+        self.begun += 1
+        if scope["path"] == "/held":
+            self.loop = asyncio.get_running_loop()
+            self.gates.append(gate := asyncio.Event())
+            await gate.wait()
+        await ok_app(scope, receive, send)
+
+    def release(self) -> None:
+        gates, self.gates = self.gates, []
+        for gate in gates:
+            self.loop.call_soon_threadsafe(gate.set)
+
+
+def read_to_close(s: socket.socket, timeout: float = 10) -> bytes:
+    s.settimeout(timeout)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return data
+
+
+def test_requests_sent_ahead_are_read_up_to_a_bound_then_answered_and_closed():
+    """HTTP/1.1 pipelining: twelve requests in one write behind one the app holds: READ_AHEAD of them are read,
+    the rest dropped unparsed; once the held one is answered, those read are, the last closing the connection.
+    Two sent ahead (READ_AHEAD) are all answered and the connection stays open."""
+    from streamoe.runtime.serve.door import READ_AHEAD
+
+    app = Held()
+    ahead = b"GET / HTTP/1.1\r\nHost: h\r\n\r\n"
+    with guarded_uvicorn(app=app) as port:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"GET /held HTTP/1.1\r\nHost: h\r\n\r\n" + ahead * 12)
+        time.sleep(0.5)
+        begun = app.begun
+        app.release()
+        data = read_to_close(s)
+        s.close()
+        kept = socket.create_connection(("127.0.0.1", port))
+        kept.sendall(b"GET /held HTTP/1.1\r\nHost: h\r\n\r\n" + ahead * READ_AHEAD)
+        time.sleep(0.5)
+        app.release()
+        kept.settimeout(10)
+        answers = b""
+        while answers.count(b"ok") < 1 + READ_AHEAD:
+            answers += kept.recv(65536)
+        kept.sendall(ahead)  # still open: one more is answered
+        assert answer(kept)[0] == 200
+        kept.close()
+    assert begun == 1 and app.begun == 2 * (1 + READ_AHEAD) + 1
+    assert data.count(b"HTTP/1.1 200") == 1 + READ_AHEAD and data.count(b"connection: close") == 1, data
+    assert b"connection: close" not in answers
+
+
+def test_a_head_of_more_fields_than_the_bound_is_a_431():
+    from streamoe.runtime.serve.door import MAX_HEADERS
+
+    statuses = []
+    with guarded_uvicorn() as port:
+        for n in (MAX_HEADERS - 1, MAX_HEADERS):  # with Host: the bound, then one over it
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET / HTTP/1.1\r\nHost: h\r\n" + b"".join(b"x%d: 1\r\n" % i for i in range(n)) + b"\r\n")
+            status, headers, body = answer(s)
+            statuses.append((status, json.loads(body)["error"]["code"] if status != 200 else None))
+            s.close()
+    assert statuses == [(200, None), (431, "head_too_large")]
+
+
+@pytest.mark.parametrize("data", [b"GET / HTTP/1.1\r\nHost: h\r\nContent-Length: -5\r\n\r\n", b"FOO / HTTP/1.1\r\n\r\n",
+                                  b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"])
+def test_what_is_not_http_is_a_400_error_object(data):
+    with guarded_uvicorn() as port:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(data)
+        status, headers, body = answer(s)
+        s.close()
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert json.loads(body)["error"]["code"] == "invalid_http"
+
+
+def test_what_a_connection_holds_in_parsed_heads_is_inside_its_charge():
+    """Connections each sending, behind a held request, as many heads as are read and one more arriving, every head
+    at both bounds (MAX_HEADERS fields of the shortest kind, then padding to MAX_HEAD_BYTES): the Python objects the
+    server then holds a connection are within the (READ_AHEAD + 2) heads `connection_bytes` charges."""
+    import tracemalloc
+
+    from streamoe.runtime.serve.door import HEAD_OBJECT_BYTES, MAX_HEAD_BYTES, MAX_HEADERS, READ_AHEAD
+
+    def head(path: bytes) -> bytes:
+        top = b"GET " + path + b" HTTP/1.1\r\nHost: h\r\n" + b"".join(b"x%d:\r\n" % i for i in range(MAX_HEADERS - 2))
+        pad = b"p: " + b"a" * (MAX_HEAD_BYTES - len(top) - 7) + b"\r\n\r\n"
+        return top + pad
+
+    n = 24
+    app = Held()
+    data = head(b"/held") + head(b"/") * READ_AHEAD + head(b"/")[:-2]
+    assert len(head(b"/")) == MAX_HEAD_BYTES
+    with guarded_uvicorn(MAX_HEAD_BYTES, head_timeout_s=30, app=app) as port:
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+            for s in socks:
+                s.sendall(data)
+            time.sleep(2)
+            held, begun = tracemalloc.get_traced_memory()[0] - before, app.begun
+        finally:
+            tracemalloc.stop()
+            app.release()
+        for s in socks:
+            s.close()
+    assert begun == n
+    print(f"{held / n:.0f} bytes a connection")
+    assert held / n <= (READ_AHEAD + 2) * HEAD_OBJECT_BYTES, held / n
+
+
 def test_accepted_sockets_inherit_the_bounded_buffers():
     from streamoe.runtime.serve.door import SOCKET_BUFFER, bound_socket_buffers
 
@@ -539,12 +670,22 @@ def test_accepted_sockets_inherit_the_bounded_buffers():
 
 
 def test_the_requests_account_holds_every_connections_socket_buffers(conv):
-    from streamoe.runtime.serve.door import LISTEN_BACKLOG, PIECE, SOCKET_BUFFER, WRITE_BUFFER, socket_bytes
+    from streamoe.runtime.serve.door import (
+        HEAD_OBJECT_BYTES,
+        LISTEN_BACKLOG,
+        PIECE,
+        READ_AHEAD,
+        SOCKET_BUFFER,
+        WRITE_BUFFER,
+        socket_bytes,
+    )
     from streamoe.runtime.serve.worker import ServeOptions, requests_bytes
 
+    # both kernel buffers, doubled by the kernel; what is written; the heads parsed
+    each = 4 * SOCKET_BUFFER + WRITE_BUFFER + PIECE + (READ_AHEAD + 2) * HEAD_OBJECT_BYTES
     few, many = (requests_bytes(ServeOptions("t", max_connections=n), conv, CTX) for n in (16, 512))
-    assert many - few == (512 - 16) * (4 * SOCKET_BUFFER + WRITE_BUFFER + PIECE)  # both, doubled by the kernel; written
-    assert few - requests_bytes(ServeOptions("t", max_connections=0), conv, CTX) == 16 * (4 * SOCKET_BUFFER + WRITE_BUFFER + PIECE)
+    assert many - few == (512 - 16) * each
+    assert few - requests_bytes(ServeOptions("t", max_connections=0), conv, CTX) == 16 * each
     assert socket_bytes(0) == LISTEN_BACKLOG * 2 * SOCKET_BUFFER  # the queue's: what each has received
 
 

@@ -49,7 +49,19 @@ def anthropic_error(status: int, message: str) -> dict:
 
 
 def error_body(status: int, message: str, code: str | None = None, kind: str = "invalid_request_error") -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                      separators=(",", ":")).encode()
+
+
+REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
+
+
+def raw_error(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 error response, closing its connection, for the protocol to write where no request could be
+    made of what arrived (no route, so OpenAI's shape)."""
+    body = error_body(status, message, code)
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, REASONS[status], len(body), body))
 
 
 async def refuse(send, scope, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
@@ -144,8 +156,9 @@ KEYED = ("/metrics", "/tokenize", "/detokenize")  # outside /v1/, what needs the
 
 class Admission:
     """ASGI middleware: at most `slots` requests with a body admitted at once (reading it, queued or
-    running); one more is answered 503 with Retry-After before a byte of its body is read. The plan's
-    `requests` account is sized for exactly these (`ServeOptions.requests_bytes`)."""
+    running), or reading a stored response (a GET under /v1/responses/: what it is written from stays in memory
+    until its client has it, even if the store lets it go); one more is answered 503 with Retry-After before a byte
+    of its body is read. The plan's `requests` account is sized for exactly these (`ServeOptions.requests_bytes`)."""
 
     METHODS = ("POST", "PUT", "PATCH")
 
@@ -153,7 +166,8 @@ class Admission:
         self.app, self.slots, self.inside = app, slots, 0
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] not in self.METHODS:
+        if scope["type"] != "http" or not (scope["method"] in self.METHODS or (
+                scope["method"] == "GET" and scope["path"].startswith("/v1/responses/"))):
             return await self.app(scope, receive, send)
         if self.inside >= self.slots:
             return await refuse(send, scope, 503, f"the server is busy: {self.slots} requests are already admitted "
@@ -195,11 +209,17 @@ def bound_socket_buffers(sock: socket.socket) -> int:
 
 
 def socket_bytes(max_connections: int) -> int:
-    """The socket buffers the server's connections hold at most: those it keeps (`guarded_protocol`'s bound),
-    both kernel buffers full (the kernel doubles the size set) and the event loop's write buffer at its mark
-    with one more piece written (`WRITE_BUFFER`, `PIECE`), and a full listen queue, each having received what
-    its receive buffer holds (nothing is sent to a connection before it is accepted)."""
-    return max_connections * (4 * SOCKET_BUFFER + WRITE_BUFFER + PIECE) + LISTEN_BACKLOG * 2 * SOCKET_BUFFER
+    """What the server's connections hold at most: those it keeps (`guarded_protocol`'s bound), each
+    `connection_bytes`, and a full listen queue, each having received what its receive buffer holds (nothing is
+    sent to a connection before it is accepted)."""
+    return max_connections * connection_bytes() + LISTEN_BACKLOG * 2 * SOCKET_BUFFER
+
+
+def connection_bytes() -> int:
+    """What one connection holds at most: both kernel buffers full (the kernel doubles the size set), the event
+    loop's write buffer at its mark with one more piece written, and its requests' heads parsed (the one being
+    answered, those read ahead behind it, and the next one arriving), each at the bounds on its bytes and fields."""
+    return 4 * SOCKET_BUFFER + WRITE_BUFFER + PIECE + (READ_AHEAD + 2) * HEAD_OBJECT_BYTES
 
 
 def raise_file_limit() -> int:
@@ -231,6 +251,11 @@ def connection_limit(wanted: int, reserve: int = 64) -> int:
 
 
 MAX_HEAD_BYTES = 16 << 10  # a request line and headers: what h11 allows by default
+MAX_HEADERS = 100  # header fields in one head: Apache's LimitRequestFields (each field is Python objects once parsed)
+READ_AHEAD = 2  # requests a connection may send ahead of the answer it awaits (HTTP/1.1 pipelining), parsed and held
+# What a parsed head at both bounds holds in Python objects (its scope, headers as pairs of bytes, the request's
+# cycle): measured 23 KB for MAX_HEADERS fields in MAX_HEAD_BYTES (`test_serve_hostile`)
+HEAD_OBJECT_BYTES = 32 << 10
 LINGER_S = 2.0  # how long a connection answered before its body arrived reads on to the body's end
 LINGER_MAX = 8  # connections doing so at once: past that (a flood of bodies), one more is closed at once
 
@@ -262,12 +287,33 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s
     the bound: idle sockets cannot starve the server, and its files stay within their limit; and a deadline
     for sending: a connection whose write buffer stays over its mark for `send_timeout_s`, or still holds
     bytes that long after its response was written, is aborted (a client that asks and never reads would
-    otherwise keep its answer, and while that is written its request's admission, for ever)."""
+    otherwise keep its answer, and while that is written its request's admission, for ever). And bounds on what
+    a connection makes the server hold: at most MAX_HEADERS fields a head (431), and at most READ_AHEAD requests
+    read behind the one being answered, reading paused while any wait (uvicorn parses ahead without bound and reads
+    on as it answers each): one more, and those read are answered and the connection closed, as a server may
+    (RFC 9112 9.3.2: the client sends what went unanswered again). What no request can be made of is a 400 in
+    OpenAI's shape, not uvicorn's text."""
+    from uvicorn.protocols.http.flow_control import FlowControl
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class Refused(Exception):
+        """Raised in a parser callback to stop the parser; uvicorn then calls `send_400_response`."""
+
+    class ReadAheadFlow(FlowControl):
+        """uvicorn's flow control, reading kept paused while a request read ahead waits (a handler asking whether
+        its client left resumes reading)."""
+
+        def __init__(self, transport, protocol):
+            super().__init__(transport)
+            self.protocol = protocol
+
+        def resume_reading(self) -> None:
+            if not self.protocol.pipeline and not self.protocol.draining:
+                super().resume_reading()
 
     waiting: dict = {}  # idle connections (a request head incomplete, or between requests), oldest first
     lingering: set = set()  # connections reading the rest of a body their answer did not wait for
-    too_large = error_body(431, f"the request head is over {max_head_bytes:,} bytes", "head_too_large")
+    too_large = raw_error(431, f"the request head is over {max_head_bytes:,} bytes", "head_too_large")
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         head_timer: asyncio.TimerHandle | None = None
@@ -276,11 +322,15 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s
         ended = False  # a message ended in the data being parsed (the next one then begins inside it)
         awaiting = False  # a message ended with the data it came in: the next data begins a head
         parsing = 0  # the length of that data
+        fields = 0  # header fields of the head being parsed
+        refused: tuple | None = None  # why the parser was stopped: (status, message, code), or () for read-ahead
+        draining = False  # answering what was read ahead, then closing: nothing more is read
 
         send_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self.flow = ReadAheadFlow(transport, self)
             transport.set_write_buffer_limits(high=WRITE_BUFFER)
             self.arm()
             if len(self.connections) > max_connections:  # the oldest idle one goes (or, with none idle, this one)
@@ -303,15 +353,15 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s
             self.transport.close()
 
         def data_received(self, data: bytes) -> None:
-            if self in lingering:
-                return  # the rest of a body nobody reads: dropped unparsed, until the client closes or LINGER_S
+            if self in lingering or self.draining:
+                return  # the rest of a body nobody reads, or more than was read ahead: dropped unparsed
             if self.in_head or self.awaiting:  # a head that ends in this data, measured before it is parsed (one
                 end = data.find(b"\r\n\r\n")  # that goes on past it is counted below, as it arrives)
                 if end >= 0 and self.head_bytes + end + 4 > max_head_bytes:
                     return self.refuse_head()
             self.ended, self.parsing = False, len(data)
             super().data_received(data)
-            if self.transport.is_closing():
+            if self.transport.is_closing() or self.draining:
                 return
             if self.in_head:
                 self.head_bytes += len(data)
@@ -320,19 +370,38 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, send_timeout_s
             elif self.cycle is None or self.cycle.response_complete:
                 self.arm()  # bytes between requests that begin none (blank lines): a head's deadline all the same
 
-        def refuse_head(self) -> None:
+        def refuse_head(self, response: bytes = too_large) -> None:
             self.disarm()
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: "
-                                 b"application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(too_large), too_large))
+            self.transport.write(response)
             self.transport.close()
 
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to data its parser stopped at: a request that is not HTTP, or a bound this protocol
+            stopped the parser at."""
+            refused, self.refused = self.refused, None
+            if refused == ():  # one request more than READ_AHEAD: the last one read closes the connection
+                self.draining = True
+                self.flow.pause_reading()
+                self.pipeline[0][0].keep_alive = False
+                return
+            self.refuse_head(raw_error(*(refused or (400, "the request is not valid HTTP/1.1", "invalid_http"))))
+
         def on_message_begin(self) -> None:
-            self.awaiting = False
+            if len(self.pipeline) >= READ_AHEAD:
+                self.refused = ()
+                raise Refused
+            self.awaiting, self.fields = False, 0
             super().on_message_begin()
             # a pipelined message begun after one that ended in this data: only what follows this data counts
             self.in_head, self.head_bytes = True, -self.parsing if self.ended else 0
             self.arm()  # a kept-alive connection's next request: its head has the deadline again
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.fields += 1
+            if self.fields > MAX_HEADERS:
+                self.refused = (431, f"the request head has more than {MAX_HEADERS} header fields", "head_too_large")
+                raise Refused
+            super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             self.in_head = False

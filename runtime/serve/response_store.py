@@ -35,6 +35,7 @@ class Stored:
     previous: str | None  # the response this one continued
     response: bytes  # the response object, as the client got it
     given: tuple[bytes, ...]  # the input items its request gave, references resolved
+    given_ids: tuple[str | None, ...]  # their ids (a page of them is written from the texts, never parsed)
     answered: tuple[bytes, ...]  # its output items
     by_id: dict[str, bytes]  # those of them with an id
     cost: int
@@ -61,7 +62,8 @@ class ResponseStore:
                  if isinstance(it.get("id"), str)}
         body = _text(response)
         cost = _cost([body, *given, *answered], len(by_id))
-        entry = Stored(previous, body, given, answered, by_id, cost)
+        ids = tuple(it["id"] if isinstance(it.get("id"), str) else None for it in items)
+        entry = Stored(previous, body, given, ids, answered, by_id, cost)
         if cost > self.budget:
             return False
         with self.lock:
@@ -101,10 +103,11 @@ class ResponseStore:
         entry = self._use(rid)
         return None if entry is None else entry.response
 
-    def input_items(self, rid: str) -> list[bytes] | None:
-        """The JSON texts of the input items the stored response's request gave, or None where it is not stored."""
+    def input_items(self, rid: str) -> list[tuple[str | None, bytes]] | None:
+        """The ids and JSON texts of the input items the stored response's request gave, or None where it is not
+        stored."""
         entry = self._use(rid)
-        return None if entry is None else list(entry.given)
+        return None if entry is None else list(zip(entry.given_ids, entry.given, strict=True))
 
     def chain(self, rid: str) -> list[bytes] | None:
         """The conversation up to and with response `rid`, as JSON texts: each stored response of its chain, oldest

@@ -361,13 +361,13 @@ class API:
             raise self.missing(rid)
         if include:
             responses_api.check_kept(json.loads(raw), include)
-        return Response(raw, media_type="application/json")
+        return PacedResponse([raw])
 
     async def input_items(self, request: Request) -> Response:
         """A stored response's input items (those its request gave; the chain before it is the earlier responses'),
         OpenAI's page of them: `order` (desc, the default, or asc), `limit` (1-100, 20), `after` (an item id),
-        `include` (each item is listed as given, so it holds whatever an includable adds). Read on the prepare
-        thread: they may hold images."""
+        `include` (each item is listed as given, so it holds whatever an includable adds). Written from the stored
+        texts, unparsed: they may hold images."""
         q = self.query(request, {"order", "limit", "after", "include", "include[]"})
         for value in request.query_params.getlist("include") + request.query_params.getlist("include[]"):
             if value not in responses_api.INCLUDABLE:
@@ -380,19 +380,22 @@ class API:
         limit = int(given) if given.isascii() and given.isdigit() else 0
         if not 1 <= limit <= 100:
             raise bad("'limit' must be an integer from 1 to 100", "limit")
-        texts = self.store.input_items(rid) if self.store is not None else None
-        if texts is None:
+        items = self.store.input_items(rid) if self.store is not None else None
+        if items is None:
             raise self.missing(rid)
-        items = await asyncio.get_running_loop().run_in_executor(self.prep, lambda: [json.loads(t) for t in texts])
         items = items[::-1] if order == "desc" else items
         if "after" in q:
-            at = next((n for n, it in enumerate(items) if it.get("id") == q["after"]), None)
+            at = next((n for n, (i, _) in enumerate(items) if i == q["after"]), None)
             if at is None:
                 raise bad(f"'after': no input item {q['after']!r} in this response", "after")
             items = items[at + 1:]
         page = items[:limit]
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+        parts = [b'{"object":"list","data":[']
+        for n, (_, text) in enumerate(page):
+            parts += [b","] * (n > 0) + [text]
+        tail = {"first_id": page[0][0] if page else None, "last_id": page[-1][0] if page else None,
+                "has_more": len(items) > limit}
+        return PacedResponse([*parts, b"]," + json.dumps(tail, separators=(",", ":"))[1:].encode()])
 
     async def messages(self, request: Request) -> Response:
         job, first = await self.submit(request, "messages", lambda body: anthropic_api.parse(body, self.so))
@@ -447,11 +450,41 @@ class PacedJSONResponse(JSONResponse):
         return dumps_exact(content, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        body = memoryview(self.body)
-        for at in range(0, max(len(body), 1), PIECE):
-            await send({"type": "http.response.body", "body": bytes(body[at:at + PIECE]),
-                        "more_body": at + PIECE < len(body)})
+        await send_paced(send, self, [self.body])
+
+
+class PacedResponse(Response):
+    """JSON text kept in parts (a stored response's texts, shared with the store), written as `PacedJSONResponse`
+    writes a whole answer, a piece at a time, never joined: a client reading it holds one piece beyond what its
+    connection's buffers hold, however many ask for it at once."""
+
+    def __init__(self, parts: list[bytes]):
+        self.parts = parts
+        super().__init__(None, headers={"content-length": str(sum(map(len, parts)))}, media_type="application/json")
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send_paced(send, self, self.parts)
+
+
+async def send_paced(send, response: Response, parts: list[bytes]) -> None:
+    """`response`'s head, then the bytes of `parts` in pieces of PIECE bytes (the last shorter), each sent once the
+    connection's write buffer is under its mark (uvicorn's `send` waits for that)."""
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    piece, full = bytearray(), None  # the piece being filled; the last full one, sent once more follows it
+    for part in parts:
+        view = memoryview(part)
+        while view:
+            take = PIECE - len(piece)
+            piece += view[:take]
+            view = view[take:]
+            if len(piece) == PIECE:
+                if full is not None:
+                    await send({"type": "http.response.body", "body": full, "more_body": True})
+                full, piece = bytes(piece), bytearray()
+    if full is not None and piece:
+        await send({"type": "http.response.body", "body": full, "more_body": True})
+        full = None
+    await send({"type": "http.response.body", "body": full if full is not None else bytes(piece), "more_body": False})
 
 
 class Output(Protocol):
@@ -815,6 +848,7 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info", n
     config = uvicorn.Config(create_app(server, host), log_level=log_level, log_config=logs,
                             access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=2, http=guarded_protocol(conns, so.head_timeout_s, so.send_timeout_s), loop="uvloop",
+                            ws="none",  # an Upgrade is ignored (RFC 9110 7.8): the request is answered as HTTP
                             limit_concurrency=conns + ACCEPT_BURST + 1, timeout_keep_alive=max(1, round(so.idle_timeout_s)),
                             backlog=LISTEN_BACKLOG)
     http = uvicorn.Server(config)

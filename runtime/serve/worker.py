@@ -54,7 +54,7 @@ from ..sampling import Sampler
 from ..text import TOKENIZE_BYTES, Detokenizer, PromptBound, generation_defaults
 from ..tool_calls import CALL_OPEN, call_prefix
 from .chat_output import ChatOutput, HarmonyOutput
-from .door import PIECE, SOCKET_BUFFER, WRITE_BUFFER, socket_bytes
+from .door import PIECE, READ_AHEAD, SOCKET_BUFFER, WRITE_BUFFER, socket_bytes
 from .lockstep import Lockstep, rank_summary, snapshot_id
 from .logprobs import ContentTokens, PromptScores, TokenText
 from .metrics import LATENCIES, Histogram
@@ -107,7 +107,7 @@ class ServeOptions:
         at most 4 in the prompt, and the template's join doubles it for a moment), a prompt of more than
         `prompt_bytes` being refused before it is tokenized (`PromptBound`); the
         running request's images are also files in memory (`image_files`), less than its body; and every
-        connection's kernel socket buffers, bounded (`door.socket_bytes`)."""
+        connection's kernel socket buffers and parsed request heads, bounded (`door.socket_bytes`)."""
         lim = self.limits
         kept = (self.admitted + 1) * (lim.max_kept + IDS_BYTES * ctx + lim.max_answer)
         work = lim.parse_peak + 2 * 4 * lim.max_kept + TOKENIZE_BYTES * prompt_bytes + lim.max_body
@@ -954,8 +954,9 @@ def serve_accounts(root: Path, ctx: int, so: ServeOptions, rank: int = 0, ranks:
     requests = (f"{so.admitted} admitted at once (read, queued or running) + 1 left by its client, each keeping at "
                 f"most {so.limits.max_kept / MiB:g} MiB and {so.limits.max_answer / MiB:g} MiB of its answer; one body "
                 "parsed and one prompt tokenized at a time; "
-                f"{socket_bytes(so.max_connections) / MiB:g} MiB of socket buffers ({SOCKET_BUFFER >> 10} KiB "
-                f"each way a connection, doubled by the kernel, and {(WRITE_BUFFER + PIECE) >> 10} KiB written)")
+                f"{socket_bytes(so.max_connections) / MiB:g} MiB of connections ({SOCKET_BUFFER >> 10} KiB "
+                f"each way a socket, doubled by the kernel, {(WRITE_BUFFER + PIECE) >> 10} KiB written and "
+                f"{READ_AHEAD + 2} request heads parsed)")
     extra = (("prompt cache", so.prompt_cache_bytes, "snapshots of conversation state for repeated prompts, LRU"),)
     if rank == 0:
         extra += (("requests", requests_bytes(so, root, ctx), requests),)
