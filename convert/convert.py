@@ -412,7 +412,7 @@ def convert(
 
 def _convert_locked(ckpt: Checkpoint, out: Path, formats: list[str], progress: bool) -> None:
     lay4 = ckpt.layer_layout()
-    problem = source_problem(ckpt.config, {name: t.shape for name, t in ckpt.tensors.items()}, ckpt.root / "config.json")
+    problem = source_problem(ckpt.config, ckpt.tensors, ckpt.root / "config.json")
     if problem:
         raise fail(ckpt.root / "config.json", f"the checkpoint does not match its config: {problem}")
     lays: dict[str, RecordLayout] = {}

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import stat
 from pathlib import Path
-from types import SimpleNamespace
 
 from .config import family_of, is_expert_tensor, text_config
 from .direct import file_checksum
 from .errors import StreamoeError, fail
 from .files import kind as file_kind
-from .manifest import Manifest, load_manifest, safe_path
+from .manifest import MANIFEST, Manifest, load_manifest, safe_path
 
 FLOATS = ("BF16", "F16", "F32")
 QPARTS = {"qweight": "weight", "scales": "scales", "biases": "biases"}
@@ -40,7 +39,7 @@ def expected_tensors(config: dict, vision: bool, path: object = "config.json") -
     if vision and config.get("vision_config") is not None:
         cfg["vision_config"] = config["vision_config"]
     try:
-        table = specs(cfg)
+        table = specs(cfg, path=path)
     except StreamoeError:
         raise
     except KeyError as e:
@@ -69,11 +68,13 @@ def _first_mismatch(specs: list, have: dict, where: str, check=None) -> str | No
 
 
 def _dtype_problem(spec, t) -> str | None:
-    """A quantized module's parts at the config's bits and group size (the module's own); anything else a float."""
+    """A quantized module's parts at the config's bits and group size (the module's own); anything else a float.
+    A source checkpoint's tensor records no bits or group size (its shape, checked first, follows from them)."""
     if spec.bits:
         want = "U32" if spec.kind == "qweight" else t.dtype if t.dtype in FLOATS else "BF16"
-        if t.dtype != want or t.bits != spec.bits or t.group_size != spec.group:
-            return (f"tensor {t.name} is {t.dtype} at {t.bits} bits, group {t.group_size}; the config says "
+        bits, group = getattr(t, "bits", spec.bits), getattr(t, "group_size", spec.group)
+        if t.dtype != want or bits != spec.bits or group != spec.group:
+            return (f"tensor {t.name} is {t.dtype} at {bits} bits, group {group}; the config says "
                     f"{want} at {spec.bits} bits, group {spec.group}")
     elif t.dtype not in FLOATS:
         return f"tensor {t.name} is {t.dtype}, expected a float dtype"
@@ -87,17 +88,18 @@ def tensor_problem(m: Manifest, kind: str) -> str | None:
     if blob is None:
         return None
     have = {_strip(t.name): t for t in blob[1]}
-    specs = [s for s in expected_tensors(m.config, kind == "vision", m.root / "config.json")
+    specs = [s for s in expected_tensors(m.config, kind == "vision", m.root / MANIFEST)
              if (kind == "vision") == s.name.startswith("vision_tower.")]
     return _first_mismatch(specs, have, f" from the {kind} blob", _dtype_problem)
 
 
-def source_problem(config: dict, shapes: dict[str, tuple[int, ...]], path: object = "config.json") -> str | None:
-    """The first non-expert tensor the model needs that a source checkpoint (`shapes`: name -> shape) lacks or
-    holds in another shape than its config implies, or None: checked before `convert` writes anything, so it
-    never publishes a directory that `validate` and `run` refuse."""
-    have = {_strip(name): SimpleNamespace(shape=shape) for name, shape in shapes.items()}
-    return _first_mismatch(expected_tensors(config, True, path), have, "")
+def source_problem(config: dict, tensors: dict, path: object = "config.json") -> str | None:
+    """The first non-expert tensor the model needs that a source checkpoint (`tensors`: name -> its header entry,
+    with `.name`, `.dtype` and `.shape`) lacks, or holds in another shape or dtype than its config implies, or
+    None: checked before `convert` writes anything, so it never publishes a directory that `validate` and `run`
+    refuse."""
+    have = {_strip(name): t for name, t in tensors.items()}
+    return _first_mismatch(expected_tensors(config, True, path), have, "", _dtype_problem)
 
 
 def file_problem(m: Manifest, f: dict) -> str | None:

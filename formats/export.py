@@ -47,13 +47,14 @@ class Spec:
         return (*self.shape[:-1], self.shape[-1] * 32 // self.bits)
 
 
-def specs(config: dict, *, a_log_dtype: str | None = None) -> list[Spec]:
+def specs(config: dict, *, a_log_dtype: str | None = None, path: object = "config.json") -> list[Spec]:
     """Every tensor of the export in module order (the order `model.parameters()` flattens to).
 
     `a_log_dtype` defaults to what the export implies: BF16 when the quantization block carries the 8-bit
-    router overrides (the Qwen3.6 export), F32 otherwise (the Qwen3.5 export).
+    router overrides (the Qwen3.6 export), F32 otherwise (the Qwen3.5 export). `path`: the file the config came
+    from, which a problem with it names.
     """
-    a = ModelArgs.from_config(config)
+    a = ModelArgs.from_config(config, path)
     quant = a.quantization or {}
     if a_log_dtype is None:
         has_8bit = any(isinstance(v, dict) and v.get("bits") == 8 for v in quant.values())

@@ -384,6 +384,31 @@ def _(tmp, ck, conv):
     return ["convert", c, tmp / "out"], (name, "also in")
 
 
+def retype(ck: Path, suffix: str, was: str, now: str) -> tuple[Path, str]:
+    """The first tensor whose name ends in `suffix` and whose dtype is `was` given dtype `now` (of the same width: its
+    bytes stay whole) in its shard's header; returns the shard and the tensor's name."""
+    for shard in shard_files(ck):
+        raw = shard.read_bytes()
+        doc = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+        name = next((k for k, v in doc.items() if k.endswith(suffix) and "experts" not in k
+                     and isinstance(v, dict) and v.get("dtype") == was), None)
+        if name is not None:
+            edit_header(shard, lambda d, n=name: d[n].update(dtype=now))
+            return shard, name
+    raise AssertionError(f"no {was} tensor ending in {suffix}")
+
+
+for _name, _suffix, _was, _now, _needle in [
+    ("tensor-norm-not-a-float", "input_layernorm.weight", "BF16", "I16", "I16, expected a float dtype"),
+    ("tensor-quantized-weight-signed", "self_attn.q_proj.weight", "U32", "I32", "the config says U32"),
+]:
+    def _build(tmp, ck, conv, suffix=_suffix, was=_was, now=_now, n=_needle):
+        c = copy(ck, tmp / "ck")
+        _, name = retype(c, suffix, was, now)
+        return ["convert", c, tmp / "out"], (str(c / "config.json"), name, n)
+    CASES[_name] = _build
+
+
 # ---------------------------------------------------------------------------------------------- convert: the output
 
 @case("force-onto-the-source")
@@ -554,6 +579,22 @@ def _router_bits(d: dict) -> None:
 
 def _drop_tensor(d: dict) -> None:
     d["blobs"]["nonexpert"]["tensors"] = [t for t in nonexpert(d) if not t["name"].endswith("layers.0.input_layernorm.weight")]
+
+
+def _config_not_integer(d: dict) -> None:
+    d["config"]["text_config"]["full_attention_interval"] = 7  # read where the tensors are checked
+
+
+@case("validate-manifest-config-wrong")
+def _(tmp, ck, conv):
+    args, needles = manifest_case(_config_not_integer)(tmp, ck, conv)
+    return args, needles + ("full_attention_interval 7",)
+
+
+@case("run-manifest-config-wrong")
+def _(tmp, ck, conv):
+    args, needles = manifest_case(_config_not_integer, "run")(tmp, ck, conv)
+    return args, needles + ("full_attention_interval 7",)
 
 
 @case("validate-router-bits-wrong")
