@@ -377,7 +377,7 @@ def target_session(world: World, raw: bytes) -> None:
         for t in r.tensors:
             r.read(t.nbytes)
         r.finish()
-        check_extra(p, r.meta["extra"], 4096, 4096)
+        check_extra(p, r.meta["extra"], r.meta["tokens"], 4096)
 
 
 TOOL = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -77,6 +77,7 @@ def load_session(eng, path: str | Path) -> dict:
         n = int(meta["tokens"])
         if n > eng.opts.ctx:
             raise fail(path, f"the session holds {n} tokens, more than the planned context --ctx {eng.opts.ctx}")
+        extra = check_extra(path, meta.get("extra", {}), n, eng.args.vocab_size)
         eng.reset()
         conv: Conversation = eng.conversation
         want = {s.name: s for s in conv.specs(n)}
@@ -93,15 +94,15 @@ def load_session(eng, path: str | Path) -> dict:
         except BaseException:
             eng.reset()  # never a half-restored state: an empty conversation instead
             raise
-    extra = check_extra(path, meta.get("extra", {}), eng.opts.ctx, eng.args.vocab_size)
     conv.resume(n, int(meta["rope_delta"]))
     return extra
 
 
-def check_extra(path: Path, extra: dict, ctx: int, vocab: int) -> dict:
-    """What `streamoe run` keeps beside the state (raw flag, messages, token history, the answer's final token a
-    full context left out of the state, sampler), typed before it is used: a session file is input like any
-    other."""
+def check_extra(path: Path, extra: dict, n: int, vocab: int) -> dict:
+    """What `streamoe run` keeps beside the state of `n` tokens (raw flag, messages, token history, the answer's
+    final token a full context left out of the state, sampler), typed before it is used: a session file is input
+    like any other. A history holds no more than the state's tokens and the unfed one (fewer where an image's one
+    pad stands for its run of tokens)."""
     for flag in ("raw", "think"):
         if flag in extra and not isinstance(extra[flag], bool):
             raise fail(path, f"session '{flag}' must be true or false")
@@ -111,11 +112,12 @@ def check_extra(path: Path, extra: dict, ctx: int, vocab: int) -> dict:
             and isinstance(m.get("content"), str | list) for m in msgs):
         raise fail(path, "session 'messages' must be a list of {role, content} objects")
     toks, unfed = extra.get("tokens", []), extra.get("unfed", [])
-    ctx += bool(unfed)  # the history holds an unfed token beyond what the state holds
-    if not isinstance(toks, list) or len(toks) > ctx or not all(
+    held = n + bool(unfed)  # the history holds an unfed token beyond what the state holds
+    if not isinstance(toks, list) or len(toks) > held or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in toks):
-        raise fail(path, f"session 'tokens' must be a list of at most {ctx} token ids, each below the model's "
+        raise fail(path, f"session 'tokens' must be a list of at most {held} token ids, each below the model's "
                          f"vocabulary of {vocab}")
+
     if not isinstance(unfed, list) or len(unfed) > 1 or (unfed and toks[-1:] != unfed):
         raise fail(path, "session 'unfed' must be the last of its 'tokens' (an answer's final token its full "
                          "context left out) or nothing")

@@ -56,6 +56,26 @@ def test_restored_session_continues_bit_identical(tiny_conv, tmp_path, kv):
     assert got == expect
 
 
+def test_a_session_refused_by_what_it_keeps_leaves_the_conversation_as_it_was(tiny_conv, tmp_path):
+    """A history longer than the state it goes with is refused, naming it, before anything of the file is read
+    into the engine: its conversation goes on as if no load was tried (the delta rule's states included)."""
+    from streamoe.formats.errors import StreamoeError
+
+    eng = engine(tiny_conv)
+    turn(eng, FIRST, 4)
+    save_session(eng, tmp_path / "long.zst", {"raw": True, "messages": [], "tokens": FIRST * 2})
+    eng.reset()
+    turn(eng, SECOND, 3)
+    want = turn(eng, FIRST)
+    eng.reset()
+    turn(eng, SECOND, 3)
+    with pytest.raises(StreamoeError, match=f"long.zst: session 'tokens' must be a list of at most {len(FIRST) + 4} "):
+        load_session(eng, tmp_path / "long.zst")
+    got = turn(eng, FIRST)
+    eng.close()
+    assert got == want
+
+
 def test_a_loaded_session_saves_back_to_the_same_bytes(tiny_conv, tmp_path):
     eng = engine(tiny_conv, kv="float16")
     turn(eng, FIRST)
