@@ -271,6 +271,7 @@ class MemoryPlan:
     # per KV format: {"token_bytes": KV bytes a token adds, "longest_ctx": the longest context that fits this cap}
     kv_formats: dict[str, dict[str, int]] = field(default_factory=dict)
     native_ctx: int | None = None  # the model's own context length (max_position_embeddings), if known
+    fitting_chunk: int | None = None  # where the fixed accounts miss the cap: a shorter prefill step that fits it
     rank: int = 0  # expert parallelism: this plan is rank `rank`'s of `ranks`, for its share of each layer's
     ranks: int = 1  # experts (n_experts of them: e % ranks == rank)
     all_experts: int = 0  # experts per layer in the model (0: n_experts, one host)
@@ -430,9 +431,11 @@ class MemoryPlan:
                                 f"smallest that fits: --host-cap {(self.host_fixed + 0.01 * GiB) / GiB:.2f}")
         if self.cap < self.fixed:  # as many decimals as tell the cap from the need (0.26 GiB too small for 0.26 says nothing)
             d = next((d for d in range(2, 6) if f"{self.cap / GiB:.{d}f}" != f"{self.fixed / GiB:.{d}f}"), 6)
+            shorter = (f", or --prefill-chunk {self.fitting_chunk} at this cap (a prefill step of fewer tokens: "
+                       "slower prompts)" if self.fitting_chunk else "")
             raise StreamoeError(f"cap {self.cap / GiB:.{d}f} GiB is too small for this model at ctx {self.ctx}: "
                                 f"the fixed accounts need {self.fixed / GiB:.{d}f} GiB; smallest cap that fits: "
-                                f"--cap {(self.min_cap + 0.01 * GiB) / GiB:.2f}")
+                                f"--cap {(self.min_cap + 0.01 * GiB) / GiB:.2f}{shorter}")
 
 
 def activation_bytes(a: ModelArgs, ctx: int, chunk: int, item: int, blas: bool = True, kv_bits: int | None = None,
@@ -623,6 +626,9 @@ def plan_with_limits(native_ctx: int | None = None, **kw) -> MemoryPlan:
     dtype, the asked-for format if another float, q8 and q4. Searched up to the model's own context."""
     plan = make_plan(**kw)
     kw["runtime_bytes"] = plan.runtime_bytes
+    if plan.cap < plan.fixed:  # the prefill step's activations may be what does not fit: the longest step that does
+        plan.fitting_chunk = next((n for n in (128, 64, 32, 16) if n < plan.prefill_step and (
+            (p := make_plan(**{**kw, "prefill_chunk": n})).cap >= p.fixed)), None)
     dtype = kw.get("dtype", "float32")
     asked = kw.get("kv_dtype", "float32")
     formats = dict.fromkeys([dtype, dtype if asked in KV_BITS else asked, *KV_BITS])

@@ -89,6 +89,27 @@ def plan(args: ModelArgs, cap: float, **kw) -> MemoryPlan:
     return make_plan(args=args, cap=int(cap * GiB), **opts)
 
 
+def test_a_cap_the_prefill_step_misses_names_the_longest_step_that_fits(args):
+    """Where the fixed accounts miss the cap by less than the prefill step's activations, the refusal also names the
+    longest shorter step (of 128, 64, 32, 16) that fits this cap, and it does; where none would, only the cap."""
+    from streamoe.runtime.plan import plan_with_limits
+
+    kw = {"args": args, "ctx": 32768, "expert_format": "q4", "stride": STRIDE_Q4, "nonexpert_resident": NONEXPERT,
+          "runtime_bytes": RUNTIME, "dtype": "float32", "kv_dtype": "float32", "ring": RING, "slot": SLOT_F32,
+          "blas": True, "grouped": False}
+    at = {n: make_plan(cap=64 * GiB, prefill_chunk=n, **kw).fixed for n in (256, 128, 64, 32)}
+    assert at[256] > at[128] > at[64] > at[32]
+    cap = (at[64] + at[128]) // 2  # 64 fits, 128 does not
+    p = plan_with_limits(cap=cap, **kw)
+    assert p.fitting_chunk == 64
+    with pytest.raises(StreamoeError, match=r"smallest cap that fits: --cap [0-9.]+, or --prefill-chunk 64 at this cap"):
+        p.require_fit()
+    plan_with_limits(cap=cap, prefill_chunk=64, **kw).require_fit()
+    with pytest.raises(StreamoeError) as e:
+        plan_with_limits(cap=NONEXPERT, **kw).require_fit()
+    assert "--prefill-chunk" not in str(e.value)
+
+
 def test_hand_computed_values_are_the_ones_above():
     assert (KV, LINEAR, ACTIVATIONS, STAGING, READ_STAGING) == (167_772_160, 67_361_280, 360_675_328, 503_316_480,
                                                                 113_246_208)
