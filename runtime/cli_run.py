@@ -161,6 +161,11 @@ def run_cli(model: Path, opts: Options, *, prompt: str | None, images: list, cha
             harmony = not raw and eng.text.template is not None and eng.text.template.tool_format == "harmony"  # gpt-oss
             # where the prompt leaves the model inside `<think>` (Qwen3.5's template), the answer reasons until `</think>`;
             # where the template leaves the tag to the model (Qwen3's), an answer that opens with it does (`opener`)
+            if not think and not raw and (harmony or think_opener(eng.text.tokenizer) is None):
+                eng.close()
+                raise StreamoeError("--no-think: " + ("gpt-oss always reasons (its harmony format has no way to turn it "
+                                                      "off)" if harmony else "this model's template has no thinking to "
+                                                      "turn off"))
             tag = think_opener(eng.text.tokenizer) if think and not raw and not harmony else None
             opens = tag is not None and eng.text.chat_prompt([{"role": "user", "content": "."}]).rstrip().endswith("<think>")
             opener = None if opens else tag

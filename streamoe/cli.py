@@ -567,7 +567,7 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
                    "--image - for stdin; read whole, at most 64 MiB, its bytes planned in the cap).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--system", default=None, callback=utf8_text, help="System message for the chat template.")
-@click.option("--no-think", is_flag=True, help="Render the template with thinking off.")
+@click.option("--no-think", is_flag=True, help="Render the template with thinking off (refused where it has none to turn off: Mixtral, gpt-oss).")
 @click.option("--thinking-budget", type=click.IntRange(min=0, max=1 << 31), default=None, metavar="N",
               help="End each answer's thinking after N tokens: the template's </think> is then written for the model "
                    "and the answer goes on (Anthropic's thinking.budget_tokens). Needs the template's thinking on.")

@@ -357,3 +357,8 @@ def test_a_truncated_mxfp4_layer_file_is_named(conv, tmp_path):
     layer.write_bytes(layer.read_bytes()[:-4096])
     one_error_line(cli("run", bad, "--prompt", "hi", "--max-tokens", "1", "--cap", "1", "--ctx", "64"), str(layer),
                    "truncated")
+
+
+def test_no_think_is_refused_as_gpt_oss_always_reasons(conv):
+    p = cli("run", conv, "--cap", "1", "-p", "hi", "-n", "2", "--no-think")
+    one_error_line(p, "--no-think: gpt-oss always reasons")

@@ -318,3 +318,8 @@ def test_a_thinking_budget_is_refused_by_a_model_that_cannot_close_its_reasoning
             assert w.prepare(req).ids
     finally:
         eng.close()
+
+
+def test_no_think_is_refused_by_a_model_with_no_thinking_to_turn_off(conv):
+    p = cli("run", conv, "--cap", "1", "-p", "hi", "-n", "2", "--no-think")
+    one_error_line(p, "--no-think: this model's template has no thinking to turn off")
