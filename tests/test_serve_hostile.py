@@ -211,6 +211,33 @@ def test_bodies_are_admitted_before_they_are_read(server):
     assert max(ms) < 1000, ms
 
 
+def test_every_request_the_door_admits_finds_room_in_the_queue(conv):
+    """The door admits `admitted` requests; while the engine still ends one whose client left, all of them queue
+    (the worker thread is not running here: nothing is taken off), and one more is the queue's 503."""
+    from streamoe.runtime.serve.worker import ServeOptions, Server
+
+    so = ServeOptions("t", max_queue=2)
+    srv = Server(conv, Options(cap_gib=2, ctx=CTX, runtime_bytes=256 * MiB), so)
+    try:
+        for _ in range(so.admitted):
+            srv.submit(object())
+        with pytest.raises(APIError, match=f"the server is busy: {so.admitted} requests are already waiting"):
+            srv.submit(object())
+    finally:
+        srv.worker.eng.close()
+
+
+def test_a_compressed_body_is_refused_not_read_as_json(server):
+    import gzip
+
+    body = gzip.compress(json.dumps({"prompt": CODE, "max_tokens": 1}).encode())
+    for path in ("/v1/completions", "/v1/messages"):
+        r = fetch(server.url + path, "POST", body, headers={"Content-Encoding": "gzip"})
+        assert r.status == 415 and "Content-Encoding 'gzip' is not supported" in r.text, r.text
+    r = fetch(server.url + "/v1/completions", "POST", {"prompt": CODE, "max_tokens": 1}, headers={"Content-Encoding": "identity"})
+    assert r.status == 200, r.text
+
+
 def test_bodies_that_would_inflate_are_refused_before_parsing(server):
     flat = b'{"prompt": "hi", "x": [' + b",".join([b"{}"] * 100_000) + b"]}"  # 0.3 MiB -> ~7 MiB of dicts
     r = post(server, "/v1/completions", flat)

@@ -79,7 +79,11 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 async def read_body(request: Request, limits: Limits, timeout_s: float) -> bytearray:
     """The raw body, read no further than the size limit and no longer than `timeout_s` (a stalled body
-    would hold its admission)."""
+    would hold its admission). A body in a content coding (gzip...) is refused, not read as JSON: none is taken."""
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding != "identity":
+        raise APIError(415, f"Content-Encoding {coding[:40]!r} is not supported: send the body uncompressed",
+                       code="unsupported_content_encoding")
     declared = request.headers.get("content-length")
     if declared and declared.isascii() and declared.isdigit() and int(declared) > limits.max_body:
         raise APIError(413, f"request body of {int(declared):,} bytes; at most {limits.max_body:,} are accepted")

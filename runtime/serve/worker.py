@@ -982,7 +982,9 @@ class Server:
 
     def __init__(self, root: Path, opts: Options, so: ServeOptions, group=None):
         self.so = so
-        self.queue: queue.Queue = queue.Queue(maxsize=so.max_queue)
+        # every request the door admits finds room, also while the engine still ends one whose client left (the
+        # plan's `requests` account holds that one beside them): a full queue is a bug's, not a load's
+        self.queue: queue.Queue = queue.Queue(maxsize=so.admitted)
         self.worker = EngineWorker(open_engine(root, opts, so, group), so)
         self.current: Job | None = None
         self.stopping = threading.Event()
@@ -1017,7 +1019,7 @@ class Server:
         try:
             self.queue.put_nowait(job)
         except queue.Full:
-            raise APIError(503, f"the server is busy: {self.so.max_queue} requests are already waiting; retry later",
+            raise APIError(503, f"the server is busy: {self.queue.maxsize} requests are already waiting; retry later",
                            code="queue_full") from None
 
     def stop(self) -> None:
