@@ -21,7 +21,7 @@ from ..formats.layout import derived_formats, source_layout
 from ..formats.manifest import Manifest, load_manifest
 from ..formats.record import RecordLayout
 from . import nvml
-from .models.cache import KV_GROUP
+from .models.cache import KV_GROUP, quantized_kv_refusal
 from .models.kernels import (
     BLAS_BLOCK,
     BLAS_TOKENS,
@@ -546,6 +546,8 @@ def make_plan(*, args: ModelArgs, cap: int, ctx: int, expert_format: str, stride
     `host_reads`: where the host cap holds every expert and the device does not, plan the pools in host memory
     (`MemoryPlan.host_reads`)."""
     bits = KV_BITS.get(kv_dtype)
+    if bits and args.head_dim % KV_GROUP:
+        raise StreamoeError(quantized_kv_refusal(args.head_dim))
     item, kv_item = itemsize(dtype), itemsize(dtype if bits else kv_dtype)
     blas = mx.default_device() == mx.cpu if blas is None else blas
     grouped = mx.default_device() == mx.gpu and mx.cuda.is_available() if grouped is None else grouped
@@ -631,7 +633,8 @@ def plan_with_limits(native_ctx: int | None = None, **kw) -> MemoryPlan:
             (p := make_plan(**{**kw, "prefill_chunk": n})).cap >= p.fixed)), None)
     dtype = kw.get("dtype", "float32")
     asked = kw.get("kv_dtype", "float32")
-    formats = dict.fromkeys([dtype, dtype if asked in KV_BITS else asked, *KV_BITS])
+    quantized = [] if kw["args"].head_dim % KV_GROUP else list(KV_BITS)  # none where the codes cannot group
+    formats = dict.fromkeys([dtype, dtype if asked in KV_BITS else asked, *quantized])
     limit = native_ctx or 1 << 31
     for fmt in formats:
         def fits(n: int, fmt: str = fmt) -> bool:

@@ -274,3 +274,21 @@ def test_served_chat_with_a_quantized_cache_is_the_same_with_or_without_the_prom
 
     (with_cache, hits), (without, misses) = chat(4 * MiB), chat(0)
     assert with_cache == without and misses == [0, 0, 0] and hits[0] == 0 and all(h > 0 for h in hits[1:])
+
+
+def test_a_head_dim_its_codes_cannot_group_has_no_quantized_kv_in_the_plan(tmp_path):
+    """head_dim 96 (not a whole number of groups of 64): `plan` lists only float formats, and `--kv q4` is refused
+    in the words the cache itself refuses it, as `run` would be."""
+    from streamoe.convert.synth import make_config
+    from streamoe.runtime.models.cache import quantized_kv_refusal
+
+    c = make_config("tiny")
+    tc = c["text_config"]
+    tc.update(head_dim=96, partial_rotary_factor=1 / 3)
+    tc["rope_parameters"].update(partial_rotary_factor=1 / 3, mrope_section=[6, 5, 5])
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    p = cli("plan", tmp_path / "config.json", "--cap", "4", "--runtime-mib", "128", "--json")
+    assert p.returncode == 0, p.stderr
+    assert list(json.loads(p.stdout)["kv_formats"]) == ["float32"]
+    p = cli("plan", tmp_path / "config.json", "--cap", "4", "--runtime-mib", "128", "--kv", "q4")
+    assert p.returncode == 2 and p.stderr.strip() == f"streamoe: error: {tmp_path / 'config.json'}: {quantized_kv_refusal(96)}"

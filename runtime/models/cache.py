@@ -107,6 +107,11 @@ class KVCache:
         return self.keys[:, :, :end, :], self.values[:, :, :end, :]
 
 
+def quantized_kv_refusal(head_dim: int) -> str:
+    """Why a model of this head_dim has no quantized KV cache (its codes are grouped by KV_GROUP along a head)."""
+    return f"a quantized KV cache needs head_dim divisible by {KV_GROUP} (this model's is {head_dim}); use a float --kv"
+
+
 class QuantizedKVCache(KVCache):
     """Keys and values of one full-attention layer as `bits`-bit affine codes (groups of KV_GROUP along
     head_dim), preallocated to `max_tokens` positions. Attention is scored on the codes
@@ -121,8 +126,7 @@ class QuantizedKVCache(KVCache):
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_tokens: int, bits: int, dtype=mx.float32):
         if head_dim % KV_GROUP:
-            raise StreamoeError(f"a quantized KV cache needs head_dim divisible by {KV_GROUP} (this model's is "
-                                f"{head_dim}); use a float --kv")
+            raise StreamoeError(quantized_kv_refusal(head_dim))
         self.bits, self.dtype = bits, dtype
         codes = (batch, n_kv_heads, max_tokens, head_dim * bits // 32)
         groups = (batch, n_kv_heads, max_tokens, head_dim // KV_GROUP)
