@@ -236,8 +236,9 @@ class Engine:
         """A prompt of `tokens` (`at_least`: a bound, counted before tokenizing; `images`: with its images' tokens)
         that the planned context cannot hold beside what it holds already."""
         least, more = ("at least ", " or more") if at_least else ("", "")
-        return ContextFull(f"prompt of {least}{tokens} tokens{' with its images' if images else ''} (+{self.offset} in "
-                           f"context) is longer than the planned context --ctx {self.opts.ctx}: it needs --ctx "
+        held = f" beside the {self.offset} in context" if self.offset else ""
+        return ContextFull(f"prompt of {least}{tokens} token{'s' * (tokens != 1)}{' with its images' if images else ''}"
+                           f"{held} is longer than the planned context --ctx {self.opts.ctx}: it needs --ctx "
                            f"{self.offset + tokens}{more} and the answer's tokens")
 
     def decode(self, token: int) -> mx.array:

@@ -217,7 +217,7 @@ def test_render_and_json(args):
     assert "(32 records of host staging + their copies in flight)" in text[7]
     assert f"(833 expert slots of {40 * 256}; +256 lent staging slots during decode)" in text[10]
     assert text[11] == "  prefill chunk         256 tokens  (experts read once per chunk; kernels over 256 tokens at a time)"
-    assert text[12].endswith(f"{(FIXED + 833 * SLOT_F32) / GiB:8.3f} GiB of 4.00 GiB")
+    assert text[12].endswith(f"{(FIXED + 833 * SLOT_F32) / GiB:8.3f} GiB of 4.000 GiB")
     assert p.to_json() == {"cap": 4 * GiB, "ctx": 4096, "expert_format": "q4", "stride": STRIDE_Q4, "slot": SLOT_F32,
                            "accounts": p.accounts, "fixed": FIXED, "hot_slots": 833, "staging_slots": 256,
                            "n_layers": 40, "n_experts": 256, "fits": True, "prefill_chunk": 256, "prefill_step": 256}
