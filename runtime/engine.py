@@ -45,7 +45,7 @@ from .plan import (
 from .sampling import Sampler
 from .store import ExpertStore
 from .telemetry import LayerStats, StepStats, summarize
-from .text import TextIO
+from .text import TextIO, too_long
 from .weights import load_tensors, mx_dtype
 
 
@@ -104,7 +104,7 @@ class Engine:
         if o.images:
             check_preprocessor(self.root, m.config)  # read on the first image: a bad one must not fail mid-answer
         self.text = TextIO(self.root, m.config)
-        self.plan = plan_for(self.root, o, m)
+        self.plan = plan_for(self.root, o, m, self.text.bound)
         self.plan.require_fit()
         mx.set_cache_limit(self.plan.cache_limit)  # a smaller cache frees and reallocates every step
         self.dtype = mx_dtype(o.dtype or default_dtype())
@@ -233,13 +233,8 @@ class Engine:
         return self._prefill_chunks(tokens, progress=progress)
 
     def too_long(self, tokens: int, at_least: bool = False, images: bool = False) -> ContextFull:
-        """A prompt of `tokens` (`at_least`: a bound, counted before tokenizing; `images`: with its images' tokens)
-        that the planned context cannot hold beside what it holds already."""
-        least, more = ("at least ", " or more") if at_least else ("", "")
-        held = f" beside the {self.offset} in context" if self.offset else ""
-        return ContextFull(f"prompt of {least}{tokens} token{'s' * (tokens != 1)}{' with its images' if images else ''}"
-                           f"{held} is longer than the planned context --ctx {self.opts.ctx}: it needs --ctx "
-                           f"{self.offset + tokens}{more} and the answer's tokens")
+        """A prompt of `tokens` that the planned context cannot hold beside what it holds already (`text.too_long`)."""
+        return too_long(tokens, self.opts.ctx, self.offset, at_least, images)
 
     def decode(self, token: int) -> mx.array:
         """Feed one generated token; returns the next logits."""

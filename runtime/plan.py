@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -63,6 +63,8 @@ class Options:
     # accounts a caller adds to the plan before the hot tier is sized from it: (name, bytes, what it holds);
     # `serve` adds its prompt cache and the requests in flight
     extra_accounts: tuple[tuple[str, int, str], ...] = ()
+    # the prompt `run` was given before it opens (-p, -f): what tokenizing it holds is an account
+    prompt: str | None = None
     # expert parallelism (runtime/ranks.py): this process is rank `rank` of `ranks`, holding experts e % ranks == rank
     rank: int = 0
     ranks: int = 1
@@ -672,18 +674,21 @@ def choose_chunk(plan: MemoryPlan, per_token: int) -> None:
     plan.accounts["activations"] += (plan.prefill_chunk - step) * per_token
 
 
-def plan_for(root: Path, opts: Options, manifest: Manifest | None = None) -> MemoryPlan:
+def plan_for(root: Path, opts: Options, manifest: Manifest | None = None, bound=None) -> MemoryPlan:
     """The plan for a converted directory (from its manifest). The runtime allowance is measured with the
-    tokenizer loaded, as `Engine` does, so `streamoe plan` and `streamoe run` agree."""
+    tokenizer loaded, as `Engine` does, so `streamoe plan` and `streamoe run` agree. `bound`: the tokenizer's
+    `PromptBound`, for `opts.prompt` (made here where not given)."""
     from .image import read_preprocessor
-    from .text import TextIO
+    from .text import TextIO, prompt_account
     from .vision import resized_pixels, vision_account
     from .weights import resident_bytes
 
     m = manifest or load_manifest(root)
     split, host_cap = memories(opts.host_cap_gib)
-    if opts.runtime_bytes is None and manifest is None:
-        TextIO(Path(root), m.config)
+    text = TextIO(Path(root), m.config) if (opts.runtime_bytes is None or opts.prompt) and bound is None else None
+    if opts.prompt:
+        account = prompt_account(opts.prompt, bound or text.bound, opts.ctx)
+        opts = replace(opts, extra_accounts=(*opts.extra_accounts, account))
     if opts.runtime_bytes is None and split:
         mx.eval(mx.zeros(1))  # the device's context and libraries are loaded before the runtime is measured
     fmts = m.expert_formats()

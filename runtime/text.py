@@ -14,7 +14,7 @@ from tokenizers.decoders import DecodeStream
 
 from ..formats import files
 from ..formats.config import eos_ids
-from ..formats.errors import fail
+from ..formats.errors import ContextFull, fail
 from .chat_template import ChatTemplate
 
 
@@ -251,6 +251,26 @@ class Detokenizer:
 
 # the tokenizer's working set per byte of text it is given (measured 210-250, tokenizers 0.2x, byte-level BPE)
 TOKENIZE_BYTES = 320
+
+
+def too_long(tokens: int, ctx: int, held: int = 0, at_least: bool = False, images: bool = False) -> ContextFull:
+    """A prompt of `tokens` (`at_least`: a bound, counted before tokenizing; `images`: with its images' tokens)
+    that a context of `ctx` tokens cannot hold beside the `held` it holds already."""
+    least, more = ("at least ", " or more") if at_least else ("", "")
+    beside = f" beside the {held} in context" if held else ""
+    return ContextFull(f"prompt of {least}{tokens} token{'s' * (tokens != 1)}{' with its images' if images else ''}"
+                       f"{beside} is longer than the planned context --ctx {ctx}: it needs --ctx {held + tokens}{more} "
+                       "and the answer's tokens")
+
+
+def prompt_account(prompt: str, bound: PromptBound | None, ctx: int) -> tuple[str, int, str]:
+    """The plan's account for tokenizing `prompt` (given before the run opens): TOKENIZE_BYTES a byte. A prompt
+    the context cannot hold at the tokenizer's longest token (`bound`; None: no tokenizer to bound it) is
+    refused here, unread."""
+    if bound is not None and (least := bound.at_least(prompt)) >= ctx:
+        raise too_long(least, ctx, at_least=True)
+    size = len(prompt.encode("utf-8", "replace"))
+    return "prompt", TOKENIZE_BYTES * size, f"the tokenizer's working set for the prompt's {size:,} bytes"
 
 
 class PromptBound:

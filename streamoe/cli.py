@@ -321,6 +321,7 @@ def plan_from_config(path: Path, opts: Options, rank: int = 0, ranks: int = 1, e
         read_ring,
         slot_bytes,
     )
+    from .runtime.text import prompt_account
     from .runtime.vision import vision_account
     from .runtime.weights import resident_bytes
 
@@ -346,7 +347,8 @@ def plan_from_config(path: Path, opts: Options, rank: int = 0, ranks: int = 1, e
                                 nonexpert_resident=nonexpert, dtype=dtype, kv_dtype=kv_format(opts),
                                 runtime_bytes=opts.runtime_bytes, prefill_chunk=opts.prefill_chunk, rank=rank,
                                 ranks=ranks, split=split, host_cap=host_bytes, vision_bytes=vision,
-                                ring=read_ring(opts, args.num_experts_per_tok, args.num_experts), extra=extra)
+                                ring=read_ring(opts, args.num_experts_per_tok, args.num_experts),
+                                extra=(*extra, *([prompt_account(opts.prompt, None, opts.ctx)] if opts.prompt else [])))
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise StreamoeError(f"{path}: not a config this version can plan for ({type(e).__name__}: {str(e)[:80]})") from None
     except StreamoeError as e:
@@ -479,6 +481,13 @@ def serve_sizes(prompt_cache_mib: float, response_store_mib: float, max_queue: i
             "response_store_bytes": int(response_store_mib * (1 << 20)), "max_connections": max_connections}
 
 
+PROMPT = click.option("--prompt", "-p", default=None, callback=utf8_text,
+                      help="One prompt; answered, then exit. '-' reads it from stdin.")
+PROMPT_FILE = click.option("--prompt-file", "-f", type=FilePath(path_type=Path), default=None,
+                           help="Read the prompt from this UTF-8 file (a prompt too long for a command line), or a "
+                                "pipe: -f <(git diff).")
+
+
 @main.command()
 @click.argument("model", type=FilePath(path_type=Path))
 @common
@@ -494,12 +503,14 @@ def serve_sizes(prompt_cache_mib: float, response_store_mib: float, max_queue: i
 @serve_plan_options
 @click.option("--ranks", type=click.IntRange(min=1, max=1 << 10), default=1, show_default=True,
               help="Plan each rank of an expert-parallel group of this many hosts (mlx.launch; --cap is per host).")
+@PROMPT
+@PROMPT_FILE
 @user_errors
 def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str,
          dtype: str | None, runtime_mib: int | None, as_json: bool, images: bool, serving: bool, prefill_chunk: int | str,
          prefetch_width: int | None, io_threads: int, max_pixels: int, no_images: bool, prompt_cache_mib: float,
          response_store_mib: float, max_queue: int, max_body_mib: float, max_answer_mib: float, max_connections: int,
-         ranks: int) -> None:
+         ranks: int, prompt: str | None, prompt_file: Path | None) -> None:
     """Print the memory plan for MODEL (a converted directory, or a bare config.json) and exit. Given the options a
     `run` or `serve` is given (those that size an account), it is the plan that one opens with.
 
@@ -519,6 +530,9 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
         raise StreamoeError(f"--max-pixels sizes the vision account, and this plan has none ({why})")
     opts = options_of(cap, ctx, experts, kv, dtype, "freq", prefetch_width, 0.05, prefill_chunk, io_threads, False, images,
                       max_pixels, runtime_mib, host_cap)
+    if (prompt is not None or prompt_file is not None) and serving:
+        raise StreamoeError("--prompt and --prompt-file size what `run` plans for its prompt; `serve` plans its requests")
+    opts = dataclasses.replace(opts, prompt=read_prompt(prompt, prompt_file) or None)
     plans = []
     for rank in range(ranks):
         extra: tuple = ()
@@ -551,11 +565,8 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @click.argument("model", type=FilePath(path_type=Path))
 @common
 @engine_options
-@click.option("--prompt", "-p", default=None, callback=utf8_text,
-              help="One prompt; answered, then exit. '-' reads it from stdin.")
-@click.option("--prompt-file", "-f", type=FilePath(path_type=Path), default=None,
-              help="Read the prompt from this UTF-8 file (a prompt too long for a command line), or a pipe: "
-                   "-f <(git diff).")
+@PROMPT
+@PROMPT_FILE
 @click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
 @click.option("--json-schema", default=None, metavar="SCHEMA|FILE",
               help="Constrain each answer (after its thinking) to JSON valid against this schema, given inline or as a "
@@ -652,6 +663,8 @@ def run(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str,
                             f"{'' if raw or not chat else ': the model has no vision tower'})")
     opts = options_of(cap, ctx, experts, kv, dtype, tier, prefetch_width, prefetch_waste, prefill_chunk, io_threads, verify,
                       vision, max_pixels, runtime_mib, host_cap)
+    if prompt:
+        opts = dataclasses.replace(opts, prompt=prompt)
     sources = [read_image_source(p) for p in images]
     piped = sum(len(s.data) for s in sources if isinstance(s, PipedImage))
     if piped:

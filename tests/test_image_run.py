@@ -121,15 +121,16 @@ def test_image_prompt_progress_counts_the_prompt_its_images_expand(tiny_conv, pi
 
 def test_plan_with_runs_options_is_the_plan_run_opens(tiny_conv, tiny_ckpt, picture):
     """`plan` takes every option of `run` that sizes an account (--prefetch-width and --io-threads: the read staging,
-    --max-pixels: the vision account): given the same ones, at a cap 2 KiB below its need it refuses in the very line
+    --max-pixels: the vision account, the prompt: its tokenizing): given the same ones, at a cap 2 KiB below its need it refuses in the very line
     `run` refuses with, the need to the KiB. A bare config.json plans the same vision account."""
     opts = ["--ctx", "512", "--runtime-mib", "64", "--prefetch-width", "30", "--io-threads", "3", "--max-pixels", "40000"]
-    planned = json.loads(cli("plan", tiny_conv, *opts, "--images", "--json", check=True).stdout)
+    planned = json.loads(cli("plan", tiny_conv, *opts, "--images", "--json", "-p", "What colour?", check=True).stdout)
     default = json.loads(cli("plan", tiny_conv, "--ctx", "512", "--runtime-mib", "64", "--images", "--json", check=True).stdout)
     for name in ("read staging", "vision"):
         assert planned["accounts"][name] != default["accounts"][name], name
     cap = f"{(planned['fixed'] - 2048) / 2**30:.9f}"
-    refused = one_error_line(cli("plan", tiny_conv, "--cap", cap, *opts, "--images"), "too small", "fixed accounts need")
+    refused = one_error_line(cli("plan", tiny_conv, "--cap", cap, *opts, "--images", "-p", "What colour?"), "too small",
+                             "fixed accounts need")
     ran = one_error_line(cli("run", tiny_conv, "--cap", cap, *opts, "--image", picture, "-p", "What colour?"), "too small")
     assert ran == refused
     need = re.search(r"need (\d+\.(\d+)) GiB", ran)
@@ -177,7 +178,7 @@ def test_an_image_from_a_pipe_is_planned_and_answered_as_its_file(tiny_conv, pic
     assert by_pipe.stdout == by_file.stdout and by_file.stdout.strip()
     assert run_piped(tiny_conv, data, "--cap", "1", *opts, stdin="-").stdout == by_file.stdout  # `--image -`, as `-p -`
     planned = json.loads(cli("plan", tiny_conv, "--ctx", "512", "--runtime-mib", "64", "--images", "--json",
-                             check=True).stdout)
+                             "-p", "What colour is it?", check=True).stdout)
     held = planned["fixed"] + len(data)
     line = one_error_line(run_piped(tiny_conv, data, "--cap", f"{(held - 2048) / 2**30:.9f}", *opts), "too small")
     need = re.search(r"need (\d+\.(\d+)) GiB", line)

@@ -497,6 +497,28 @@ def test_long_prompt_at_a_quarter_cap_stays_inside_the_cgroup(small_conv, tmp_pa
     assert re.search(r"prefill \d+ tokens in [\d.]+ s \([\d.]+ tok/s, [\d.]+ MiB read/token\)", p.stderr)
 
 
+def test_a_prompt_given_before_the_run_opens_has_its_tokenizing_planned(tiny_conv, tmp_path):
+    """-f TEXT: what the tokenizer holds for it (TOKENIZE_BYTES a byte) is an account of the plan the run opens with (and
+    `plan -f` prints), so a cap that holds the plan but not that is refused naming the need with it; a text longer than the context can
+    hold at the tokenizer's longest token is charged only up to that (it is refused before it is tokenized)."""
+    from streamoe.runtime.text import TOKENIZE_BYTES
+
+    text = "Reading the tokens of a long prompt costs memory. " * 100  # 2,800 tokens
+    (tmp_path / "p.txt").write_text(text)
+    args = ["--ctx", "4096", "--runtime-mib", "64", "--raw", "-n", "1", "-f", tmp_path / "p.txt"]
+    fixed = json.loads(cli("plan", tiny_conv, "--ctx", "4096", "--runtime-mib", "64", "--json", check=True).stdout)["fixed"]
+    held = fixed + TOKENIZE_BYTES * len(text.encode())
+    planned = json.loads(cli("plan", tiny_conv, *args[:4], "--json", "-f", tmp_path / "p.txt", check=True).stdout)
+    assert planned["fixed"] == held and planned["accounts"]["prompt"] == TOKENIZE_BYTES * len(text.encode())
+    line = one_error_line(cli("run", tiny_conv, "--cap", f"{(held - 2048) / 2**30:.9f}", *args), "too small")
+    need = re.search(r"need (\d+\.(\d+)) GiB", line)
+    assert need.group(1) == f"{held / 2**30:.{len(need.group(2))}f}"
+    assert cli("run", tiny_conv, "--cap", f"{(held + 2**20) / 2**30:.9f}", *args).returncode == 0
+    (tmp_path / "long.txt").write_text(text * 100)  # 2 MB: far past what 4,096 tokens cover
+    line = one_error_line(cli("run", tiny_conv, "--cap", f"{(held + 2**20) / 2**30:.9f}", *args[:-1], tmp_path / "long.txt"),
+                          "longer than the planned context")
+
+
 # ---- bad input to the runtime: one line naming the file, non-zero exit, no traceback
 
 def test_missing_and_corrupt_manifest(tiny_conv, tmp_path):
