@@ -501,6 +501,34 @@ def test_a_client_that_disconnects_stops_its_generation(server, client, ref, str
     assert r.choices[0].text == ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 8))  # nothing leaked
 
 
+def test_a_client_that_disconnects_during_the_prefill_stops_it(server, client, ref):
+    """A whole answer's client hangs up while its long prompt is prefilled: the prefill stops between two layers,
+    well before it would end (a full prefill of the same length, timed first), and what runs next is exact."""
+    words = [f"v{i} = {i * 7}\n" for i in range(400)]
+    text = "".join(words)
+    n = len(ref.text.encode(text))
+    while n > CTX - 64:
+        words.pop()
+        text = "".join(words)
+        n = len(ref.text.encode(text))
+    t0 = time.monotonic()
+    client.completions.create(model="tiny", prompt=text.replace("v", "w"), temperature=0, max_tokens=1)
+    full = time.monotonic() - t0
+    before = len(re.findall(r"cancelled after (\d+) tokens", server.text()))
+    s = raw_request(server.port, "/v1/completions", json.dumps({"prompt": text, "temperature": 0, "max_tokens": 8}).encode())
+    wait_for(lambda: fetch(server.url + "/v1/stats").json()["state"] == "prefill", what="the prefill to start")
+    time.sleep(min(0.5, full / 8))
+    s.close()
+    hung_up = time.monotonic()
+    cancelled = wait_for(lambda: re.findall(r"cancelled after (\d+) tokens", server.text())[before:], timeout=60,
+                         what="the cancellation")
+    took = time.monotonic() - hung_up
+    print(f"cancelled {took:.2f} s after the hang-up; a full prefill {full:.2f} s ({n} tokens)")
+    assert cancelled[0] == "0" and took < full / 2, (took, full, n)
+    r = client.completions.create(model="tiny", prompt=CODE[1], temperature=0, max_tokens=8)
+    assert r.choices[0].text == ref.text.decode(greedy(ref, ref.text.encode(CODE[1]), 8))  # nothing of it stayed
+
+
 def test_logit_bias_steers_the_answer(client, ref):
     """OpenAI's `logit_bias` on both routes: +100 makes a greedy answer that token, -100 bans the greedy one."""
     zebra = ref.text.tokenizer.encode("zebra", add_special_tokens=False).ids[0]

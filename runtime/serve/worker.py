@@ -275,6 +275,10 @@ def assistant_header(text) -> list[int]:
     return text.encode(shared[len(base):])
 
 
+class Cancelled(Exception):
+    """Raised from a prefill's progress, between its layers, where the request's client left."""
+
+
 class EngineWorker:
     """The engine and everything that answers with it: prompt cache, sampling defaults, live telemetry.
     `run` must only ever be called from one thread at a time."""
@@ -668,6 +672,12 @@ class EngineWorker:
         if self.lock is not None and self.lock.broken is not None:
             raise self.lock.broken  # the ranks may be out of step: the server stops, and its peers with it
 
+    def cancelled(self, job: Job, n: int) -> dict:
+        """The end of an answer whose client went away (or the server is stopping) after `n` tokens."""
+        print(f"streamoe: {job.id} cancelled after {n} tokens (its client went away or the server is stopping)",
+              file=sys.stderr, flush=True)
+        return {"finish_reason": None, "cancelled": True, "tokens": n}
+
     def keep(self, key: tuple) -> None:
         """The conversation's state now, the first `len(key)` items of its prompt, into the prompt cache (where it
         is not there already and fits its budget)."""
@@ -720,18 +730,28 @@ class EngineWorker:
                      "rss": current_rss(), "cap": eng.plan.cap}
         a = start
         eng.scorer = scores  # taken off by `run`, however the answer ends
-        for b in cuts:
+
+        def stop_if_cancelled(done: int, total: int) -> None:
+            """A prefill's progress, layer by layer: a request whose client left stops there (on one host: across
+            ranks every rank runs the same layers, and the answer ends at its first token)."""
             if job.cancel.is_set():
-                return {"finish_reason": None, "cancelled": True}
-            seg = images(a, b)
-            with self.told("prefill", ids=ids[a:b]):
-                if seg:
-                    prefill_images(eng, ids[a:b], seg)
-                else:
-                    eng.prefill(ids[a:b])
-            a = b
-            if b == job.head or b == cuts[-1]:  # the head new conversations share, and the prompt's last cut
-                self.keep(key[:b])
+                raise Cancelled
+        watch = stop_if_cancelled if self.lock is None else None
+        try:
+            for b in cuts:
+                if job.cancel.is_set():
+                    return {"finish_reason": None, "cancelled": True}
+                seg = images(a, b)
+                with self.told("prefill", ids=ids[a:b]):
+                    if seg:
+                        prefill_images(eng, ids[a:b], seg, watch)
+                    else:
+                        eng.prefill(ids[a:b], watch)
+                a = b
+                if b == job.head or b == cuts[-1]:  # the head new conversations share, and the prompt's last cut
+                    self.keep(key[:b])
+        except Cancelled:
+            return self.cancelled(job, 0)
         tools = (req.tools or True) if req.parse_tools else None
         out = (HarmonyOutput(tools, req.stop, req.include_stop) if self.harmony(req) else
                ChatOutput(job.thinking, tools, req.stop, self.tool_format, req.include_stop, reasons=req.kind == "chat"))
@@ -761,12 +781,18 @@ class EngineWorker:
             gen = self.lock.generate(ids, a, choice.max_tokens, choice.sampler, constraint, stops)
         else:
             gen = eng.generate(ids[a:], choice.max_tokens, choice.sampler, images=images(a, len(ids)) or None,
-                               context=ids, constraint=constraint, stops=stops)
+                               context=ids, constraint=constraint, stops=stops, progress=watch)
         with contextlib.closing(gen):
-            for tok, lg in gen:
+            tokens = iter(gen)
+            while True:
+                try:
+                    tok, lg = next(tokens)
+                except StopIteration:
+                    break
+                except Cancelled:  # in the prompt's prefill
+                    return self.cancelled(job, 0)
                 if job.cancel.is_set():
-                    print(f"streamoe: {job.id} cancelled after {n} tokens (its client went away or the server is stopping)", file=sys.stderr, flush=True)
-                    return {"finish_reason": None, "cancelled": True, "tokens": n}
+                    return self.cancelled(job, n)
                 if tok in req.stop_token_ids:  # as the model's own end of turn: not written, not counted
                     finish, stop_token = "stop", tok
                     break
