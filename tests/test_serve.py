@@ -476,6 +476,7 @@ def test_live_stats_count_the_tokens_of_an_answer_as_it_streams(conv, tmp_path):
         live = wait_for(lambda: (st := fetch(s.url + "/v1/stats").json()).get("tokens", 0) >= 20 and st, what="20 tokens")
         sock.close()
         assert live["state"] == "decode" and live["tok_s"] > 0 and live["mib_read_token"] == 0, live
+        assert live["hit_rate"] == 1.0, live  # resident: every pick in memory, as the summary line says
     finally:
         assert stop_server(s) == 0, s.text()
 

@@ -913,7 +913,9 @@ class _Running:
     def stats(self) -> dict:
         n = max(1, self.tokens)
         return {"tok_s": self.tokens / (self.ms / 1000) if self.ms else 0.0,
-                "hit_rate": self.hits / self.picks if self.picks else 0.0, "mib_read_token": self.read / MiB / n,
+                # resident (no picks counted, nothing read): every expert was in memory, as the summary says it
+                "hit_rate": self.hits / self.picks if self.picks else float(self.tokens > 0 and not self.read),
+                "mib_read_token": self.read / MiB / n,
                 "disk_busy": self.busy_ms / self.ms if self.ms else 0.0}
 
 
