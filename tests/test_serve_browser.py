@@ -144,6 +144,8 @@ def test_chat_page_answers_streams_and_shows_the_plan(server, browser, conv, tmp
             for r in browser.find_elements(By.CSS_SELECTOR, "#plan tr")}
     assert {"non-expert", "kv cache", "prompt cache", "requests", "runtime", "hot tier", "total"} <= set(plan)
     assert plan["prompt cache"] == "8.0 MiB"
+    served = fetch(server.url + "/v1/plan").json()  # the hot tier's slots at the slot's size, as the server plans them
+    assert plan["hot tier"] == f"{served['hot_slots'] * served['slot'] / MiB:.1f} MiB" and served["slot"] != served["stride"]
 
     browser.find_element(By.ID, "temperature").send_keys("0")
     question = "What colour is the shape?"
@@ -173,8 +175,8 @@ def test_chat_page_answers_streams_and_shows_the_plan(server, browser, conv, tmp
 
 
 def test_the_page_asks_for_the_api_key_once(browser, tiny_conv, tmp_path):
-    """A server started with --api-key: the page asks for the key when the API first answers 401, then loads the
-    plan and answers with it (every later call sends it)."""
+    """A server started with --api-key: the page asks for the key when the API first answers 401 (again after a
+    wrong one), then loads the plan and answers with it (every later call sends it)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
@@ -187,13 +189,18 @@ def test_the_page_asks_for_the_api_key_once(browser, tiny_conv, tmp_path):
         WebDriverWait(browser, 30).until(expected_conditions.alert_is_present())
         alert = browser.switch_to.alert
         assert "API key" in alert.text
+        alert.send_keys("a-wrong-key")  # asked again (the next call), then the plan loads whole
+        alert.accept()
+        WebDriverWait(browser, 30).until(expected_conditions.alert_is_present())
+        alert = browser.switch_to.alert
         alert.send_keys("page-key-7")
         alert.accept()
         WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "status").text == "ready")
-        assert browser.find_elements(By.CSS_SELECTOR, "#plan tr")
+        WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#plan tr"))
+        assert browser.find_element(By.ID, "model").text.startswith(tiny_conv.name + " · cap ")
         browser.find_element(By.ID, "max-tokens").send_keys("4")
         ask(browser, "hi", 1)  # the streamed answer (and the stats polled beside it) with the key, no question asked
-        after = s.text().split('"GET /v1/plan HTTP/1.1" 200', 1)[1]  # from the plan's load with the key on
+        after = s.text().split('"GET /v1/plan HTTP/1.1" 200', 1)[1]  # from the plan's load with the right key
         assert '" 401' not in after and '"POST /v1/chat/completions HTTP/1.1" 200' in after, after
     finally:
         browser.execute_script("sessionStorage.clear()")
@@ -343,3 +350,42 @@ def test_a_failed_question_comes_back_to_the_box(server, browser):
     browser.execute_script("document.getElementById('prompt').value = ''")
     ask(browser, "Hello", 2)
     assert browser.execute_script("return history.map((m) => m.role)") == ["user", "assistant"]
+
+
+def test_an_image_that_failed_comes_off_and_a_new_chat_starts_without_it(server, browser, tmp_path):
+    """A file that is no image fails its question and comes back attached with it: its control takes it off, and New
+    chat clears it too; the next question is answered without it."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    open_page(browser, server)
+    browser.find_element(By.ID, "new").click()
+    bogus = tmp_path / "notimage.png"
+    bogus.write_bytes(b"not a picture at all" * 10)
+    for take_off in ("detach", "new"):
+        browser.find_element(By.ID, "image").send_keys(str(bogus))
+        WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "attached").text == "notimage.png")
+        assert browser.find_element(By.ID, "detach").is_displayed()
+        box = browser.find_element(By.ID, "prompt")
+        box.send_keys("What is it?", Keys.ENTER)
+        WebDriverWait(browser, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-state=error]"))
+        WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "attached").text == "notimage.png")  # back
+        browser.find_element(By.ID, take_off).click()
+        assert browser.find_element(By.ID, "attached").text == "" and not browser.find_element(By.ID, "detach").is_displayed()
+        browser.execute_script("document.getElementById('prompt').value = ''")
+    browser.find_element(By.ID, "new").click()
+    browser.find_element(By.ID, "max-tokens").clear()
+    browser.find_element(By.ID, "max-tokens").send_keys("8")
+    ask(browser, "Hello", 1)
+
+
+def test_a_page_left_mid_answer_stops_it_on_the_server(endless, browser):
+    """Leaving the page (another address; it may be kept in the back/forward cache) aborts its answer: the server
+    stops generating at its next token."""
+    open_page(browser, endless)
+    before = len(cancelled_in_log(endless, 0, 0))
+    start_long_answer(browser, "Write a long story about a shape.", 1)
+    browser.get("about:blank")
+    stopped = cancelled_in_log(endless, before + 1)[before:]
+    assert len(stopped) == 1 and stopped[0] < 700, stopped

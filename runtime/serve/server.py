@@ -206,7 +206,7 @@ class API:
     async def plan(self, request: Request) -> Response:
         p = self.worker.eng.plan
         return JSONResponse({**p.to_json(), "notes": p.notes, "text": p.render(), "model": self.so.model_name,
-                             "images": self.worker.eng.opts.images})
+                             "images": self.worker.eng.opts.images, "max_tokens": self.so.max_tokens})
 
     async def stats(self, request: Request) -> Response:
         live = dict(self.worker.live)

@@ -5,7 +5,7 @@
 const $ = (id) => document.getElementById(id);
 const MiB = 1 << 20;
 const history = [];  // the conversation as OpenAI messages (answers without their thinking)
-let model = null, imageURL = null, imageName = "", busy = false;
+let model = null, ctx = 0, imageURL = null, imageName = "", busy = false;
 let running = null;  // the AbortController of the answer streaming now: Stop and New chat abort its fetch
 let chatId = 0;      // bumped by New chat: an answer of an earlier chat never writes into this one's history
 
@@ -31,8 +31,12 @@ async function api(path, opts = {}) {
 function mib(n) { return n >= 1 << 30 ? (n / (1 << 30)).toFixed(2) + " GiB" : (n / MiB).toFixed(1) + " MiB"; }
 
 async function loadPlan() {
-  const p = await (await api("/v1/plan")).json();
+  const r = await api("/v1/plan");
+  if (!r.ok) throw new Error(await errorOf(r));  // a 401 (no key yet) is no plan: asked again at the next poll
+  const p = await r.json();
   model = p.model;
+  ctx = p.ctx;
+  $("max-tokens").placeholder = p.max_tokens ? String(p.max_tokens) : "context";
   $("model").textContent = `${p.model} · cap ${mib(p.cap)} · ctx ${p.ctx} · experts ${p.expert_format}`;
   const body = $("plan").tBodies[0];
   body.replaceChildren();
@@ -43,8 +47,8 @@ async function loadPlan() {
     tr.insertCell().textContent = mib(bytes);
   };
   for (const [name, bytes] of Object.entries(p.accounts)) row(name, bytes, p.notes[name]);
-  row("hot tier", p.hot_slots * p.stride, `${p.hot_slots} expert slots of ${p.n_layers * p.n_experts}`);
-  row("total", p.fixed + p.hot_slots * p.stride, "", "total");
+  row("hot tier", p.hot_slots * p.slot, `${p.hot_slots} expert slots of ${p.n_layers * p.n_experts}`);
+  row("total", p.fixed + p.hot_slots * p.slot, "", "total");
   if (p.host) {  // a GPU with memory of its own: the host's accounts under --host-cap, and its tier of records
     const head = body.insertRow();
     head.className = "section";
@@ -110,9 +114,18 @@ async function settle() {
   }
 }
 
+// the image the next question carries (none: null), shown by name with a control that takes it off
+function attach(url, name) {
+  imageURL = url; imageName = url ? name : "";
+  $("attached").textContent = imageName;
+  $("detach").hidden = !url;
+  if (!url) $("image").value = "";
+}
+
 function bubble(cls) {
   const div = document.createElement("div");
   div.className = "msg " + cls;
+  div.dir = "auto";  // a right-to-left question or answer laid out as it reads
   $("log").appendChild(div);
   return div;
 }
@@ -126,10 +139,14 @@ function atBottom() { const l = $("log"); return l.scrollHeight - l.scrollTop - 
 async function send(text) {
   const parts = imageURL ? [{type: "image_url", image_url: {url: imageURL}}, {type: "text", text}] : text;
   const user = bubble("user");
-  if (imageURL) { const img = document.createElement("img"); img.src = imageURL; user.appendChild(img); }
+  if (imageURL) {
+    const img = document.createElement("img");
+    img.src = imageURL; img.alt = "attached image " + imageName;
+    user.appendChild(img);
+  }
   user.appendChild(document.createTextNode(text));
   history.push({role: "user", content: parts});
-  imageURL = null; imageName = ""; $("image").value = ""; $("attached").textContent = "";
+  attach(null);
 
   const out = bubble("assistant");
   out.dataset.state = "waiting";
@@ -144,14 +161,15 @@ async function send(text) {
   thinking.hidden = true;
 
   const req = {model, messages: history, stream: true, stream_options: {include_usage: true},
-               max_tokens: Number($("max-tokens").value) || 256,
                chat_template_kwargs: {enable_thinking: $("think").checked}};
+  if ($("max-tokens").value !== "") req.max_tokens = Number($("max-tokens").value);  // else the server's
   if ($("temperature").value !== "") req.temperature = Number($("temperature").value);
   const timer = setInterval(poll, 300);
   const mine = chatId, abort = new AbortController();
   running = abort;
   $("stop").disabled = false;
-  let answer = "", reasoning = "", calls = [], usage = null, tele = null, chunks = 0, finish = null;
+  $("log").setAttribute("aria-busy", "true");  // a screen reader reads the answer once, when it is whole
+  let answer = "", reasoning = "", calls = [], usage = null, tele = null, chunks = 0, finish = null, ended = false;
   try {
     // aborting closes the connection, and the server stops generating at its next token
     const r = await api("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
@@ -167,6 +185,7 @@ async function send(text) {
       let cut;
       while ((cut = buf.indexOf("\n\n")) >= 0) {
         const line = buf.slice(0, cut); buf = buf.slice(cut + 2);
+        if (line === "data: [DONE]") ended = true;
         if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
         const ev = JSON.parse(line.slice(6));
         if (ev.error) throw new Error(ev.error.message);
@@ -190,6 +209,7 @@ async function send(text) {
         if (follow) scroll();
       }
     }
+    if (!ended) throw new Error("the answer was cut off: its stream ended before the server finished it");
     const msg = {role: "assistant", content: answer};
     if (calls.length) msg.tool_calls = calls.map(({index, ...c}) => c);
     history.push(msg);
@@ -198,9 +218,10 @@ async function send(text) {
     const cached = usage && usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
     if (usage) meta.textContent = `${usage.completion_tokens} tokens · prompt ${usage.prompt_tokens} ` +
       `(${cached} cached)` + (tele ? ` · ${tele.tok_s.toFixed(2)} tok/s` : "");
-    if (finish === "length") {  // cut by max tokens (or the context): said, and a thought cut short shown
-      meta.textContent += answer || calls.length ? " · cut at max tokens" : " · cut at max tokens, still thinking";
-      if (!answer && !calls.length) thinking.open = true;
+    if (finish === "length") {  // cut by max tokens or the context: said, and a thought cut short shown
+      const full = usage && ctx && usage.prompt_tokens + usage.completion_tokens >= ctx;
+      meta.textContent += full ? ` · cut by the context (${ctx} tokens): start a New chat to go on` : " · cut at max tokens";
+      if (!answer && !calls.length) { meta.textContent += ", still thinking"; thinking.open = true; }
     }
     out.dataset.state = "done";
     return true;
@@ -214,7 +235,8 @@ async function send(text) {
       user.classList.add("failed");
       const err = document.createElement("div");
       err.className = "error-line";
-      err.textContent = "Error: " + e.message + " (not in the conversation; the question is back in the box)";
+      err.textContent = "Error: " + e.message + " (not in the conversation; the question is back in the box" +
+        (history.length > 1 ? "; a New chat starts without the turns before it)" : ")");
       out.insertBefore(err, meta);
       if (mine === chatId) history.pop();
       out.dataset.state = "error";
@@ -223,6 +245,7 @@ async function send(text) {
     return true;
   } finally {
     clearInterval(timer);
+    $("log").setAttribute("aria-busy", "false");
     if (running === abort) { running = null; $("stop").disabled = true; }
     settle();  // not awaited: the page takes the next question at once
   }
@@ -232,6 +255,7 @@ $("form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const typed = $("prompt").value, text = typed.trim();
   if (!text || busy) return;
+  keyDeclined = false;  // a question asked is a chance to give the key that was declined
   const image = [imageURL, imageName];
   busy = true; $("send").disabled = true; $("prompt").value = "";
   let sent = false;
@@ -239,7 +263,7 @@ $("form").addEventListener("submit", async (ev) => {
     busy = false; $("send").disabled = false;
     if (!sent && !$("prompt").value) {  // a failed turn's question back in the box, its image attached again
       $("prompt").value = typed;
-      if (image[0] && !imageURL) { [imageURL, imageName] = image; $("attached").textContent = imageName; }
+      if (image[0] && !imageURL) attach(...image);  // taken off with its control, or replaced
     }
     $("prompt").focus(); scroll();
   }
@@ -252,11 +276,13 @@ $("prompt").addEventListener("keydown", (ev) => {
 
 $("image").addEventListener("change", () => {
   const f = $("image").files[0];
-  if (!f) { imageURL = null; imageName = ""; $("attached").textContent = ""; return; }
+  if (!f) { attach(null); return; }
   const rd = new FileReader();
-  rd.onload = () => { imageURL = rd.result; imageName = f.name; $("attached").textContent = f.name; };
+  rd.onload = () => attach(rd.result, f.name);
   rd.readAsDataURL(f);
 });
+
+$("detach").addEventListener("click", () => attach(null));
 
 $("stop").addEventListener("click", () => { if (running) running.abort(); });
 
@@ -264,8 +290,12 @@ $("new").addEventListener("click", () => {
   chatId++;
   if (running) running.abort();  // the answer of the old chat stops; its send() ends and frees Send
   history.length = 0;
+  attach(null);
   $("log").replaceChildren();
 });
+
+// a page left (closed, reloaded, or kept in the back/forward cache) stops its answer on the server
+window.addEventListener("pagehide", () => { if (running) running.abort(); });
 
 loadPlan().catch((e) => { $("status").textContent = "error: " + e.message; });
 poll();
