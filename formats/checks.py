@@ -99,6 +99,10 @@ def source_problem(config: dict, tensors: dict, path: object = "config.json") ->
     None: checked before `convert` writes anything, so it never publishes a directory that `validate` and `run`
     refuse."""
     have = {_strip(name): t for name, t in tensors.items()}
+    head = next((name for name in have if name.startswith("lm_head.")), None)
+    if head is not None and text_config(config).get("tie_word_embeddings", False):  # mlx-lm refuses it too
+        return (f"tensor {head} is there, but tie_word_embeddings says the output head is the embedding: one of the "
+                "two is wrong")
     return _first_mismatch(expected_tensors(config, True, path), have, "", _dtype_problem)
 
 

@@ -228,6 +228,8 @@ for _name, _mutate, _needle in [
     ("config-override-list", lambda d: d["quantization"].update({"x.gate": [8]}), "quantization.x.gate"),
     ("config-text-config-list", lambda d: d.update(text_config=[1]), "text_config"),
     ("config-bad-model-type", lambda d: d.update(model_type="llama"), "model_type"),
+    ("config-tied-beside-a-head", lambda d: d["text_config"].update(tie_word_embeddings=True),
+     "but tie_word_embeddings says the output head is the embedding"),
     ("config-no-quantization", lambda d: d.pop("quantization"), "quantization"),
     ("config-heads-not-multiple", lambda d: d["text_config"].update(num_key_value_heads=3), "not a multiple"),
     ("config-group-size-null", lambda d: d["quantization"].update(group_size=None), "quantization.group_size"),
