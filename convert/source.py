@@ -181,6 +181,9 @@ def open_checkpoint(root: str | Path) -> Checkpoint:
         wm, total = read_index(index_path)
     elif os.path.lexists(root / "model.safetensors"):
         wm, total = None, 0
+    elif os.path.lexists(root / "manifest.json"):
+        raise fail(root, "is a streamoe conversion (manifest.json), not a checkpoint: convert the checkpoint it was "
+                         "made from")
     else:
         raise fail(root, "no model.safetensors.index.json and no model.safetensors")
 

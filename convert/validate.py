@@ -62,10 +62,11 @@ def compare_source(m: Manifest, source: Path, samples: int) -> list[dict]:
                             fh.seek(t.offset + e * seg.nbytes)
                             src[key] = fh.read(seg.nbytes)
                     if bytes(r.read(e * ef.layout.stride, ef.layout.stride)) != expected_record(src, lay4, ef.layout):
-                        bad.append(f"{f['path']} expert {e}")
+                        bad.append(f"{path} expert {e}")
         checks.append({"name": f"source-experts-{name}", "ok": not bad,
                        "detail": f"{len(picks)} experts x {len(ef.files)} layers equal the source" if not bad
-                       else f"{bad[0]}: bytes differ from the source checkpoint ({len(bad)} records)"})
+                       else f"{bad[0]}: bytes differ from the source checkpoint ({len(bad)} "
+                            f"record{'s' * (len(bad) != 1)} in all)"})
     for kind in ("nonexpert", "vision"):
         blob = m.blob(kind)
         if blob is None:

@@ -166,6 +166,9 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
     path = root / MANIFEST
     check_input_dir(root, "a converted streamoe model")
     if not os.path.lexists(path):
+        if os.path.lexists(root / "config.json") and not os.path.lexists(root / "experts"):  # a checkpoint, unconverted
+            raise fail(path, f"missing: {root} is a checkpoint, not a converted streamoe model: convert it first "
+                             f"(`streamoe plan {root / 'config.json'}` plans it as it is)")
         raise fail(path, "missing: not a converted streamoe model, or an incomplete conversion")
     doc = read_json(path, "streamoe manifest")
     check_doc(doc, path)

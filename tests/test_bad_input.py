@@ -411,6 +411,17 @@ for _name, _suffix, _was, _now, _needle in [
     CASES[_name] = _build
 
 
+@case("convert-a-conversion")
+def _(tmp, ck, conv):
+    return ["convert", conv, tmp / "out"], (str(conv), "is a streamoe conversion (manifest.json), not a checkpoint")
+
+
+@case("plan-a-checkpoint-directory")
+def _(tmp, ck, conv):
+    return ["plan", ck], (str(ck / "manifest.json"), "is a checkpoint, not a converted streamoe model",
+                          str(ck / "config.json"))
+
+
 # ---------------------------------------------------------------------------------------------- convert: the output
 
 @case("force-onto-the-source")
