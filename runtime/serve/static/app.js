@@ -88,7 +88,8 @@ async function poll() {
   try {
     const s = await (await api("/v1/stats")).json();
     showStats(s);
-    if (model === null) loadPlan().catch(() => {});  // the plan failed to load (the server was down): again
+    // the plan failed to load, or the server was gone (perhaps restarted with other options): loaded again
+    if (model === null || $("status").textContent === "disconnected") loadPlan().catch(() => {});
     else $("status").textContent = "ready";
     return s;
   } catch (e) {
