@@ -481,11 +481,15 @@ def serve_sizes(prompt_cache_mib: float, response_store_mib: float, max_queue: i
             "response_store_bytes": int(response_store_mib * (1 << 20)), "max_connections": max_connections}
 
 
-PROMPT = click.option("--prompt", "-p", default=None, callback=utf8_text,
-                      help="One prompt; answered, then exit. '-' reads it from stdin.")
-PROMPT_FILE = click.option("--prompt-file", "-f", type=FilePath(path_type=Path), default=None,
-                           help="Read the prompt from this UTF-8 file (a prompt too long for a command line), or a "
-                                "pipe: -f <(git diff).")
+def prompt_options(purpose: str):
+    """`--prompt` and `--prompt-file`, as `run` reads them (and `plan` sizes them): `purpose` ends --prompt's help."""
+    def add(f):
+        f = click.option("--prompt-file", "-f", type=FilePath(path_type=Path), default=None,
+                         help="Read the prompt from this UTF-8 file (a prompt too long for a command line), or a "
+                              "pipe: -f <(git diff).")(f)
+        return click.option("--prompt", "-p", default=None, callback=utf8_text,
+                            help=f"One prompt; {purpose}. '-' reads it from stdin.")(f)
+    return add
 
 
 @main.command()
@@ -503,8 +507,7 @@ PROMPT_FILE = click.option("--prompt-file", "-f", type=FilePath(path_type=Path),
 @serve_plan_options
 @click.option("--ranks", type=click.IntRange(min=1, max=1 << 10), default=1, show_default=True,
               help="Plan each rank of an expert-parallel group of this many hosts (mlx.launch; --cap is per host).")
-@PROMPT
-@PROMPT_FILE
+@prompt_options("the plan holds what tokenizing it takes, as the run given it does")
 @user_errors
 def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str, kv: str,
          dtype: str | None, runtime_mib: int | None, as_json: bool, images: bool, serving: bool, prefill_chunk: int | str,
@@ -565,8 +568,7 @@ def plan(model: Path, cap: float, host_cap: float | None, ctx: int, experts: str
 @click.argument("model", type=FilePath(path_type=Path))
 @common
 @engine_options
-@PROMPT
-@PROMPT_FILE
+@prompt_options("answered, then exit")
 @click.option("--chat", is_flag=True, help="Multi-turn REPL keeping the cache between turns; '/image PATH' attaches an image.")
 @click.option("--json-schema", default=None, metavar="SCHEMA|FILE",
               help="Constrain each answer (after its thinking) to JSON valid against this schema, given inline or as a "

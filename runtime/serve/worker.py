@@ -740,7 +740,7 @@ class EngineWorker:
         try:
             for b in cuts:
                 if job.cancel.is_set():
-                    return {"finish_reason": None, "cancelled": True}
+                    raise Cancelled
                 seg = images(a, b)
                 with self.told("prefill", ids=ids[a:b]):
                     if seg:
