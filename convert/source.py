@@ -123,6 +123,9 @@ class Checkpoint:
                         raise fail(self.root / "model.safetensors.index.json", f"tensor {name} is missing")
                     seg = lay.segment(proj, part)
                     want = (n_exp, *seg.shape)
+                    if t.shape == want and t.dtype != seg.dtype and seg.dtype == scale_dtype and part != "scales":
+                        raise fail(t.file, f"tensor {name} is {t.dtype}, but {sample('scales').name} is {scale_dtype}: "
+                                           "an expert record's float parts share one dtype")
                     if t.shape != want or t.dtype != seg.dtype:
                         raise fail(t.file, f"tensor {name} is {t.dtype}{list(t.shape)} but the config implies {seg.dtype}{list(want)}")
         return lay

@@ -411,6 +411,22 @@ for _name, _suffix, _was, _now, _needle in [
     CASES[_name] = _build
 
 
+@case("expert-scales-and-biases-of-two-dtypes")
+def _(tmp, ck, conv):
+    """Layer 0's gate_proj scales given another float dtype of the same width than the biases beside them: the
+    biases are named, and why (not as if the config implied another dtype)."""
+    c = copy(ck, tmp / "ck")
+    for shard in shard_files(c):
+        raw = shard.read_bytes()
+        doc = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+        name = next((k for k in doc if k.endswith("layers.0.mlp.switch_mlp.gate_proj.scales")), None)
+        if name is not None:
+            edit_header(shard, lambda d, n=name: d[n].update(dtype="F16"))
+            return ["convert", c, tmp / "out"], (name.replace(".scales", ".biases") + " is BF16, but " + name + " is F16",
+                                                 "share one dtype")
+    raise AssertionError("no layer 0 gate_proj scales")
+
+
 @case("convert-a-conversion")
 def _(tmp, ck, conv):
     return ["convert", conv, tmp / "out"], (str(conv), "is a streamoe conversion (manifest.json), not a checkpoint")
