@@ -293,6 +293,9 @@ def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
     (d / "unchecked").write_bytes(zstandard.ZstdCompressor(write_checksum=False).compress(inner))
     write_session(d / "v2", {"version": 2}, [], [])
     write_session(d / "v-text", {"version": "1"}, [], [])
+    base = {"version": 1, "model": "m", "experts": "q4", "dtype": "F32", "kv": "float32", "tokens": 0, "rope_delta": 0}
+    write_session(d / "no-extra", base, [], [])
+    write_session(d / "text-tokens", {**base, "tokens": "5", "extra": {}}, [], [])
     eng = Engine(small_conv, Options(cap_gib=8, ctx=64, runtime_bytes=RUNTIME))
     turn(eng, [1, 2, 3], 2)
     save_session(eng, d / "other-model", {"raw": True, "messages": [], "tokens": [1, 2, 3]})
@@ -307,6 +310,8 @@ def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
         ([d / "unchecked"], "carries no checksum"),
         ([d / "v2"], "session format version 2 is not supported (this streamoe reads version 1)"),
         ([d / "v-text"], 'version "1" (not an integer) is not supported'),
+        ([d / "no-extra"], "session metadata 'extra' must be an object, it is missing"),
+        ([d / "text-tokens"], "session metadata 'tokens' must be an integer, got a string"),
         ([d / "other-model"], "different model"),
         ([good, "--kv", "float16"], "(--kv): the session's float32, this run's float16"),
         ([good, "--dtype", "bfloat16"], "(--dtype): the session's float32, this run's bfloat16"),  # the flag's words
