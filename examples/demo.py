@@ -64,10 +64,10 @@ def main() -> None:
         for question in ("What shape is in the image?", "What colour is the shape?", "Where is the shape?"):
             sh("run", str(out), "--cap", f"{cap:.2f}", "--ctx", "1024", "--temp", "0", *allowance, "--no-think", "-n", "16",
                "--image", str(image), "-p", question)
-    print(f"\ndemo done: {src.relative_to(ROOT)} converted once into {out.relative_to(ROOT)} (q4 and q3 experts), then "
+    print(f"\ndemo done: {src.relative_to(ROOT)} converted into {out.relative_to(ROOT)} (q4 and q3 experts), then "
           f"answered under caps that hold about a quarter of its {n} experts ({caps}); each "
           "bracketed line is that run's summary (tok/s by wall clock, hit rate, bytes read, peak memory against the "
-          "cap). Next: `streamoe serve` on the same directory (README, Serving).")
+          "cap). Next: `.venv/bin/streamoe serve` on the same directory (README, Serving).")
 
 
 if __name__ == "__main__":

@@ -389,7 +389,9 @@ class MemoryPlan:
                         f"{self.n_layers * self.n_experts}; +{self.staging_slots} lent staging slots during decode)")
         rows.append(f"  {'prefill chunk':<16} {self.prefill_chunk:>8} tokens  (experts read once per chunk; "
                     f"kernels over {self.prefill_step} tokens at a time)")
-        rows.append(f"  {'total':<16} {size(self.fixed + self.hot_slots * self.slot_bytes)} of {size(self.cap).strip()}"
+        total = self.fixed + self.hot_slots * self.slot_bytes
+        cap = f"{self.cap / GiB:.3f} GiB" if total >= 0.1 * GiB else f"{self.cap / MiB:.2f} MiB"  # the total's unit
+        rows.append(f"  {'total':<16} {size(total)} of {cap}"
                     + (" of the device's memory" if self.split else ""))
         if self.kv_formats:
             native = f", the model's own {self.native_ctx:,}" if self.native_ctx else ""

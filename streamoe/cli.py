@@ -365,7 +365,7 @@ COMMON = [
     click.option("--ctx", type=click.IntRange(min=1, max=1 << 31), default=4096, show_default=True, help="Context length to plan for."),
     click.option("--experts", default=None, callback=expert_format,
                  help="Expert format to run: q4, q3 or mxfp4 (default: the one the converted directory has; q4 "
-                      "where it has q4 and q3; a bare config.json: the one its checkpoint holds)."),
+                      "where it has q4 and q3; `plan` of a bare config.json: the one its checkpoint holds)."),
     click.option("--kv", type=click.Choice(["auto", "float32", "bfloat16", "float16", "q8", "q4"]), default="auto",
                  show_default=True, help="KV cache format: a float dtype (auto: the compute dtype), or 8-/4-bit affine codes "
                                          "in groups of 64 (q8, q4), attention scored on the codes."),
