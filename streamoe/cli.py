@@ -255,6 +255,8 @@ def synth(out: Path, family: str, size: str, variant: str | None, text_only: boo
 
     run_synth(out, size=size, variant=variant, text_only=text_only, seed=seed, family=family,
               shard_bytes=None if shard_mb is None else int(shard_mb * (1 << 20)), dry_run=dry_run)
+    if not dry_run:
+        click.echo(str(out))  # what it wrote, as `convert` says it (a dry run's result is its table)
 
 
 @main.command()

@@ -168,6 +168,7 @@ def test_sigint_ends_every_stream_with_an_error_and_done(conv, tmp_path):
     assert code == 0, s.text()
     log = s.text()
     assert "Traceback" not in log and "ERROR" not in log and "streamoe: stopped" in log, log[-3000:]
+    assert "streamoe: SIGINT: stopping (the running and queued requests end with an error)" in log, log[-3000:]
 
 
 def test_sigterm_while_idle_exits_cleanly(conv, tmp_path):
@@ -176,6 +177,7 @@ def test_sigterm_while_idle_exits_cleanly(conv, tmp_path):
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(30) == 0 and time.monotonic() - t0 < 10
     assert "Traceback" not in s.text() and "streamoe: stopped" in s.text()
+    assert "streamoe: SIGTERM: stopping\n" in s.text()  # nothing running: no request ends with an error
 
 
 

@@ -585,7 +585,7 @@ def test_synth_into_a_link_writes_where_it_points_and_a_second_run_waits_for_non
     (tmp_path / "link").symlink_to("target")
     p = cli("synth", tmp_path / "link", "--size", "tiny", check=True)
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "config.json").is_file()
-    assert "OUT is a link" in p.stderr
+    assert "OUT is a link" in p.stderr and p.stdout == f"{tmp_path / 'link'}\n"  # what it wrote, as convert says it
     with exclusive_lock(tmp_path / ".busy.lock", tmp_path / "busy", "this OUT"):
         p = cli("synth", tmp_path / "busy", "--size", "tiny")
     assert p.returncode == 2 and not (tmp_path / "busy").exists()

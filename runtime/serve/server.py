@@ -862,8 +862,9 @@ def serve(root: Path, opts, so, host: str, port: int, log_level: str = "info", n
         if server.stopping.is_set():
             print("streamoe: stopped at once (second signal)", file=sys.stderr, flush=True)
             os._exit(1)
-        print(f"streamoe: {signal.Signals(signum).name}: stopping (the running request ends with an error)",
-              file=sys.stderr, flush=True)
+        busy = server.current is not None or not server.queue.empty()
+        print(f"streamoe: {signal.Signals(signum).name}: stopping"
+              + (" (the running and queued requests end with an error)" if busy else ""), file=sys.stderr, flush=True)
         server.stop()
 
     # both, explicitly: a process started in the background by a shell inherits SIGINT as ignored, and Python
