@@ -519,6 +519,13 @@ def test_a_prompt_given_before_the_run_opens_has_its_tokenizing_planned(tiny_con
                           "longer than the planned context")
 
 
+def test_a_sampled_run_refused_for_its_prompts_length_says_only_that(tiny_conv):
+    """A sampled run says how it draws before its answer, and not before a refusal: a prompt the context cannot
+    hold (past the lower bound that refuses it unread) is one line."""
+    p = cli("run", tiny_conv, "--cap", "1", "--ctx", "16", "--temp", "0.7", "--raw", "-p", "word " * 40)
+    one_error_line(p, "prompt of", "longer than the planned context --ctx 16")
+
+
 # ---- bad input to the runtime: one line naming the file, non-zero exit, no traceback
 
 def test_missing_and_corrupt_manifest(tiny_conv, tmp_path):
