@@ -320,8 +320,8 @@ def _run(eng: Engine, group, *, prompt: str | None, images: list, chat: bool, ra
                     ranks.same_work(group, {"the prompt": f"{len(ids)} tokens {digest(np.array(ids, np.int64).tobytes())}",
                                             "--image": " ".join(file_digest(p) for p in turn_images) or None})
                 constraint = constrained() if constrained is not None else None
-                if not turn_images and eng.offset + len(ids) > eng.opts.ctx:  # refused before anything is said
-                    raise eng.too_long(len(ids))
+                if not turn_images:  # refused before anything is said (with images, once they are expanded)
+                    eng.require_room(len(ids))
                 if drawn is not None and eng.opts.rank == 0:
                     print(f"streamoe: {drawn}", file=sys.stderr, flush=True)
                     drawn = None

@@ -104,7 +104,7 @@ class Engine:
         if o.images:
             check_preprocessor(self.root, m.config)  # read on the first image: a bad one must not fail mid-answer
         self.text = TextIO(self.root, m.config)
-        self.plan = plan_for(self.root, o, m, self.text.bound)
+        self.plan = plan_for(self.root, o, m, self.text)
         self.plan.require_fit()
         mx.set_cache_limit(self.plan.cache_limit)  # a smaller cache frees and reallocates every step
         self.dtype = mx_dtype(o.dtype or default_dtype())
@@ -228,9 +228,14 @@ class Engine:
         layers)."""
         if not tokens:
             raise StreamoeError("empty prompt")
-        if self.offset + len(tokens) > self.opts.ctx:
-            raise self.too_long(len(tokens))
+        self.require_room(len(tokens))
         return self._prefill_chunks(tokens, progress=progress)
+
+    def require_room(self, tokens: int) -> None:
+        """A prompt of `tokens` fits beside what the context holds (its last may take the context's last place: the
+        answer's first token is drawn from it, unfed), else it is refused."""
+        if self.offset + tokens > self.opts.ctx:
+            raise self.too_long(tokens)
 
     def too_long(self, tokens: int, at_least: bool = False, images: bool = False) -> ContextFull:
         """A prompt of `tokens` that the planned context cannot hold beside what it holds already (`text.too_long`)."""

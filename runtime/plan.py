@@ -676,10 +676,10 @@ def choose_chunk(plan: MemoryPlan, per_token: int) -> None:
     plan.accounts["activations"] += (plan.prefill_chunk - step) * per_token
 
 
-def plan_for(root: Path, opts: Options, manifest: Manifest | None = None, bound=None) -> MemoryPlan:
+def plan_for(root: Path, opts: Options, manifest: Manifest | None = None, text=None) -> MemoryPlan:
     """The plan for a converted directory (from its manifest). The runtime allowance is measured with the
-    tokenizer loaded, as `Engine` does, so `streamoe plan` and `streamoe run` agree. `bound`: the tokenizer's
-    `PromptBound`, for `opts.prompt` (made here where not given)."""
+    tokenizer loaded, as `Engine` does, so `streamoe plan` and `streamoe run` agree. `text`: the model's `TextIO`
+    where the caller has it (made here where the allowance or `opts.prompt` needs it)."""
     from .image import read_preprocessor
     from .text import TextIO, prompt_account
     from .vision import resized_pixels, vision_account
@@ -687,9 +687,10 @@ def plan_for(root: Path, opts: Options, manifest: Manifest | None = None, bound=
 
     m = manifest or load_manifest(root)
     split, host_cap = memories(opts.host_cap_gib)
-    text = TextIO(Path(root), m.config) if (opts.runtime_bytes is None or opts.prompt) and bound is None else None
-    if opts.prompt:
-        account = prompt_account(opts.prompt, bound or text.bound, opts.ctx)
+    if text is None and (opts.runtime_bytes is None or opts.prompt):
+        text = TextIO(Path(root), m.config)
+    if opts.prompt:  # its bound parses the tokenizer's JSON: only where there is a prompt to bound
+        account = prompt_account(opts.prompt, text.bound, opts.ctx)
         opts = replace(opts, extra_accounts=(*opts.extra_accounts, account))
     if opts.runtime_bytes is None and split:
         mx.eval(mx.zeros(1))  # the device's context and libraries are loaded before the runtime is measured

@@ -267,7 +267,7 @@ def prompt_account(prompt: str, bound: PromptBound | None, ctx: int) -> tuple[st
     """The plan's account for tokenizing `prompt` (given before the run opens): TOKENIZE_BYTES a byte. A prompt
     the context cannot hold at the tokenizer's longest token (`bound`; None: no tokenizer to bound it) is
     refused here, unread."""
-    if bound is not None and (least := bound.at_least(prompt)) >= ctx:
+    if bound is not None and (least := bound.at_least(prompt)) > ctx:  # as `run` holds a prompt (`require_room`)
         raise too_long(least, ctx, at_least=True)
     size = len(prompt.encode("utf-8", "replace"))
     return "prompt", TOKENIZE_BYTES * size, f"the tokenizer's working set for the prompt's {size:,} bytes"

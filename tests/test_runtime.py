@@ -514,6 +514,9 @@ def test_a_prompt_given_before_the_run_opens_has_its_tokenizing_planned(tiny_con
     need = re.search(r"need (\d+\.(\d+)) GiB", line)
     assert need.group(1) == f"{held / 2**30:.{len(need.group(2))}f}"
     assert cli("run", tiny_conv, "--cap", f"{(held + 2**20) / 2**30:.9f}", *args).returncode == 0
+    eng = Engine(tiny_conv, Options(cap_gib=1, ctx=4096, runtime_bytes=64 << 20))
+    assert "bound" not in vars(eng.text)  # an engine given no prompt leaves the tokenizer's JSON unparsed
+    eng.close()
     (tmp_path / "long.txt").write_text(text * 100)  # 2 MB: far past what 4,096 tokens cover
     line = one_error_line(cli("run", tiny_conv, "--cap", f"{(held + 2**20) / 2**30:.9f}", *args[:-1], tmp_path / "long.txt"),
                           "longer than the planned context")

@@ -932,3 +932,18 @@ def test_a_whole_answer_is_written_a_piece_at_a_time():
         assert b"".join(m["body"] for m in sent[1:]) == want.body
         assert all(len(m["body"]) == PIECE and m["more_body"] for m in sent[1:-1]) and not sent[-1]["more_body"]
         assert len(sent) - 1 == max(1, -(-len(want.body) // PIECE))
+    # texts kept in parts (a stored response's), joined only piece by piece: parts across pieces' ends, a whole
+    # number of pieces, nothing
+    from streamoe.runtime.serve.server import PacedResponse
+
+    for parts in ([b"a" * 5, b"b" * PIECE, b"c" * (PIECE - 3)], [b"x" * PIECE, b"y" * PIECE], []):
+        sent = []
+
+        async def send(message, sent=sent):
+            sent.append(message)
+
+        asyncio.run(PacedResponse(parts)({"type": "http"}, None, send))
+        body = [m["body"] for m in sent[1:]]
+        assert b"".join(body) == b"".join(parts) and dict(sent[0]["headers"])[b"content-length"] == str(len(b"".join(parts))).encode()
+        assert all(len(b) == PIECE for b in body[:-1]) and [m["more_body"] for m in sent[1:]] == [True] * (len(body) - 1) + [False]
+        assert len(body) == max(1, -(-len(b"".join(parts)) // PIECE))

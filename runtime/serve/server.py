@@ -474,21 +474,19 @@ async def send_paced(send, response: Response, parts: list[bytes]) -> None:
     """`response`'s head, then the bytes of `parts` in pieces of PIECE bytes (the last shorter), each sent once the
     connection's write buffer is under its mark (uvicorn's `send` waits for that)."""
     await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
-    piece, full = bytearray(), None  # the piece being filled; the last full one, sent once more follows it
+    total, sent, piece = sum(map(len, parts)), 0, bytearray()
     for part in parts:
         view = memoryview(part)
         while view:
-            take = PIECE - len(piece)
-            piece += view[:take]
-            view = view[take:]
+            take = view[:PIECE - len(piece)]
+            piece += take
+            view = view[len(take):]
             if len(piece) == PIECE:
-                if full is not None:
-                    await send({"type": "http.response.body", "body": full, "more_body": True})
-                full, piece = bytes(piece), bytearray()
-    if full is not None and piece:
-        await send({"type": "http.response.body", "body": full, "more_body": True})
-        full = None
-    await send({"type": "http.response.body", "body": full if full is not None else bytes(piece), "more_body": False})
+                sent += PIECE
+                await send({"type": "http.response.body", "body": bytes(piece), "more_body": sent < total})
+                piece.clear()
+    if piece or not total:
+        await send({"type": "http.response.body", "body": bytes(piece), "more_body": False})
 
 
 class Output(Protocol):
