@@ -22,6 +22,7 @@ import zstandard
 
 from .errors import fail
 from .files import check_input_file, exclusive_lock, os_fail, parse_json, write_whole
+from .limits import json_type
 from .safetensors import TensorInfo, build_header, parse_header, tensor_nbytes
 
 META_KEY = "streamoe_session"
@@ -39,13 +40,6 @@ def header_limit(ctx: int) -> int:
 META_TYPES = {"version": int, "tokens": int, "rope_delta": int, "model": str, "experts": str, "dtype": str, "kv": str,
               "extra": dict}
 JSON_KINDS = {int: "an integer", str: "a string", dict: "an object"}  # as the file's JSON says them
-
-
-def json_kind(v: object) -> str:
-    """What a parsed JSON value is, in JSON's words."""
-    return ("null" if v is None else "true or false" if isinstance(v, bool) else "an integer" if isinstance(v, int)
-            else "a number" if isinstance(v, float) else "a string" if isinstance(v, str)
-            else "an array" if isinstance(v, list) else "an object")
 
 
 def session_lock(path: str | os.PathLike) -> AbstractContextManager[None]:
@@ -101,7 +95,7 @@ def check_meta(path: Path, doc: str | None) -> dict:
     for key, typ in META_TYPES.items():
         v = meta.get(key)
         if not isinstance(v, typ) or isinstance(v, bool):
-            got = f"got {json_kind(v)}" if key in meta else "it is missing"
+            got = f"got {json_type(v)}" if key in meta else "it is missing"
             raise fail(path, f"session metadata {key!r} must be {JSON_KINDS[typ]}, {got}")
     if not 0 <= meta["tokens"] <= 1 << 31 or abs(meta["rope_delta"]) > 1 << 31:
         raise fail(path, "session metadata tokens/rope_delta out of range")

@@ -311,7 +311,7 @@ def bad_sessions(good, d, small_conv) -> list[tuple[list, str]]:
         ([d / "v2"], "session format version 2 is not supported (this streamoe reads version 1)"),
         ([d / "v-text"], 'version "1" (not an integer) is not supported'),
         ([d / "no-extra"], "session metadata 'extra' must be an object, it is missing"),
-        ([d / "text-tokens"], "session metadata 'tokens' must be an integer, got a string"),
+        ([d / "text-tokens"], "session metadata 'tokens' must be an integer, got string"),
         ([d / "other-model"], "different model"),
         ([good, "--kv", "float16"], "(--kv): the session's float32, this run's float16"),
         ([good, "--dtype", "bfloat16"], "(--dtype): the session's float32, this run's bfloat16"),  # the flag's words
