@@ -42,6 +42,22 @@ def _terminated(signum, frame) -> None:
     raise Terminated(signum)
 
 
+def _signal_not_lost(unraisable) -> None:
+    """`sys.unraisablehook`: a signal's exception raised where Python drops exceptions (a weakref callback, such as
+    the import system's, or a `__del__`) is delivered to the main thread again, from another thread a moment after
+    this hook has returned (raised in the hook, it would be dropped too), instead of being printed and lost: the command ran
+    on to its end, exit 0, as if never signalled. Dropped again, it comes back here and is sent again."""
+    import _thread
+
+    if isinstance(unraisable.exc_value, Terminated | KeyboardInterrupt):
+        args = unraisable.exc_value.args[:1] if isinstance(unraisable.exc_value, Terminated) else ()
+        later = threading.Timer(0.005, _thread.interrupt_main, args)  # after the hook: a thread begun at once runs
+        later.daemon = True  # before `start` returns, and its signal is handled here again
+        later.start()
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
 def user_errors(fn):
     """Turn every failure into one clear stderr line (no traceback) and keep library warnings off stderr.
 
@@ -59,6 +75,7 @@ def user_errors(fn):
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 if signal.getsignal(sig) == signal.SIG_DFL:  # not one `nohup` set aside
                     signal.signal(sig, _terminated)
+            sys.unraisablehook = _signal_not_lost
         if sys.stdin is None:  # started with stdin closed (`<&-`): an empty input, as /dev/null gives
             sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 (the process's stdin for its life)
         if sys.stdout is None:  # started with stdout closed (`>&-`): a result would be lost without a word

@@ -591,3 +591,26 @@ def test_synth_into_a_link_writes_where_it_points_and_a_second_run_waits_for_non
     assert p.returncode == 2 and not (tmp_path / "busy").exists()
     one_error_line(p, str(tmp_path / "busy"), "another streamoe command is writing")
     assert sorted(os.listdir(tmp_path)) == ["link", "target"]
+
+
+def test_a_signal_that_lands_where_python_drops_exceptions_still_ends_the_command(tmp_path):
+    """SIGTERM handled inside a weakref callback (as the import system's are: where it once landed, mid-`synth`),
+    whose exceptions Python drops: it is delivered again, so the command ends as signalled (one line, 128 + 15),
+    not run on to exit 0."""
+    script = tmp_path / "cmd.py"
+    script.write_text(
+        "import os, signal, time, weakref\n"
+        "from streamoe.cli import user_errors\n"
+        "class Thing: pass\n"
+        "@user_errors\n"
+        "def command():\n"
+        "    t = Thing()\n"
+        "    ref = weakref.ref(t, lambda r: os.kill(os.getpid(), signal.SIGTERM))\n"
+        "    del t\n"
+        "    for _ in range(100):\n"
+        "        time.sleep(0.01)\n"
+        "    print('ran to its end')\n"
+        "command()\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 143 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
+    assert p.stderr == "streamoe: terminated (SIGTERM)\n", p.stderr
